@@ -1,0 +1,142 @@
+"""Lowering: one fused group (an fx sub-graph) -> one PointwiseKernel (fusec.ir).
+
+This is where every decision about a kernel is made, so the backends only have to spell it:
+
+* the iteration space: the group's output shape;
+* each input's index expression: its Layout (root buffer, shape, strides, offset) broadcast to the
+  iteration space, so a transposed, sliced or expanded input costs nothing extra;
+* dim merging: two neighbouring dims that are laid out back to back in *every* tensor the kernel
+  touches become one dim, so `x + y` over contiguous (64, 1024) tensors is a flat 65536-element
+  loop with `offsets` as the only index;
+* dtypes: each statement converts its operands to the dtype PyTorch's type promotion picks
+  (fusec.ops.compute_dtype) and converts the result to the dtype the value keeps in registers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, Store, TensorMeta,
+                      Var)
+
+
+def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
+                    out_layouts: list[Layout], root_dtypes: dict[str, torch.dtype]) -> PointwiseKernel:
+    """Build the kernel IR for the group `sub`, reading inputs laid out as `in_layouts` and
+    writing outputs laid out as `out_layouts` (both in the order of sub's placeholders/outputs)."""
+    shape = tuple(sub.meta["fusec_group"]["shape"])
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    outputs = list(sub.graph.output_node().args[0])
+
+    tensors = [_broadcast_strides(l, shape) for l in in_layouts] + \
+              [_broadcast_strides(l, shape) for l in out_layouts]
+    loop_shape, loop_strides = coalesce(shape, tensors)
+    n_in = len(in_layouts)
+
+    params: list[Param] = []
+    seen_params: set[str] = set()
+
+    def param(root: str, is_output: bool) -> str:
+        if root not in seen_params:
+            seen_params.add(root)
+            params.append(Param(root, root_dtypes[root], is_output))
+        return root
+
+    env: dict[fx.Node, Var] = {}
+    loads: list[Load] = []
+    load_of: dict[tuple, Var] = {}
+    for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
+        index = Index(layout.offset, loop_strides[i])
+        key = (layout.root, index)
+        if key not in load_of:
+            storage = root_dtypes[layout.root]
+            var = Var(f"v{len(loads)}_{_ident(ph.name)}", ops.register_dtype(storage))
+            loads.append(Load(var, param(layout.root, False), storage, index))
+            load_of[key] = var
+        env[ph] = load_of[key]
+
+    stmts: list[Stmt] = []
+    fused_ops: list[str] = []
+    for node in sub.graph.nodes:
+        if node.op != "call_function":
+            continue
+        row, operands = ops.normalize(node)
+        out_meta: TensorMeta = node.meta["fusec"]
+        values = [o.meta["val"] if isinstance(o, fx.Node) else o for o in operands]
+        compute = ops.compute_dtype(row, values, out_meta.dtype)
+        operand_dtypes = tuple(torch.bool if row.name == "where" and k == 0 else compute
+                               for k in range(len(operands)))
+        args = tuple(env[o] if isinstance(o, fx.Node) else Const(o, dt)
+                     for o, dt in zip(operands, operand_dtypes))
+        var = Var(f"v{len(loads) + len(stmts)}_{_ident(node.name)}",
+                  ops.register_dtype(out_meta.dtype))
+        rounds = row.name in ("to", "full") and out_meta.dtype in ops.FLOAT16_LIKE
+        stmts.append(Stmt(var, row.name, args, operand_dtypes,
+                          torch.bool if row.returns_bool else compute,
+                          out_meta.dtype if rounds else None, origin=_origin(node)))
+        env[node] = var
+        fused_ops.append(str(node.target))
+
+    stores = []
+    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
+        index = Index(layout.offset, loop_strides[n_in + k])
+        storage = root_dtypes[layout.root]
+        stores.append(Store(param(layout.root, True), env[out], storage, index))
+
+    return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _origin(node: fx.Node) -> str:
+    args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
+    return f"{node.name} = {node.target}({args})"
+
+
+def _broadcast_strides(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of `layout` seen over iteration space `shape` (right-aligned, broadcast dims 0)."""
+    pad = len(shape) - len(layout.shape)
+    if pad < 0:
+        raise AssertionError(f"layout {layout.shape} is larger than the iteration space {shape}")
+    strides = []
+    for d, size in enumerate(shape):
+        j = d - pad
+        if j < 0 or layout.shape[j] == 1:
+            strides.append(0)
+        elif layout.shape[j] == size:
+            strides.append(layout.stride[j])
+        else:
+            raise AssertionError(f"layout {layout.shape} does not broadcast to {shape}")
+    return tuple(strides)
+
+
+def coalesce(shape: tuple[int, ...], tensors: list[tuple[int, ...]]):
+    """Drop size-1 dims and merge neighbouring dims that are contiguous in every tensor.
+
+    Returns (loop_shape, per-tensor loop strides). The loop shape has at least one dim.
+
+    >>> coalesce((4, 8), [(8, 1), (0, 1)])     # x (4, 8) contiguous, bias (8,) broadcast
+    ((4, 8), [(8, 1), (0, 1)])
+    >>> coalesce((4, 8), [(8, 1), (8, 1)])
+    ((32,), [(1,), (1,)])
+    """
+    if 0 in shape:
+        return (0,), [(0,) for _ in tensors]
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    sizes: list[int] = []
+    strides: list[list[int]] = [[] for _ in tensors]
+    for d in dims:
+        if sizes and all(t[d] * shape[d] == s[-1] for t, s in zip(tensors, strides)):
+            sizes[-1] *= shape[d]
+            for t, s in zip(tensors, strides):
+                s[-1] = t[d]
+            continue
+        sizes.append(shape[d])
+        for t, s in zip(tensors, strides):
+            s.append(t[d])
+    if not sizes:
+        return (1,), [(0,) for _ in tensors]
+    return tuple(sizes), [tuple(s) for s in strides]

@@ -1,0 +1,247 @@
+"""The public entry point: `fusec.compile`, and the driver that runs the whole pipeline.
+
+    capture (frontend.py) -> passes.PIPELINE -> codegen per fused group -> runtime.Program
+
+`CompiledFunction` keeps one Program per input signature (shapes, strides, dtypes, devices and
+the values of non-tensor arguments). A call with a known signature goes straight to its Program;
+a new signature compiles a new one.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from . import frontend
+from .errors import DeviceError, FusecError
+from .ir import PointwiseKernel
+
+BACKENDS = ("auto", "triton", "cpp")
+
+
+@dataclass
+class Kernel:
+    """One generated kernel: `name` says what it fuses, `source` is the full generated text."""
+
+    name: str
+    backend: str
+    source: str
+    ops: list[str]
+    ir: PointwiseKernel = field(repr=False)
+    launcher: Callable = field(repr=False, default=None)
+
+    def __str__(self) -> str:
+        return self.source
+
+
+@dataclass
+class CompiledGraph:
+    """Everything compiled for one input signature."""
+
+    backend: str
+    captured: frontend.Captured
+    gm: fx.GraphModule  # after the pipeline
+    snapshots: list
+    kernels: list[Kernel]
+    program: Any
+
+    def source(self) -> str:
+        from fusec.passes.schedule import format_schedule
+        parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
+        for k in self.kernels:
+            parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
+        parts.append("# ===== schedule =====\n" + "\n".join(
+            "# " + line for line in format_schedule(self.gm.meta["fusec_schedule"]).splitlines()))
+        parts.append("# ===== graph =====\n" + self.gm.code)
+        return "\n".join(parts)
+
+
+def backend_module(name: str):
+    return importlib.import_module(f"fusec.codegen.{name}")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    device = torch.device(device)
+    if backend not in BACKENDS:
+        raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "cpp"
+    if backend == "cpp" and device.type != "cpu":
+        raise DeviceError(f"fusec: backend 'cpp' runs on CPU tensors, but the inputs are on "
+                          f"{device}; use backend='triton' or move the inputs to the CPU")
+    if backend == "triton" and device.type not in ("cuda", "cpu"):
+        raise DeviceError(f"fusec: backend 'triton' runs on CUDA tensors (or on CPU tensors under "
+                          f"TRITON_INTERPRET=1), not on {device}")
+    return backend
+
+
+def compile_graph(captured: frontend.Captured, backend: str, record: bool = False) -> CompiledGraph:
+    """Run the pass pipeline over a captured graph and build every kernel for `backend`."""
+    from fusec.codegen.lower import lower_pointwise
+    from fusec.passes import run_pipeline
+    from fusec.runtime import build_program
+
+    gm, snapshots = run_pipeline(captured.gm, record=record)
+    codegen = backend_module(backend)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
+                   if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
+    kernels: dict[str, Kernel] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(gm, node.target)
+        in_layouts = [a.meta["fusec_layout"] for a in node.args]
+        outs = sorted((u for u in node.users), key=lambda u: u.args[1])
+        out_layouts = [u.meta["fusec_layout"] for u in outs]
+        ir = lower_pointwise(node.target, sub, in_layouts, out_layouts, root_dtypes)
+        source = codegen.render(ir)
+        launcher = codegen.load(ir, source)
+        kernels[node.target] = Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
+        node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    program = build_program(gm, kernels)
+    return CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+
+
+def _signature(leaves: list, grad: bool) -> tuple:
+    key = [grad]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device,
+                        leaf.requires_grad))
+        else:
+            key.append((type(leaf), leaf))
+    return tuple(key)
+
+
+class CompiledFunction:
+    """What `fusec.compile(fn)` returns: call it like `fn`."""
+
+    def __init__(self, fn: Callable, backend: str = "auto", cuda_graphs: str | bool = "auto",
+                 check: bool = False):
+        if backend not in BACKENDS:
+            raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.fn = fn
+        self.backend = backend
+        self.cuda_graphs = cuda_graphs
+        self.check = check
+        self.compiled: dict[tuple, CompiledGraph] = {}
+        self.last: CompiledGraph | None = None
+        self._warned_grad = False
+        functools.update_wrapper(self, fn, updated=())
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def kernels(self) -> list[Kernel]:
+        """The kernels of the last input signature called."""
+        return self.last.kernels if self.last else []
+
+    def source(self) -> str:
+        """The whole generated program (kernels, schedule, graph) of the last signature."""
+        if self.last is None:
+            raise FusecError("fusec: nothing compiled yet; call the compiled function first")
+        return self.last.source()
+
+    def __call__(self, *args, **kwargs):
+        module = self.fn if isinstance(self.fn, torch.nn.Module) else None
+        leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
+        lifted = _lifted(module)
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
+        if needs_grad:
+            return self._eager_with_warning(args, kwargs)
+        key = _signature([*lifted, *leaves], module.training if module is not None else False)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self._compile(args, kwargs, leaves)
+            self.compiled[key] = compiled
+        self.last = compiled
+        tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
+        flat_out = compiled.program(tensors)
+        if self.check:
+            from .check import check_outputs
+            check_outputs(self, compiled, args, kwargs, flat_out)
+        return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _compile(self, args, kwargs, leaves) -> CompiledGraph:
+        tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        backend = resolve_backend(self.backend, device)
+        if backend == "triton":
+            _prepare_triton(device)
+        with torch.no_grad():
+            captured = frontend.capture(self.fn, args, kwargs)
+        return compile_graph(captured, backend, record=True)
+
+    def _eager_with_warning(self, args, kwargs):
+        if not self._warned_grad:
+            warnings.warn("fusec: inputs or parameters require grad; compiling the backward pass "
+                          "is not supported yet, so this call runs eagerly (wrap inference in "
+                          "torch.no_grad() to use the compiled kernels)", stacklevel=3)
+            self._warned_grad = True
+        return self.fn(*args, **kwargs)
+
+
+class CompiledModule(torch.nn.Module):
+    """What `fusec.compile(module)` returns: a module whose forward runs the compiled program."""
+
+    def __init__(self, module: torch.nn.Module, **options):
+        super().__init__()
+        self._orig_mod = module
+        self._compiled = CompiledFunction(module, **options)
+
+    def forward(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return self._compiled.kernels
+
+    def source(self) -> str:
+        return self._compiled.source()
+
+
+def _lifted(module) -> list[torch.Tensor]:
+    if module is None:
+        return []
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return list(state.values())
+
+
+def _prepare_triton(device: torch.device) -> None:
+    """Triton runs CPU tensors only under its interpreter, which must be on before import."""
+    if device.type == "cuda":
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:
+            raise DeviceError("fusec: backend 'triton' with CPU tensors needs Triton's interpreter, "
+                              "but triton was imported without TRITON_INTERPRET=1; set it before "
+                              "importing triton (or use backend='cpp')")
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def compile(fn: Callable | None = None, *, backend: str = "auto",
+            cuda_graphs: str | bool = "auto", check: bool = False):
+    """Compile a function or nn.Module into fused kernels.
+
+    Use as `fusec.compile(fn)`, `@fusec.compile`, or `@fusec.compile(backend="cpp", check=True)`.
+    backend: "auto" (Triton for CUDA inputs, C++/OpenMP for CPU inputs), "triton" or "cpp".
+    check: also run eager PyTorch on every call and raise fusec.MismatchError if a fused result
+    is further from a float64 reference than eager's result is (beyond the dtype's tolerance).
+    """
+    options = dict(backend=backend, cuda_graphs=cuda_graphs, check=check)
+    if fn is None:
+        return lambda f: compile(f, **options)
+    if isinstance(fn, torch.nn.Module):
+        return CompiledModule(fn, **options)
+    return CompiledFunction(fn, **options)

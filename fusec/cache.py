@@ -1,0 +1,87 @@
+"""On-disk cache of generated sources and built kernels, keyed by content hash.
+
+Layout (one directory per user, mode 0700):
+
+    ~/.cache/fusec/                   or $FUSEC_CACHE_DIR
+      cpp/<name>-<hash>.cpp           the rendered source
+      cpp/<name>-<hash>.so            the shared library built from it
+      cpp/<name>-<hash>.json          {"sha256": <hash of the .so>} written last
+      triton/<name>-<hash>.py         a generated Triton module
+
+The key hashes everything that decides the artifact: the source text, the compiler and its flags.
+Files are written to a temporary name and renamed into place, so a reader never sees half a file,
+and a built library is loaded only if its sha256 matches the manifest; anything else (a truncated
+or edited file) counts as a miss and is rebuilt. `STATS` counts hits, misses and rebuilds so tests
+and `FUSEC_LOG=cache` can show that a second process compiles nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+STATS: Counter = Counter()
+
+
+def cache_dir(kind: str) -> Path:
+    base = os.environ.get("FUSEC_CACHE_DIR")
+    if base:
+        root = Path(base)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = Path(xdg) / "fusec"
+    path = root / kind
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in (root, path):
+        if p.stat().st_uid == os.getuid() and (p.stat().st_mode & 0o077):
+            os.chmod(p, 0o700)
+    return path
+
+
+def content_hash(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:20]
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, mode) as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_manifest(artifact: Path) -> None:
+    atomic_write(artifact.with_suffix(".json"), json.dumps({"sha256": file_sha256(artifact)}))
+
+
+def verified(artifact: Path) -> bool:
+    """True if `artifact` exists and matches the hash recorded when it was built."""
+    manifest = artifact.with_suffix(".json")
+    if not artifact.exists() or not manifest.exists():
+        return False
+    try:
+        expected = json.loads(manifest.read_text())["sha256"]
+    except (ValueError, KeyError):
+        expected = None
+    if expected != file_sha256(artifact):
+        STATS["corrupt"] += 1
+        log(f"corrupt cache entry {artifact.name}: rebuilding")
+        return False
+    return True
+
+
+def log(message: str) -> None:
+    if "cache" in os.environ.get("FUSEC_LOG", "").split(","):
+        print(f"[fusec cache] {message}", file=sys.stderr)

@@ -1,0 +1,197 @@
+"""Front end: turn a Python function or nn.Module into an ATen-level torch.fx graph.
+
+We trace with `make_fx` under fake tensors (no real computation happens) and torch's core ATen
+decompositions, so a few hundred ATen ops reduce to a small core set (`silu` becomes
+`sigmoid` and `mul`, `F.linear` becomes `t` and `addmm` ...). `functionalize` removes in-place
+updates: `y.add_(1)` becomes `y2 = add(y, 1)`, and a mutated input becomes an explicit `copy_`
+at the end of the graph, the only side effect a captured graph can have.
+
+The graph's inputs are the module's parameters and buffers (lifted: `p_fc_weight`), then every
+tensor the caller passed, named after the function's arguments (`x`, `xs_0`, ...). Python values
+that are not tensors (ints, floats, flags) are baked into the graph as constants; the compiled
+program recompiles when they change.
+
+Every node gets `node.meta["fusec"]`: a TensorMeta (shape, dtype, stride, device) or a tuple of
+them for ops with several outputs.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import DeviceError, UnsupportedError
+from .ir import TensorMeta
+
+
+@dataclass
+class Captured:
+    """A captured program: the graph plus what is needed to call it with the user's arguments."""
+
+    gm: fx.GraphModule
+    lifted: list[torch.Tensor]  # parameters and buffers, in placeholder order
+    lifted_names: list[str]
+    input_names: list[str]  # names of the user's tensor arguments (placeholders after lifted)
+    out_spec: Any  # pytree spec of the user's outputs
+
+
+def flatten_call(fn: Callable, args: tuple, kwargs: dict):
+    """Flatten a call's arguments into leaves, with names taken from fn's signature.
+
+    Returns (leaves, names, rebuild) where rebuild(leaves) -> (args, kwargs).
+    """
+    try:
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None:
+        tree = {"args": list(args), "kwargs": dict(kwargs)}
+    else:
+        tree = dict(bound.arguments)
+    paths_leaves, spec = pytree.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in paths_leaves]
+    names = [_path_name(path) for path, _ in paths_leaves]
+
+    def rebuild(new_leaves):
+        rebuilt = pytree.tree_unflatten(list(new_leaves), spec)
+        if bound is None:
+            return tuple(rebuilt["args"]), rebuilt["kwargs"]
+        b = inspect.BoundArguments(bound.signature, rebuilt)
+        return b.args, b.kwargs
+
+    return leaves, names, rebuild
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    name = "_".join(parts) or "arg"
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return name if name[0].isalpha() else "arg_" + name
+
+
+def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
+    """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kwargs = kwargs or {}
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    leaves, names, rebuild = flatten_call(fn, args, kwargs)
+    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    _check_devices([leaves[i] for i in tensor_pos], [names[i] for i in tensor_pos])
+
+    if module is not None:
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        lifted_names = list(state)
+        lifted = list(state.values())
+    else:
+        lifted_names, lifted = [], []
+    out_spec_box: list[Any] = []
+
+    def flat_fn(*tensors):
+        params = dict(zip(lifted_names, tensors[: len(lifted)]))
+        new_leaves = list(leaves)
+        for pos, t in zip(tensor_pos, tensors[len(lifted):]):
+            new_leaves[pos] = t
+        call_args, call_kwargs = rebuild(new_leaves)
+        if module is not None:
+            out = torch.func.functional_call(module, params, call_args, call_kwargs)
+        else:
+            out = fn(*call_args, **call_kwargs)
+        flat_out, spec = pytree.tree_flatten(out)
+        out_spec_box[:] = [spec]
+        for o in flat_out:
+            if not isinstance(o, torch.Tensor):
+                raise UnsupportedError(
+                    f"fusec: the program returns a {type(o).__name__}; only tensors (in any "
+                    "nesting of tuples, lists and dicts) can be returned from a compiled program")
+        return flat_out
+
+    example = [*lifted, *(leaves[i] for i in tensor_pos)]
+    try:
+        with torch.no_grad():
+            gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
+                         decomposition_table=core_aten_decompositions(),
+                         tracing_mode="fake")(*example)
+    except UnsupportedError:
+        raise
+    except Exception as err:  # translate torch-internal failures into one clear line
+        raise _capture_error(err) from None
+
+    user_names = [names[i] for i in tensor_pos]
+    lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
+    _rename_placeholders(gm, lifted_ph + user_names)
+    annotate(gm)
+    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0])
+
+
+def annotate(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give every node node.meta["fusec"] (TensorMeta, or a tuple of them) from its fake value."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["fusec"] = TensorMeta.of(val)
+        elif isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
+            node.meta["fusec"] = tuple(TensorMeta.of(v) for v in val)
+    return gm
+
+
+def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        node._rename(name)
+        node.target = node.name
+    gm.recompile()
+
+
+def _check_devices(tensors: list[torch.Tensor], names: list[str]) -> None:
+    devices = {str(t.device) for t in tensors}
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
+        raise DeviceError(f"fusec: inputs live on different devices ({where}); "
+                          "move them to one device before calling the compiled program")
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_frame(err: BaseException):
+    """The innermost stack frame that belongs to the user's code (not torch, not fusec)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames
+            if not f.filename.startswith(_TORCH_DIR)
+            and not os.path.abspath(f.filename).startswith(os.path.join(_FUSEC_DIR, "fusec"))
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None
+
+
+def _capture_error(err: BaseException) -> UnsupportedError:
+    frame = _user_frame(err)
+    where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+    name = type(err).__name__
+    text = str(err).strip().splitlines()[0] if str(err).strip() else name
+    if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name:
+        return UnsupportedError(
+            f"fusec: Python control flow or a Python value that depends on tensor data{where}. "
+            "fusec captures one static graph per input signature, so `if tensor:`, `.item()`, "
+            "`.tolist()` and loops over tensor values cannot be traced; use torch.where for "
+            "branches or move the decision outside the compiled function")
+    if "DynamicOutputShape" in name:
+        return UnsupportedError(
+            f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
+            f"indexing){where}; fusec compiles static shapes only ({text})")
+    return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")

@@ -1,0 +1,177 @@
+"""Kernel IR: the fully decided description of one fused kernel, which templates only print.
+
+A pointwise kernel walks a flat index over its iteration space (the shape of its outputs). For each
+position it loads its inputs, computes a few SSA statements and stores its outputs:
+
+    PointwiseKernel fused_sin_mul_0 over (4096, 4096)
+      load  v0 = x[index(offset=0, strides=(1,))]         f32
+      v1 = sin(v0)                                       f32
+      v2 = mul(v1, 2.0)                                  f32
+      store out0[index(offset=0, strides=(1,))] = v2     f32
+
+Index expressions already fold in every view (transpose, slice, expand ...) and broadcast: an input
+is read through `offset + sum(i_d * strides[d])` where `i_d` is the coordinate along iteration
+dim `d`. A broadcast dim has stride 0. Dims that are contiguous for every tensor are merged first,
+so a plain elementwise kernel has one dim and reads `x_ptr + offsets`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Union
+
+import torch
+
+_SHORT = {
+    torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64",
+    torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
+    torch.int64: "i64", torch.bool: "b8",
+}
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What fusec knows about a tensor value in the graph (node.meta["fusec"])."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: str
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(t.shape), t.dtype, tuple(t.stride()), str(t.device))
+
+    def __str__(self) -> str:
+        return f"{short_dtype(self.dtype)}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a value lives: `shape`/`stride`/`offset` (in elements) inside its root buffer.
+
+    A root buffer is a program input, a constant, or a buffer written by a kernel or extern call.
+    Views never own memory: `x.t()[1:]` is the root `x` seen through another Layout.
+    """
+
+    root: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Index:
+    """Element offset of a tensor at iteration position (i_0, ..., i_k): offset + sum(i_d * s_d)."""
+
+    offset: int
+    strides: tuple[int, ...]
+
+    def is_flat(self, shape: tuple[int, ...]) -> bool:
+        """True when the index is simply the flat position (contiguous over the whole space)."""
+        return self.offset == 0 and self.strides == contiguous_strides(shape)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A pointer argument of a kernel: a root buffer it reads or a buffer it writes."""
+
+    name: str
+    dtype: torch.dtype
+    is_output: bool
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    dtype: torch.dtype  # the dtype the value has inside the kernel (half precision lives in f32)
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Union[bool, int, float]
+    dtype: torch.dtype
+
+
+Operand = Union[Var, Const]
+
+
+@dataclass(frozen=True)
+class Load:
+    var: Var
+    param: str
+    dtype: torch.dtype  # storage dtype in memory
+    index: Index
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """`var = op(operands)`, computed in `compute_dtype`, kept as `var.dtype`.
+
+    operand_dtypes: the dtype each operand is converted to before the op (usually compute_dtype).
+    result_dtype: the dtype the op's expression produces (bool for comparisons).
+    round_to: an explicit cast to a half-precision dtype rounds the value through it.
+    """
+
+    var: Var
+    op: str
+    operands: tuple[Operand, ...]
+    operand_dtypes: tuple[torch.dtype, ...]
+    result_dtype: torch.dtype
+    round_to: torch.dtype | None = None
+    origin: str = ""  # the ATen node this statement came from, for comments
+
+
+@dataclass(frozen=True)
+class Store:
+    param: str
+    var: Var
+    dtype: torch.dtype
+    index: Index
+
+
+@dataclass
+class PointwiseKernel:
+    name: str
+    shape: tuple[int, ...]  # the coalesced iteration space actually looped over
+    source_shape: tuple[int, ...]  # the iteration space as the graph sees it
+    params: list[Param]
+    loads: list[Load]
+    stmts: list[Stmt]
+    stores: list[Store]
+    ops: list[str] = field(default_factory=list)  # ATen ops fused, in order
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    def __str__(self) -> str:
+        lines = [f"PointwiseKernel {self.name} over {self.source_shape}"]
+        lines += [f"  load  {l.var.name} = {l.param}[{_fmt_index(l.index)}]  {short_dtype(l.dtype)}"
+                  for l in self.loads]
+        for s in self.stmts:
+            args = ", ".join(o.name if isinstance(o, Var) else repr(o.value) for o in s.operands)
+            lines.append(f"  {s.var.name} = {s.op}({args})  {short_dtype(s.var.dtype)}")
+        lines += [f"  store {s.param}[{_fmt_index(s.index)}] = {s.var.name}  {short_dtype(s.dtype)}"
+                  for s in self.stores]
+        return "\n".join(lines)
+
+
+def _fmt_index(index: Index) -> str:
+    return f"offset={index.offset}, strides={index.strides}"
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

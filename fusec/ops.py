@@ -1,0 +1,324 @@
+"""The op table: one row per operation fusec can compile into a kernel.
+
+Every backend reads the same rows. A row says what kind of op it is, how PyTorch promotes its
+operand dtypes, and how to spell it in each backend, as a format string over its operands
+(`{0}`, `{1}`, ...). The operands arrive already converted to the row's *compute dtype*, so an
+expression never worries about type promotion; Python decided that before rendering.
+
+    Op("sin", triton="tl.sin({0})", cpp="std::sin({0})", promote=INT_TO_FLOAT)
+
+Longer expressions live as helper functions next to the backend (`codegen/triton_helpers.py`,
+`codegen/templates/cpp_prelude.h`), so a generated kernel calls `fusec_gelu(x)` rather than
+repeating a formula. The helpers have the same names in both backends.
+
+The second half of this file maps ATen operators (what torch.fx captures) onto rows. Several
+ATen overloads map onto one row (`add.Tensor`, `add.Scalar`), and a few carry extra arguments that
+pick a different row (`gelu(approximate="tanh")` is the `gelu_tanh` row). Anything not mapped here
+and not a view runs as an *extern*: an eager ATen call between kernels.
+
+Note (adding an op): add one `Op` row with a spelling for every backend, one line in `ATEN`, and a
+case in tests/test_ops.py. tests/test_ops.py fails if a backend lacks a spelling another one has.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
+
+aten = torch.ops.aten
+
+POINTWISE = "pointwise"
+VIEW = "view"
+EXTERN = "extern"
+
+BACKENDS = ("triton", "cpp")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One row of the table.
+
+    promote: how PyTorch picks the dtype the op computes in (torch._prims_common's kinds):
+        DEFAULT (add: int+float -> float), INT_TO_FLOAT (sin of an int -> float),
+        ALWAYS_BOOL (comparisons). None means "compute in the output dtype" (casts, fills).
+    promote_from: which operands take part in promotion (where's condition does not).
+    returns_bool: the expression yields a boolean, whatever the compute dtype.
+    """
+
+    name: str
+    triton: str
+    cpp: str
+    promote: PROMOTE | None = PROMOTE.DEFAULT
+    promote_from: tuple[int, ...] | None = None
+    returns_bool: bool = False
+    kind: str = POINTWISE
+
+    def spelling(self, backend: str) -> str:
+        return getattr(self, backend)
+
+
+D, F, B = PROMOTE.DEFAULT, PROMOTE.INT_TO_FLOAT, PROMOTE.ALWAYS_BOOL
+
+_ROWS = [
+    # arithmetic
+    Op("add", "{0} + {1}", "{0} + {1}"),
+    Op("add_alpha", "{0} + {1} * {2}", "{0} + {1} * {2}"),
+    Op("sub", "{0} - {1}", "{0} - {1}"),
+    Op("sub_alpha", "{0} - {1} * {2}", "{0} - {1} * {2}"),
+    Op("mul", "{0} * {1}", "{0} * {1}"),
+    Op("truediv", "{0} / {1}", "{0} / {1}", promote=F),
+    Op("floordiv", "fusec_floordiv({0}, {1})", "fusec_floordiv({0}, {1})"),
+    Op("truncdiv", "fusec_truncdiv({0}, {1})", "fusec_truncdiv({0}, {1})"),
+    Op("neg", "-{0}", "-{0}"),
+    Op("abs", "fusec_abs({0})", "fusec_abs({0})"),
+    Op("reciprocal", "1.0 / {0}", "1 / {0}", promote=F),
+    Op("pow", "fusec_pow({0}, {1})", "fusec_pow({0}, {1})"),
+    Op("maximum", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})"),
+    Op("minimum", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})"),
+    Op("clamp", "fusec_minimum(fusec_maximum({0}, {1}), {2})",
+       "fusec_minimum(fusec_maximum({0}, {1}), {2})"),
+    Op("clamp_min", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})"),
+    Op("clamp_max", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})"),
+    Op("where", "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", promote_from=(1, 2)),
+    # transcendental functions (integers become floats first)
+    Op("exp", "tl.exp({0})", "std::exp({0})", promote=F),
+    Op("exp2", "tl.exp2({0})", "std::exp2({0})", promote=F),
+    Op("expm1", "fusec_expm1({0})", "std::expm1({0})", promote=F),
+    Op("log", "tl.log({0})", "std::log({0})", promote=F),
+    Op("log2", "tl.log2({0})", "std::log2({0})", promote=F),
+    Op("log1p", "fusec_log1p({0})", "std::log1p({0})", promote=F),
+    Op("sqrt", "tl.sqrt_rn({0})", "std::sqrt({0})", promote=F),
+    Op("rsqrt", "fusec_rsqrt({0})", "fusec_rsqrt({0})", promote=F),
+    Op("sin", "tl.sin({0})", "std::sin({0})", promote=F),
+    Op("cos", "tl.cos({0})", "std::cos({0})", promote=F),
+    Op("tan", "fusec_tan({0})", "std::tan({0})", promote=F),
+    Op("tanh", "fusec_tanh({0})", "std::tanh({0})", promote=F),
+    Op("erf", "tl.erf({0})", "std::erf({0})", promote=F),
+    Op("sigmoid", "fusec_sigmoid({0})", "fusec_sigmoid({0})", promote=F),
+    Op("silu", "{0} * fusec_sigmoid({0})", "{0} * fusec_sigmoid({0})", promote=F),
+    Op("relu", "fusec_relu({0})", "fusec_relu({0})"),
+    Op("gelu", "fusec_gelu({0})", "fusec_gelu({0})", promote=F),
+    Op("gelu_tanh", "fusec_gelu_tanh({0})", "fusec_gelu_tanh({0})", promote=F),
+    Op("floor", "fusec_floor({0})", "fusec_floor({0})"),
+    Op("ceil", "fusec_ceil({0})", "fusec_ceil({0})"),
+    Op("trunc", "fusec_trunc({0})", "fusec_trunc({0})"),
+    # comparisons and logic produce bool
+    Op("eq", "{0} == {1}", "{0} == {1}", promote=B, returns_bool=True),
+    Op("ne", "{0} != {1}", "{0} != {1}", promote=B, returns_bool=True),
+    Op("lt", "{0} < {1}", "{0} < {1}", promote=B, returns_bool=True),
+    Op("le", "{0} <= {1}", "{0} <= {1}", promote=B, returns_bool=True),
+    Op("gt", "{0} > {1}", "{0} > {1}", promote=B, returns_bool=True),
+    Op("ge", "{0} >= {1}", "{0} >= {1}", promote=B, returns_bool=True),
+    Op("isnan", "{0} != {0}", "{0} != {0}", promote=B, returns_bool=True),
+    Op("logical_and", "({0} != 0) & ({1} != 0)", "({0} != 0) && ({1} != 0)",
+       promote=B, returns_bool=True),
+    Op("logical_or", "({0} != 0) | ({1} != 0)", "({0} != 0) || ({1} != 0)",
+       promote=B, returns_bool=True),
+    Op("logical_xor", "({0} != 0) ^ ({1} != 0)", "({0} != 0) != ({1} != 0)",
+       promote=B, returns_bool=True),
+    Op("logical_not", "{0} == 0", "{0} == 0", promote=B, returns_bool=True),
+    Op("bitwise_and", "{0} & {1}", "{0} & {1}"),
+    Op("bitwise_or", "{0} | {1}", "{0} | {1}"),
+    Op("bitwise_xor", "{0} ^ {1}", "{0} ^ {1}"),
+    Op("bitwise_not", "fusec_bitwise_not({0})", "fusec_bitwise_not({0})"),
+    # data movement: a cast is an identity computed in the target dtype
+    Op("to", "{0}", "{0}", promote=None),
+    Op("copy", "{0}", "{0}", promote=None),
+    Op("full", "{0}", "{0}", promote=None),
+]
+
+OPS: dict[str, Op] = {op.name: op for op in _ROWS}
+
+
+# ---------------------------------------------------------------------------------------------
+# ATen -> table. Each entry turns (args, kwargs) of an ATen call into (row name, operands), where
+# an operand is an fx Node (a tensor) or a Python number. It returns None when this particular
+# call cannot be a kernel (an unusual keyword), so the node runs as an extern instead.
+
+Normalizer = Callable[[tuple, dict], "tuple[str, list[Any]] | None"]
+
+
+def _plain(name: str, arity: int) -> Normalizer:
+    return lambda args, kwargs: None if kwargs else (name, list(args[:arity]))
+
+
+def _with_alpha(name: str) -> Normalizer:
+    def norm(args, kwargs):
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        if set(kwargs) - {"alpha"}:
+            return None
+        return (name, list(args[:2])) if alpha == 1 else (name + "_alpha", [*args[:2], alpha])
+    return norm
+
+
+def _rsub(args, kwargs):
+    alpha = kwargs.get("alpha", 1)
+    return ("sub", [args[1], args[0]]) if alpha == 1 else ("sub_alpha", [args[1], args[0], alpha])
+
+
+def _div_mode(args, kwargs):
+    mode = kwargs.get("rounding_mode", args[2] if len(args) > 2 else None)
+    return {None: "truediv", "floor": "floordiv", "trunc": "truncdiv"}[mode], list(args[:2])
+
+
+def _gelu(args, kwargs):
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return ("gelu" if approximate == "none" else "gelu_tanh"), [args[0]]
+
+
+def _clamp(args, kwargs):
+    lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+    hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+    if lo is None and hi is None:
+        return "copy", [args[0]]
+    if hi is None:
+        return "clamp_min", [args[0], lo]
+    if lo is None:
+        return "clamp_max", [args[0], hi]
+    return "clamp", [args[0], lo, hi]
+
+
+_COPY_KWARGS = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"}
+
+
+def _to_copy(args, kwargs):
+    # Only a dtype change (or a plain copy) on the same device is a kernel; moving between devices
+    # is an extern. The lowering checks the device through node metadata.
+    if set(kwargs) - _COPY_KWARGS or kwargs.get("layout") not in (None, torch.strided):
+        return None
+    return "to", [args[0]]
+
+
+def _full(args, kwargs):
+    return "full", [args[1]]
+
+
+def _full_like(args, kwargs):
+    return "full", [args[1]]
+
+
+def _const(value):
+    return lambda args, kwargs: ("full", [value])
+
+
+def _cat(args, kwargs):
+    # cat of a single tensor is a copy; real concatenation is not pointwise (an extern for now).
+    tensors = args[0]
+    return ("copy", [tensors[0]]) if len(tensors) == 1 else None
+
+
+ATEN: dict[Any, Normalizer] = {
+    aten.add.Tensor: _with_alpha("add"), aten.add.Scalar: _with_alpha("add"),
+    aten.sub.Tensor: _with_alpha("sub"), aten.sub.Scalar: _with_alpha("sub"),
+    aten.rsub.Tensor: _rsub, aten.rsub.Scalar: _rsub,
+    aten.mul.Tensor: _plain("mul", 2), aten.mul.Scalar: _plain("mul", 2),
+    aten.div.Tensor: _plain("truediv", 2), aten.div.Scalar: _plain("truediv", 2),
+    aten.true_divide.Tensor: _plain("truediv", 2),
+    aten.div.Tensor_mode: _div_mode, aten.div.Scalar_mode: _div_mode,
+    aten.floor_divide.default: _plain("floordiv", 2),
+    aten.neg.default: _plain("neg", 1), aten.abs.default: _plain("abs", 1),
+    aten.reciprocal.default: _plain("reciprocal", 1),
+    aten.pow.Tensor_Scalar: _plain("pow", 2), aten.pow.Tensor_Tensor: _plain("pow", 2),
+    aten.pow.Scalar: _plain("pow", 2),
+    aten.maximum.default: _plain("maximum", 2), aten.minimum.default: _plain("minimum", 2),
+    aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
+    aten.clamp_min.default: lambda a, k: ("clamp_min", list(a[:2])),
+    aten.clamp_max.default: lambda a, k: ("clamp_max", list(a[:2])),
+    aten.where.self: _plain("where", 3), aten.where.ScalarSelf: _plain("where", 3),
+    aten.where.ScalarOther: _plain("where", 3), aten.where.Scalar: _plain("where", 3),
+    aten.exp.default: _plain("exp", 1), aten.exp2.default: _plain("exp2", 1),
+    aten.expm1.default: _plain("expm1", 1),
+    aten.log.default: _plain("log", 1), aten.log2.default: _plain("log2", 1),
+    aten.log1p.default: _plain("log1p", 1),
+    aten.sqrt.default: _plain("sqrt", 1), aten.rsqrt.default: _plain("rsqrt", 1),
+    aten.sin.default: _plain("sin", 1), aten.cos.default: _plain("cos", 1),
+    aten.tan.default: _plain("tan", 1), aten.tanh.default: _plain("tanh", 1),
+    aten.erf.default: _plain("erf", 1), aten.sigmoid.default: _plain("sigmoid", 1),
+    aten.silu.default: _plain("silu", 1), aten.relu.default: _plain("relu", 1),
+    aten.gelu.default: _gelu,
+    aten.floor.default: _plain("floor", 1), aten.ceil.default: _plain("ceil", 1),
+    aten.trunc.default: _plain("trunc", 1), aten.isnan.default: _plain("isnan", 1),
+    aten.logical_not.default: _plain("logical_not", 1),
+    aten.logical_and.default: _plain("logical_and", 2),
+    aten.logical_or.default: _plain("logical_or", 2),
+    aten.logical_xor.default: _plain("logical_xor", 2),
+    aten.bitwise_not.default: _plain("bitwise_not", 1),
+    aten._to_copy.default: _to_copy, aten.clone.default: lambda a, k: ("copy", [a[0]]),
+    aten.lift_fresh_copy.default: _plain("copy", 1),
+    aten.cat.default: _cat,
+    aten.full.default: _full, aten.full_like.default: _full_like,
+    aten.zeros_like.default: _const(0), aten.ones_like.default: _const(1),
+    aten.fill.Scalar: _full_like, aten.scalar_tensor.default: lambda a, k: ("full", [a[0]]),
+}
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    ATEN[getattr(aten, _name).Tensor] = _plain(_name, 2)
+    ATEN[getattr(aten, _name).Scalar] = _plain(_name, 2)
+for _name in ("bitwise_and", "bitwise_or", "bitwise_xor"):
+    ATEN[getattr(aten, _name).Tensor] = _plain(_name, 2)
+    ATEN[getattr(aten, _name).Scalar] = _plain(_name, 2)
+
+# Python's operator module shows up when graphs index into tuples.
+GETITEM = operator.getitem
+
+
+def classify(target) -> str:
+    """POINTWISE if the op table can compile it, VIEW if it only reinterprets memory, else EXTERN."""
+    if target in ATEN:
+        return POINTWISE
+    if isinstance(target, torch._ops.OpOverload) and is_view(target):
+        return VIEW
+    return EXTERN
+
+
+def is_view(target) -> bool:
+    """True for ATen ops whose output aliases their first input (permute, expand, slice, ...)."""
+    schema = target._schema
+    if not schema.returns or len(schema.returns) != 1:
+        return False
+    ret = schema.returns[0].alias_info
+    arg = schema.arguments[0].alias_info if schema.arguments else None
+    return bool(ret and arg and not ret.is_write and ret.before_set == arg.before_set)
+
+
+def normalize(node) -> tuple[Op, list[Any]] | None:
+    """The table row and operand list for an fx node, or None if it cannot be a kernel."""
+    fn = ATEN.get(node.target)
+    if fn is None:
+        return None
+    result = fn(tuple(node.args), dict(node.kwargs))
+    if result is None:
+        return None
+    name, operands = result
+    return OPS[name], operands
+
+
+# ---------------------------------------------------------------------------------------------
+# Dtypes: the storage dtype of a buffer vs. the dtype a value lives in inside a kernel.
+
+FLOAT16_LIKE = (torch.float16, torch.bfloat16)
+
+SUPPORTED_DTYPES = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+)
+
+
+def register_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Inside a kernel, half-precision values live in float32 (as eager's "opmath" does); a
+    value is rounded to its storage dtype only when it is stored or explicitly cast."""
+    return torch.float32 if dtype in FLOAT16_LIKE else dtype
+
+
+def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype `op` computes in, exactly as PyTorch's type promotion decides it."""
+    from torch._prims_common import elementwise_dtypes
+
+    if op.promote is None:
+        return register_dtype(out_dtype)
+    picked = operand_values if op.promote_from is None else [operand_values[i] for i in op.promote_from]
+    compute, _ = elementwise_dtypes(*picked, type_promotion_kind=op.promote)
+    return register_dtype(compute)

@@ -1,0 +1,200 @@
+"""Runtime: run a scheduled program, step by step, over a flat list of buffer slots.
+
+A Program is built once per input signature. Everything that can be decided ahead of time is:
+which slot each value lives in, the shapes and strides of every buffer a kernel writes, the
+prepared launcher of each kernel. A call then only fills the input slots and runs the steps:
+
+    env = [x, None, None]
+    KernelStep  fused_sin_sin_mul_0   env[1] = empty(4, 4); launch(env[0], env[1])
+    ExternStep  aten.mm.default       env[2] = aten.mm(env[1], env[0])
+    return [env[2]]
+
+Views do not appear here unless an extern call or the caller needs them as tensors: kernels read
+views through index expressions (see passes/schedule.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import Layout
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    slot: int
+
+
+@dataclass
+class OutputBuffer:
+    slot: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class KernelStep:
+    def __init__(self, name: str, launcher: Callable, reads: list[int], writes: list[OutputBuffer],
+                 device: str, numel: int):
+        self.name, self.launcher, self.reads, self.writes = name, launcher, reads, writes
+        self.device = torch.device(device)
+        self.numel = numel
+
+    def __call__(self, env: list) -> None:
+        outs = []
+        for w in self.writes:
+            t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+            env[w.slot] = t
+            outs.append(t)
+        if self.numel:
+            self.launcher(*[env[r] for r in self.reads], *outs)
+
+    def __repr__(self) -> str:
+        return f"KernelStep({self.name})"
+
+
+class ExternStep:
+    """An eager ATen call. Its tensor result is put in the layout the schedule planned for it."""
+
+    def __init__(self, target, args, kwargs, out_slot: int, planned: Layout | None):
+        self.target, self.args, self.kwargs = target, args, kwargs
+        self.out_slot, self.planned = out_slot, planned
+        self.name = str(target)
+
+    def __call__(self, env: list) -> None:
+        def fetch(a):
+            return env[a.slot] if isinstance(a, SlotRef) else a
+        args = fx.node.map_aggregate(self.args, fetch)
+        kwargs = fx.node.map_aggregate(self.kwargs, fetch)
+        out = self.target(*args, **kwargs)
+        if self.planned is not None and isinstance(out, torch.Tensor) \
+                and tuple(out.stride()) != self.planned.stride and out.numel() > 1:
+            fixed = torch.empty_strided(self.planned.shape, self.planned.stride, dtype=out.dtype,
+                                        device=out.device)
+            out = fixed.copy_(out)
+        env[self.out_slot] = out
+
+    def __repr__(self) -> str:
+        return f"ExternStep({self.name})"
+
+
+class ViewStep:
+    """Materialize a view as a tensor (only for extern calls and program outputs)."""
+
+    def __init__(self, root: int, layout: Layout, out_slot: int):
+        self.root, self.layout, self.out_slot = root, layout, out_slot
+
+    def __call__(self, env: list) -> None:
+        base = env[self.root]
+        env[self.out_slot] = base.as_strided(self.layout.shape, self.layout.stride,
+                                             base.storage_offset() + self.layout.offset)
+
+
+class GetItemStep:
+    def __init__(self, src: int, index: int, out_slot: int):
+        self.src, self.index, self.out_slot = src, index, out_slot
+
+    def __call__(self, env: list) -> None:
+        env[self.out_slot] = env[self.src][self.index]
+
+
+class Program:
+    """A compiled program for one input signature."""
+
+    def __init__(self, n_slots: int, input_slots: list[int], constants: dict[int, torch.Tensor],
+                 steps: list, output_slots: list[int], producers: dict[int, Any]):
+        self.n_slots = n_slots
+        self.input_slots = input_slots
+        self.constants = list(constants.items())
+        self.steps = steps
+        self.output_slots = output_slots
+        self.producers = producers  # output slot -> the kernel (or op name) that produced it
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        env: list = [None] * self.n_slots
+        for slot, t in zip(self.input_slots, inputs):
+            env[slot] = t
+        for slot, t in self.constants:
+            env[slot] = t
+        for step in self.steps:
+            step(env)
+        return [env[s] for s in self.output_slots]
+
+
+def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
+    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program."""
+    slot_of: dict[str, int] = {}
+
+    def slot(name: str) -> int:
+        if name not in slot_of:
+            slot_of[name] = len(slot_of)
+        return slot_of[name]
+
+    nodes = list(gm.graph.nodes)
+    output = gm.graph.output_node()
+    input_slots, constants, steps = [], {}, []
+    producers: dict[int, Any] = {}
+    materialize = {n for n in nodes if n.op == "call_function"
+                   and "fusec_layout" in n.meta and n.meta["fusec_layout"].root != n.name
+                   and any(u.op != "call_module" and not _is_view(u) for u in n.users)}
+
+    def ref(a):
+        return SlotRef(slot(a.name)) if isinstance(a, fx.Node) else a
+
+    for node in nodes:
+        if node.op == "placeholder":
+            input_slots.append(slot(node.name))
+        elif node.op == "get_attr":
+            constants[slot(node.name)] = getattr(gm, node.target)
+        elif node.op == "call_module":
+            kernel = kernels[node.target]
+            reads = [slot(p.name) for p in kernel.ir.params if not p.is_output]
+            writes = []
+            for p in kernel.ir.params:
+                if p.is_output:
+                    layout = _node(gm, p.name).meta["fusec_layout"]
+                    writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype))
+                    producers[slot(p.name)] = kernel
+            device = node.meta["fusec_group"].get("device") or _device_of(gm, kernel)
+            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device,
+                                    kernel.ir.numel))
+        elif node.op == "call_function" and node.target.__name__ == "getitem":
+            src = node.args[0]
+            if src.op == "call_module":
+                continue  # a kernel output: written by the KernelStep
+            steps.append(GetItemStep(slot(src.name), node.args[1], slot(node.name)))
+            producers[slot(node.name)] = str(src.target)
+        elif node.op == "call_function" and node in materialize:
+            layout = node.meta["fusec_layout"]
+            steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
+        elif node.op == "call_function" and _is_view(node) and "fusec_layout" in node.meta \
+                and node.meta["fusec_layout"].root != node.name:
+            continue  # folded into the indices of whoever reads it
+        elif node.op == "call_function":
+            layout = node.meta.get("fusec_layout")
+            steps.append(ExternStep(node.target, fx.node.map_arg(node.args, ref),
+                                    fx.node.map_arg(node.kwargs, ref), slot(node.name),
+                                    layout if layout is not None and layout.root == node.name else None))
+            producers[slot(node.name)] = str(node.target)
+    outputs = [slot(a.name) for a in output.args[0]]
+    return Program(len(slot_of), input_slots, constants, steps, outputs, producers)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and ops.classify(node.target) == ops.VIEW
+
+
+def _node(gm: fx.GraphModule, name: str) -> fx.Node:
+    for n in gm.graph.nodes:
+        if n.name == name:
+            return n
+    raise KeyError(name)
+
+
+def _device_of(gm: fx.GraphModule, kernel) -> str:
+    return _node(gm, kernel.ir.params[-1].name).meta["fusec"].device

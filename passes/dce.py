@@ -1,0 +1,26 @@
+"""Dead-code elimination: drop nodes whose results nobody uses.
+
+Tracing records everything the program computed, including values it then threw away:
+
+    before                           after
+    a = sin(x)                       a = sin(x)
+    unused = cos(x)    # no users    return (a,)
+    return (a,)
+
+A node may go only if nothing reads it *and* running it has no effect besides its result. torch.fx
+already knows which nodes are impure (placeholders, outputs, in-place and `copy_` updates of an
+input, random-number ops), so this pass reuses `Graph.eliminate_dead_code` and records what it
+removed in `gm.meta["fusec_dce"]` for `explain`.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def dce(gm: fx.GraphModule) -> fx.GraphModule:
+    before = {n.name: n for n in gm.graph.nodes}
+    gm.graph.eliminate_dead_code()
+    after = {n.name for n in gm.graph.nodes}
+    gm.meta["fusec_dce"] = [name for name in before if name not in after]
+    gm.recompile()
+    return gm

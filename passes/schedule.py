@@ -1,0 +1,154 @@
+"""Schedule: decide where every value lives, then list the launches in order.
+
+After fusion the graph holds four kinds of nodes: inputs, fused kernels (call_module), extern ATen
+calls, and views. This pass
+
+1. picks each kernel output's layout in memory: contiguous, except a program output, which keeps
+   the strides eager PyTorch would have given it (so `y.stride()` matches eager);
+2. propagates layouts through the graph with fake tensors: a view such as `x.t()[1:]` gets no
+   buffer of its own, only a Layout (root buffer, shape, strides, offset) into `x`. The code
+   generator folds that layout into load indices, so views cost nothing;
+3. writes the ordered list of steps, each a kernel launch or an extern call with the root
+   buffers it reads and writes, into `gm.meta["fusec_schedule"]`.
+
+    1. kernel fused_sin_sin_mul_0   reads x f32[4, 4]             writes mul f32[4, 4]
+    2. extern aten.mm.default       reads mul f32[4, 4], w f32[4, 4]   writes mm f32[4, 4]
+
+The graph order is already topological, so the order of steps is the graph's. Memory planning
+and CUDA-graph capture build on this list.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import Layout, TensorMeta, contiguous_strides
+
+
+@dataclass
+class Step:
+    kind: str  # "kernel" or "extern"
+    name: str  # kernel name or ATen op
+    node: str
+    reads: list[str] = field(default_factory=list)
+    writes: list[str] = field(default_factory=list)
+    shapes: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        def fmt(names):
+            return ", ".join(f"{n} {self.shapes.get(n, '')}".strip() for n in names) or "-"
+        return f"{self.kind:<6} {self.name:<32} reads {fmt(self.reads)}  writes {fmt(self.writes)}"
+
+
+def schedule(gm: fx.GraphModule) -> fx.GraphModule:
+    output_values = {a for a in gm.graph.output_node().all_input_nodes}
+    fake_of: dict[fx.Node, torch.Tensor] = {}
+    mode = _fake_mode(gm)
+    steps: list[Step] = []
+
+    for node in gm.graph.nodes:
+        m = node.meta.get("fusec")
+        if node.op in ("placeholder", "get_attr") and isinstance(m, TensorMeta):
+            fake_of[node] = _root(mode, m, m.stride)
+            node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
+        elif node.op == "call_module":
+            steps.append(Step("kernel", node.target, node.name))
+        elif node.op == "call_function" and node.target.__name__ == "getitem" \
+                and node.args[0].op == "call_module":
+            stride = m.stride if node in output_values and _dense(m) else contiguous_strides(m.shape)
+            fake_of[node] = _root(mode, m, stride)
+            node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
+            steps[-1].writes.append(node.name)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and ops.classify(node.target) == ops.VIEW:
+            base = node.args[0]
+            view = _run_fake(mode, node, fake_of)
+            if view is None:  # cannot replay: treat as an extern that produces a new buffer
+                steps.append(Step("extern", str(node.target), node.name))
+                _new_root(node, mode, fake_of)
+                continue
+            fake_of[node] = view
+            root = base.meta["fusec_layout"].root
+            node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
+                                               view.storage_offset())
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            steps.append(Step("extern", str(node.target), node.name))
+            out = _run_fake(mode, node, fake_of)
+            if isinstance(out, torch.Tensor) and isinstance(m, TensorMeta):
+                fake_of[node] = _root(mode, m, tuple(out.stride()))
+                node.meta["fusec_layout"] = Layout(node.name, m.shape, tuple(out.stride()), 0)
+            elif isinstance(m, TensorMeta):
+                _new_root(node, mode, fake_of)
+        elif node.op == "call_function" and node.target.__name__ == "getitem":
+            # one output of a multi-output extern: a root buffer of its own
+            if isinstance(m, TensorMeta):
+                _new_root(node, mode, fake_of)
+                steps[-1].writes.append(node.name) if steps else None
+
+    # reads: the root buffers behind every tensor argument of a step
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for step in steps:
+        node = by_name[step.node]
+        if step.kind == "extern" and "fusec_layout" in node.meta and not step.writes:
+            step.writes.append(node.name)
+        for arg in node.all_input_nodes:
+            layout = arg.meta.get("fusec_layout")
+            if layout and layout.root not in step.reads:
+                step.reads.append(layout.root)
+        for name in step.reads + step.writes:
+            m = by_name[name].meta.get("fusec")
+            if isinstance(m, TensorMeta):
+                step.shapes[name] = str(m)
+    gm.meta["fusec_schedule"] = steps
+    return gm
+
+
+def format_schedule(steps: list[Step]) -> str:
+    return "\n".join(f"{i + 1:>3}. {s}" for i, s in enumerate(steps))
+
+
+def _dense(m: TensorMeta) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    dims = sorted((st, sz) for st, sz in zip(m.stride, m.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _fake_mode(gm):
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return FakeTensorMode()
+
+
+def _root(mode, m: TensorMeta, stride) -> torch.Tensor:
+    with mode:
+        return torch.empty_strided(m.shape, stride, dtype=m.dtype, device=m.device)
+
+
+def _new_root(node: fx.Node, mode, fake_of) -> None:
+    m = node.meta["fusec"]
+    fake_of[node] = _root(mode, m, m.stride)
+    node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
+
+
+def _run_fake(mode, node: fx.Node, fake_of):
+    """Run node's op on fake tensors laid out as fusec lays them out (not as eager did)."""
+    def arg(a):
+        return fake_of[a] if isinstance(a, fx.Node) else a
+    try:
+        args = fx.node.map_arg(node.args, arg)
+        kwargs = fx.node.map_arg(node.kwargs, arg)
+        with mode:
+            return node.target(*args, **kwargs)
+    except Exception:
+        return None
