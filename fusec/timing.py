@@ -1,0 +1,26 @@
+"""Honest timing: warm up, repeat, report the median.
+
+On CUDA this uses `triton.testing.do_bench` (device events, cache flushed between runs); on the
+CPU it times repeated calls with `time.perf_counter` until `budget_s` is spent.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: int = 3) -> float:
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+        return float(do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median"))
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    start = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < budget_s and len(times) < 1000):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3

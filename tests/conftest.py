@@ -1,0 +1,61 @@
+"""Shared fixtures. Every test compares fusec against eager PyTorch.
+
+`target` runs a test once per backend: ("cpp", cpu) and ("triton", cuda) on a machine with a GPU,
+or ("triton", cpu) under Triton's interpreter otherwise. TRITON_INTERPRET must be set before
+triton is imported, so it is set here, first thing, when there is no GPU.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import fusec  # noqa: E402
+from fusec.check import compare  # noqa: E402
+
+GPU = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if GPU else "cpu"
+
+
+@pytest.fixture(params=["cpp", "triton"])
+def target(request):
+    """(backend, device) pairs: every test runs on both backends."""
+    if request.param == "cpp":
+        return "cpp", "cpu"
+    return "triton", TRITON_DEVICE
+
+
+def assert_matches(fn, *inputs, backend: str, kernels: int | None = None, **kwargs):
+    """Compile fn, run it, compare every output with eager (float64-referenced; exact for ints).
+
+    Returns the compiled function so a test can look at its kernels.
+    """
+    compiled = fusec.compile(fn, backend=backend, **kwargs)
+    got = compiled(*inputs)
+    with torch.no_grad():
+        want = fn(*inputs)
+    got_leaves = torch.utils._pytree.tree_leaves(got)
+    want_leaves = torch.utils._pytree.tree_leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        ref = _float64_reference(fn, inputs, i)
+        problem = compare(g.cpu(), w.cpu(), None if ref is None else ref.cpu())
+        assert problem is None, f"output {i}: {problem}\nkernels:\n" + \
+            "\n".join(k.source for k in compiled.kernels)
+    if kernels is not None:
+        assert len(compiled.kernels) == kernels, [k.name for k in compiled.kernels]
+    return compiled
+
+
+def _float64_reference(fn, inputs, i):
+    wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in inputs]
+    try:
+        with torch.no_grad():
+            out = torch.utils._pytree.tree_leaves(fn(*wide))
+        return out[i]
+    except Exception:
+        return None
