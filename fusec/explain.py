@@ -52,7 +52,18 @@ class Explanation:
 
 
 def explain(model, *inputs, backend: str = "auto", **kwargs) -> Explanation:
+    """Capture and compile `model(*inputs, **kwargs)` and return every stage (see module doc).
+
+    `model` may be a plain function or module, or one already wrapped by fusec.compile.
+    """
     import torch
+
+    from .api import CompiledFunction, CompiledModule
+    if isinstance(model, CompiledModule):
+        model = model._orig_mod
+    if isinstance(model, CompiledFunction):
+        backend = model.backend if backend == "auto" else backend
+        model = model.fn
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     chosen = resolve_backend(backend, device)

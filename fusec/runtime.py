@@ -135,6 +135,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
         return slot_of[name]
 
     nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
@@ -156,10 +157,10 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
             writes = []
             for p in kernel.ir.params:
                 if p.is_output:
-                    layout = _node(gm, p.name).meta["fusec_layout"]
+                    layout = by_name[p.name].meta["fusec_layout"]
                     writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype))
                     producers[slot(p.name)] = kernel
-            device = node.meta["fusec_group"].get("device") or _device_of(gm, kernel)
+            device = node.meta["fusec_group"]["device"]
             steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device,
                                     kernel.ir.numel))
         elif node.op == "call_function" and node.target.__name__ == "getitem":
@@ -188,13 +189,3 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
         and ops.classify(node.target) == ops.VIEW
 
-
-def _node(gm: fx.GraphModule, name: str) -> fx.Node:
-    for n in gm.graph.nodes:
-        if n.name == name:
-            return n
-    raise KeyError(name)
-
-
-def _device_of(gm: fx.GraphModule, kernel) -> str:
-    return _node(gm, kernel.ir.params[-1].name).meta["fusec"].device

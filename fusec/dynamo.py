@@ -1,0 +1,22 @@
+"""`torch.compile(model, backend="fusec")`: fusec as a TorchDynamo backend.
+
+Dynamo captures the Python-level graph (handling control flow with guards and graph breaks) and
+hands each graph to `fusec_backend`, which compiles it like any function. The backend is
+registered through the `torch_dynamo_backends` entry point in pyproject.toml, so torch finds it
+by name without importing fusec first.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def fusec_backend(gm: torch.fx.GraphModule, example_inputs, **options):
+    from .api import CompiledFunction
+
+    compiled = CompiledFunction(gm, **options)
+
+    def run(*args):
+        return compiled(*args)
+
+    run.fusec = compiled  # reach the kernels: torch.compile(...)._torchdynamo_orig_callable etc.
+    return run
