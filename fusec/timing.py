@@ -24,3 +24,24 @@ def median_ms(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: in
         fn(*args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def wall_ms(fn, *args, device: str = "cpu", iters: int = 200) -> float:
+    """Wall-clock time per call, including the host-side launch work, for launch-bound programs.
+
+    `do_bench` times the device between events and hides host overhead behind its cache flush, so
+    a program whose cost is mostly Python and launches needs this instead: synchronize, call it
+    `iters` times back to back, synchronize, divide (median of 5 such rounds).
+    """
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(10):
+        fn(*args)
+    rounds = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(*args)
+        sync()
+        rounds.append((time.perf_counter() - t0) / iters)
+    return statistics.median(rounds) * 1e3
