@@ -24,6 +24,12 @@ from . import frontend
 from .errors import DeviceError, FusecError
 from .ir import PointwiseKernel
 
+# The pipeline's own modules (and networkx, jinja2) load with fusec, not on the first compile.
+import fusec.codegen.cpp  # noqa: E402,F401
+import fusec.codegen.lower  # noqa: E402,F401
+import fusec.passes  # noqa: E402,F401
+import fusec.runtime  # noqa: E402,F401
+
 BACKENDS = ("auto", "triton", "cpp")
 
 

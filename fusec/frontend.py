@@ -22,8 +22,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import functools
+
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+# make_fx imports torch._dynamo and torch._inductor the first time it traces (~2 s on a 2-core
+# CPU). Importing them with fusec makes that a fixed cost of `import fusec`, so the first compile
+# of a program costs what compiling it costs.
+import torch._inductor  # noqa: E402,F401
 from torch.utils import _pytree as pytree
 
 from .errors import DeviceError, UnsupportedError
@@ -81,11 +89,21 @@ def _path_name(path) -> str:
     return name if name[0].isalpha() else "arg_" + name
 
 
+@functools.lru_cache(maxsize=None)
+def decompositions() -> dict:
+    """torch's core ATen decomposition table.
+
+    `core_aten_decompositions()` also lists every CompositeImplicitAutograd op, which takes ~0.3 s
+    to enumerate; tracing decomposes those ops by itself, so the post-autograd part is all we need.
+    """
+    import torch._decomp as decomp
+    if hasattr(decomp, "_core_aten_decompositions_post_autograd"):
+        return dict(decomp._core_aten_decompositions_post_autograd())
+    return dict(decomp.core_aten_decompositions())
+
+
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring."""
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     kwargs = kwargs or {}
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
@@ -124,7 +142,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
     try:
         with torch.no_grad():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
-                         decomposition_table=core_aten_decompositions(),
+                         decomposition_table=decompositions(),
                          tracing_mode="fake")(*example)
     except UnsupportedError:
         raise
