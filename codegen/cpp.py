@@ -74,6 +74,23 @@ def compiler_id(path: str) -> str:
         return path
 
 
+@functools.lru_cache(maxsize=None)
+def host_cpu() -> str:
+    """What -march=native compiles for: a library built on one CPU may not run on another."""
+    import platform
+    fields = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    fields.append(line.strip())
+                if len(fields) >= 4:
+                    break
+    except OSError:
+        fields.append(platform.processor())
+    return "\n".join(fields)
+
+
 def available() -> bool:
     try:
         find_compiler()
@@ -210,7 +227,7 @@ def prelude() -> str:
 def build(source: str, name: str) -> Path:
     """Compile `source` into a shared library (or reuse the cached one). Returns its path."""
     compiler = find_compiler()
-    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(FLAGS))
+    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(FLAGS), host_cpu())
     directory = cache.cache_dir("cpp")
     lib = directory / f"{name}-{key}.so"
     if cache.verified(lib):

@@ -2,7 +2,7 @@
 
 This is where every decision about a kernel is made, so the backends only have to spell it:
 
-* the iteration space: the group's output shape;
+* the iteration space: the group's output shape, visited in the memory order of its first output;
 * each input's index expression: its Layout (root buffer, shape, strides, offset) broadcast to the
   iteration space, so a transposed, sliced or expanded input costs nothing extra;
 * dim merging: two neighbouring dims that are laid out back to back in *every* tensor the kernel
@@ -31,7 +31,9 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
 
     tensors = [_broadcast_strides(l, shape) for l in in_layouts] + \
               [_broadcast_strides(l, shape) for l in out_layouts]
-    loop_shape, loop_strides = coalesce(shape, tensors)
+    order = loop_order(tensors[len(in_layouts)] if out_layouts else tensors[0], shape)
+    loop_shape, loop_strides = coalesce(tuple(shape[d] for d in order),
+                                        [tuple(t[d] for d in order) for t in tensors])
     n_in = len(in_layouts)
 
     params: list[Param] = []
@@ -111,6 +113,18 @@ def _broadcast_strides(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...
         else:
             raise AssertionError(f"layout {layout.shape} does not broadcast to {shape}")
     return tuple(strides)
+
+
+def loop_order(strides: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
+    """Visit dims in the memory order of `strides` (the first output's): largest stride outermost.
+
+    sin(x.t()) keeps eager's transposed output layout, so iterating in that order makes the store
+    contiguous (and the load of x too) instead of striding through memory on every step.
+
+    >>> loop_order((1, 64), (64, 32))
+    [1, 0]
+    """
+    return sorted(range(len(shape)), key=lambda d: -strides[d] if shape[d] != 1 else 0)
 
 
 def coalesce(shape: tuple[int, ...], tensors: list[tuple[int, ...]]):

@@ -98,9 +98,10 @@ def render(kernel: PointwiseKernel) -> str:
     def index(idx: Index) -> str:
         if idx.is_flat(shape):
             return "offsets"
-        terms = [str(idx.offset)] if idx.offset else []
-        terms += [f"i{d}" if s == 1 else f"i{d} * {s}" for d, s in enumerate(idx.strides) if s]
-        return " + ".join(terms) or "0"
+        terms = [f"i{d}" if s == 1 else f"i{d} * {s}" for d, s in enumerate(idx.strides) if s]
+        if not terms:  # every lane reads one element: still a block of addresses, for the mask
+            terms = ["tl.zeros_like(offsets)"]
+        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
 
     loads = []
     for l in kernel.loads:
@@ -112,7 +113,8 @@ def render(kernel: PointwiseKernel) -> str:
     body = [_stmt(s, helpers) for s in kernel.stmts]
     stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
               f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
-    big = numel + max([abs(l.index.offset) for l in kernel.loads] + [0]) >= 2 ** 31
+    big = max([numel] + [_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) \
+        >= 2 ** 31 - 1
     return render_template(
         "triton_pointwise.py.j2",
         name=kernel.name, summary=_summary(kernel), source_shape=kernel.source_shape,
@@ -121,6 +123,11 @@ def render(kernel: PointwiseKernel) -> str:
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
         block_start="pid.to(tl.int64) * BLOCK_SIZE" if big else "pid * BLOCK_SIZE",
         coords=coords, loads=loads, body=body, stores=stores)
+
+
+def _max_address(index: Index, shape: tuple[int, ...]) -> int:
+    """The largest element offset an index reaches: decides between 32- and 64-bit arithmetic."""
+    return abs(index.offset) + sum((size - 1) * abs(st) for size, st in zip(shape, index.strides))
 
 
 def _summary(kernel: PointwiseKernel) -> str:

@@ -172,6 +172,8 @@ class CompiledFunction:
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
         flat_out = compiled.program(tensors)
+        for k, i in compiled.captured.output_aliases.items():
+            flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself
         if self.check:
             from .check import check_outputs
             check_outputs(self, compiled, args, kwargs, flat_out)
@@ -228,11 +230,14 @@ def _prepare_triton(device: torch.device) -> None:
     """Triton runs CPU tensors only under its interpreter, which must be on before import."""
     if device.type == "cuda":
         return
+    # Triton reads TRITON_INTERPRET when a function is decorated with @triton.jit, and fusec's
+    # kernels and helpers are decorated only when first loaded: setting it now is in time unless
+    # they were already loaded for a GPU.
     if os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:
+        if "fusec.codegen.triton_helpers" in sys.modules:
             raise DeviceError("fusec: backend 'triton' with CPU tensors needs Triton's interpreter, "
-                              "but triton was imported without TRITON_INTERPRET=1; set it before "
-                              "importing triton (or use backend='cpp')")
+                              "but fusec's Triton kernels were already loaded for a GPU in this "
+                              "process; set TRITON_INTERPRET=1 before starting (or use backend='cpp')")
         os.environ["TRITON_INTERPRET"] = "1"
 
 

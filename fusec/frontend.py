@@ -2,7 +2,7 @@
 
 We trace with `make_fx` under fake tensors (no real computation happens) and torch's core ATen
 decompositions, so a few hundred ATen ops reduce to a small core set (`silu` becomes
-`sigmoid` and `mul`, `F.linear` becomes `t` and `addmm` ...). `functionalize` removes in-place
+`sigmoid` and `mul`, `F.linear` becomes `permute` and `addmm` ...). `functionalize` removes in-place
 updates: `y.add_(1)` becomes `y2 = add(y, 1)`, and a mutated input becomes an explicit `copy_`
 at the end of the graph, the only side effect a captured graph can have.
 
@@ -47,6 +47,9 @@ class Captured:
     lifted_names: list[str]
     input_names: list[str]  # names of the user's tensor arguments (placeholders after lifted)
     out_spec: Any  # pytree spec of the user's outputs
+    # flat output index -> flat input index, for outputs that *are* an input (`x.add_(1); return x`):
+    # the graph returns the new value, the caller must get its own (now updated) tensor back
+    output_aliases: dict = None
 
 
 def flatten_call(fn: Callable, args: tuple, kwargs: dict):
@@ -118,6 +121,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
     else:
         lifted_names, lifted = [], []
     out_spec_box: list[Any] = []
+    aliases: dict[int, int] = {}
 
     def flat_fn(*tensors):
         params = dict(zip(lifted_names, tensors[: len(lifted)]))
@@ -131,6 +135,11 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
             out = fn(*call_args, **call_kwargs)
         flat_out, spec = pytree.tree_flatten(out)
         out_spec_box[:] = [spec]
+        aliases.clear()
+        for k, o in enumerate(flat_out):
+            for i, t in enumerate(tensors):
+                if o is t:
+                    aliases[k] = i
         for o in flat_out:
             if not isinstance(o, torch.Tensor):
                 raise UnsupportedError(
@@ -153,7 +162,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
-    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0])
+    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases))
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:

@@ -3,16 +3,17 @@
 A pointwise kernel walks a flat index over its iteration space (the shape of its outputs). For each
 position it loads its inputs, computes a few SSA statements and stores its outputs:
 
-    PointwiseKernel fused_sin_mul_0 over (4096, 4096)
-      load  v0 = x[index(offset=0, strides=(1,))]         f32
-      v1 = sin(v0)                                       f32
-      v2 = mul(v1, 2.0)                                  f32
-      store out0[index(offset=0, strides=(1,))] = v2     f32
+    PointwiseKernel fused_sin_mul_0 over (4096, 4096), looped as (16777216,)
+      load  v0_x = x[offset=0, strides=(1,)]  f32
+      v1_sin = sin(v0_x)  f32
+      v2_mul = mul(v1_sin, 2.0)  f32
+      store mul[offset=0, strides=(1,)] = v2_mul  f32
 
 Index expressions already fold in every view (transpose, slice, expand ...) and broadcast: an input
-is read through `offset + sum(i_d * strides[d])` where `i_d` is the coordinate along iteration
-dim `d`. A broadcast dim has stride 0. Dims that are contiguous for every tensor are merged first,
-so a plain elementwise kernel has one dim and reads `x_ptr + offsets`.
+is read through `offset + sum(i_d * strides[d])` where `i_d` is the coordinate along loop dim
+`d`. A broadcast dim has stride 0. The loop visits dims in the memory order of the first output,
+and dims that are contiguous for every tensor are merged, so a plain elementwise kernel has one
+dim and reads `x_ptr + offsets`.
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class PointwiseKernel:
         return prod(self.shape)
 
     def __str__(self) -> str:
-        lines = [f"PointwiseKernel {self.name} over {self.source_shape}"]
+        lines = [f"PointwiseKernel {self.name} over {self.source_shape}, looped as {self.shape}"]
         lines += [f"  load  {l.var.name} = {l.param}[{_fmt_index(l.index)}]  {short_dtype(l.dtype)}"
                   for l in self.loads]
         for s in self.stmts:

@@ -84,13 +84,13 @@ _ROWS = [
     Op("clamp_max", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})"),
     Op("where", "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", promote_from=(1, 2)),
     # transcendental functions (integers become floats first)
-    Op("exp", "tl.exp({0})", "std::exp({0})", promote=F),
+    Op("exp", "fusec_exp({0})", "std::exp({0})", promote=F),
     Op("exp2", "tl.exp2({0})", "std::exp2({0})", promote=F),
     Op("expm1", "fusec_expm1({0})", "std::expm1({0})", promote=F),
     Op("log", "tl.log({0})", "std::log({0})", promote=F),
     Op("log2", "tl.log2({0})", "std::log2({0})", promote=F),
     Op("log1p", "fusec_log1p({0})", "std::log1p({0})", promote=F),
-    Op("sqrt", "tl.sqrt_rn({0})", "std::sqrt({0})", promote=F),
+    Op("sqrt", "fusec_sqrt({0})", "std::sqrt({0})", promote=F),
     Op("rsqrt", "fusec_rsqrt({0})", "fusec_rsqrt({0})", promote=F),
     Op("sin", "tl.sin({0})", "std::sin({0})", promote=F),
     Op("cos", "tl.cos({0})", "std::cos({0})", promote=F),
@@ -145,11 +145,21 @@ def _plain(name: str, arity: int) -> Normalizer:
     return lambda args, kwargs: None if kwargs else (name, list(args[:arity]))
 
 
+def _is_bool(operand) -> bool:
+    if hasattr(operand, "meta"):  # an fx Node
+        val = operand.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+    return isinstance(operand, bool)
+
+
 def _with_alpha(name: str) -> Normalizer:
     def norm(args, kwargs):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         if set(kwargs) - {"alpha"}:
             return None
+        if name == "add" and _is_bool(args[0]) and _is_bool(args[1]):
+            # bool + bool is `or` in torch; Triton's int1 wraps (True + True == False)
+            return ("logical_or", list(args[:2])) if alpha else ("copy", [args[0]])
         return (name, list(args[:2])) if alpha == 1 else (name + "_alpha", [*args[:2], alpha])
     return norm
 
@@ -162,6 +172,24 @@ def _rsub(args, kwargs):
 def _div_mode(args, kwargs):
     mode = kwargs.get("rounding_mode", args[2] if len(args) > 2 else None)
     return {None: "truediv", "floor": "floordiv", "trunc": "truncdiv"}[mode], list(args[:2])
+
+
+# Eager computes x ** 0.5, x ** -0.5 and x ** -1 with sqrt, rsqrt and reciprocal kernels (ATen's
+# PowKernel), which differ from pow at the edges: (-inf) ** 0.5 is inf, sqrt(-inf) is NaN. Its CPU
+# kernel for float16 is the exception: that one calls pow.
+_POW_SPECIAL = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
+
+
+def _pow_scalar(args, kwargs):
+    if kwargs:
+        return None
+    base, exponent = args[:2]
+    special = None if isinstance(exponent, bool) else _POW_SPECIAL.get(exponent)
+    val = base.meta.get("val") if hasattr(base, "meta") else None
+    if isinstance(val, torch.Tensor) and val.dtype == torch.float16 and val.device.type == "cpu" \
+            and special != "reciprocal":
+        special = None
+    return (special, [base]) if special else ("pow", [base, exponent])
 
 
 def _gelu(args, kwargs):
@@ -221,7 +249,7 @@ ATEN: dict[Any, Normalizer] = {
     aten.floor_divide.default: _plain("floordiv", 2),
     aten.neg.default: _plain("neg", 1), aten.abs.default: _plain("abs", 1),
     aten.reciprocal.default: _plain("reciprocal", 1),
-    aten.pow.Tensor_Scalar: _plain("pow", 2), aten.pow.Tensor_Tensor: _plain("pow", 2),
+    aten.pow.Tensor_Scalar: _pow_scalar, aten.pow.Tensor_Tensor: _plain("pow", 2),
     aten.pow.Scalar: _plain("pow", 2),
     aten.maximum.default: _plain("maximum", 2), aten.minimum.default: _plain("minimum", 2),
     aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,

@@ -93,6 +93,9 @@ class ViewStep:
         env[self.out_slot] = base.as_strided(self.layout.shape, self.layout.stride,
                                              base.storage_offset() + self.layout.offset)
 
+    def __repr__(self) -> str:
+        return f"ViewStep(slot {self.root} as {self.layout.shape}/{self.layout.stride}+{self.layout.offset})"
+
 
 class GetItemStep:
     def __init__(self, src: int, index: int, out_slot: int):
@@ -100,6 +103,9 @@ class GetItemStep:
 
     def __call__(self, env: list) -> None:
         env[self.out_slot] = env[self.src][self.index]
+
+    def __repr__(self) -> str:
+        return f"GetItemStep(slot {self.src}[{self.index}])"
 
 
 class Program:
@@ -139,9 +145,12 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
-    materialize = {n for n in nodes if n.op == "call_function"
-                   and "fusec_layout" in n.meta and n.meta["fusec_layout"].root != n.name
-                   and any(u.op != "call_module" and not _is_view(u) for u in n.users)}
+    def folded(n):  # a view read through index arithmetic: it needs no tensor of its own
+        return n.op == "call_function" and "fusec_layout" in n.meta \
+            and n.meta["fusec_layout"].root != n.name
+
+    materialize = {n for n in nodes if folded(n)
+                   and any(u.op != "call_module" and not folded(u) for u in n.users)}
 
     def ref(a):
         return SlotRef(slot(a.name)) if isinstance(a, fx.Node) else a

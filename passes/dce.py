@@ -19,7 +19,10 @@ import torch.fx as fx
 
 def dce(gm: fx.GraphModule) -> fx.GraphModule:
     before = {n.name: n for n in gm.graph.nodes}
-    gm.graph.eliminate_dead_code()
+    try:  # random ops count as impure whatever torch's tracing context says (torch >= 2.6)
+        gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
+    except TypeError:
+        gm.graph.eliminate_dead_code()
     after = {n.name for n in gm.graph.nodes}
     gm.meta["fusec_dce"] = [name for name in before if name not in after]
     gm.recompile()

@@ -21,6 +21,7 @@ each pointwise producer it reads. A merge is legal when
 2. they are on the same device;
 3. it creates no cycle: no path leaves one group through an outside node and comes back into the
    other (kernel A -> extern E -> kernel B cannot merge A and B, E needs A's result and B needs E's).
+   Paths include the order of side effects: random ops and in-place copies stay in program order.
 
 Every refused merge is recorded with its reason in `gm.meta["fusec_refusals"]`; a producer that
 is a view or an extern op is no merge candidate and is recorded too. A value consumed outside its
@@ -80,6 +81,7 @@ def is_pointwise(node: fx.Node) -> bool:
 def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    effects = effect_edges(graph)
     group_of: dict[fx.Node, Group] = {n: Group([n]) for n in graph.nodes if is_pointwise(n)}
     refusals: list[Refusal] = []
 
@@ -88,14 +90,14 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         for producer in node.all_input_nodes:
             if producer not in group_of:
-                if producer.op == "call_function":
+                if producer.op == "call_function" and not _view_of_input(producer):
                     kind = ops.classify(producer.target)
                     refusals.append(Refusal(producer.name, node.name, _not_pointwise(producer, kind)))
                 continue
             a, b = group_of[producer], group_of[node]
             if a is b:
                 continue
-            reason = why_not_fuse(a, b, order)
+            reason = why_not_fuse(a, b, order, effects)
             if reason:
                 refusals.append(Refusal(producer.name, node.name, reason))
                 continue
@@ -104,21 +106,49 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
                 group_of[n] = merged
 
     groups = list({id(g): g for g in group_of.values()}.values())
-    gm = _outline(gm, groups, order)
+    gm = _outline(gm, groups, order, effects)
     gm.meta["fusec_refusals"] = refusals
     return gm
 
 
+def _view_of_input(node: fx.Node) -> bool:
+    """A chain of views ending at a program input: it folds into load indices, nothing to fuse."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and ops.classify(node.target) == ops.VIEW:
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
+
+
 def _not_pointwise(producer: fx.Node, kind: str) -> str:
     if kind == ops.VIEW:
-        return (f"producer is a view ({producer.target}); views of intermediate values are "
-                "materialized first, views of inputs fold into load indices")
+        return (f"producer is a view ({producer.target}) of a computed value: the value's kernel "
+                "stores it, and this kernel reads it back through the view's strides")
     if kind == ops.POINTWISE:
         return "producer cannot be a kernel here (device change or unsupported arguments)"
     return f"producer is an extern op ({producer.target}) that runs as an ATen call"
 
 
-def why_not_fuse(a: Group, b: Group, order: dict) -> str | None:
+def effect_edges(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Side-effecting nodes (random ops, in-place copies) must keep their relative order even
+    where no data flows between them: rand() then rand() draws different numbers than the
+    reverse. Each such node gets an edge to the next one, next to its data edges."""
+    impure = [n for n in graph.nodes if n.op == "call_function" and _impure(n)]
+    return dict(zip(impure, impure[1:]))
+
+
+def _impure(node: fx.Node) -> bool:
+    try:
+        return node.is_impure(impure_random=True)
+    except TypeError:  # torch < 2.6
+        return node.is_impure()
+
+
+def _successors(node: fx.Node, effects: dict) -> list[fx.Node]:
+    nxt = effects.get(node)
+    return list(node.users) + ([nxt] if nxt is not None else [])
+
+
+def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
     """None if groups a (producer side) and b may merge, else the reason they may not."""
     if a.device != b.device:
         return f"different devices ({a.device} vs {b.device})"
@@ -133,22 +163,23 @@ def why_not_fuse(a: Group, b: Group, order: dict) -> str | None:
             if any(u not in inside for u in n.users):
                 return (f"different iteration space {small} vs {big}: {n.name} is also used "
                         "outside, and storing it from the larger loop would repeat every write")
-    if _creates_cycle(a, b, order):
+    if _creates_cycle(a, b, order, effects):
         return "would create a cycle (a path between them leaves through another node)"
     return None
 
 
-def _creates_cycle(a: Group, b: Group, order: dict) -> bool:
+def _creates_cycle(a: Group, b: Group, order: dict, effects: dict) -> bool:
     """Is there a path from one group to the other that passes through a node outside both?"""
     inside = set(a.nodes) | set(b.nodes)
     for src, dst in ((a, b), (b, a)):
         targets = set(dst.nodes)
         limit = max(order[n] for n in targets)
-        frontier = [u for n in src.nodes for u in n.users if u not in inside and order[u] < limit]
+        frontier = [u for n in src.nodes for u in _successors(n, effects)
+                    if u not in inside and order[u] < limit]
         seen = set(frontier)
         while frontier:
             n = frontier.pop()
-            for u in n.users:
+            for u in _successors(n, effects):
                 if u in targets:
                     return True
                 if u not in seen and u not in inside and order[u] < limit:
@@ -178,7 +209,7 @@ def kernel_name(nodes: list[fx.Node], index: int) -> str:
     return "fused_" + "_".join(names) + f"_{index}"
 
 
-def _outline(gm: fx.GraphModule, groups: list[Group], order: dict) -> fx.GraphModule:
+def _outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict) -> fx.GraphModule:
     """Rebuild the graph with every group replaced by a call to its own sub-GraphModule.
 
     Units (single nodes or whole groups) are emitted in a topological order of the unit graph,
@@ -197,7 +228,7 @@ def _outline(gm: fx.GraphModule, groups: list[Group], order: dict) -> fx.GraphMo
     dag = nx.DiGraph()
     dag.add_nodes_from(members)
     for n in gm.graph.nodes:
-        for u in n.users:
+        for u in _successors(n, effects):
             if unit_of[u] != unit_of[n]:
                 dag.add_edge(unit_of[n], unit_of[u])
     first = {k: min(order[n] for n in v) for k, v in members.items()}

@@ -3,8 +3,9 @@
 After fusion the graph holds four kinds of nodes: inputs, fused kernels (call_module), extern ATen
 calls, and views. This pass
 
-1. picks each kernel output's layout in memory: contiguous, except a program output, which keeps
-   the strides eager PyTorch would have given it (so `y.stride()` matches eager);
+1. picks each kernel output's layout in memory: the strides eager PyTorch would have given it
+   when those are dense (so `y.stride()` matches eager, and views traced against eager's
+   layout stay valid), else contiguous;
 2. propagates layouts through the graph with fake tensors: a view such as `x.t()[1:]` gets no
    buffer of its own, only a Layout (root buffer, shape, strides, offset) into `x`. The code
    generator folds that layout into load indices, so views cost nothing;
@@ -58,7 +59,9 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             steps.append(Step("kernel", node.target, node.name))
         elif node.op == "call_function" and node.target.__name__ == "getitem" \
                 and node.args[0].op == "call_module":
-            stride = m.stride if node in output_values and _dense(m) else contiguous_strides(m.shape)
+            # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
+            # eager, and views traced against eager's layout replay on ours.
+            stride = m.stride if _dense(m) else contiguous_strides(m.shape)
             fake_of[node] = _root(mode, m, stride)
             node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
             steps[-1].writes.append(node.name)
@@ -66,7 +69,9 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 and ops.classify(node.target) == ops.VIEW:
             base = node.args[0]
             view = _run_fake(mode, node, fake_of)
-            if view is None:  # cannot replay: treat as an extern that produces a new buffer
+            if view is None:  # cannot replay on our layout: copy like reshape would
+                if node.target is torch.ops.aten.view.default:
+                    node.target = torch.ops.aten.reshape.default
                 steps.append(Step("extern", str(node.target), node.name))
                 _new_root(node, mode, fake_of)
                 continue
@@ -86,13 +91,17 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             # one output of a multi-output extern: a root buffer of its own
             if isinstance(m, TensorMeta):
                 _new_root(node, mode, fake_of)
-                steps[-1].writes.append(node.name) if steps else None
+                producer = next(s for s in steps if s.node == node.args[0].name)
+                producer.writes.append(node.name)
 
     # reads: the root buffers behind every tensor argument of a step
     by_name = {n.name: n for n in gm.graph.nodes}
     for step in steps:
         node = by_name[step.node]
-        if step.kind == "extern" and "fusec_layout" in node.meta and not step.writes:
+        if step.kind == "extern" and node.target._schema.is_mutable and node.args:
+            # copy_(x, new) and friends write into their first argument's buffer
+            step.writes.append(node.args[0].meta["fusec_layout"].root)
+        elif step.kind == "extern" and "fusec_layout" in node.meta and not step.writes:
             step.writes.append(node.name)
         for arg in node.all_input_nodes:
             layout = arg.meta.get("fusec_layout")
