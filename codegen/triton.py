@@ -139,7 +139,11 @@ def load(kernel: PointwiseKernel, source: str):
     """Write the module into the cache (if not already there, intact) and import its launcher."""
     key = cache.content_hash(source)
     path = cache.cache_dir("triton") / f"{kernel.name}-{key}.py"
-    if path.exists() and path.read_text() == source:
+    try:
+        intact = path.read_bytes() == source.encode()
+    except OSError:
+        intact = False
+    if intact:
         cache.STATS["hits"] += 1
     else:
         if path.exists():

@@ -79,7 +79,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in BACKENDS:
         raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "cpp"
+        backend = "triton" if device.type == "cuda" else "cpp"
     if backend == "cpp" and device.type != "cpu":
         raise DeviceError(f"fusec: backend 'cpp' runs on CPU tensors, but the inputs are on "
                           f"{device}; use backend='triton' or move the inputs to the CPU")

@@ -37,7 +37,13 @@ def cache_dir(kind: str) -> Path:
     path = root / kind
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     for p in (root, path):
-        if p.stat().st_uid == os.getuid() and (p.stat().st_mode & 0o077):
+        st = p.stat()
+        if st.st_uid != os.getuid():
+            # someone else could replace the libraries we load from here
+            from .errors import FusecError
+            raise FusecError(f"fusec: the cache directory {p} belongs to another user; point "
+                             "FUSEC_CACHE_DIR at a directory of your own")
+        if st.st_mode & 0o077:
             os.chmod(p, 0o700)
     return path
 
@@ -72,8 +78,9 @@ def verified(artifact: Path) -> bool:
     if not artifact.exists() or not manifest.exists():
         return False
     try:
-        expected = json.loads(manifest.read_text())["sha256"]
-    except (ValueError, KeyError):
+        data = json.loads(manifest.read_text())
+        expected = data.get("sha256") if isinstance(data, dict) else None
+    except (ValueError, OSError, UnicodeDecodeError):
         expected = None
     if expected != file_sha256(artifact):
         STATS["corrupt"] += 1

@@ -148,11 +148,15 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
         return flat_out
 
     example = [*lifted, *(leaves[i] for i in tensor_pos)]
+    # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
+    # user's line, instead of becoming symbolic values that no static schedule could run.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
     try:
-        with torch.no_grad():
+        fakes = [mode.from_tensor(t) for t in example]
+        with torch.no_grad(), mode:
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
-                         decomposition_table=decompositions(),
-                         tracing_mode="fake")(*example)
+                         decomposition_table=decompositions())(*fakes)
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line

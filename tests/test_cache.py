@@ -1,0 +1,255 @@
+"""The on-disk cache (fusec/cache.py): a second process compiles nothing, a damaged entry is
+detected and rebuilt, and the directory is private (mode 0700).
+
+Cross-process behaviour is tested with real child processes running a small script; each prints
+fusec.cache.STATS and its timings as JSON on its last line.
+"""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusec
+from fusec import cache
+
+SCRIPT = textwrap.dedent(r'''
+    import json, sys, time
+    start = time.perf_counter()
+    import torch
+    import fusec, fusec.api, fusec.cache, fusec.frontend
+    from fusec.check import compare
+    import_s = time.perf_counter() - start
+
+    # time the two halves of a compile without importing anything early
+    stages = {}
+    def timed(owner, name):
+        inner = getattr(owner, name)
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
+        setattr(owner, name, wrapper)
+    timed(fusec.frontend, "capture")       # torch.fx capture (make_fx under fake tensors)
+    timed(fusec.api, "compile_graph")      # passes, render, build or load from the cache
+
+    def sin4(x):
+        return torch.sin(torch.sin(torch.sin(torch.sin(x))))
+
+    x = torch.linspace(-3, 3, 1000)
+    dynamo_before = "torch._dynamo" in sys.modules
+    t = time.perf_counter()
+    y = fusec.compile(sin4, backend=sys.argv[1])(x)
+    elapsed = time.perf_counter() - t
+    problem = compare(y, sin4(x), sin4(x.double()))
+    print(json.dumps({
+        "stats": dict(fusec.cache.STATS), "ok": problem is None, "problem": problem,
+        "elapsed": elapsed, "import": import_s, "stages": stages,
+        "dynamo_imported_by_call": not dynamo_before and "torch._dynamo" in sys.modules,
+    }))
+''')
+
+
+def run_child(backend: str, cache_dir: Path) -> dict:
+    script = cache_dir.parent / "fusec_cache_child.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, FUSEC_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="1", FUSEC_LOG="cache")
+    proc = subprocess.run([sys.executable, str(script), backend], capture_output=True, text=True,
+                          env=env, cwd=str(cache_dir.parent), timeout=300)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["stats"] = {k: result["stats"].get(k, 0) for k in ("hits", "misses", "compiles", "corrupt")}
+    result["log"] = proc.stderr
+    return result
+
+
+class Runs:
+    """Child processes run one after another over one cache directory."""
+
+    def __init__(self, cache_dir, runs):
+        self.cache_dir = cache_dir
+        self.first, self.second, *rest = runs
+        self.third = rest[0] if rest else None
+
+
+def runs_over_one_cache(tmp_path_factory, backend, n) -> Runs:
+    cache_dir = tmp_path_factory.mktemp(f"{backend}-warm") / "cache"
+    return Runs(cache_dir, [run_child(backend, cache_dir) for _ in range(n)])
+
+
+@pytest.fixture(scope="module")
+def cpp_runs(tmp_path_factory):
+    return runs_over_one_cache(tmp_path_factory, "cpp", 3)
+
+
+@pytest.fixture(scope="module")
+def triton_runs(tmp_path_factory):
+    return runs_over_one_cache(tmp_path_factory, "triton", 2)
+
+
+def copy_cache(runs: Runs, tmp_path: Path) -> Path:
+    dst = tmp_path / "cache"
+    shutil.copytree(runs.cache_dir, dst)
+    return dst
+
+
+# ---- (a) a second process reuses the cache ------------------------------------------------------
+
+def test_second_process_reuses_cpp_build(cpp_runs):
+    first, second = cpp_runs.first, cpp_runs.second
+    assert first["ok"] and second["ok"], (first["problem"], second["problem"])
+    assert first["stats"]["compiles"] >= 1 and first["stats"]["misses"] >= 1, first["stats"]
+    assert second["stats"]["compiles"] == 0, second["stats"]
+    assert second["stats"]["misses"] == 0, second["stats"]
+    assert second["stats"]["hits"] >= 1, second["stats"]
+    assert second["stats"]["corrupt"] == 0, second["stats"]
+    assert cpp_runs.third["stats"]["compiles"] == 0 and cpp_runs.third["stats"]["hits"] >= 1
+    names = sorted(p.suffix for p in (cpp_runs.cache_dir / "cpp").iterdir())
+    assert names == [".cpp", ".json", ".so"], names  # one entry, no temporary files left behind
+
+
+def test_second_process_reuses_triton_module(triton_runs):
+    first, second = triton_runs.first, triton_runs.second
+    assert first["ok"] and second["ok"], (first["problem"], second["problem"])
+    assert first["stats"]["misses"] >= 1, first["stats"]
+    assert second["stats"]["misses"] == 0, second["stats"]
+    assert second["stats"]["hits"] >= 1, second["stats"]
+    assert [p.suffix for p in (triton_runs.cache_dir / "triton").iterdir()] == [".py"]
+
+
+# ---- (b) warm-cache latency ---------------------------------------------------------------------
+#
+# Measured in the child, from `fusec.compile(sin4)` to the result (1000 f32 on CPU, warm cache).
+# Since commit f4b47b0 torch's tracing imports (torch._dynamo / torch._inductor, which make_fx and
+# FakeTensorMode pull in, ~1.2-3 s on this 2-core machine) are paid by `import fusec`, not by the
+# first compile; without that, this latency was 1.3-2.8 s. A warm call now measures ~35-100 ms:
+# capture ~15-50 ms, passes ~5-20 ms, render ~2-7 ms, cache lookup + dlopen ~3-8 ms.
+
+def test_warm_cache_compiles_nothing_and_fusec_stages_are_quick(cpp_runs):
+    """Regression guard for fusec's own part of a warm start: passes, render, cache lookup and
+    dlopen (compile_graph), generous for a loaded 2-core machine."""
+    second = cpp_runs.second
+    assert second["stats"]["compiles"] == 0
+    assert second["stages"]["compile_graph"] < 0.5, second["stages"]
+
+
+def test_warm_cache_latency_target(cpp_runs):
+    """< 0.2 s from fusec.compile(f)(x) to the result in a new process with a warm cache.
+
+    Best of two warm processes, so that one scheduling hiccup on a busy machine does not fail it.
+    """
+    runs = [cpp_runs.second, cpp_runs.third]
+    best = min(runs, key=lambda r: r["elapsed"])
+    assert best["elapsed"] < 0.2, (
+        f"warm-cache compile+call took {[round(r['elapsed'], 3) for r in runs]} s; stages of the "
+        f"best: {best['stages']}; torch._dynamo imported by the call itself: "
+        f"{best['dynamo_imported_by_call']}")
+
+
+# ---- (c) damaged entries are detected and rebuilt -------------------------------------------------
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"\x7fELF this is not a shared library \x00\xff" * 64)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, suffix", [(_garbage, ".so"), (_truncate, ".so"),
+                                            (_truncate, ".json")],
+                         ids=["garbage-so", "truncated-so", "truncated-manifest"])
+def test_damaged_cpp_entry_is_rebuilt(cpp_runs, tmp_path, damage, suffix):
+    cache_dir = copy_cache(cpp_runs, tmp_path)
+    (victim,) = (cache_dir / "cpp").glob("*" + suffix)
+    damage(victim)
+    run = run_child("cpp", cache_dir)
+    assert run["ok"], run["problem"]
+    assert run["stats"]["corrupt"] >= 1, run["stats"]
+    assert run["stats"]["compiles"] >= 1, run["stats"]
+    assert "corrupt cache entry" in run["log"]
+    # the rebuilt entry is sound again: the manifest matches the library on disk
+    (lib,) = (cache_dir / "cpp").glob("*.so")
+    assert json.loads(lib.with_suffix(".json").read_text())["sha256"] == cache.file_sha256(lib)
+
+
+def test_truncated_triton_module_is_rewritten(triton_runs, tmp_path):
+    cache_dir = copy_cache(triton_runs, tmp_path)
+    (module,) = (cache_dir / "triton").glob("*.py")
+    _truncate(module)
+    run = run_child("triton", cache_dir)
+    assert run["ok"], run["problem"]
+    assert run["stats"]["corrupt"] >= 1 and run["stats"]["misses"] >= 1, run["stats"]
+
+
+def test_binary_garbage_triton_module_is_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    from fusec.codegen import triton as triton_backend
+    cf = fusec.compile(lambda x: torch.sin(x) + 1, backend="triton")
+    x = torch.randn(100)
+    cf(x)
+    kernel = cf.kernels[0]
+    (module,) = (tmp_path / "triton").glob("*.py")
+    _garbage(module)
+    before = cache.STATS["corrupt"]
+    triton_backend.load(kernel.ir, kernel.source)  # what a new process would do
+    assert cache.STATS["corrupt"] == before + 1
+    assert module.read_text() == kernel.source
+
+
+@pytest.mark.parametrize("manifest", ["", "{", "{}", '{"sha256": 5}', "null", "[]", '"x"'],
+                         ids=["empty", "truncated", "no-key", "wrong-type", "null", "list", "str"])
+def test_unusable_manifest_counts_as_corrupt(tmp_path, monkeypatch, manifest, request):
+    lib = tmp_path / "k.so"
+    lib.write_bytes(b"library bytes")
+    cache.write_manifest(lib)
+    assert cache.verified(lib)
+    lib.with_suffix(".json").write_text(manifest)
+    before = cache.STATS["corrupt"]
+    assert not cache.verified(lib)
+    assert cache.STATS["corrupt"] == before + 1
+
+
+# ---- (d) the directory is private -----------------------------------------------------------------
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_cache_dir_is_created_0700(tmp_path, monkeypatch):
+    root = tmp_path / "deep" / "fusec-cache"
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
+    cf = fusec.compile(lambda x: torch.cos(x) * 3, backend="cpp")
+    x = torch.randn(10)
+    torch.testing.assert_close(cf(x), torch.cos(x) * 3)
+    assert _mode(root) == 0o700 and _mode(root / "cpp") == 0o700
+    for f in (root / "cpp").iterdir():
+        assert not _mode(f) & 0o022, f"{f.name} is writable by others: {oct(_mode(f))}"
+    assert cache.cache_dir("triton") == root / "triton" and _mode(root / "triton") == 0o700
+
+
+def test_default_cache_dir_under_xdg_is_0700(tmp_path, monkeypatch):
+    monkeypatch.delenv("FUSEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = cache.cache_dir("cpp")
+    assert path == tmp_path / "xdg" / "fusec" / "cpp"
+    assert _mode(path) == 0o700 and _mode(path.parent) == 0o700
+
+
+def test_loose_existing_cache_dir_is_tightened(tmp_path, monkeypatch):
+    root = tmp_path / "loose"
+    (root / "cpp").mkdir(parents=True)
+    os.chmod(root, 0o777)
+    os.chmod(root / "cpp", 0o755)
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
+    cache.cache_dir("cpp")
+    assert _mode(root) == 0o700 and _mode(root / "cpp") == 0o700

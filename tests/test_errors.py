@@ -1,0 +1,182 @@
+"""Errors a user can act on: every refusal is a fusec error class with a one-paragraph message that
+points at the user's own code, never a torch-internal traceback.
+"""
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fusec
+from fusec.codegen.cpp import find_compiler
+
+THIS_FILE = os.path.basename(__file__)
+
+
+def sin4(x):
+    return torch.sin(torch.sin(torch.sin(torch.sin(x))))
+
+
+def line_of(fn, text: str) -> int:
+    """The line number of `text` inside fn's source."""
+    lines, start = inspect.getsourcelines(fn)
+    for i, line in enumerate(lines):
+        if text in line:
+            return start + i
+    raise AssertionError(f"{text!r} not in {fn.__name__}")
+
+
+def assert_points_at_user_code(err: BaseException, fn, text: str):
+    message = str(err)
+    assert THIS_FILE in message, message
+    assert f"{THIS_FILE}:{line_of(fn, text)}" in message, message
+    assert text in message, message
+    # one clear message: no traceback, no torch internals pasted in, no chained torch error shown
+    assert "Traceback" not in message and 'File "' not in message, message
+    assert os.path.dirname(torch.__file__) not in message, message
+    assert "site-packages" not in message, message
+    assert "TORCH_LOGS" not in message and "TORCHDYNAMO" not in message, message
+    assert err.__cause__ is None and err.__suppress_context__, "torch's error is chained on"
+
+
+# ---- data-dependent Python -----------------------------------------------------------------------
+
+def branch_on_tensor(x):
+    if x.sum() > 0:
+        return torch.sin(x)
+    return torch.cos(x)
+
+
+def python_scalar_from_tensor(x):
+    scale = x.abs().max().item()
+    return x / scale
+
+
+def test_control_flow_on_tensor_values(target):
+    backend, device = target
+    cf = fusec.compile(branch_on_tensor, backend=backend)
+    with pytest.raises(fusec.UnsupportedError) as info:
+        cf(torch.randn(16, device=device))
+    assert_points_at_user_code(info.value, branch_on_tensor, "if x.sum() > 0:")
+    assert "torch.where" in str(info.value)  # says what to do instead
+    assert cf.compiled == {}
+
+
+def test_item(target):
+    backend, device = target
+    with pytest.raises(fusec.UnsupportedError) as info:
+        fusec.compile(python_scalar_from_tensor, backend=backend)(torch.randn(16, device=device))
+    assert_points_at_user_code(info.value, python_scalar_from_tensor, "x.abs().max().item()")
+
+
+def nonzero(x):
+    return torch.nonzero(x > 0)
+
+
+def boolean_mask(x):
+    return torch.sin(x[x > 0])
+
+
+@pytest.mark.parametrize("fn, text", [(nonzero, "torch.nonzero(x > 0)"),
+                                      (boolean_mask, "x[x > 0]")], ids=["nonzero", "mask"])
+def test_data_dependent_output_shape(target, fn, text):
+    backend, device = target
+    with pytest.raises(fusec.UnsupportedError) as info:
+        fusec.compile(fn, backend=backend)(torch.randn(16, device=device))
+    assert "depends on the data" in str(info.value)
+    assert_points_at_user_code(info.value, fn, text)
+
+
+# ---- devices -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["auto", "cpp", "triton"])
+def test_inputs_on_different_devices(backend):
+    cf = fusec.compile(lambda a, b: a * b + 1, backend=backend)
+    a, b = torch.randn(4), torch.randn(4, device="meta")
+    with pytest.raises(fusec.DeviceError) as info:
+        cf(a, b)
+    message = str(info.value)
+    assert "a on cpu" in message and "b on meta" in message
+    assert cf.compiled == {}
+
+
+def test_cpp_backend_rejects_other_devices():
+    with pytest.raises(fusec.DeviceError, match="backend 'cpp' runs on CPU tensors.*meta"):
+        fusec.compile(sin4, backend="cpp")(torch.randn(8, device="meta"))
+    with pytest.raises(fusec.DeviceError, match="meta"):
+        fusec.explain(sin4, torch.randn(8, device="meta"), backend="cpp")
+
+
+def test_triton_backend_rejects_meta():
+    with pytest.raises(fusec.DeviceError, match="meta"):
+        fusec.compile(sin4, backend="triton")(torch.randn(8, device="meta"))
+
+
+def test_auto_backend_on_an_unsupported_device():
+    # In a child process: today this segfaults, which must not take pytest down with it.
+    code = textwrap.dedent("""
+        import torch, fusec
+        try:
+            fusec.compile(lambda x: torch.sin(x) * 2)(torch.randn(8, device="meta"))
+        except fusec.DeviceError as err:
+            print("DeviceError:", err)
+        else:
+            print("no error")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"child died with {proc.returncode}: {proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("DeviceError:") and "meta" in proc.stdout, proc.stdout
+
+
+# ---- configuration -----------------------------------------------------------------------------
+
+def test_unknown_backend():
+    for make in (lambda: fusec.compile(sin4, backend="llvmm"),
+                 lambda: fusec.compile(backend="llvmm")(sin4),
+                 lambda: fusec.compile(torch.nn.ReLU(), backend="llvmm"),
+                 lambda: fusec.explain(sin4, torch.randn(4), backend="llvmm")):
+        with pytest.raises(fusec.FusecError) as info:
+            make()
+        message = str(info.value)
+        assert "'llvmm'" in message and "cpp" in message and "triton" in message
+
+
+@pytest.fixture
+def no_cxx(monkeypatch, tmp_path):
+    """$CXX names a compiler that does not exist; a fresh cache, so nothing can be reused."""
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "fusec-missing-g++")
+    find_compiler.cache_clear()
+    yield "fusec-missing-g++"
+    monkeypatch.undo()
+    find_compiler.cache_clear()
+
+
+def test_missing_compiler(no_cxx):
+    cf = fusec.compile(sin4, backend="cpp")
+    x = torch.randn(100)
+    with pytest.raises(fusec.CompilerNotFoundError) as info:
+        cf(x)
+    assert no_cxx in str(info.value)
+    assert "backend='triton'" in str(info.value)  # says what to do instead
+    assert cf.compiled == {}
+    with pytest.raises(fusec.CompilerNotFoundError):
+        fusec.compile(sin4)(x)  # auto picks cpp on CPU, same error
+
+    # The Triton backend needs no C compiler: it keeps working in the same process.
+    tf = fusec.compile(sin4, backend="triton")
+    torch.testing.assert_close(tf(x), sin4(x))
+    assert tf.kernels[0].backend == "triton"
+
+
+def test_missing_compiler_is_not_sticky(no_cxx, monkeypatch):
+    cf = fusec.compile(sin4, backend="cpp")
+    x = torch.randn(100)
+    with pytest.raises(fusec.CompilerNotFoundError):
+        cf(x)
+    monkeypatch.delenv("CXX")
+    find_compiler.cache_clear()
+    torch.testing.assert_close(cf(x), sin4(x))  # the same compiled function recovers
