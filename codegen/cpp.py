@@ -164,7 +164,9 @@ def _store_value(var: Var, storage: torch.dtype) -> str:
     return convert(var.name, var.dtype, storage)
 
 
-def render(kernel: PointwiseKernel) -> str:
+def render(kernel) -> str:
+    if not isinstance(kernel, PointwiseKernel):
+        return render_reduction(kernel)
     shape = kernel.shape
     rows = math.prod(shape[:-1])
     inner = shape[-1]
@@ -264,3 +266,124 @@ class CppLauncher:
 
 def load(kernel: PointwiseKernel, source: str) -> CppLauncher:
     return CppLauncher(build(source, kernel.name), kernel.name, len(kernel.params))
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+def render_reduction(kernel) -> str:
+    """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
+    last loop that recomputes and stores the element values (softmax's division, say)."""
+    from fusec.ir import Reduce
+    n_rows = len(kernel.row_shape)
+    row_lines = _coords("c", "row", kernel.row_shape)
+    k_coords = _coords("q", "k", kernel.k_shape)
+
+    def index(idx: Index, label: str) -> str:
+        base = ([str(idx.offset)] if idx.offset else []) + \
+            [f"c{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
+        if base:
+            row_lines.append(f"const int64_t {label}_base = {' + '.join(base)};")
+        kterms = [f"q{d}" if s == 1 else f"q{d} * {s}"
+                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        return " + ".join(([f"{label}_base"] if base else []) + kterms) or "0"
+
+    lines: dict[str, str] = {}
+    for l in kernel.loads:
+        ptr = f"{l.param}_ptr[{index(l.index, l.var.name)}]"
+        lines[l.var.name] = (f"const {CTYPE[l.var.dtype]} {l.var.name} = "
+                             f"{convert(_load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
+    producers = {l.var.name: l for l in kernel.loads}
+    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
+    for item in kernel.body:
+        producers[item.var.name] = item
+        if not isinstance(item, Reduce):
+            lines[item.var.name] = _stmt(item)
+    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
+
+    def closure(targets) -> list[str]:
+        need, stack = set(), list(targets)
+        while stack:
+            name = stack.pop()
+            if name in need or name not in kernel.varying:
+                continue
+            need.add(name)
+            item = producers[name]
+            if isinstance(item, Stmt):
+                stack += [o.name for o in item.operands if isinstance(o, Var)]
+        return [lines[n] for n in order if n in need]
+
+    done: set[str] = set()
+    for name in order:  # row values needing no reduction: once per row, before the loops
+        item = producers[name]
+        if name not in kernel.varying and not isinstance(item, Reduce) and kernel.level.get(name, 0) == 0:
+            row_lines.append(lines[name])
+            done.add(name)
+
+    sections = []
+    for phase in range(kernel.phases):
+        reds = [r for r in reduces if r.phase == phase]
+        before, body, after = [], list(k_coords), []
+        body += closure({r.operand.name for r in reds})
+        simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
+                   for r in reds)
+        for r in reds:
+            red = ops.REDUCTIONS[r.op]
+            acc = f"acc_{r.var.name}"
+            x = convert(r.operand.name, r.operand.dtype, r.acc_dtype if not red.returns_index
+                        else r.operand.dtype)
+            if red.returns_index:
+                cmp = ">" if r.op == "argmax" else "<"
+                before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
+                              f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
+                before.append(f"int64_t {acc}_at = 0; bool {acc}_seen = false;")
+                nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
+                body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || {nan})) "
+                            f"{{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
+                after.append(f"const int64_t {r.var.name} = {acc}_at;  // {r.origin}")
+            else:
+                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+                body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
+                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = "
+                             f"{convert(acc, r.acc_dtype, r.var.dtype)};  // {r.origin}")
+            done.add(r.var.name)
+        for name in order:
+            item = producers[name]
+            if name not in done and name not in kernel.varying and not isinstance(item, Reduce) \
+                    and kernel.level.get(name, 0) == phase + 1:
+                after.append(lines[name])
+                done.add(name)
+        pragma = ""
+        if simd and reds:
+            op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
+            if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
+                pragma = f"#pragma omp simd reduction({op}:{', '.join('acc_' + r.var.name for r in reds)})"
+        sections.append({"comment": f"phase {phase}: " + ", ".join(r.op for r in reds),
+                         "before": before, "pragma": pragma, "body": body, "after": after})
+
+    elem_stores, row_stores = [], []
+    for n, s in enumerate(kernel.stores):
+        target = f"{s.param}_ptr[{index(s.index, f'out{n}')}]"
+        text = f"{target} = {_store_value(s.var, s.dtype)};"
+        (elem_stores if s.var.name in kernel.varying else row_stores).append(text)
+    if elem_stores:
+        body = list(k_coords) + closure({s.var.name for s in kernel.stores
+                                         if s.var.name in kernel.varying}) + elem_stores
+        sections.append({"comment": "last pass: element values, stored", "before": [],
+                         "pragma": "#pragma omp simd", "body": body, "after": []})
+    return render_template(
+        "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
+        params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+                for p in kernel.params],
+        row_lines=row_lines, sections=sections, row_stores=row_stores)
+
+
+def _coords(prefix: str, var: str, shape) -> list[str]:
+    """Row-major coordinates of the flat position `var` over `shape`."""
+    out = []
+    for d in range(len(shape)):
+        below = math.prod(shape[d + 1:])
+        expr = var if below == 1 else f"{var} / {below}"
+        out.append(f"const int64_t {prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}") + ";")
+    return out

@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, Store, TensorMeta,
-                      Var)
+from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Reduce, ReductionKernel,
+                      Stmt, Store, TensorMeta, Var)
 
 
 def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
@@ -154,3 +154,138 @@ def coalesce(shape: tuple[int, ...], tensors: list[tuple[int, ...]]):
     if not sizes:
         return (1,), [(0,) for _ in tensors]
     return tuple(sizes), [tuple(s) for s in strides]
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
+                    out_layouts: list[Layout], root_dtypes: dict[str, torch.dtype]) -> ReductionKernel:
+    """Build the kernel IR for a reduction group (see passes/fuse_reductions.py).
+
+    The reduced shape is permuted so the reduced dims come last: the loop is (rows, k). Each
+    tensor gets strides over (row dims..., k dims...): an element tensor broadcast to the reduced
+    shape, a row tensor with 0 strides along k. Row dims and k dims are then merged separately.
+    """
+    group = sub.meta["fusec_group"]
+    shape, dims = tuple(group["shape"]), tuple(group["reduce_dims"])
+    outer = [d for d in range(len(shape)) if d not in dims]
+    perm = outer + list(dims)
+    rows_only = tuple(shape[d] for d in outer)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    outputs = list(sub.graph.output_node().args[0])
+
+    def strides_for(layout: Layout, where: str) -> tuple[int, ...]:
+        if where == "rows":
+            row_strides = _broadcast_strides(layout, rows_only)
+            return tuple(row_strides) + (0,) * len(dims)
+        full = _broadcast_strides(layout, shape)
+        return tuple(full[d] for d in perm)
+
+    def space_of(node: fx.Node) -> str:
+        return node.meta.get("fusec_space", "elem")
+
+    # Which spaces each input is read in: its users decide (an input can be read both ways).
+    tensors: list[tuple] = []  # (kind, index, space, strides)
+    for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
+        reads = {"elem" if ops.reduction(u) is not None else space_of(u)
+                 for u in ph.users if u.op == "call_function"}
+        for where in sorted(reads or {"elem"}):
+            tensors.append(("in", i, where, strides_for(layout, where)))
+    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
+        tensors.append(("out", k, space_of(out), strides_for(layout, space_of(out))))
+    n_rows = len(outer)
+    row_shape, row_strides = coalesce(tuple(shape[d] for d in outer), [t[3][:n_rows] for t in tensors])
+    k_shape, k_strides = coalesce(tuple(shape[d] for d in dims), [t[3][n_rows:] for t in tensors])
+    index_of = {(t[0], t[1], t[2]): Index(layout_offset, rs + ks)
+                for t, rs, ks, layout_offset in zip(
+                    tensors, row_strides, k_strides,
+                    [(in_layouts if t[0] == "in" else out_layouts)[t[1]].offset for t in tensors])}
+
+    params: list[Param] = []
+    seen: set[str] = set()
+
+    def param(root: str, is_output: bool) -> str:
+        if root not in seen:
+            seen.add(root)
+            params.append(Param(root, root_dtypes[root], is_output))
+        return root
+
+    loads: list[Load] = []
+    load_of: dict[tuple, Var] = {}
+    env: dict[tuple, Var] = {}  # (node, space) -> Var
+    varying: set[str] = set()
+    level: dict[str, int] = {}
+    counter = [0]
+
+    def fresh(node_name: str, dtype: torch.dtype) -> Var:
+        var = Var(f"v{counter[0]}_{_ident(node_name)}", dtype)
+        counter[0] += 1
+        return var
+
+    def value(node: fx.Node, where: str) -> Var:
+        if (node, where) in env:
+            return env[(node, where)]
+        if node.op != "placeholder":
+            return env[(node, space_of(node))]
+        i = placeholders.index(node)
+        layout = in_layouts[i]
+        index = index_of[("in", i, where)]
+        key = (layout.root, index)
+        if key not in load_of:
+            storage = root_dtypes[layout.root]
+            var = fresh(node.name, ops.register_dtype(storage))
+            loads.append(Load(var, param(layout.root, False), storage, index))
+            load_of[key] = var
+            if any(index.strides[len(row_shape):]):
+                varying.add(var.name)
+            level[var.name] = 0
+        env[(node, where)] = load_of[key]
+        return load_of[key]
+
+    body: list = []
+    fused_ops: list[str] = []
+    for node in sub.graph.nodes:
+        if node.op != "call_function":
+            continue
+        where = space_of(node)
+        out_meta: TensorMeta = node.meta["fusec"]
+        red = ops.reduction(node)
+        if red is not None:
+            operand = value(red.operand, "elem")
+            if red.op.returns_index:
+                acc = operand.dtype
+            elif red.op.name in ("any", "all"):
+                acc = torch.bool
+            else:
+                acc = ops.register_dtype(out_meta.dtype)
+            var = fresh(node.name, ops.register_dtype(out_meta.dtype))
+            phase = level[operand.name]
+            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=_origin(node)))
+            level[var.name] = phase + 1
+        else:
+            row, operands = ops.normalize(node)
+            vals = [o.meta["val"] if isinstance(o, fx.Node) else o for o in operands]
+            compute = ops.compute_dtype(row, vals, out_meta.dtype)
+            operand_dtypes = tuple(torch.bool if row.name == "where" and k == 0 else compute
+                                   for k in range(len(operands)))
+            args = tuple(value(o, where) if isinstance(o, fx.Node) else Const(o, dt)
+                         for o, dt in zip(operands, operand_dtypes))
+            var = fresh(node.name, ops.register_dtype(out_meta.dtype))
+            rounds = row.name in ("to", "full") and out_meta.dtype in ops.FLOAT16_LIKE
+            body.append(Stmt(var, row.name, args, operand_dtypes,
+                             torch.bool if row.returns_bool else compute,
+                             out_meta.dtype if rounds else None, origin=_origin(node)))
+            vars_in = [a for a in args if isinstance(a, Var)]
+            if any(a.name in varying for a in vars_in):
+                varying.add(var.name)
+            level[var.name] = max((level[a.name] for a in vars_in), default=0)
+        env[(node, where)] = var
+        fused_ops.append(str(node.target))
+
+    stores = []
+    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
+        var = env[(out, space_of(out))]
+        stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root],
+                            index_of[("out", k, space_of(out))]))
+    return ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
+                           varying, level, fused_ops)

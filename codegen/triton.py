@@ -66,12 +66,12 @@ def _operand(o, dtype) -> str:
     return convert(o.name, o.dtype, dtype)
 
 
-def _stmt(s: Stmt, helpers: set) -> str:
+def _stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
     row = ops.OPS[s.op]
     args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
     if s.op == "full":
-        expr = f"tl.full([BLOCK_SIZE], {args[0]}, {TL[s.result_dtype]})" if not args[0].startswith(
-            "tl.full") else args[0].replace("[1]", "[BLOCK_SIZE]")
+        expr = f"tl.full({block}, {args[0]}, {TL[s.result_dtype]})" if not args[0].startswith(
+            "tl.full") else args[0].replace("[1]", block)
     else:
         expr = row.triton.format(*args)
     helpers.update(re.findall(r"\bfusec_\w+", expr))
@@ -82,7 +82,9 @@ def _stmt(s: Stmt, helpers: set) -> str:
     return f"{s.var.name} = {expr}  # {s.origin}"
 
 
-def render(kernel: PointwiseKernel) -> str:
+def render(kernel) -> str:
+    if not isinstance(kernel, PointwiseKernel):
+        return render_reduction(kernel)
     shape = kernel.shape
     numel = kernel.numel
     block, num_warps = block_size(numel)
@@ -159,3 +161,176 @@ def load(kernel: PointwiseKernel, source: str):
         spec.loader.exec_module(module)
         sys.modules[module_name] = module
     return module.launch
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+PERSISTENT_MAX_K = 8192  # rows up to this long stay in registers; longer ones are looped over
+LOOP_RBLOCK = 2048
+
+
+def reduction_blocks(rows: int, k: int) -> tuple[bool, int, int, int]:
+    """(persistent, XBLOCK, RBLOCK, num_warps): a whole short row per program when it fits,
+    several rows per program when rows are short, 2048-wide chunks for long rows."""
+    persistent = k <= PERSISTENT_MAX_K
+    rblock = max(1 << max(k - 1, 0).bit_length(), 2) if persistent else LOOP_RBLOCK
+    xblock = max(1, min(4096 // rblock, 1 << max(rows - 1, 0).bit_length()))
+    num_warps = max(1, min(16, (xblock * rblock) // 512))
+    return persistent, xblock, rblock, num_warps
+
+
+def render_reduction(kernel) -> str:
+    from fusec.ir import Reduce
+    persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k)
+    n_rows = len(kernel.row_shape)
+    helpers: set = set()
+
+    def coords(prefix: str, var: str, shape) -> list[str]:
+        out = []
+        for d in range(len(shape)):
+            below = math.prod(shape[d + 1:])
+            expr = var if below == 1 else f"({var} // {below})"
+            out.append(f"{prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}"))
+        return out
+
+    def index(idx: Index) -> tuple[str, str]:
+        """(address expression, mask) for an index over (row dims..., k dims...)."""
+        terms = [f"r{d}" if s == 1 else f"r{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
+        kterms = [f"k{d}" if s == 1 else f"k{d} * {s}"
+                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        mask = "mask" if terms and kterms else ("k_mask" if kterms else "row_mask")
+        terms = terms + kterms or ["tl.zeros_like(rows)"]
+        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms), mask
+
+    load_lines = {}
+    for l in kernel.loads:
+        addr, mask = index(l.index)
+        value = f"tl.load({l.param}_ptr + {addr}, mask={mask})"
+        if l.dtype != l.var.dtype:
+            value = convert(value, l.dtype, l.var.dtype)
+        load_lines[l.var.name] = f"{l.var.name} = {value}"
+
+    producers = {l.var.name: ("load", l) for l in kernel.loads}
+    for item in kernel.body:
+        producers[item.var.name] = ("body", item)
+
+    def reduce_block(r: Reduce, operand: str) -> str:
+        red = ops.REDUCTIONS[r.op]
+        init = literal(red.init(r.acc_dtype), r.acc_dtype)
+        masked = f"tl.where(mask, {convert(operand, r.operand.dtype, r.acc_dtype)}, {init})"
+        if red.returns_index:
+            expr = red.triton_block.format(x=masked, k="ks")
+        else:
+            expr = red.triton_block.format(x=masked)
+        helpers.update(re.findall(r"\bfusec_\w+", expr))
+        return convert(f"({expr})", torch.int64 if red.returns_index else r.acc_dtype,
+                       r.var.dtype) + "[:, None]"
+
+    def line(name: str) -> str:
+        kind, item = producers[name]
+        if kind == "load":
+            return load_lines[name]
+        return _stmt(item, helpers, block="[1, 1]")
+
+    order = [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]
+
+    def closure(targets: set[str], only_varying: bool) -> list[str]:
+        """The values needed to compute `targets`, in program order."""
+        need: set[str] = set()
+        stack = list(targets)
+        while stack:
+            name = stack.pop()
+            if name in need or (only_varying and name not in kernel.varying):
+                continue
+            need.add(name)
+            kind, item = producers[name]
+            if kind == "body" and not isinstance(item, Reduce):
+                stack += [o.name for o in item.operands if isinstance(o, Var)]
+        return [n for n in order if n in need]
+
+    k_setup = lambda start: [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
+                             "mask = row_mask & k_mask", *coords("k", "ks", kernel.k_shape)]
+    stores_elem, stores_row = [], []
+    for s in kernel.stores:
+        addr, mask = index(s.index)
+        text = f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}, mask={mask})"
+        (stores_elem if s.var.name in kernel.varying else stores_row).append(text)
+
+    row_lines = coords("r", "rows", kernel.row_shape)
+    loops = []
+    if persistent:
+        body = list(k_setup(""))
+        for name in order:
+            kind, item = producers[name]
+            body.append(reduce_line(item, reduce_block) if isinstance(item, Reduce) else line(name))
+        loops.append({"comment": "The whole row fits in one block: load it once, reduce, finish.",
+                      "before": [], "header": "", "body": body + stores_elem + stores_row,
+                      "after": []})
+    else:
+        done: set[str] = set()
+        # row values that need no reduction: computed once, before the loops
+        for name in order:
+            kind, item = producers[name]
+            if name not in kernel.varying and not isinstance(item, Reduce) \
+                    and kernel.level.get(name, 0) == 0:
+                row_lines.append(line(name))
+                done.add(name)
+        for phase in range(kernel.phases):
+            reds = [i for i in kernel.body if isinstance(i, Reduce) and i.phase == phase]
+            before, body, after = [], list(k_setup("k_start + ")), []
+            for r in reds:
+                red = ops.REDUCTIONS[r.op]
+                if red.returns_index:
+                    raise NotImplementedError("argmax/argmin over rows longer than "
+                                              f"{PERSISTENT_MAX_K} in Triton")
+                init = literal(red.init(r.acc_dtype), r.acc_dtype).replace("[1]", "[XBLOCK, RBLOCK]")
+                if not init.startswith("tl.full"):
+                    init = f"tl.full([XBLOCK, RBLOCK], {init}, {TL[r.acc_dtype]})"
+                before.append(f"acc_{r.var.name} = {init}")
+            for name in closure({r.operand.name for r in reds}, True):
+                body.append(line(name))
+            for r in reds:
+                red = ops.REDUCTIONS[r.op]
+                x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+                combine = red.combine.format(acc=f"acc_{r.var.name}", x=x)
+                helpers.update(re.findall(r"\bfusec_\w+", combine))
+                body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
+                block = red.triton_block.format(x=f"acc_{r.var.name}")
+                helpers.update(re.findall(r"\bfusec_\w+", block))
+                after.append(f"{r.var.name} = " + convert(f"({block})", r.acc_dtype, r.var.dtype)
+                             + "[:, None]  # " + r.origin)
+                done.add(r.var.name)
+            for name in order:  # row values that became computable after this phase
+                kind, item = producers[name]
+                if name not in done and name not in kernel.varying \
+                        and kernel.level.get(name, 0) == phase + 1 and not isinstance(item, Reduce):
+                    after.append(line(name))
+                    done.add(name)
+            loops.append({"comment": f"Phase {phase}: one pass over the row for "
+                                     + ", ".join(r.op for r in reds) + ".",
+                          "before": before, "header": "for k_start in range(0, n_k, RBLOCK):",
+                          "body": body, "after": after})
+        if stores_elem:
+            targets = {s.var.name for s in kernel.stores if s.var.name in kernel.varying}
+            body = list(k_setup("k_start + "))
+            body += [line(n) for n in closure(targets, True)] + stores_elem
+            loops.append({"comment": "Last pass: recompute the element values and store them.",
+                          "before": [], "header": "for k_start in range(0, n_k, RBLOCK):",
+                          "body": body, "after": []})
+        if stores_row:
+            loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
+
+    big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    return render_template(
+        "triton_reduction.py.j2", name=kernel.name, summary=_summary(kernel),
+        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+        k=kernel.k, xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
+        helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
+        args=[p.name for p in kernel.params],
+        row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
+        row_lines=row_lines, sections=loops)
+
+
+def reduce_line(r, reduce_block) -> str:
+    return f"{r.var.name} = {reduce_block(r, r.operand.name)}  # {r.origin}"

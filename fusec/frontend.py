@@ -94,19 +94,29 @@ def _path_name(path) -> str:
 
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
-    """torch's core ATen decomposition table.
+    """torch's core ATen decomposition table, plus fusec's own (fusec/decompositions.py).
 
     `core_aten_decompositions()` also lists every CompositeImplicitAutograd op, which takes ~0.3 s
     to enumerate; tracing decomposes those ops by itself, so the post-autograd part is all we need.
     """
     import torch._decomp as decomp
+
+    from . import decompositions as ours
     if hasattr(decomp, "_core_aten_decompositions_post_autograd"):
-        return dict(decomp._core_aten_decompositions_post_autograd())
-    return dict(decomp.core_aten_decompositions())
+        table = dict(decomp._core_aten_decompositions_post_autograd())
+    else:
+        table = dict(decomp.core_aten_decompositions())
+    table.update(ours.table())  # softmax, layer_norm, var ... as reductions + pointwise ops
+    return table
 
 
-def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
-    """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring."""
+def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
+            stack_traces: bool = False) -> Captured:
+    """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
+
+    stack_traces: also record, on every node, the user's source line that produced it
+    (`node.meta["stack_trace"]`; explain and profile show it). Off by default: it costs time.
+    """
     kwargs = kwargs or {}
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
@@ -156,7 +166,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
         fakes = [mode.from_tensor(t) for t in example]
         with torch.no_grad(), mode:
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
-                         decomposition_table=decompositions())(*fakes)
+                         decomposition_table=decompositions(),
+                         record_stack_traces=stack_traces and _anchor(fn))(*fakes)
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
@@ -167,6 +178,17 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None) -> Captured:
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
     return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases))
+
+
+def _anchor(fn: Callable) -> bool:
+    """make_fx keeps only the stack frames of `forward` methods and of registered "anchor"
+    functions: register the user's function so a plain function's lines are recorded too."""
+    try:
+        from torch.fx.proxy import _register_stack_trace_anchor
+    except ImportError:  # an older torch keeps `forward` frames only
+        return True
+    _register_stack_trace_anchor(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+    return True
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:

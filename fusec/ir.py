@@ -176,3 +176,75 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """`var = reduce(operand)` over the reduced dims, accumulating in `acc_dtype`.
+
+    phase: reductions whose operand depends on no other reduction run in phase 0; one that needs
+    phase-0 results (softmax's sum needs the max) runs in phase 1, and so on. A looped kernel
+    makes one pass over the row per phase; a persistent kernel keeps the row in registers.
+    """
+
+    var: Var
+    op: str
+    operand: Var
+    acc_dtype: torch.dtype
+    phase: int
+    origin: str = ""
+
+
+@dataclass
+class ReductionKernel:
+    """Reduce over (rows, k): every load/store index has len(row_shape) + len(k_shape) strides.
+
+    `varying` names the values that change along k (element values); the rest are row values.
+    `level[v]` is the phase after which a value can be computed (0: before any reduction).
+    """
+
+    name: str
+    source_shape: tuple[int, ...]  # the shape being reduced
+    reduce_dims: tuple[int, ...]
+    row_shape: tuple[int, ...]  # coalesced dims of the rows
+    k_shape: tuple[int, ...]  # coalesced reduced dims
+    params: list[Param]
+    loads: list[Load]
+    body: list  # Stmt and Reduce, in dependency order
+    stores: list[Store]
+    varying: set[str] = field(default_factory=set)
+    level: dict = field(default_factory=dict)
+    ops: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return prod(self.row_shape)
+
+    @property
+    def k(self) -> int:
+        return prod(self.k_shape)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.k
+
+    @property
+    def phases(self) -> int:
+        return 1 + max((s.phase for s in self.body if isinstance(s, Reduce)), default=-1)
+
+    def __str__(self) -> str:
+        lines = [f"ReductionKernel {self.name}: {self.source_shape} over dims {self.reduce_dims}, "
+                 f"looped as rows {self.row_shape} x k {self.k_shape}"]
+        lines += [f"  load  {l.var.name} = {l.param}[{_fmt_index(l.index)}]  {short_dtype(l.dtype)}"
+                  for l in self.loads]
+        for s in self.body:
+            if isinstance(s, Reduce):
+                lines.append(f"  {s.var.name} = {s.op}({s.operand.name}) over k  "
+                             f"[phase {s.phase}, acc {short_dtype(s.acc_dtype)}]")
+            else:
+                args = ", ".join(o.name if isinstance(o, Var) else repr(o.value) for o in s.operands)
+                where = "elem" if s.var.name in self.varying else "row"
+                lines.append(f"  {s.var.name} = {s.op}({args})  {short_dtype(s.var.dtype)} [{where}]")
+        lines += [f"  store {s.param}[{_fmt_index(s.index)}] = {s.var.name}  {short_dtype(s.dtype)}"
+                  for s in self.stores]
+        return "\n".join(lines)

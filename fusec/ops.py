@@ -294,9 +294,12 @@ GETITEM = operator.getitem
 
 
 def classify(target) -> str:
-    """POINTWISE if the op table can compile it, VIEW if it only reinterprets memory, else EXTERN."""
+    """POINTWISE or REDUCTION if a kernel can compute it, VIEW if it only reinterprets memory,
+    else EXTERN (an eager ATen call)."""
     if target in ATEN:
         return POINTWISE
+    if target in ATEN_REDUCTIONS:
+        return REDUCTION
     if isinstance(target, torch._ops.OpOverload) and is_view(target):
         return VIEW
     return EXTERN
@@ -350,3 +353,97 @@ def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> 
     picked = operand_values if op.promote_from is None else [operand_values[i] for i in op.promote_from]
     compute, _ = elementwise_dtypes(*picked, type_promotion_kind=op.promote)
     return register_dtype(compute)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reductions. A reduction folds the reduced dims of its input into one value per row. Each row
+# says how to start (the identity of the combine), how to combine two partial results, and how a
+# whole block of values is reduced at once in Triton. Mean, var, std, softmax, layer_norm ...
+# are decompositions into these (fusec/decompositions.py).
+
+REDUCTION = "reduction"
+
+
+@dataclass(frozen=True)
+class ReductionOp:
+    """init: identity of the combine, per dtype kind ("float", "int", "bool").
+    combine: expression merging a running accumulator with a new value (valid C++ and Triton).
+    triton_block: Triton expression reducing a [rows, block] tile along axis 1.
+    returns_index: argmax/argmin produce an int64 position, not a value."""
+
+    name: str
+    init: Callable[[torch.dtype], Any]
+    combine: str
+    triton_block: str
+    returns_index: bool = False
+    kind: str = REDUCTION
+
+
+def _lowest(dtype):
+    return -math.inf if dtype.is_floating_point else (False if dtype == torch.bool
+                                                      else torch.iinfo(dtype).min)
+
+
+def _highest(dtype):
+    return math.inf if dtype.is_floating_point else (True if dtype == torch.bool
+                                                     else torch.iinfo(dtype).max)
+
+
+import math  # noqa: E402
+
+REDUCTIONS: dict[str, ReductionOp] = {r.name: r for r in [
+    ReductionOp("sum", lambda dt: 0, "{acc} + {x}", "tl.sum({x}, 1)"),
+    ReductionOp("prod", lambda dt: 1, "{acc} * {x}", "fusec_reduce_prod({x})"),
+    ReductionOp("amax", _lowest, "fusec_maximum({acc}, {x})", "fusec_reduce_max({x})"),
+    ReductionOp("amin", _highest, "fusec_minimum({acc}, {x})", "fusec_reduce_min({x})"),
+    ReductionOp("any", lambda dt: False, "{acc} | {x}", "tl.max({x}.to(tl.int8), 1) != 0"),
+    ReductionOp("all", lambda dt: True, "{acc} & {x}", "tl.min({x}.to(tl.int8), 1) != 0"),
+    ReductionOp("argmax", _lowest, "", "fusec_reduce_argmax({x}, {k})", returns_index=True),
+    ReductionOp("argmin", _highest, "", "fusec_reduce_argmin({x}, {k})", returns_index=True),
+]}
+
+
+@dataclass(frozen=True)
+class ReductionCall:
+    """A reduction node in normal form: reduce `operand` over `dims` (sorted, non-negative)."""
+
+    op: ReductionOp
+    operand: Any
+    dims: tuple[int, ...]
+    keepdim: bool
+
+
+def _all_dims(rank, dim):
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(rank))
+    if isinstance(dim, int):
+        dim = [dim]
+    return tuple(sorted({d % max(rank, 1) for d in dim})) if rank else ()
+
+
+def _reduction(name: str, dim_pos: int = 1, keep_pos: int = 2):
+    def norm(node):
+        args, kwargs = node.args, node.kwargs
+        x = args[0]
+        rank = len(x.meta["fusec"].shape)
+        dim = kwargs.get("dim", args[dim_pos] if len(args) > dim_pos else None)
+        keepdim = kwargs.get("keepdim", args[keep_pos] if len(args) > keep_pos else False)
+        if name in ("argmax", "argmin") and dim is None:
+            return None if rank > 1 else ReductionCall(REDUCTIONS[name], x, _all_dims(rank, None), keepdim)
+        return ReductionCall(REDUCTIONS[name], x, _all_dims(rank, dim), bool(keepdim))
+    return norm
+
+
+ATEN_REDUCTIONS: dict[Any, Callable] = {
+    aten.sum.dim_IntList: _reduction("sum"), aten.prod.dim_int: _reduction("prod"),
+    aten.amax.default: _reduction("amax"), aten.amin.default: _reduction("amin"),
+    aten.argmax.default: _reduction("argmax"), aten.argmin.default: _reduction("argmin"),
+    aten.any.dim: _reduction("any"), aten.all.dim: _reduction("all"),
+    aten.any.default: _reduction("any", 9, 9), aten.all.default: _reduction("all", 9, 9),
+}
+
+
+def reduction(node) -> ReductionCall | None:
+    """The reduction a node performs in normal form, or None if it is not a reduction."""
+    fn = ATEN_REDUCTIONS.get(node.target) if node.op == "call_function" else None
+    return fn(node) if fn is not None else None

@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [dce, fuse_pointwise, schedule]
+    PIPELINE = [dce, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
@@ -15,9 +15,10 @@ import torch.fx as fx
 
 from .dce import dce
 from .fuse_pointwise import fuse_pointwise
+from .fuse_reductions import fuse_reductions
 from .schedule import schedule
 
-PIPELINE = [dce, fuse_pointwise, schedule]
+PIPELINE = [dce, fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

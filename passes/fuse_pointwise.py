@@ -29,44 +29,14 @@ group becomes one of the group's outputs: the kernel stores it once and every co
 """
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
-
-import networkx as nx
 import torch
 import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
 
-MAX_NAME_OPS = 6
-
-
-@dataclass
-class Refusal:
-    producer: str
-    consumer: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.producer} -> {self.consumer}: {self.reason}"
-
-
-@dataclass
-class Group:
-    nodes: list[fx.Node] = field(default_factory=list)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return max((meta(n).shape for n in self.nodes), key=_numel_rank)
-
-    @property
-    def device(self) -> str:
-        return meta(self.nodes[0]).device
-
-
-def meta(node: fx.Node) -> TensorMeta:
-    return node.meta["fusec"]
+from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, meta,
+                       numel_rank, outline)
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -106,7 +76,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
                 group_of[n] = merged
 
     groups = list({id(g): g for g in group_of.values()}.values())
-    gm = _outline(gm, groups, order, effects)
+    gm = outline(gm, groups, order, effects)
     gm.meta["fusec_refusals"] = refusals
     return gm
 
@@ -123,29 +93,11 @@ def _not_pointwise(producer: fx.Node, kind: str) -> str:
     if kind == ops.VIEW:
         return (f"producer is a view ({producer.target}) of a computed value: the value's kernel "
                 "stores it, and this kernel reads it back through the view's strides")
+    if kind == ops.REDUCTION:
+        return f"producer is a reduction ({producer.target}); fuse_reductions decides"
     if kind == ops.POINTWISE:
         return "producer cannot be a kernel here (device change or unsupported arguments)"
     return f"producer is an extern op ({producer.target}) that runs as an ATen call"
-
-
-def effect_edges(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
-    """Side-effecting nodes (random ops, in-place copies) must keep their relative order even
-    where no data flows between them: rand() then rand() draws different numbers than the
-    reverse. Each such node gets an edge to the next one, next to its data edges."""
-    impure = [n for n in graph.nodes if n.op == "call_function" and _impure(n)]
-    return dict(zip(impure, impure[1:]))
-
-
-def _impure(node: fx.Node) -> bool:
-    try:
-        return node.is_impure(impure_random=True)
-    except TypeError:  # torch < 2.6
-        return node.is_impure()
-
-
-def _successors(node: fx.Node, effects: dict) -> list[fx.Node]:
-    nxt = effects.get(node)
-    return list(node.users) + ([nxt] if nxt is not None else [])
 
 
 def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
@@ -154,134 +106,17 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
         return f"different devices ({a.device} vs {b.device})"
     sa, sb = a.shape, b.shape
     if sa != sb:
-        big, small_group = (sb, a) if _numel_rank(sb) >= _numel_rank(sa) else (sa, b)
+        big, small_group = (sb, a) if numel_rank(sb) >= numel_rank(sa) else (sa, b)
         small = small_group.shape
-        if not _broadcasts_to(small, big):
+        if not broadcasts_to(small, big):
             return f"different iteration space {small} vs {big}"
         inside = set(a.nodes) | set(b.nodes)
         for n in small_group.nodes:
             if any(u not in inside for u in n.users):
                 return (f"different iteration space {small} vs {big}: {n.name} is also used "
                         "outside, and storing it from the larger loop would repeat every write")
-    if _creates_cycle(a, b, order, effects):
+    if creates_cycle(a, b, order, effects):
         return "would create a cycle (a path between them leaves through another node)"
     return None
 
 
-def _creates_cycle(a: Group, b: Group, order: dict, effects: dict) -> bool:
-    """Is there a path from one group to the other that passes through a node outside both?"""
-    inside = set(a.nodes) | set(b.nodes)
-    for src, dst in ((a, b), (b, a)):
-        targets = set(dst.nodes)
-        limit = max(order[n] for n in targets)
-        frontier = [u for n in src.nodes for u in _successors(n, effects)
-                    if u not in inside and order[u] < limit]
-        seen = set(frontier)
-        while frontier:
-            n = frontier.pop()
-            for u in _successors(n, effects):
-                if u in targets:
-                    return True
-                if u not in seen and u not in inside and order[u] < limit:
-                    seen.add(u)
-                    frontier.append(u)
-    return False
-
-
-def _broadcasts_to(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
-    if len(small) > len(big):
-        return False
-    return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
-
-
-def _numel_rank(shape: tuple[int, ...]):
-    n = 1
-    for s in shape:
-        n *= s
-    return (n, len(shape))
-
-
-def kernel_name(nodes: list[fx.Node], index: int) -> str:
-    """`fused_sin_sin_mul_0`: the ops in order, then the kernel's position in the program."""
-    names = [ops.normalize(n)[0].name for n in nodes]
-    if len(names) > MAX_NAME_OPS:
-        names = names[: MAX_NAME_OPS - 1] + [f"{len(names) - MAX_NAME_OPS + 1}more"]
-    return "fused_" + "_".join(names) + f"_{index}"
-
-
-def _outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict) -> fx.GraphModule:
-    """Rebuild the graph with every group replaced by a call to its own sub-GraphModule.
-
-    Units (single nodes or whole groups) are emitted in a topological order of the unit graph,
-    with ties broken by original position, so the result reads like the input.
-    """
-    unit_of = {}
-    for g in groups:
-        for n in g.nodes:
-            unit_of[n] = id(g)
-    for n in gm.graph.nodes:
-        unit_of.setdefault(n, id(n))
-    members: dict[int, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        members.setdefault(unit_of[n], []).append(n)
-
-    dag = nx.DiGraph()
-    dag.add_nodes_from(members)
-    for n in gm.graph.nodes:
-        for u in _successors(n, effects):
-            if unit_of[u] != unit_of[n]:
-                dag.add_edge(unit_of[n], unit_of[u])
-    first = {k: min(order[n] for n in v) for k, v in members.items()}
-    group_ids = {id(g) for g in groups}
-
-    new = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    count = 0
-    for unit in nx.lexicographical_topological_sort(dag, key=first.__getitem__):
-        nodes = members[unit]
-        if unit not in group_ids:
-            (node,) = nodes
-            env[node] = new.node_copy(node, env.__getitem__)
-            continue
-        name = kernel_name(nodes, count)
-        count += 1
-        sub, inputs, outputs = _subgraph(gm, nodes, name)
-        gm.add_submodule(name, sub)
-        call = new.call_module(name, tuple(env[i] for i in inputs))
-        call.meta["fusec_group"] = sub.meta["fusec_group"]
-        for k, out in enumerate(outputs):
-            # keep the value's name: a reader follows `mul` across passes
-            item = new.create_node("call_function", operator.getitem, (call, k), name=out.name)
-            item.meta.update(out.meta)
-            env[out] = item
-    gm.graph = new
-    gm.delete_all_unused_submodules()
-    gm.recompile()
-    return gm
-
-
-def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str):
-    inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for n in nodes:
-        for i in n.all_input_nodes:
-            if i not in inside and i not in inputs:
-                inputs.append(i)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    sub = fx.Graph()
-    env = {}
-    for i in inputs:
-        env[i] = sub.placeholder(i.name)
-        env[i].meta.update(i.meta)
-    for n in nodes:
-        env[n] = sub.node_copy(n, env.__getitem__)
-    sub.output(tuple(env[o] for o in outputs))
-    sub_gm = fx.GraphModule(gm, sub, class_name=name)
-    sub_gm.meta["fusec_group"] = {
-        "name": name,
-        "ops": [str(n.target).replace("aten.", "") for n in nodes],
-        "shape": Group(nodes).shape,
-        "inputs": [i.name for i in inputs],
-        "outputs": [o.name for o in outputs],
-    }
-    return sub_gm, inputs, outputs

@@ -1,0 +1,186 @@
+"""Reduction fusion: a reduction, the pointwise work feeding it and the work using its result,
+as one kernel.
+
+A reduction folds some dims of its input (the *reduced* dims) into one value per *row* (each
+position of the remaining dims). Softmax over the last dim, after decomposition, reads:
+
+    amax = amax(x, [-1], keepdim=True)      # reduction: one max per row
+    sub  = x - amax                          # pointwise over (rows, k): an epilogue of amax ...
+    exp  = exp(sub)                          # ... and a prologue of sum
+    sum  = sum(exp, [-1], keepdim=True)      # reduction over the same rows
+    div  = exp / sum                         # epilogue: broadcast back over the row
+
+Eager runs five kernels and reads a row five times. fusec runs one kernel per block of rows:
+load the row once, reduce, compute, reduce again, divide, store. The kernel template decides
+nothing; this pass decides which nodes share the kernel:
+
+    before (after fuse_pointwise)                  after
+    amax = amax(x)                                 fused_amax_sub_exp_sum_div_0 = self.fused_...(x)
+    fused_sub_exp_0 = self.fused_sub_exp_0(x, amax)    div = fused_amax_sub_exp_sum_div_0[0]
+    sum = sum(exp)
+    fused_div_1 = self.fused_div_1(exp, sum)
+
+Every reduction group has a *key*: the shape it reduces and the reduced dims, e.g.
+((4096, 4096), (1,)). A merge (along a data edge, or of two reductions reading the same input) is
+legal when
+
+1. the groups' keys agree (reductions over the same rows with the same reduced dims);
+2. every node fits the key's loop: an *element* node has a shape that broadcasts to the reduced
+   shape; a *row* node is constant along the reduced dims (keepdim shapes, like amax above); a
+   value stored for outside users is a whole element tensor or a whole row tensor, never a
+   partial broadcast (which the loop would store many times over);
+3. a reduction without keepdim (`x.sum(-1)`, shape (rows,)) feeds only row computations: its
+   shape no longer lines up with the input's dims, so broadcasting it back needs a view
+   (`unsqueeze`), which stays outside;
+4. it creates no cycle (as in fuse_pointwise).
+
+It starts from the pointwise groups fuse_pointwise formed (inlined back into the graph) and keeps
+merging until nothing changes. Refusals are added to `gm.meta["fusec_refusals"]` with reasons.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fusec import ops
+
+from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, inline_groups,
+                       meta, outline)
+
+
+def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
+    refusals = list(gm.meta.get("fusec_refusals", []))
+    gm, prior = inline_groups(gm)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    effects = effect_edges(graph)
+
+    group_of: dict[fx.Node, Group] = {}
+    for members in prior:
+        g = Group(list(members))
+        for n in members:
+            group_of[n] = g
+    for node in graph.nodes:
+        red = ops.reduction(node)
+        if red is not None:
+            group_of[node] = Group([node], reduction_key(node, red))
+    if not any(g.key for g in group_of.values()):
+        return _finish(gm, group_of, order, effects, refusals)
+
+    seen_refusals = set()
+
+    def try_merge(a: Group, b: Group, producer: fx.Node, consumer: fx.Node) -> bool:
+        reason = why_not_fuse(a, b, order, effects)
+        if reason:
+            key = (producer.name, consumer.name)
+            if key not in seen_refusals:
+                seen_refusals.add(key)
+                refusals.append(Refusal(producer.name, consumer.name, reason))
+            return False
+        merged = Group(sorted(a.nodes + b.nodes, key=order.__getitem__), a.key or b.key)
+        for n in merged.nodes:
+            group_of[n] = merged
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for node in graph.nodes:
+            if node not in group_of:
+                continue
+            # along data edges: prologues into a reduction, epilogues out of it
+            for producer in node.all_input_nodes:
+                a, b = group_of.get(producer), group_of[node]
+                if a is None or a is b or (a.key is None and b.key is None):
+                    continue
+                changed |= try_merge(a, b, producer, node)
+            # sibling reductions reading the same value: one pass over the rows for both
+            red = group_of[node]
+            if red.key is not None and ops.reduction(node) is not None:
+                operand = ops.reduction(node).operand
+                for other in operand.users:
+                    g = group_of.get(other)
+                    if g is not None and g is not group_of[node] and g.key == group_of[node].key:
+                        changed |= try_merge(group_of[node], g, node, other)
+    return _finish(gm, group_of, order, effects, refusals)
+
+
+def _finish(gm, group_of, order, effects, refusals):
+    groups = list({id(g): g for g in group_of.values()}.values())
+    names = {n.name: g for n, g in group_of.items()}
+    # a refusal fuse_pointwise recorded is void if both ends share a kernel now
+    refusals = [r for r in refusals
+                if names.get(r.producer) is None or names.get(r.producer) is not names.get(r.consumer)]
+    for g in groups:
+        if g.key is not None:
+            for n in g.nodes:
+                n.meta["fusec_space"] = space(n, g.key, set(g.nodes))
+    gm = outline(gm, groups, order, effects)
+    gm.meta["fusec_refusals"] = refusals
+    return gm
+
+
+def reduction_key(node: fx.Node, red: ops.ReductionCall) -> tuple:
+    """(shape reduced, reduced dims): reductions with equal keys walk the same rows."""
+    return (tuple(meta(red.operand).shape), red.dims)
+
+
+def rows_shape(key: tuple) -> tuple[int, ...]:
+    shape, dims = key
+    return tuple(s for d, s in enumerate(shape) if d not in dims)
+
+
+def keep_shape(key: tuple) -> tuple[int, ...]:
+    shape, dims = key
+    return tuple(1 if d in dims else s for d, s in enumerate(shape))
+
+
+def leading(key: tuple) -> bool:
+    """Reduced dims 0..n-1: then a result without keepdim still lines up with the input."""
+    return key[1] == tuple(range(len(key[1])))
+
+
+def space(node: fx.Node, key: tuple, inside: set) -> str:
+    """"rows" for values derived from a reduction without keepdim (shape = the rows), else
+    "elem" (shape broadcasts to the reduced input; a "row" value is elem-space, constant in k)."""
+    if leading(key):
+        return "elem"
+    red = ops.reduction(node)
+    if red is not None:
+        return "elem" if red.keepdim else "rows"
+    if any(a in inside and space(a, key, inside) == "rows" for a in node.all_input_nodes):
+        return "rows"
+    return "elem"
+
+
+def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
+    if a.key is not None and b.key is not None and a.key != b.key:
+        return (f"different reductions: {a.key[0]} over dims {a.key[1]} vs {b.key[0]} over dims "
+                f"{b.key[1]}")
+    key = a.key or b.key
+    if meta(a.nodes[0]).device != meta(b.nodes[0]).device:
+        return "different devices"
+    inside = set(a.nodes) | set(b.nodes)
+    shape = key[0]
+    for n in inside:
+        red = ops.reduction(n)
+        if red is not None:
+            continue
+        m = meta(n).shape
+        where = space(n, key, inside)
+        if where == "rows":
+            if not broadcasts_to(m, rows_shape(key)):
+                return f"{n.name} {m} does not fit the rows {rows_shape(key)} of the reduction"
+            if any(u in inside and space(u, key, inside) == "elem" for u in n.users):
+                return (f"{n.name} is a reduction result without keepdim; broadcasting it back "
+                        "over the reduced dims needs a view, which stays outside the kernel")
+            continue
+        if not broadcasts_to(m, shape):
+            return f"different iteration space {m} vs the reduction's {shape}"
+        stored = any(u not in inside for u in n.users)
+        padded = (1,) * (len(shape) - len(m)) + tuple(m)
+        if stored and padded not in (tuple(shape), keep_shape(key)):
+            return (f"{n.name} {m} is used outside and is neither a whole element tensor "
+                    f"{shape} nor a whole row tensor {keep_shape(key)}")
+    if creates_cycle(a, b, order, effects):
+        return "would create a cycle (a path between them leaves through another node)"
+    return None

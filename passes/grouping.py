@@ -1,0 +1,238 @@
+"""Grouping machinery shared by the fusion passes: groups, cycle checks, outlining.
+
+A *group* is a set of graph nodes that will become one kernel. Both fusion passes grow groups by
+merging them along data edges, refuse merges that would create a cycle, and finally *outline*
+each group: replace its nodes in the main graph by one call to a sub-GraphModule, so the graph
+stays runnable Python after every pass (`self.fused_sin_sin_mul_0(x)`).
+
+`inline_groups` undoes outlining, so a later pass can regroup nodes an earlier one grouped.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import TensorMeta
+
+MAX_NAME_OPS = 6
+
+
+@dataclass
+class Refusal:
+    producer: str
+    consumer: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.producer} -> {self.consumer}: {self.reason}"
+
+
+@dataclass
+class Group:
+    nodes: list[fx.Node] = field(default_factory=list)
+
+    key: tuple | None = None  # (input shape, reduced dims) of the group's reductions, if any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.key is not None:
+            return self.key[0]
+        return max((meta(n).shape for n in self.nodes), key=numel_rank)
+
+    @property
+    def device(self) -> str:
+        return meta(self.nodes[0]).device
+
+
+def meta(node: fx.Node) -> TensorMeta:
+    return node.meta["fusec"]
+
+
+def effect_edges(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Side-effecting nodes (random ops, in-place copies) must keep their relative order even
+    where no data flows between them: rand() then rand() draws different numbers than the
+    reverse. Each such node gets an edge to the next one, next to its data edges."""
+    impure = [n for n in graph.nodes if n.op == "call_function" and _impure(n)]
+    return dict(zip(impure, impure[1:]))
+
+
+def _impure(node: fx.Node) -> bool:
+    try:
+        return node.is_impure(impure_random=True)
+    except TypeError:  # torch < 2.6
+        return node.is_impure()
+
+
+def successors(node: fx.Node, effects: dict) -> list[fx.Node]:
+    nxt = effects.get(node)
+    return list(node.users) + ([nxt] if nxt is not None else [])
+
+
+def creates_cycle(a: Group, b: Group, order: dict, effects: dict) -> bool:
+    """Is there a path from one group to the other that passes through a node outside both?"""
+    inside = set(a.nodes) | set(b.nodes)
+    for src, dst in ((a, b), (b, a)):
+        targets = set(dst.nodes)
+        limit = max(order[n] for n in targets)
+        frontier = [u for n in src.nodes for u in successors(n, effects)
+                    if u not in inside and order[u] < limit]
+        seen = set(frontier)
+        while frontier:
+            n = frontier.pop()
+            for u in successors(n, effects):
+                if u in targets:
+                    return True
+                if u not in seen and u not in inside and order[u] < limit:
+                    seen.add(u)
+                    frontier.append(u)
+    return False
+
+
+def broadcasts_to(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
+    if len(small) > len(big):
+        return False
+    return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
+
+
+def numel_rank(shape: tuple[int, ...]):
+    n = 1
+    for s in shape:
+        n *= s
+    return (n, len(shape))
+
+
+def op_name(node: fx.Node) -> str:
+    """The short name of what a node computes: its op-table row, reduction, or view."""
+    red = ops.reduction(node)
+    if red is not None:
+        return red.op.name
+    row = ops.normalize(node)
+    return row[0].name if row is not None else str(node.target).split(".")[-2]
+
+
+def kernel_name(nodes: list[fx.Node], index: int) -> str:
+    """`fused_sin_sin_mul_0`: the ops in order, then the kernel's position in the program."""
+    names = [op_name(n) for n in nodes]
+    if len(names) > MAX_NAME_OPS:
+        names = names[: MAX_NAME_OPS - 1] + [f"{len(names) - MAX_NAME_OPS + 1}more"]
+    return "fused_" + "_".join(names) + f"_{index}"
+
+
+def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict) -> fx.GraphModule:
+    """Rebuild the graph with every group replaced by a call to its own sub-GraphModule.
+
+    Units (single nodes or whole groups) are emitted in a topological order of the unit graph,
+    with ties broken by original position, so the result reads like the input.
+    """
+    unit_of = {}
+    for g in groups:
+        for n in g.nodes:
+            unit_of[n] = id(g)
+    for n in gm.graph.nodes:
+        unit_of.setdefault(n, id(n))
+    members: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        members.setdefault(unit_of[n], []).append(n)
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from(members)
+    for n in gm.graph.nodes:
+        for u in successors(n, effects):
+            if unit_of[u] != unit_of[n]:
+                dag.add_edge(unit_of[n], unit_of[u])
+    first = {k: min(order[n] for n in v) for k, v in members.items()}
+    by_id = {id(g): g for g in groups}
+
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    count = 0
+    for unit in nx.lexicographical_topological_sort(dag, key=first.__getitem__):
+        nodes = members[unit]
+        if unit not in by_id:
+            (node,) = nodes
+            env[node] = new.node_copy(node, env.__getitem__)
+            continue
+        name = kernel_name(nodes, count)
+        count += 1
+        sub, inputs, outputs = _subgraph(gm, nodes, name, by_id[unit])
+        gm.add_submodule(name, sub)
+        call = new.call_module(name, tuple(env[i] for i in inputs))
+        call.meta["fusec_group"] = sub.meta["fusec_group"]
+        for k, out in enumerate(outputs):
+            # keep the value's name: a reader follows `mul` across passes
+            item = new.create_node("call_function", operator.getitem, (call, k), name=out.name)
+            item.meta.update(out.meta)
+            env[out] = item
+    gm.graph = new
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group):
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i not in inside and i not in inputs:
+                inputs.append(i)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env = {}
+    for i in inputs:
+        env[i] = sub.placeholder(i.name)
+        env[i].meta.update(i.meta)
+    for n in nodes:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(tuple(env[o] for o in outputs))
+    sub_gm = fx.GraphModule(gm, sub, class_name=name)
+    sub_gm.meta["fusec_group"] = {
+        "name": name,
+        "ops": [str(n.target).replace("aten.", "") for n in nodes],
+        "kind": "pointwise" if group.key is None else "reduction",
+        "shape": Group(nodes, group.key).shape,
+        "reduce_dims": None if group.key is None else group.key[1],
+        "inputs": [i.name for i in inputs],
+        "outputs": [o.name for o in outputs],
+    }
+    return sub_gm, inputs, outputs
+
+
+def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[list[fx.Node]]]:
+    """Replace every call to a group's sub-GraphModule by the group's own nodes again.
+
+    Returns the flat graph and, for each group that was inlined, its nodes (in order), so a pass
+    can start from the groups an earlier pass formed.
+    """
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    groups: list[list[fx.Node]] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and "fusec_group" in node.meta:
+            sub = getattr(gm, node.target)
+            inner: dict[fx.Node, fx.Node] = {}
+            members = []
+            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            for ph, arg in zip(placeholders, node.args):
+                inner[ph] = env[arg]
+            for n in sub.graph.nodes:
+                if n.op == "call_function":
+                    inner[n] = new.node_copy(n, inner.__getitem__)
+                    members.append(inner[n])
+            outs = sub.graph.output_node().args[0]
+            env[node] = tuple(inner[o] for o in outs)
+            groups.append(members)
+        elif node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(env.get(node.args[0]), tuple):
+            env[node] = env[node.args[0]][node.args[1]]
+        else:
+            env[node] = new.node_copy(node, lambda a: env[a])
+    gm.graph = new
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm, groups
