@@ -3,10 +3,36 @@
 Each is a small `@triton.jit` function that generated kernels import. Branches on
 `x.dtype.is_floating()` are decided when the kernel is compiled, not at run time, so an integer
 kernel contains only the integer path.
+
+Note (libdevice under the interpreter): on a GPU, Triton's compiler swaps
+`triton.language.extra.libdevice` for the CUDA/HIP one. Under TRITON_INTERPRET=1 its functions
+are empty stubs that return None (triton-lang/triton#8825, in 3.6 and 3.9), so there `libdevice`
+below names `_InterpreterLibdevice`, numpy versions with the GPU's typing rules (fp32/fp64 only,
+no promotion, a Python float counts as fp32), so a call that would fail to compile on a GPU fails
+on the CPU too. The GPU code path is untouched.
 """
+import os
+
+import numpy as np
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+
+@triton.jit
+def fusec_f32_to_bf16(x):
+    # float32 -> bfloat16 rounding to nearest even with bit operations, as the C++ prelude does.
+    # A GPU's x.to(tl.bfloat16) is the same; Triton's interpreter truncates instead.
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays a quiet NaN
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def fusec_bf16_to_f32(x):
+    # exact, subnormals included (the interpreter's x.to(tl.float32) flushes bf16 subnormals)
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -36,13 +62,29 @@ def fusec_abs(x):
 
 
 @triton.jit
+def fusec_exp(x):
+    # tl.exp of fp32 is exp2.approx(x * log2(e)) on NVIDIA GPUs: near exp's overflow it is ~50x
+    # further from the true value than eager (1e-5 relative); libdevice's expf is within 2 ulp.
+    return libdevice.exp(x)
+
+
+@triton.jit
 def fusec_sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
+def fusec_sqrt(x):
+    # tl.sqrt_rn (correctly rounded, as torch) only takes fp32; fp64 sqrt is always rounded
+    if x.dtype == tl.float64:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
 def fusec_rsqrt(x):
-    return 1.0 / tl.sqrt_rn(x)
+    return 1.0 / fusec_sqrt(x)
 
 
 @triton.jit
@@ -104,13 +146,24 @@ def fusec_trunc(x):
 def fusec_bitwise_not(x):
     if x.dtype == tl.int1:
         return x == 0
+    elif x.dtype == tl.uint8:
+        return x ^ 255  # ~x on uint8 fails in Triton 3.6's interpreter (it builds -1 as uint8)
     else:
         return ~x
 
 
 @triton.jit
+def _tensors(a, b):
+    # A float constant arrives as a bare Python float (`2.0 // x`, `2 ** x`), which has no dtype
+    # (on a GPU it is a constexpr): where(True, ...) makes both operands tensors of their common
+    # dtype, which is already the statement's compute dtype.
+    return tl.where(True, a, b), tl.where(True, b, a)
+
+
+@triton.jit
 def fusec_floordiv(a, b):
     """Division rounding toward -inf, as Python's // and torch's rounding_mode='floor'."""
+    a, b = _tensors(a, b)
     if a.dtype.is_floating():
         mod = libdevice.fmod(a, b)
         div = (a - mod) / b
@@ -129,6 +182,7 @@ def fusec_floordiv(a, b):
 
 @triton.jit
 def fusec_truncdiv(a, b):
+    a, b = _tensors(a, b)
     if a.dtype.is_floating():
         return libdevice.trunc(a / b)
     else:
@@ -139,13 +193,16 @@ def fusec_truncdiv(a, b):
 @triton.jit
 def _c_div(a, b):
     # Integer division rounding toward zero (C semantics), whatever `//` does on this Triton.
+    # (q + 1 and q - 1 keep q's dtype; tl.where(c, 1, -1) would be int32 and widen an int8 q.)
     q = a // b
     r = a - q * b
-    return tl.where((r != 0) & ((r < 0) != (a < 0)), q + tl.where((a < 0) != (b < 0), 1, -1), q)
+    fix = (r != 0) & ((r < 0) != (a < 0))
+    return tl.where(fix & ((a < 0) != (b < 0)), q + 1, tl.where(fix, q - 1, q))
 
 
 @triton.jit
 def fusec_pow(base, exp):
+    base, exp = _tensors(base, exp)
     if base.dtype.is_floating():
         return libdevice.pow(base, exp)
     else:
@@ -163,3 +220,98 @@ def fusec_pow(base, exp):
             neg = tl.where(base == 1, 1, tl.where(base == -1, tl.where(odd, -1, 1), 0))
             result = tl.where(exp < 0, neg.to(base.dtype), result)
         return result
+
+
+# ---- libdevice under TRITON_INTERPRET=1 (see the note at the top) ------------------------------
+
+class _InterpreterLibdevice:
+    """The libdevice functions the helpers above use, computed with numpy on the interpreter's
+    arrays. Only installed under TRITON_INTERPRET=1."""
+
+    _UNARY = {"exp": np.exp, "tan": np.tan, "tanh": np.tanh, "log1p": np.log1p, "expm1": np.expm1,
+              "floor": np.floor, "ceil": np.ceil, "trunc": np.trunc}
+    _BINARY = {"pow": np.power, "fmod": np.fmod, "copysign": np.copysign}
+
+    def __getattr__(self, name):
+        fn = self._UNARY.get(name) or self._BINARY.get(name)
+        if fn is None:
+            raise AttributeError(f"fusec: libdevice.{name} has no interpreter version in "
+                                 "codegen/triton_helpers.py; add it to _InterpreterLibdevice")
+        return lambda *args: _interpreter_call(name, fn, args)
+
+
+def _interpreter_call(name, fn, args):
+    from triton.runtime.interpreter import TensorHandle
+
+    types = [a.dtype.scalar if isinstance(a, tl.tensor) else
+             (tl.float32 if isinstance(a, float) else tl.int32) for a in args]
+    if len(set(types)) != 1 or types[0] not in (tl.float32, tl.float64):
+        raise TypeError(f"libdevice.{name}{tuple(str(t) for t in types)}: libdevice has only "
+                        "fp32 and fp64 versions and does not promote; a GPU compile fails here too")
+    ref = next(a for a in args if isinstance(a, tl.tensor))
+    np_dtype = np.float32 if types[0] == tl.float32 else np.float64
+    data = np.broadcast_arrays(*[a.handle.data if isinstance(a, tl.tensor) else
+                                 np.asarray(a, dtype=np_dtype) for a in args])
+    with np.errstate(all="ignore"):
+        out = fn(*data).astype(np_dtype)
+    shapes = [tuple(a.shape) for a in args if isinstance(a, tl.tensor) and a.type.is_block()]
+    ty = tl.block_type(types[0], list(np.broadcast_shapes(*shapes))) if shapes else types[0]
+    return tl.tensor(TensorHandle(out, types[0]), ty)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    libdevice = _InterpreterLibdevice()  # noqa: F811
+
+
+# ---- reductions over axis 1 of a [rows, block] tile (see codegen/templates/triton_reduction.py.j2)
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def fusec_reduce_prod(x):
+    return tl.reduce(x, 1, _mul)
+
+
+@triton.jit
+def fusec_reduce_max(x):
+    # torch.amax returns NaN for a row holding a NaN; tl.max does not promise to
+    m = tl.max(x, 1)
+    if x.dtype.is_floating():
+        m = tl.where(tl.max((x != x).to(tl.int8), 1) != 0, float("nan"), m)
+    return m
+
+
+@triton.jit
+def fusec_reduce_min(x):
+    m = tl.min(x, 1)
+    if x.dtype.is_floating():
+        m = tl.where(tl.max((x != x).to(tl.int8), 1) != 0, float("nan"), m)
+    return m
+
+
+@triton.jit
+def fusec_reduce_argmax(x, ks):
+    # the first position of the largest value; a NaN counts as larger than everything (torch)
+    big = 2147483647
+    m = tl.max(x, 1)[:, None]
+    first = tl.min(tl.where(x == m, ks, big), 1)
+    if x.dtype.is_floating():
+        nan = x != x
+        first_nan = tl.min(tl.where(nan, ks, big), 1)
+        first = tl.where(first_nan < big, first_nan, first)
+    return first
+
+
+@triton.jit
+def fusec_reduce_argmin(x, ks):
+    big = 2147483647
+    m = tl.min(x, 1)[:, None]
+    first = tl.min(tl.where(x == m, ks, big), 1)
+    if x.dtype.is_floating():
+        nan = x != x
+        first_nan = tl.min(tl.where(nan, ks, big), 1)
+        first = tl.where(first_nan < big, first_nan, first)
+    return first
