@@ -11,12 +11,9 @@ import torch
 
 
 def fusec_backend(gm: torch.fx.GraphModule, example_inputs, **options):
-    from .api import CompiledFunction
+    """Dynamo's graph goes through AOT Autograd, so training works: forward and backward graphs
+    are each compiled by fusec (fusec/training.py)."""
+    from .training import dynamo_backend
 
-    compiled = CompiledFunction(gm, **options)
-
-    def run(*args):
-        return compiled(*args)
-
-    run.fusec = compiled  # reach the kernels: torch.compile(...)._torchdynamo_orig_callable etc.
-    return run
+    backend, _parts = dynamo_backend(options.get("backend", "auto"))
+    return backend(gm, example_inputs)

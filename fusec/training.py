@@ -1,0 +1,92 @@
+"""Training: compile the forward *and* the backward pass.
+
+When an input or parameter requires grad, fusec hands the program to AOT Autograd
+(`torch._functorch.aot_autograd.aot_function`). AOT Autograd traces the forward and the backward
+together as one joint ATen graph, splits it into a forward graph (which also returns the
+activations the backward needs) and a backward graph, and asks a compiler for each. fusec
+compiles both like any other program, so the backward's pointwise work (gelu's derivative, the
+softmax gradient's reductions ...) is fused too:
+
+    loss = compiled_model(x).sum()   # runs the fused forward kernels
+    loss.backward()                  # runs the fused backward kernels
+    optimizer.step()                 # unchanged: it updates the module's own parameters
+
+The same compilers serve `torch.compile(model, backend="fusec")` through Dynamo's `aot_autograd`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import frontend
+
+
+def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
+    """A compiler for AOT Autograd: (ATen GraphModule, example inputs) -> callable.
+
+    Each graph becomes a fusec.CompiledFunction; it compiles on its first real call (the example
+    inputs AOT Autograd passes are fake tensors) and keeps one program per input signature.
+    """
+    def compile_part(gm: torch.fx.GraphModule, example_inputs):
+        from .api import CompiledFunction
+        compiled = CompiledFunction(gm, backend=backend, check=check)
+        parts.append(compiled)
+
+        def run(args):  # AOT Autograd's boxed convention: one list, which we may clear
+            inputs = list(args)
+            args.clear()
+            with torch.no_grad():
+                return compiled(*inputs)
+        run._boxed_call = True
+        return run
+    return compile_part
+
+
+def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,
+                backend: str, check: bool = False):
+    """Compile fn for training with its (lifted) parameters as explicit inputs.
+
+    Returns (call, parts): call(*lifted, *tensor_args) runs forward (backward runs on
+    .backward()); parts lists the CompiledFunctions made for the forward and backward graphs.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    leaves, _, rebuild = frontend.flatten_call(fn, args, kwargs)
+    tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def flat_fn(*tensors):
+        params = dict(zip(lifted_names, tensors[: len(lifted)]))
+        new_leaves = list(leaves)
+        for pos, t in zip(tensor_pos, tensors[len(lifted):]):
+            new_leaves[pos] = t
+        call_args, call_kwargs = rebuild(new_leaves)
+        if module is not None:
+            return torch.func.functional_call(module, params, call_args, call_kwargs)
+        return fn(*call_args, **call_kwargs)
+
+    parts: list = []
+    compiler = graph_compiler(backend, parts, check)
+    compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
+                            decompositions=frontend.decompositions())
+    return compiled, parts
+
+
+def dynamo_backend(backend: str = "auto"):
+    """`torch.compile(..., backend="fusec")`: Dynamo's graph -> AOT Autograd -> fusec."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    parts: list = []
+    compiler = graph_compiler(backend, parts)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        decompositions=frontend.decompositions()), parts
+
+
+def tensor_args(args: tuple, kwargs: dict, fn) -> list:
+    leaves, _, _ = frontend.flatten_call(fn, args, kwargs)
+    return [l for l in leaves if isinstance(l, torch.Tensor)]
+
+
+__all__ = ["aot_compile", "dynamo_backend", "graph_compiler", "pytree"]
