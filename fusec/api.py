@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from . import frontend
+from . import log as _log
 from .errors import DeviceError, FusecError
 from .ir import PointwiseKernel
 
@@ -41,7 +42,7 @@ class Kernel:
     backend: str
     source: str
     ops: list[str]
-    ir: PointwiseKernel = field(repr=False)
+    ir: Any = field(repr=False)  # fusec.ir.PointwiseKernel or ReductionKernel
     launcher: Callable = field(repr=False, default=None)
 
     def __str__(self) -> str:
@@ -89,13 +90,19 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
-def compile_graph(captured: frontend.Captured, backend: str, record: bool = False) -> CompiledGraph:
-    """Run the pass pipeline over a captured graph and build every kernel for `backend`."""
-    from fusec.codegen.lower import lower_pointwise
+def compile_graph(captured: frontend.Captured, backend: str, record: bool = False,
+                  label: str = "program") -> CompiledGraph:
+    """Run the pass pipeline over a captured graph and build every kernel for `backend`.
+
+    FUSEC_LOG / FUSEC_DEBUG_DIR (fusec/log.py) show each stage; `label` names the debug folder.
+    """
+    from fusec.codegen.lower import lower_pointwise, lower_reduction
     from fusec.passes import run_pipeline
     from fusec.runtime import build_program
 
+    _log.captured(captured.gm)
     gm, snapshots = run_pipeline(captured.gm, record=record)
+    _log.pipeline_done(captured.gm, gm, snapshots)
     codegen = backend_module(backend)
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
@@ -108,13 +115,17 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         in_layouts = [a.meta["fusec_layout"] for a in node.args]
         outs = sorted((u for u in node.users), key=lambda u: u.args[1])
         out_layouts = [u.meta["fusec_layout"] for u in outs]
-        ir = lower_pointwise(node.target, sub, in_layouts, out_layouts, root_dtypes)
+        lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
+        ir = lower(node.target, sub, in_layouts, out_layouts, root_dtypes)
         source = codegen.render(ir)
+        _log.kernel_rendered(ir.name, backend, source)
         launcher = codegen.load(ir, source)
         kernels[node.target] = Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
     program = build_program(gm, kernels)
-    return CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+    _log.compiled(compiled, label)
+    return compiled
 
 
 def _signature(leaves: list, grad: bool) -> tuple:
@@ -141,13 +152,15 @@ class CompiledFunction:
         self.check = check
         self.compiled: dict[tuple, CompiledGraph] = {}
         self.last: CompiledGraph | None = None
-        self._warned_grad = False
+        self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         functools.update_wrapper(self, fn, updated=())
 
     # -- public ---------------------------------------------------------------------------------
     @property
     def kernels(self) -> list[Kernel]:
-        """The kernels of the last input signature called."""
+        """The kernels of the last input signature called (forward, then backward, in training)."""
+        if self.last is None and self.train_parts:
+            return [k for part in self.train_parts for k in part.kernels]
         return self.last.kernels if self.last else []
 
     def source(self) -> str:
@@ -163,7 +176,7 @@ class CompiledFunction:
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
         if needs_grad:
-            return self._eager_with_warning(args, kwargs)
+            return self._train(args, kwargs)
         key = _signature([*lifted, *leaves], module.training if module is not None else False)
         compiled = self.compiled.get(key)
         if compiled is None:
@@ -172,6 +185,8 @@ class CompiledFunction:
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
         flat_out = compiled.program(tensors)
+        for k, value in sorted(compiled.captured.output_constants.items()):
+            flat_out.insert(k, value)
         for k, i in compiled.captured.output_aliases.items():
             flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself
         if self.check:
@@ -187,16 +202,32 @@ class CompiledFunction:
         if backend == "triton":
             _prepare_triton(device)
         with torch.no_grad():
-            captured = frontend.capture(self.fn, args, kwargs)
-        return compile_graph(captured, backend, record=True)
+            captured = frontend.capture(self.fn, args, kwargs, stack_traces=_log.wants_stack_traces())
+        return compile_graph(captured, backend, record=True, label=_label(self.fn))
 
-    def _eager_with_warning(self, args, kwargs):
-        if not self._warned_grad:
-            warnings.warn("fusec: inputs or parameters require grad; compiling the backward pass "
-                          "is not supported yet, so this call runs eagerly (wrap inference in "
-                          "torch.no_grad() to use the compiled kernels)", stacklevel=3)
-            self._warned_grad = True
-        return self.fn(*args, **kwargs)
+    def _train(self, args, kwargs):
+        """Inputs or parameters require grad: compile forward and backward with AOT Autograd
+        (fusec/training.py), one compiled pair per input signature."""
+        from .training import aot_compile, tensor_args
+        module = self.fn if isinstance(self.fn, torch.nn.Module) else None
+        leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
+        lifted = _lifted(module)
+        key = ("train",) + _signature([*lifted, *leaves], module.training if module is not None else False)
+        entry = self.compiled.get(key)
+        if entry is None:
+            names = list(dict(module.named_parameters(remove_duplicate=False))) + \
+                list(dict(module.named_buffers(remove_duplicate=False))) if module is not None else []
+            device = next((t.device for t in [*lifted, *tensor_args(args, kwargs, self.fn)]),
+                          torch.device("cpu"))
+            backend = resolve_backend(self.backend, device)
+            if backend == "triton":
+                _prepare_triton(device)
+            entry = aot_compile(self.fn, args, kwargs, lifted, names, backend, self.check)
+            self.compiled[key] = entry
+        call, parts = entry
+        self.train_parts = parts
+        self.last = None
+        return call(*lifted, *tensor_args(args, kwargs, self.fn))
 
 
 class CompiledModule(torch.nn.Module):
@@ -216,6 +247,13 @@ class CompiledModule(torch.nn.Module):
 
     def source(self) -> str:
         return self._compiled.source()
+
+
+def _label(fn) -> str:
+    """A name for fn in logs and debug folders: the function's or the module class's name."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _lifted(module) -> list[torch.Tensor]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -90,5 +89,6 @@ def verified(artifact: Path) -> bool:
 
 
 def log(message: str) -> None:
-    if "cache" in os.environ.get("FUSEC_LOG", "").split(","):
-        print(f"[fusec cache] {message}", file=sys.stderr)
+    """`FUSEC_LOG=cache` prints `message` (see fusec/log.py)."""
+    from . import log as _log
+    _log.log("cache", message)

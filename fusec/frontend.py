@@ -50,6 +50,8 @@ class Captured:
     # flat output index -> flat input index, for outputs that *are* an input (`x.add_(1); return x`):
     # the graph returns the new value, the caller must get its own (now updated) tensor back
     output_aliases: dict = None
+    # flat output index -> a non-tensor value the program returns as is (None, a number)
+    output_constants: dict = None
 
 
 def flatten_call(fn: Callable, args: tuple, kwargs: dict):
@@ -132,6 +134,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         lifted_names, lifted = [], []
     out_spec_box: list[Any] = []
     aliases: dict[int, int] = {}
+    constants: dict[int, Any] = {}
 
     def flat_fn(*tensors):
         params = dict(zip(lifted_names, tensors[: len(lifted)]))
@@ -146,16 +149,18 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         flat_out, spec = pytree.tree_flatten(out)
         out_spec_box[:] = [spec]
         aliases.clear()
+        constants.clear()
         for k, o in enumerate(flat_out):
             for i, t in enumerate(tensors):
                 if o is t:
                     aliases[k] = i
-        for o in flat_out:
-            if not isinstance(o, torch.Tensor):
+            if o is None or isinstance(o, (bool, int, float)):
+                constants[k] = o  # returned as is (a backward graph returns None gradients)
+            elif not isinstance(o, torch.Tensor):
                 raise UnsupportedError(
-                    f"fusec: the program returns a {type(o).__name__}; only tensors (in any "
-                    "nesting of tuples, lists and dicts) can be returned from a compiled program")
-        return flat_out
+                    f"fusec: the program returns a {type(o).__name__}; only tensors and plain "
+                    "numbers (in any nesting of tuples, lists and dicts) can be returned")
+        return [o for k, o in enumerate(flat_out) if k not in constants]
 
     example = [*lifted, *(leaves[i] for i in tensor_pos)]
     # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
@@ -177,7 +182,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
-    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases))
+    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases),
+                    dict(constants))
 
 
 def _anchor(fn: Callable) -> bool:

@@ -118,13 +118,13 @@ def test_module(target):
     assert len(cm._compiled.compiled) == n_programs
 
 
-def test_module_with_grad_runs_eagerly_with_a_warning():
+def test_module_with_grad_compiles_forward_and_backward():
     model = Net()
     cm = fusec.compile(model, backend="cpp")
     x = torch.randn(5, 8)
-    with pytest.warns(UserWarning, match="no_grad"):
-        got = cm(x)
+    got = cm(x)
     assert_same_as_eager(got, model(x))
+    assert cm.kernels, "training compiles kernels too (forward and backward)"
 
 
 # ---- Kernel records and .source() --------------------------------------------------------------
@@ -272,7 +272,8 @@ def test_explain(target):
 
     assert {"backend", "stages", "refusals", "kernels", "schedule", "externs"} <= set(d)
     assert d["backend"] == backend
-    assert [s["after"] for s in d["stages"]] == ["capture", "dce", "fuse_pointwise", "schedule"]
+    assert [s["after"] for s in d["stages"]] == ["capture", "dce", "fuse_pointwise", "fuse_reductions",
+                                                "schedule"]
     assert "aten.mm.default" in d["stages"][0]["graph"]
     assert [k["name"] for k in d["kernels"]] == ["fused_sin_0", "fused_add_1"]
     assert d["kernels"][0]["ops"] == ["aten.sin.default"]

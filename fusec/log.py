@@ -1,0 +1,170 @@
+"""Logging and debug dumps: watch the pipeline work, the way TORCH_LOGS and TORCH_COMPILE_DEBUG do.
+
+Two environment variables, read on every use (so a test or a notebook can set them at any time):
+
+    FUSEC_LOG=graph,passes,fusion,output_code,schedule,cache    print these stages to stderr
+    FUSEC_LOG=all                                                every topic
+    FUSEC_DEBUG_DIR=path                                         write every stage to files
+
+Topics, in pipeline order:
+
+    graph        the captured ATen graph: every value with its dtype, shape and source line
+    passes       the graph after each pass, and what that pass changed
+    fusion       the fusion groups (a table: ops, inputs, outputs, bytes) and every refused merge
+    output_code  each generated kernel's source, as soon as it is rendered
+    schedule     the ordered list of kernel launches and extern calls
+    cache        disk-cache hits, misses, compiles and corrupt entries (fusec/cache.py)
+
+Every message goes through `log(topic, text)`; its first line is prefixed `[fusec TOPIC]` so a
+reader can grep for one stage. With FUSEC_DEBUG_DIR set, each compiled program gets its own
+folder (`<dir>/<function>_<n>/`, see `dump_compiled`) that a learner can open in an editor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache")
+
+
+def topics() -> set[str]:
+    """The topics named in FUSEC_LOG (`all` means every one). Unknown names are ignored."""
+    wanted = {t.strip() for t in os.environ.get("FUSEC_LOG", "").split(",") if t.strip()}
+    if "all" in wanted:
+        return set(TOPICS)
+    return wanted & set(TOPICS)
+
+
+def enabled(topic: str) -> bool:
+    return topic in topics()
+
+
+def log(topic: str, text: str) -> None:
+    """Print `text` to stderr under `[fusec TOPIC]` if the topic is enabled."""
+    if not enabled(topic):
+        return
+    first, _, rest = str(text).partition("\n")
+    print(f"[fusec {topic}] {first}" + (f"\n{rest.rstrip()}" if rest else ""), file=sys.stderr,
+          flush=True)
+
+
+def debug_dir() -> Path | None:
+    value = os.environ.get("FUSEC_DEBUG_DIR")
+    return Path(value) if value else None
+
+
+def wants_stack_traces() -> bool:
+    """Record the user's source line of every ATen node while tracing? (Costs ~15% of capture
+    time, so only when someone will read it: explain, profile, FUSEC_LOG or FUSEC_DEBUG_DIR.)"""
+    return bool(topics() or debug_dir())
+
+
+# ---- hooks called by the driver (fusec/api.py compile_graph) -------------------------------------
+
+def captured(gm) -> None:
+    """Right after capture, before any pass runs."""
+    if enabled("graph"):
+        from .explain import graph_listing
+        log("graph", "captured ATen graph\n" + graph_listing(gm))
+
+
+def kernel_rendered(name: str, backend: str, source: str) -> None:
+    if enabled("output_code"):
+        log("output_code", f"kernel {name} ({backend})\n{source}")
+
+
+def pipeline_done(captured_gm, gm, snapshots) -> None:
+    """After the passes ran: what each pass changed, the fusion groups, the schedule."""
+    want = topics()
+    if not want & {"passes", "fusion", "schedule"}:
+        return
+    from . import explain as ex
+    if "passes" in want:
+        for change in ex.pass_changes(captured_gm, gm, snapshots):
+            log("passes", f"after {change['after']}: {change['summary']}\n" + "\n".join(
+                "  " + line for line in change["details"]) + f"\n{change['graph']}")
+    if "fusion" in want:
+        log("fusion", "fusion groups\n" + ex.format_groups(ex.group_rows(gm, None)) + "\n"
+            + ex.format_refusals(gm))
+    if "schedule" in want:
+        from fusec.passes.schedule import format_schedule
+        log("schedule", "schedule\n" + format_schedule(gm.meta["fusec_schedule"]))
+
+
+def compiled(compiled_graph, label: str = "program") -> Path | None:
+    """After everything is built: write every stage to FUSEC_DEBUG_DIR, if set."""
+    root = debug_dir()
+    if root is None:
+        return None
+    try:
+        return dump_compiled(compiled_graph, root, label)
+    except OSError as err:  # a debugging aid must never break compilation
+        print(f"[fusec] could not write FUSEC_DEBUG_DIR={root}: {err}", file=sys.stderr)
+        return None
+
+
+def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
+    """Write every stage of one compiled program into a new folder under `root`:
+
+        00_captured_graph.txt      the captured ATen graph (dtypes, shapes, source lines)
+        01_capture.py ...          the graph after each pass, as runnable Python
+        fusion.txt                 the fusion groups and every refused merge
+        schedule.txt               kernel launches and extern calls, in order
+        kernels/<name>.cpp|.py     each kernel's source
+        program.py                 the whole generated program (cf.source())
+        graph_before_fusion.dot    the graph pictures (and .svg when Graphviz is installed)
+        graph_after_fusion.dot
+        explain.txt, explain.json  str() and to_dict() of fusec.explain
+    """
+    from . import explain as ex
+    from .graphviz import render_svg
+    from fusec.passes.schedule import format_schedule
+
+    root.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in label) or "program"
+    n = 0
+    while True:
+        folder = root / f"{safe}_{n:03d}"
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+    explanation = ex.Explanation(compiled_graph)
+    gm = compiled_graph.gm
+    (folder / "00_captured_graph.txt").write_text(graph_header(compiled_graph)
+                                                  + ex.graph_listing(compiled_graph.captured.gm))
+    for i, snap in enumerate(compiled_graph.snapshots):
+        (folder / f"{i + 1:02d}_{snap.after}.py").write_text(
+            f"# graph after {snap.after}\n{snap.code}")
+    (folder / "fusion.txt").write_text(ex.format_groups(explanation.groups()) + "\n\n"
+                                       + ex.format_refusals(gm) + "\n")
+    (folder / "schedule.txt").write_text(format_schedule(gm.meta["fusec_schedule"]) + "\n")
+    kdir = folder / "kernels"
+    kdir.mkdir()
+    for k in compiled_graph.kernels:
+        ext = ".cpp" if k.backend == "cpp" else ".py"
+        (kdir / f"{k.name}{ext}").write_text(k.source)
+    (folder / "program.py").write_text(compiled_graph.source())
+    for stage in ("before", "after"):
+        dot = explanation.dot(stage)
+        (folder / f"graph_{stage}_fusion.dot").write_text(dot)
+        svg = render_svg(dot)
+        if svg:
+            (folder / f"graph_{stage}_fusion.svg").write_text(svg)
+    (folder / "explain.txt").write_text(str(explanation))
+    (folder / "explain.json").write_text(json.dumps(explanation.to_dict(), indent=1))
+    log_any(f"wrote every stage to {folder}")
+    return folder
+
+
+def graph_header(compiled_graph) -> str:
+    return f"# captured ATen graph ({compiled_graph.backend} backend)\n"
+
+
+def log_any(text: str) -> None:
+    """A line for whoever asked for any output at all (FUSEC_LOG set to anything)."""
+    if topics():
+        print(f"[fusec] {text}", file=sys.stderr, flush=True)
