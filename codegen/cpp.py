@@ -343,8 +343,10 @@ def render_reduction(kernel) -> str:
             else:
                 before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
                 body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
-                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = "
-                             f"{convert(acc, r.acc_dtype, r.var.dtype)};  // {r.origin}")
+                value = convert(acc, r.acc_dtype, r.var.dtype)
+                if r.round_to is not None:
+                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
             done.add(r.var.name)
         for name in order:
             item = producers[name]

@@ -73,7 +73,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                      for o, dt in zip(operands, operand_dtypes))
         var = Var(f"v{len(loads) + len(stmts)}_{_ident(node.name)}",
                   ops.register_dtype(out_meta.dtype))
-        rounds = row.name in ("to", "full") and out_meta.dtype in ops.FLOAT16_LIKE
+        rounds = out_meta.dtype in ops.FLOAT16_LIKE  # eager rounds every half result
         stmts.append(Stmt(var, row.name, args, operand_dtypes,
                           torch.bool if row.returns_bool else compute,
                           out_meta.dtype if rounds else None, origin=_origin(node)))
@@ -260,7 +260,8 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                 acc = ops.register_dtype(out_meta.dtype)
             var = fresh(node.name, ops.register_dtype(out_meta.dtype))
             phase = level[operand.name]
-            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=_origin(node)))
+            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=_origin(node),
+                               round_to=out_meta.dtype if out_meta.dtype in ops.FLOAT16_LIKE else None))
             level[var.name] = phase + 1
         else:
             row, operands = ops.normalize(node)
@@ -271,7 +272,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             args = tuple(value(o, where) if isinstance(o, fx.Node) else Const(o, dt)
                          for o, dt in zip(operands, operand_dtypes))
             var = fresh(node.name, ops.register_dtype(out_meta.dtype))
-            rounds = row.name in ("to", "full") and out_meta.dtype in ops.FLOAT16_LIKE
+            rounds = out_meta.dtype in ops.FLOAT16_LIKE
             body.append(Stmt(var, row.name, args, operand_dtypes,
                              torch.bool if row.returns_bool else compute,
                              out_meta.dtype if rounds else None, origin=_origin(node)))

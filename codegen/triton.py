@@ -53,6 +53,11 @@ def literal(value, dtype: torch.dtype) -> str:
 def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
     if src == dst:
         return expr
+    # bfloat16 through exact bit-level helpers: the interpreter's own casts truncate
+    if dst == torch.bfloat16:
+        return f"fusec_f32_to_bf16({convert(expr, src, torch.float32)})"
+    if src == torch.bfloat16:
+        return convert(f"fusec_bf16_to_f32({expr})", torch.float32, dst)
     if dst == torch.bool:
         return f"({expr} != 0)"
     if src.is_floating_point and not dst.is_floating_point and dst != torch.int64:
@@ -78,7 +83,7 @@ def _stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
     if s.result_dtype != s.var.dtype:
         expr = convert(f"({expr})", s.result_dtype, s.var.dtype)
     if s.round_to is not None:
-        expr = f"({expr}).to({TL[s.round_to]}).to({TL[s.var.dtype]})"
+        expr = convert(convert(f"({expr})", s.var.dtype, s.round_to), s.round_to, s.var.dtype)
     return f"{s.var.name} = {expr}  # {s.origin}"
 
 
@@ -117,6 +122,7 @@ def render(kernel) -> str:
               f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
     big = max([numel] + [_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) \
         >= 2 ** 31 - 1
+    helpers = _helpers_in(loads + body + stores)
     return render_template(
         "triton_pointwise.py.j2",
         name=kernel.name, summary=_summary(kernel), source_shape=kernel.source_shape,
@@ -125,6 +131,11 @@ def render(kernel) -> str:
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
         block_start="pid.to(tl.int64) * BLOCK_SIZE" if big else "pid * BLOCK_SIZE",
         coords=coords, loads=loads, body=body, stores=stores)
+
+
+def _helpers_in(lines: list[str]) -> set[str]:
+    """The fusec_* helpers a kernel's lines call: the module imports exactly those."""
+    return {name for line in lines for name in re.findall(r"\bfusec_\w+", line)}
 
 
 def _max_address(index: Index, shape: tuple[int, ...]) -> int:
@@ -223,8 +234,10 @@ def render_reduction(kernel) -> str:
         else:
             expr = red.triton_block.format(x=masked)
         helpers.update(re.findall(r"\bfusec_\w+", expr))
-        return convert(f"({expr})", torch.int64 if red.returns_index else r.acc_dtype,
-                       r.var.dtype) + "[:, None]"
+        out = convert(f"({expr})", torch.int64 if red.returns_index else r.acc_dtype, r.var.dtype)
+        if r.round_to is not None:
+            out = convert(convert(out, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+        return f"({out})[:, None]"
 
     def line(name: str) -> str:
         kind, item = producers[name]
@@ -297,8 +310,10 @@ def render_reduction(kernel) -> str:
                 body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
                 block = red.triton_block.format(x=f"acc_{r.var.name}")
                 helpers.update(re.findall(r"\bfusec_\w+", block))
-                after.append(f"{r.var.name} = " + convert(f"({block})", r.acc_dtype, r.var.dtype)
-                             + "[:, None]  # " + r.origin)
+                value = convert(f"({block})", r.acc_dtype, r.var.dtype)
+                if r.round_to is not None:
+                    value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+                after.append(f"{r.var.name} = ({value})[:, None]  # " + r.origin)
                 done.add(r.var.name)
             for name in order:  # row values that became computable after this phase
                 kind, item = producers[name]
@@ -320,6 +335,8 @@ def render_reduction(kernel) -> str:
         if stores_row:
             loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
 
+    helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
+                                       for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
     return render_template(

@@ -11,6 +11,8 @@ Integer and boolean results must match eager exactly, and NaNs must appear in th
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import MismatchError
@@ -59,8 +61,9 @@ def compare(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) 
     err_f = (f64 - r64).abs()[finite]
     err_e = (e64 - r64).abs()[finite]
     allowed = err_e + atol + rtol * r64.abs()[finite]
-    if (err_f > allowed).any():
-        worst = int((err_f - allowed).argmax())
+    bad = err_f > allowed
+    if bad.any():
+        worst = int(torch.where(bad, err_f - allowed, torch.full_like(err_f, -math.inf)).argmax())
         return (f"max abs error {err_f.max().item():.3g} vs eager's {err_e.max().item():.3g} "
                 f"against a float64 reference (worst excess at element {worst})")
     return None

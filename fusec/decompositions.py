@@ -53,6 +53,9 @@ def _count(x, dims) -> int:
 def mean_dim(x, dim, keepdim=False, *, dtype=None):
     dims = _dims(x, dim)
     out_dtype = dtype or x.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):  # like eager: sum and divide in float32
+        total = aten.sum.dim_IntList(x, dims, keepdim, dtype=torch.float32)
+        return aten._to_copy.default(aten.div.Tensor(total, _count(x, dims)), dtype=out_dtype)
     total = aten.sum.dim_IntList(x, dims, keepdim, dtype=out_dtype)
     return aten.div.Tensor(total, _count(x, dims))
 
@@ -63,6 +66,9 @@ def mean_default(x, *, dtype=None):
 
 
 def _var(x, dim, correction, keepdim):
+    if x.dtype in (torch.float16, torch.bfloat16):  # like eager: compute in float32
+        var, mean = _var(aten._to_copy.default(x, dtype=torch.float32), dim, correction, keepdim)
+        return aten._to_copy.default(var, dtype=x.dtype), aten._to_copy.default(mean, dtype=x.dtype)
     dims = _dims(x, dim)
     n = _count(x, dims)
     correction = 1 if correction is None else correction

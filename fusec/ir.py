@@ -119,7 +119,8 @@ class Stmt:
 
     operand_dtypes: the dtype each operand is converted to before the op (usually compute_dtype).
     result_dtype: the dtype the op's expression produces (bool for comparisons).
-    round_to: an explicit cast to a half-precision dtype rounds the value through it.
+    round_to: a half-precision result is rounded through its dtype (then kept in float32), as
+        eager rounds after every op: (x * 2).half() overflows to inf exactly where eager's does.
     """
 
     var: Var
@@ -193,6 +194,7 @@ class Reduce:
     acc_dtype: torch.dtype
     phase: int
     origin: str = ""
+    round_to: torch.dtype | None = None  # a half-precision result is rounded, as eager's is
 
 
 @dataclass

@@ -339,8 +339,9 @@ SUPPORTED_DTYPES = (
 
 
 def register_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Inside a kernel, half-precision values live in float32 (as eager's "opmath" does); a
-    value is rounded to its storage dtype only when it is stored or explicitly cast."""
+    """Inside a kernel, half-precision values live in float32 registers (eager's "opmath"):
+    each op computes in float32 and its result is rounded through the half dtype, as eager
+    rounds every op's output; loads widen, stores narrow."""
     return torch.float32 if dtype in FLOAT16_LIKE else dtype
 
 
