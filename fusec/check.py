@@ -7,6 +7,10 @@ eager's result is, plus the dtype's tolerance:
 
     |fused - ref| <= |eager - ref| + atol + rtol * |ref|      (elementwise)
 
+Where a result went through many roundings (a model's output), eager is sometimes lucky at an
+element; the same rule is then applied to the whole tensor: the root-mean-square and the largest
+error may not exceed eager's by more than the tolerance.
+
 Integer and boolean results must match eager exactly, and NaNs must appear in the same places.
 """
 from __future__ import annotations
@@ -17,20 +21,30 @@ import torch
 
 from .errors import MismatchError
 
-TOLERANCE = {  # (rtol, atol) per dtype
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (8e-3, 1e-5),
+TOLERANCE = {  # (rtol, atol) per dtype: about two units in the last place for half types
+    torch.float16: (2e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
     torch.float32: (1.3e-6, 1e-5),
     torch.float64: (1e-12, 1e-12),
 }
 
 
 def float64_reference(gm, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Run the captured graph with every floating input upcast to float64 (None if it fails)."""
+    """Run the captured graph in float64: floating inputs upcast, and every floating dtype the
+    graph names (casts, fills: `_to_copy(x, dtype=bfloat16)`) replaced by float64, so no step of
+    the reference rounds to a narrower type. None if the graph cannot run that way."""
+    from fusec.passes import copy_graph_module
+
+    wide_gm = copy_graph_module(gm)
+    for node in wide_gm.graph.nodes:
+        dtype = node.kwargs.get("dtype")
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            node.kwargs = {**node.kwargs, "dtype": torch.float64}
+    wide_gm.recompile()
     wide = [t.double() if t.is_floating_point() else t for t in inputs]
     try:
         with torch.no_grad():
-            return list(gm(*wide))
+            return list(wide_gm(*wide))
     except Exception:
         return None
 
@@ -62,7 +76,7 @@ def compare(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) 
     err_e = (e64 - r64).abs()[finite]
     allowed = err_e + atol + rtol * r64.abs()[finite]
     bad = err_f > allowed
-    if bad.any():
+    if bad.any() and not _aggregate_ok(err_f, err_e, r64.abs()[finite], rtol, atol):
         worst = int(torch.where(bad, err_f - allowed, torch.full_like(err_f, -math.inf)).argmax())
         return (f"max abs error {err_f.max().item():.3g} vs eager's {err_e.max().item():.3g} "
                 f"against a float64 reference (worst excess at element {worst})")
@@ -86,3 +100,15 @@ def check_outputs(compiled_fn, compiled, args, kwargs, flat_out) -> None:
             else:
                 who = f"step {producer}" if producer else "an input passed through"
             raise MismatchError(f"fusec: output {i} from {who} does not match eager: {problem}")
+
+
+def _aggregate_ok(err_f, err_e, ref_abs, rtol, atol) -> bool:
+    """The whole-tensor form of the same rule, for results that went through many roundings
+    (a model's output): neither the root-mean-square error nor the largest error may exceed
+    eager's by more than the dtype's tolerance. Elementwise, eager is sometimes lucky."""
+    scale = ref_abs.max().item() if ref_abs.numel() else 0.0
+    rms_f = err_f.pow(2).mean().sqrt().item() if err_f.numel() else 0.0
+    rms_e = err_e.pow(2).mean().sqrt().item() if err_e.numel() else 0.0
+    max_f = err_f.max().item() if err_f.numel() else 0.0
+    max_e = err_e.max().item() if err_e.numel() else 0.0
+    return rms_f <= rms_e * (1 + 8 * rtol) + atol and max_f <= max_e + atol + rtol * scale

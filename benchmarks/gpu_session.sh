@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything fusec checks on a GPU, in one device call: install, Triton tests on CUDA (several
+# pytest processes side by side: Triton compiles are single-threaded), then both benchmarks.
+# Results land in $OUT (the device tool fetches them); docs/gpu.md records what was measured.
+set -uo pipefail
+OUT=${OUT:-/tmp/fusec-gpu}; mkdir -p "$OUT"
+python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log" 2>&1 || exit 1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/versions.txt"
+export PYTHONUNBUFFERED=1
+groups=("tests/test_ops.py" "tests/test_views.py tests/test_smoke.py tests/test_schedule.py"
+        "tests/test_reductions.py tests/test_training.py tests/test_api.py"
+        "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_property.py tests/test_property_reductions.py")
+i=0
+for g in "${groups[@]}"; do
+  files=$(for f in $g; do [ -e "$f" ] && echo "$f"; done)
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -k "triton" -p no:cacheprovider $files > "$OUT/tests_$i.log" 2>&1 &
+  i=$((i+1))
+done
+wait
+tail -n 3 "$OUT"/tests_*.log
+timeout 200 python benchmarks/pointwise.py --json "$OUT/pointwise.json" 2>&1 | tail -6
+timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -9
