@@ -371,7 +371,7 @@ def test_group_metadata_matches_the_graph():
 def random_ops_around_a_group(x):
     a = torch.sigmoid(x)
     idx = torch.multinomial(a, 3)   # random op #1 reads a
-    r = torch.rand(4)               # random op #2, independent of a
+    r = torch.rand(4, device=x.device)  # random op #2, independent of a
     return a * r, idx               # sigmoid and mul may fuse, but not by pulling rand before #1
 
 
