@@ -153,6 +153,8 @@ class CompiledFunction:
         self.compiled: dict[tuple, CompiledGraph] = {}
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
+        # where each parameter and buffer lives, so a call reads them without walking the module
+        self._state_refs = _state_refs(fn) if isinstance(fn, torch.nn.Module) else []
         functools.update_wrapper(self, fn, updated=())
 
     # -- public ---------------------------------------------------------------------------------
@@ -171,8 +173,11 @@ class CompiledFunction:
 
     def __call__(self, *args, **kwargs):
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
-        leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
-        lifted = _lifted(module)
+        if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+            leaves = list(args)  # the common call: positional tensors, already flat
+        else:
+            leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
+        lifted = self._state()
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
         if needs_grad:
@@ -195,6 +200,11 @@ class CompiledFunction:
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
     # -- internals ------------------------------------------------------------------------------
+    def _state(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers now (an optimizer may have replaced them)."""
+        return [owner._parameters[name] if is_param else owner._buffers[name]
+                for owner, name, is_param in self._state_refs]
+
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
         tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -254,6 +264,18 @@ def _label(fn) -> str:
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _state_refs(module: torch.nn.Module) -> list[tuple]:
+    """(owning submodule, attribute name, is parameter) for every parameter, then every buffer,
+    in the order `frontend.capture` lifts them (named_parameters, named_buffers)."""
+    refs = []
+    for kind, table in ((True, "_parameters"), (False, "_buffers")):
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for name, value in getattr(sub, table).items():
+                if value is not None:
+                    refs.append((sub, name, kind))
+    return refs
 
 
 def _lifted(module) -> list[torch.Tensor]:
