@@ -252,11 +252,27 @@ def build(source: str, name: str) -> Path:
     return lib
 
 
+def _load_library(lib: Path) -> ctypes.CDLL:
+    """dlopen a kernel library. The first one also loads the system's OpenMP runtime, which is
+    not the one inside torch's wheel: two thread pools then share the cores, and a pool whose
+    idle threads spin after a parallel loop starves the other (measured on 2 cores: a small MLP
+    call went from 0.1 ms to 2 ms). Unless the user chose a wait policy, our threads sleep at
+    once when idle (libgomp reads GOMP_SPINCOUNT when it loads)."""
+    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    if not chosen:
+        os.environ["GOMP_SPINCOUNT"] = "0"
+    try:
+        return ctypes.CDLL(str(lib))
+    finally:
+        if not chosen:
+            del os.environ["GOMP_SPINCOUNT"]
+
+
 class CppLauncher:
     """Calls the compiled kernel with the data pointers of its tensors (inputs, then outputs)."""
 
     def __init__(self, lib: Path, name: str, n_params: int):
-        self.fn = getattr(ctypes.CDLL(str(lib)), name)
+        self.fn = getattr(_load_library(lib), name)
         self.fn.argtypes = [ctypes.c_void_p] * n_params
         self.fn.restype = None
 
@@ -354,13 +370,31 @@ def render_reduction(kernel) -> str:
                     and kernel.level.get(name, 0) == phase + 1:
                 after.append(lines[name])
                 done.add(name)
+        # Note (long float sums): adding K values one after another into one float loses
+        # ~K ulps; eager sums in a cascade and loses ~log K. A long float sum is blocked: each
+        # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
+        # added up in double, so the error grows like sqrt(K) ulps of a block sum.
+        blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
+        kblock = sum_block(kernel.k) if blocked else 0
+        block_before, block_after = [], []
+        if kblock:
+            for r in blocked:
+                acc = f"acc_{r.var.name}"
+                before.append(f"double {acc}_total = 0.0;")
+                block_before.append(f"{CTYPE[r.acc_dtype]} {acc}_blk = {literal(0, r.acc_dtype)};")
+                block_after.append(f"{acc}_total += {acc}_blk;")
+                after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
+                body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
         pragma = ""
         if simd and reds:
             op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
             if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
-                pragma = f"#pragma omp simd reduction({op}:{', '.join('acc_' + r.var.name for r in reds)})"
+                names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
+                pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
         sections.append({"comment": f"phase {phase}: " + ", ".join(r.op for r in reds),
-                         "before": before, "pragma": pragma, "body": body, "after": after})
+                         "before": before, "pragma": pragma, "body": body, "after": after,
+                         "kblock": kblock, "block_before": block_before,
+                         "block_after": block_after})
 
     elem_stores, row_stores = [], []
     for n, s in enumerate(kernel.stores):
@@ -371,7 +405,8 @@ def render_reduction(kernel) -> str:
         body = list(k_coords) + closure({s.var.name for s in kernel.stores
                                          if s.var.name in kernel.varying}) + elem_stores
         sections.append({"comment": "last pass: element values, stored", "before": [],
-                         "pragma": "#pragma omp simd", "body": body, "after": []})
+                         "pragma": "#pragma omp simd", "body": body, "after": [], "kblock": 0,
+                         "block_before": [], "block_after": []})
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
@@ -379,6 +414,17 @@ def render_reduction(kernel) -> str:
         params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
                 for p in kernel.params],
         row_lines=row_lines, sections=sections, row_stores=row_stores)
+
+
+SUM_BLOCK_MIN = 256
+
+
+def sum_block(k: int) -> int:
+    """Block length for a float sum over k values (0: no blocking): about sqrt(k), so the
+    values summed in a row, per block and across blocks, both stay near sqrt(k)."""
+    if k <= SUM_BLOCK_MIN:
+        return 0
+    return max(SUM_BLOCK_MIN, 1 << math.isqrt(k - 1).bit_length())
 
 
 def _coords(prefix: str, var: str, shape) -> list[str]:
