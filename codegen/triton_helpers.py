@@ -276,20 +276,31 @@ def fusec_reduce_prod(x):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def fusec_reduce_max(x):
-    # torch.amax returns NaN for a row holding a NaN; tl.max does not promise to
-    m = tl.max(x, 1)
+    # torch.amax returns NaN for a row holding a NaN; tl.max does not promise to. One reduction
+    # whose combine propagates NaN (a single max.NaN instruction on recent GPUs).
     if x.dtype.is_floating():
-        m = tl.where(tl.max((x != x).to(tl.int8), 1) != 0, float("nan"), m)
-    return m
+        return tl.reduce(x, 1, _max_nan)
+    else:
+        return tl.max(x, 1)
 
 
 @triton.jit
 def fusec_reduce_min(x):
-    m = tl.min(x, 1)
     if x.dtype.is_floating():
-        m = tl.where(tl.max((x != x).to(tl.int8), 1) != 0, float("nan"), m)
-    return m
+        return tl.reduce(x, 1, _min_nan)
+    else:
+        return tl.min(x, 1)
 
 
 @triton.jit
@@ -313,5 +324,36 @@ def fusec_reduce_argmin(x, ks):
     if x.dtype.is_floating():
         nan = x != x
         first_nan = tl.min(tl.where(nan, ks, big), 1)
+        first = tl.where(first_nan < big, first_nan, first)
+    return first
+
+
+# Looped argmax/argmin (rows longer than one block): every lane of the [rows, RBLOCK] accumulator
+# keeps the best value it has seen and the first position where it saw it (-1: nothing yet);
+# at the end the lanes are combined. A NaN beats every number, and the first NaN stays.
+
+@triton.jit
+def fusec_arg_update(acc, acc_at, x, ks, mask, IS_MAX: tl.constexpr):
+    if IS_MAX:
+        better = x > acc
+    else:
+        better = x < acc
+    if x.dtype.is_floating():
+        better = better | ((x != x) & (acc == acc))
+    take = mask & ((acc_at < 0) | better)
+    return tl.where(take, x, acc), tl.where(take, ks, acc_at)
+
+
+@triton.jit
+def fusec_arg_finish(acc, acc_at, IS_MAX: tl.constexpr):
+    big = 2147483647
+    seen = acc_at >= 0
+    if IS_MAX:
+        m = tl.max(acc, 1)[:, None]
+    else:
+        m = tl.min(acc, 1)[:, None]
+    first = tl.min(tl.where(seen & (acc == m), acc_at, big), 1)
+    if acc.dtype.is_floating():
+        first_nan = tl.min(tl.where(seen & (acc != acc), acc_at, big), 1)
         first = tl.where(first_nan < big, first_nan, first)
     return first

@@ -59,6 +59,9 @@ class CompiledGraph:
     snapshots: list
     kernels: list[Kernel]
     program: Any
+    graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
+    runner: Any = None  # the CudaGraphRunner once captured
+    calls: int = 0
 
     def source(self) -> str:
         from fusec.passes.schedule import format_schedule
@@ -124,6 +127,8 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
     program = build_program(gm, kernels)
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+    from fusec.runtime import graph_blocker
+    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
     _log.compiled(compiled, label)
     return compiled
 
@@ -189,7 +194,7 @@ class CompiledFunction:
             self.compiled[key] = compiled
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
-        flat_out = compiled.program(tensors)
+        flat_out = self._run(compiled, tensors, len(lifted))
         for k, value in sorted(compiled.captured.output_constants.items()):
             flat_out.insert(k, value)
         for k, i in compiled.captured.output_aliases.items():
@@ -200,6 +205,23 @@ class CompiledFunction:
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
     # -- internals ------------------------------------------------------------------------------
+    def _run(self, compiled: "CompiledGraph", tensors: list, n_static: int) -> list:
+        """Run step by step, or, on CUDA, replay the whole program as one CUDA graph: the first
+        call runs normally (it compiles and warms up), the second captures, later ones replay."""
+        if self.cuda_graphs is False or compiled.graph_blocker is not None:
+            return compiled.program(tensors)
+        if compiled.runner is not None:
+            out = compiled.runner(tensors)
+            if out is not None:
+                return out
+            compiled.runner = None  # a parameter moved: capture again
+        compiled.calls += 1
+        if compiled.calls < 2:
+            return compiled.program(tensors)
+        from .runtime import CudaGraphRunner
+        compiled.runner = CudaGraphRunner(compiled.program, tensors, n_static)
+        return compiled.runner(tensors)
+
     def _state(self) -> list[torch.Tensor]:
         """The module's parameters and buffers now (an optimizer may have replaced them)."""
         return [owner._parameters[name] if is_param else owner._buffers[name]

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import Layout
+from fusec.ir import Layout, TensorMeta
 
 
 @dataclass(frozen=True)
@@ -198,3 +198,62 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
         and ops.classify(node.target) == ops.VIEW
 
+
+
+# ---- CUDA graphs -----------------------------------------------------------------------------
+
+def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | None:
+    """Why this program cannot be replayed as one CUDA graph, or None if it can.
+
+    A captured graph replays fixed addresses: every input is read from a buffer we own (or from a
+    parameter that stays put), every output comes out of the graph's own memory. So a program
+    that writes into its inputs, returns an input (or a view of one), or runs anything on the CPU
+    is launched step by step instead.
+    """
+    devices = {n.meta["fusec"].device for n in gm.graph.nodes
+               if isinstance(n.meta.get("fusec"), TensorMeta)}
+    if any(not d.startswith("cuda") for d in devices) or len(devices) != 1:
+        return f"not all on one CUDA device ({', '.join(sorted(devices))})"
+    inputs = set(program.input_slots) | {s for s, _ in program.constants}
+    for step in program.steps:
+        if isinstance(step, ExternStep) and getattr(step.target, "_schema", None) is not None \
+                and step.target._schema.is_mutable:
+            return f"{step.name} writes into a tensor in place"
+        if isinstance(step, ViewStep) and step.root in inputs and step.out_slot in program.output_slots:
+            return "an output is a view of an input"
+    if any(s in inputs for s in program.output_slots):
+        return "an output is an input"
+    return None
+
+
+class CudaGraphRunner:
+    """Replays a Program as one CUDA graph: one launch instead of one per step.
+
+    Parameters and buffers (the first `n_static` inputs) are read in place; a call that passes a
+    parameter at another address needs a new capture (`__call__` returns None). Other inputs are
+    copied into buffers the graph owns. Outputs are cloned out of the graph's memory, so the next
+    replay cannot overwrite what an earlier call returned.
+    """
+
+    def __init__(self, program: Program, inputs: list[torch.Tensor], n_static: int):
+        self.program, self.n_static = program, n_static
+        self.static = [t if i < n_static else t.clone() for i, t in enumerate(inputs)]
+        self.static_ptrs = [t.data_ptr() for t in self.static[:n_static]]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up: cuBLAS handles, allocator, Triton binaries
+            program(self.static)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = program(self.static)
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        for i in range(self.n_static):
+            if inputs[i].data_ptr() != self.static_ptrs[i]:
+                return None
+        for dst, src in zip(self.static[self.n_static:], inputs[self.n_static:]):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.graph.replay()
+        return [o.clone() for o in self.outputs]

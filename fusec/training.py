@@ -31,7 +31,8 @@ def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
     """
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
         from .api import CompiledFunction
-        compiled = CompiledFunction(gm, backend=backend, check=check)
+        # training graphs run step by step: their outputs feed autograd, not a caller
+        compiled = CompiledFunction(gm, backend=backend, check=check, cuda_graphs=False)
         parts.append(compiled)
 
         def run(args):  # AOT Autograd's boxed convention: one list, which we may clear

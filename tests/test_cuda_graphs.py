@@ -1,0 +1,70 @@
+"""CUDA graphs: the whole program replayed as one graph. Needs a GPU (runs in the GPU session)."""
+import pytest
+import torch
+
+import fusec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def f(x, y):
+    return torch.softmax(torch.sin(x) * y, dim=-1) + 1.0
+
+
+def test_graphs_give_the_same_results_as_plain_launches():
+    x, y = torch.randn(64, 128, device="cuda"), torch.randn(128, device="cuda")
+    graphed = fusec.compile(f)
+    plain = fusec.compile(f, cuda_graphs=False)
+    for _ in range(4):
+        torch.testing.assert_close(graphed(x, y), plain(x, y), rtol=0, atol=0)
+    assert graphed.last.runner is not None, graphed.last.graph_blocker
+    assert plain.last.runner is None
+
+
+def test_replay_sees_inputs_changed_in_place_and_keeps_old_outputs():
+    x, y = torch.randn(64, 128, device="cuda"), torch.randn(128, device="cuda")
+    cf = fusec.compile(f)
+    outs = []
+    for i in range(4):
+        x.add_(0.5)  # same address, new contents
+        outs.append(cf(x, y))
+        torch.testing.assert_close(outs[-1], f(x, y))
+    assert cf.last.runner is not None
+    for a, b in zip(outs, outs[1:]):
+        assert not torch.equal(a, b)  # call N's output survived call N+1
+    z = torch.randn(64, 128, device="cuda")  # another address
+    torch.testing.assert_close(cf(z, y), f(z, y))
+
+
+def test_new_shape_captures_a_new_graph():
+    cf = fusec.compile(f)
+    for n in (32, 48, 32):
+        x, y = torch.randn(n, 128, device="cuda"), torch.randn(128, device="cuda")
+        for _ in range(3):
+            torch.testing.assert_close(cf(x, y), f(x, y))
+    assert len(cf.compiled) == 2
+
+
+def test_module_parameters_read_in_place_and_recaptured_when_replaced():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.GELU()).cuda()
+    cm = fusec.compile(model)
+    x = torch.randn(16, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(cm(x), model(x))
+        model[0].weight.mul_(2)  # updated in place: the graph reads it
+        torch.testing.assert_close(cm(x), model(x))
+        model[0].weight = torch.nn.Parameter(torch.randn(64, device="cuda"))  # replaced
+        torch.testing.assert_close(cm(x), model(x))
+
+
+def test_programs_that_write_inputs_are_not_graphed():
+    def g(x):
+        x.add_(1)
+        return x * 2
+    cf = fusec.compile(g)
+    x = torch.zeros(8, device="cuda")
+    for i in range(3):
+        cf(x)
+    assert torch.equal(x, torch.full_like(x, 3.0))
+    assert cf.last.graph_blocker and "in place" in cf.last.graph_blocker
