@@ -28,6 +28,10 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     shape = tuple(sub.meta["fusec_group"]["shape"])
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outputs = list(sub.graph.output_node().args[0])
+    # horizontally fused kernels: some tensors are walked with their dims permuted
+    perms = sub.meta["fusec_group"].get("perms") or {}
+    in_layouts = [_permuted(l, perms.get(ph.name)) for ph, l in zip(placeholders, in_layouts)]
+    out_layouts = [_permuted(l, perms.get(o.name)) for o, l in zip(outputs, out_layouts)]
 
     tensors = [_broadcast_strides(l, shape) for l in in_layouts] + \
               [_broadcast_strides(l, shape) for l in out_layouts]
@@ -87,6 +91,13 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         stores.append(Store(param(layout.root, True), env[out], storage, index))
 
     return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+
+
+def _permuted(layout: Layout, perm) -> Layout:
+    if not perm:
+        return layout
+    return Layout(layout.root, tuple(layout.shape[p] for p in perm),
+                  tuple(layout.stride[p] for p in perm), layout.offset)
 
 
 def _ident(name: str) -> str:
@@ -196,6 +207,12 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     n_rows = len(outer)
     row_shape, row_strides = coalesce(tuple(shape[d] for d in outer), [t[3][:n_rows] for t in tensors])
     k_shape, k_strides = coalesce(tuple(shape[d] for d in dims), [t[3][n_rows:] for t in tensors])
+    if k_shape == (0,):
+        # An empty reduced dim (sum -> 0, any -> False ...): coalesce gives every tensor 0
+        # strides, which would make element tensors look like row values, read once per row
+        # (out of bounds: they hold no elements). Keep them varying along k, so they are read
+        # only inside the (empty) loop over k, or under the k mask.
+        k_strides = [(1,) if any(t[3][n_rows:]) else (0,) for t in tensors]
     index_of = {(t[0], t[1], t[2]): Index(layout_offset, rs + ks)
                 for t, rs, ks, layout_offset in zip(
                     tensors, row_strides, k_strides,

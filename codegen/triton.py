@@ -293,18 +293,27 @@ def render_reduction(kernel) -> str:
             before, body, after = [], list(k_setup("k_start + ")), []
             for r in reds:
                 red = ops.REDUCTIONS[r.op]
-                if red.returns_index:
-                    raise NotImplementedError("argmax/argmin over rows longer than "
-                                              f"{PERSISTENT_MAX_K} in Triton")
                 init = literal(red.init(r.acc_dtype), r.acc_dtype).replace("[1]", "[XBLOCK, RBLOCK]")
                 if not init.startswith("tl.full"):
                     init = f"tl.full([XBLOCK, RBLOCK], {init}, {TL[r.acc_dtype]})"
                 before.append(f"acc_{r.var.name} = {init}")
+                if red.returns_index:  # each lane keeps its best value and where it saw it
+                    before.append(f"acc_{r.var.name}_at = tl.full([XBLOCK, RBLOCK], -1, tl.int32)")
             for name in closure({r.operand.name for r in reds}, True):
                 body.append(line(name))
             for r in reds:
                 red = ops.REDUCTIONS[r.op]
                 x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+                if red.returns_index:
+                    acc = f"acc_{r.var.name}"
+                    helpers.update(["fusec_arg_update", "fusec_arg_finish"])
+                    body.append(f"{acc}, {acc}_at = fusec_arg_update({acc}, {acc}_at, {x}, ks, mask, "
+                                f"{r.op == 'argmax'})")
+                    after.append(f"{r.var.name} = " + convert(
+                        f"fusec_arg_finish({acc}, {acc}_at, {r.op == 'argmax'})", torch.int32,
+                        r.var.dtype) + "[:, None]  # " + r.origin)
+                    done.add(r.var.name)
+                    continue
                 combine = red.combine.format(acc=f"acc_{r.var.name}", x=x)
                 helpers.update(re.findall(r"\bfusec_\w+", combine))
                 body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")

@@ -11,15 +11,29 @@
 
 See README.md and docs/ for the pipeline: frontend -> passes -> codegen -> runtime.
 """
-from .api import CompiledFunction, CompiledModule, Kernel, compile
-from .errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError, MismatchError,
-                     UnsupportedError)
-from .explain import explain
+import os as _os
+import sys as _sys
+
+import torch as _torch
+
+# Triton decides whether it interprets kernels on the CPU when it is imported (its own library
+# functions are decorated then), and importing fusec imports it (through torch's tracing
+# machinery). Without a GPU, interpreting is the only way Triton kernels can run, so switch it on
+# here unless the user chose otherwise.
+TRITON_IMPORTED_BEFORE_FUSEC = "triton" in _sys.modules
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .api import CompiledFunction, CompiledModule, Kernel, compile  # noqa: E402
+from .errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError,  # noqa: E402
+                     MismatchError, UnsupportedError)
+from .explain import explain  # noqa: E402
+from .profile import profile  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "explain", "Kernel", "CompiledFunction", "CompiledModule",
+    "compile", "explain", "profile", "Kernel", "CompiledFunction", "CompiledModule",
     "FusecError", "UnsupportedError", "DeviceError", "CompilerNotFoundError", "CompileError",
     "MismatchError",
 ]

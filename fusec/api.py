@@ -312,15 +312,21 @@ def _prepare_triton(device: torch.device) -> None:
     """Triton runs CPU tensors only under its interpreter, which must be on before import."""
     if device.type == "cuda":
         return
-    # Triton reads TRITON_INTERPRET when a function is decorated with @triton.jit, and fusec's
-    # kernels and helpers are decorated only when first loaded: setting it now is in time unless
-    # they were already loaded for a GPU.
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if "fusec.codegen.triton_helpers" in sys.modules:
-            raise DeviceError("fusec: backend 'triton' with CPU tensors needs Triton's interpreter, "
-                              "but fusec's Triton kernels were already loaded for a GPU in this "
-                              "process; set TRITON_INTERPRET=1 before starting (or use backend='cpp')")
-        os.environ["TRITON_INTERPRET"] = "1"
+    # Triton reads TRITON_INTERPRET when it is imported (fusec/__init__.py sets it first on a
+    # machine without a GPU); a process that imported triton before fusec must have set it itself.
+    import fusec
+    if os.environ.get("TRITON_INTERPRET") != "1" or fusec.TRITON_IMPORTED_BEFORE_FUSEC and \
+            "fusec.codegen.triton_helpers" not in sys.modules and _interpreter_off():
+        raise DeviceError("fusec: backend 'triton' with CPU tensors needs Triton's interpreter: "
+                          "set TRITON_INTERPRET=1 before triton is imported (fusec does so itself "
+                          "on a machine without a GPU if it is imported first), or use backend='cpp'")
+
+
+def _interpreter_off() -> bool:
+    """True if triton was imported with its interpreter off (its library is compiled-mode)."""
+    import triton.language as tl
+    return "Interpreted" not in type(tl.standard._sum_combine).__name__ \
+        if hasattr(tl, "standard") and hasattr(tl.standard, "_sum_combine") else False
 
 
 def compile(fn: Callable | None = None, *, backend: str = "auto",

@@ -3,6 +3,13 @@
     fusec demo [--backend cpp|triton]     run the seed examples, show kernels, errors and times
     fusec run examples/sin4.py            run one example file (or a name: `fusec run sin4`)
     fusec explain examples/sin4.py        print every stage of the pipeline for one example
+                [--json] [--dot DIR]      ... as JSON; write the graph pictures (.dot, .svg)
+    fusec kernels examples/sin4.py        print just the generated kernel sources
+    fusec profile examples/sin4.py        eager vs fused under torch.profiler, as tables
+                [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
+
+An example file defines `example(device="cpu") -> fusec.demo.Example` (the function, its inputs
+and a sentence about it); every file in examples/ does.
 """
 from __future__ import annotations
 
@@ -17,10 +24,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the seed examples")
     demo.add_argument("--backend", default="auto", choices=["auto", "cpp", "triton"])
-    for name in ("run", "explain"):
-        p = sub.add_parser(name, help=f"{name} one example (a file path or a name)")
-        p.add_argument("example")
+    helps = {"run": "run one example (a file path or a name)",
+             "explain": "print every stage of the pipeline for one example",
+             "kernels": "print the generated kernel sources of one example",
+             "profile": "profile one example eagerly and fused, side by side"}
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("example", help="a file defining example(), or a name from examples/")
         p.add_argument("--backend", default="auto", choices=["auto", "cpp", "triton"])
+        p.add_argument("--device", default="cpu" if name != "profile" else "auto",
+                       choices=["auto", "cpu", "cuda"],
+                       help="where the example's inputs live (auto: a GPU if there is one)")
+        if name == "explain":
+            p.add_argument("--json", action="store_true", help="print to_dict() as JSON")
+            p.add_argument("--dot", metavar="DIR",
+                           help="write graph_before_fusion.dot/.svg and graph_after_fusion.dot/.svg")
+        if name == "profile":
+            p.add_argument("--html", metavar="FILE", help="also write the HTML report here")
+            p.add_argument("--traces", metavar="DIR", help="also write eager/fused Chrome traces")
+            p.add_argument("--iters", type=int, default=10, help="profiled iterations (default 10)")
     args = parser.parse_args(argv)
 
     import torch
@@ -32,16 +54,80 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             run_demo(args.backend)
-        elif args.command == "run":
-            run_example(load_example(args.example).example(), args.backend)
-        else:
+            return 0
+        ex = _example(load_example(args.example), args.device)
+        if args.command == "run":
+            run_example(ex, args.backend)
+        elif args.command == "explain":
+            _explain(ex, args)
+        elif args.command == "kernels":
             import fusec
-            ex = load_example(args.example).example()
-            print(fusec.explain(ex.fn, *ex.inputs, backend=args.backend))
+            e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
+            for k in e.compiled.kernels:
+                print(f"# ===== {k.name} ({k.backend}) =====\n{k.source}")
+        else:
+            _profile(ex, args)
     except FusecError as err:
         print(err, file=sys.stderr)
         return 1
     return 0
+
+
+def _example(module, device: str):
+    import torch
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
+    return module.example(device=device)
+
+
+def _explain(ex, args) -> None:
+    import json
+    from pathlib import Path
+
+    import fusec
+    e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
+    if args.dot:
+        out = Path(args.dot)
+        out.mkdir(parents=True, exist_ok=True)
+        for stage in ("before", "after"):
+            (out / f"graph_{stage}_fusion.dot").write_text(e.dot(stage))
+            svg = e.svg(stage)
+            if svg:
+                (out / f"graph_{stage}_fusion.svg").write_text(svg)
+        print(f"fusec: wrote the graph pictures to {out}", file=sys.stderr)
+    print(json.dumps(e.to_dict(), indent=1) if args.json else e)
+
+
+def _profile(ex, args) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import fusec
+    from fusec.profile import STAGES
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]fusec profile[/] {task.description}"), BarColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("", total=len(STAGES))
+        seen: list[str] = []
+
+        def progress(stage: str) -> None:
+            if seen:
+                bar.advance(task)
+            seen.append(stage)
+            bar.update(task, description=stage)
+
+        report = fusec.profile(ex.fn, *ex.inputs, backend=args.backend, iters=args.iters,
+                               progress=progress, name=ex.name)
+        bar.advance(task)
+    print(report)
+    if args.traces:
+        paths = report.export_chrome_traces(args.traces)
+        print("chrome traces: " + ", ".join(str(p) for p in paths))
+    if args.html:
+        print(f"html report: {report.save_html(args.html)}")
 
 
 if __name__ == "__main__":

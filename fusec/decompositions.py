@@ -12,6 +12,14 @@ all), and the fusion pass puts a softmax or a layer norm into one kernel. Varian
 two-pass formula (mean first, then squared deviations), which is as accurate as eager's.
 torch's own decompositions are used where they produce ATen ops; mean and var are written here
 because torch's versions produce `prims` ops.
+
+A few are written here so that the whole op stays in the reduction's own iteration space and
+fusion can make it one kernel: logsumexp reduces with keepdim and squeezes only the final result
+(torch's squeezes the max first, and a squeezed row value cannot be broadcast back inside a
+kernel); group_norm normalizes and applies its affine in the (N, groups, C/groups, HW) view and
+reshapes only the output (torch's reshapes the statistics back to (N, C) first); and batch_norm
+in inference mode, which CPU tracing reaches as `native_batch_norm(training=False)`, becomes the
+pointwise (x - running_mean) * rsqrt(running_var + eps) * weight + bias.
 """
 from __future__ import annotations
 
@@ -23,7 +31,6 @@ aten = torch.ops.aten
 
 FROM_TORCH = [
     aten._softmax.default, aten._log_softmax.default, aten.native_layer_norm.default,
-    aten.native_group_norm.default, aten._native_batch_norm_legit_no_training.default,
     aten.linalg_vector_norm.default, aten.std.correction, aten.any.dims,
 ]
 
@@ -38,11 +45,14 @@ def register(op):
 
 
 def _dims(x, dim):
+    """The reduced dims, sorted and non-negative. An out-of-range or repeated dim raises the
+    error eager raises (a bare `d % rank` would quietly reduce over some other dim)."""
+    from torch._prims_common import reduction_dims
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return list(range(x.dim()))
     if isinstance(dim, int):
         dim = [dim]
-    return sorted(d % max(x.dim(), 1) for d in dim)
+    return sorted(reduction_dims(x.shape, dim)) if x.dim() else []
 
 
 def _count(x, dims) -> int:
@@ -94,8 +104,144 @@ def sum_default(x, *, dtype=None):
     return aten.sum.dim_IntList(x, list(range(x.dim())), False, dtype=dtype)
 
 
+# Note (reductions over an empty dim): a reduction over zero elements is its identity:
+# sum -> 0, prod -> 1, any -> False, all -> True (amax, argmax ... have none, and eager raises,
+# as tracing does). Such a reduction becomes a `full` of the result's shape here, so no kernel
+# ever loops over an empty row. Every other call returns NotImplemented: traced as it is.
+
+def _empty_reduction(identity, dim_pos=1, keep_pos=2, result_dtype=None):
+    def decomp(x, *args, **kwargs):
+        dim = kwargs.get("dim", args[dim_pos - 1] if len(args) >= dim_pos else None)
+        keepdim = kwargs.get("keepdim", args[keep_pos - 1] if len(args) >= keep_pos else False)
+        dims = _dims(x, dim)
+        if _count(x, dims) != 0:
+            return NotImplemented
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape)
+                 if keepdim or d not in dims]
+        dtype = result_dtype(x, kwargs.get("dtype")) if result_dtype else torch.bool
+        if dtype == torch.bool and x.dtype == torch.uint8:
+            dtype = torch.uint8  # eager's any/all of uint8 are uint8
+        return aten.full.default(shape, identity, dtype=dtype, device=x.device)
+    return decomp
+
+
+def _sum_dtype(x, dtype):
+    if dtype is not None:
+        return dtype
+    return x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
+
+
+register(aten.sum.dim_IntList)(_empty_reduction(0, result_dtype=_sum_dtype))
+register(aten.prod.dim_int)(_empty_reduction(1, result_dtype=_sum_dtype))
+register(aten.prod.default)(_empty_reduction(1, 9, 9, result_dtype=_sum_dtype))
+for _op in (aten.any.dim, aten.any.dims):
+    register(_op)(_empty_reduction(False))
+register(aten.any.default)(_empty_reduction(False, 9, 9))
+register(aten.all.dim)(_empty_reduction(True))
+register(aten.all.default)(_empty_reduction(True, 9, 9))
+
+
+@register(aten.logsumexp.default)
+def logsumexp(x, dim, keepdim=False):
+    if not x.is_floating_point():
+        x = aten._to_copy.default(x, dtype=torch.get_default_dtype())
+    dims = _dims(x, dim)
+    if x.numel() == 0:  # no max to subtract; log(0) = -inf over an empty row, as eager
+        return aten.log.default(aten.sum.dim_IntList(aten.exp.default(x), dims, keepdim))
+    m = aten.amax.default(x, dims, True)
+    m = aten.where.self(aten.eq.Scalar(aten.abs.default(m), math.inf),
+                        aten.scalar_tensor.default(0.0, dtype=x.dtype, device=x.device), m)
+    out = aten.add.Tensor(aten.log.default(aten.sum.dim_IntList(aten.exp.default(
+        aten.sub.Tensor(x, m)), dims, True)), m)
+    return out if keepdim else aten.squeeze.dims(out, dims)
+
+
+def _max_min_dim(reduce, arg):
+    def decomp(x, dim, keepdim=False):
+        if x.dtype == torch.bool:
+            return NotImplemented  # argmax has no bool kernel in eager: max.dim stays one call
+        return reduce(x, [dim], keepdim), arg(x, dim, keepdim)
+    return decomp
+
+
+# torch.max(x, dim) is (amax, argmax): two sibling reductions that share one kernel
+register(aten.max.dim)(_max_min_dim(aten.amax.default, aten.argmax.default))
+register(aten.min.dim)(_max_min_dim(aten.amin.default, aten.argmin.default))
+register(aten.max.default)(lambda x: aten.amax.default(x, list(range(x.dim()))))
+register(aten.min.default)(lambda x: aten.amin.default(x, list(range(x.dim()))))
+
+
+def _compute_dtype(x):
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+
+@register(aten.native_group_norm.default)
+def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
+    # views first, casts after: a view of an input folds into a load index, a view of a
+    # computed value would end the kernel
+    dtype = _compute_dtype(x)
+
+    def wide(t):
+        return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
+
+    def narrow(t):
+        return t if t.dtype == x.dtype else aten._to_copy.default(t, dtype=x.dtype)
+
+    grouped = wide(aten.view.default(x, [n, groups, c // groups, hw]))
+    var, mean = _var(grouped, [2, 3], 0, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(grouped, mean), rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, wide(aten.view.default(weight, [1, groups, c // groups, 1])))
+    if bias is not None:
+        out = aten.add.Tensor(out, wide(aten.view.default(bias, [1, groups, c // groups, 1])))
+    return (aten.view.default(narrow(out), list(x.shape)),
+            aten.view.default(narrow(mean), [n, groups]), aten.view.default(narrow(rstd), [n, groups]))
+
+
+@register(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_inference(x, weight, bias, running_mean, running_var, momentum, eps):
+    return native_batch_norm(x, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+@register(aten.native_batch_norm.default)
+def native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training or running_mean is None or running_var is None:
+        return NotImplemented  # batch statistics (and running-stat updates): traced as is
+    dtype = _compute_dtype(x)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+    def per_channel(t):  # a view of a (C,) input: folds into the kernel's load index
+        t = aten.view.default(t, shape)
+        return t if t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
+
+    wide = x if x.dtype == dtype else aten._to_copy.default(x, dtype=dtype)
+    rstd = aten.rsqrt.default(aten.add.Tensor(per_channel(running_var), eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(wide, per_channel(running_mean)), rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, per_channel(weight))
+    if bias is not None:
+        out = aten.add.Tensor(out, per_channel(bias))
+    if out.dtype != x.dtype:
+        out = aten._to_copy.default(out, dtype=x.dtype)
+    if x.device.type == "cpu":  # eager returns empty statistics on the CPU in inference mode
+        empty = aten.full.default([0], 0, dtype=x.dtype, device=x.device)
+        return out, empty, empty
+    return out, running_mean, aten.rsqrt.default(aten.add.Tensor(running_var, eps))
+
+
 def table() -> dict:
     from torch._decomp import get_decompositions
     decomps = dict(get_decompositions(FROM_TORCH))
-    decomps.update(OURS)
+    for op, ours in OURS.items():
+        theirs = decomps.get(op)
+        decomps[op] = ours if theirs is None else _either(ours, theirs)
     return decomps
+
+
+def _either(ours, theirs):
+    """Ours where it applies (it returns NotImplemented where it does not), else torch's."""
+    def decomp(*args, **kwargs):
+        out = ours(*args, **kwargs)
+        return theirs(*args, **kwargs) if out is NotImplemented else out
+    return decomp

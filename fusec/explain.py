@@ -48,7 +48,8 @@ def user_frames(node: fx.Node) -> list[dict]:
     frames = []
     for m in _FRAME.finditer(trace):
         path = m.group("file")
-        if path.startswith(torch_dir) or path.startswith(fusec_dir):
+        if path.startswith(torch_dir) or (path.startswith(fusec_dir)
+                                          and not path.startswith(os.path.join(fusec_dir, "examples"))):
             continue
         frames.append({"file": path, "line": int(m.group("line")), "function": m.group("func"),
                        "code": m.group("code").strip()})
@@ -132,8 +133,8 @@ def graph_listing(gm: fx.GraphModule) -> str:
         outputs: mul
     """
     rows = node_rows(gm)
-    name_w = max([len(r["name"]) for r in rows] + [4])
-    val_w = max([len(r["value"]) for r in rows] + [4])
+    name_w = min(max([len(r["name"]) for r in rows] + [4]), 24)
+    val_w = min(max([len(r["value"]) for r in rows] + [4]), 32)
     ins = [r for r in rows if r["op"] in ("placeholder", "get_attr")]
     body = [r for r in rows if r["op"] == "call_function"]
     outs = [r for r in rows if r["op"] == "output"]
@@ -483,10 +484,14 @@ class Explanation:
         out.append("\n=== captured ATen graph ===\n" + self.graph())
         changes = pass_changes(cg.captured.gm, gm, cg.snapshots)
         fuse_stages = [c["after"] for c in changes if c["after"].startswith("fuse")]
+        previous = None
         for change in changes:
             out.append(f"\n=== graph after {change['after']} === ({change['summary']})")
             out += ["  " + d for d in change["details"]]
-            out.append(change["graph"].rstrip())
+            same = change["graph"] == previous
+            out.append("(the graph is the same as before this pass)" if same
+                       else change["graph"].rstrip())
+            previous = change["graph"]
             if change["after"] == "dce":
                 out.append(f"dce removed: {', '.join(gm.meta.get('fusec_dce', [])) or 'nothing'}")
             if fuse_stages and change["after"] == fuse_stages[-1]:

@@ -132,6 +132,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         lifted = list(state.values())
     else:
         lifted_names, lifted = [], []
+    traced = _anchor(fn) if stack_traces else fn
     out_spec_box: list[Any] = []
     aliases: dict[int, int] = {}
     constants: dict[int, Any] = {}
@@ -145,7 +146,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         if module is not None:
             out = torch.func.functional_call(module, params, call_args, call_kwargs)
         else:
-            out = fn(*call_args, **call_kwargs)
+            out = traced(*call_args, **call_kwargs)
         flat_out, spec = pytree.tree_flatten(out)
         out_spec_box[:] = [spec]
         aliases.clear()
@@ -172,12 +173,13 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         with torch.no_grad(), mode:
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
-                         record_stack_traces=stack_traces and _anchor(fn))(*fakes)
+                         record_stack_traces=stack_traces)(*fakes)
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
         raise _capture_error(err) from None
 
+    _out_of_place(gm)
     user_names = [names[i] for i in tensor_pos]
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
@@ -186,15 +188,54 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
                     dict(constants))
 
 
-def _anchor(fn: Callable) -> bool:
-    """make_fx keeps only the stack frames of `forward` methods and of registered "anchor"
-    functions: register the user's function so a plain function's lines are recorded too."""
+def _anchor(fn: Callable) -> Callable:
+    """What to call while tracing so that make_fx records the user's source lines.
+
+    make_fx keeps only the stack frames of `forward` methods and of registered "anchor"
+    functions: register the user's function (torch 2.13 can; 2.11 cannot), or else call a copy
+    of a plain function whose code object is named `forward` (same lines, same globals)."""
     try:
         from torch.fx.proxy import _register_stack_trace_anchor
-    except ImportError:  # an older torch keeps `forward` frames only
-        return True
-    _register_stack_trace_anchor(fn.forward if isinstance(fn, torch.nn.Module) else fn)
-    return True
+    except ImportError:
+        _register_stack_trace_anchor = None
+    if isinstance(fn, torch.nn.Module):
+        if _register_stack_trace_anchor is not None:  # helper methods (`self.attn(x)`) too
+            for cls in {type(m) for m in fn.modules()}:
+                if not cls.__module__.startswith("torch."):
+                    for member in vars(cls).values():
+                        if inspect.isfunction(member):
+                            _register_stack_trace_anchor(member)
+        return fn
+    if _register_stack_trace_anchor is not None:
+        _register_stack_trace_anchor(fn)
+        return fn
+    import types
+    if isinstance(fn, types.FunctionType):
+        copy = types.FunctionType(fn.__code__.replace(co_name="forward"), fn.__globals__,
+                                  fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        return copy
+    return fn
+
+
+def _out_of_place(gm: fx.GraphModule) -> None:
+    """Functionalization runs above torch's decompositions, so a decomposition that updates its
+    own temporary in place (rms_norm's `add_(eps)`) survives it. When nothing else reads the
+    temporary, the in-place op is its out-of-place twin (`add`), which fusion understands."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        name = target.overloadpacket.__name__
+        base = node.args[0] if node.args else None
+        if not name.endswith("_") or name.startswith("_") or not isinstance(base, fx.Node) \
+                or base.op in ("placeholder", "get_attr") or len(base.users) != 1:
+            continue
+        packet = getattr(torch.ops.aten, name[:-1], None)
+        twin = getattr(packet, target._overloadname, None) if packet is not None else None
+        if twin is not None:
+            node.target = twin
+    gm.recompile()
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:

@@ -66,8 +66,7 @@ def wants_stack_traces() -> bool:
 def captured(gm) -> None:
     """Right after capture, before any pass runs."""
     if enabled("graph"):
-        from .explain import graph_listing
-        log("graph", "captured ATen graph\n" + graph_listing(gm))
+        log("graph", "captured ATen graph\n" + _explain_module().graph_listing(gm))
 
 
 def kernel_rendered(name: str, backend: str, source: str) -> None:
@@ -78,23 +77,37 @@ def kernel_rendered(name: str, backend: str, source: str) -> None:
 def pipeline_done(captured_gm, gm, snapshots) -> None:
     """After the passes ran: what each pass changed, the fusion groups, the schedule."""
     want = topics()
-    if not want & {"passes", "fusion", "schedule"}:
+    if not want & {"passes", "schedule"}:
         return
-    from . import explain as ex
+    ex = _explain_module()
     if "passes" in want:
+        previous = None
         for change in ex.pass_changes(captured_gm, gm, snapshots):
-            log("passes", f"after {change['after']}: {change['summary']}\n" + "\n".join(
-                "  " + line for line in change["details"]) + f"\n{change['graph']}")
-    if "fusion" in want:
-        log("fusion", "fusion groups\n" + ex.format_groups(ex.group_rows(gm, None)) + "\n"
-            + ex.format_refusals(gm))
+            body = ["  " + line for line in change["details"]]
+            body.append("(the graph is the same as before this pass)"
+                        if change["graph"] == previous else change["graph"].rstrip())
+            previous = change["graph"]
+            log("passes", f"after {change['after']}: {change['summary']}\n" + "\n".join(body))
     if "schedule" in want:
         from fusec.passes.schedule import format_schedule
         log("schedule", "schedule\n" + format_schedule(gm.meta["fusec_schedule"]))
 
 
+def _explain_module():
+    import sys
+    import fusec.explain  # noqa: F401  (the attribute fusec.explain is the function)
+    return sys.modules["fusec.explain"]
+
+
 def compiled(compiled_graph, label: str = "program") -> Path | None:
-    """After everything is built: write every stage to FUSEC_DEBUG_DIR, if set."""
+    """After every kernel is built: the fusion table (its byte counts come from the kernel IR),
+    then every stage to FUSEC_DEBUG_DIR, if set."""
+    if enabled("fusion"):
+        ex = _explain_module()
+        gm = compiled_graph.gm
+        log("fusion", "fusion groups (bytes from the kernel IR)\n"
+            + ex.format_groups(ex.group_rows(gm, compiled_graph.kernels)) + "\n"
+            + ex.format_refusals(gm))
     root = debug_dir()
     if root is None:
         return None
@@ -118,7 +131,7 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
         graph_after_fusion.dot
         explain.txt, explain.json  str() and to_dict() of fusec.explain
     """
-    from . import explain as ex
+    ex = _explain_module()
     from .graphviz import render_svg
     from fusec.passes.schedule import format_schedule
 
@@ -135,7 +148,8 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
     explanation = ex.Explanation(compiled_graph)
     gm = compiled_graph.gm
     (folder / "00_captured_graph.txt").write_text(graph_header(compiled_graph)
-                                                  + ex.graph_listing(compiled_graph.captured.gm))
+                                                  + ex.graph_listing(compiled_graph.captured.gm)
+                                                  + "\n")
     for i, snap in enumerate(compiled_graph.snapshots):
         (folder / f"{i + 1:02d}_{snap.after}.py").write_text(
             f"# graph after {snap.after}\n{snap.code}")
@@ -156,15 +170,9 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
             (folder / f"graph_{stage}_fusion.svg").write_text(svg)
     (folder / "explain.txt").write_text(str(explanation))
     (folder / "explain.json").write_text(json.dumps(explanation.to_dict(), indent=1))
-    log_any(f"wrote every stage to {folder}")
+    print(f"[fusec] FUSEC_DEBUG_DIR: wrote every stage to {folder}", file=sys.stderr, flush=True)
     return folder
 
 
 def graph_header(compiled_graph) -> str:
     return f"# captured ATen graph ({compiled_graph.backend} backend)\n"
-
-
-def log_any(text: str) -> None:
-    """A line for whoever asked for any output at all (FUSEC_LOG set to anything)."""
-    if topics():
-        print(f"[fusec] {text}", file=sys.stderr, flush=True)

@@ -305,6 +305,16 @@ def classify(target) -> str:
     return EXTERN
 
 
+def is_multi_view(target) -> bool:
+    """True for ATen ops returning a list of views of their input (split, unbind)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or len(schema.returns) != 1 or not schema.arguments:
+        return False
+    arg = schema.arguments[0].alias_info
+    return (str(schema.returns[0].type) == "List[Tensor]" and arg is not None
+            and "*" in arg.after_set and not arg.is_write)
+
+
 def is_view(target) -> bool:
     """True for ATen ops whose output aliases their first input (permute, expand, slice, ...)."""
     schema = target._schema
@@ -429,8 +439,8 @@ def _reduction(name: str, dim_pos: int = 1, keep_pos: int = 2):
         rank = len(x.meta["fusec"].shape)
         dim = kwargs.get("dim", args[dim_pos] if len(args) > dim_pos else None)
         keepdim = kwargs.get("keepdim", args[keep_pos] if len(args) > keep_pos else False)
-        if name in ("argmax", "argmin") and dim is None:
-            return None if rank > 1 else ReductionCall(REDUCTIONS[name], x, _all_dims(rank, None), keepdim)
+        # argmax/argmin without a dim: the position in the flattened tensor, which is the
+        # position along k when every dim is reduced (k runs over the dims in logical order)
         return ReductionCall(REDUCTIONS[name], x, _all_dims(rank, dim), bool(keepdim))
     return norm
 
@@ -441,6 +451,7 @@ ATEN_REDUCTIONS: dict[Any, Callable] = {
     aten.argmax.default: _reduction("argmax"), aten.argmin.default: _reduction("argmin"),
     aten.any.dim: _reduction("any"), aten.all.dim: _reduction("all"),
     aten.any.default: _reduction("any", 9, 9), aten.all.default: _reduction("all", 9, 9),
+    aten.prod.default: _reduction("prod", 9, 9),
 }
 
 

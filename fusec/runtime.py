@@ -172,6 +172,13 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
             device = node.meta["fusec_group"]["device"]
             steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device,
                                     kernel.ir.numel))
+        elif node.op == "call_function" and "fusec_views" in node.meta:
+            continue  # split/unbind: its pieces are views, read in place
+        elif node.op == "call_function" and node in materialize:
+            layout = node.meta["fusec_layout"]
+            steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
+        elif folded(node):
+            continue  # a view (or a piece of a split) read through index arithmetic
         elif node.op == "call_function" and node.target.__name__ == "getitem":
             src = node.args[0]
             if src.op == "call_module":
@@ -223,6 +230,9 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | 
             return "an output is a view of an input"
     if any(s in inputs for s in program.output_slots):
         return "an output is an input"
+    launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
+    if launches < 2:
+        return "a single launch: a graph would only add the copy of the inputs"
     return None
 
 

@@ -35,6 +35,8 @@ import torch.fx as fx
 from fusec import ops
 from fusec.ir import TensorMeta
 
+import operator
+
 from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, meta,
                        numel_rank, outline)
 
@@ -75,6 +77,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
             for n in merged.nodes:
                 group_of[n] = merged
 
+    fuse_horizontally(group_of, order, effects, refusals)
     groups = list({id(g): g for g in group_of.values()}.values())
     gm = outline(gm, groups, order, effects)
     gm.meta["fusec_refusals"] = refusals
@@ -120,3 +123,93 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
     return None
 
 
+
+
+# ---- horizontal fusion ------------------------------------------------------------------------
+
+def fuse_horizontally(group_of: dict, order: dict, effects: dict, refusals: list) -> None:
+    """Merge independent kernels that read the same buffer, so it is read in one launch.
+
+    Attention's q, k and v are three views of one matmul output; making them contiguous for the
+    next matmul takes three copies, of shapes (B, H, T, d), (B, H, d, T) and (B, H, T, d). They
+    have the same number of elements and read the same buffer with the same strides once their
+    dims are put in the same order, so one loop over the first one's shape can do all three: the
+    second one's tensors are indexed with its dims permuted to line up.
+    """
+    readers: dict[fx.Node, list] = {}
+    for g in {id(g): g for g in group_of.values()}.values():
+        inside = set(g.nodes)
+        for n in g.nodes:
+            for a in n.all_input_nodes:
+                root = view_root(a)
+                if a not in inside and root is not a:
+                    readers.setdefault(root, []).append((g, a))
+    for root, entries in readers.items():
+        first_group, first_view = entries[0]
+        for g, view in entries[1:]:
+            base = group_of[first_group.nodes[0]]
+            if g is base or g.perms or g.space is not None:
+                continue
+            perm = _matching_perm(base, first_view, g, view)
+            if perm is None:
+                continue
+            if creates_cycle(base, g, order, effects):
+                refusals.append(Refusal(first_view.name, view.name,
+                                        "horizontal fusion would create a cycle"))
+                continue
+            merged = Group(sorted(base.nodes + g.nodes, key=order.__getitem__), space=base.shape,
+                           perms=dict(base.perms))
+            inside = set(g.nodes)
+            for n in g.nodes:
+                merged.perms[n.name] = perm
+                for a in n.all_input_nodes:
+                    if a not in inside:
+                        merged.perms[a.name] = perm
+            for n in merged.nodes:
+                group_of[n] = merged
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """Follow views (and pieces of split/unbind) back to the value they look into."""
+    while node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload) and ops.classify(node.target) == ops.VIEW:
+            node = node.args[0]
+        elif node.target is operator.getitem and ops.is_multi_view(node.args[0].target):
+            node = node.args[0].args[0]
+        else:
+            break
+    return node
+
+
+def _full_rank(g: Group) -> bool:
+    """Every node and every input of g has g's exact shape (no broadcasting to permute)."""
+    shape = g.shape
+    inside = set(g.nodes)
+
+    def lined_up(node):  # its shape, in the loop's dim order
+        perm = g.perms.get(node.name)
+        m = meta(node).shape
+        return tuple(m[p] for p in perm) if perm else m
+    return all(lined_up(n) == shape for n in g.nodes) and all(
+        lined_up(a) == shape for n in g.nodes for a in n.all_input_nodes if a not in inside)
+
+
+def _matching_perm(a: Group, a_view: fx.Node, b: Group, b_view: fx.Node) -> list[int] | None:
+    """The permutation p of b's dims with b.shape[p[d]] == a.shape[d] under which b reads its
+    view with the strides a reads its own: None if there is none, or the groups differ in size."""
+    if a.device != b.device or numel_rank(a.shape)[0] != numel_rank(b.shape)[0] \
+            or len(a.shape) != len(b.shape) or not _full_rank(a) or not _full_rank(b) \
+            or meta(a_view).shape != a.shape or meta(b_view).shape != b.shape:
+        return None
+    if set(a.nodes) & {u for n in b.nodes for u in n.all_input_nodes}:
+        return None
+    sa, sb = meta(a_view).stride, meta(b_view).stride
+    perm, used = [], set()
+    for d, size in enumerate(a.shape):
+        match = next((j for j, s in enumerate(b.shape) if j not in used and s == size
+                      and (size == 1 or sb[j] == sa[d])), None)
+        if match is None:
+            return None
+        used.add(match)
+        perm.append(match)
+    return perm

@@ -31,7 +31,9 @@ legal when
    partial broadcast (which the loop would store many times over);
 3. a reduction without keepdim (`x.sum(-1)`, shape (rows,)) feeds only row computations: its
    shape no longer lines up with the input's dims, so broadcasting it back needs a view
-   (`unsqueeze`), which stays outside;
+   (`unsqueeze`), which stays outside; and a row computation reads no element value (with
+   x (3, 3) and s (3,), `x.sum(-1) + s.sin()`: sin(s) also fits the element loop, where it
+   would be computed per k, not per row);
 4. it creates no cycle (as in fuse_pointwise).
 
 It starts from the pointwise groups fuse_pointwise formed (inlined back into the graph) and keeps
@@ -55,9 +57,8 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     effects = effect_edges(graph)
 
     group_of: dict[fx.Node, Group] = {}
-    for members in prior:
-        g = Group(list(members))
-        for n in members:
+    for g in prior:
+        for n in g.nodes:
             group_of[n] = g
     for node in graph.nodes:
         red = ops.reduction(node)
@@ -157,6 +158,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
         return (f"different reductions: {a.key[0]} over dims {a.key[1]} vs {b.key[0]} over dims "
                 f"{b.key[1]}")
     key = a.key or b.key
+    if a.perms or b.perms:
+        return "one side is a horizontally fused kernel (several iteration orders in one loop)"
     if meta(a.nodes[0]).device != meta(b.nodes[0]).device:
         return "different devices"
     inside = set(a.nodes) | set(b.nodes)
@@ -173,6 +176,12 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
             if any(u in inside and space(u, key, inside) == "elem" for u in n.users):
                 return (f"{n.name} is a reduction result without keepdim; broadcasting it back "
                         "over the reduced dims needs a view, which stays outside the kernel")
+            elem_in = [a for a in n.all_input_nodes if a in inside and space(a, key, inside) == "elem"]
+            if elem_in:
+                # e.g. x.sum(-1) + s.sin() with x (3, 3) and s (3,): sin(s) fits the element
+                # loop as well (s broadcast along k), and would be read there, one k at a time
+                return (f"{n.name} computes one value per row but reads {elem_in[0].name}, which "
+                        "the kernel computes per element")
             continue
         if not broadcasts_to(m, shape):
             return f"different iteration space {m} vs the reduction's {shape}"

@@ -37,11 +37,17 @@ class Group:
     nodes: list[fx.Node] = field(default_factory=list)
 
     key: tuple | None = None  # (input shape, reduced dims) of the group's reductions, if any
+    # horizontal fusion: the loop's shape, and for nodes (and inputs) iterated in a permuted
+    # order, the permutation of their dims that lines them up with it
+    space: tuple | None = None
+    perms: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.key is not None:
             return self.key[0]
+        if self.space is not None:
+            return self.space
         return max((meta(n).shape for n in self.nodes), key=numel_rank)
 
     @property
@@ -195,7 +201,8 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group)
         "name": name,
         "ops": [str(n.target).replace("aten.", "") for n in nodes],
         "kind": "pointwise" if group.key is None else "reduction",
-        "shape": Group(nodes, group.key).shape,
+        "shape": group.shape,
+        "perms": dict(group.perms),
         "reduce_dims": None if group.key is None else group.key[1],
         "inputs": [i.name for i in inputs],
         "outputs": [o.name for o in outputs],
@@ -203,15 +210,16 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group)
     return sub_gm, inputs, outputs
 
 
-def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[list[fx.Node]]]:
+def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Group]]:
     """Replace every call to a group's sub-GraphModule by the group's own nodes again.
 
-    Returns the flat graph and, for each group that was inlined, its nodes (in order), so a pass
-    can start from the groups an earlier pass formed.
+    Returns the flat graph and, for each group that was inlined, a Group of its new nodes (with
+    its loop shape and permutations, if horizontally fused), so a pass can start from the groups
+    an earlier pass formed.
     """
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    groups: list[list[fx.Node]] = []
+    groups: list[Group] = []
     for node in gm.graph.nodes:
         if node.op == "call_module" and "fusec_group" in node.meta:
             sub = getattr(gm, node.target)
@@ -226,7 +234,11 @@ def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[list[fx.Node
                     members.append(inner[n])
             outs = sub.graph.output_node().args[0]
             env[node] = tuple(inner[o] for o in outs)
-            groups.append(members)
+            info = sub.meta["fusec_group"]
+            renamed = {old.name: new_node.name for old, new_node in inner.items()}
+            perms = {renamed.get(k, k): v for k, v in (info.get("perms") or {}).items()}
+            space = tuple(info["shape"]) if perms else None
+            groups.append(Group(members, space=space, perms=perms))
         elif node.op == "call_function" and node.target is operator.getitem \
                 and isinstance(env.get(node.args[0]), tuple):
             env[node] = env[node.args[0]][node.args[1]]

@@ -79,6 +79,11 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             root = base.meta["fusec_layout"].root
             node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
                                                view.storage_offset())
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and ops.is_multi_view(node.target) \
+                and isinstance(views := _run_fake(mode, node, fake_of), (list, tuple)):
+            # split / unbind: a list of views; each getitem below gets a Layout into the root
+            node.meta["fusec_views"] = list(views)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             steps.append(Step("extern", str(node.target), node.name))
             out = _run_fake(mode, node, fake_of)
@@ -87,6 +92,13 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 node.meta["fusec_layout"] = Layout(node.name, m.shape, tuple(out.stride()), 0)
             elif isinstance(m, TensorMeta):
                 _new_root(node, mode, fake_of)
+        elif node.op == "call_function" and node.target.__name__ == "getitem" \
+                and "fusec_views" in node.args[0].meta:
+            view = node.args[0].meta["fusec_views"][node.args[1]]
+            fake_of[node] = view
+            root = node.args[0].args[0].meta["fusec_layout"].root
+            node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
+                                               view.storage_offset())
         elif node.op == "call_function" and node.target.__name__ == "getitem":
             # one output of a multi-output extern: a root buffer of its own
             if isinstance(m, TensorMeta):

@@ -53,10 +53,6 @@ def test_gpt2_block_matches_eager(target, variant):
         assert_matches(ex.fn, *ex.inputs, backend=backend)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the q, k and v copies that matmul needs (transposed views reshaped for bmm) are separate "
-    "kernels with different iteration spaces; fusing them needs horizontal fusion across "
-    "permuted iteration spaces, which fusec does not do yet"))
 def test_gpt2_block_has_at_most_one_kernel_between_externs():
     ex = load_example("gpt2_block").example(batch=2, seq=16, n_embd=32, n_head=2)
     with torch.no_grad():
