@@ -8,16 +8,17 @@ python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/versions.txt"
 export PYTHONUNBUFFERED=1
-groups=("tests/test_ops.py" "tests/test_views.py tests/test_smoke.py tests/test_schedule.py"
-        "tests/test_reductions.py tests/test_training.py tests/test_api.py"
+groups=("tests/test_ops.py" "tests/test_reductions.py"
+        "tests/test_views.py tests/test_smoke.py tests/test_schedule.py tests/test_examples.py"
+        "tests/test_training.py tests/test_api.py tests/test_cuda_graphs.py tests/test_explain.py tests/test_profile.py"
         "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_property.py tests/test_property_reductions.py")
 i=0
 for g in "${groups[@]}"; do
   files=$(for f in $g; do [ -e "$f" ] && echo "$f"; done)
-  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -k "triton" -p no:cacheprovider $files > "$OUT/tests_$i.log" 2>&1 &
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -k "triton or cuda" -p no:cacheprovider $files > "$OUT/tests_$i.log" 2>&1 &
   i=$((i+1))
 done
 wait
 tail -n 3 "$OUT"/tests_*.log
-timeout 200 python benchmarks/pointwise.py --json "$OUT/pointwise.json" 2>&1 | tail -6
+[ -n "${SKIP_POINTWISE:-}" ] || timeout 200 python benchmarks/pointwise.py --json "$OUT/pointwise.json" 2>&1 | tail -6
 timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -9
