@@ -230,6 +230,10 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | 
             return "an output is a view of an input"
     if any(s in inputs for s in program.output_slots):
         return "an output is an input"
+    for step in program.steps:
+        tags = getattr(getattr(step, "target", None), "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            return f"{step.name} draws random numbers (a replay would not follow torch.manual_seed)"
     launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
     if launches < 2:
         return "a single launch: a graph would only add the copy of the inputs"

@@ -555,7 +555,10 @@ def test_reduction_over_missing_dim_raises_clearly(target, name):
         fusec.compile(fn, backend=backend)(x)
     message = str(info.value)
     assert message.startswith("fusec:"), message
-    assert "Dimension out of range" in message, message  # torch's own words, at the user's line
+    # torch's own words (its fake-tensor kernels say "out of bounds" in some versions), at the
+    # user's line
+    assert "Dimension out of range" in message or "out of bounds" in message, message
+    assert "test_reductions.py" in message, message
 
 
 @pytest.mark.parametrize("fn", [lambda x: x.var((1, -1)), lambda x: x.mean((0, 0)),
