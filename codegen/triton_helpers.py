@@ -304,28 +304,24 @@ def fusec_reduce_min(x):
 
 
 @triton.jit
-def fusec_reduce_argmax(x, ks):
-    # the first position of the largest value; a NaN counts as larger than everything (torch)
+def _first_position(x, ks, m):
+    # the first position holding the row's extreme m; a NaN counts as beyond every number (torch)
     big = 2147483647
-    m = tl.max(x, 1)[:, None]
     first = tl.min(tl.where(x == m, ks, big), 1)
     if x.dtype.is_floating():
-        nan = x != x
-        first_nan = tl.min(tl.where(nan, ks, big), 1)
+        first_nan = tl.min(tl.where(x != x, ks, big), 1)
         first = tl.where(first_nan < big, first_nan, first)
     return first
 
 
 @triton.jit
+def fusec_reduce_argmax(x, ks):
+    return _first_position(x, ks, tl.max(x, 1)[:, None])
+
+
+@triton.jit
 def fusec_reduce_argmin(x, ks):
-    big = 2147483647
-    m = tl.min(x, 1)[:, None]
-    first = tl.min(tl.where(x == m, ks, big), 1)
-    if x.dtype.is_floating():
-        nan = x != x
-        first_nan = tl.min(tl.where(nan, ks, big), 1)
-        first = tl.where(first_nan < big, first_nan, first)
-    return first
+    return _first_position(x, ks, tl.min(x, 1)[:, None])
 
 
 # Looped argmax/argmin (rows longer than one block): every lane of the [rows, RBLOCK] accumulator

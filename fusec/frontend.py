@@ -112,6 +112,25 @@ def decompositions() -> dict:
     return table
 
 
+def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: list[int],
+                  lifted_names: list[str]) -> Callable:
+    """fn as a function of flat tensors: the lifted parameters and buffers first, then the
+    caller's tensors (other arguments stay as the caller gave them)."""
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    n_lifted = len(lifted_names)
+
+    def call(*tensors):
+        new_leaves = list(leaves)
+        for pos, t in zip(tensor_pos, tensors[n_lifted:]):
+            new_leaves[pos] = t
+        call_args, call_kwargs = rebuild(new_leaves)
+        if module is not None:
+            params = dict(zip(lifted_names, tensors[:n_lifted]))
+            return torch.func.functional_call(module, params, call_args, call_kwargs)
+        return fn(*call_args, **call_kwargs)
+    return call
+
+
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             stack_traces: bool = False) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
@@ -137,17 +156,11 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     aliases: dict[int, int] = {}
     constants: dict[int, Any] = {}
 
+    call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
+                         lifted_names)
+
     def flat_fn(*tensors):
-        params = dict(zip(lifted_names, tensors[: len(lifted)]))
-        new_leaves = list(leaves)
-        for pos, t in zip(tensor_pos, tensors[len(lifted):]):
-            new_leaves[pos] = t
-        call_args, call_kwargs = rebuild(new_leaves)
-        if module is not None:
-            out = torch.func.functional_call(module, params, call_args, call_kwargs)
-        else:
-            out = traced(*call_args, **call_kwargs)
-        flat_out, spec = pytree.tree_flatten(out)
+        flat_out, spec = pytree.tree_flatten(call(*tensors))
         out_spec_box[:] = [spec]
         aliases.clear()
         constants.clear()

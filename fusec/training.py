@@ -54,19 +54,9 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
     """
     from torch._functorch.aot_autograd import aot_function
 
-    module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, _, rebuild = frontend.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-
-    def flat_fn(*tensors):
-        params = dict(zip(lifted_names, tensors[: len(lifted)]))
-        new_leaves = list(leaves)
-        for pos, t in zip(tensor_pos, tensors[len(lifted):]):
-            new_leaves[pos] = t
-        call_args, call_kwargs = rebuild(new_leaves)
-        if module is not None:
-            return torch.func.functional_call(module, params, call_args, call_kwargs)
-        return fn(*call_args, **call_kwargs)
+    flat_fn = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
 
     parts: list = []
     compiler = graph_compiler(backend, parts, check)
