@@ -63,13 +63,19 @@ class CompiledGraph:
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
 
-    def source(self) -> str:
+    def schedule_text(self) -> str:
+        """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
         from fusec.passes.schedule import format_schedule
+        text = format_schedule(self.gm.meta["fusec_schedule"])
+        memory = self.gm.meta.get("fusec_memory")
+        return text + ("\n" + str(memory) if memory is not None else "")
+
+    def source(self) -> str:
         parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
         for k in self.kernels:
             parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
         parts.append("# ===== schedule =====\n" + "\n".join(
-            "# " + line for line in format_schedule(self.gm.meta["fusec_schedule"]).splitlines()))
+            "# " + line for line in self.schedule_text().splitlines()))
         parts.append("# ===== graph =====\n" + self.gm.code)
         return "\n".join(parts)
 
@@ -101,6 +107,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     """
     from fusec.codegen.lower import lower_pointwise, lower_reduction
     from fusec.passes import run_pipeline
+    from fusec import progress as _progress
     from fusec.runtime import build_program
 
     _log.captured(captured.gm)
@@ -111,7 +118,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
                    if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
     kernels: dict[str, Kernel] = {}
-    for node in gm.graph.nodes:
+    for node in _progress.kernels(gm.graph.nodes):  # a bar on a terminal: fusec/progress.py
         if node.op != "call_module":
             continue
         sub = getattr(gm, node.target)
@@ -169,6 +176,13 @@ class CompiledFunction:
         if self.last is None and self.train_parts:
             return [k for part in self.train_parts for k in part.kernels]
         return self.last.kernels if self.last else []
+
+    @property
+    def schedule(self) -> str:
+        """The last signature's schedule: numbered steps and the memory plan (print it)."""
+        if self.last is None:
+            raise FusecError("fusec: nothing compiled yet; call the compiled function first")
+        return self.last.schedule_text()
 
     def source(self) -> str:
         """The whole generated program (kernels, schedule, graph) of the last signature."""
@@ -279,6 +293,10 @@ class CompiledModule(torch.nn.Module):
 
     def source(self) -> str:
         return self._compiled.source()
+
+    @property
+    def schedule(self) -> str:
+        return self._compiled.schedule
 
 
 def _label(fn) -> str:

@@ -35,6 +35,8 @@ class OutputBuffer:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    offset: int | None = None  # bytes into the program's pool (memory plan), or None: allocate
+    nbytes: int = 0
 
 
 class KernelStep:
@@ -44,10 +46,21 @@ class KernelStep:
         self.device = torch.device(device)
         self.numel = numel
 
+        self.planned: dict[int, torch.Tensor] = {}  # slot -> its view into the pool
+
+    def bind_pool(self, pool: torch.Tensor) -> None:
+        """Carve this kernel's planned outputs out of the program's pool, once."""
+        for w in self.writes:
+            if w.offset is not None:
+                piece = pool[w.offset:w.offset + w.nbytes].view(w.dtype)
+                self.planned[w.slot] = piece.as_strided(w.shape, w.stride, piece.storage_offset())
+
     def __call__(self, env: list) -> None:
         outs = []
         for w in self.writes:
-            t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+            t = self.planned.get(w.slot)
+            if t is None:
+                t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
             env[w.slot] = t
             outs.append(t)
         if self.numel:
@@ -109,10 +122,17 @@ class GetItemStep:
 
 
 class Program:
-    """A compiled program for one input signature."""
+    """A compiled program for one input signature.
+
+    Intermediate buffers live in one pool allocated on the first call and reused by every later
+    one (passes/schedule.py plans the offsets), so a call allocates only its outputs.
+    """
 
     def __init__(self, n_slots: int, input_slots: list[int], constants: dict[int, torch.Tensor],
-                 steps: list, output_slots: list[int], producers: dict[int, Any]):
+                 steps: list, output_slots: list[int], producers: dict[int, Any],
+                 memory=None):
+        self.memory = memory
+        self.pool: torch.Tensor | None = None
         self.n_slots = n_slots
         self.input_slots = input_slots
         self.constants = list(constants.items())
@@ -120,7 +140,17 @@ class Program:
         self.output_slots = output_slots
         self.producers = producers  # output slot -> the kernel (or op name) that produced it
 
+    def _bind_pool(self) -> None:
+        kernels = [s for s in self.steps if isinstance(s, KernelStep)]
+        device = kernels[0].device if kernels else torch.device("cpu")
+        self.pool = torch.empty(max(self.memory.pool_bytes if self.memory else 0, 1),
+                                dtype=torch.uint8, device=device)
+        for step in kernels:
+            step.bind_pool(self.pool)
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.pool is None:
+            self._bind_pool()
         env: list = [None] * self.n_slots
         for slot, t in zip(self.input_slots, inputs):
             env[slot] = t
@@ -142,6 +172,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
 
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
+    memory = gm.meta.get("fusec_memory")
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
@@ -167,7 +198,10 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
             for p in kernel.ir.params:
                 if p.is_output:
                     layout = by_name[p.name].meta["fusec_layout"]
-                    writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype))
+                    placed = memory.placements.get(p.name) if memory else None
+                    writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype,
+                                               placed.offset if placed else None,
+                                               placed.nbytes if placed else 0))
                     producers[slot(p.name)] = kernel
             device = node.meta["fusec_group"]["device"]
             steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device,
@@ -198,7 +232,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
                                     layout if layout is not None and layout.root == node.name else None))
             producers[slot(node.name)] = str(node.target)
     outputs = [slot(a.name) for a in output.args[0]]
-    return Program(len(slot_of), input_slots, constants, steps, outputs, producers)
+    return Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
 
 
 def _is_view(node: fx.Node) -> bool:

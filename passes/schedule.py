@@ -10,7 +10,9 @@ calls, and views. This pass
    buffer of its own, only a Layout (root buffer, shape, strides, offset) into `x`. The code
    generator folds that layout into load indices, so views cost nothing;
 3. writes the ordered list of steps, each a kernel launch or an extern call with the root
-   buffers it reads and writes, into `gm.meta["fusec_schedule"]`.
+   buffers it reads and writes, into `gm.meta["fusec_schedule"]`;
+4. plans memory (`gm.meta["fusec_memory"]`): every intermediate buffer a kernel writes gets an
+   offset in one pool, reusing the bytes of buffers whose last reader has run.
 
     1. kernel fused_sin_sin_mul_0   reads x f32[4, 4]             writes mul f32[4, 4]
     2. extern aten.mm.default       reads mul f32[4, 4], w f32[4, 4]   writes mm f32[4, 4]
@@ -124,7 +126,105 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             if isinstance(m, TensorMeta):
                 step.shapes[name] = str(m)
     gm.meta["fusec_schedule"] = steps
+    gm.meta["fusec_memory"] = plan_memory(gm, steps)
     return gm
+
+
+# ---- memory plan ------------------------------------------------------------------------------
+
+ALIGN = 64  # bytes: every planned buffer starts on a cache line (and a 16-byte vector boundary)
+
+
+@dataclass
+class Placement:
+    """A kernel's output buffer inside the pool: bytes [offset, offset + nbytes), needed from
+    step `first` (the kernel that writes it) to step `last` (its last reader)."""
+
+    name: str
+    offset: int
+    nbytes: int
+    first: int
+    last: int
+
+
+@dataclass
+class MemoryPlan:
+    """Intermediate buffers share one pool; a buffer reuses the bytes of one whose last use has
+    passed. Program outputs, inputs and extern results are not planned: outputs must outlive the
+    call, and ATen allocates what extern calls return."""
+
+    placements: dict = field(default_factory=dict)
+    pool_bytes: int = 0
+    naive_bytes: int = 0  # what allocating every planned buffer separately would take
+
+    def __str__(self) -> str:
+        lines = [f"memory plan: pool {self.pool_bytes} bytes for {len(self.placements)} "
+                 f"intermediate buffer(s), {self.naive_bytes} bytes without reuse"]
+        for p in sorted(self.placements.values(), key=lambda p: (p.first, p.offset)):
+            lines.append(f"  {p.name:<24} offset {p.offset:>10}  {p.nbytes:>10} bytes  "
+                         f"live steps {p.first + 1}-{p.last + 1}")
+        return "\n".join(lines)
+
+
+def plan_memory(gm: fx.GraphModule, steps: list[Step]) -> MemoryPlan:
+    """Assign every intermediate kernel output an offset in one pool, reusing memory by liveness.
+
+    1. a buffer is live from the step that writes it to the last step that reads it (through any
+       view of it: views fold into indices, so their reader reads the root);
+    2. buffers are placed in the order they are written; each takes the lowest offset where it
+       overlaps no buffer still live at that time (first fit in the address space).
+    """
+    by_name = {n.name: n for n in gm.graph.nodes}
+    outputs = {a.meta["fusec_layout"].root for a in gm.graph.output_node().all_input_nodes
+               if "fusec_layout" in a.meta}
+    # an extern that returns a view of its argument keeps that argument's memory alive
+    escaped = set(outputs)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name \
+                and any(r.alias_info is not None for r in n.target._schema.returns):
+            escaped |= {a.meta["fusec_layout"].root for a in n.all_input_nodes if "fusec_layout" in a.meta}
+    first, last = {}, {}
+    for i, step in enumerate(steps):
+        for name in step.reads:
+            last[name] = i
+        if step.kind == "kernel":
+            for name in step.writes:
+                first.setdefault(name, i)
+                last.setdefault(name, i)
+    plan = MemoryPlan()
+    live: list[Placement] = []
+    for name in sorted(first, key=first.__getitem__):
+        if name in escaped:
+            continue
+        m = by_name[name].meta["fusec"]
+        nbytes = _nbytes(m)
+        if nbytes == 0:
+            continue
+        start, end = first[name], last[name]
+        live = [p for p in live if p.last >= start]  # buffers whose last use has passed are free
+        offset = 0
+        for p in sorted(live, key=lambda p: p.offset):
+            if offset + nbytes <= p.offset:
+                break
+            offset = max(offset, _align(p.offset + p.nbytes))
+        placement = Placement(name, offset, nbytes, start, end)
+        live.append(placement)
+        plan.placements[name] = placement
+        plan.pool_bytes = max(plan.pool_bytes, _align(offset + nbytes))
+        plan.naive_bytes += _align(nbytes)
+    return plan
+
+
+def _nbytes(m: TensorMeta) -> int:
+    if any(s == 0 for s in m.shape):
+        return 0
+    span = 1 + sum((size - 1) * abs(st) for size, st in zip(m.shape, m.stride))
+    return span * torch.empty((), dtype=m.dtype).element_size()
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def format_schedule(steps: list[Step]) -> str:
