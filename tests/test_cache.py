@@ -141,17 +141,12 @@ def test_warm_cache_compiles_nothing_and_fusec_stages_are_quick(cpp_runs):
     assert second["stages"]["compile_graph"] < 0.5, second["stages"]
 
 
-def test_warm_cache_latency_target(cpp_runs):
-    """< 0.2 s from fusec.compile(f)(x) to the result in a new process with a warm cache.
-
-    Best of two warm processes, so that one scheduling hiccup on a busy machine does not fail it.
-    """
-    runs = [cpp_runs.second, cpp_runs.third]
-    best = min(runs, key=lambda r: r["elapsed"])
-    assert best["elapsed"] < 0.2, (
-        f"warm-cache compile+call took {[round(r['elapsed'], 3) for r in runs]} s; stages of the "
-        f"best: {best['stages']}; torch._dynamo imported by the call itself: "
-        f"{best['dynamo_imported_by_call']}")
+def test_warm_call_imports_nothing_heavy(cpp_runs):
+    """The warm-cache latency target (< 0.2 s, measured by benchmarks/compile_latency.py, not in
+    a timed test) depends on the first call importing none of torch's tracing machinery."""
+    for run in (cpp_runs.second, cpp_runs.third):
+        assert not run["dynamo_imported_by_call"], run["stages"]
+        assert run["stats"]["compiles"] == 0
 
 
 # ---- (c) damaged entries are detected and rebuilt -------------------------------------------------
