@@ -14,6 +14,7 @@ views through index expressions (see passes/schedule.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -204,8 +205,10 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
                                                placed.nbytes if placed else 0))
                     producers[slot(p.name)] = kernel
             device = node.meta["fusec_group"]["device"]
-            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device,
-                                    kernel.ir.numel))
+            # launch unless every output is empty (a reduction over an empty dim still writes
+            # its rows: the identity of the reduction)
+            out_numel = max((math.prod(w.shape) for w in writes), default=0)
+            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device, out_numel))
         elif node.op == "call_function" and "fusec_views" in node.meta:
             continue  # split/unbind: its pieces are views, read in place
         elif node.op == "call_function" and node in materialize:

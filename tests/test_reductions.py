@@ -521,6 +521,24 @@ def test_prologue_and_epilogue_fuse(target, name):
     assert_matches(fn, *args, backend=backend, kernels=1)
 
 
+ROW_VALUE_NEXT_TO_ELEMENTS = {  # (fn, input shapes): x is square, so a row-shaped value also
+    # broadcasts over x's own shape; it must still be computed once per row, not per element
+    "sin_of_row_input": (lambda x, s: x.sum(-1) + s.sin(), [(3, 3), (3,)]),
+    "row_input_twice": (lambda x, s: x.sum(-1) * s + s.sin(), [(3, 3), (3,)]),
+    "column_of_x": (lambda x: x.amax(-1) + x[:, 0].sin(), [(3, 3)]),
+    "row_of_x": (lambda x: x.sum(-1) + x[0] * 2, [(4, 4)]),
+    "cube": (lambda x, s: x.mean(2) - torch.tanh(s), [(2, 2, 2), (2, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_VALUE_NEXT_TO_ELEMENTS))
+def test_row_value_beside_element_shaped_value(target, name):
+    backend, device = target
+    fn, shapes = ROW_VALUE_NEXT_TO_ELEMENTS[name]
+    args = [_randn(s, device, seed=i) for i, s in enumerate(shapes)]
+    assert_matches(fn, *args, backend=backend)
+
+
 def test_reduction_of_a_reduction(target):
     backend, device = target
     x = _randn((3, 4, 5), device)
