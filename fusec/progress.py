@@ -1,0 +1,80 @@
+"""Progress bars for long work: building many kernels, profiling.
+
+A bar is drawn (with rich, on stderr, erased when done) only when stderr is a terminal, or when
+asked: `FUSEC_PROGRESS=1` (or `fusec ... --progress`) forces it on, `FUSEC_PROGRESS=0` off. So a
+test's captured output never holds one. All bars of one piece of work share one rich `Progress`
+(rich allows one live display at a time): `session()` opens it, `track()` adds a task to it.
+
+    for node in progress.kernels(gm.graph.nodes):   # fusec/api.py's compile_graph
+        ...
+
+On its own (a library call, no session open) a kernel bar appears only for programs of
+`MIN_KERNELS` kernels or more, so compiling `a * b + a` in a terminal does not flash a bar.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+MIN_KERNELS = 4
+_active = None  # the open rich Progress, if any
+
+
+def enabled() -> bool:
+    flag = os.environ.get("FUSEC_PROGRESS", "").strip().lower()
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    if flag in ("0", "false", "no", "off"):
+        return False
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextmanager
+def session():
+    """Open one shared progress display (or join the open one); yields it, or None when off."""
+    global _active
+    if _active is not None or not enabled():
+        yield _active
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+        TimeElapsedColumn
+    bar = Progress(TextColumn("[bold]fusec[/] {task.description}"), BarColumn(),
+                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True),
+                   transient=True)
+    with bar:
+        _active = bar
+        try:
+            yield bar
+        finally:
+            _active = None
+
+
+def track(items: Iterable, description: str, total: int, counts=lambda item: True) -> Iterator:
+    """Yield `items`, advancing a bar of `total` steps after each item for which counts(item)."""
+    with session() as bar:
+        if bar is None:
+            yield from items
+            return
+        task = bar.add_task(description, total=total)
+        try:
+            for item in items:
+                yield item
+                if counts(item):
+                    bar.advance(task)
+        finally:
+            bar.remove_task(task)
+
+
+def kernels(nodes: Iterable) -> Iterable:
+    """compile_graph's loop over graph nodes, with a bar counting the fused groups built."""
+    nodes = list(nodes)
+    total = sum(1 for n in nodes if n.op == "call_module")
+    if not enabled() or (_active is None and total < MIN_KERNELS):
+        return nodes
+    return track(nodes, "build kernels", total, counts=lambda n: n.op == "call_module")
