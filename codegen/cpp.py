@@ -75,6 +75,13 @@ def compiler_id(path: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def math_flags() -> list[str]:
+    """Link glibc's vector math library where it exists (see cpp_prelude.h), else nothing."""
+    import ctypes.util
+    return ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
+
+
+@functools.lru_cache(maxsize=None)
 def host_cpu() -> str:
     """What -march=native compiles for: a library built on one CPU may not run on another."""
     import platform
@@ -229,7 +236,8 @@ def prelude() -> str:
 def build(source: str, name: str) -> Path:
     """Compile `source` into a shared library (or reuse the cached one). Returns its path."""
     compiler = find_compiler()
-    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(FLAGS), host_cpu())
+    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(FLAGS + math_flags()),
+                             host_cpu())
     directory = cache.cache_dir("cpp")
     lib = directory / f"{name}-{key}.so"
     if cache.verified(lib):
@@ -240,7 +248,7 @@ def build(source: str, name: str) -> Path:
     src = directory / f"{name}-{key}.cpp"
     cache.atomic_write(src, source)
     tmp = directory / f"{name}-{key}.{os.getpid()}.so.tmp"
-    cmd = [compiler, *FLAGS, f"-I{TEMPLATES}", str(src), "-o", str(tmp)]
+    cmd = [compiler, *FLAGS, *math_flags(), f"-I{TEMPLATES}", str(src), "-o", str(tmp)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel {name} "

@@ -6,6 +6,22 @@
 #include <limits>
 #include <type_traits>
 
+// Vector math: glibc's libmvec has SIMD versions of the C math functions, but <math.h> only
+// announces them under -ffast-math. Announcing them here lets `#pragma omp simd` loops call e.g.
+// _ZGVdN8v_sinf (8 sines at once) instead of sinf 8 times; results stay within 4 ulp.
+// fusec defines FUSEC_LIBMVEC (and links -lmvec) only where the library exists.
+#ifdef FUSEC_LIBMVEC
+#define FUSEC_SIMD_MATH(name) \
+    _Pragma("omp declare simd notinbranch") extern "C" float name##f(float); \
+    _Pragma("omp declare simd notinbranch") extern "C" double name(double);
+FUSEC_SIMD_MATH(sin) FUSEC_SIMD_MATH(cos) FUSEC_SIMD_MATH(tan) FUSEC_SIMD_MATH(exp)
+FUSEC_SIMD_MATH(exp2) FUSEC_SIMD_MATH(expm1) FUSEC_SIMD_MATH(log) FUSEC_SIMD_MATH(log2)
+FUSEC_SIMD_MATH(log1p) FUSEC_SIMD_MATH(tanh) FUSEC_SIMD_MATH(erf)
+_Pragma("omp declare simd notinbranch") extern "C" float powf(float, float);
+_Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
+#undef FUSEC_SIMD_MATH
+#endif
+
 // bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
 static inline float fusec_bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16; float f; std::memcpy(&f, &bits, 4); return f;
