@@ -1,0 +1,60 @@
+"""Common-subexpression elimination: compute each value once.
+
+Decompositions repeat themselves. layer_norm's computes `x - mean` twice, once for the variance
+and once to normalize; a program may call `torch.sigmoid(x)` in two places:
+
+    before                            after
+    sub   = x - mean                  sub   = x - mean
+    sq    = sub * sub                 sq    = sub * sub
+    sub_2 = x - mean      # again     out   = sub * rstd
+    out   = sub_2 * rstd
+
+Two nodes are the same value when they call the same op on the same arguments (after earlier
+duplicates were replaced). A node with an effect — a random op, an in-place update, anything
+torch.fx calls impure — is never merged: two `rand()` calls must draw twice. The pass records
+each replacement in `gm.meta["fusec_cse"]` as (removed, kept).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def cse(gm: fx.GraphModule) -> fx.GraphModule:
+    seen: dict[tuple, fx.Node] = {}
+    replaced: list[tuple[str, str]] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or _impure(node):
+            continue
+        try:
+            key = (node.target, _freeze(node.args), _freeze(node.kwargs))
+            hash(key)
+        except TypeError:  # an argument that cannot be compared (a tensor constant, say)
+            continue
+        kept = seen.get(key)
+        if kept is None:
+            seen[key] = node
+            continue
+        node.replace_all_uses_with(kept)
+        gm.graph.erase_node(node)
+        replaced.append((node.name, kept.name))
+    gm.meta["fusec_cse"] = replaced
+    gm.recompile()
+    return gm
+
+
+def _impure(node: fx.Node) -> bool:
+    try:
+        return node.is_impure(impure_random=True)
+    except TypeError:  # torch < 2.6
+        return node.is_impure()
+
+
+def _freeze(value):
+    """Arguments as a hashable key: nodes by identity, lists as tuples, dicts as sorted items."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, float) and value != value:
+        return ("nan",)  # NaN != NaN, but two NaN constants are the same argument
+    return value
