@@ -1,0 +1,63 @@
+"""Extern ops (matmuls, convolution, attention, embedding) run as ATen calls; the pointwise and
+reduction work around them fuses into the kernels before and after them."""
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_matches
+
+
+def steps(cf):
+    return [(s.kind, s.name) for s in cf.last.gm.meta["fusec_schedule"]]
+
+
+def test_conv_bias_relu_batchnorm_eval(target):
+    backend, device = target
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 9, device=device)
+    w, b = torch.randn(4, 3, 3, 3, device=device), torch.randn(4, device=device)
+    mean, var = torch.randn(4, device=device), torch.rand(4, device=device) + 0.5
+
+    def f(x, w, b, mean, var):
+        y = F.conv2d(x, w, padding=1)
+        return F.relu(F.batch_norm(y + b.view(1, 4, 1, 1), mean, var, training=False)) * 0.5
+    with torch.no_grad():
+        cf = assert_matches(f, x, w, b, mean, var, backend=backend)
+    kinds = steps(cf)
+    assert [k for k, _ in kinds].count("extern") == 1, kinds  # the convolution
+    assert [k for k, _ in kinds].count("kernel") == 1, kinds  # bias, batch norm, relu, scale
+
+
+def test_embedding_then_layernorm_and_scaled_matmul(target):
+    backend, device = target
+    torch.manual_seed(0)
+    table = torch.randn(50, 16, device=device)
+    idx = torch.randint(0, 50, (4, 7), device=device)
+    w = torch.randn(16, 16, device=device)
+
+    def f(idx, table, w):
+        h = F.layer_norm(F.embedding(idx, table), (16,))
+        return torch.tanh((h @ w) * 0.25 + 1.0)
+    cf = assert_matches(f, idx, table, w, backend=backend)
+    kinds = [k for k, _ in steps(cf)]
+    assert kinds.count("kernel") == 2, steps(cf)  # layer norm; scale + add + tanh
+
+
+def test_sdpa_with_fused_neighbours(target):
+    backend, device = target
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, device=device) for _ in range(3))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q * 2.0, k, v, is_causal=True) + 1.0
+    assert_matches(f, q, k, v, backend=backend)
+
+
+def test_baddbmm_and_dropout_in_eval(target):
+    backend, device = target
+    torch.manual_seed(0)
+    a, b1, b2 = (torch.randn(3, 4, 4, device=device) for _ in range(3))
+
+    def f(a, b1, b2):
+        return F.dropout(torch.baddbmm(a, b1, b2).sigmoid(), p=0.3, training=False) * 3
+    cf = assert_matches(f, a, b1, b2, backend=backend)
+    assert [k for k, _ in steps(cf)].count("kernel") == 1
