@@ -25,6 +25,8 @@ def example(batch: int = 64, dim: int = 1024, device: str = "cpu",
                    expect_kernels=3)
 
 
+SMALL = dict(batch=8, dim=64)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     with torch.no_grad():
         run_example(example(dim=256))

@@ -55,6 +55,8 @@ def example(batch: int = 2, seq: int = 64, n_embd: int = 128, n_head: int = 4,
                    "a transformer block: fused kernels between extern matmuls")
 
 
+SMALL = dict(batch=1, seq=16, n_embd=32, n_head=2)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     with torch.no_grad():
         run_example(example())

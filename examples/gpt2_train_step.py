@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
+from fusec.demo import Example
 from fusec.examples.gpt2_block import Block
 
 
@@ -50,6 +51,20 @@ def step(backend: str = "auto", device: str = "cpu", batch: int = 4, seq: int = 
     print(f"{len(compiled.kernels)} fused kernels (forward + backward)")
     return results, grad_err, weight_err
 
+
+def example(batch: int = 4, seq: int = 32, device: str = "cpu") -> Example:
+    """The CLI's entry point (`fusec explain examples/gpt2_train_step.py`): the TinyGPT's
+    forward (embedding, two blocks, LM head, cross-entropy loss) for inference, with the same
+    random weights and token ids as `step()`. `step()` is the training step itself."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq=seq).to(device).eval()
+    idx = torch.randint(0, 256, (batch, seq), device=device)
+    targets = torch.randint(0, 256, (batch, seq), device=device)
+    return Example("gpt2_train_step", model, (idx, targets),
+                   "a 2-layer GPT's forward and loss: fused kernels between extern matmuls")
+
+
+SMALL = dict(batch=2, seq=16)  # `fusec ... --small`: sizes for quick looks and tests
 
 if __name__ == "__main__":
     step()

@@ -17,5 +17,7 @@ def example(rows: int = 8192, cols: int = 4096, device: str = "cpu") -> Example:
                    "layer_norm is one reduction kernel", expect_kernels=1)
 
 
+SMALL = dict(rows=64, cols=256)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     run_example(example(rows=1024, cols=1024))

@@ -18,5 +18,7 @@ def example(device: str = "cpu") -> Example:
                    "uint8 neg wraps, broadcasts, and fuses with maximum", expect_kernels=1)
 
 
+SMALL = dict()  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     run_example(example())

@@ -14,5 +14,7 @@ def example(size: int = 1 << 20, device: str = "cpu") -> Example:
                    "four chained sins become one kernel", expect_kernels=1)
 
 
+SMALL = dict(size=4096)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     run_example(example())

@@ -14,5 +14,7 @@ def example(rows: int = 4096, cols: int = 4096, device: str = "cpu") -> Example:
                    "softmax is one reduction kernel", expect_kernels=1)
 
 
+SMALL = dict(rows=64, cols=256)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     run_example(example(rows=1024, cols=1024))

@@ -16,5 +16,7 @@ def example(n: int = 1024, device: str = "cpu") -> Example:
                    "a transposed input and a sliced input, read in place", expect_kernels=1)
 
 
+SMALL = dict(n=64)  # `fusec ... --small`: sizes for quick looks and tests
+
 if __name__ == "__main__":
     run_example(example())

@@ -6,6 +6,7 @@ import copy
 import torch
 
 import fusec
+from fusec.demo import Example
 
 
 def make_model():
@@ -41,6 +42,16 @@ def train(epochs: int = 5000, lr: float = 2.0, backend: str = "auto", log_every:
           f"(forward + backward): {', '.join(k.name for k in compiled.kernels)}")
     return history, prediction
 
+
+def example(device: str = "cpu") -> Example:
+    """The CLI's entry point (`fusec explain examples/xor_train.py`): the untrained network on
+    the four XOR inputs, for inference. `train()` is the training loop itself."""
+    x = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]], device=device)
+    return Example("xor_train", make_model().to(device).eval(), (x,),
+                   "the XOR network's forward: bias adds and sigmoids fuse around two matmuls")
+
+
+SMALL = dict()  # `fusec ... --small`: sizes for quick looks and tests
 
 if __name__ == "__main__":
     train()

@@ -8,8 +8,13 @@
     fusec profile examples/sin4.py        eager vs fused under torch.profiler, as tables
                 [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
 
+    common options: --backend auto|cpp|triton, --small (the file's SMALL sizes),
+                    --progress / --no-progress (default: a progress bar when stderr is a terminal)
+
 An example file defines `example(device="cpu") -> fusec.demo.Example` (the function, its inputs
-and a sentence about it); every file in examples/ does.
+and a sentence about it); every file in examples/ does, the training scripts included (their
+model's forward on one batch). It may define `SMALL`, a dict of example() keyword arguments that
+`--small` passes (small sizes, for a quick look). A file without example() is a one-line error.
 """
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", default="cpu" if name != "profile" else "auto",
                        choices=["auto", "cpu", "cuda"],
                        help="where the example's inputs live (auto: a GPU if there is one)")
+        p.add_argument("--small", action="store_true",
+                       help="use the example's SMALL sizes (its SMALL dict of example() kwargs)")
+        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="draw progress bars on stderr (default: when stderr is a terminal)")
         if name == "explain":
             p.add_argument("--json", action="store_true", help="print to_dict() as JSON")
             p.add_argument("--dot", metavar="DIR",
@@ -45,6 +54,21 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--iters", type=int, default=10, help="profiled iterations (default 10)")
     args = parser.parse_args(argv)
 
+    flag = getattr(args, "progress", None)
+    if flag is None:
+        return _run(args)
+    saved = os.environ.get("FUSEC_PROGRESS")  # --progress / --no-progress: for this command only
+    os.environ["FUSEC_PROGRESS"] = "1" if flag else "0"
+    try:
+        return _run(args)
+    finally:
+        if saved is None:
+            del os.environ["FUSEC_PROGRESS"]
+        else:
+            os.environ["FUSEC_PROGRESS"] = saved
+
+
+def _run(args) -> int:
     import torch
     if args.backend == "triton" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             run_demo(args.backend)
             return 0
-        ex = _example(load_example(args.example), args.device)
+        ex = _example(load_example(args.example), args.device, args.small)
         if args.command == "run":
             run_example(ex, args.backend)
         elif args.command == "explain":
@@ -73,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _example(module, device: str):
+def _example(module, device: str, small: bool = False):
     import torch
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
-    return module.example(device=device)
+    return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))
 
 
 def _explain(ex, args) -> None:
@@ -101,27 +125,24 @@ def _explain(ex, args) -> None:
 
 
 def _profile(ex, args) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     import fusec
+    from fusec import progress as bars
     from fusec.profile import STAGES
 
-    console = Console(stderr=True)
-    with Progress(TextColumn("[bold]fusec profile[/] {task.description}"), BarColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("", total=len(STAGES))
+    with bars.session() as bar:  # None unless stderr is a terminal or --progress
+        task = bar.add_task("profile", total=len(STAGES)) if bar else None
         seen: list[str] = []
 
         def progress(stage: str) -> None:
+            if bar is None:
+                return
             if seen:
                 bar.advance(task)
             seen.append(stage)
-            bar.update(task, description=stage)
+            bar.update(task, description=f"profile: {stage}")
 
         report = fusec.profile(ex.fn, *ex.inputs, backend=args.backend, iters=args.iters,
                                progress=progress, name=ex.name)
-        bar.advance(task)
     print(report)
     if args.traces:
         paths = report.export_chrome_traces(args.traces)

@@ -22,9 +22,14 @@ MIN_KERNELS = 4
 _active = None  # the open rich Progress, if any
 
 
+def forced() -> bool:
+    """FUSEC_PROGRESS=1 (or --progress): draw bars even when stderr is not a terminal."""
+    return os.environ.get("FUSEC_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def enabled() -> bool:
     flag = os.environ.get("FUSEC_PROGRESS", "").strip().lower()
-    if flag in ("1", "true", "yes", "on"):
+    if forced():
         return True
     if flag in ("0", "false", "no", "off"):
         return False
@@ -45,7 +50,8 @@ def session():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
         TimeElapsedColumn
     bar = Progress(TextColumn("[bold]fusec[/] {task.description}"), BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True),
+                   MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True, force_terminal=forced() or None),
                    transient=True)
     with bar:
         _active = bar
