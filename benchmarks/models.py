@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 import fusec  # noqa: E402
 from fusec.demo import load_example  # noqa: E402
-from fusec.timing import median_ms  # noqa: E402
+from fusec.timing import copy_bandwidth, median_ms  # noqa: E402
 
 
 def workloads(device: str, small: bool):
@@ -37,12 +37,6 @@ def workloads(device: str, small: bool):
     yield "gpt2_block f32", gpt.example(device=device, **dims), None
     if device == "cuda":
         yield "gpt2_block bf16", gpt.example(device=device, dtype=torch.bfloat16, **dims), None
-
-
-def copy_bandwidth(device: str) -> float:
-    src = torch.randn(64 * 2**20, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_ms(dst.copy_, src, device=device)
 
 
 def run(device: str, only: set | None, small: bool) -> list[dict]:

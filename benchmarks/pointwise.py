@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fusec  # noqa: E402
-from fusec.timing import median_ms, wall_ms  # noqa: E402
+from fusec.timing import copy_bandwidth, median_ms, wall_ms  # noqa: E402
 
 
 def sin4(x):
@@ -37,14 +37,6 @@ def chain20(x):
     for i in range(10):
         x = torch.sin(x) * 1.01 if i % 2 else torch.cos(x) + 0.5
     return x
-
-
-def copy_bandwidth(device: str, n: int) -> float:
-    """Bytes per millisecond of a plain device copy (read n floats, write n floats)."""
-    src = torch.randn(n, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(dst.copy_, src, device=device)
-    return 2 * src.numel() * src.element_size() / ms
 
 
 def run(device: str, big: int) -> list[dict]:

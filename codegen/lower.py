@@ -41,13 +41,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     n_in = len(in_layouts)
 
     params: list[Param] = []
-    seen_params: set[str] = set()
-
-    def param(root: str, is_output: bool) -> str:
-        if root not in seen_params:
-            seen_params.add(root)
-            params.append(Param(root, root_dtypes[root], is_output))
-        return root
+    param = _param_list(params, root_dtypes)
 
     env: dict[fx.Node, Var] = {}
     loads: list[Load] = []
@@ -91,6 +85,16 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         stores.append(Store(param(layout.root, True), env[out], storage, index))
 
     return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+
+
+def _param_list(params: list[Param], root_dtypes: dict):
+    """A function that adds a root buffer to the kernel's pointer arguments once, in first-use
+    order, and returns its name."""
+    def param(root: str, is_output: bool) -> str:
+        if all(p.name != root for p in params):
+            params.append(Param(root, root_dtypes[root], is_output))
+        return root
+    return param
 
 
 def _permuted(layout: Layout, perm) -> Layout:
@@ -219,13 +223,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                     [(in_layouts if t[0] == "in" else out_layouts)[t[1]].offset for t in tensors])}
 
     params: list[Param] = []
-    seen: set[str] = set()
-
-    def param(root: str, is_output: bool) -> str:
-        if root not in seen:
-            seen.add(root)
-            params.append(Param(root, root_dtypes[root], is_output))
-        return root
+    param = _param_list(params, root_dtypes)
 
     loads: list[Load] = []
     load_of: dict[tuple, Var] = {}

@@ -45,3 +45,11 @@ def wall_ms(fn, *args, device: str = "cpu", iters: int = 200) -> float:
         sync()
         rounds.append((time.perf_counter() - t0) / iters)
     return statistics.median(rounds) * 1e3
+
+
+def copy_bandwidth(device: str, n: int = 64 * 2**20) -> float:
+    """Bytes per millisecond of a plain device copy (n floats read, n written): the ceiling a
+    memory-bound kernel is measured against."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_ms(dst.copy_, src, device=device)
