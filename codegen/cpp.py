@@ -350,6 +350,8 @@ def render_reduction(kernel) -> str:
         body += closure({r.operand.name for r in reds})
         simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
                    for r in reds)
+        maxmin = bool(reds) and all(r.op in ("amax", "amin") and r.acc_dtype != torch.bool
+                                    for r in reds)
         for r in reds:
             red = ops.REDUCTIONS[r.op]
             acc = f"acc_{r.var.name}"
@@ -364,6 +366,20 @@ def render_reduction(kernel) -> str:
                 body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || {nan})) "
                             f"{{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
                 after.append(f"const int64_t {r.var.name} = {acc}_at;  // {r.origin}")
+            elif maxmin:
+                # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
+                # amax propagates and a compare-and-select would skip)
+                cmp = ">" if r.op == "amax" else "<"
+                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+                body.append(f"{acc} = ({x} {cmp} {acc}) ? {x} : {acc};")
+                value = convert(acc, r.acc_dtype, r.var.dtype)
+                if r.acc_dtype.is_floating_point:
+                    before.append(f"bool {acc}_nan = false;")
+                    body.append(f"{acc}_nan |= ({x} != {x});")
+                    value = f"({acc}_nan ? std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN() : {value})"
+                if r.round_to is not None:
+                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
             else:
                 before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
                 body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
@@ -394,6 +410,12 @@ def render_reduction(kernel) -> str:
                 after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
                 body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
         pragma = ""
+        if maxmin:
+            clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
+                       for r in reds]
+            flags = [f"acc_{r.var.name}_nan" for r in reds if r.acc_dtype.is_floating_point]
+            clauses += [f"reduction(|:{', '.join(flags)})"] if flags else []
+            pragma = "#pragma omp simd " + " ".join(clauses)
         if simd and reds:
             op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
             if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
