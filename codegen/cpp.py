@@ -280,6 +280,7 @@ class CppLauncher:
     """Calls the compiled kernel with the data pointers of its tensors (inputs, then outputs)."""
 
     def __init__(self, lib: Path, name: str, n_params: int):
+        self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
         self.fn = getattr(_load_library(lib), name)
         self.fn.argtypes = [ctypes.c_void_p] * n_params
         self.fn.restype = None

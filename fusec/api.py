@@ -76,6 +76,9 @@ class CompiledGraph:
             parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
         parts.append("# ===== schedule =====\n" + "\n".join(
             "# " + line for line in self.schedule_text().splitlines()))
+        from fusec.runtime import python_wrapper
+        parts.append("# ===== wrapper: the program as Python (exec it, then call(...)) =====\n"
+                     + python_wrapper(self.program))
         parts.append("# ===== graph =====\n" + self.gm.code)
         return "\n".join(parts)
 
