@@ -53,7 +53,8 @@ def test_outputs_are_never_in_the_pool():
 
 
 @settings(max_examples=20, deadline=None)
-@given(st.lists(st.sampled_from(["sin", "cos", "mm", "exp", "add_x"]), min_size=2, max_size=8),
+# well-conditioned ops only (exp(exp(exp(x))) then sin is chaos in float32, whoever computes it)
+@given(st.lists(st.sampled_from(["sin", "cos", "mm", "tanh", "add_x"]), min_size=2, max_size=8),
        st.integers(1, 6))
 def test_random_programs_never_overlap_live_buffers(ops, n):
     def f(x, w):
@@ -66,7 +67,8 @@ def test_random_programs_never_overlap_live_buffers(ops, n):
             else:
                 y = getattr(torch, op)(y)
         return y
-    x, w = torch.randn(n, n) * 0.1, torch.randn(n, n) * 0.1
+    g = torch.Generator().manual_seed(n)  # the same inputs whenever hypothesis replays a case
+    x, w = torch.randn(n, n, generator=g) * 0.1, torch.randn(n, n, generator=g) * 0.1
     cf = fusec.compile(f, backend="cpp")
     torch.testing.assert_close(cf(x, w), f(x, w), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cf(x, w), f(x, w), rtol=1e-4, atol=1e-5)
