@@ -1,14 +1,15 @@
 """The `fusec` command.
 
-    fusec demo [--backend cpp|triton]     run the seed examples, show kernels, errors and times
+    fusec demo [--backend cpp|llvm|triton]  run the seed examples, show kernels, errors and times
     fusec run examples/sin4.py            run one example file (or a name: `fusec run sin4`)
     fusec explain examples/sin4.py        print every stage of the pipeline for one example
                 [--json] [--dot DIR]      ... as JSON; write the graph pictures (.dot, .svg)
     fusec kernels examples/sin4.py        print just the generated kernel sources
+                [--optimized] [--asm]    llvm backend: after LLVM's optimizer; as host assembly
     fusec profile examples/sin4.py        eager vs fused under torch.profiler, as tables
                 [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
 
-    common options: --backend auto|cpp|triton, --small (the file's SMALL sizes),
+    common options: --backend auto|cpp|llvm|triton, --small (the file's SMALL sizes),
                     --progress / --no-progress (default: a progress bar when stderr is a terminal)
 
 An example file defines `example(device="cpu") -> fusec.demo.Example` (the function, its inputs
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the seed examples")
-    demo.add_argument("--backend", default="auto", choices=["auto", "cpp", "triton"])
+    demo.add_argument("--backend", default="auto", choices=["auto", "cpp", "llvm", "triton"])
     helps = {"run": "run one example (a file path or a name)",
              "explain": "print every stage of the pipeline for one example",
              "kernels": "print the generated kernel sources of one example",
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, text in helps.items():
         p = sub.add_parser(name, help=text)
         p.add_argument("example", help="a file defining example(), or a name from examples/")
-        p.add_argument("--backend", default="auto", choices=["auto", "cpp", "triton"])
+        p.add_argument("--backend", default="auto", choices=["auto", "cpp", "llvm", "triton"])
         p.add_argument("--device", default="cpu" if name != "profile" else "auto",
                        choices=["auto", "cpu", "cuda"],
                        help="where the example's inputs live (auto: a GPU if there is one)")
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--json", action="store_true", help="print to_dict() as JSON")
             p.add_argument("--dot", metavar="DIR",
                            help="write graph_before_fusion.dot/.svg and graph_after_fusion.dot/.svg")
+        if name == "kernels":
+            p.add_argument("--optimized", action="store_true",
+                           help="llvm backend: print the IR after LLVM's O3 pipeline")
+            p.add_argument("--asm", action="store_true",
+                           help="llvm backend: print the host assembly")
         if name == "profile":
             p.add_argument("--html", metavar="FILE", help="also write the HTML report here")
             p.add_argument("--traces", metavar="DIR", help="also write eager/fused Chrome traces")
@@ -88,7 +94,9 @@ def _run(args) -> int:
             import fusec
             e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
             for k in e.compiled.kernels:
-                print(f"# ===== {k.name} ({k.backend}) =====\n{k.source}")
+                text = e.assembly(k.name) if args.asm else \
+                    e.optimized_ir(k.name) if args.optimized else k.source
+                print(f"# ===== {k.name} ({k.backend}) =====\n{text}")
         else:
             _profile(ex, args)
     except FusecError as err:

@@ -31,6 +31,7 @@ import torch.fx as fx
 from .api import CompiledGraph, compile_graph, resolve_backend, _prepare_triton
 from .frontend import capture
 from .ir import TensorMeta, contiguous_strides, short_dtype
+from .errors import FusecError
 
 
 # ---- source lines ---------------------------------------------------------------------------------
@@ -453,6 +454,29 @@ class Explanation:
         """The same picture as SVG, or None when Graphviz's `dot` is not installed."""
         from .graphviz import render_svg
         return render_svg(self.dot(stage))
+
+    def _llvm_kernel(self, kernel: int | str):
+        kernels = self.compiled.kernels
+        k = kernels[kernel] if isinstance(kernel, int) else \
+            next((k for k in kernels if k.name == kernel), None)
+        if k is None:
+            raise FusecError(f"fusec: no kernel named {kernel!r}; the kernels are "
+                             f"{', '.join(k.name for k in kernels) or 'none'}")
+        if k.backend != "llvm":
+            raise FusecError(f"fusec: kernel {k.name} was built by the {k.backend} backend; the "
+                             "optimized IR and host assembly come from backend='llvm'")
+        return k
+
+    def optimized_ir(self, kernel: int | str = 0) -> str:
+        """LLVM backend: the kernel's IR after LLVM's O3 pipeline, where the loop vectorizer has
+        turned `float` loads and math into `<8 x float>` ones (by position or by name)."""
+        from fusec.codegen import llvm
+        return llvm.optimized_ir(self._llvm_kernel(kernel).source)
+
+    def assembly(self, kernel: int | str = 0) -> str:
+        """LLVM backend: the host machine code of the kernel, as assembly."""
+        from fusec.codegen import llvm
+        return llvm.assembly(self._llvm_kernel(kernel).source)
 
     def to_dict(self) -> dict:
         from fusec.passes.schedule import format_schedule

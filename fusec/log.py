@@ -159,7 +159,7 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
     kdir = folder / "kernels"
     kdir.mkdir()
     for k in compiled_graph.kernels:
-        ext = ".cpp" if k.backend == "cpp" else ".py"
+        ext = {"cpp": ".cpp", "llvm": ".ll"}.get(k.backend, ".py")
         (kdir / f"{k.name}{ext}").write_text(k.source)
     (folder / "program.py").write_text(compiled_graph.source())
     for stage in ("before", "after"):

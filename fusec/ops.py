@@ -5,7 +5,16 @@ operand dtypes, and how to spell it in each backend, as a format string over its
 (`{0}`, `{1}`, ...). The operands arrive already converted to the row's *compute dtype*, so an
 expression never worries about type promotion; Python decided that before rendering.
 
-    Op("sin", triton="tl.sin({0})", cpp="std::sin({0})", promote=INT_TO_FLOAT)
+    Op("sin", triton="tl.sin({0})", cpp="std::sin({0})", llvm="call {T} @sin{m}({T} {0})",
+       promote=INT_TO_FLOAT)
+
+The LLVM spelling is one or more LLVM instructions (one per line; `{t0}`, `{t1}` name the
+results of the earlier lines, the last line is the op's value). LLVM has no overloading, so
+`{T}` is the LLVM type the op computes in (`float`, `i32`), `{S}` its intrinsic suffix (`f32`),
+`{m}` the C library's suffix (`sinf` vs `sin`) and `{D}` fusec's short dtype name (`u8`, which
+LLVM cannot tell from `i8`). Where the instruction depends on the kind of type, the spelling has
+one section per kind: `"f: fadd {T} {0}, {1} || i: add {T} {0}, {1}"` (f float, s signed int,
+u unsigned int, b bool, i any integer or bool). codegen/llvm.py documents the details.
 
 Longer expressions live as helper functions next to the backend (`codegen/triton_helpers.py`,
 `codegen/templates/cpp_prelude.h`), so a generated kernel calls `fusec_gelu(x)` rather than
@@ -34,7 +43,7 @@ POINTWISE = "pointwise"
 VIEW = "view"
 EXTERN = "extern"
 
-BACKENDS = ("triton", "cpp")
+BACKENDS = ("triton", "cpp", "llvm")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Op:
     name: str
     triton: str
     cpp: str
+    llvm: str = ""
     promote: PROMOTE | None = PROMOTE.DEFAULT
     promote_from: tuple[int, ...] | None = None
     returns_bool: bool = False
@@ -62,72 +72,137 @@ class Op:
 
 D, F, B = PROMOTE.DEFAULT, PROMOTE.INT_TO_FLOAT, PROMOTE.ALWAYS_BOOL
 
+# LLVM spellings shared by several rows. max/min propagate NaN as fusec_maximum does.
+_LL_MAX = ("f: fcmp uno {T} {0}, {0}\nfcmp ogt {T} {0}, {1}\nor i1 {t0}, {t1}\n"
+           "select i1 {t2}, {T} {0}, {T} {1}"
+           " || s: call {T} @llvm.smax.{S}({T} {0}, {T} {1})"
+           " || u,b: call {T} @llvm.umax.{S}({T} {0}, {T} {1})")
+_LL_MIN = _LL_MAX.replace("ogt", "olt").replace("max", "min")
+_LL_SIGMOID = "fneg {T} {0}\ncall {T} @exp{m}({T} {t0})\nfadd {T} 1.0, {t1}\nfdiv {T} 1.0, {t2}"
+
 _ROWS = [
     # arithmetic
-    Op("add", "{0} + {1}", "{0} + {1}"),
-    Op("add_alpha", "{0} + {1} * {2}", "{0} + {1} * {2}"),
-    Op("sub", "{0} - {1}", "{0} - {1}"),
-    Op("sub_alpha", "{0} - {1} * {2}", "{0} - {1} * {2}"),
-    Op("mul", "{0} * {1}", "{0} * {1}"),
-    Op("truediv", "{0} / {1}", "{0} / {1}", promote=F),
-    Op("floordiv", "fusec_floordiv({0}, {1})", "fusec_floordiv({0}, {1})"),
-    Op("truncdiv", "fusec_truncdiv({0}, {1})", "fusec_truncdiv({0}, {1})"),
-    Op("neg", "-{0}", "-{0}"),
-    Op("abs", "fusec_abs({0})", "fusec_abs({0})"),
-    Op("reciprocal", "1.0 / {0}", "1 / {0}", promote=F),
-    Op("pow", "fusec_pow({0}, {1})", "fusec_pow({0}, {1})"),
-    Op("maximum", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})"),
-    Op("minimum", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})"),
+    Op("add", "{0} + {1}", "{0} + {1}",
+       llvm='f: fadd {T} {0}, {1} || i: add {T} {0}, {1}'),
+    Op("add_alpha", "{0} + {1} * {2}", "{0} + {1} * {2}",
+       llvm='f: fmul {T} {1}, {2}\nfadd {T} {0}, {t0} || i: mul {T} {1}, {2}\nadd {T} {0}, {t0}'),
+    Op("sub", "{0} - {1}", "{0} - {1}",
+       llvm='f: fsub {T} {0}, {1} || i: sub {T} {0}, {1}'),
+    Op("sub_alpha", "{0} - {1} * {2}", "{0} - {1} * {2}",
+       llvm='f: fmul {T} {1}, {2}\nfsub {T} {0}, {t0} || i: mul {T} {1}, {2}\nsub {T} {0}, {t0}'),
+    Op("mul", "{0} * {1}", "{0} * {1}",
+       llvm='f: fmul {T} {0}, {1} || i: mul {T} {0}, {1}'),
+    Op("truediv", "{0} / {1}", "{0} / {1}", promote=F,
+       llvm='fdiv {T} {0}, {1}'),
+    Op("floordiv", "fusec_floordiv({0}, {1})", "fusec_floordiv({0}, {1})",
+       llvm='f,s,u: call {T} @fusec_floordiv.{D}({T} {0}, {T} {1}) || b: select i1 {1}, i1 {0}, i1 {0}'),
+    Op("truncdiv", "fusec_truncdiv({0}, {1})", "fusec_truncdiv({0}, {1})",
+       llvm='f: fdiv {T} {0}, {1}\ncall {T} @llvm.trunc.{S}({T} {t0}) || s,u: call {T} @fusec_truncdiv.{D}({T} {0}, {T} {1}) || b: select i1 {1}, i1 {0}, i1 {0}'),
+    Op("neg", "-{0}", "-{0}",
+       llvm='f: fneg {T} {0} || i: sub {T} 0, {0}'),
+    Op("abs", "fusec_abs({0})", "fusec_abs({0})",
+       llvm='f: call {T} @llvm.fabs.{S}({T} {0}) || s: call {T} @llvm.abs.{S}({T} {0}, i1 false) || u,b: {0}'),
+    Op("reciprocal", "1.0 / {0}", "1 / {0}", promote=F,
+       llvm='fdiv {T} 1.0, {0}'),
+    Op("pow", "fusec_pow({0}, {1})", "fusec_pow({0}, {1})",
+       llvm='f: call {T} @pow{m}({T} {0}, {T} {1}) || s,u: call {T} @fusec_pow.{D}({T} {0}, {T} {1}) || b: select i1 {1}, i1 {0}, i1 true'),
+    Op("maximum", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})",
+       llvm=_LL_MAX),
+    Op("minimum", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})",
+       llvm=_LL_MIN),
     Op("clamp", "fusec_minimum(fusec_maximum({0}, {1}), {2})",
-       "fusec_minimum(fusec_maximum({0}, {1}), {2})"),
-    Op("clamp_min", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})"),
-    Op("clamp_max", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})"),
-    Op("where", "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", promote_from=(1, 2)),
+       "fusec_minimum(fusec_maximum({0}, {1}), {2})",
+       llvm='f: fcmp uno {T} {0}, {0}\nfcmp ogt {T} {0}, {1}\nor i1 {t0}, {t1}\nselect i1 {t2}, {T} {0}, {T} {1}\nfcmp uno {T} {t3}, {t3}\nfcmp olt {T} {t3}, {2}\nor i1 {t4}, {t5}\nselect i1 {t6}, {T} {t3}, {T} {2} || s: call {T} @llvm.smax.{S}({T} {0}, {T} {1})\ncall {T} @llvm.smin.{S}({T} {t0}, {T} {2}) || u,b: call {T} @llvm.umax.{S}({T} {0}, {T} {1})\ncall {T} @llvm.umin.{S}({T} {t0}, {T} {2})'),
+    Op("clamp_min", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})",
+       llvm=_LL_MAX),
+    Op("clamp_max", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})",
+       llvm=_LL_MIN),
+    Op("where", "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", promote_from=(1, 2),
+       llvm='select i1 {0}, {T} {1}, {T} {2}'),
     # transcendental functions (integers become floats first)
-    Op("exp", "fusec_exp({0})", "std::exp({0})", promote=F),
-    Op("exp2", "tl.exp2({0})", "std::exp2({0})", promote=F),
-    Op("expm1", "fusec_expm1({0})", "std::expm1({0})", promote=F),
-    Op("log", "tl.log({0})", "std::log({0})", promote=F),
-    Op("log2", "tl.log2({0})", "std::log2({0})", promote=F),
-    Op("log1p", "fusec_log1p({0})", "std::log1p({0})", promote=F),
-    Op("sqrt", "fusec_sqrt({0})", "std::sqrt({0})", promote=F),
-    Op("rsqrt", "fusec_rsqrt({0})", "fusec_rsqrt({0})", promote=F),
-    Op("sin", "tl.sin({0})", "std::sin({0})", promote=F),
-    Op("cos", "tl.cos({0})", "std::cos({0})", promote=F),
-    Op("tan", "fusec_tan({0})", "std::tan({0})", promote=F),
-    Op("tanh", "fusec_tanh({0})", "std::tanh({0})", promote=F),
-    Op("erf", "tl.erf({0})", "std::erf({0})", promote=F),
-    Op("sigmoid", "fusec_sigmoid({0})", "fusec_sigmoid({0})", promote=F),
-    Op("silu", "{0} * fusec_sigmoid({0})", "{0} * fusec_sigmoid({0})", promote=F),
-    Op("relu", "fusec_relu({0})", "fusec_relu({0})"),
-    Op("gelu", "fusec_gelu({0})", "fusec_gelu({0})", promote=F),
-    Op("gelu_tanh", "fusec_gelu_tanh({0})", "fusec_gelu_tanh({0})", promote=F),
-    Op("floor", "fusec_floor({0})", "fusec_floor({0})"),
-    Op("ceil", "fusec_ceil({0})", "fusec_ceil({0})"),
-    Op("trunc", "fusec_trunc({0})", "fusec_trunc({0})"),
+    Op("exp", "fusec_exp({0})", "std::exp({0})", promote=F,
+       llvm='call {T} @exp{m}({T} {0})'),
+    Op("exp2", "tl.exp2({0})", "std::exp2({0})", promote=F,
+       llvm='call {T} @exp2{m}({T} {0})'),
+    Op("expm1", "fusec_expm1({0})", "std::expm1({0})", promote=F,
+       llvm='call {T} @expm1{m}({T} {0})'),
+    Op("log", "tl.log({0})", "std::log({0})", promote=F,
+       llvm='call {T} @log{m}({T} {0})'),
+    Op("log2", "tl.log2({0})", "std::log2({0})", promote=F,
+       llvm='call {T} @log2{m}({T} {0})'),
+    Op("log1p", "fusec_log1p({0})", "std::log1p({0})", promote=F,
+       llvm='call {T} @log1p{m}({T} {0})'),
+    Op("sqrt", "fusec_sqrt({0})", "std::sqrt({0})", promote=F,
+       llvm='call {T} @llvm.sqrt.{S}({T} {0})'),
+    Op("rsqrt", "fusec_rsqrt({0})", "fusec_rsqrt({0})", promote=F,
+       llvm='call {T} @llvm.sqrt.{S}({T} {0})\nfdiv {T} 1.0, {t0}'),
+    Op("sin", "tl.sin({0})", "std::sin({0})", promote=F,
+       llvm='call {T} @sin{m}({T} {0})'),
+    Op("cos", "tl.cos({0})", "std::cos({0})", promote=F,
+       llvm='call {T} @cos{m}({T} {0})'),
+    Op("tan", "fusec_tan({0})", "std::tan({0})", promote=F,
+       llvm='call {T} @tan{m}({T} {0})'),
+    Op("tanh", "fusec_tanh({0})", "std::tanh({0})", promote=F,
+       llvm='call {T} @tanh{m}({T} {0})'),
+    Op("erf", "tl.erf({0})", "std::erf({0})", promote=F,
+       llvm='call {T} @erf{m}({T} {0})'),
+    Op("sigmoid", "fusec_sigmoid({0})", "fusec_sigmoid({0})", promote=F,
+       llvm=_LL_SIGMOID),
+    Op("silu", "{0} * fusec_sigmoid({0})", "{0} * fusec_sigmoid({0})", promote=F,
+       llvm=_LL_SIGMOID + "\nfmul {T} {0}, {t3}"),
+    Op("relu", "fusec_relu({0})", "fusec_relu({0})",
+       llvm='f: fcmp olt {T} {0}, 0.0\nselect i1 {t0}, {T} 0.0, {T} {0} || s: icmp slt {T} {0}, 0\nselect i1 {t0}, {T} 0, {T} {0} || u,b: {0}'),
+    Op("gelu", "fusec_gelu({0})", "fusec_gelu({0})", promote=F,
+       llvm='call {T} @fusec_gelu.{D}({T} {0})'),
+    Op("gelu_tanh", "fusec_gelu_tanh({0})", "fusec_gelu_tanh({0})", promote=F,
+       llvm='call {T} @fusec_gelu_tanh.{D}({T} {0})'),
+    Op("floor", "fusec_floor({0})", "fusec_floor({0})",
+       llvm='f: call {T} @llvm.floor.{S}({T} {0}) || i: {0}'),
+    Op("ceil", "fusec_ceil({0})", "fusec_ceil({0})",
+       llvm='f: call {T} @llvm.ceil.{S}({T} {0}) || i: {0}'),
+    Op("trunc", "fusec_trunc({0})", "fusec_trunc({0})",
+       llvm='f: call {T} @llvm.trunc.{S}({T} {0}) || i: {0}'),
     # comparisons and logic produce bool
-    Op("eq", "{0} == {1}", "{0} == {1}", promote=B, returns_bool=True),
-    Op("ne", "{0} != {1}", "{0} != {1}", promote=B, returns_bool=True),
-    Op("lt", "{0} < {1}", "{0} < {1}", promote=B, returns_bool=True),
-    Op("le", "{0} <= {1}", "{0} <= {1}", promote=B, returns_bool=True),
-    Op("gt", "{0} > {1}", "{0} > {1}", promote=B, returns_bool=True),
-    Op("ge", "{0} >= {1}", "{0} >= {1}", promote=B, returns_bool=True),
-    Op("isnan", "{0} != {0}", "{0} != {0}", promote=B, returns_bool=True),
+    Op("eq", "{0} == {1}", "{0} == {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp oeq {T} {0}, {1} || i: icmp eq {T} {0}, {1}'),
+    Op("ne", "{0} != {1}", "{0} != {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp une {T} {0}, {1} || i: icmp ne {T} {0}, {1}'),
+    Op("lt", "{0} < {1}", "{0} < {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp olt {T} {0}, {1} || s: icmp slt {T} {0}, {1} || u,b: icmp ult {T} {0}, {1}'),
+    Op("le", "{0} <= {1}", "{0} <= {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp ole {T} {0}, {1} || s: icmp sle {T} {0}, {1} || u,b: icmp ule {T} {0}, {1}'),
+    Op("gt", "{0} > {1}", "{0} > {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp ogt {T} {0}, {1} || s: icmp sgt {T} {0}, {1} || u,b: icmp ugt {T} {0}, {1}'),
+    Op("ge", "{0} >= {1}", "{0} >= {1}", promote=B, returns_bool=True,
+       llvm='f: fcmp oge {T} {0}, {1} || s: icmp sge {T} {0}, {1} || u,b: icmp uge {T} {0}, {1}'),
+    Op("isnan", "{0} != {0}", "{0} != {0}", promote=B, returns_bool=True,
+       llvm='f: fcmp uno {T} {0}, {0} || i: icmp ne {T} {0}, {0}'),
     Op("logical_and", "({0} != 0) & ({1} != 0)", "({0} != 0) && ({1} != 0)",
-       promote=B, returns_bool=True),
+       promote=B, returns_bool=True,
+       llvm='f: fcmp une {T} {0}, 0.0\nfcmp une {T} {1}, 0.0\nand i1 {t0}, {t1} || i: icmp ne {T} {0}, 0\nicmp ne {T} {1}, 0\nand i1 {t0}, {t1}'),
     Op("logical_or", "({0} != 0) | ({1} != 0)", "({0} != 0) || ({1} != 0)",
-       promote=B, returns_bool=True),
+       promote=B, returns_bool=True,
+       llvm='f: fcmp une {T} {0}, 0.0\nfcmp une {T} {1}, 0.0\nor i1 {t0}, {t1} || i: icmp ne {T} {0}, 0\nicmp ne {T} {1}, 0\nor i1 {t0}, {t1}'),
     Op("logical_xor", "({0} != 0) ^ ({1} != 0)", "({0} != 0) != ({1} != 0)",
-       promote=B, returns_bool=True),
-    Op("logical_not", "{0} == 0", "{0} == 0", promote=B, returns_bool=True),
-    Op("bitwise_and", "{0} & {1}", "{0} & {1}"),
-    Op("bitwise_or", "{0} | {1}", "{0} | {1}"),
-    Op("bitwise_xor", "{0} ^ {1}", "{0} ^ {1}"),
-    Op("bitwise_not", "fusec_bitwise_not({0})", "fusec_bitwise_not({0})"),
+       promote=B, returns_bool=True,
+       llvm='f: fcmp une {T} {0}, 0.0\nfcmp une {T} {1}, 0.0\nxor i1 {t0}, {t1} || i: icmp ne {T} {0}, 0\nicmp ne {T} {1}, 0\nxor i1 {t0}, {t1}'),
+    Op("logical_not", "{0} == 0", "{0} == 0", promote=B, returns_bool=True,
+       llvm='f: fcmp oeq {T} {0}, 0.0 || i: icmp eq {T} {0}, 0'),
+    Op("bitwise_and", "{0} & {1}", "{0} & {1}",
+       llvm='and {T} {0}, {1}'),
+    Op("bitwise_or", "{0} | {1}", "{0} | {1}",
+       llvm='or {T} {0}, {1}'),
+    Op("bitwise_xor", "{0} ^ {1}", "{0} ^ {1}",
+       llvm='xor {T} {0}, {1}'),
+    Op("bitwise_not", "fusec_bitwise_not({0})", "fusec_bitwise_not({0})",
+       llvm='xor {T} {0}, -1'),
     # data movement: a cast is an identity computed in the target dtype
-    Op("to", "{0}", "{0}", promote=None),
-    Op("copy", "{0}", "{0}", promote=None),
-    Op("full", "{0}", "{0}", promote=None),
+    Op("to", "{0}", "{0}", promote=None,
+       llvm='{0}'),
+    Op("copy", "{0}", "{0}", promote=None,
+       llvm='{0}'),
+    Op("full", "{0}", "{0}", promote=None,
+       llvm='{0}'),
 ]
 
 OPS: dict[str, Op] = {op.name: op for op in _ROWS}

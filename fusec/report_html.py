@@ -200,10 +200,10 @@ def highlight(source: str, backend: str) -> tuple[str, str]:
     try:
         from pygments import highlight as pyg
         from pygments.formatters import HtmlFormatter
-        from pygments.lexers import CppLexer, PythonLexer
+        from pygments.lexers import CppLexer, LlvmLexer, PythonLexer
     except ImportError:  # pragma: no cover - rich depends on pygments
         return f"<pre>{html.escape(source)}</pre>", ""
-    lexer = CppLexer() if backend == "cpp" else PythonLexer()
+    lexer = {"cpp": CppLexer, "llvm": LlvmLexer}.get(backend, PythonLexer)()
     formatter = HtmlFormatter(cssclass="highlight")
     return pyg(source, lexer, formatter), formatter.get_style_defs(".highlight")
 

@@ -1,7 +1,7 @@
 """Shared fixtures. Every test compares fusec against eager PyTorch.
 
-`target` runs a test once per backend: ("cpp", cpu) and ("triton", cuda) on a machine with a GPU,
-or ("triton", cpu) under Triton's interpreter otherwise. TRITON_INTERPRET must be set before
+`target` runs a test once per backend: ("cpp", cpu), ("llvm", cpu) and ("triton", cuda) on a
+machine with a GPU, or ("triton", cpu) under Triton's interpreter otherwise. TRITON_INTERPRET must be set before
 triton is imported, so it is set here, first thing, when there is no GPU.
 """
 import os
@@ -20,11 +20,14 @@ GPU = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if GPU else "cpu"
 
 
-@pytest.fixture(params=["cpp", "triton"])
+CPU_BACKENDS = ["cpp", "llvm"]  # the backends that compile kernels for CPU tensors
+
+
+@pytest.fixture(params=["cpp", "llvm", "triton"])
 def target(request):
-    """(backend, device) pairs: every test runs on both backends."""
-    if request.param == "cpp":
-        return "cpp", "cpu"
+    """(backend, device) pairs: every test runs on every backend."""
+    if request.param in CPU_BACKENDS:
+        return request.param, "cpu"
     return "triton", TRITON_DEVICE
 
 

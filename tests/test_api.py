@@ -143,6 +143,8 @@ def test_kernel_records(target):
     assert str(k) == k.source
     if backend == "cpp":
         assert f'extern "C" void {k.name}(' in k.source
+    elif backend == "llvm":
+        assert f"define void @{k.name}(" in k.source
     else:
         assert "@triton.jit" in k.source and f"def {k.name}(" in k.source
 

@@ -161,10 +161,18 @@ def test_missing_compiler(no_cxx):
     with pytest.raises(fusec.CompilerNotFoundError) as info:
         cf(x)
     assert no_cxx in str(info.value)
-    assert "backend='triton'" in str(info.value)  # says what to do instead
+    assert "backend='llvm'" in str(info.value)  # says what to do instead
     assert cf.compiled == {}
-    with pytest.raises(fusec.CompilerNotFoundError):
-        fusec.compile(sin4)(x)  # auto picks cpp on CPU, same error
+    # auto picks the LLVM backend on CPU when there is no C++ compiler (tests/test_llvm.py)
+    with pytest.warns(UserWarning, match="LLVM backend"):
+        monkeypatch_said = fusec.api._SAID_LLVM
+        fusec.api._SAID_LLVM = False
+        try:
+            af = fusec.compile(sin4)
+            torch.testing.assert_close(af(x), sin4(x))
+        finally:
+            fusec.api._SAID_LLVM = monkeypatch_said
+    assert af.kernels[0].backend == "llvm"
 
     # The Triton backend needs no C compiler: it keeps working in the same process.
     tf = fusec.compile(sin4, backend="triton")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusec
-from conftest import assert_matches
+from conftest import CPU_BACKENDS, assert_matches
 from fusec.demo import load_example
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,17 +64,19 @@ def test_gpt2_block_has_at_most_one_kernel_between_externs():
         assert run <= 1, [f"{s.kind} {s.name}" for s in steps_of(cf)]
 
 
-def test_xor_training_matches_eager_every_1000_epochs():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_xor_training_matches_eager_every_1000_epochs(backend):
     xor = importlib.import_module("fusec.examples.xor_train")
-    history, prediction = xor.train(epochs=3000, backend="cpp")
+    history, prediction = xor.train(epochs=3000, backend=backend)
     for epoch, fused, eager in history:
         assert abs(fused - eager) <= 1e-5, (epoch, fused, eager)
     assert prediction == [0.0, 1.0, 1.0, 0.0]
 
 
-def test_gpt2_train_step_gradients_match_eager():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gpt2_train_step_gradients_match_eager(backend):
     gpt = importlib.import_module("fusec.examples.gpt2_train_step")
-    results, grad_err, weight_err = gpt.step(backend="cpp", seq=16)
+    results, grad_err, weight_err = gpt.step(backend=backend, seq=16)
     assert abs(results[0] - results[1]) < 1e-5
     assert grad_err < 1e-5
     assert weight_err < 1e-4  # AdamW's first step divides by |grad|: tiny grads amplify rounding

@@ -13,11 +13,12 @@ sign could flip by one rounding between eager's and fusec's sin/tanh/sigmoid.
 
 Each example compiles a new kernel (C++: ~0.5 s of gcc), so max_examples stays small.
 """
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TRITON_DEVICE, assert_matches
+from conftest import CPU_BACKENDS, TRITON_DEVICE, assert_matches
 
 FLOAT_UNARY = {
     "sin": torch.sin,
@@ -183,10 +184,11 @@ SETTINGS = settings(max_examples=25, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @SETTINGS
 @given(data=st.data())
-def test_random_pointwise_program_cpp(data):
-    _check("cpp", "cpu", data.draw(programs()))
+def test_random_pointwise_program_cpu(backend, data):
+    _check(backend, "cpu", data.draw(programs()))
 
 
 @SETTINGS

@@ -18,11 +18,12 @@ one value with correction 1 is NaN in eager and must be NaN here too.
 
 Every op has a row in the op table, so nothing may run as an extern ATen call.
 """
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TRITON_DEVICE, assert_matches
+from conftest import CPU_BACKENDS, TRITON_DEVICE, assert_matches
 
 UNARY = {
     "sin": torch.sin,
@@ -184,10 +185,11 @@ SETTINGS = settings(max_examples=20, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @SETTINGS
 @given(data=st.data())
-def test_random_reduction_program_cpp(data):
-    _check("cpp", "cpu", data.draw(programs()))
+def test_random_reduction_program_cpu(backend, data):
+    _check(backend, "cpu", data.draw(programs()))
 
 
 @SETTINGS

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fusec
-from conftest import TRITON_DEVICE
+from conftest import CPU_BACKENDS, TRITON_DEVICE
 
 
 def mlp():
@@ -18,9 +18,9 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
 def test_gradients_match_eager(backend):
-    device = "cpu" if backend == "cpp" else TRITON_DEVICE
+    device = "cpu" if backend in CPU_BACKENDS else TRITON_DEVICE
     model = mlp().to(device)
     ref = copy.deepcopy(model)
     x = torch.randn(8, 16, device=device)
@@ -36,10 +36,11 @@ def test_gradients_match_eager(backend):
     assert any("sum" in n for n in names), names  # the backward has reductions (bias grads)
 
 
-def test_optimizer_steps_follow_eager():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_optimizer_steps_follow_eager(backend):
     model = mlp()
     ref = copy.deepcopy(model)
-    compiled = fusec.compile(model, backend="cpp")
+    compiled = fusec.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x = torch.randn(8, 16)

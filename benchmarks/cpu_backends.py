@@ -1,0 +1,149 @@
+"""The two CPU backends side by side: C++/OpenMP (gcc) vs LLVM IR (llvmlite), in one run.
+
+    python benchmarks/cpu_backends.py              # all rows
+    python benchmarks/cpu_backends.py --json out.json
+
+For every workload it reports, per backend:
+* cold compile time per kernel: the build step alone (gcc -O3 ... -> .so, or llvmlite parse +
+  O3 + object code), with an empty cache directory, median over the workload's kernels and
+  `--repeat` fresh caches;
+* run time per call (median, warm cache), and eager and torch.compile for reference.
+
+Issue 6's targets: LLVM compile time per kernel at least 10x lower than the C++ backend's cold
+compile; LLVM run time within 1.2x of the C++ backend on the pointwise chain and softmax.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+import fusec
+from fusec import api
+from fusec.timing import median_ms, wall_ms
+
+
+def chain20(x):
+    for i in range(10):
+        x = torch.sin(x) * 1.01 if i % 2 else torch.cos(x) + 0.5
+    return x
+
+
+def sin4(x):
+    return torch.sin(torch.sin(torch.sin(torch.sin(x))))
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def layernorm(x, w, b):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b)
+
+
+WORKLOADS = [
+    ("chain20, 1k f32 (launch-bound)", chain20, lambda: (torch.randn(1024),), wall_ms),
+    ("chain20, 1M f32", chain20, lambda: (torch.randn(1 << 20),), median_ms),
+    ("sin4, 4M f32", sin4, lambda: (torch.randn(4 << 20),), median_ms),
+    ("softmax 512x512 f32", softmax, lambda: (torch.randn(512, 512),), median_ms),
+    ("softmax 4096x1024 f32", softmax, lambda: (torch.randn(4096, 1024),), median_ms),
+    ("layernorm 4096x1024 f32", layernorm,
+     lambda: (torch.randn(4096, 1024), torch.randn(1024), torch.randn(1024)), median_ms),
+]
+
+
+def cold_build_seconds(fn, inputs, backend: str, repeat: int) -> list[float]:
+    """Seconds each kernel's build step takes with an empty cache (one list entry per kernel
+    per repeat)."""
+    codegen = api.backend_module(backend)
+    times: list[float] = []
+    real_build = codegen.build
+
+    def timed_build(source, name):
+        t = time.perf_counter()
+        try:
+            return real_build(source, name)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    saved = os.environ.get("FUSEC_CACHE_DIR")
+    codegen.build = timed_build
+    try:
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory() as d:
+                os.environ["FUSEC_CACHE_DIR"] = d
+                fusec.compile(fn, backend=backend)(*inputs)
+    finally:
+        codegen.build = real_build
+        if saved is None:
+            os.environ.pop("FUSEC_CACHE_DIR", None)
+        else:
+            os.environ["FUSEC_CACHE_DIR"] = saved
+    return times
+
+
+def run(repeat: int) -> list[dict]:
+    rows = []
+    for name, fn, make, timer in WORKLOADS:
+        inputs = make()
+        row = {"workload": name, "timer": "wall clock" if timer is wall_ms else "median"}
+        with torch.no_grad():
+            row["eager_ms"] = timer(fn, *inputs)
+            compiled = torch.compile(fn)
+            compiled(*inputs)
+            row["torch_compile_ms"] = timer(compiled, *inputs)
+            for backend in ("cpp", "llvm"):
+                builds = cold_build_seconds(fn, inputs, backend, repeat)
+                row[f"{backend}_build_ms"] = statistics.median(builds) * 1e3
+                cf = fusec.compile(fn, backend=backend)
+                got = cf(*inputs)
+                row[f"{backend}_kernels"] = len(cf.kernels)
+                row[f"{backend}_err"] = (got - fn(*inputs)).abs().max().item()
+                row[f"{backend}_ms"] = timer(cf, *inputs)
+        row["build_speedup"] = row["cpp_build_ms"] / row["llvm_build_ms"]
+        row["run_ratio"] = row["llvm_ms"] / row["cpp_ms"]
+        rows.append(row)
+        print(f"  {name}: cpp {row['cpp_ms']:.4f} ms, llvm {row['llvm_ms']:.4f} ms, build "
+              f"{row['cpp_build_ms']:.0f} vs {row['llvm_build_ms']:.1f} ms", flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    table = Table(title=f"CPU backends ({os.cpu_count()} cores, torch {torch.__version__}), "
+                        "medians in ms")
+    for col in ("workload", "eager", "torch.compile", "cpp", "llvm", "llvm/cpp",
+                "cpp build/kernel", "llvm build/kernel", "build speedup", "max err (cpp, llvm)"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+    for r in rows:
+        table.add_row(r["workload"], f"{r['eager_ms']:.4f}", f"{r['torch_compile_ms']:.4f}",
+                      f"{r['cpp_ms']:.4f}", f"{r['llvm_ms']:.4f}", f"{r['run_ratio']:.2f}x",
+                      f"{r['cpp_build_ms']:.0f}", f"{r['llvm_build_ms']:.1f}",
+                      f"{r['build_speedup']:.0f}x", f"{r['cpp_err']:.1e}, {r['llvm_err']:.1e}")
+    Console(width=200).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--repeat", type=int, default=3, help="fresh caches per cold build")
+    parser.add_argument("--only", help="run workloads whose name contains this")
+    args = parser.parse_args()
+    global WORKLOADS
+    if args.only:
+        WORKLOADS = [w for w in WORKLOADS if args.only in w[0]]
+    rows = run(args.repeat)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,822 @@
+"""LLVM backend: kernel IR -> textual LLVM IR -> llvmlite (O3, vectorized) -> machine code, in process.
+
+The C++ backend hands its kernels to gcc, which takes a few hundred milliseconds per kernel and
+must be installed. This backend writes the same kernels in LLVM IR, the language Triton itself
+lowers to, and compiles them inside Python with llvmlite in a few milliseconds: no toolchain.
+
+    PointwiseKernel ──render()──> llvm_pointwise.ll.j2 text ──parse + verify──> llvm.ModuleRef
+        ──O3 pass pipeline (loop + SLP vectorizer, tuned for this CPU)──> optimized module
+        ──target machine──> object code (cached on disk) ──MCJIT──> function address ──ctypes
+
+Reading the generated IR
+------------------------
+LLVM IR is in SSA form: every value is assigned once (`%v1_sin = call float @sinf(float %v0_x)`),
+and a loop carries values around with `phi` nodes, which pick a value according to the block
+control came from. LLVM has no overloading and no implicit conversions, so every instruction
+names its type, and every conversion is an instruction (`fpext half %x to float`, `sitofp i32 %n
+to float`). Each op's spelling lives in the op table (fusec/ops.py, the `llvm` column): one or more
+instructions over `{0}`, `{1}` (operands), `{T}` (the type), `{S}` (intrinsic suffix), `{m}` (the C
+library's `f` suffix) and `{D}` (fusec's dtype name, for the few helpers in llvm_prelude.ll.j2).
+
+Vector math
+-----------
+The loop vectorizer turns `load float` into `load <8 x float>` and `fadd float` into `fadd <8 x
+float>`, but it can only vectorize a call to `sinf` if it knows a vector version exists. glibc's
+libmvec has them (`_ZGVdN8v_sinf`: 8 sines at once with AVX2), and the attribute
+`"vector-function-abi-variant"` on the declaration of `sinf` tells LLVM so; this is exactly what
+clang emits for `#pragma omp declare simd`. fusec loads libmvec into the process so the JIT can
+resolve those names. Results stay within 4 ulp, like the C++ backend's.
+
+Threads
+-------
+A kernel takes, after its buffers, a range of work items `[first, last)`: tiles of rows for a
+pointwise kernel, rows for a reduction. LlvmLauncher cuts the work into one range per core and
+runs them on a thread pool; ctypes releases the GIL while the machine code runs, so the threads
+really run in parallel, like the OpenMP loops of the C++ backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import os
+import re
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from fusec import cache, ops
+from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var
+
+from .cpp import CHUNK, PARALLEL_THRESHOLD, sum_block, summary
+from .render import render_template
+
+# ---- types -------------------------------------------------------------------------------------
+
+# The LLVM type a value has in registers (half precision lives in float, bool in i1) ...
+TYPE = {
+    torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float",
+    torch.float64: "double", torch.int8: "i8", torch.uint8: "i8", torch.int16: "i16",
+    torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
+}
+# ... and in memory (a torch.bool is a byte holding 0 or 1).
+STORAGE = {**TYPE, torch.bool: "i8"}
+SUFFIX = {**{dt: t for dt, t in TYPE.items() if t.startswith("i")},
+          torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64"}
+SHORT = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64",
+         torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32",
+         torch.int64: "i64", torch.bool: "b8"}
+
+
+def kind(dtype: torch.dtype) -> str:
+    """The section of an op's spelling that applies: f(loat), s(igned), u(nsigned), b(ool)."""
+    if dtype.is_floating_point:
+        return "f"
+    if dtype == torch.bool:
+        return "b"
+    return "u" if dtype == torch.uint8 else "s"
+
+
+def is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """An LLVM constant. Floats are written as the hex of a double holding the exact value (LLVM
+    rejects `float 0.1`, which a float cannot hold); integers wrap like torch (-1 as uint8 is
+    255, which LLVM's i8 spells -1)."""
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if dtype.is_floating_point:
+        value = float(value)
+        if dtype in (torch.float32, torch.float16, torch.bfloat16) and math.isfinite(value):
+            value = struct.unpack("<f", struct.pack("<f", value))[0] if abs(value) < 3.5e38 \
+                else math.copysign(math.inf, value)
+        if dtype == torch.float16:
+            value = float(torch.tensor(value, dtype=torch.float16))
+        if dtype == torch.bfloat16:
+            value = float(torch.tensor(value, dtype=torch.bfloat16))
+        if dtype in (torch.float16, torch.bfloat16) and math.isnan(value):
+            return "0xH7E00" if dtype == torch.float16 else "0xR7FC0"
+        if dtype == torch.float16:
+            return "0xH" + struct.pack(">e", value).hex().upper()
+        if dtype == torch.bfloat16:
+            return "0xR" + struct.pack(">f", value).hex().upper()[:4]
+        return "0x" + struct.pack(">d", value).hex().upper()
+    value = int(torch.tensor(value).to(dtype).item())  # wrap like torch
+    bits = torch.iinfo(dtype).bits
+    if value >= 1 << (bits - 1):
+        value -= 1 << bits
+    return str(value)
+
+
+# ---- instruction emission ----------------------------------------------------------------------
+
+class Emitter:
+    """Collects the instructions of one block of code. SSA names must be unique in a function,
+    so temporaries get a counter shared by the whole kernel, and values recomputed inside a
+    phase's loop get that phase's suffix (`%v3_exp.p1`)."""
+
+    def __init__(self, counter, suffix: str = ""):
+        self.lines: list[str] = []
+        self.counter = counter
+        self.suffix = suffix
+
+    def emit(self, rhs: str, base: str, comment: str = "") -> str:
+        name = f"%{base}{self.suffix}.{next(self.counter)}"
+        self.lines.append(f"{name} = {rhs}" + (f"  ; {comment}" if comment else ""))
+        return name
+
+    def named(self, name: str, rhs: str, comment: str = "") -> str:
+        full = f"%{name}{self.suffix}"
+        self.lines.append(f"{full} = {rhs}" + (f"  ; {comment}" if comment else ""))
+        return full
+
+
+def convert(e: Emitter, value: str, src: torch.dtype, dst: torch.dtype, base: str) -> str:
+    """`value` (of dtype src, in registers) converted to dst the way torch's `.to(dst)` does."""
+    if src == dst:
+        return value
+    s, d = TYPE[src], TYPE[dst]
+    if dst == torch.bool:  # x != 0 (NaN counts as true, as in torch)
+        return e.emit(f"fcmp une {s} {value}, 0.0" if is_float(src) else f"icmp ne {s} {value}, 0",
+                      base)
+    if src == torch.bool:
+        return e.emit(f"uitofp i1 {value} to {d}" if is_float(dst) else f"zext i1 {value} to {d}",
+                      base)
+    if is_float(src) and is_float(dst):
+        wider = _FLOAT_BITS[dst] > _FLOAT_BITS[src]
+        if {src, dst} == {torch.float16, torch.bfloat16}:  # no direct instruction: via float
+            value = convert(e, value, src, torch.float32, base)
+            return convert(e, value, torch.float32, dst, base)
+        return e.emit(f"{'fpext' if wider else 'fptrunc'} {s} {value} to {d}", base)
+    if is_float(dst):  # integer -> float
+        return e.emit(f"{'uitofp' if src == torch.uint8 else 'sitofp'} {s} {value} to {d}", base)
+    if is_float(src):
+        # float -> integer goes through int64 like the C++ backend, and an out-of-range value
+        # (or NaN) gives INT64_MIN as x86's cvttsd2si does; LLVM's fptosi alone would be poison
+        lo = e.emit(f"fcmp oge {s} {value}, {literal(-2.0 ** 63, src)}", base)
+        hi = e.emit(f"fcmp olt {s} {value}, {literal(2.0 ** 63, src)}", base)
+        ok = e.emit(f"and i1 {lo}, {hi}", base)
+        raw = e.emit(f"fptosi {s} {value} to i64", base)
+        wide = e.emit(f"select i1 {ok}, i64 {raw}, i64 -9223372036854775808", base)
+        return wide if d == "i64" else e.emit(f"trunc i64 {wide} to {d}", base)
+    sbits, dbits = _INT_BITS[src], _INT_BITS[dst]
+    if sbits == dbits:
+        return value  # int8 <-> uint8: the same bits
+    if dbits < sbits:
+        return e.emit(f"trunc {s} {value} to {d}", base)
+    return e.emit(f"{'zext' if src == torch.uint8 else 'sext'} {s} {value} to {d}", base)
+
+
+_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+_INT_BITS = {torch.int8: 8, torch.uint8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+
+
+def round_half(e: Emitter, value: str, to: torch.dtype | None, base: str) -> str:
+    """Round a float32 value through float16/bfloat16 (eager rounds every half result)."""
+    if to is None:
+        return value
+    narrow = e.emit(f"fptrunc float {value} to {TYPE[to]}", base, f"rounded like eager's {SHORT[to]}")
+    return e.emit(f"fpext {TYPE[to]} {narrow} to float", base)
+
+
+_SECTION = re.compile(r"^\s*([fsubi*](?:,[fsubi*])*):\s*(.*)$", re.S)
+
+
+def spelling(row: ops.Op, k: str) -> list[str]:
+    """The instructions of `row` for values of kind `k` (see fusec/ops.py)."""
+    chosen = None
+    for section in row.llvm.split("||"):
+        m = _SECTION.match(section)
+        kinds, text = (m.group(1).split(","), m.group(2)) if m else (["*"], section)
+        if k in kinds or (k in "sub" and "i" in kinds and chosen is None) or \
+                ("*" in kinds and chosen is None):
+            chosen = text
+            if k in kinds:
+                break
+    if chosen is None:
+        raise NotImplementedError(f"fusec: the llvm spelling of {row.name!r} has no case for "
+                                  f"{ {'f': 'floats', 's': 'signed ints', 'u': 'uint8', 'b': 'bool'}[k]}")
+    return [line.strip() for line in chosen.strip().split("\n")]
+
+
+def emit_stmt(e: Emitter, s: Stmt, values: dict[str, str]) -> None:
+    """Emit `s` and record the LLVM value that now holds s.var."""
+    row = ops.OPS[s.op]
+    args = [_operand(e, o, dt, values) for o, dt in zip(s.operands, s.operand_dtypes)]
+    dtype = s.operand_dtypes[-1]
+    fields = dict(T=TYPE[dtype], S=SUFFIX[dtype], D=SHORT[dtype],
+                  m="f" if dtype == torch.float32 else "")
+    temps: list[str] = []
+    for n, line in enumerate(spelling(row, kind(dtype))):
+        text = line.format(*args, **fields, **{f"t{j}": t for j, t in enumerate(temps)})
+        if text in args or text in temps:  # an identity (a cast computed in the target dtype)
+            temps.append(text)
+        else:
+            temps.append(e.emit(text, s.var.name, s.origin if n == 0 else ""))
+    value = convert(e, temps[-1], s.result_dtype, s.var.dtype, s.var.name)
+    values[s.var.name] = round_half(e, value, s.round_to, s.var.name)
+
+
+def _operand(e: Emitter, o, dtype: torch.dtype, values: dict[str, str]) -> str:
+    if isinstance(o, Const):
+        return literal(o.value, dtype)
+    return convert(e, values[o.name], o.dtype, dtype, o.name)
+
+
+def emit_load(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var,
+              values: dict[str, str]) -> None:
+    ptr = e.emit(f"getelementptr inbounds {STORAGE[storage]}, ptr %{param}_ptr, i64 {index}",
+                 var.name + ".ptr")
+    raw = e.emit(f"load {STORAGE[storage]}, ptr {ptr}", var.name + ".raw")
+    if storage == torch.bool:
+        raw = e.emit(f"trunc i8 {raw} to i1", var.name)
+    register = ops.register_dtype(storage)
+    if register != storage:
+        raw = e.emit(f"fpext {TYPE[storage]} {raw} to float", var.name)
+    values[var.name] = convert(e, raw, register, var.dtype, var.name)
+
+
+def emit_store(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var,
+               values: dict[str, str]) -> None:
+    value = values[var.name]
+    if storage in ops.FLOAT16_LIKE and var.dtype in (torch.float32, torch.float64):
+        value = e.emit(f"fptrunc {TYPE[var.dtype]} {value} to {TYPE[storage]}", var.name)
+    else:
+        value = convert(e, value, var.dtype, storage, var.name)
+    if storage == torch.bool:
+        value = e.emit(f"zext i1 {value} to i8", var.name)
+    ptr = e.emit(f"getelementptr inbounds {STORAGE[storage]}, ptr %{param}_ptr, i64 {index}",
+                 param + ".ptr")
+    e.lines.append(f"store {STORAGE[storage]} {value}, ptr {ptr}")
+
+
+def index_sum(e: Emitter, terms: list[tuple[str, int]], offset: int, base: str) -> str:
+    """offset + sum(value * stride) as i64 instructions (or a constant)."""
+    acc = str(offset) if offset else None
+    for value, stride in terms:
+        if not stride:
+            continue
+        term = value if stride == 1 else e.emit(f"mul nsw i64 {value}, {stride}", base)
+        acc = term if acc is None else e.emit(f"add nsw i64 {acc}, {term}", base)
+    return acc or "0"
+
+
+def coords(e: Emitter, flat: str, shape: tuple[int, ...], prefix: str) -> list[str]:
+    """Row-major coordinates of position `flat` in `shape`, as named SSA values."""
+    out = []
+    for d in range(len(shape)):
+        below = math.prod(shape[d + 1:])
+        value = flat if below == 1 else e.named(f"{prefix}{d}.q", f"udiv i64 {flat}, {below}")
+        if d:
+            value = e.named(f"{prefix}{d}", f"urem i64 {value}, {shape[d]}")
+        out.append(value)
+    return out
+
+
+# ---- declarations and the prelude ----------------------------------------------------------------
+
+LIBM = {"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "erf", "pow"}
+_CALL = re.compile(r"call (\S+) @([\w.]+)\(([^)]*)\)")
+
+
+@functools.lru_cache(maxsize=None)
+def vector_isas() -> tuple[tuple[str, int], ...]:
+    """libmvec's vector variants this CPU runs, widest first, as (ISA letter, floats per call):
+    ('e', 16) with AVX-512, ('d', 8) with AVX2, ('b', 4) with SSE. Declaring all of them lets
+    the vectorizer find a match for whichever width it picks (gcc -march=native makes the same
+    choice). Empty where there is no libmvec, or not on x86-64."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64") or not ctypes.util.find_library("mvec"):
+        return ()
+    features = llvm_binding().get_host_cpu_features()
+    isas = [("e", 16)] if features.get("avx512f") else []
+    isas += [("d", 8)] if features.get("avx2") else []
+    return tuple(isas + [("b", 4)])
+
+
+@functools.lru_cache(maxsize=None)
+def has_symbol(name: str) -> bool:
+    """True when the JIT can resolve `name` in this process (libmvec is loaded by then)."""
+    return bool(llvm_binding().address_of_symbol(name))
+
+
+def vector_isa() -> tuple[str, int] | None:
+    """The widest of vector_isas(), or None."""
+    return vector_isas()[0] if vector_isas() else None
+
+
+def declarations(lines: list[str], defined: set[str]) -> str:
+    """Declare every function the kernel calls, read off the call instructions themselves.
+    C library math functions also get their libmvec vector variants (see the module docstring)."""
+    seen: dict[str, str] = {}
+    for line in lines:
+        for ret, name, args in _CALL.findall(line):
+            if name in defined or name in seen:
+                continue
+            types = ", ".join(a.strip().rsplit(" ", 1)[0] for a in args.split(",") if a.strip())
+            seen[name] = f"{ret} @{name}({types})"
+    out, groups, used = [], [], []
+    for n, (name, signature) in enumerate(sorted(seen.items())):
+        ret = signature.split(" ", 1)[0]
+        # sinf is sin for floats; but erf is erf for doubles (its float version is erff)
+        scalar = name[:-1] if ret == "float" else name
+        if scalar in LIBM and vector_isas():
+            params = "v" * (signature.count(",") + 1)  # one vector argument per scalar one
+            variants = []
+            for letter, floats in vector_isas():
+                lanes = floats if ret == "float" else floats // 2
+                variant = f"_ZGV{letter}N{lanes}{params}_{name}"
+                if not has_symbol(variant):  # older glibc: no vector erf, say
+                    continue
+                vec = f"<{lanes} x {ret}>"
+                out.append(f"declare {vec} @{variant}({', '.join([vec] * len(params))})")
+                variants.append(f"{variant}({variant})")
+                used.append(variant)
+            out.append(f"declare {signature} #{n + 1}")
+            abi = f' "vector-function-abi-variant"="{",".join(variants)}"' if variants else ""
+            groups.append(f'attributes #{n + 1} = {{ nounwind willreturn memory(none){abi} }}')
+        elif scalar in LIBM:
+            out.append(f"declare {signature} #{n + 1}")
+            groups.append(f"attributes #{n + 1} = {{ nounwind willreturn memory(none) }}")
+        else:
+            out.append(f"declare {signature}")
+    if used:  # keep the vector declarations alive until the vectorizer has looked at them
+        out.append(f"@llvm.compiler.used = appending global [{len(used)} x ptr] "
+                   f"[{', '.join('ptr @' + u for u in used)}], section \"llvm.metadata\"")
+    return "\n".join(["", "; functions the kernel calls (C library math with its vector variants)"]
+                     + out + groups) if out else ""
+
+
+HELPERS = re.compile(r"@(fusec_\w+)\.(\w+)\(")
+
+
+def prelude(lines: list[str]) -> tuple[str, set[str]]:
+    """The helper functions (llvm_prelude.ll.j2) this kernel calls, rendered for the types it
+    calls them with, and the set of names they define."""
+    wanted = sorted({(name, short) for line in lines for name, short in HELPERS.findall(line)})
+    if not wanted:
+        return "", set()
+    by_short = {v: k for k, v in SHORT.items()}
+    helpers = []
+    for name, short in wanted:
+        dtype = by_short[short]
+        helpers.append(dict(name=name, D=short, T=TYPE[dtype], S=SUFFIX[dtype], kind=kind(dtype),
+                            c=_helper_constants(dtype) if is_float(dtype) else {}))
+    text = render_template("llvm_prelude.ll.j2", helpers=helpers)
+    defined = {f"{h['name']}.{h['D']}" for h in helpers}
+    # the helpers call intrinsics too: declare those along with the kernel's
+    return text, defined
+
+
+def _helper_constants(dtype) -> dict:
+    return {k: literal(v, dtype) for k, v in {
+        "half": 0.5, "one": 1.0, "sqrt1_2": 0.70710678118654752440,
+        "sqrt_2_over_pi": 0.79788456080286535588, "gelu_c": 0.044715}.items()}
+
+
+# ---- pointwise kernels -------------------------------------------------------------------------
+
+def _params(kernel) -> list[str]:
+    return [f"ptr noalias {'' if p.is_output else 'readonly '}%{p.name}_ptr" for p in kernel.params]
+
+
+def render(kernel) -> str:
+    if not isinstance(kernel, PointwiseKernel):
+        return render_reduction(kernel)
+    counter = _counter()
+    shape = kernel.shape
+    rows, inner = math.prod(shape[:-1]), shape[-1]
+    chunk = max(inner if rows >= 64 or inner <= CHUNK else CHUNK, 1)
+    chunks = max(-(-inner // chunk), 1)
+    setup = Emitter(counter)
+    c = coords(setup, "%row", shape[:-1], "c") if len(shape) > 1 else []
+
+    def base(idx: Index, label: str) -> str:
+        return index_sum(setup, list(zip(c, idx.strides[:-1])), idx.offset, label + ".base")
+
+    body = Emitter(counter)
+    values: dict[str, str] = {}
+
+    def index(idx: Index, label: str) -> str:
+        b = base(idx, label)
+        inner_term = index_sum(body, [("%i", idx.strides[-1])], 0, label + ".idx")
+        if b == "0":
+            return inner_term
+        if inner_term == "0":
+            return b
+        return body.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
+
+    for load in kernel.loads:
+        emit_load(body, load.param, load.dtype, index(load.index, load.var.name), load.var, values)
+    for s in kernel.stmts:
+        emit_stmt(body, s, values)
+    for n, store in enumerate(kernel.stores):
+        emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
+    return _finish("llvm_pointwise.ll.j2", setup.lines + body.lines, name=kernel.name,
+                   summary=summary(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
+                   rows=rows, inner=inner, chunk=chunk, chunks=chunks,
+                   items=rows * chunks if kernel.numel else 0,
+                   parallel=str(kernel.numel >= PARALLEL_THRESHOLD and rows * chunks > 1).lower(),
+                   params=_params(kernel), row_setup=setup.lines, body=body.lines)
+
+
+def _finish(template: str, lines: list[str], **context) -> str:
+    helper_text, defined = prelude(lines)
+    decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
+    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined))
+    return render_template(template, **context)
+
+
+def _counter():
+    import itertools
+    return itertools.count()
+
+
+# ---- reductions --------------------------------------------------------------------------------
+
+class Accumulator:
+    """How one Reduce carries its running value through a loop over k: its phi states, the
+    instructions that fold in one element, and the final value after the loop."""
+
+    def __init__(self, r: Reduce):
+        self.r = r
+        self.red = ops.REDUCTIONS[r.op]
+        self.name = f"acc_{r.var.name}"
+        self.dtype = r.operand.dtype if self.red.returns_index else r.acc_dtype
+
+    def states(self) -> list[tuple[str, str, str]]:
+        """(name, type, initial value) of each loop-carried value."""
+        t = TYPE[self.dtype]
+        init = literal(self.red.init(self.dtype), self.dtype)
+        if self.red.returns_index:
+            return [(self.name, t, init), (self.name + ".at", "i64", "0"),
+                    (self.name + ".seen", "i1", "false")]
+        return [(self.name, t, init)]
+
+    def fold(self, e: Emitter, x: str, cur: dict[str, str], k: str) -> dict[str, str]:
+        """Instructions folding element x into the current states; returns the next states."""
+        t, d, acc = TYPE[self.dtype], self.dtype, cur[self.name]
+        op, n = self.r.op, self.name
+        if self.red.returns_index:
+            f = is_float(d)
+            cmp = ("fcmp ogt" if f else "icmp sgt" if kind(d) == "s" else "icmp ugt") \
+                if op == "argmax" else ("fcmp olt" if f else "icmp slt" if kind(d) == "s" else "icmp ult")
+            better = e.emit(f"{cmp} {t} {x}, {acc}", n)
+            first = e.emit(f"xor i1 {cur[n + '.seen']}, true", n)
+            take = e.emit(f"or i1 {first}, {better}", n)
+            if f:  # the first NaN wins, and nothing replaces it
+                x_nan = e.emit(f"fcmp uno {t} {x}, {x}", n)
+                take = e.emit(f"or i1 {take}, {x_nan}", n)
+                acc_ok = e.emit(f"fcmp ord {t} {acc}, {acc}", n)
+                take = e.emit(f"and i1 {take}, {acc_ok}", n)
+            return {n: e.emit(f"select i1 {take}, {t} {x}, {t} {acc}", n),
+                    n + ".at": e.emit(f"select i1 {take}, i64 {k}, i64 {cur[n + '.at']}", n),
+                    n + ".seen": e.emit(f"or i1 {cur[n + '.seen']}, {take}", n)}
+        k_ = kind(d)
+        if op == "sum":
+            rhs = f"fadd reassoc {t} {acc}, {x}" if k_ == "f" else \
+                (f"or i1 {acc}, {x}" if k_ == "b" else f"add {t} {acc}, {x}")
+        elif op == "prod":
+            rhs = f"fmul reassoc {t} {acc}, {x}" if k_ == "f" else \
+                (f"and i1 {acc}, {x}" if k_ == "b" else f"mul {t} {acc}, {x}")
+        elif op in ("amax", "amin"):
+            big = op == "amax"
+            fn = {"f": "maximum" if big else "minimum", "s": "smax" if big else "smin",
+                  "u": "umax" if big else "umin", "b": "umax" if big else "umin"}[k_]
+            rhs = f"call {t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})"
+        elif op == "any":
+            rhs = f"or i1 {acc}, {x}"
+        elif op == "all":
+            rhs = f"and i1 {acc}, {x}"
+        else:
+            raise NotImplementedError(f"fusec: the llvm backend has no reduction {op!r}")
+        return {n: e.emit(rhs, n)}
+
+    def result(self, e: Emitter, final: dict[str, str]) -> str:
+        r = self.r
+        if self.red.returns_index:
+            return final[self.name + ".at"]
+        value = convert(e, final[self.name], self.dtype, r.var.dtype, r.var.name)
+        return round_half(e, value, r.round_to, r.var.name)
+
+
+def render_reduction(kernel) -> str:
+    """One function over a range of rows; inside a row, one loop over k per reduction phase,
+    then a last loop that recomputes and stores the element values (softmax's division, say).
+    Python decides everything here (which values each loop needs, the accumulators and their
+    phi nodes, blocking of long float sums); the template only lays out the blocks."""
+    counter = _counter()
+    n_rows = len(kernel.row_shape)
+    top = Emitter(counter)
+    c = coords(top, "%row.i", kernel.row_shape, "c")
+    values: dict[str, str] = {}  # row values, visible everywhere after their definition
+    bases: dict[str, str] = {}
+
+    def base(idx: Index, label: str) -> str:
+        if label not in bases:
+            bases[label] = index_sum(top, list(zip(c, idx.strides[:n_rows])), idx.offset,
+                                     label + ".base")
+        return bases[label]
+
+    producers = {l.var.name: l for l in kernel.loads}
+    for item in kernel.body:
+        producers[item.var.name] = item
+    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
+    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
+
+    closure = kernel.values_needed
+
+    def emit_elements(e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str):
+        """Recompute element values inside the loop of section `sid`."""
+        q = coords(e, k, kernel.k_shape, f"{sid}.q") if len(kernel.k_shape) > 1 else [k]
+        for name in names:
+            item = producers[name]
+            if isinstance(item, Stmt):
+                emit_stmt(e, item, local)
+            else:
+                b = base(item.index, name)
+                kidx = index_sum(e, list(zip(q, item.index.strides[n_rows:])), 0, name + ".k")
+                idx = kidx if b == "0" else (b if kidx == "0" else e.emit(f"add nsw i64 {b}, {kidx}", name + ".idx"))
+                emit_load(e, item.param, item.dtype, idx, item.var, local)
+        return q
+
+    def row_value(e: Emitter, name: str) -> None:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            emit_stmt(e, item, values)
+        else:  # a load that does not vary along k (a per-row scale, say)
+            emit_load(e, item.param, item.dtype, base(item.index, name), item.var, values)
+
+    done: set[str] = set()
+    for name in order:  # row values needing no reduction: once per row, before the loops
+        if name not in kernel.varying and not isinstance(producers[name], Reduce) \
+                and kernel.level.get(name, 0) == 0:
+            row_value(top, name)
+            done.add(name)
+
+    sections, all_lines = [], []
+    k = kernel.k
+    for phase in range(kernel.phases):
+        sid = f"phase{phase}"
+        reds = [Accumulator(r) for r in reduces if r.phase == phase]
+        blocked = [a for a in reds if a.r.op == "sum" and is_float(a.dtype)]
+        kblock = sum_block(k) if blocked and k else 0
+        before, phis, block_phis, block_after, after = (Emitter(counter) for _ in range(5))
+        body = Emitter(counter, suffix="." + sid)
+        local = dict(values)
+        kvar = f"%{sid}.k"
+        finals: dict[str, dict[str, str]] = {}
+        if k:
+            emit_elements(body, closure({a.r.operand.name for a in reds}), local, kvar, sid)
+            for a in reds:
+                x = local[a.r.operand.name]
+                x = convert(body, x, a.r.operand.dtype, a.dtype, a.name)
+                loop_id, entry = f"{sid}.loop", (f"{sid}.block" if kblock else sid)
+                cur, inits = {}, {}
+                for state, t, init in a.states():
+                    cur[state] = f"%{state}"
+                    inits[state] = (t, init)
+                nxt = a.fold(body, x, cur, kvar)
+                for state, (t, init) in inits.items():
+                    if kblock and a in blocked:  # a block sum starts at 0 in every block
+                        phis.lines.append(f"%{state} = phi {t} [ {init}, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                    elif kblock:  # carried across blocks too
+                        block_phis.lines.append(f"%{state}.outer = phi {t} [ {init}, %{sid} ], "
+                                                f"[ {nxt[state]}, %{sid}.block.done ]")
+                        phis.lines.append(f"%{state} = phi {t} [ %{state}.outer, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                    else:
+                        phis.lines.append(f"%{state} = phi {t} [ {init}, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                if kblock and a in blocked:
+                    t = TYPE[a.dtype]
+                    total = f"%{a.name}.total"
+                    block_phis.lines.append(f"{total} = phi double [ 0.0, %{sid} ], "
+                                            f"[ {total}.next, %{sid}.block.done ]")
+                    if t == "double":
+                        block_after.lines.append(f"{total}.next = fadd double {total}, {nxt[a.name]}")
+                    else:
+                        block_after.lines.append(f"%{a.name}.wide = fpext {t} {nxt[a.name]} to double")
+                        block_after.lines.append(f"{total}.next = fadd double {total}, %{a.name}.wide")
+                    final = f"{total}.next" if t == "double" else \
+                        after.emit(f"fptrunc double {total}.next to {t}", a.name)
+                    finals[a.name] = {a.name: final}
+                else:
+                    finals[a.name] = nxt
+        else:
+            for a in reds:
+                finals[a.name] = {state: init for state, _, init in a.states()}
+        for a in reds:
+            values[a.r.var.name] = a.result(after, finals[a.name])
+            done.add(a.r.var.name)
+        for name in order:
+            if name not in done and name not in kernel.varying \
+                    and not isinstance(producers[name], Reduce) and kernel.level.get(name, 0) == phase + 1:
+                row_value(after, name)
+                done.add(name)
+        sec = dict(id=sid, comment=f"phase {phase}: " + ", ".join(a.r.op for a in reds),
+                   before=before.lines, phis=phis.lines, body=body.lines, after=after.lines,
+                   kblock=kblock, block_phis=block_phis.lines, block_after=block_after.lines,
+                   loop=bool(k))
+        sections.append(sec)
+        all_lines += body.lines + after.lines + phis.lines
+
+    row_stores = Emitter(counter)
+    elem = [s for s in kernel.stores if s.var.name in kernel.varying]
+    if elem and k:
+        sid = "store"
+        body = Emitter(counter, suffix="." + sid)
+        local = dict(values)
+        q = emit_elements(body, closure({s.var.name for s in elem}), local, f"%{sid}.k", sid)
+        for n, s in enumerate(kernel.stores):
+            if s.var.name in kernel.varying:
+                b = base(s.index, f"out{n}")
+                kidx = index_sum(body, list(zip(q, s.index.strides[n_rows:])), 0, f"out{n}.k")
+                idx = kidx if b == "0" else (b if kidx == "0" else body.emit(f"add nsw i64 {b}, {kidx}", f"out{n}.idx"))
+                emit_store(body, s.param, s.dtype, idx, s.var, local)
+        sections.append(dict(id=sid, comment="last pass: element values, stored", before=[],
+                             phis=[], body=body.lines, after=[], kblock=0, block_phis=[],
+                             block_after=[], loop=True))
+        all_lines += body.lines
+    for n, s in enumerate(kernel.stores):
+        if s.var.name not in kernel.varying:
+            emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
+    all_lines = top.lines + all_lines + row_stores.lines
+    return _finish("llvm_reduction.ll.j2", all_lines, name=kernel.name, summary=summary(kernel),
+                   source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
+                   rows=kernel.rows, k=k,
+                   parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
+                   params=_params(kernel), row_lines=top.lines, sections=sections,
+                   row_stores=row_stores.lines)
+
+
+# ---- compiling -----------------------------------------------------------------------------------
+
+_INIT = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def llvm_binding():
+    """llvmlite.binding, initialized once: the native target, and libmvec loaded into the process
+    so that JIT-compiled code can call its vector functions."""
+    import llvmlite.binding as llvm
+    with _INIT:
+        try:
+            llvm.initialize()
+        except RuntimeError:  # newer llvmlite initializes itself and refuses the call
+            pass
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        lib = ctypes.util.find_library("mvec")
+        if lib:
+            llvm.load_library_permanently(lib)
+    return llvm
+
+
+@functools.lru_cache(maxsize=None)
+def target_machine():
+    """The compiler's target machine: this CPU, all its features, O3."""
+    return new_target_machine()
+
+
+def new_target_machine():
+    llvm = llvm_binding()
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                        features=llvm.get_host_cpu_features().flatten(),
+                                        opt=3, codemodel="jitdefault")
+
+
+@functools.lru_cache(maxsize=None)
+def triple_and_layout() -> tuple[str, str]:
+    """Read once: llvmlite hands out these strings from memory it may later reuse."""
+    tm = target_machine()
+    return str(tm.triple), str(tm.target_data)
+
+
+def available() -> bool:
+    try:
+        llvm_binding()
+        return True
+    except Exception:  # llvmlite missing or broken
+        return False
+
+
+def host_id() -> str:
+    llvm = llvm_binding()
+    return f"{llvm.llvm_version_info} {triple_and_layout()[0]} {llvm.get_host_cpu_name()} " \
+           f"{llvm.get_host_cpu_features().flatten()} {vector_isa()}"
+
+
+def optimize(source: str):
+    """Parse, verify and optimize `source` with LLVM's O3 pipeline (loop and SLP vectorizers on);
+    returns the optimized module. Loop unrolling is off: the vectorizer still interleaves (runs
+    several vectors per trip), and unrolling on top doubled compile time for no measured gain."""
+    llvm = llvm_binding()
+    tm = target_machine()
+    module = llvm.parse_assembly(source)
+    module.verify()
+    module.triple, module.data_layout = triple_and_layout()
+    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+    pto.loop_vectorization = True
+    pto.slp_vectorization = True
+    pto.loop_unrolling = False
+    builder = llvm.create_pass_builder(tm, pto)
+    builder.getModulePassManager().run(module, builder)
+    return module
+
+
+def optimized_ir(source: str) -> str:
+    """The kernel after LLVM's optimizer: what the vectorizer made of the loops."""
+    return str(optimize(source))
+
+
+def assembly(source: str) -> str:
+    """The host machine code of the kernel, as assembly."""
+    return target_machine().emit_assembly(optimize(source))
+
+
+def build(source: str, name: str) -> Path:
+    """Compile `source` to an object file (or reuse the cached one). Returns its path."""
+    key = cache.content_hash(source, host_id(), "O3 loop+slp vectorize, no unroll")
+    obj = cache.cache_dir("llvm") / f"{name}-{key}.o"
+    if cache.verified(obj):
+        cache.STATS["hits"] += 1
+        cache.log(f"hit {obj.name}")
+        return obj
+    cache.STATS["misses"] += 1
+    cache.atomic_write(obj.with_suffix(".ll"), source)
+    try:
+        data = target_machine().emit_object(optimize(source))
+    except RuntimeError as exc:
+        from fusec.errors import CompileError
+        raise CompileError(f"fusec: LLVM rejected kernel {name} ({obj.with_suffix('.ll')}):\n"
+                           f"{exc}") from exc
+    cache.atomic_write(obj, data)
+    cache.write_manifest(obj)
+    cache.STATS["compiles"] += 1
+    cache.log(f"compiled {obj.name}")
+    return obj
+
+
+# ---- loading and launching -----------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(threads() - 1, 1), thread_name_prefix="fusec-llvm")
+
+
+@functools.lru_cache(maxsize=None)
+def threads() -> int:
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+class LlvmLauncher:
+    """Calls a JIT-compiled kernel: one call over all its work, or one range per thread."""
+
+    def __init__(self, lib: Path, name: str, n_params: int):
+        self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
+        llvm = llvm_binding()
+        tm = new_target_machine()  # an execution engine owns (and frees) its target machine
+        empty = llvm.parse_assembly("")
+        empty.triple = triple_and_layout()[0]
+        self.engine = llvm.create_mcjit_compiler(empty, tm)  # keeps the code alive
+        self.engine.add_object_file(llvm.ObjectFileRef.from_data(lib.read_bytes()))
+        self.engine.finalize_object()
+        address = self.engine.get_function_address(name)
+        if not address:
+            from fusec.errors import CompileError
+            raise CompileError(f"fusec: kernel {name} is missing from {lib}")
+        proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_params, ctypes.c_int64,
+                                 ctypes.c_int64)
+        self.fn = proto(address)
+        self.work = ctypes.c_int64.from_address(self.engine.get_global_value_address(f"{name}.tiles")).value
+        parallel = ctypes.c_bool.from_address(
+            self.engine.get_global_value_address(f"{name}.parallel")).value
+        self.parts = min(threads(), self.work) if parallel else 1
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        ptrs = [t.data_ptr() for t in tensors]
+        if self.parts <= 1:
+            self.fn(*ptrs, 0, self.work)
+            return
+        step = -(-self.work // self.parts)
+        ranges = [(lo, min(lo + step, self.work)) for lo in range(0, self.work, step)]
+        futures = [_pool().submit(self.fn, *ptrs, lo, hi) for lo, hi in ranges[1:]]
+        self.fn(*ptrs, *ranges[0])  # this thread takes the first range itself
+        for f in futures:
+            f.result()
+
+
+def load(kernel, source: str) -> LlvmLauncher:
+    return LlvmLauncher(build(source, kernel.name), kernel.name, len(kernel.params))

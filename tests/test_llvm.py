@@ -1,0 +1,143 @@
+"""What is particular to the LLVM backend (codegen/llvm.py). Everything else it shares with the
+other backends runs through the `target` fixture in every other test file (ops, views,
+reductions, property tests, examples ...): this file checks the LLVM-only promises.
+
+* kernels are LLVM IR, optimized and vectorized (explain shows the optimized IR and assembly);
+* work is split across threads (pointwise tiles, reduction rows) without changing results;
+* compiled object code is cached on disk: a second process compiles nothing;
+* with no C++ compiler, backend="auto" picks llvm and says so once, and `fusec demo` runs.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusec
+from conftest import assert_matches
+from fusec.codegen import llvm
+from fusec.codegen.cpp import find_compiler
+
+
+def test_kernel_source_is_llvm_ir():
+    cf = assert_matches(lambda x, y: torch.sin(x) * 2 + y, torch.randn(64, 37), torch.randn(37),
+                        backend="llvm", kernels=1)
+    (k,) = cf.kernels
+    assert k.backend == "llvm" and k.name == "fused_sin_mul_add_0"
+    assert f"define void @{k.name}(" in k.source
+    assert "call float @sinf(float" in k.source  # the op table's spelling, typed
+    assert "fmul float" in k.source and "fadd float" in k.source
+
+
+@pytest.mark.skipif(llvm.vector_isa() is None, reason="no libmvec on this machine")
+def test_optimized_ir_is_vectorized_with_vector_math():
+    e = fusec.explain(lambda x: torch.sin(x) * 2, torch.randn(4096), backend="llvm")
+    opt = e.optimized_ir(0)
+    widths = {f"<{lanes} x float>" for _, lanes in llvm.vector_isas()}
+    assert any(w in opt for w in widths)  # the loop vectorizer widened the loop
+    calls = re.findall(r"call <(\d+) x float> @_ZGV([a-z])N(\d+)v_sinf\(", opt)
+    assert calls, "the sines were not vectorized"  # ... and called libmvec for them
+    assert all(lanes == n for lanes, _, n in calls)
+    asm = e.assembly(e.compiled.kernels[0].name)
+    assert "_ZGV" in asm and len(asm.splitlines()) > 10
+
+
+def test_optimized_ir_needs_an_llvm_kernel():
+    e = fusec.explain(lambda x: x * 2, torch.randn(16), backend="cpp")
+    with pytest.raises(fusec.FusecError, match="backend='llvm'"):
+        e.optimized_ir(0)
+    e = fusec.explain(lambda x: x * 2, torch.randn(16), backend="llvm")
+    with pytest.raises(fusec.FusecError, match="no kernel named"):
+        e.assembly("nope")
+
+
+def test_threads_split_pointwise_work():
+    # big enough to run in parallel: one long row (tiles of one row) and many odd rows
+    x = torch.randn(300007)
+    cf = assert_matches(lambda x: torch.cos(x) + x, x, backend="llvm")
+    assert "@fused_cos_add_0.parallel = constant i1 true" in cf.kernels[0].source
+    launcher = cf.last.kernels[0].launcher
+    assert launcher.parts == min(llvm.threads(), launcher.work)
+    y = torch.randn(513, 257).t()  # transposed: tiles over rows of a strided walk
+    assert_matches(lambda y: torch.relu(y) * 3, y, backend="llvm")
+
+
+def test_threads_split_reduction_rows():
+    x = torch.randn(999, 130)
+    cf = assert_matches(lambda x: torch.softmax(x, -1), x, backend="llvm", kernels=1)
+    assert "parallel = constant i1 true" in cf.kernels[0].source
+
+
+def test_long_float_sums_are_blocked():
+    # one row of 1M values: blocks of ~1k summed on their own, block sums added in double
+    x = torch.rand(1 << 20) + 0.5
+    cf = assert_matches(lambda x: x.sum(), x, backend="llvm", kernels=1)
+    assert ".block:" in cf.kernels[0].source
+    ref = x.double().sum()
+    assert abs(cf(x).double() - ref) / ref < 1e-6
+
+
+def test_second_process_reuses_llvm_object(tmp_path):
+    from test_cache import run_child
+    cache_dir = tmp_path / "cache"
+    first = run_child("llvm", cache_dir)
+    second = run_child("llvm", cache_dir)
+    assert first["ok"] and second["ok"], (first["problem"], second["problem"])
+    assert first["stats"]["compiles"] >= 1, first["stats"]
+    assert second["stats"]["compiles"] == 0 and second["stats"]["misses"] == 0, second["stats"]
+    assert second["stats"]["hits"] >= 1, second["stats"]
+    suffixes = sorted(p.suffix for p in (cache_dir / "llvm").iterdir())
+    assert suffixes == [".json", ".ll", ".o"], suffixes
+
+
+def test_corrupt_object_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    fn = lambda x: torch.tanh(x) - 1  # noqa: E731
+    x = torch.randn(100)
+    fusec.compile(fn, backend="llvm")(x)
+    (obj,) = (tmp_path / "llvm").glob("*.o")
+    obj.write_bytes(obj.read_bytes()[:100])  # truncated
+    torch.testing.assert_close(fusec.compile(fn, backend="llvm")(x), fn(x))
+    assert obj.stat().st_size > 100  # rebuilt, not loaded half
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("CC", "fusec-missing-cc")
+    monkeypatch.setattr(fusec.api, "_SAID_LLVM", False)
+    find_compiler.cache_clear()
+    yield
+    monkeypatch.undo()
+    find_compiler.cache_clear()
+
+
+def test_auto_picks_llvm_without_a_compiler(no_compiler):
+    x = torch.randn(100)
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler found.*LLVM backend"):
+        cf = fusec.compile(lambda x: torch.sin(x) + 1)
+        torch.testing.assert_close(cf(x), torch.sin(x) + 1)
+    assert cf.kernels[0].backend == "llvm"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not on every compile
+        fusec.compile(lambda x: torch.cos(x) + 1)(x)
+    with pytest.raises(fusec.CompilerNotFoundError, match="CC='fusec-missing-cc'"):
+        fusec.compile(lambda x: x * 3, backend="cpp")(x)
+
+
+def test_demo_runs_without_any_compiler(tmp_path):
+    """CC points at nothing and PATH holds no compiler at all: `fusec demo` still runs."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CXX",)}
+    env.update(CC="/nonexistent/cc", PATH=str(empty), FUSEC_CACHE_DIR=str(tmp_path / "cache"),
+               TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "fusec.cli", "demo"], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "llvm" in proc.stdout + proc.stderr
+    assert not (tmp_path / "cache" / "cpp").exists()  # nothing went through a C++ compiler
+    assert any((tmp_path / "cache" / "llvm").glob("*.o"))
