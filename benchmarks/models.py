@@ -6,6 +6,11 @@ Rows (DESIGN.md targets): softmax 4096x4096 f32, layernorm 8192x4096 f32 (memory
 bandwidth floor is the bytes read and written once over the copy bandwidth measured in the same
 run), the GELU MLP 64x1024 f32, and the GPT-2 block 8x256x768 in f32 and bf16. Every row also
 checks fusec's output against eager. Medians of triton.testing.do_bench on CUDA.
+
+On CUDA, the MLP and GPT-2 rows also time torch.compile(mode="reduce-overhead") (CUDA graphs,
+like fusec's replay) and measure each system's peak memory for one forward call: the most
+memory allocated at once during a warm call, counting what the compiled program keeps between
+calls (fusec's pool, CUDA-graph pools), above what the inputs and weights already take.
 """
 from __future__ import annotations
 
@@ -39,6 +44,28 @@ def workloads(device: str, small: bool):
         yield "gpt2_block bf16", gpt.example(device=device, dtype=torch.bfloat16, **dims), None
 
 
+def peak_mb(make, inputs) -> float:
+    """Peak CUDA memory (MB) of one warm call of make()(*inputs), above the memory in use before
+    make() built it: the program's own persistent buffers count, the inputs do not."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    fn = make()
+    for _ in range(3):
+        out = fn(*inputs)
+        del out
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out, fn
+    gc.collect()
+    return peak / 2**20
+
+
 def run(device: str, only: set | None, small: bool) -> list[dict]:
     bw = copy_bandwidth(device)
     rows = []
@@ -57,6 +84,16 @@ def run(device: str, only: set | None, small: bool) -> list[dict]:
                    "torch_compile_ms": median_ms(compiled, *ex.inputs, device=device),
                    "fusec_ms": median_ms(fused, *ex.inputs, device=device),
                    "fusec_kernels": len(fused.kernels), "max_abs_err": err}
+            if device == "cuda" and nbytes is None:  # the model rows
+                ro = torch.compile(ex.fn, mode="reduce-overhead")
+                for _ in range(3):
+                    ro(*ex.inputs)
+                row["reduce_overhead_ms"] = median_ms(ro, *ex.inputs, device=device)
+                del ro, compiled, fused
+                row["peak_mb"] = {
+                    "eager": peak_mb(lambda: ex.fn, ex.inputs),
+                    "torch.compile": peak_mb(lambda: torch.compile(ex.fn), ex.inputs),
+                    "fusec": peak_mb(lambda: fusec.compile(ex.fn), ex.inputs)}
         if nbytes:
             row["floor_ms"] = nbytes / bw
         rows.append(row)
@@ -74,6 +111,15 @@ def print_table(rows, device):
         print(f"{r['workload']} | {r['eager_ms']:.4f} | {r['torch_compile_ms']:.4f} | "
               f"{r['fusec_ms']:.4f} | {floor} | {r['fusec_ms'] / r['torch_compile_ms']:.2f} | "
               f"{ratio} | {r['fusec_kernels']} | {r['max_abs_err']:.2g}")
+    extra = [r for r in rows if "reduce_overhead_ms" in r]
+    if extra:
+        print("\nworkload | reduce-overhead ms | fusec ms | fusec/reduce-overhead | peak MB eager / "
+              "torch.compile / fusec")
+        for r in extra:
+            p = r["peak_mb"]
+            print(f"{r['workload']} | {r['reduce_overhead_ms']:.4f} | {r['fusec_ms']:.4f} | "
+                  f"{r['fusec_ms'] / r['reduce_overhead_ms']:.2f} | {p['eager']:.1f} / "
+                  f"{p['torch.compile']:.1f} / {p['fusec']:.1f}")
 
 
 def main(argv=None) -> int:

@@ -13,12 +13,14 @@ This is where every decision about a kernel is made, so the backends only have t
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Reduce, ReductionKernel,
-                      Stmt, Store, TensorMeta, Var)
+from fusec.ir import (Const, Index, Layout, Load, OnlineSoftmax, Param, PointwiseKernel, Reduce,
+                      ReductionKernel, Stmt, Store, TensorMeta, Var)
 
 
 def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
@@ -304,4 +306,61 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root],
                             index_of[("out", k, space_of(out))]))
     return ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
-                           varying, level, fused_ops)
+                           varying, level, fused_ops, online_softmax(body, varying))
+
+
+def online_softmax(body: list, varying: set[str]) -> list[OnlineSoftmax]:
+    """The sums of exp(v - c) that can share a pass with amax(v) (see fusec.ir.OnlineSoftmax).
+
+    Matched exactly, so the one-pass sum equals the two-pass one (up to rounding) on every row,
+    including rows with infinities and NaN: the sum's operand is exp(sub(v, c)), through plain
+    copies only, every step in one float dtype with no rounding to half precision; the amax of
+    the same v runs in the phase just before; and c is that amax, or where(cond, K, amax) with
+    a finite constant K (logsumexp's guard for infinite rows).
+    """
+    made = {item.var.name: item for item in body}
+
+    def plain(item, op: str) -> bool:
+        return (isinstance(item, Stmt) and item.op == op and item.round_to is None
+                and item.var.dtype.is_floating_point and item.result_dtype == item.var.dtype
+                and all(isinstance(o, Var) and o.dtype == item.var.dtype for o in item.operands)
+                and all(dt == item.var.dtype for dt in item.operand_dtypes))
+
+    def through_copies(var):
+        while isinstance(var, Var) and (plain(made.get(var.name), "to") or
+                                        plain(made.get(var.name), "copy")):
+            var = made[var.name].operands[0]
+        return var
+
+    def finite_constant(o) -> bool:
+        item = made.get(o.name) if isinstance(o, Var) else None
+        if isinstance(item, Stmt) and item.op == "full" and item.var.dtype == o.dtype:
+            o = item.operands[0]
+        return isinstance(o, Const) and math.isfinite(o.value)
+
+    found = []
+    for total in body:
+        if not (isinstance(total, Reduce) and total.op == "sum" and total.round_to is None
+                and total.acc_dtype == total.var.dtype):
+            continue
+        exp = made.get(through_copies(total.operand).name)
+        sub = made.get(through_copies(exp.operands[0]).name) if plain(exp, "exp") else None
+        if not plain(sub, "sub") or sub.var.dtype != total.acc_dtype:
+            continue
+        v, shift = through_copies(sub.operands[0]), sub.operands[1]
+        if v.name not in varying or shift.name in varying:
+            continue
+        guard = made.get(shift.name)
+        if isinstance(guard, Stmt) and guard.op == "where" and guard.round_to is None \
+                and guard.operand_dtypes[1:] == (shift.dtype, shift.dtype) \
+                and guard.var.dtype == shift.dtype and finite_constant(guard.operands[1]):
+            m = guard.operands[2]
+        else:
+            m = shift
+        peak = made.get(m.name) if isinstance(m, Var) else None
+        if (isinstance(peak, Reduce) and peak.op == "amax" and through_copies(peak.operand) == v
+                and peak.phase == total.phase - 1 and peak.round_to is None
+                and peak.acc_dtype == peak.var.dtype == peak.operand.dtype == total.acc_dtype):
+            found.append(OnlineSoftmax(total.var.name, peak.var.name, peak.operand.name,
+                                       shift.name))
+    return found

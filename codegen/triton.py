@@ -19,7 +19,7 @@ import sys
 import torch
 
 from fusec import cache, ops
-from fusec.ir import Const, Index, PointwiseKernel, Stmt, Var
+from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var
 
 from .render import render_template
 
@@ -171,7 +171,8 @@ def load(kernel: PointwiseKernel, source: str):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules[module_name] = module
-    return module.launch
+    from .triton_launch import TritonLauncher
+    return TritonLauncher(module, path, kernel.name, len(kernel.params))
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -191,7 +192,6 @@ def reduction_blocks(rows: int, k: int) -> tuple[bool, int, int, int]:
 
 
 def render_reduction(kernel) -> str:
-    from fusec.ir import Reduce
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k)
     n_rows = len(kernel.row_shape)
     helpers: set = set()
@@ -249,17 +249,7 @@ def render_reduction(kernel) -> str:
 
     def closure(targets: set[str], only_varying: bool) -> list[str]:
         """The values needed to compute `targets`, in program order."""
-        need: set[str] = set()
-        stack = list(targets)
-        while stack:
-            name = stack.pop()
-            if name in need or (only_varying and name not in kernel.varying):
-                continue
-            need.add(name)
-            kind, item = producers[name]
-            if kind == "body" and not isinstance(item, Reduce):
-                stack += [o.name for o in item.operands if isinstance(o, Var)]
-        return [n for n in order if n in need]
+        return kernel.values_needed(targets, only_varying=only_varying)
 
     k_setup = lambda start: [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
                              "mask = row_mask & k_mask", *coords("k", "ks", kernel.k_shape)]
@@ -288,8 +278,11 @@ def render_reduction(kernel) -> str:
                     and kernel.level.get(name, 0) == 0:
                 row_lines.append(line(name))
                 done.add(name)
-        for phase in range(kernel.phases):
+        for phase, online in looped_passes(kernel):
             reds = [i for i in kernel.body if isinstance(i, Reduce) and i.phase == phase]
+            peaks: dict[str, list] = {}  # amax -> the online sums that share its running max
+            for o in online:
+                peaks.setdefault(o.peak, []).append(o)
             before, body, after = [], list(k_setup("k_start + ")), []
             for r in reds:
                 red = ops.REDUCTIONS[r.op]
@@ -299,6 +292,9 @@ def render_reduction(kernel) -> str:
                 before.append(f"acc_{r.var.name} = {init}")
                 if red.returns_index:  # each lane keeps its best value and where it saw it
                     before.append(f"acc_{r.var.name}_at = tl.full([XBLOCK, RBLOCK], -1, tl.int32)")
+                for o in peaks.get(r.var.name, []):
+                    before.append(f"acc_{o.total} = tl.full([XBLOCK, RBLOCK], 0.0, {TL[r.acc_dtype]})"
+                                  f"  # sum of exp(x - running max), per lane")
             for name in closure({r.operand.name for r in reds}, True):
                 body.append(line(name))
             for r in reds:
@@ -316,7 +312,10 @@ def render_reduction(kernel) -> str:
                     continue
                 combine = red.combine.format(acc=f"acc_{r.var.name}", x=x)
                 helpers.update(re.findall(r"\bfusec_\w+", combine))
-                body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
+                if r.var.name in peaks:
+                    body += online_update(r, x, combine, peaks[r.var.name])
+                else:
+                    body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
                 block = red.triton_block.format(x=f"acc_{r.var.name}")
                 helpers.update(re.findall(r"\bfusec_\w+", block))
                 value = convert(f"({block})", r.acc_dtype, r.var.dtype)
@@ -324,15 +323,25 @@ def render_reduction(kernel) -> str:
                     value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
                 after.append(f"{r.var.name} = ({value})[:, None]  # " + r.origin)
                 done.add(r.var.name)
-            for name in order:  # row values that became computable after this phase
-                kind, item = producers[name]
-                if name not in done and name not in kernel.varying \
-                        and kernel.level.get(name, 0) == phase + 1 and not isinstance(item, Reduce):
-                    after.append(line(name))
-                    done.add(name)
-            loops.append({"comment": f"Phase {phase}: one pass over the row for "
-                                     + ", ".join(r.op for r in reds) + ".",
-                          "before": before, "header": "for k_start in range(0, n_k, RBLOCK):",
+            # row values that became computable after this pass (a merged pass ends two phases)
+            for level in range(phase + 1, phase + 2 + bool(online)):
+                if level == phase + 2:
+                    after += online_finish(online, producers)
+                    done.update(o.total for o in online)
+                for name in order:
+                    kind, item = producers[name]
+                    if name not in done and name not in kernel.varying \
+                            and kernel.level.get(name, 0) == level and not isinstance(item, Reduce):
+                        after.append(line(name))
+                        done.add(name)
+            names = ", ".join(r.op for r in reds)
+            comment = f"Phase {phase}: one pass over the row for {names}."
+            if online:
+                comment = (f"Phases {phase} and {phase + 1} in one pass over the row: {names}, and "
+                           + ", ".join(f"the sum of exp(x - {o.peak})" for o in online)
+                           + " (online softmax).")
+            loops.append({"comment": comment, "before": before,
+                          "header": "for k_start in range(0, n_k, RBLOCK):",
                           "body": body, "after": after})
         if stores_elem:
             targets = {s.var.name for s in kernel.stores if s.var.name in kernel.varying}
@@ -344,6 +353,12 @@ def render_reduction(kernel) -> str:
         if stores_row:
             loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
 
+    passes = ""
+    if not persistent:
+        online = any(o for _, o in looped_passes(kernel))
+        passes = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
+                  + (" (online softmax: the max and the sum of exponentials share one)."
+                     if online else "."))
     helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
@@ -353,9 +368,70 @@ def render_reduction(kernel) -> str:
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
         k=kernel.k, xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
-        args=[p.name for p in kernel.params],
+        args=[p.name for p in kernel.params], passes=passes,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
         row_lines=row_lines, sections=loops)
+
+
+def looped_passes(kernel) -> list[tuple[int, list]]:
+    """The passes a looped kernel makes over each row before its store pass, as (phase, online
+    sums folded into that pass). Phase p + 1 folds into phase p's pass when every reduction of
+    p + 1 is a sum of exp(v - max) whose max is reduced in phase p (`kernel.online`, found by
+    codegen/lower.py): softmax then reads its row twice (max and sum together, then the store
+    pass) instead of three times, logsumexp once instead of twice. Layer norm's variance needs the
+    mean first and keeps its two passes.
+    """
+    by_total = {o.total: o for o in kernel.online}
+    reductions = [i for i in kernel.body if isinstance(i, Reduce)]
+    passes, phase = [], 0
+    while phase < kernel.phases:
+        folded = [r for r in reductions if r.phase == phase + 1]
+        if folded and all(r.var.name in by_total for r in folded):
+            passes.append((phase, [by_total[r.var.name] for r in folded]))
+            phase += 2
+        else:
+            passes.append((phase, []))
+            phase += 1
+    return passes
+
+
+# Note (online softmax): each lane of the [XBLOCK, RBLOCK] tile keeps its running max m and the
+# sum s of exp(x - m) over the values it has seen. When a new value raises the max to m', the old
+# sum is rescaled, s' = s * exp(m - m') + exp(x - m'), so max and sum come out of one pass over
+# the row. At the end the lanes are combined the same way: M = max over lanes, S = sum over lanes
+# of s * exp(m - M). fusec_exp_shift(x, m) is exp(x - m) except that x == m gives 1 even when
+# both are infinite: a lane whose values are all -inf counts them (instead of turning NaN from
+# -inf - -inf), and a +inf max counts as one term of 1. S is then moved to the shift c that the
+# program subtracts, S * exp(M - c): exactly 1 when c is the max, and NaN when the max is
+# infinite (exp(inf - inf)), which is what the two-pass sum of exp(x - M) gives; logsumexp's
+# c = where(|M| == inf, 0, M) gets 0 for an all -inf row and inf for a row holding +inf, as eager.
+# NaN propagates through fusec_maximum into m and from there into s.
+
+def online_update(peak, x: str, combine: str, online: list) -> list[str]:
+    """Loop body lines: raise the running max `acc_<peak>` and rescale the sums that share it."""
+    acc, new = f"acc_{peak.var.name}", f"max_{peak.var.name}"
+    lines = ["# online softmax: where a lane's max grows, rescale the sum it kept against the old one",
+             f"{new} = tl.where(mask, {combine}, {acc})"]
+    for o in online:
+        total = f"acc_{o.total}"
+        lines += [f"{total} = {total} * fusec_exp_shift({acc}, {new})",
+                  f"{total} = {total} + tl.where(mask, fusec_exp_shift({x}, {new}), 0.0)"]
+    return lines + [f"{acc} = {new}"]
+
+
+def online_finish(online: list, producers: dict) -> list[str]:
+    """Lines after the loop: each online sum's lanes rescaled to the row's max, added up, and
+    moved from the max to the program's shift (see the note above)."""
+    lines = []
+    for o in online:
+        lines.append(f"# every lane's sum rescaled to the row's max {o.peak} and added up, then times")
+        if o.shift == o.peak:
+            lines.append(f"# exp({o.peak} - {o.peak}): 1, or NaN for an infinite max as in exp(x - max)")
+        else:
+            lines.append(f"# exp({o.peak} - {o.shift}): the program subtracts {o.shift}, not the max")
+        lines.append(f"{o.total} = tl.sum(acc_{o.total} * fusec_exp_shift(acc_{o.peak}, {o.peak}), 1)"
+                     f"[:, None] * fusec_exp({o.peak} - {o.shift})  # {producers[o.total][1].origin}")
+    return lines
 
 
 def reduce_line(r, reduce_block) -> str:

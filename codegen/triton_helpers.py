@@ -69,6 +69,15 @@ def fusec_exp(x):
 
 
 @triton.jit
+def fusec_exp_shift(x, m):
+    # exp(x - m) for x <= m, as the online softmax rescales its sums (see the note in
+    # codegen/triton.py). x == m gives exp(0) = 1 even when both are infinite, where x - m would
+    # be inf - inf = NaN: a lane that has seen only -inf counts its values, and a row's +inf max
+    # counts once. A NaN still gives NaN.
+    return fusec_exp(tl.where(x == m, 0.0, x - m))
+
+
+@triton.jit
 def fusec_sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 

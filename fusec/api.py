@@ -8,8 +8,10 @@ a new signature compiles a new one.
 """
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
+import operator
 import os
 import sys
 import warnings
@@ -31,7 +33,7 @@ import fusec.codegen.lower  # noqa: E402,F401
 import fusec.passes  # noqa: E402,F401
 import fusec.runtime  # noqa: E402,F401
 
-BACKENDS = ("auto", "triton", "cpp")
+BACKENDS = ("auto", "triton", "cpp", "llvm")
 
 
 @dataclass
@@ -92,14 +94,32 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in BACKENDS:
         raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "cpp"
-    if backend == "cpp" and device.type != "cpu":
-        raise DeviceError(f"fusec: backend 'cpp' runs on CPU tensors, but the inputs are on "
+        backend = "triton" if device.type == "cuda" else _cpu_backend()
+    if backend in ("cpp", "llvm") and device.type != "cpu":
+        raise DeviceError(f"fusec: backend {backend!r} runs on CPU tensors, but the inputs are on "
                           f"{device}; use backend='triton' or move the inputs to the CPU")
     if backend == "triton" and device.type not in ("cuda", "cpu"):
         raise DeviceError(f"fusec: backend 'triton' runs on CUDA tensors (or on CPU tensors under "
                           f"TRITON_INTERPRET=1), not on {device}")
     return backend
+
+
+def _cpu_backend() -> str:
+    """backend="auto" on CPU: the C++/OpenMP backend when a C++ compiler exists, else the LLVM
+    backend, which needs none (said once, so the user knows why)."""
+    from fusec.codegen import cpp
+    if cpp.available():
+        return "cpp"
+    global _SAID_LLVM
+    if not _SAID_LLVM:
+        _SAID_LLVM = True
+        import warnings
+        warnings.warn("fusec: no C++ compiler found (see $CXX/$CC); backend='auto' uses the "
+                      "LLVM backend (llvmlite) for CPU tensors", stacklevel=4)
+    return "llvm"
+
+
+_SAID_LLVM = False
 
 
 def compile_graph(captured: frontend.Captured, backend: str, record: bool = False,
@@ -143,6 +163,122 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     return compiled
 
 
+class _Miss:
+    """What a fast path returns when the call is not the one it was made for."""
+
+    def __repr__(self) -> str:
+        return "MISS"
+
+
+_MISS = _Miss()
+
+
+def _no_fast_path(args: tuple) -> _Miss:
+    """The fast path before the first call (and after a call that cannot take one)."""
+    return _MISS
+
+
+def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, module) -> Callable:
+    """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
+
+    A guard in the sense of TorchDynamo's, written out as straight-line Python and compiled, so
+    that checking costs a handful of attribute reads per tensor. For `f(x)` with x a (1024,)
+    float32 CPU tensor:
+
+        def fast(args):
+            if len(args) != 1:
+                return MISS
+            a0, = args
+            if (type(a0) is not Tensor or a0.shape != (1024,) or a0.stride() != (1,)
+                    or a0.dtype is not float32 or not a0.is_cpu or a0.requires_grad):
+                return MISS
+            return run(args)
+
+    A module's parameters and buffers are read where they live (an optimizer may replace them)
+    and checked the same way, and so is `module.training`. When some tensor requires grad, the
+    program is an inference one: it runs only while grad mode is off.
+    """
+    glob = {"MISS": _MISS, "Tensor": torch.Tensor, "run": run,
+            "is_grad_enabled": torch.is_grad_enabled}
+    n_args = len(tensors) - n_static
+    args = [f"a{i}" for i in range(n_args)]
+    lines = [f"if len(args) != {n_args}:", "    return MISS"]
+    if args:
+        lines.append(f"{', '.join(args)}{',' if n_args == 1 else ''} = args")
+    if module is not None:
+        glob["module"] = module
+        lines += [f"if module.training is not {module.training}:", "    return MISS"]
+    state = [f"p{i}" for i in range(n_static)]
+    for i, (owner, name, is_param) in enumerate(state_refs):
+        glob[f"owner{i}"] = owner
+        table = "_parameters" if is_param else "_buffers"
+        lines.append(f"p{i} = owner{i}.{table}[{name!r}]")
+    for var, t in zip(state + args, tensors):
+        dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
+        glob[dtype], glob[device] = t.dtype, t.device
+        checks = ([f"type({var}) is not Tensor"] if var.startswith("a") else []) + [
+            f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}",
+            f"{var}.dtype is not {dtype}",
+            # is_cpu reads a flag; .device builds a torch.device to compare
+            f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
+            f"{'not ' if t.requires_grad else ''}{var}.requires_grad"]
+        rows = [" or ".join(checks[i:i + 3]) for i in range(0, len(checks), 3)]
+        lines += [f"if ({rows[0]}", *[f"        or {row}" for row in rows[1:-1]],
+                  f"        or {rows[-1]}):", "    return MISS"]
+    if any(t.requires_grad for t in tensors):
+        lines += ["if is_grad_enabled():  # an inference program: training takes `_call`",
+                  "    return MISS"]
+    everything = "args" if not state else f"[{', '.join(state + args)}]"
+    lines.append(f"return run({everything})")
+    source = "def fast(args):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(builtins.compile(source, "<fusec fast path>", "exec"), glob)  # (fusec's compile is ours)
+    fast = glob["fast"]
+    fast.source, fast.run = source, run
+    return fast
+
+
+def _complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
+    """A program's output list, completed with the outputs that are not tensors it computes:
+    constants (None, a number) and inputs returned as they are."""
+    for k, value in sorted(compiled.captured.output_constants.items()):
+        flat_out.insert(k, value)
+    for k, i in compiled.captured.output_aliases.items():
+        flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself
+    return flat_out
+
+
+def _output_form(spec) -> str | None:
+    """"single", "tuple" or "list" when the user's outputs are one tensor or a flat tuple or
+    list of them (the forms a straight-line function returns itself); None for anything else."""
+    n = spec.num_leaves
+    forms = {"single": pytree.tree_structure(0), "tuple": pytree.tree_structure((0,) * n),
+             "list": pytree.tree_structure([0] * n)}
+    return next((name for name, simple in forms.items() if spec == simple), None)
+
+
+def _packer(spec) -> Callable:
+    """flat outputs -> the user's structure, cheaply for the simple forms."""
+    form = _output_form(spec)
+    if form == "single":
+        return operator.itemgetter(0)
+    if form is not None:
+        return tuple if form == "tuple" else list
+    return lambda flat: pytree.tree_unflatten(flat, spec)
+
+
+def _direct_runner(program, captured: frontend.Captured) -> Callable:
+    """`run(tensors)` -> the user's outputs: the program's straight-line function, told to
+    return the outputs in the user's structure when it is a tensor, a flat tuple or a flat list
+    (else the structure is rebuilt by pytree after it)."""
+    spec = captured.out_spec
+    form = _output_form(spec)
+    program.prepare()
+    run = program.runner(captured.output_aliases, captured.output_constants, form or "list")
+    if form is not None:
+        return run
+    return lambda tensors: pytree.tree_unflatten(run(tensors), spec)
+
+
 def _signature(leaves: list, grad: bool) -> tuple:
     key = [grad]
     for leaf in leaves:
@@ -170,6 +306,9 @@ class CompiledFunction:
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         # where each parameter and buffer lives, so a call reads them without walking the module
         self._state_refs = _state_refs(fn) if isinstance(fn, torch.nn.Module) else []
+        self._module = fn if isinstance(fn, torch.nn.Module) else None
+        self._fast: Callable = _no_fast_path  # see __call__
+        self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
         functools.update_wrapper(self, fn, updated=())
 
     # -- public ---------------------------------------------------------------------------------
@@ -194,34 +333,70 @@ class CompiledFunction:
         return self.last.source()
 
     def __call__(self, *args, **kwargs):
+        """Note: the fast path. Most calls pass the same kind of tensors as the call before. For
+        those, `self._fast` is a small generated function: it checks the arguments against the
+        last signature (`fast.source` shows how) and, if they match, runs the program's
+        straight-line function (fusec/runtime.py), which returns the user's outputs itself.
+        Anything else (keyword arguments, non-tensor or nested arguments, a new signature,
+        training, check=True) takes the general path, `_call`, which compiles when needed and
+        prepares `self._fast` for the next call like this one."""
+        if not kwargs and not self.check:
+            out = self._fast(args)
+            if out is not _MISS:
+                return out
+        return self._call(args, kwargs)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _call(self, args: tuple, kwargs: dict):
+        """The general path: flatten the arguments, pick (or compile) the signature's program,
+        train if gradients are needed, run, check, rebuild the outputs' structure."""
+        self._fast = _no_fast_path  # set again below when this call can take the fast path
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
-        if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
-            leaves = list(args)  # the common call: positional tensors, already flat
-        else:
-            leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
+        plain = not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor)
+                                   for a in args)
+        if plain:
+            leaves, structure = list(args), ()  # the common call: positional tensors, flat
+        else:  # where each leaf sits is part of the signature: {"a": x, "b": y} is not {"b": ...}
+            leaves, names, _ = frontend.flatten_call(self.fn, args, kwargs)
+            structure = (tuple(names),)
         lifted = self._state()
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
         if needs_grad:
             return self._train(args, kwargs)
-        key = _signature([*lifted, *leaves], module.training if module is not None else False)
+        key = _signature([*lifted, *leaves],
+                         module.training if module is not None else False) + structure
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self._compile(args, kwargs, leaves)
             self.compiled[key] = compiled
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
-        flat_out = self._run(compiled, tensors, len(lifted))
-        for k, value in sorted(compiled.captured.output_constants.items()):
-            flat_out.insert(k, value)
-        for k, i in compiled.captured.output_aliases.items():
-            flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself
+        flat_out = _complete(compiled, self._run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             from .check import check_outputs
             check_outputs(self, compiled, args, kwargs, flat_out)
+        elif plain and all(type(a) is torch.Tensor for a in args):
+            self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
-    # -- internals ------------------------------------------------------------------------------
+    def _fast_path(self, key: tuple, compiled: "CompiledGraph", tensors: list,
+                   n_args: int) -> Callable:
+        """The fast path for calls like this one (`n_args` positional plain tensors after the
+        module's state, all as in `tensors`): a guard, written out as Python, then the run."""
+        captured, n_static = compiled.captured, len(tensors) - n_args
+        if compiled.graph_blocker is None:  # CUDA graphs may replay it: the same `_run` as `_call`
+            pack = _packer(captured.out_spec)
+
+            def run(tensors):
+                tensors = list(tensors)
+                return pack(_complete(compiled, self._run(compiled, tensors, n_static), tensors))
+        else:  # steps run directly: the straight-line function returns the user's outputs itself
+            run = _direct_runner(compiled.program, captured)
+        self._fast_paths[key] = fast = _guarded(run, tensors, n_static, self._state_refs,
+                                                self._module)
+        return fast
+
     def _run(self, compiled: "CompiledGraph", tensors: list, n_static: int) -> list:
         """Run step by step, or, on CUDA, replay the whole program as one CUDA graph: the first
         call runs normally (it compiles and warms up), the second captures, later ones replay."""

@@ -197,6 +197,24 @@ class Reduce:
     round_to: torch.dtype | None = None  # a half-precision result is rounded, as eager's is
 
 
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """A sum of exp(v - c) over k (`total`) whose shift c is the amax of the same v over the same
+    row one phase earlier (`peak`): softmax's and log_softmax's denominator, logsumexp's sum.
+
+    `shift` names c: the amax itself, or logsumexp's where(|max| == inf, 0, max). A looped
+    kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
+    Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
+    rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
+    (codegen/lower.py, online_softmax); a backend decides whether to use them.
+    """
+
+    total: str  # the sum Reduce's var
+    peak: str  # the amax Reduce's var
+    value: str  # v, the element value the amax reduces
+    shift: str  # c, the row value subtracted from v before exp
+
+
 @dataclass
 class ReductionKernel:
     """Reduce over (rows, k): every load/store index has len(row_shape) + len(k_shape) strides.
@@ -217,6 +235,7 @@ class ReductionKernel:
     varying: set[str] = field(default_factory=set)
     level: dict = field(default_factory=dict)
     ops: list[str] = field(default_factory=list)
+    online: list[OnlineSoftmax] = field(default_factory=list)  # sums a pass can share with a max
 
     @property
     def rows(self) -> int:
@@ -229,6 +248,25 @@ class ReductionKernel:
     @property
     def numel(self) -> int:
         return self.rows * self.k
+
+    def values_needed(self, targets, given=(), only_varying: bool = True) -> list[str]:
+        """The loads and statements that computing `targets` needs, in program order: what a
+        loop over k must (re)compute. The walk goes back through operands and stops at
+        reductions, at `given` values (already at hand), and, with only_varying, at row values
+        (those are computed once per row, outside the loops)."""
+        producers = {l.var.name: l for l in self.loads}
+        producers.update((item.var.name, item) for item in self.body)
+        need: set[str] = set()
+        stack = list(targets)
+        while stack:
+            name = stack.pop()
+            if name in need or (only_varying and name not in self.varying):
+                continue
+            need.add(name)
+            item = producers.get(name)
+            if isinstance(item, Stmt) and name not in given:
+                stack += [o.name for o in item.operands if isinstance(o, Var)]
+        return [n for n in producers if n in need]
 
     @property
     def phases(self) -> int:

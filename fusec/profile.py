@@ -198,8 +198,15 @@ def profiled_steps(program, schedule=None) -> list:
     return out
 
 
-def run_steps(program, steps: list, inputs: list[torch.Tensor]) -> list:
-    """Program.__call__ over `steps`, returning the whole slot environment."""
+def run_steps(program, steps: list, inputs: list[torch.Tensor], keep: bool = False) -> list:
+    """Program.__call__ over `steps`, returning the whole slot environment.
+
+    Intermediate buffers share pooled memory (passes/schedule.py): once a buffer's last reader
+    has run, a later step may write over its bytes. With `keep=True` each kernel's outputs are
+    copied out of the pool as soon as the kernel has run, so that every slot of the returned
+    environment still holds the value it had when it was made (what a per-kernel numerics check
+    must compare); without it, only the program's outputs are sure to be intact.
+    """
     env: list = [None] * program.n_slots
     for slot, t in zip(program.input_slots, inputs):
         env[slot] = t
@@ -207,6 +214,9 @@ def run_steps(program, steps: list, inputs: list[torch.Tensor]) -> list:
         env[slot] = t
     for step in steps:
         step(env)
+        if keep and isinstance(step, KernelStep):
+            for buf in step.writes:
+                env[buf.slot] = env[buf.slot].clone()
     return env
 
 
@@ -611,7 +621,7 @@ def _numerics(cg: CompiledGraph, tensors: list[torch.Tensor]) -> dict[str, tuple
     from .check import compare
     gm = cg.gm
     with torch.no_grad():
-        env = run_steps(cg.program, cg.program.steps, tensors)
+        env = run_steps(cg.program, cg.program.steps, tensors, keep=True)
     slots = value_slots(cg)
     by_kernel = {k.name: k for k in cg.kernels}
     cache: dict = {}

@@ -391,13 +391,11 @@ def test_random_ops_keep_their_order_in_the_graph():
 
 
 
-def test_random_ops_draw_like_eager(target, request):
+def test_random_ops_draw_like_eager(target):
+    """After the same manual_seed the compiled program draws the same numbers as eager: it calls
+    the same ATen random ops, in the same order, on the same generator. (On CUDA this once
+    failed on an H100 for a reason not found; on the H200 run of docs/gpu.md it passes.)"""
     backend, device = target
-    if device == "cuda":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "on CUDA (H100, torch 2.11) the compiled program draws other random numbers than "
-            "eager after the same manual_seed, although it calls the same ops in the same order "
-            "and is not replayed as a CUDA graph; cause not found yet (the CPU matches)")))
     x = torch.randn(4, device=device)
     compiled = fusec.compile(random_ops_around_a_group, backend=backend)
     compiled(x)
@@ -405,5 +403,7 @@ def test_random_ops_draw_like_eager(target, request):
     got = compiled(x)
     torch.manual_seed(7)
     want = random_ops_around_a_group(x)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    # the same draws: the indices exactly; a * r up to sigmoid's rounding (a vectorized exp, as
+    # the LLVM backend's, may round differently from eager's in the last bit)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)

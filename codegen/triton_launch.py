@@ -1,0 +1,52 @@
+"""Launching a generated Triton kernel cheaply, call after call.
+
+`kernel[grid](x, out, 4096, BLOCK_SIZE=1024)` goes through Triton's JIT every time: it binds
+the arguments, works out their specialization (is each pointer 16-byte aligned? is each integer
+1, or a multiple of 16?), hashes that into a cache key and looks the compiled kernel up. That is
+tens of microseconds of Python per launch, longer than a small kernel runs on the GPU.
+
+A fusec program was compiled for one input signature, so after the first launch nothing the JIT
+checks can change, except one thing: pointer alignment, because a tensor of the same shape and
+strides can start anywhere in its storage. So TritonLauncher
+
+1. launches the first time through the module's `launch(...)`, which returns the compiled
+   kernel (Triton's `CompiledKernel`), and remembers which pointers were 16-byte aligned;
+2. from then on calls the module's `bind(compiled)`: the compiled kernel with its grid fixed
+   (`compiled[grid]`), given all its arguments in order, which is Triton's own launcher minus
+   the JIT's work,
+3. unless a pointer that was aligned at the first launch is not aligned now: the kernel was
+   specialized for aligned loads, so that call goes through the JIT again (it compiles or finds
+   the unaligned version).
+
+Under TRITON_INTERPRET=1 there is no compiled kernel (launch returns None) and every call takes
+the JIT path, which is how the tests on a CPU run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ALIGNMENT = 16  # bytes: what Triton specializes pointer arguments on
+
+
+class TritonLauncher:
+    def __init__(self, module, path: Path, name: str, n_params: int):
+        self.module = module
+        self.lib, self.name, self.n_params = path, name, n_params  # for the printed wrapper
+        self.fast = None
+        self.aligned: tuple[bool, ...] = ()
+
+    def __call__(self, *tensors) -> None:
+        fast = self.fast
+        if fast is not None:
+            for t, was in zip(tensors, self.aligned):
+                if was and t.data_ptr() % ALIGNMENT:
+                    break  # specialized for an aligned pointer: let the JIT pick the right kernel
+            else:
+                fast(*tensors)
+                return
+            self.module.launch(*tensors)
+            return
+        compiled = self.module.launch(*tensors)
+        if compiled is not None and hasattr(compiled, "run") and hasattr(self.module, "bind"):
+            self.aligned = tuple(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+            self.fast = self.module.bind(compiled)
