@@ -52,7 +52,7 @@ import torch
 from fusec import cache, ops
 from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var
 
-from .cpp import CHUNK, PARALLEL_THRESHOLD, sum_block, summary
+from .cpp import CHUNK, PARALLEL_THRESHOLD, stash_choice, sum_block, summary
 from .render import render_template
 
 # ---- types -------------------------------------------------------------------------------------
@@ -429,7 +429,9 @@ def render(kernel) -> str:
 def _finish(template: str, lines: list[str], **context) -> str:
     helper_text, defined = prelude(lines)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
-    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined))
+    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined),
+                   parallel_entry=render_template("llvm_parallel.ll.j2", name=context["name"],
+                                                  n=len(context["params"])))
     return render_template(template, **context)
 
 
@@ -532,12 +534,24 @@ def render_reduction(kernel) -> str:
 
     closure = kernel.values_needed
 
-    def emit_elements(e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str):
-        """Recompute element values inside the loop of section `sid`."""
+    def out_index(e: Emitter, n: int, q: list[str]) -> str:
+        """The element index of store number n at k coordinates q."""
+        s = kernel.stores[n]
+        b = base(s.index, f"out{n}")
+        kidx = index_sum(e, list(zip(q, s.index.strides[n_rows:])), 0, f"out{n}.k")
+        return kidx if b == "0" else (b if kidx == "0" else e.emit(f"add nsw i64 {b}, {kidx}", f"out{n}.idx"))
+
+    def emit_elements(e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str,
+                      given: dict[str, int] | None = None):
+        """Recompute element values inside the loop of section `sid`; a value in `given` is read
+        back from the output (store number) where the last phase kept it (see stash_choice)."""
         q = coords(e, k, kernel.k_shape, f"{sid}.q") if len(kernel.k_shape) > 1 else [k]
         for name in names:
             item = producers[name]
-            if isinstance(item, Stmt):
+            if given and name in given:
+                s = kernel.stores[given[name]]
+                emit_load(e, s.param, s.dtype, out_index(e, given[name], q), item.var, local)
+            elif isinstance(item, Stmt):
                 emit_stmt(e, item, local)
             else:
                 b = base(item.index, name)
@@ -562,6 +576,7 @@ def render_reduction(kernel) -> str:
 
     sections, all_lines = [], []
     k = kernel.k
+    stash = stash_choice(kernel)  # a costly element value the last phase keeps in the output
     for phase in range(kernel.phases):
         sid = f"phase{phase}"
         reds = [Accumulator(r) for r in reduces if r.phase == phase]
@@ -573,7 +588,15 @@ def render_reduction(kernel) -> str:
         kvar = f"%{sid}.k"
         finals: dict[str, dict[str, str]] = {}
         if k:
-            emit_elements(body, closure({a.r.operand.name for a in reds}), local, kvar, sid)
+            q = emit_elements(body, closure({a.r.operand.name for a in reds}), local, kvar, sid)
+            if stash and phase == kernel.phases - 1:  # keep it where the last pass reads it
+                s = kernel.stores[stash[1]]
+                final = all((st.var.name, n) == stash or st.var.name not in kernel.varying
+                            for n, st in enumerate(kernel.stores))
+                body.lines.append(f"; {stash[0]}: " + ("the output, stored once: no last pass"
+                                                       if final else "kept for the last pass"))
+                emit_store(body, s.param, s.dtype, out_index(body, stash[1], q),
+                           producers[stash[0]].var, local)
             for a in reds:
                 x = local[a.r.operand.name]
                 x = convert(body, x, a.r.operand.dtype, a.dtype, a.name)
@@ -629,19 +652,23 @@ def render_reduction(kernel) -> str:
         all_lines += body.lines + after.lines + phis.lines
 
     row_stores = Emitter(counter)
-    elem = [s for s in kernel.stores if s.var.name in kernel.varying]
+    # element stores; the stashed value, if it is itself the output, is already stored
+    elem = [n for n, s in enumerate(kernel.stores)
+            if s.var.name in kernel.varying and stash != (s.var.name, n)]
     if elem and k:
         sid = "store"
         body = Emitter(counter, suffix="." + sid)
         local = dict(values)
-        q = emit_elements(body, closure({s.var.name for s in elem}), local, f"%{sid}.k", sid)
-        for n, s in enumerate(kernel.stores):
-            if s.var.name in kernel.varying:
-                b = base(s.index, f"out{n}")
-                kidx = index_sum(body, list(zip(q, s.index.strides[n_rows:])), 0, f"out{n}.k")
-                idx = kidx if b == "0" else (b if kidx == "0" else body.emit(f"add nsw i64 {b}, {kidx}", f"out{n}.idx"))
-                emit_store(body, s.param, s.dtype, idx, s.var, local)
-        sections.append(dict(id=sid, comment="last pass: element values, stored", before=[],
+        given = {stash[0]: stash[1]} if stash else None
+        targets = {kernel.stores[n].var.name for n in elem}
+        q = emit_elements(body, closure(targets, set(given or ())), local, f"%{sid}.k", sid, given)
+        for n in elem:
+            s = kernel.stores[n]
+            emit_store(body, s.param, s.dtype, out_index(body, n, q), s.var, local)
+        comment = "last pass: element values, stored"
+        if stash:
+            comment += f" ({stash[0]} read back from where the last phase kept it)"
+        sections.append(dict(id=sid, comment=comment, before=[],
                              phis=[], body=body.lines, after=[], kblock=0, block_phis=[],
                              block_after=[], loop=True))
         all_lines += body.lines
@@ -768,6 +795,26 @@ def build(source: str, name: str) -> Path:
 
 # ---- loading and launching -----------------------------------------------------------------------
 
+# Note (threads): a parallel kernel is launched on OpenMP's threads, the same ones torch's own
+# CPU ops and the C++ backend's kernels use: `GOMP_parallel(fn, frame, n, 0)` from the libgomp
+# that torch already loaded, with fn the kernel's `.omp` entry (llvm_parallel.ll.j2). Those
+# threads spin a while between parallel regions, so a launch costs about a microsecond. A pool of
+# Python threads (the fallback, where no libgomp is found) must wake a sleeping thread per
+# launch, tens of microseconds in a VM: enough to cancel the second core on a 0.2 ms softmax.
+
+@functools.lru_cache(maxsize=None)
+def gomp_parallel():
+    """libgomp's GOMP_parallel as a ctypes function (it releases the GIL), or None."""
+    try:
+        lib = ctypes.CDLL("libgomp.so.1")  # the one torch loaded (same soname: the same library)
+        fn = lib.GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    fn.restype = None
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(threads() - 1, 1), thread_name_prefix="fusec-llvm")
@@ -782,7 +829,7 @@ def threads() -> int:
 
 
 class LlvmLauncher:
-    """Calls a JIT-compiled kernel: one call over all its work, or one range per thread."""
+    """Calls a JIT-compiled kernel: one call over all its work, or split across threads."""
 
     def __init__(self, lib: Path, name: str, n_params: int):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
@@ -800,17 +847,29 @@ class LlvmLauncher:
         proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_params, ctypes.c_int64,
                                  ctypes.c_int64)
         self.fn = proto(address)
+        self.omp_entry = self.engine.get_function_address(f"{name}.omp")
+        self.frame_type = ctypes.c_int64 * (3 + n_params)
         self.work = ctypes.c_int64.from_address(self.engine.get_global_value_address(f"{name}.tiles")).value
-        parallel = ctypes.c_bool.from_address(
+        self.parallel = ctypes.c_bool.from_address(
             self.engine.get_global_value_address(f"{name}.parallel")).value
-        self.parts = min(threads(), self.work) if parallel else 1
+
+    def parts(self) -> int:
+        """How many threads this launch uses: torch's intra-op thread count (torch.set_num_threads
+        applies, as it does to the C++ backend's OpenMP), at most one per unit of work."""
+        return min(torch.get_num_threads(), self.work) if self.parallel else 1
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         ptrs = [t.data_ptr() for t in tensors]
-        if self.parts <= 1:
+        parts = self.parts()
+        if parts <= 1:
             self.fn(*ptrs, 0, self.work)
             return
-        step = -(-self.work // self.parts)
+        gomp = gomp_parallel()
+        if gomp is not None and self.omp_entry:
+            frame = self.frame_type(0, parts, self.work, *ptrs)
+            gomp(self.omp_entry, ctypes.addressof(frame), parts, 0)
+            return
+        step = -(-self.work // parts)
         ranges = [(lo, min(lo + step, self.work)) for lo in range(0, self.work, step)]
         futures = [_pool().submit(self.fn, *ptrs, lo, hi) for lo, hi in ranges[1:]]
         self.fn(*ptrs, *ranges[0])  # this thread takes the first range itself

@@ -409,6 +409,11 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                     if info.get("kind") == "reduction":
                         why = f"a reduction with its prologue/epilogue ops over {shape}"
                     details.append(f"{k}: {', '.join(members)}  ({why})")
+            if snap.after == "unfuse_bias" and gm.meta.get("fusec_unfuse_bias"):
+                done = gm.meta["fusec_unfuse_bias"]
+                parts.append(f"unfused {len(done)} linear bias(es)")
+                details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
+                            for addmm, mm, add in done]
             if snap.after == "schedule":
                 steps = gm.meta.get("fusec_schedule", [])
                 nk = sum(1 for s in steps if s.kind == "kernel")

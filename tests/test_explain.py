@@ -66,7 +66,7 @@ def test_captured_graph_is_readable():
 def test_what_each_pass_changed():
     e = explain_fallbacks()
     passes = {p["after"]: p for p in e.to_dict()["passes"]}
-    assert list(passes)[:4] == ["capture", "dce", "cse", "fuse_pointwise"]
+    assert list(passes)[:5] == ["capture", "dce", "cse", "unfuse_bias", "fuse_pointwise"]
     assert "ATen op(s)" in passes["capture"]["summary"]
     assert passes["dce"]["summary"] == "removed 1 node(s)"
     assert "cos" in passes["dce"]["details"][0]
@@ -186,7 +186,7 @@ def test_explain_a_compiled_module():
     e = fusec.explain(m, torch.randn(4, 8))
     d = e.to_dict()
     assert d["backend"] == "cpp"
-    assert [f["op"] for f in d["fallbacks"]] == ["aten.addmm.default"]
+    assert [f["op"] for f in d["fallbacks"]] == ["aten.mm.default"]  # its bias: in the kernel
     # a module's lines come from its forward, not from torch.nn
     assert all("test_explain.py" in g["lines"][0] for g in d["groups"])
 

@@ -59,7 +59,7 @@ def test_threads_split_pointwise_work():
     cf = assert_matches(lambda x: torch.cos(x) + x, x, backend="llvm")
     assert "@fused_cos_add_0.parallel = constant i1 true" in cf.kernels[0].source
     launcher = cf.last.kernels[0].launcher
-    assert launcher.parts == min(llvm.threads(), launcher.work)
+    assert launcher.parts() == min(torch.get_num_threads(), launcher.work)
     y = torch.randn(513, 257).t()  # transposed: tiles over rows of a strided walk
     assert_matches(lambda y: torch.relu(y) * 3, y, backend="llvm")
 
@@ -68,6 +68,37 @@ def test_threads_split_reduction_rows():
     x = torch.randn(999, 130)
     cf = assert_matches(lambda x: torch.softmax(x, -1), x, backend="llvm", kernels=1)
     assert "parallel = constant i1 true" in cf.kernels[0].source
+
+
+def test_parallel_launches_use_openmp_threads():
+    """torch's libgomp is in the process: parallel launches go through GOMP_parallel and the
+    kernel's `.omp` entry (see the note on threads in codegen/llvm.py)."""
+    assert llvm.gomp_parallel() is not None
+    cf = assert_matches(lambda x: torch.exp(x) * 2, torch.randn(1 << 18), backend="llvm")
+    assert "define void @fused_exp_mul_0.omp(ptr %frame)" in cf.kernels[0].source
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "thread_pool"])
+def test_any_number_of_parts_covers_the_work_once(parts, openmp, monkeypatch):
+    """Parts are claimed with an atomic counter: more parts than threads, or an uneven split,
+    still computes every tile (or row) exactly once; so does the fallback thread pool."""
+    if not openmp:
+        monkeypatch.setattr(llvm, "gomp_parallel", lambda: None)
+    monkeypatch.setattr(llvm.LlvmLauncher, "parts", lambda self: min(parts, self.work))
+    x = torch.randn(1000, 301)
+    assert_matches(lambda x: torch.sin(x) + 1, x, backend="llvm")
+    assert_matches(lambda x: torch.softmax(x, -1), x, backend="llvm", kernels=1)
+
+
+def test_one_thread_when_torch_uses_one():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cf = assert_matches(lambda x: torch.cos(x) + x, torch.randn(300007), backend="llvm")
+        assert cf.last.kernels[0].launcher.parts() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_long_float_sums_are_blocked():
