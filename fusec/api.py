@@ -70,7 +70,10 @@ class CompiledGraph:
         from fusec.passes.schedule import format_schedule
         text = format_schedule(self.gm.meta["fusec_schedule"])
         memory = self.gm.meta.get("fusec_memory")
-        return text + ("\n" + str(memory) if memory is not None else "")
+        text += ("\n" + str(memory) if memory is not None else "")
+        for out, over in self.gm.meta.get("fusec_inplace", {}).items():
+            text += f"\n  {out:<24} written over {over} (its last use): no buffer of its own"
+        return text
 
     def source(self) -> str:
         parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
@@ -155,6 +158,12 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         launcher = codegen.load(ir, source)
         kernels[node.target] = Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
+    # no place in the pool, so the pool is planned again without them
+    from fusec.passes.schedule import plan_inplace, plan_memory
+    gm.meta["fusec_inplace"] = inplace = plan_inplace(gm, kernels, backend)
+    if inplace:
+        gm.meta["fusec_memory"] = plan_memory(gm, gm.meta["fusec_schedule"], skip=set(inplace))
     program = build_program(gm, kernels)
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
     from fusec.runtime import graph_blocker

@@ -213,10 +213,18 @@ def run_steps(program, steps: list, inputs: list[torch.Tensor], keep: bool = Fal
     for slot, t in program.constants:
         env[slot] = t
     for step in steps:
+        saved = {}
+        if keep and isinstance(step, KernelStep):  # an input written over stays intact too
+            for buf in step.writes:
+                if buf.inplace is not None:
+                    saved[buf.inplace] = env[buf.inplace]
+                    env[buf.inplace] = env[buf.inplace].clone()
         step(env)
         if keep and isinstance(step, KernelStep):
             for buf in step.writes:
                 env[buf.slot] = env[buf.slot].clone()
+            for slot, t in saved.items():
+                env[slot] = t
     return env
 
 

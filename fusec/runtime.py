@@ -39,6 +39,7 @@ class OutputBuffer:
     dtype: torch.dtype
     offset: int | None = None  # bytes into the program's pool (memory plan), or None: allocate
     nbytes: int = 0
+    inplace: int | None = None  # the slot whose buffer this output is written over, if any
 
 
 class KernelStep:
@@ -61,6 +62,9 @@ class KernelStep:
         outs = []
         for w in self.writes:
             t = self.planned.get(w.slot)
+            if w.inplace is not None:  # the input's memory, seen with this output's shape
+                src = env[w.inplace]
+                t = src.as_strided(w.shape, w.stride, src.storage_offset())
             if t is None:
                 t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
             env[w.slot] = t
@@ -210,6 +214,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
     memory = gm.meta.get("fusec_memory")
+    inplace = gm.meta.get("fusec_inplace", {})  # passes/schedule.py: plan_inplace
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
@@ -238,7 +243,8 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
                     placed = memory.placements.get(p.name) if memory else None
                     writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype,
                                                placed.offset if placed else None,
-                                               placed.nbytes if placed else 0))
+                                               placed.nbytes if placed else 0,
+                                               slot(inplace[p.name]) if p.name in inplace else None))
                     producers[slot(p.name)] = kernel
             device = node.meta["fusec_group"]["device"]
             # launch unless every output is empty (a reduction over an empty dim still writes
@@ -409,7 +415,13 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
     """Outputs (fresh, or the program's pool views), then the launch."""
     for buf in step.writes:
         view = step.planned.get(buf.slot)
-        if view is not None:  # carved out of the pool once: the same memory on every call
+        if buf.inplace is not None:  # written over an input read here for the last time
+            source = w.names[buf.inplace]
+            w.line(f"{w.define(buf.slot)} = {source}.as_strided({buf.shape}, {buf.stride}, "
+                   f"{source}.storage_offset())",
+                   f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
+                   f"its last use")
+        elif view is not None:  # carved out of the pool once: the same memory on every call
             w.names[buf.slot] = w.bind(view, w.value_name(buf.slot))
             w.line(f"# {w.names[buf.slot]}: a view of the pool, bytes [{buf.offset}, "
                    f"{buf.offset + buf.nbytes})")
@@ -687,7 +699,11 @@ def python_wrapper(program: Program) -> str:
         if isinstance(step, KernelStep):
             for w in step.writes:
                 n = names[w.slot]
-                if w.offset is not None:
+                if w.inplace is not None:
+                    src = names[w.inplace]
+                    lines.append(f"    {n} = {src}.as_strided({w.shape}, {w.stride}, "
+                                 f"{src}.storage_offset())  # written over {src}: its last use")
+                elif w.offset is not None:
                     lines.append(f"    {n} = pool[{w.offset}:{w.offset + w.nbytes}].view({w.dtype})"
                                  f".as_strided({w.shape}, {w.stride})")
                 else:
