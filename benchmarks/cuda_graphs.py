@@ -2,14 +2,17 @@
 
     python benchmarks/cuda_graphs.py [--json out.json] [--only gelu_mlp,gpt2_block]
 
-For the launch-bound model rows of benchmarks/models.py (the GELU MLP in f32, the GPT-2 block in
+For the model rows of benchmarks/models.py (the GELU MLP in f32, the GPT-2 block in f32 and
 bf16) this times, in one process: eager, torch.compile (default and mode="reduce-overhead"),
 fusec with CUDA graphs ("auto") and without (cuda_graphs=False). Each is timed two ways,
 do_bench's median (device time between events, host work hidden behind its cache flush) and
-wall-clock time per call (host work included), and its peak memory is measured as in
-benchmarks/models.py. Then one warm call of each compiled variant runs under torch.profiler, and
-the GPU kernels it launched are listed with their times: the answer to "why is it slower" is
-usually in that list (a copy in, a clone out, a different attention kernel). CUDA only.
+wall-clock time per call (host work included), and its peak memory is measured: the most
+allocated at once during one warm call, above what the inputs and weights take, counting what a
+compiled program keeps between calls (pools, CUDA-graph memory), each system in a fresh process
+after the once-per-process cuBLAS workspaces are allocated. Then one warm call of each variant
+runs under torch.profiler, and the GPU kernels it launched are listed with their times: the
+answer to "why is it slower" is usually in that list (a copy in, a clone out, a different GEMM
+kernel). CUDA only.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def workloads():
     yield "gelu_mlp f32", load_example("gelu_mlp").example(batch=64, dim=1024, device="cuda")
     gpt = load_example("gpt2_block")
     dims = dict(batch=8, seq=256, n_embd=768, n_head=12)
+    yield "gpt2_block f32", gpt.example(device="cuda", **dims)
     yield "gpt2_block bf16", gpt.example(device="cuda", dtype=torch.bfloat16, **dims)
 
 
@@ -129,6 +133,10 @@ def main(argv=None) -> int:
             for kname, us in total.most_common(14):
                 print(f"  {us:8.2f} us  {kname}")
             print(f"  {sum(total.values()):8.2f} us  total")
+    print("\nworkload | variant | do_bench ms | wall ms | peak MB | GPU activities per call")
+    for row in rows:
+        print(f"{row['workload']} | {row['variant']} | {row['do_bench_ms']:.4f} | "
+              f"{row['wall_ms']:.4f} | {row['peak_mb']:.1f} | {len(row['kernels'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

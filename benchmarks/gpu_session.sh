@@ -2,6 +2,7 @@
 # Everything fusec checks on a GPU, in one device call: install, Triton tests on CUDA (several
 # pytest processes side by side: Triton compiles are single-threaded), then both benchmarks.
 # Results land in $OUT (the device tool fetches them); docs/gpu.md records what was measured.
+# SKIP_TESTS, SKIP_POINTWISE, SKIP_MODELS, SKIP_GRAPHS leave a part out; PROFILE=1 adds a profile.
 set -uo pipefail
 OUT=${OUT:-/tmp/fusec-gpu}; mkdir -p "$OUT"
 python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log" 2>&1 || exit 1
@@ -20,7 +21,11 @@ for g in "${groups[@]}"; do
   i=$((i+1))
 done
 wait
-[ -z "${SKIP_TESTS:-}" ] && tail -n 3 "$OUT"/tests_*.log
+if [ -z "${SKIP_TESTS:-}" ]; then  # one log (the device tool returns at most 8 files)
+  tail -n 3 "$OUT"/tests_*.log; tail -n +1 "$OUT"/tests_*.log > "$OUT/tests.log"; rm "$OUT"/tests_*.log
+fi
+rm -f "$OUT/install.log"
 [ -n "${SKIP_POINTWISE:-}" ] || timeout 200 python benchmarks/pointwise.py --json "$OUT/pointwise.json" 2>&1 | tail -6
-[ -n "${SKIP_MODELS:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -16
+[ -n "${SKIP_MODELS:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -12
+[ -n "${SKIP_GRAPHS:-}" ] || timeout "${GRAPHS_TIMEOUT:-300}" python benchmarks/cuda_graphs.py --json "$OUT/cuda_graphs.json" > "$OUT/cuda_graphs.txt" 2>&1; tail -17 "$OUT/cuda_graphs.txt"
 [ -n "${PROFILE:-}" ] && timeout 150 python -m fusec.cli profile gpt2_block --device cuda --iters 5 > "$OUT/profile_gpt2.txt" 2>&1

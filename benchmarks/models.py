@@ -8,11 +8,8 @@ run), the GELU MLP 64x1024 f32, and the GPT-2 block 8x256x768 in f32 and bf16. E
 checks fusec's output against eager. Medians of triton.testing.do_bench on CUDA.
 
 On CUDA, the MLP and GPT-2 rows also time torch.compile(mode="reduce-overhead") (CUDA graphs,
-like fusec's replay) and measure each system's peak memory for one forward call: the most
-memory allocated at once during a warm call, counting what the compiled program keeps between
-calls (fusec's pool, CUDA-graph pools), above what the inputs and weights already take. cuBLAS's
-per-stream workspace for the stream fusec captures on is allocated (and reported) first: it is
-paid once per process, not per program.
+like fusec's replay). Peak memory is measured by benchmarks/cuda_graphs.py, one system per fresh
+process (in one process, CUDA-graph pools and cuBLAS workspaces of earlier rows blur it).
 """
 from __future__ import annotations
 
@@ -90,7 +87,6 @@ def peak_mb(make, inputs) -> float:
 def run(device: str, only: set | None, small: bool) -> list[dict]:
     bw = copy_bandwidth(device)
     rows = []
-    workspace = warm_capture_stream_workspace() if device == "cuda" else 0.0
     for name, ex, nbytes in workloads(device, small):
         if only and name.split()[0] not in only:
             continue
@@ -112,11 +108,6 @@ def run(device: str, only: set | None, small: bool) -> list[dict]:
                     ro(*ex.inputs)
                 row["reduce_overhead_ms"] = median_ms(ro, *ex.inputs, device=device)
                 del ro, compiled, fused
-                row["capture_stream_workspace_mb"] = workspace
-                row["peak_mb"] = {
-                    "eager": peak_mb(lambda: ex.fn, ex.inputs),
-                    "torch.compile": peak_mb(lambda: torch.compile(ex.fn), ex.inputs),
-                    "fusec": peak_mb(lambda: fusec.compile(ex.fn), ex.inputs)}
         if nbytes:
             row["floor_ms"] = nbytes / bw
         rows.append(row)
@@ -136,16 +127,10 @@ def print_table(rows, device):
               f"{ratio} | {r['fusec_kernels']} | {r['max_abs_err']:.2g}")
     extra = [r for r in rows if "reduce_overhead_ms" in r]
     if extra:
-        print("\nworkload | reduce-overhead ms | fusec ms | fusec/reduce-overhead | peak MB eager / "
-              "torch.compile / fusec")
-        print(f"(peaks exclude cuBLAS's workspace for fusec's capture stream, "
-              f"{extra[0]['capture_stream_workspace_mb']:.1f} MB once per process, allocated "
-              "before measuring)")
+        print("\nworkload | reduce-overhead ms | fusec ms | fusec/reduce-overhead")
         for r in extra:
-            p = r["peak_mb"]
             print(f"{r['workload']} | {r['reduce_overhead_ms']:.4f} | {r['fusec_ms']:.4f} | "
-                  f"{r['fusec_ms'] / r['reduce_overhead_ms']:.2f} | {p['eager']:.1f} / "
-                  f"{p['torch.compile']:.1f} / {p['fusec']:.1f}")
+                  f"{r['fusec_ms'] / r['reduce_overhead_ms']:.2f}")
 
 
 def main(argv=None) -> int:
