@@ -429,9 +429,7 @@ def render(kernel) -> str:
 def _finish(template: str, lines: list[str], **context) -> str:
     helper_text, defined = prelude(lines)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
-    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined),
-                   parallel_entry=render_template("llvm_parallel.ll.j2", name=context["name"],
-                                                  n=len(context["params"])))
+    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined))
     return render_template(template, **context)
 
 
@@ -797,8 +795,9 @@ def build(source: str, name: str) -> Path:
 
 # Note (threads): a parallel kernel is launched on OpenMP's threads, the same ones torch's own
 # CPU ops and the C++ backend's kernels use: `GOMP_parallel(fn, frame, n, 0)` from the libgomp
-# that torch already loaded, with fn the kernel's `.omp` entry (llvm_parallel.ll.j2). Those
-# threads spin a while between parallel regions, so a launch costs about a microsecond. A pool of
+# that torch already loaded, with fn a small trampoline (llvm_parallel.ll.j2) that runs parts
+# of the kernel's range on each thread. Those threads spin a while between parallel regions, so
+# a launch costs about a microsecond. A pool of
 # Python threads (the fallback, where no libgomp is found) must wake a sleeping thread per
 # launch, tens of microseconds in a VM: enough to cancel the second core on a 0.2 ms softmax.
 
@@ -813,6 +812,26 @@ def gomp_parallel():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
     fn.restype = None
     return fn
+
+
+_TRAMPOLINES: dict[int, tuple] = {}
+
+
+def omp_trampoline(n_params: int) -> int:
+    """The address of the OpenMP body (llvm_parallel.ll.j2) for kernels of n_params pointers,
+    compiled on first use and kept (with its execution engine) for the life of the process."""
+    llvm = llvm_binding()  # (takes the lock itself)
+    with _INIT:
+        if n_params not in _TRAMPOLINES:
+            name = f"fusec_omp_trampoline_{n_params}"
+            module = llvm.parse_assembly(render_template("llvm_parallel.ll.j2", name=name,
+                                                         n=n_params))
+            module.triple = triple_and_layout()[0]
+            module.verify()
+            engine = llvm.create_mcjit_compiler(module, new_target_machine())
+            engine.finalize_object()
+            _TRAMPOLINES[n_params] = (engine, engine.get_function_address(name))
+        return _TRAMPOLINES[n_params][1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -847,8 +866,8 @@ class LlvmLauncher:
         proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_params, ctypes.c_int64,
                                  ctypes.c_int64)
         self.fn = proto(address)
-        self.omp_entry = self.engine.get_function_address(f"{name}.omp")
-        self.frame_type = ctypes.c_int64 * (3 + n_params)
+        self.frame_type = ctypes.c_int64 * (4 + n_params)
+        self.address = address
         self.work = ctypes.c_int64.from_address(self.engine.get_global_value_address(f"{name}.tiles")).value
         self.parallel = ctypes.c_bool.from_address(
             self.engine.get_global_value_address(f"{name}.parallel")).value
@@ -865,9 +884,9 @@ class LlvmLauncher:
             self.fn(*ptrs, 0, self.work)
             return
         gomp = gomp_parallel()
-        if gomp is not None and self.omp_entry:
-            frame = self.frame_type(0, parts, self.work, *ptrs)
-            gomp(self.omp_entry, ctypes.addressof(frame), parts, 0)
+        if gomp is not None:
+            frame = self.frame_type(0, parts, self.work, self.address, *ptrs)
+            gomp(omp_trampoline(self.n_params), ctypes.addressof(frame), parts, 0)
             return
         step = -(-self.work // parts)
         ranges = [(lo, min(lo + step, self.work)) for lo in range(0, self.work, step)]
