@@ -69,3 +69,27 @@ def test_programs_that_write_inputs_are_not_graphed():
         cf(x)
     assert torch.equal(x, torch.full_like(x, 3.0))
     assert cf.last.graph_blocker and "in place" in cf.last.graph_blocker
+
+
+def test_several_compiled_models_alive_at_once_share_the_capture_stream():
+    """Two graphed models (matmuls in both: they share one capture stream and its cuBLAS
+    workspace), called in turns under no_grad: each replays its own graph, right every time,
+    and in-place outputs (passes/schedule.py, plan_inplace) stay per call."""
+    from fusec.demo import load_example
+    from fusec.runtime import capture_stream
+    mlp = load_example("gelu_mlp").example(batch=16, dim=64, device="cuda")
+    gpt = load_example("gpt2_block").example(batch=2, seq=16, n_embd=32, n_head=2, device="cuda")
+    a, b = fusec.compile(mlp.fn), fusec.compile(gpt.fn)
+    with torch.no_grad():
+        outs = []
+        for _ in range(4):
+            outs.append((a(*mlp.inputs), b(*gpt.inputs)))
+            torch.testing.assert_close(outs[-1][0], mlp.fn(*mlp.inputs))
+            torch.testing.assert_close(outs[-1][1], gpt.fn(*gpt.inputs))
+        assert a._compiled.last.runner is not None and b._compiled.last.runner is not None
+        assert b._compiled.last.gm.meta["fusec_inplace"]  # softmax over the scores, ...
+        first = [o.clone() for o in outs[0]]
+        a(*mlp.inputs), b(*gpt.inputs)
+        assert all(torch.equal(x, y) for x, y in zip(outs[0], first))  # not overwritten
+    from fusec import runtime
+    assert list(runtime._CAPTURE_STREAMS.values()) == [capture_stream(torch.device("cuda"))]
