@@ -31,8 +31,8 @@ NOT_RUN = {
         "installs packages (the tests already run in the installed checkout), then `fusec demo` "
         "on the full-size seed examples (tests/test_cli.py runs every example at small sizes); "
         "its second line runs this very suite",
-    ("docs/gpu.md", "bash benchmarks/gpu_session.sh          # writes tests_*.log, pointwise.json, "
-                    "models.json to $OUT"):
+    ("docs/gpu.md", "bash benchmarks/gpu_session.sh   # writes tests.log, pointwise.json, "
+                    "models.json, cuda_graphs.json/.txt to $OUT"):
         "GPU only: runs the suite with real Triton and the benchmarks on a CUDA machine",
 }
 # lines inside a run bash block that are not run, with the reason
