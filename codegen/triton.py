@@ -113,16 +113,7 @@ def render(kernel) -> str:
             terms = ["tl.zeros_like(offsets)"]
         return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
 
-    loads = []
-    for l in kernel.loads:
-        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask=mask)"
-        if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
-            value = convert(value, l.dtype, l.var.dtype)
-        loads.append(f"{l.var.name} = {value}")
-    helpers: set = set()
-    body = [_stmt(s, helpers) for s in kernel.stmts]
-    stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
-              f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
+    loads, body, stores = pointwise_lines(kernel, index, "[BLOCK_SIZE]")
     big = max([numel] + [_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) \
         >= 2 ** 31 - 1
     helpers = _helpers_in(loads + body + stores)
@@ -190,16 +181,7 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
             terms.append(f"tl.zeros({block}, tl.int32)")  # the same element in every lane
         return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
 
-    loads = []
-    for l in kernel.loads:
-        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask=mask)"
-        if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
-            value = convert(value, l.dtype, l.var.dtype)
-        loads.append(f"{l.var.name} = {value}")
-    helpers: set = set()
-    body = [_stmt(s, helpers, block) for s in kernel.stmts]
-    stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
-              f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
+    loads, body, stores = pointwise_lines(kernel, index, block)
     names = [p.name for p in kernel.params]
     along = {d: [a.param for a in [*kernel.loads, *kernel.stores] if a.index.strides[d] == 1]
              for d in (ydim, xdim)}
@@ -213,6 +195,21 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
         pid="tl.program_id(axis=0).to(tl.int64)" if big else "tl.program_id(axis=0)",
         rest=rest, why=why, num_warps=4, helpers=sorted(_helpers_in(loads + body + stores)),
         params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores)
+
+
+def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, list, list]:
+    """(loads, statements, stores) of a pointwise kernel, with `index` writing an Index as an
+    address expression: shared by the 1-D and the tiled template, which differ only there."""
+    loads = []
+    for l in kernel.loads:
+        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask=mask)"
+        if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
+            value = convert(value, l.dtype, l.var.dtype)
+        loads.append(f"{l.var.name} = {value}")
+    body = [_stmt(s, set(), block) for s in kernel.stmts]
+    stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
+              f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
+    return loads, body, stores
 
 
 def _helpers_in(lines: list[str]) -> set[str]:
