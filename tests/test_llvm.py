@@ -112,6 +112,49 @@ def test_long_float_sums_are_blocked():
     assert abs(cf(x).double() - ref) / ref < 1e-6
 
 
+def test_reduction_loops_take_one_vector_per_trip():
+    """Every loop over k carries an interleave-count hint of 1 (REDUCTION_INTERLEAVE), and the
+    vectorizer honours it: the optimized loops step by one vector, not four."""
+    x = torch.randn(64, 512)
+    cf = assert_matches(lambda x: torch.softmax(x, -1), x, backend="llvm", kernels=1)
+    src = cf.kernels[0].source
+    loops = re.findall(r"br i1 %\S+\.more, label %(\S+)\.loop, .*!llvm\.loop !(\d+)", src)
+    assert [l for l, _ in loops] == ["phase0", "phase1", "store"]
+    for _, n in loops:
+        assert f'!{n} = distinct !{{!{n}, !{{ !"llvm.loop.interleave.count", i32 1 }}}}' in src
+    opt = fusec.explain(lambda x: torch.softmax(x, -1), x, backend="llvm").optimized_ir(0)
+    steps = {int(n) for n in re.findall(r"%index\.next\d* = add nuw i64 %index\d*, (\d+)", opt)}
+    lanes = {int(n) for n in re.findall(r"load <(\d+) x float>", opt)}
+    assert steps and steps <= lanes  # one vector per trip
+
+
+def test_float_max_is_maxnum_and_a_nan_flag():
+    """amax/amin: a plain maxnum that may ignore NaN, plus a flag that remembers one went by."""
+    x = torch.randn(37, 300)
+    x[5, 7] = float("nan")
+    x[9, 299] = float("nan")
+    cf = assert_matches(lambda x: x.amax(-1), x, backend="llvm", kernels=1)
+    src = cf.kernels[0].source
+    assert "call nnan nsz float @llvm.maxnum.f32(" in src and "fcmp uno float" in src
+    assert "@llvm.maximum" not in src
+    assert_matches(lambda x: x.amin(-1), x, backend="llvm", kernels=1)
+    assert_matches(lambda x: x.amax(-1), torch.full((3, 70), float("nan")), backend="llvm")
+
+
+def test_loop_strength_reduction_is_off_only_inside_fusec():
+    """fusec turns LLVM's -disable-lsr on only while it generates code, and back off: a module
+    compiled afterwards with llvmlite directly gets the default code generator."""
+    x = torch.randn(64, 512)
+    opt = fusec.explain(lambda x: torch.softmax(x, -1), x, backend="llvm").optimized_ir(0)
+    binding = llvm.llvm_binding()
+    default = llvm.target_machine().emit_object(binding.parse_assembly(opt))
+    ours = llvm.machine_code(binding.parse_assembly(opt))
+    assert ours != default  # the switch changes this kernel's code ...
+    assert_matches(lambda x: torch.softmax(x, -1) * 2, torch.randn(33, 65), backend="llvm")
+    after = llvm.target_machine().emit_object(binding.parse_assembly(opt))
+    assert after == default  # ... and was put back
+
+
 def test_second_process_reuses_llvm_object(tmp_path):
     from test_cache import run_child
     cache_dir = tmp_path / "cache"
