@@ -781,9 +781,9 @@ def host_id() -> str:
 def optimize(source: str):
     """Parse, verify and optimize `source` with LLVM's O3 pipeline (loop and SLP vectorizers on);
     returns the optimized module. Loop unrolling is off: the vectorizer still interleaves (runs
-    several vectors per trip), and unrolling on top doubled compile time for no measured gain.
-    (Interleaving off too saved up to a third of a reduction's compile time, but its run time
-    went up 5-15% in side-by-side runs: kept on.)"""
+    several vectors per trip) where the kernel does not say otherwise, and unrolling on top
+    doubled compile time for no measured gain. (Reduction loops ask for one vector per trip:
+    REDUCTION_INTERLEAVE.)"""
     llvm = llvm_binding()
     tm = target_machine()
     module = llvm.parse_assembly(source)
