@@ -6,7 +6,7 @@
 For every workload it reports, per backend:
 * cold compile time per kernel: the build step alone (gcc -O3 ... -> .so, or llvmlite parse +
   O3 + object code), with an empty cache directory, median over the workload's kernels and
-  `--repeat` fresh caches;
+  `--repeat` fresh caches (the backends take turns, one fresh cache each per repeat);
 * run time per call (median of 5 rounds in which the two backends take turns, warm cache), and
   eager and torch.compile for reference.
 
@@ -58,29 +58,35 @@ WORKLOADS = [
 ]
 
 
-def cold_build_seconds(fn, inputs, backend: str, repeat: int) -> list[float]:
-    """Seconds each kernel's build step takes with an empty cache (one list entry per kernel
-    per repeat)."""
-    codegen = api.backend_module(backend)
-    times: list[float] = []
-    real_build = codegen.build
+def cold_build_seconds(fn, inputs, backends: tuple[str, ...], repeat: int) -> dict[str, list[float]]:
+    """Seconds each kernel's build step takes with an empty cache, per backend (one list entry
+    per kernel per repeat). The backends take turns within each repeat, as in the run-time
+    rounds: a slow spell of this shared machine then lands on both, not on one."""
+    modules = {b: api.backend_module(b) for b in backends}
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    real = {b: m.build for b, m in modules.items()}
 
-    def timed_build(source, name):
-        t = time.perf_counter()
-        try:
-            return real_build(source, name)
-        finally:
-            times.append(time.perf_counter() - t)
+    def timed(backend):
+        def build(source, name):
+            t = time.perf_counter()
+            try:
+                return real[backend](source, name)
+            finally:
+                times[backend].append(time.perf_counter() - t)
+        return build
 
     saved = os.environ.get("FUSEC_CACHE_DIR")
-    codegen.build = timed_build
+    for b, m in modules.items():
+        m.build = timed(b)
     try:
         for _ in range(repeat):
-            with tempfile.TemporaryDirectory() as d:
-                os.environ["FUSEC_CACHE_DIR"] = d
-                fusec.compile(fn, backend=backend)(*inputs)
+            for b in backends:
+                with tempfile.TemporaryDirectory() as d:
+                    os.environ["FUSEC_CACHE_DIR"] = d
+                    fusec.compile(fn, backend=b)(*inputs)
     finally:
-        codegen.build = real_build
+        for b, m in modules.items():
+            m.build = real[b]
         if saved is None:
             os.environ.pop("FUSEC_CACHE_DIR", None)
         else:
@@ -102,9 +108,9 @@ def run(repeat: int) -> list[dict]:
             compiled(*inputs)
             row["torch_compile_ms"] = timer(compiled, *inputs)
             compiled_by = {}
+            builds = cold_build_seconds(fn, inputs, ("cpp", "llvm"), repeat)
             for backend in ("cpp", "llvm"):
-                builds = cold_build_seconds(fn, inputs, backend, repeat)
-                row[f"{backend}_build_ms"] = statistics.median(builds) * 1e3
+                row[f"{backend}_build_ms"] = statistics.median(builds[backend]) * 1e3
                 cf = compiled_by[backend] = fusec.compile(fn, backend=backend)
                 got = cf(*inputs)
                 row[f"{backend}_kernels"] = len(cf.kernels)
