@@ -440,6 +440,9 @@ def _counter():
 
 # ---- reductions --------------------------------------------------------------------------------
 
+NO_NAN = str(2**63 - 1)  # argmax's "no NaN seen yet": larger than any position
+
+
 class Accumulator:
     """How one Reduce carries its running value through a loop over k: its phi states, the
     instructions that fold in one element, and the final value after the loop."""
@@ -454,9 +457,11 @@ class Accumulator:
         """(name, type, initial value) of each loop-carried value."""
         t = TYPE[self.dtype]
         init = literal(self.red.init(self.dtype), self.dtype)
-        if self.red.returns_index:
-            return [(self.name, t, init), (self.name + ".at", "i64", "0"),
-                    (self.name + ".seen", "i1", "false")]
+        if self.red.returns_index:  # the running max (or min), and where it is
+            states = [(self.name, t, init), (self.name + ".at", "i64", "0")]
+            if is_float(self.dtype):  # ... and where the first NaN is
+                states.append((self.name + ".nan.at", "i64", NO_NAN))
+            return states
         if self.nan_flag:
             return [(self.name, t, init), (self.name + ".nan", "i1", "false")]
         return [(self.name, t, init)]
@@ -471,20 +476,26 @@ class Accumulator:
         t, d, acc = TYPE[self.dtype], self.dtype, cur[self.name]
         op, n = self.r.op, self.name
         if self.red.returns_index:
-            f = is_float(d)
-            cmp = ("fcmp ogt" if f else "icmp sgt" if kind(d) == "s" else "icmp ugt") \
-                if op == "argmax" else ("fcmp olt" if f else "icmp slt" if kind(d) == "s" else "icmp ult")
-            better = e.emit(f"{cmp} {t} {x}, {acc}", n)
-            first = e.emit(f"xor i1 {cur[n + '.seen']}, true", n)
-            take = e.emit(f"or i1 {first}, {better}", n)
-            if f:  # the first NaN wins, and nothing replaces it
-                x_nan = e.emit(f"fcmp uno {t} {x}, {x}", n)
-                take = e.emit(f"or i1 {take}, {x_nan}", n)
-                acc_ok = e.emit(f"fcmp ord {t} {acc}, {acc}", n)
-                take = e.emit(f"and i1 {take}, {acc_ok}", n)
-            return {n: e.emit(f"select i1 {take}, {t} {x}, {t} {acc}", n),
-                    n + ".at": e.emit(f"select i1 {take}, i64 {k}, i64 {cur[n + '.at']}", n),
-                    n + ".seen": e.emit(f"or i1 {cur[n + '.seen']}, {take}", n)}
+            # argmax: a running max (one instruction, as for amax) and beside it the position
+            # where it last grew. From one element to the next the chain is a max and a select;
+            # a compare-or-and-select chain that also tracked NaN made it 4x slower than gcc's.
+            f, big = is_float(d), op == "argmax"
+            if f:
+                fn, cmp = ("maxnum", "fcmp ogt") if big else ("minnum", "fcmp olt")
+            else:
+                s_ = kind(d) == "s"
+                fn = ("smax" if s_ else "umax") if big else ("smin" if s_ else "umin")
+                cmp = "icmp " + ("s" if s_ else "u") + ("gt" if big else "lt")
+            better = e.emit(f"{cmp} {t} {x}, {acc}", n)  # strictly: a tie keeps the first
+            flags = "nnan nsz " if f else ""  # a NaN makes acc poison: see result()
+            nxt = {n: e.emit(f"call {flags}{t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", n),
+                   n + ".at": e.emit(f"select i1 {better}, i64 {k}, i64 {cur[n + '.at']}", n)}
+            if f:  # the first NaN wins: the smallest k of a NaN element (none: NO_NAN)
+                is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
+                k_nan = e.emit(f"select i1 {is_nan}, i64 {k}, i64 {NO_NAN}", n + ".nan")
+                nxt[n + ".nan.at"] = e.emit(f"call i64 @llvm.smin.i64(i64 {cur[n + '.nan.at']}, "
+                                            f"i64 {k_nan})", n + ".nan")
+            return nxt
         k_ = kind(d)
         if op == "sum":
             rhs = f"fadd reassoc {t} {acc}, {x}" if k_ == "f" else \
@@ -520,7 +531,13 @@ class Accumulator:
     def result(self, e: Emitter, final: dict[str, str]) -> str:
         r = self.r
         if self.red.returns_index:
-            return final[self.name + ".at"]
+            if not is_float(self.dtype):
+                return final[self.name + ".at"]
+            # a NaN wins; then the running max may be poison, but it is not the one picked
+            nan_at = final[self.name + ".nan.at"]
+            saw_nan = e.emit(f"icmp slt i64 {nan_at}, {NO_NAN}", self.name)
+            return e.emit(f"select i1 {saw_nan}, i64 {nan_at}, i64 {final[self.name + '.at']}",
+                          self.name)
         value = final[self.name]
         if self.nan_flag:
             t = TYPE[self.dtype]

@@ -141,6 +141,25 @@ def test_float_max_is_maxnum_and_a_nan_flag():
     assert_matches(lambda x: x.amax(-1), torch.full((3, 70), float("nan")), backend="llvm")
 
 
+def test_argmax_is_a_running_max_and_where_it_grew():
+    """argmax: maxnum for the value, a select for its position, and the first NaN's position
+    (a min over k) apart; ties keep the first position, and the first NaN wins."""
+    x = torch.randn(37, 300)
+    x[3, 10] = x[3, 200] = float("nan")
+    x[4, :] = float("-inf")
+    x[6, 50] = x[6, 60] = 1e9  # a tie
+    x[7, :] = float("nan")
+    cf = assert_matches(lambda x: x.argmax(-1), x, backend="llvm", kernels=1)
+    src = cf.kernels[0].source
+    assert "call nnan nsz float @llvm.maxnum.f32(" in src and "@llvm.smin.i64(" in src
+    got = cf(x)
+    assert got[3] == 10 and got[4] == 0 and got[6] == 50 and got[7] == 0
+    assert_matches(lambda x: x.argmin(-1), -x, backend="llvm", kernels=1)
+    xi = torch.randint(-5, 5, (33, 129), dtype=torch.int32)
+    assert_matches(lambda x: x.argmax(-1), xi, backend="llvm", kernels=1)
+    assert_matches(lambda x: x.argmin(-1), xi.to(torch.uint8), backend="llvm", kernels=1)
+
+
 def test_loop_strength_reduction_is_off_only_inside_fusec():
     """fusec turns LLVM's -disable-lsr on only while it generates code, and back off: a module
     compiled afterwards with llvmlite directly gets the default code generator."""
