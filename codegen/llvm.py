@@ -471,31 +471,46 @@ class Accumulator:
         """Float max/min keep "saw a NaN" apart from the running value (see fold)."""
         return self.r.op in ("amax", "amin") and kind(self.dtype) == "f"
 
+    def extreme(self, e: Emitter, acc: str, x: str) -> str:
+        """The running max (amax, argmax) or min of acc and x: one instruction. For floats it is
+        `maxnum` that may assume no NaN (`nnan`: a NaN element makes the result poison, i.e.
+        garbage) and ignore the sign of zero (`nsz`), so it is one vmaxps. torch's max is NaN if
+        any element is; llvm.maximum says exactly that, but x86 has no such instruction, and its
+        expansion (a NaN test, a signed-zero fix-up, blends) took twice the time of the C++
+        kernel. So the callers track NaN beside it, and `result` never reads the garbage."""
+        t, d, big = TYPE[self.dtype], self.dtype, self.r.op in ("amax", "argmax")
+        fn = {"f": "maxnum" if big else "minnum", "s": "smax" if big else "smin",
+              "u": "umax" if big else "umin", "b": "umax" if big else "umin"}[kind(d)]
+        flags = "nnan nsz " if is_float(d) else ""
+        return e.emit(f"call {flags}{t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", self.name)
+
     def fold(self, e: Emitter, x: str, cur: dict[str, str], k: str) -> dict[str, str]:
         """Instructions folding element x into the current states; returns the next states."""
         t, d, acc = TYPE[self.dtype], self.dtype, cur[self.name]
         op, n = self.r.op, self.name
         if self.red.returns_index:
-            # argmax: a running max (one instruction, as for amax) and beside it the position
-            # where it last grew. From one element to the next the chain is a max and a select;
-            # a compare-or-and-select chain that also tracked NaN made it 4x slower than gcc's.
-            f, big = is_float(d), op == "argmax"
-            if f:
-                fn, cmp = ("maxnum", "fcmp ogt") if big else ("minnum", "fcmp olt")
-            else:
-                s_ = kind(d) == "s"
-                fn = ("smax" if s_ else "umax") if big else ("smin" if s_ else "umin")
-                cmp = "icmp " + ("s" if s_ else "u") + ("gt" if big else "lt")
+            # argmax: the running max and beside it the position where it last grew. From one
+            # element to the next the chain is a max and a select; a compare-or-and-select
+            # chain that also tracked NaN made it 4x slower than gcc's branches.
+            k_ = kind(d)
+            cmp = "fcmp o" if k_ == "f" else ("icmp s" if k_ == "s" else "icmp u")
+            cmp += "gt" if op == "argmax" else "lt"
             better = e.emit(f"{cmp} {t} {x}, {acc}", n)  # strictly: a tie keeps the first
-            flags = "nnan nsz " if f else ""  # a NaN makes acc poison: see result()
-            nxt = {n: e.emit(f"call {flags}{t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", n),
+            nxt = {n: self.extreme(e, acc, x),
                    n + ".at": e.emit(f"select i1 {better}, i64 {k}, i64 {cur[n + '.at']}", n)}
-            if f:  # the first NaN wins: the smallest k of a NaN element (none: NO_NAN)
+            if k_ == "f":  # the first NaN wins: the smallest k of a NaN element (none: NO_NAN)
                 is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
                 k_nan = e.emit(f"select i1 {is_nan}, i64 {k}, i64 {NO_NAN}", n + ".nan")
                 nxt[n + ".nan.at"] = e.emit(f"call i64 @llvm.smin.i64(i64 {cur[n + '.nan.at']}, "
                                             f"i64 {k_nan})", n + ".nan")
             return nxt
+        if op in ("amax", "amin"):
+            if not self.nan_flag:
+                return {n: self.extreme(e, acc, x)}
+            # ... and beside it, whether a NaN went by: the vectorizer knows both as reductions
+            is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
+            return {n: self.extreme(e, acc, x),
+                    n + ".nan": e.emit(f"or i1 {cur[n + '.nan']}, {is_nan}", n + ".nan")}
         k_ = kind(d)
         if op == "sum":
             rhs = f"fadd reassoc {t} {acc}, {x}" if k_ == "f" else \
@@ -503,23 +518,6 @@ class Accumulator:
         elif op == "prod":
             rhs = f"fmul reassoc {t} {acc}, {x}" if k_ == "f" else \
                 (f"and i1 {acc}, {x}" if k_ == "b" else f"mul {t} {acc}, {x}")
-        elif op in ("amax", "amin") and k_ == "f":
-            # torch's max is NaN if any element is. llvm.maximum says exactly that, but x86 has no
-            # such instruction: every element then pays for a NaN test, a signed-zero fix-up and
-            # blends (twice the time of the C++ kernel). Instead: a plain maxnum, which may
-            # assume no NaN (`nnan`: a NaN element makes the running value poison, i.e. garbage)
-            # and ignore the sign of zero (`nsz`), so it is one vmaxps; and beside it a flag that
-            # remembers whether a NaN went by. `result` picks NaN when the flag is set, so the
-            # garbage is never read. The vectorizer knows both halves as reductions.
-            fn = "maxnum" if op == "amax" else "minnum"
-            is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
-            return {n: e.emit(f"call nnan nsz {t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", n),
-                    n + ".nan": e.emit(f"or i1 {cur[n + '.nan']}, {is_nan}", n + ".nan")}
-        elif op in ("amax", "amin"):
-            big = op == "amax"
-            fn = {"s": "smax" if big else "smin",
-                  "u": "umax" if big else "umin", "b": "umax" if big else "umin"}[k_]
-            rhs = f"call {t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})"
         elif op == "any":
             rhs = f"or i1 {acc}, {x}"
         elif op == "all":
