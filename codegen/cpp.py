@@ -37,7 +37,7 @@ PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than
 CHUNK = 8192
 
 CTYPE = {
-    torch.float16: "_Float16", torch.bfloat16: "uint16_t", torch.float32: "float",
+    torch.float16: "uint16_t", torch.bfloat16: "uint16_t", torch.float32: "float",
     torch.float64: "double", torch.int8: "int8_t", torch.uint8: "uint8_t",
     torch.int16: "int16_t", torch.int32: "int32_t", torch.int64: "int64_t", torch.bool: "bool",
 }
@@ -164,7 +164,7 @@ def _stmt(s: Stmt) -> str:
 
 def _load_value(ptr_expr: str, storage: torch.dtype) -> str:
     if storage == torch.float16:
-        return f"(float){ptr_expr}"
+        return f"fusec_f16_to_f32({ptr_expr})"
     if storage == torch.bfloat16:
         return f"fusec_bf16_to_f32({ptr_expr})"
     return ptr_expr
@@ -172,7 +172,7 @@ def _load_value(ptr_expr: str, storage: torch.dtype) -> str:
 
 def _store_value(var: Var, storage: torch.dtype) -> str:
     if storage == torch.float16:
-        return f"(_Float16){var.name}"
+        return f"fusec_f32_to_f16({var.name})"
     if storage == torch.bfloat16:
         return f"fusec_f32_to_bf16({var.name})"
     return convert(var.name, var.dtype, storage)
@@ -265,6 +265,23 @@ def build(source: str, name: str) -> Path:
     cache.STATS["compiles"] += 1
     cache.log(f"compiled {lib.name}")
     return lib
+
+
+def compile_object(source: str, name: str, arch: list[str], out: Path,
+                   compiler: str | None = None) -> None:
+    """Compile `source` to an object file for the CPU that `arch` names (["-march=haswell"])
+    instead of this one, with `compiler` (a cross compiler, say) or the usual one: compile only,
+    nothing is linked or loaded. tests/test_targets.py uses it to check that every kernel
+    compiles for CPU families other than the test machine's."""
+    flags = [f for f in FLAGS if f not in ("-march=native", "-shared")]
+    defines = [f for f in math_flags() if f.startswith("-D")]
+    src = out.with_suffix(".cpp")
+    src.write_text(source)
+    cmd = [compiler or find_compiler(), *flags, *arch, *defines, f"-I{TEMPLATES}", "-c", str(src), "-o", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise CompileError(f"fusec: {os.path.basename(cmd[0])} {' '.join(arch)} failed to compile "
+                           f"{name} ({src}):\n{result.stderr[-4000:]}")
 
 
 def _load_library(lib: Path) -> ctypes.CDLL:

@@ -13,8 +13,8 @@ Reading the generated IR
 LLVM IR is in SSA form: every value is assigned once (`%v1_sin = call float @sinf(float %v0_x)`),
 and a loop carries values around with `phi` nodes, which pick a value according to the block
 control came from. LLVM has no overloading and no implicit conversions, so every instruction
-names its type, and every conversion is an instruction (`fpext half %x to float`, `sitofp i32 %n
-to float`). Each op's spelling lives in the op table (fusec/ops.py, the `llvm` column): one or more
+names its type, and every conversion is an instruction (`fpext float %x to double`, `sitofp i32
+%n to float`). Each op's spelling lives in the op table (fusec/ops.py, the `llvm` column): one or more
 instructions over `{0}`, `{1}` (operands), `{T}` (the type), `{S}` (intrinsic suffix), `{m}` (the C
 library's `f` suffix) and `{D}` (fusec's dtype name, for the few helpers in llvm_prelude.ll.j2).
 
@@ -37,7 +37,6 @@ really run in parallel, like the OpenMP loops of the C++ backend.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import math
 import os
@@ -52,14 +51,23 @@ import torch
 from fusec import cache, ops
 from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var
 
+from . import llvm_build
+from .llvm_build import Target, host
 from .cpp import CHUNK, PARALLEL_THRESHOLD, stash_choice, sum_block, summary
 from .render import render_template
 
 # ---- types -------------------------------------------------------------------------------------
 
-# The LLVM type a value has in registers (half precision lives in float, bool in i1) ...
+# The LLVM type a value has in registers (bool in i1) ...
+#
+# Note (half precision): float16 and bfloat16 values are computed in float (ops.register_dtype)
+# and travel as their 16 bits, an i16: loads widen them with @fusec_widen, stores narrow with
+# @fusec_narrow (llvm_prelude.ll.j2), both integer bit operations. LLVM's own `half` and `bfloat`
+# types are never written: whether the code generator accepts them depends on the CPU it targets
+# (with AVX-512 BF16, LLVM 15-22 abort on `fptrunc float to bfloat`; without it, the conversion
+# becomes a call to a libgcc routine that older systems lack). Integer code is legal everywhere.
 TYPE = {
-    torch.float16: "half", torch.bfloat16: "bfloat", torch.float32: "float",
+    torch.float16: "i16", torch.bfloat16: "i16", torch.float32: "float",
     torch.float64: "double", torch.int8: "i8", torch.uint8: "i8", torch.int16: "i16",
     torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
 }
@@ -88,7 +96,7 @@ def is_float(dtype: torch.dtype) -> bool:
 def literal(value, dtype: torch.dtype) -> str:
     """An LLVM constant. Floats are written as the hex of a double holding the exact value (LLVM
     rejects `float 0.1`, which a float cannot hold); integers wrap like torch (-1 as uint8 is
-    255, which LLVM's i8 spells -1)."""
+    255, which LLVM's i8 spells -1). A float16/bfloat16 constant is its 16 bits as an i16."""
     if dtype == torch.bool:
         return "true" if value else "false"
     if dtype.is_floating_point:
@@ -100,12 +108,9 @@ def literal(value, dtype: torch.dtype) -> str:
             value = float(torch.tensor(value, dtype=torch.float16))
         if dtype == torch.bfloat16:
             value = float(torch.tensor(value, dtype=torch.bfloat16))
-        if dtype in (torch.float16, torch.bfloat16) and math.isnan(value):
-            return "0xH7E00" if dtype == torch.float16 else "0xR7FC0"
-        if dtype == torch.float16:
-            return "0xH" + struct.pack(">e", value).hex().upper()
-        if dtype == torch.bfloat16:
-            return "0xR" + struct.pack(">f", value).hex().upper()[:4]
+        if dtype in ops.FLOAT16_LIKE:
+            bits = int(torch.tensor(value, dtype=dtype).view(torch.int16))
+            return str(0x7E00 if dtype == torch.float16 and math.isnan(value) else bits)
         return "0x" + struct.pack(">d", value).hex().upper()
     value = int(torch.tensor(value).to(dtype).item())  # wrap like torch
     bits = torch.iinfo(dtype).bits
@@ -138,9 +143,18 @@ class Emitter:
 
 
 def convert(e: Emitter, value: str, src: torch.dtype, dst: torch.dtype, base: str) -> str:
-    """`value` (of dtype src, in registers) converted to dst the way torch's `.to(dst)` does."""
+    """`value` (of dtype src, in registers) converted to dst the way torch's `.to(dst)` does.
+
+    float16 and bfloat16 (i16 bits, see the Note on half precision) go through float32 on both
+    sides, as c10's conversions do: a double or an int64 becomes a float first, then a half."""
     if src == dst:
         return value
+    if src in ops.FLOAT16_LIKE:
+        value = e.emit(f"call float @fusec_widen.{SHORT[src]}(i16 {value})", base)
+        return convert(e, value, torch.float32, dst, base)
+    if dst in ops.FLOAT16_LIKE:
+        value = convert(e, value, src, torch.float32, base)
+        return e.emit(f"call i16 @fusec_narrow.{SHORT[dst]}(float {value})", base)
     s, d = TYPE[src], TYPE[dst]
     if dst == torch.bool:  # x != 0 (NaN counts as true, as in torch)
         return e.emit(f"fcmp une {s} {value}, 0.0" if is_float(src) else f"icmp ne {s} {value}, 0",
@@ -150,9 +164,6 @@ def convert(e: Emitter, value: str, src: torch.dtype, dst: torch.dtype, base: st
                       base)
     if is_float(src) and is_float(dst):
         wider = _FLOAT_BITS[dst] > _FLOAT_BITS[src]
-        if {src, dst} == {torch.float16, torch.bfloat16}:  # no direct instruction: via float
-            value = convert(e, value, src, torch.float32, base)
-            return convert(e, value, torch.float32, dst, base)
         return e.emit(f"{'fpext' if wider else 'fptrunc'} {s} {value} to {d}", base)
     if is_float(dst):  # integer -> float
         return e.emit(f"{'uitofp' if src == torch.uint8 else 'sitofp'} {s} {value} to {d}", base)
@@ -173,7 +184,7 @@ def convert(e: Emitter, value: str, src: torch.dtype, dst: torch.dtype, base: st
     return e.emit(f"{'zext' if src == torch.uint8 else 'sext'} {s} {value} to {d}", base)
 
 
-_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+_FLOAT_BITS = {torch.float32: 32, torch.float64: 64}
 _INT_BITS = {torch.int8: 8, torch.uint8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
 
 
@@ -181,8 +192,9 @@ def round_half(e: Emitter, value: str, to: torch.dtype | None, base: str) -> str
     """Round a float32 value through float16/bfloat16 (eager rounds every half result)."""
     if to is None:
         return value
-    narrow = e.emit(f"fptrunc float {value} to {TYPE[to]}", base, f"rounded like eager's {SHORT[to]}")
-    return e.emit(f"fpext {TYPE[to]} {narrow} to float", base)
+    narrow = e.emit(f"call i16 @fusec_narrow.{SHORT[to]}(float {value})", base,
+                    f"rounded like eager's {SHORT[to]}")
+    return e.emit(f"call float @fusec_widen.{SHORT[to]}(i16 {narrow})", base)
 
 
 _SECTION = re.compile(r"^\s*([fsubi*](?:,[fsubi*])*):\s*(.*)$", re.S)
@@ -210,6 +222,9 @@ def emit_stmt(e: Emitter, s: Stmt, values: dict[str, str]) -> None:
     row = ops.OPS[s.op]
     args = [_operand(e, o, dt, values) for o, dt in zip(s.operands, s.operand_dtypes)]
     dtype = s.operand_dtypes[-1]
+    if dtype in ops.FLOAT16_LIKE:  # lowering computes halves in float (ops.register_dtype)
+        raise NotImplementedError(f"fusec: {s.op} computes in {dtype}; the LLVM backend computes "
+                                  f"float16/bfloat16 in float32 registers")
     fields = dict(T=TYPE[dtype], S=SUFFIX[dtype], D=SHORT[dtype],
                   m="f" if dtype == torch.float32 else "")
     temps: list[str] = []
@@ -236,19 +251,12 @@ def emit_load(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var
     raw = e.emit(f"load {STORAGE[storage]}, ptr {ptr}", var.name + ".raw")
     if storage == torch.bool:
         raw = e.emit(f"trunc i8 {raw} to i1", var.name)
-    register = ops.register_dtype(storage)
-    if register != storage:
-        raw = e.emit(f"fpext {TYPE[storage]} {raw} to float", var.name)
-    values[var.name] = convert(e, raw, register, var.dtype, var.name)
+    values[var.name] = convert(e, raw, storage, var.dtype, var.name)
 
 
 def emit_store(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var,
                values: dict[str, str]) -> None:
-    value = values[var.name]
-    if storage in ops.FLOAT16_LIKE and var.dtype in (torch.float32, torch.float64):
-        value = e.emit(f"fptrunc {TYPE[var.dtype]} {value} to {TYPE[storage]}", var.name)
-    else:
-        value = convert(e, value, var.dtype, storage, var.name)
+    value = convert(e, values[var.name], var.dtype, storage, var.name)
     if storage == torch.bool:
         value = e.emit(f"zext i1 {value} to i8", var.name)
     ptr = e.emit(f"getelementptr inbounds {STORAGE[storage]}, ptr %{param}_ptr, i64 {index}",
@@ -285,19 +293,12 @@ LIBM = {"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log1p", "ta
 _CALL = re.compile(r"call (\S+) @([\w.]+)\(([^)]*)\)")
 
 
-@functools.lru_cache(maxsize=None)
-def vector_isas() -> tuple[tuple[str, int], ...]:
-    """libmvec's vector variants this CPU runs, widest first, as (ISA letter, floats per call):
-    ('e', 16) with AVX-512, ('d', 8) with AVX2, ('b', 4) with SSE. Declaring all of them lets
-    the vectorizer find a match for whichever width it picks (gcc -march=native makes the same
-    choice). Empty where there is no libmvec, or not on x86-64."""
-    import platform
-    if platform.machine() not in ("x86_64", "AMD64") or not ctypes.util.find_library("mvec"):
-        return ()
-    features = llvm_binding().get_host_cpu_features()
-    isas = [("e", 16)] if features.get("avx512f") else []
-    isas += [("d", 8)] if features.get("avx2") else []
-    return tuple(isas + [("b", 4)])
+def vector_isas(target: Target | None = None) -> tuple[tuple[str, int], ...]:
+    """libmvec's vector variants `target` (this CPU by default) runs, widest first, as (ISA
+    letter, floats per call): ('e', 16) with AVX-512, ('d', 8) with AVX2, ('b', 4) with SSE.
+    Declaring all of them lets the vectorizer find a match for whichever width it picks (gcc
+    -march=native makes the same choice). Empty where there is no libmvec, or not on x86-64."""
+    return (target or host()).vector_isas
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,11 +308,11 @@ def has_symbol(name: str) -> bool:
 
 
 def vector_isa() -> tuple[str, int] | None:
-    """The widest of vector_isas(), or None."""
+    """The widest of vector_isas() on this CPU, or None."""
     return vector_isas()[0] if vector_isas() else None
 
 
-def declarations(lines: list[str], defined: set[str]) -> str:
+def declarations(lines: list[str], defined: set[str], target: Target | None = None) -> str:
     """Declare every function the kernel calls, read off the call instructions themselves.
     C library math functions also get their libmvec vector variants (see the module docstring)."""
     seen: dict[str, str] = {}
@@ -326,10 +327,10 @@ def declarations(lines: list[str], defined: set[str]) -> str:
         ret = signature.split(" ", 1)[0]
         # sinf is sin for floats; but erf is erf for doubles (its float version is erff)
         scalar = name[:-1] if ret == "float" else name
-        if scalar in LIBM and vector_isas():
+        if scalar in LIBM and vector_isas(target):
             params = "v" * (signature.count(",") + 1)  # one vector argument per scalar one
             variants = []
-            for letter, floats in vector_isas():
+            for letter, floats in vector_isas(target):
                 lanes = floats if ret == "float" else floats // 2
                 variant = f"_ZGV{letter}N{lanes}{params}_{name}"
                 if not has_symbol(variant):  # older glibc: no vector erf, say
@@ -386,9 +387,11 @@ def _params(kernel) -> list[str]:
     return [f"ptr noalias {'' if p.is_output else 'readonly '}%{p.name}_ptr" for p in kernel.params]
 
 
-def render(kernel) -> str:
+def render(kernel, target: Target | None = None) -> str:
+    """The kernel as LLVM IR text. `target` (default: this CPU) only decides which libmvec
+    vector functions the IR declares; the rest is the same for every CPU."""
     if not isinstance(kernel, PointwiseKernel):
-        return render_reduction(kernel)
+        return render_reduction(kernel, target)
     counter = _counter()
     shape = kernel.shape
     rows, inner = math.prod(shape[:-1]), shape[-1]
@@ -418,7 +421,7 @@ def render(kernel) -> str:
         emit_stmt(body, s, values)
     for n, store in enumerate(kernel.stores):
         emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
-    return _finish("llvm_pointwise.ll.j2", setup.lines + body.lines, name=kernel.name,
+    return _finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, name=kernel.name,
                    summary=summary(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
                    rows=rows, inner=inner, chunk=chunk, chunks=chunks,
                    items=rows * chunks if kernel.numel else 0,
@@ -426,10 +429,10 @@ def render(kernel) -> str:
                    params=_params(kernel), row_setup=setup.lines, body=body.lines)
 
 
-def _finish(template: str, lines: list[str], **context) -> str:
+def _finish(template: str, lines: list[str], target: Target | None, **context) -> str:
     helper_text, defined = prelude(lines)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
-    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined))
+    context.update(prelude=helper_text, declarations=declarations(decl_lines, defined, target))
     return render_template(template, **context)
 
 
@@ -554,7 +557,7 @@ class Accumulator:
 REDUCTION_INTERLEAVE = 1
 
 
-def render_reduction(kernel) -> str:
+def render_reduction(kernel, target: Target | None = None) -> str:
     """One function over a range of rows; inside a row, one loop over k per reduction phase,
     then a last loop that recomputes and stores the element values (softmax's division, say).
     Python decides everything here (which values each loop needs, the accumulators and their
@@ -727,7 +730,7 @@ def render_reduction(kernel) -> str:
         if s.var.name not in kernel.varying:
             emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
     all_lines = top.lines + all_lines + row_stores.lines
-    return _finish("llvm_reduction.ll.j2", all_lines, name=kernel.name, summary=summary(kernel),
+    return _finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
                    source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
                    rows=kernel.rows, k=k,
                    parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
@@ -736,47 +739,28 @@ def render_reduction(kernel) -> str:
 
 
 # ---- compiling -----------------------------------------------------------------------------------
+# codegen/llvm_build.py drives llvmlite: targets, and the compiler process that runs LLVM's
+# optimizer and code generator outside the user's process (an LLVM assertion there cannot take
+# the user's program down). What stays here: the cache, and loading the machine code.
 
 _INIT = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
 def llvm_binding():
-    """llvmlite.binding, initialized once: the native target, and libmvec loaded into the process
-    so that JIT-compiled code can call its vector functions."""
-    import llvmlite.binding as llvm
-    with _INIT:
-        try:
-            llvm.initialize()
-        except RuntimeError:  # newer llvmlite initializes itself and refuses the call
-            pass
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        lib = ctypes.util.find_library("mvec")
-        if lib:
-            llvm.load_library_permanently(lib)
-    return llvm
+    """llvmlite.binding, initialized once (all targets; libmvec loaded into the process)."""
+    return llvm_build.binding()
 
 
-@functools.lru_cache(maxsize=None)
 def target_machine():
-    """The compiler's target machine: this CPU, all its features, O3."""
-    return new_target_machine()
-
-
-def new_target_machine():
-    llvm = llvm_binding()
-    target = llvm.Target.from_default_triple()
-    return target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                        features=llvm.get_host_cpu_features().flatten(),
-                                        opt=3, codemodel="jitdefault")
+    """A new target machine for this CPU: all its features, O3 (an execution engine takes
+    ownership of the one it is given)."""
+    return llvm_build.target_machine(host())
 
 
 @functools.lru_cache(maxsize=None)
 def triple_and_layout() -> tuple[str, str]:
     """Read once: llvmlite hands out these strings from memory it may later reuse."""
-    tm = target_machine()
-    return str(tm.triple), str(tm.target_data)
+    return host().triple, llvm_build.data_layout(host())
 
 
 def available() -> bool:
@@ -787,72 +771,39 @@ def available() -> bool:
         return False
 
 
-def host_id() -> str:
-    llvm = llvm_binding()
-    return f"{llvm.llvm_version_info} {triple_and_layout()[0]} {llvm.get_host_cpu_name()} " \
-           f"{llvm.get_host_cpu_features().flatten()} {vector_isa()}"
+def host_id(target: Target | None = None) -> str:
+    """What the object code depends on besides the IR: LLVM's version and the target."""
+    return f"{llvm_binding().llvm_version_info} {target or host()!r}"
 
 
-def optimize(source: str):
-    """Parse, verify and optimize `source` with LLVM's O3 pipeline (loop and SLP vectorizers on);
-    returns the optimized module. Loop unrolling is off: the vectorizer still interleaves (runs
-    several vectors per trip) where the kernel does not say otherwise, and unrolling on top
-    doubled compile time for no measured gain. (Reduction loops ask for one vector per trip:
-    REDUCTION_INTERLEAVE.)"""
-    llvm = llvm_binding()
-    tm = target_machine()
-    module = llvm.parse_assembly(source)
-    module.verify()
-    module.triple, module.data_layout = triple_and_layout()
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
-    pto.loop_vectorization = True
-    pto.slp_vectorization = True
-    pto.loop_unrolling = False
-    builder = llvm.create_pass_builder(tm, pto)
-    builder.getModulePassManager().run(module, builder)
-    return module
+def _compile(source: str, what: str, name: str, target: Target | None = None):
+    """LLVM's optimizer (and code generator) in the guarded compiler process."""
+    from fusec.errors import CompileError
+    try:
+        return llvm_build.guarded(source, target or host(), what, name)
+    except llvm_build.BuildError as exc:
+        raise CompileError(f"fusec: LLVM could not compile kernel {name}: {exc}") from None
 
 
-def optimized_ir(source: str) -> str:
+def optimized_ir(source: str, name: str = "kernel") -> str:
     """The kernel after LLVM's optimizer: what the vectorizer made of the loops."""
-    return str(optimize(source))
+    return _compile(source, "optimized", name)
 
 
-# Loop Strength Reduction is a pass of LLVM's code generator that rewrites a loop's address
-# arithmetic (`base + 4*k` becomes a pointer bumped every trip). On these kernels it took a
-# quarter to a third of the code generator's time (2-3 ms of a reduction kernel's ~8 ms) and
-# made no difference to their speed in side-by-side runs: x86 addresses `[base + 4*k]` in one
-# instruction anyway. LLVM offers no per-module switch, only its command-line option
-# `-disable-lsr`, which is global to the process (and to anything else in it that uses
-# llvmlite, numba say). So it is turned on only while fusec generates code, under a lock, and
-# back off right after.
-LSR = False
-_CODEGEN = threading.Lock()
+def assembly(source: str, name: str = "kernel", target: Target | None = None) -> str:
+    """The machine code of the kernel (for this CPU, or `target`), as assembly."""
+    return _compile(source, "assembly", name, target)
 
 
-def machine_code(module, assembly: bool = False):
-    """Object code (bytes) of an optimized module, or its assembly text."""
-    llvm = llvm_binding()
-    tm = target_machine()
-    with _CODEGEN:
-        if not LSR:
-            llvm.set_option("fusec", "-disable-lsr=true")
-        try:
-            return tm.emit_assembly(module) if assembly else tm.emit_object(module)
-        finally:
-            if not LSR:
-                llvm.set_option("fusec", "-disable-lsr=false")
-
-
-def assembly(source: str) -> str:
-    """The host machine code of the kernel, as assembly."""
-    return machine_code(optimize(source), assembly=True)
+def object_code(source: str, name: str = "kernel", target: Target | None = None) -> bytes:
+    """The kernel as an object file's bytes (for this CPU, or `target`)."""
+    return _compile(source, "object", name, target)
 
 
 def build(source: str, name: str) -> Path:
     """Compile `source` to an object file (or reuse the cached one). Returns its path."""
     key = cache.content_hash(source, host_id(), "O3 loop+slp vectorize, no unroll",
-                             "lsr" if LSR else "no lsr")
+                             "lsr" if llvm_build.LSR else "no lsr")
     obj = cache.cache_dir("llvm") / f"{name}-{key}.o"
     if cache.verified(obj):
         cache.STATS["hits"] += 1
@@ -860,17 +811,23 @@ def build(source: str, name: str) -> Path:
         return obj
     cache.STATS["misses"] += 1
     cache.atomic_write(obj.with_suffix(".ll"), source)
-    try:
-        data = machine_code(optimize(source))
-    except RuntimeError as exc:
-        from fusec.errors import CompileError
-        raise CompileError(f"fusec: LLVM rejected kernel {name} ({obj.with_suffix('.ll')}):\n"
-                           f"{exc}") from exc
+    data = object_code(source, name)
     cache.atomic_write(obj, data)
     cache.write_manifest(obj)
     cache.STATS["compiles"] += 1
     cache.log(f"compiled {obj.name}")
     return obj
+
+
+def check_symbols(data: bytes, name: str) -> None:
+    """Refuse to load machine code that calls a function this process lacks: MCJIT would link
+    the call to address 0, and the kernel would crash the process on its first run. (This is
+    how a `bfloat` conversion used to fail on older systems: a call to libgcc's __truncsfbf2.)"""
+    missing = [s for s in llvm_build.undefined_symbols(data) if not has_symbol(s)]
+    if missing:
+        from fusec.errors import CompileError
+        raise CompileError(f"fusec: kernel {name}'s machine code calls {', '.join(missing)}, "
+                           f"which this process does not have")
 
 
 # ---- loading and launching -----------------------------------------------------------------------
@@ -910,7 +867,7 @@ def omp_trampoline(n_params: int) -> int:
                                                          n=n_params))
             module.triple = triple_and_layout()[0]
             module.verify()
-            engine = llvm.create_mcjit_compiler(module, new_target_machine())
+            engine = llvm.create_mcjit_compiler(module, target_machine())
             engine.finalize_object()
             _TRAMPOLINES[n_params] = (engine, engine.get_function_address(name))
         return _TRAMPOLINES[n_params][1]
@@ -935,11 +892,13 @@ class LlvmLauncher:
     def __init__(self, lib: Path, name: str, n_params: int):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
         llvm = llvm_binding()
-        tm = new_target_machine()  # an execution engine owns (and frees) its target machine
+        tm = target_machine()  # an execution engine owns (and frees) its target machine
         empty = llvm.parse_assembly("")
         empty.triple = triple_and_layout()[0]
+        data = lib.read_bytes()
+        check_symbols(data, name)
         self.engine = llvm.create_mcjit_compiler(empty, tm)  # keeps the code alive
-        self.engine.add_object_file(llvm.ObjectFileRef.from_data(lib.read_bytes()))
+        self.engine.add_object_file(llvm.ObjectFileRef.from_data(data))
         self.engine.finalize_object()
         address = self.engine.get_function_address(name)
         if not address:

@@ -139,7 +139,6 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     _log.captured(captured.gm)
     gm, snapshots = run_pipeline(captured.gm, record=record)
     _log.pipeline_done(captured.gm, gm, snapshots)
-    codegen = backend_module(backend)
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
                    if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
@@ -153,10 +152,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         out_layouts = [u.meta["fusec_layout"] for u in outs]
         lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
         ir = lower(node.target, sub, in_layouts, out_layouts, root_dtypes)
-        source = codegen.render(ir)
-        _log.kernel_rendered(ir.name, backend, source)
-        launcher = codegen.load(ir, source)
-        kernels[node.target] = Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
+        kernels[node.target] = build_kernel(ir, backend)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
     # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
     # no place in the pool, so the pool is planned again without them
@@ -170,6 +166,48 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
     _log.compiled(compiled, label)
     return compiled
+
+
+# If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
+# guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
+# the same kernel IR and their launchers are called the same way.
+FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
+_FELL_BACK: set[str] = set()
+
+
+def build_kernel(ir, backend: str) -> Kernel:
+    """Render `ir` for `backend`, build and load it; on a CompileError, try FALLBACK[backend]
+    (saying so once per backend: the kernel's `.backend` says which one built it)."""
+    from .errors import CompileError
+    try:
+        return _build_with(ir, backend)
+    except CompileError as first:
+        other = FALLBACK.get(backend)
+        if other is None or not _usable(other):
+            raise
+        try:
+            kernel = _build_with(ir, other)
+        except CompileError as second:
+            raise CompileError(f"{first}\nand the {other} backend could not build it either:\n"
+                               f"{second}") from None
+        if backend not in _FELL_BACK:
+            _FELL_BACK.add(backend)
+            warnings.warn(f"{first}\nfusec: the {other} backend builds {ir.name} instead (and any "
+                          f"other kernel the {backend} backend cannot build; each kernel's "
+                          f".backend says which built it)", stacklevel=2)
+        return kernel
+
+
+def _build_with(ir, backend: str) -> Kernel:
+    codegen = backend_module(backend)
+    source = codegen.render(ir)
+    _log.kernel_rendered(ir.name, backend, source)
+    launcher = codegen.load(ir, source)
+    return Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
+
+
+def _usable(backend: str) -> bool:
+    return backend_module(backend).available()
 
 
 class _Miss:

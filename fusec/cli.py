@@ -5,7 +5,8 @@
     fusec explain examples/sin4.py        print every stage of the pipeline for one example
                 [--json] [--dot DIR]      ... as JSON; write the graph pictures (.dot, .svg)
     fusec kernels examples/sin4.py        print just the generated kernel sources
-                [--optimized] [--asm]    llvm backend: after LLVM's optimizer; as host assembly
+                [--optimized] [--asm [--target CPU]]
+                                         llvm backend: after LLVM's optimizer; as assembly
     fusec profile examples/sin4.py        eager vs fused under torch.profiler, as tables
                 [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="llvm backend: print the IR after LLVM's O3 pipeline")
             p.add_argument("--asm", action="store_true",
                            help="llvm backend: print the host assembly")
+            p.add_argument("--target", metavar="CPU", default=None,
+                           help="with --asm: assembly for another CPU (x86-64, haswell, "
+                                "skylake-avx512, sapphirerapids, znver4, aarch64)")
         if name == "profile":
             p.add_argument("--html", metavar="FILE", help="also write the HTML report here")
             p.add_argument("--traces", metavar="DIR", help="also write eager/fused Chrome traces")
@@ -94,7 +98,7 @@ def _run(args) -> int:
             import fusec
             e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
             for k in e.compiled.kernels:
-                text = e.assembly(k.name) if args.asm else \
+                text = e.assembly(k.name, args.target) if args.asm else \
                     e.optimized_ir(k.name) if args.optimized else k.source
                 print(f"# ===== {k.name} ({k.backend}) =====\n{text}")
         else:

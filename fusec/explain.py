@@ -476,12 +476,22 @@ class Explanation:
         """LLVM backend: the kernel's IR after LLVM's O3 pipeline, where the loop vectorizer has
         turned `float` loads and math into `<8 x float>` ones (by position or by name)."""
         from fusec.codegen import llvm
-        return llvm.optimized_ir(self._llvm_kernel(kernel).source)
+        k = self._llvm_kernel(kernel)
+        return llvm.optimized_ir(k.source, k.name)
 
-    def assembly(self, kernel: int | str = 0) -> str:
-        """LLVM backend: the host machine code of the kernel, as assembly."""
-        from fusec.codegen import llvm
-        return llvm.assembly(self._llvm_kernel(kernel).source)
+    def assembly(self, kernel: int | str = 0, target: str | None = None) -> str:
+        """LLVM backend: the kernel's machine code, as assembly: for this CPU, or for `target`,
+        one of fusec.codegen.llvm_build.NAMED_TARGETS ("haswell", "sapphirerapids", "aarch64",
+        ...) to see what the same kernel becomes on another CPU."""
+        from fusec.codegen import llvm, llvm_build
+        k = self._llvm_kernel(kernel)
+        if target is None:
+            return llvm.assembly(k.source, k.name)
+        chosen = llvm_build.available_targets().get(target)
+        if chosen is None:
+            raise FusecError(f"fusec: unknown or unavailable LLVM target {target!r}; choose one "
+                             f"of {', '.join(llvm_build.available_targets())}")
+        return llvm.assembly(llvm.render(k.ir, chosen), k.name, chosen)
 
     def to_dict(self) -> dict:
         from fusec.passes.schedule import format_schedule

@@ -17,7 +17,7 @@ import torch
 
 import fusec
 from conftest import assert_matches
-from fusec.codegen import llvm
+from fusec.codegen import llvm, llvm_build
 from fusec.codegen.cpp import find_compiler
 
 
@@ -161,17 +161,19 @@ def test_argmax_is_a_running_max_and_where_it_grew():
 
 
 def test_loop_strength_reduction_is_off_only_inside_fusec():
-    """fusec turns LLVM's -disable-lsr on only while it generates code, and back off: a module
-    compiled afterwards with llvmlite directly gets the default code generator."""
+    """fusec turns LLVM's -disable-lsr on only in its own compiler process: the kernel's object
+    code differs from what the default code generator makes of the same optimized IR, and a
+    module compiled in this process with llvmlite directly still gets the default."""
     x = torch.randn(64, 512)
-    opt = fusec.explain(lambda x: torch.softmax(x, -1), x, backend="llvm").optimized_ir(0)
+    e = fusec.explain(lambda x: torch.softmax(x, -1), x, backend="llvm")
+    opt = e.optimized_ir(0)
     binding = llvm.llvm_binding()
     default = llvm.target_machine().emit_object(binding.parse_assembly(opt))
-    ours = llvm.machine_code(binding.parse_assembly(opt))
+    ours = llvm.object_code(opt)  # the optimizer runs again: a no-op on optimized IR
     assert ours != default  # the switch changes this kernel's code ...
     assert_matches(lambda x: torch.softmax(x, -1) * 2, torch.randn(33, 65), backend="llvm")
     after = llvm.target_machine().emit_object(binding.parse_assembly(opt))
-    assert after == default  # ... and was put back
+    assert after == default  # ... and never touched this process
 
 
 def test_second_process_reuses_llvm_object(tmp_path):
@@ -236,3 +238,20 @@ def test_demo_runs_without_any_compiler(tmp_path):
     assert "llvm" in proc.stdout + proc.stderr
     assert not (tmp_path / "cache" / "cpp").exists()  # nothing went through a C++ compiler
     assert any((tmp_path / "cache" / "llvm").glob("*.o"))
+
+
+def test_assembly_for_another_cpu():
+    """explain(...).assembly(target=...) shows what the same kernel becomes on another CPU:
+    SSE's 128-bit xmm registers on baseline x86-64, AVX2's ymm on Haswell, AVX-512's zmm on
+    Zen 4 (Intel's AVX-512 CPUs get ymm: LLVM prefers 256-bit vectors there), NEON's v
+    registers on AArch64."""
+    x = torch.randn(4096)
+    e = fusec.explain(lambda x: x * 2 + 1, x, backend="llvm")
+    base = e.assembly(0, target="x86-64")
+    assert "xmm" in base and "ymm" not in base
+    assert "ymm" in e.assembly(0, target="haswell")
+    assert "zmm" in e.assembly(0, target="znver4")
+    if "aarch64" in llvm_build.available_targets():
+        assert re.search(r"\bfadd\s+v\d+\.4s", e.assembly(0, target="aarch64"))
+    with pytest.raises(fusec.FusecError, match="unknown or unavailable LLVM target 'pentium'"):
+        e.assembly(0, target="pentium")

@@ -33,7 +33,57 @@ static inline uint16_t fusec_f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 static inline float fusec_round_bf16(float f) { return fusec_bf16_to_f32(fusec_f32_to_bf16(f)); }
-static inline float fusec_round_f16(float f) { return (float)(_Float16)f; }
+
+// float16 is stored as its 16 bits too (uint16_t), and converted by the compiler's own half type
+// where it has one: _Float16 (gcc 12+ and clang on x86-64; vcvtph2ps/vcvtps2ph with F16C),
+// __fp16 (AArch64). Elsewhere (older gcc, or -DFUSEC_NO_FLOAT16) with integer bit operations
+// that round to nearest even exactly as torch does; codegen/templates/llvm_prelude.ll.j2 spells
+// the same steps in LLVM IR.
+#if !defined(FUSEC_NO_FLOAT16) && defined(__aarch64__)
+typedef __fp16 fusec_half;
+#elif !defined(FUSEC_NO_FLOAT16) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
+typedef _Float16 fusec_half;
+#else
+#define FUSEC_HALF_IN_BITS 1
+#endif
+static inline float fusec_f16_to_f32(uint16_t h) {
+#ifdef FUSEC_HALF_IN_BITS
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu, exponent = h & 0x7c00u;
+    uint32_t bits;
+    if (exponent == 0) {  // zero or subnormal: the mantissa counts steps of 2^-24, exactly
+        const float tiny = (float)em * 5.9604644775390625e-08f;
+        std::memcpy(&bits, &tiny, 4);
+    } else if (exponent == 0x7c00u) {  // inf or NaN: exponent all ones, payload kept
+        bits = (em << 13) | 0x7f800000u;
+    } else {  // normal: re-bias the exponent from 15 to 127
+        bits = (em << 13) + 0x38000000u;
+    }
+    bits |= sign;
+    float f; std::memcpy(&f, &bits, 4); return f;
+#else
+    fusec_half v; std::memcpy(&v, &h, 2); return (float)v;
+#endif
+}
+static inline uint16_t fusec_f32_to_f16(float f) {
+#ifdef FUSEC_HALF_IN_BITS
+    uint32_t bits; std::memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, a = bits & 0x7fffffffu;
+    uint32_t out;
+    if (a > 0x7f800000u) out = 0x7e00u;  // NaN: the quiet NaN, with f's sign
+    else if (a >= 0x477ff000u) out = 0x7c00u;  // rounds to 65536 or more: infinity
+    else if (a < 0x38800000u) {  // subnormal: |f| + 0.5 rounds |f| to a step of 2^-24
+        const float steps = std::fabs(f) + 0.5f;
+        uint32_t s; std::memcpy(&s, &steps, 4);
+        out = s - 0x3f000000u;
+    } else {  // normal: re-bias, round the 13 dropped bits to nearest even
+        out = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    }
+    return (uint16_t)(out | sign);
+#else
+    const fusec_half v = (fusec_half)f; uint16_t h; std::memcpy(&h, &v, 2); return h;
+#endif
+}
+static inline float fusec_round_f16(float f) { return fusec_f16_to_f32(fusec_f32_to_f16(f)); }
 
 // Division that rounds like torch: floor division matches Python's `//`.
 template <typename T> static inline T fusec_floordiv(T a, T b) {

@@ -1,0 +1,234 @@
+"""Every kernel compiles for every CPU family a user may have, not only for the test machine's.
+
+A kernel's LLVM IR is handed to LLVM's code generator for the user's CPU, and a construct that
+one CPU's code generator cannot lower can abort the whole process (the `bfloat` type did, with
+AVX-512 BF16). Running the suite only on CI's CPU would not notice. So these tests take the
+kernels of the op tests - every op-table row in every dtype the op tests use, every cast between
+every pair of dtypes, the reductions - and compile each one for named CPUs (codegen/llvm_build.py
+NAMED_TARGETS: baseline x86-64, Haswell, Skylake-AVX512, Sapphire Rapids, Zen 4, AArch64),
+emitting object code only. LLVM runs in fusec's guarded compiler process, so a code generator
+that aborts fails the test with its message instead of killing pytest. The C++ backend's kernels
+are compiled the same way with gcc's `-march=` for the same CPUs.
+"""
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+from fusec import ops
+from fusec.codegen import cpp, llvm, llvm_build
+
+from test_ops import (ALL, BOOL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
+                      _float_unary, _int_ops, _source_values, randf, randi)
+
+SHAPE = (6, 8)
+
+
+def _fills(x):
+    x = x.clone()
+    return (torch.full_like(x, 3), torch.zeros_like(x), torch.full_like(x, 0.1, dtype=torch.float16),
+            torch.full_like(x, 0.1, dtype=torch.bfloat16), torch.full_like(x, -1, dtype=torch.float64),
+            torch.full_like(x, True, dtype=torch.bool), torch.full_like(x, 200, dtype=torch.uint8))
+
+
+def _float_reductions(x):
+    return (x.sum(-1), x.prod(-1), x.amax(-1), x.amin(0), x.argmax(-1), x.argmin(0),
+            x.mean(-1), x.var(-1), torch.softmax(x, -1), torch.log_softmax(x, -1),
+            torch.logsumexp(x, -1), F.layer_norm(x, x.shape[-1:]), (x > 0).any(-1),
+            (x > 0).all(-1))
+
+
+def _int_reductions(x):
+    return (x.sum(-1), x.prod(-1), x.amax(-1), x.amin(0), x.argmax(-1), x.argmin(0),
+            x.bool().any(-1), x.bool().all(-1))
+
+
+def _silu(x):
+    return F.silu(x) + 1
+
+
+def programs():
+    """(label, fn, inputs) for every program whose kernels the targets compile. Values do not
+    matter (nothing runs); shapes and dtypes decide the code."""
+    out = []
+    for dt in FLOATS:
+        x, y = randf(SHAPE, dt, "cpu", seed=1), randf(SHAPE, dt, "cpu", seed=2)
+        out += [(f"float_unary_{dt}", _float_unary, (x,)),
+                (f"float_binary_{dt}", _float_binary, (x, y)),
+                (f"float_reductions_{dt}", _float_reductions, (x,)),
+                (f"silu_{dt}", _silu, (x,))]
+    # long rows: the reduction loops take the blocked, vectorized path
+    out.append(("float_reductions_long", _float_reductions, (randf((3, 70000), F32, "cpu"),)))
+    for dt in INTS:
+        a = [randi(SHAPE, dt, "cpu", seed=s) for s in range(5)]
+        out += [(f"int_ops_{dt}", _int_ops, tuple(a)), (f"int_reductions_{dt}", _int_reductions, (a[0],))]
+    p = torch.rand(SHAPE) > 0.5
+    out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _int_reductions, (p,))]
+    for src in ALL:
+        out += [(f"casts_from_{src}", _casts, (_source_values(src, "cpu"),)),
+                (f"fills_{src}", _fills, (randf(SHAPE, F32, "cpu").to(src),))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def by_program():
+    """{label: the kernel IRs of that program}, lowered once (through the LLVM backend here)."""
+    from fusec import frontend
+    table = frontend.decompositions()
+    # keep silu whole so that the table's own silu row is among the kernels (test_ops does the same)
+    no_silu = {k: v for k, v in table.items() if k is not torch.ops.aten.silu.default}
+    original, found = frontend.decompositions, {}
+    try:
+        for label, fn, inputs in programs():
+            frontend.decompositions = (lambda: no_silu) if fn is _silu else original
+            found[label] = [k.ir for k in fusec.explain(fn, *inputs, backend="llvm").compiled.kernels]
+    finally:
+        frontend.decompositions = original
+    return found
+
+
+@pytest.fixture(scope="module")
+def kernels(by_program):
+    return [ir for irs in by_program.values() for ir in irs]
+
+
+def test_kernels_cover_every_row_and_cast(by_program, kernels):
+    rows = {s.op for ir in kernels for s in (ir.stmts if hasattr(ir, "stmts") else ir.body)}
+    assert set(ops.OPS) - rows == set(), "op-table rows no target compiles"
+    assert set(ops.REDUCTIONS) - rows == set(), "reductions no target compiles"
+    for src in ALL:  # every cast: one program per source dtype stores every other dtype
+        irs = by_program[f"casts_from_{src}"]
+        assert {ld.dtype for ir in irs for ld in ir.loads} == {src}
+        stored = {st.dtype for ir in irs for st in ir.stores}
+        assert stored >= set(ALL) - {src}, f"casts from {src} missing: {set(ALL) - {src} - stored}"
+
+
+# the type names, outside comments (a value may be called %half.x)
+_TYPE = re.compile(r"^[^;\n]*(?<![%@.\w])(half|bfloat)\b(?!\.)", re.M)
+
+
+def test_ir_has_no_half_or_bfloat_types(kernels):
+    for ir in kernels:
+        source = llvm.render(ir)
+        found = _TYPE.search(source)
+        assert found is None, f"{ir.name} uses LLVM's {found.group(1)} type:\n{found.group(0)}"
+
+
+@pytest.mark.parametrize("name", list(llvm_build.NAMED_TARGETS))
+def test_llvm_emits_every_kernel_for(name, kernels):
+    target = llvm_build.available_targets().get(name)
+    if target is None:
+        pytest.skip(f"this llvmlite has no {llvm_build.NAMED_TARGETS[name].triple} backend")
+    failures = []
+    for ir in kernels:
+        try:
+            obj = llvm.object_code(llvm.render(ir, target), ir.name, target)
+        except fusec.CompileError as exc:  # includes the compiler process dying
+            failures.append(f"{ir.name}: {exc}")
+            continue
+        assert len(obj) > 0
+        # only C library math and its vector versions may be called: nothing from a compiler
+        # runtime (libgcc's __truncsfbf2, say) that the user's process may not have
+        runtime = [s for s in llvm_build.undefined_symbols(obj) if s.startswith("__")]
+        if runtime:
+            failures.append(f"{ir.name}: calls {runtime}")
+    assert not failures, f"{len(failures)} kernel(s) fail on {target}:\n" + "\n".join(failures[:10])
+
+
+# gcc names for the same CPUs. gcc older than 13 has no -march=znver4: Zen 4 is then znver3 plus
+# the AVX-512 extensions Zen 4 added (BF16 among them).
+ZEN4 = ["-march=znver3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512cd",
+        "-mavx512bf16", "-mavx512vnni", "-mavx512ifma", "-mavx512vbmi", "-mavx512vbmi2",
+        "-mavx512bitalg", "-mavx512vpopcntdq", "-mgfni", "-mvaes", "-mvpclmulqdq"]
+GCC_TARGETS = {"x86-64": ["-march=x86-64"],
+               # what a compiler without a half type (gcc before 12) gets: integer conversions
+               "x86-64-no-float16": ["-march=x86-64", "-DFUSEC_NO_FLOAT16"], "haswell": ["-march=haswell"],
+               "skylake-avx512": ["-march=skylake-avx512"],
+               "sapphirerapids": ["-march=sapphirerapids"], "znver4": ["-march=znver4"],
+               "aarch64": ["-march=armv8.2-a"]}
+
+
+def _accepts(compiler: str, flags: list[str]) -> bool:
+    result = subprocess.run([compiler, *flags, "-x", "c++", "-c", "-", "-o", "/dev/null"],
+                            input="int f() { return 0; }", capture_output=True, text=True)
+    return result.returncode == 0
+
+
+def _compiler_for(name: str) -> str | None:
+    """The host's C++ compiler for a target of its own architecture; for the other one, a cross
+    compiler (.ci/run installs g++-aarch64-linux-gnu / g++-x86-64-linux-gnu where it can)."""
+    import platform
+    arm_host = platform.machine() in ("aarch64", "arm64")
+    if (name == "aarch64") == arm_host:
+        return cpp.find_compiler()
+    return shutil.which("aarch64-linux-gnu-g++" if name == "aarch64" else "x86_64-linux-gnu-g++")
+
+
+@pytest.mark.skipif(not cpp.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("name", list(GCC_TARGETS))
+def test_cpp_compiles_every_kernel_for(name, kernels, tmp_path):
+    compiler, flags = _compiler_for(name), GCC_TARGETS[name]
+    if compiler is None:
+        pytest.skip(f"no C++ cross compiler for {name} here (apt-get install g++-aarch64-linux-gnu)")
+    if name == "znver4" and not _accepts(compiler, flags):
+        flags = ZEN4
+    assert _accepts(compiler, flags), f"{compiler} rejects {flags}"
+    # one translation unit per target: every kernel (renamed apart), the prelude included once
+    parts, seen = [], set()
+    for n, ir in enumerate(kernels):
+        source = cpp.render(ir).replace(f" {ir.name}(", f" {ir.name}_{n}(")
+        if seen:
+            source = source.replace('#include "cpp_prelude.h"', "")
+        seen.add(ir.name)
+        parts.append(source)
+    cpp.compile_object("\n".join(parts), f"{len(kernels)} kernels", flags, tmp_path / "all.o",
+                       compiler)
+    assert (tmp_path / "all.o").stat().st_size > 0
+
+
+# ---- the guard itself ----------------------------------------------------------------------------
+
+def _crashing_worker():
+    return llvm_build.Worker([sys.executable, "-c",
+                              "import os, sys; sys.stderr.write('LLVM ERROR: pretend\\n'); "
+                              "sys.stderr.flush(); os.abort()"])
+
+
+def test_a_dying_compiler_is_an_error_not_a_crash():
+    worker = _crashing_worker()
+    with pytest.raises(llvm_build.WorkerDied, match=r"(?s)signal 6.*fused_k for host.*pretend"):
+        worker.compile("define void @f() {\n  ret void\n}", llvm.host(), "object", "fused_k")
+    # the real worker is unaffected and a new one starts after a death
+    assert llvm.object_code("define void @f() {\n  ret void\n}")
+
+
+def test_fusec_falls_back_when_llvm_dies(monkeypatch, tmp_path):
+    if not cpp.available():
+        pytest.skip("no other CPU backend to fall back to")
+    from fusec import api
+    monkeypatch.setattr(llvm_build, "_WORKER", _crashing_worker())
+    monkeypatch.setattr(api, "_FELL_BACK", set())
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))  # nothing cached: LLVM must compile
+    x = torch.randn(300)
+    fn = lambda x: torch.sin(x) * 2 + 1  # noqa: E731
+    cf = fusec.compile(fn, backend="llvm")
+    with pytest.warns(UserWarning, match=r"(?s)compiler process died.*cpp backend builds"):
+        got = cf(x)
+    torch.testing.assert_close(got, fn(x))
+    assert [k.backend for k in cf.kernels] == ["cpp"]
+
+
+def test_undefined_symbols_reads_the_object():
+    source = "declare float @sinf(float)\ndefine float @f(float %x) {\n" \
+             "  %y = call float @sinf(float %x)\n  ret float %y\n}"
+    obj = llvm.object_code(source)
+    assert llvm_build.undefined_symbols(obj) == ["sinf"]
+    with pytest.raises(fusec.CompileError, match="__no_such_routine"):
+        bad = llvm.object_code("declare void @__no_such_routine()\ndefine void @g() {\n"
+                               "  call void @__no_such_routine()\n  ret void\n}")
+        llvm.check_symbols(bad, "g")
