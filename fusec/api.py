@@ -565,6 +565,14 @@ def _prepare_triton(device: torch.device) -> None:
                           "on a machine without a GPU if it is imported first), or use backend='cpp'")
 
 
+def default_device() -> str:
+    """Where the examples and the demo put their tensors: the GPU if there is one, unless the user
+    asked for Triton's interpreter (TRITON_INTERPRET=1), which runs Triton kernels on the CPU."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "cuda"
+    return "cpu"
+
+
 def _interpreter_off() -> bool:
     """True if triton was imported with its interpreter off (its library is compiled-mode)."""
     import triton.language as tl

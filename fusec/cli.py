@@ -112,7 +112,8 @@ def _run(args) -> int:
 def _example(module, device: str, small: bool = False):
     import torch
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        from fusec.api import default_device
+        device = default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
     return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))

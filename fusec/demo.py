@@ -103,7 +103,8 @@ def load_example(name_or_path: str):
 
 def run_demo(backend: str = "auto", device: str | None = None) -> list[Result]:
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        from fusec.api import default_device
+        device = default_device()
     print(f"fusec demo on {device} (torch {torch.__version__})\n")
     results = []
     for i, name in enumerate(SEED_EXAMPLES):

@@ -1,7 +1,8 @@
 """Shared fixtures. Every test compares fusec against eager PyTorch.
 
 `target` runs a test once per backend: ("cpp", cpu), ("llvm", cpu) and ("triton", cuda) on a
-machine with a GPU, or ("triton", cpu) under Triton's interpreter otherwise. TRITON_INTERPRET must be set before
+machine with a GPU, or ("triton", cpu) under Triton's interpreter otherwise (also on a GPU
+machine when TRITON_INTERPRET=1 is set). TRITON_INTERPRET must be set before
 triton is imported, so it is set here, first thing, when there is no GPU.
 """
 import os
@@ -16,7 +17,9 @@ import pytest  # noqa: E402
 import fusec  # noqa: E402
 from fusec.check import compare  # noqa: E402
 
-GPU = torch.cuda.is_available()
+# TRITON_INTERPRET=1 on a machine with a GPU (the README's test line, run there) still means
+# "Triton on the CPU": the interpreter cannot launch on CUDA tensors or inside a CUDA graph
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 TRITON_DEVICE = "cuda" if GPU else "cpu"
 
 

@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import fusec
+from conftest import GPU
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+pytestmark = pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU (and real Triton: "
+                                                 "not TRITON_INTERPRET=1)")
 
 
 def f(x, y):

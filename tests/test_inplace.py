@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import fusec
-from conftest import CPU_BACKENDS, assert_matches
+from conftest import CPU_BACKENDS, TRITON_DEVICE, assert_matches
 from fusec.demo import load_example
 
 # the Triton backend: real Triton on a GPU machine, the interpreter here
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TRITON_DEVICE
 
 
 def randn(*shape):

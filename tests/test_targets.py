@@ -23,7 +23,7 @@ import fusec
 from fusec import ops
 from fusec.codegen import cpp, llvm, llvm_build
 
-from test_ops import (ALL, BOOL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
+from test_ops import (ALL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
                       _float_unary, _int_ops, _source_values, randf, randi)
 
 SHAPE = (6, 8)
