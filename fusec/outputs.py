@@ -43,16 +43,37 @@ class _Object:
         self.obj = obj
 
 
+class _Template:
+    """A pytree context: the traced object (what a rebuilt one copies) and the names of its
+    attributes that hold tensors. Two templates are equal when their objects have the same type
+    and the same tensor attributes, so that flattening the same program twice (AOT Autograd
+    does) gives equal specs."""
+
+    __slots__ = ("obj", "names")
+
+    def __init__(self, obj: Any, names: tuple[str, ...]):
+        self.obj, self.names = obj, names
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Template) and type(self.obj) is type(other.obj) \
+            and self.names == other.names
+
+    def __hash__(self) -> int:
+        return hash((type(self.obj), self.names))
+
+    def __repr__(self) -> str:
+        return f"{type(self.obj).__name__}({', '.join(self.names)})"
+
+
 def _object_flatten(node: _Object):
     obj = node.obj
-    names = [name for name, value in _attributes(obj) if holds_tensors(value)]
-    return [wrap(getattr(obj, name)) for name in names], (obj, tuple(names))
+    names = tuple(name for name, value in _attributes(obj) if holds_tensors(value))
+    return [wrap(getattr(obj, name)) for name in names], _Template(obj, names)
 
 
-def _object_unflatten(values, context):
-    template, names = context
-    new = copy.copy(template)
-    for name, value in zip(names, values):
+def _object_unflatten(values, template: _Template):
+    new = copy.copy(template.obj)
+    for name, value in zip(template.names, values):
         object.__setattr__(new, name, value)  # as the traced object held it, past any __setattr__
     return new
 
