@@ -458,13 +458,18 @@ def _propagate(gm: fx.GraphModule) -> None:
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_DIR = os.path.dirname(os.__file__)  # contextlib's frames are nobody's line either
+
+
+def _in_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
 
 
 def _user_frame(err: BaseException):
     """The innermost stack frame that belongs to the user's code (not torch, not fusec)."""
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames
-            if not f.filename.startswith(_TORCH_DIR)
+            if not f.filename.startswith(_TORCH_DIR) and not _in_stdlib(f.filename)
             and not os.path.abspath(f.filename).startswith(os.path.join(_FUSEC_DIR, "fusec"))
             and not f.filename.startswith("<")]
     return user[-1] if user else None
