@@ -256,10 +256,10 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
         glob["module"] = module
         lines += [f"if module.training is not {module.training}:", "    return MISS"]
     state = [f"p{i}" for i in range(n_static)]
-    for i, (owner, name, is_param) in enumerate(state_refs):
-        glob[f"owner{i}"] = owner
-        table = "_parameters" if is_param else "_buffers"
-        lines.append(f"p{i} = owner{i}.{table}[{name!r}]")
+    for i, ref in enumerate(state_refs):
+        glob[f"owner{i}"] = ref.owner
+        table = "_parameters" if ref.is_param else "_buffers"
+        lines.append(f"p{i} = owner{i}.{table}[{ref.attr!r}]")
     for var, t in zip(state + args, tensors):
         dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
         glob[dtype], glob[device] = t.dtype, t.device
@@ -352,7 +352,7 @@ class CompiledFunction:
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         # where each parameter and buffer lives, so a call reads them without walking the module
-        self._state_refs = _state_refs(fn) if isinstance(fn, torch.nn.Module) else []
+        self._state_refs = frontend.module_state(fn) if isinstance(fn, torch.nn.Module) else []
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._fast: Callable = _no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
@@ -463,12 +463,11 @@ class CompiledFunction:
 
     def _state(self) -> list[torch.Tensor]:
         """The module's parameters and buffers now (an optimizer may have replaced them)."""
-        return [owner._parameters[name] if is_param else owner._buffers[name]
-                for owner, name, is_param in self._state_refs]
+        return [ref.get() for ref in self._state_refs]
 
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
         tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = frontend.program_device([*self._state(), *tensors])
         backend = resolve_backend(self.backend, device)
         if backend == "triton":
             _prepare_triton(device)
@@ -482,14 +481,12 @@ class CompiledFunction:
         from .training import aot_compile, tensor_args
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         leaves, _, _ = frontend.flatten_call(self.fn, args, kwargs)
-        lifted = _lifted(module)
+        lifted = self._state()
         key = ("train",) + _signature([*lifted, *leaves], module.training if module is not None else False)
         entry = self.compiled.get(key)
         if entry is None:
-            names = list(dict(module.named_parameters(remove_duplicate=False))) + \
-                list(dict(module.named_buffers(remove_duplicate=False))) if module is not None else []
-            device = next((t.device for t in [*lifted, *tensor_args(args, kwargs, self.fn)]),
-                          torch.device("cpu"))
+            names = [ref.name for ref in self._state_refs]
+            device = frontend.program_device([*lifted, *tensor_args(args, kwargs, self.fn)])
             backend = resolve_backend(self.backend, device)
             if backend == "triton":
                 _prepare_triton(device)
@@ -529,26 +526,6 @@ def _label(fn) -> str:
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
     return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _state_refs(module: torch.nn.Module) -> list[tuple]:
-    """(owning submodule, attribute name, is parameter) for every parameter, then every buffer,
-    in the order `frontend.capture` lifts them (named_parameters, named_buffers)."""
-    refs = []
-    for kind, table in ((True, "_parameters"), (False, "_buffers")):
-        for prefix, sub in module.named_modules(remove_duplicate=False):
-            for name, value in getattr(sub, table).items():
-                if value is not None:
-                    refs.append((sub, name, kind))
-    return refs
-
-
-def _lifted(module) -> list[torch.Tensor]:
-    if module is None:
-        return []
-    state = dict(module.named_parameters(remove_duplicate=False))
-    state.update(module.named_buffers(remove_duplicate=False))
-    return list(state.values())
 
 
 def _prepare_triton(device: torch.device) -> None:

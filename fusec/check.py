@@ -86,8 +86,10 @@ def compare(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) 
 def check_outputs(compiled_fn, compiled, args, kwargs, flat_out) -> None:
     from torch.utils import _pytree as pytree
 
+    from .outputs import leaves
+
     with torch.no_grad():
-        eager = pytree.tree_leaves(compiled_fn.fn(*args, **kwargs))
+        eager = leaves(compiled_fn.fn(*args, **kwargs))
     inputs = [*compiled.captured.lifted,
               *(l for l in pytree.tree_leaves((args, kwargs)) if isinstance(l, torch.Tensor))]
     ref = float64_reference(compiled.captured.gm, inputs)

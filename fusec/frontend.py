@@ -7,9 +7,14 @@ updates: `y.add_(1)` becomes `y2 = add(y, 1)`, and a mutated input becomes an ex
 at the end of the graph, the only side effect a captured graph can have.
 
 The graph's inputs are the module's parameters and buffers (lifted: `p_fc_weight`), then every
-tensor the caller passed, named after the function's arguments (`x`, `xs_0`, ...). Python values
-that are not tensors (ints, floats, flags) are baked into the graph as constants; the compiled
-program recompiles when they change.
+tensor the caller passed, named after the function's arguments (`x`, `xs_0`, ...). A tensor the
+module holds under two names (GPT-2's `lm_head.weight` *is* `transformer.wte.weight`) is lifted
+once, under its first name. Python values that are not tensors (ints, floats, flags) are baked
+into the graph as constants; the compiled program recompiles when they change. So are tensors
+the program reaches without being given them (a closure's mask, a plain tensor attribute).
+
+The program may return anything torch's pytree can flatten, and objects holding tensors that it
+cannot (fusec/outputs.py): the graph returns the flat tensors, the caller gets eager's types back.
 
 Every node gets `node.meta["fusec"]`: a TensorMeta (shape, dtype, stride, device) or a tuple of
 them for ops with several outputs.
@@ -34,8 +39,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor  # noqa: E402,F401
 from torch.utils import _pytree as pytree
 
+from . import outputs
 from .errors import DeviceError, UnsupportedError
-from .ir import TensorMeta
+from .ir import TensorMeta, ValueMeta
 
 
 @dataclass
@@ -52,6 +58,40 @@ class Captured:
     output_aliases: dict = None
     # flat output index -> a non-tensor value the program returns as is (None, a number)
     output_constants: dict = None
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where one lifted parameter or buffer lives: `owner._parameters[attr]` (or `_buffers`)."""
+
+    name: str  # the qualified name, `transformer.wte.weight`
+    owner: torch.nn.Module
+    attr: str
+    is_param: bool
+
+    def get(self) -> torch.Tensor:
+        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+
+
+def module_state(module: torch.nn.Module) -> list[StateRef]:
+    """The module's parameters, then its buffers, each tensor once: the order capture lifts them.
+
+    Note: tied weights. A tensor reachable under several names (GPT-2's `lm_head.weight` and
+    `transformer.wte.weight`, T5's `shared.weight` and `encoder.embed_tokens.weight`, a submodule
+    used twice) is one tensor: it becomes one graph input, under the first name
+    `named_parameters()` gives it. `torch.func.functional_call` (with its default
+    `tie_weights=True`) then hands that input to every name tied to it, and in training its
+    gradient is the sum over all its uses, as eager's is.
+    """
+    seen: set[int] = set()
+    refs = []
+    for is_param, table in ((True, "_parameters"), (False, "_buffers")):
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for attr, value in getattr(sub, table).items():
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    refs.append(StateRef(f"{prefix}.{attr}" if prefix else attr, sub, attr, is_param))
+    return refs
 
 
 def flatten_call(fn: Callable, args: tuple, kwargs: dict):
@@ -115,7 +155,9 @@ def decompositions() -> dict:
 def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: list[int],
                   lifted_names: list[str]) -> Callable:
     """fn as a function of flat tensors: the lifted parameters and buffers first, then the
-    caller's tensors (other arguments stay as the caller gave them)."""
+    caller's tensors (other arguments stay as the caller gave them). Recurrent layers inside
+    run as one op each (fusec/rnn.py)."""
+    from .rnn import RecurrentAsExtern
     module = fn if isinstance(fn, torch.nn.Module) else None
     n_lifted = len(lifted_names)
 
@@ -124,10 +166,11 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
         for pos, t in zip(tensor_pos, tensors[n_lifted:]):
             new_leaves[pos] = t
         call_args, call_kwargs = rebuild(new_leaves)
-        if module is not None:
-            params = dict(zip(lifted_names, tensors[:n_lifted]))
-            return torch.func.functional_call(module, params, call_args, call_kwargs)
-        return fn(*call_args, **call_kwargs)
+        with RecurrentAsExtern():
+            if module is not None:
+                params = dict(zip(lifted_names, tensors[:n_lifted]))
+                return torch.func.functional_call(module, params, call_args, call_kwargs)
+            return fn(*call_args, **call_kwargs)
     return call
 
 
@@ -142,15 +185,13 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    _check_devices([leaves[i] for i in tensor_pos], [names[i] for i in tensor_pos])
-
-    if module is not None:
-        state = dict(module.named_parameters(remove_duplicate=False))
-        state.update(module.named_buffers(remove_duplicate=False))
-        lifted_names = list(state)
-        lifted = list(state.values())
-    else:
-        lifted_names, lifted = [], []
+    _check_arguments(leaves, names)
+    state = module_state(module) if module is not None else []
+    lifted_names = [ref.name for ref in state]
+    lifted = [ref.get() for ref in state]
+    user_tensors = [leaves[i] for i in tensor_pos]
+    device = program_device([*lifted, *user_tensors])
+    _check_devices(user_tensors, [names[i] for i in tensor_pos], device)
     traced = _anchor(fn) if stack_traces else fn
     out_spec_box: list[Any] = []
     aliases: dict[int, int] = {}
@@ -160,7 +201,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
                          lifted_names)
 
     def flat_fn(*tensors):
-        flat_out, spec = pytree.tree_flatten(call(*tensors))
+        flat_out, spec = outputs.flatten(call(*tensors))  # ModelOutput, caches ...: outputs.py
         out_spec_box[:] = [spec]
         aliases.clear()
         constants.clear()
@@ -168,19 +209,17 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             for i, t in enumerate(tensors):
                 if o is t:
                     aliases[k] = i
-            if o is None or isinstance(o, (bool, int, float)):
+            if not isinstance(o, torch.Tensor):
                 constants[k] = o  # returned as is (a backward graph returns None gradients)
-            elif not isinstance(o, torch.Tensor):
-                raise UnsupportedError(
-                    f"fusec: the program returns a {type(o).__name__}; only tensors and plain "
-                    "numbers (in any nesting of tuples, lists and dicts) can be returned")
         return [o for k, o in enumerate(flat_out) if k not in constants]
 
-    example = [*lifted, *(leaves[i] for i in tensor_pos)]
+    example = [*lifted, *user_tensors]
     # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
-    # user's line, instead of becoming symbolic values that no static schedule could run.
+    # user's line, instead of becoming symbolic values that no static schedule could run. Tensors
+    # the program reaches by itself (a closure's, a global's) become constants of the graph.
     from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    attributes = _tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
         with torch.no_grad(), mode:
@@ -191,14 +230,53 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
         raise _capture_error(err) from None
+    finally:
+        changed = _restore_attributes(attributes)
+    if changed:
+        raise UnsupportedError(
+            f"fusec: the program assigns new tensors to module attributes ({', '.join(changed)}) "
+            "that are neither parameters nor buffers; a captured graph cannot replay that side "
+            "effect. Register them as buffers (`self.register_buffer(...)`) and update them in "
+            "place, or return them")
 
     _out_of_place(gm)
     user_names = [names[i] for i in tensor_pos]
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
+    if device.type != "cpu":
+        scalars_to_device(gm, device)
     return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases),
                     dict(constants))
+
+
+def _tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
+    """(submodule, its __dict__ before tracing, the tensors in it): what `_restore_attributes`
+    checks. Plain tensor attributes (`self.h0 = torch.randn(...)`) are not lifted state."""
+    if module is None:
+        return []
+    return [(sub, dict(vars(sub)), {k for k, v in vars(sub).items() if isinstance(v, torch.Tensor)})
+            for sub in module.modules()]
+
+
+def _restore_attributes(saved: list[tuple]) -> list[str]:
+    """Undo tensor attributes that tracing assigned (`self.hidden = tanh(...)` in forward leaves
+    a fake tensor on the user's module) and name them: eager would have kept the new value, a
+    captured graph cannot."""
+    changed = []
+    for sub, before, tensors in saved:
+        now = vars(sub)
+        for name in [k for k, v in now.items() if isinstance(v, torch.Tensor)
+                     and (k not in before or before[k] is not v)]:
+            changed.append(f"{type(sub).__name__}.{name}")
+            if name in before:
+                now[name] = before[name]
+            else:
+                del now[name]
+        for name in tensors - set(now):  # `del self.h0` during tracing
+            changed.append(f"{type(sub).__name__}.{name}")
+            now[name] = before[name]
+    return changed
 
 
 def _anchor(fn: Callable) -> Callable:
@@ -252,14 +330,26 @@ def _out_of_place(gm: fx.GraphModule) -> None:
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:
-    """Give every node node.meta["fusec"] (TensorMeta, or a tuple of them) from its fake value."""
+    """Give every node node.meta["fusec"] from its fake value: a TensorMeta, a ValueMeta for
+    what is not a tensor, or a tuple of those for ops with several outputs.
+
+    Note: multi-output externs. Some ops return tensors *and* other values: the CUDA attention
+    kernels return `(out, logsumexp, cum_seq_q, cum_seq_k, max_seqlen_q, max_seqlen_k,
+    philox_seed, philox_offset, debug_mask)`, with ints, SymInts and None among them, and a graph
+    reads only some of them. Every output gets a meta (and every `getitem` of one), so the passes
+    can tell each one's kind without asking the op."""
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            node.meta["fusec"] = TensorMeta.of(val)
-        elif isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
-            node.meta["fusec"] = tuple(TensorMeta.of(v) for v in val)
+        if node.op != "output" and "val" in node.meta:
+            node.meta["fusec"] = _meta_of(node.meta["val"])
     return gm
+
+
+def _meta_of(val):
+    if isinstance(val, torch.Tensor):
+        return TensorMeta.of(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(_meta_of(v) for v in val)
+    return ValueMeta(type(val).__name__)
 
 
 def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
@@ -270,23 +360,116 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
     gm.recompile()
 
 
-def _check_devices(tensors: list[torch.Tensor], names: list[str]) -> None:
-    devices = {str(t.device) for t in tensors}
+def is_cpu_scalar(t: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor: eager lets it meet tensors of any device, as a number would."""
+    return t.dim() == 0 and t.device.type == "cpu"
+
+
+def program_device(tensors: list[torch.Tensor]) -> torch.device:
+    """The device a program runs on: its tensors' device, not counting 0-dim CPU tensors
+    (`torch.tensor(2.0)` next to CUDA activations runs on CUDA, as in eager)."""
+    devices = [t.device for t in tensors if not is_cpu_scalar(t)]
+    return devices[0] if devices else torch.device("cpu")
+
+
+def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
+    devices = {str(t.device) for t in tensors if not is_cpu_scalar(t)}
     if len(devices) > 1:
         where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
         raise DeviceError(f"fusec: inputs live on different devices ({where}); "
                           "move them to one device before calling the compiled program")
 
 
+def _check_arguments(leaves: list, names: list[str]) -> None:
+    """Refuse arguments that hide tensors in objects pytree cannot open (a `DynamicCache` passed
+    back in): their tensors would be baked into the graph as constants, and whatever the program
+    does to the object (a cache appends this step's keys) would happen to the traced copy only."""
+    for leaf, name in zip(leaves, names):
+        if not isinstance(leaf, torch.Tensor) and outputs.holds_tensors(leaf):
+            raise UnsupportedError(
+                f"fusec: argument {name!r} is a {type(leaf).__name__} holding tensors; fusec takes "
+                "tensors in tuples, lists, dicts and pytree-registered types as arguments. Pass its "
+                "tensors directly, or register the type with torch.utils._pytree")
+
+
+def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
+    """Move the program's 0-dim CPU tensors to `device`, where its kernels can read them.
+
+    Eager lets `cuda_x * torch.tensor(2.0)` read the CPU scalar as a number; a generated kernel
+    can only read memory on its own device. So, in a program whose device is not the CPU:
+    - a tensor literal of the program (`torch.tensor(2.0)` in forward: a constant that only
+      `lift_fresh_copy` reads) is moved once, now: eager makes it anew on every call anyway;
+    - a 0-dim CPU input, buffer or other constant is copied to the device at the start of every
+      call (`_to_copy`, one extern step), so the program reads its value of the day;
+    - a factory that makes a 0-dim CPU tensor (`torch.full((), 2.0)`) makes it on the device.
+    The values then flow on the device; an output eager returns on the CPU is copied back.
+    """
+    graph = gm.graph
+    moved = False
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not is_cpu_scalar(val):
+            continue
+        literal = node.op == "get_attr" and all(
+            u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users)
+        if literal:
+            setattr(gm, node.target, getattr(gm, node.target).to(device))
+        elif node.op in ("placeholder", "get_attr"):
+            with graph.inserting_after(node):
+                copy = graph.call_function(torch.ops.aten._to_copy.default, (node,),
+                                           {"device": device})
+            node.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
+        elif node.kwargs.get("device") is not None:
+            node.kwargs = {**node.kwargs, "device": device}
+        else:
+            continue
+        moved = True
+    if not moved:
+        return
+    was_cpu = [isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].device.type == "cpu" for a in graph.output_node().args[0]]
+    _propagate(gm)
+    output = graph.output_node()
+    results = list(output.args[0])
+    for k, (arg, cpu) in enumerate(zip(results, was_cpu)):
+        if cpu and arg.meta["val"].device != torch.device("cpu"):
+            with graph.inserting_before(output):
+                results[k] = graph.call_function(torch.ops.aten._to_copy.default, (arg,),
+                                                 {"device": torch.device("cpu")})
+    output.args = (results,)
+    _propagate(gm)
+    gm.recompile()
+
+
+def _propagate(gm: fx.GraphModule) -> None:
+    """Recompute every node's fake value (and meta) after the graph changed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(),
+                                      dtype=n.meta["val"].dtype, device=n.meta["val"].device)
+                  for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.recompile()
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    annotate(gm)
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_DIR = os.path.dirname(os.__file__)  # contextlib's frames are nobody's line either
+
+
+def _in_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
 
 
 def _user_frame(err: BaseException):
     """The innermost stack frame that belongs to the user's code (not torch, not fusec)."""
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames
-            if not f.filename.startswith(_TORCH_DIR)
+            if not f.filename.startswith(_TORCH_DIR) and not _in_stdlib(f.filename)
             and not os.path.abspath(f.filename).startswith(os.path.join(_FUSEC_DIR, "fusec"))
             and not f.filename.startswith("<")]
     return user[-1] if user else None

@@ -56,6 +56,18 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class ValueMeta:
+    """What fusec knows about a value in the graph that is not a tensor: an int, a SymInt or None
+    among the outputs of a multi-output op (flash attention's `max_seqlen_q`, an unused seed). It
+    lives in Python between steps, never in a buffer; `kind` names its type."""
+
+    kind: str
+
+    def __str__(self) -> str:
+        return self.kind
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where a value lives: `shape`/`stride`/`offset` (in elements) inside its root buffer.
 

@@ -93,16 +93,20 @@ class ExternStep:
         env[self.out_slot] = out if self.planned is None else self.settle(out)
 
     def settle(self, out):
-        """`out` in the strides the schedule planned for it (a copy only when ATen chose others)."""
-        if isinstance(out, torch.Tensor) and tuple(out.stride()) != self.planned.stride \
-                and out.numel() > 1:
-            fixed = torch.empty_strided(self.planned.shape, self.planned.stride, dtype=out.dtype,
-                                        device=out.device)
-            out = fixed.copy_(out)
-        return out
+        return settle(out, self.planned)
 
     def __repr__(self) -> str:
         return f"ExternStep({self.name})"
+
+
+def settle(out, planned: Layout):
+    """`out` in the strides the schedule planned for it (a copy only when ATen chose others)."""
+    if isinstance(out, torch.Tensor) and tuple(out.stride()) != planned.stride \
+            and out.numel() > 1:
+        fixed = torch.empty_strided(planned.shape, planned.stride, dtype=out.dtype,
+                                    device=out.device)
+        out = fixed.copy_(out)
+    return out
 
 
 class ViewStep:
@@ -121,11 +125,17 @@ class ViewStep:
 
 
 class GetItemStep:
-    def __init__(self, src: int, index: int, out_slot: int):
-        self.src, self.index, self.out_slot = src, index, out_slot
+    """One output of a multi-output extern. A tensor output is settled into the layout the
+    schedule planned from the op's fake value: a library may lay it out otherwise (an LSTM's
+    batch-first output is a transposed view of a sequence-first buffer), and kernels read it
+    through the planned strides."""
+
+    def __init__(self, src: int, index: int, out_slot: int, planned: Layout | None = None):
+        self.src, self.index, self.out_slot, self.planned = src, index, out_slot, planned
 
     def __call__(self, env: list) -> None:
-        env[self.out_slot] = env[self.src][self.index]
+        out = env[self.src][self.index]
+        env[self.out_slot] = out if self.planned is None else settle(out, self.planned)
 
     def __repr__(self) -> str:
         return f"GetItemStep(slot {self.src}[{self.index}])"
@@ -262,7 +272,9 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
             src = node.args[0]
             if src.op == "call_module":
                 continue  # a kernel output: written by the KernelStep
-            steps.append(GetItemStep(slot(src.name), node.args[1], slot(node.name)))
+            layout = node.meta.get("fusec_layout")
+            planned = layout if layout is not None and layout.root == node.name else None
+            steps.append(GetItemStep(slot(src.name), node.args[1], slot(node.name), planned))
             producers[slot(node.name)] = str(src.target)
         elif node.op == "call_function" and node in materialize:
             layout = node.meta["fusec_layout"]
@@ -506,7 +518,10 @@ def _emit_view(w: _Writer, step: ViewStep) -> None:
 
 
 def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
-    w.line(f"{w.define(step.out_slot)} = {w.names[step.src]}[{step.index!r}]")
+    item = f"{w.names[step.src]}[{step.index!r}]"
+    if step.planned is not None:  # as for an extern's result: settle the strides as planned
+        item = f"{w.bind(settle, 'settle')}({item}, {w.bind(step.planned, 'layout')})"
+    w.line(f"{w.define(step.out_slot)} = {item}")
 
 
 def _emit_any(w: _Writer, step) -> None:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from . import frontend
+from . import frontend, outputs
 
 
 def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
@@ -56,7 +56,10 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
 
     leaves, _, rebuild = frontend.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    flat_fn = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
+    call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
+
+    def flat_fn(*tensors):  # objects pytree does not know (a DynamicCache) open up: outputs.py
+        return outputs.wrap(call(*tensors))
 
     parts: list = []
     compiler = graph_compiler(backend, parts, check)

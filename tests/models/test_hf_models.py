@@ -1,0 +1,187 @@
+"""Models nobody here wrote: small random-init transformers models, through `fusec.compile(model)`
+unchanged, compared with eager.
+
+Each model is built from a config (no weights are downloaded), tiny (hidden 32, 2 layers, 8
+tokens or 32x32 images), in float32. A compiled model must return what eager returns: the same
+type (`CausalLMOutputWithPast` ...), the same structure (a `DynamicCache` with its layers), and
+every tensor within a relative error of 1e-5 of eager's, with its kernels in `cf.kernels`.
+"""
+import copy
+
+import pytest
+import torch
+
+import fusec
+from conftest import TRITON_DEVICE
+from fusec.outputs import flatten
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = (2, 8)
+IMAGE = (2, 3, 32, 32)
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config), "tokens"
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=16,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config), "tokens"
+
+
+def t5_encoder():
+    config = transformers.T5Config(vocab_size=96, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                   num_heads=2)
+    return transformers.T5EncoderModel(config), "tokens"
+
+
+def bert():
+    config = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=16)
+    return transformers.BertModel(config), "tokens"
+
+
+def vit():
+    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64)
+    return transformers.ViTModel(config), "image"
+
+
+def resnet():
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])
+    return transformers.ResNetModel(config), "image"
+
+
+def convnext():
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
+    return transformers.ConvNextModel(config), "image"
+
+
+MODELS = {f.__name__: f for f in (gpt2, llama, t5_encoder, bert, vit, resnet, convnext)}
+
+
+def build(name: str, device: str = "cpu"):
+    torch.manual_seed(0)
+    model, kind = MODELS[name]()
+    model = model.to(device).eval()
+    if kind == "tokens":
+        example = torch.randint(0, 96, TOKENS, device=device)
+    else:
+        example = torch.randn(IMAGE, device=device)
+    return model, example
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (0 when both are all zeros)."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    return err / scale if scale else err
+
+
+def assert_same_output(got, want, rtol: float = 1e-5) -> None:
+    """Same type, same structure (pytree spec, with fusec's view of unregistered objects), and
+    every tensor within `rtol` of eager's (relative to the tensor's largest magnitude)."""
+    assert type(got) is type(want), (type(got), type(want))
+    got_leaves, got_spec = flatten(got)
+    want_leaves, want_spec = flatten(want)
+    assert got_spec == want_spec, f"\n{got_spec}\n!=\n{want_spec}"
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        if not isinstance(w, torch.Tensor):
+            assert g == w, (i, g, w)
+            continue
+        assert isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype, i
+        assert relative_error(g.cpu(), w.cpu()) <= rtol, (i, relative_error(g.cpu(), w.cpu()))
+
+
+# every model on the C++ backend and on the LLVM one; two of them on Triton too (its interpreter,
+# on a machine without a GPU, runs each kernel in numpy: slow, so only the smallest)
+CASES = [(name, "cpp") for name in MODELS] + [(name, "llvm") for name in MODELS] + \
+    [("bert", "triton"), ("resnet", "triton")]
+
+
+@pytest.mark.parametrize("name,backend", CASES, ids=[f"{n}-{b}" for n, b in CASES])
+def test_model_matches_eager(name, backend):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    model, example = build(name, device)
+    compiled = fusec.compile(model, backend=backend)
+    with torch.no_grad():
+        want = model(example)
+        got = compiled(example)
+    assert_same_output(got, want)
+    assert compiled.kernels, "no kernel was generated"
+    assert all(k.backend == backend for k in compiled.kernels)
+    with torch.no_grad():  # the second call takes the fast path: the same answer
+        again = compiled(example)
+    assert_same_output(again, want)
+
+
+def test_llama_returns_its_cache_as_eager_does():
+    """LlamaForCausalLM returns a DynamicCache by default (use_cache=True): one a later call can
+    be given back, holding this call's keys and values, new objects on every call."""
+    model, ids = build("llama")
+    compiled = fusec.compile(model, backend="cpp")
+    with torch.no_grad():
+        want, got, again = model(ids), compiled(ids), compiled(ids)
+    cache = got.past_key_values
+    assert type(cache) is transformers.DynamicCache
+    assert cache.get_seq_length() == want.past_key_values.get_seq_length() == TOKENS[1]
+    for layer, eager_layer in zip(cache.layers, want.past_key_values.layers):
+        assert relative_error(layer.keys, eager_layer.keys) <= 1e-5
+        assert relative_error(layer.values, eager_layer.values) <= 1e-5
+    assert again.past_key_values is not cache
+    assert again.past_key_values.layers[0].keys is not cache.layers[0].keys
+    # the cache works as eager's does: the next token reads it
+    nxt = ids[:, -1:]
+    with torch.no_grad():
+        step = model(nxt, past_key_values=cache, use_cache=True)
+        ref = model(nxt, past_key_values=want.past_key_values, use_cache=True)
+    assert relative_error(step.logits, ref.logits) <= 1e-5
+
+
+def test_gpt2_ties_its_head_to_its_embedding():
+    model, ids = build("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    compiled = fusec.compile(model, backend="cpp")
+    with torch.no_grad():
+        compiled(ids)
+    lifted = compiled._compiled.last.captured.lifted_names
+    assert "transformer.wte.weight" in lifted and "lm_head.weight" not in lifted
+
+
+def test_training_step_matches_eager():
+    """forward + backward + an optimizer step through GPT-2 (whose head is tied to its
+    embedding: the tied weight's gradient sums both uses), against the same steps in eager."""
+    model, ids = build("gpt2")
+    model.train()
+    model.config.attn_pdrop = model.config.resid_pdrop = model.config.embd_pdrop = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ref = copy.deepcopy(model)
+    compiled = fusec.compile(model, backend="cpp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        loss = compiled(ids, labels=ids).loss
+        ref_loss = ref(ids, labels=ids).loss
+        loss.backward()
+        ref_loss.backward()
+        assert relative_error(loss.detach(), ref_loss.detach()) <= 1e-5, step
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert relative_error(p.grad, r.grad) <= 1e-4, (step, name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert compiled.kernels
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert relative_error(p.detach(), r.detach()) <= 1e-5
