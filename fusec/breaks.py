@@ -34,6 +34,7 @@ import inspect
 import itertools
 import linecache
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -191,20 +192,22 @@ class Region:
         return frames
 
     def span(self) -> str:
-        """`f.py:10-12`: the first and last user line of the region."""
-        lines = self.lines()
-        if not lines:
-            return ""
-        first, last = lines[0], max(lines, key=lambda f: (f.file == lines[0].file, f.line))
-        name = os.path.basename(first.file)
-        return f"{name}:{first.line}" + (f"-{last.line}" if last.line != first.line else "")
+        """Where the region's ops come from: `f.py:10-12`, per file (at most three)."""
+        ranges: dict[str, list[int]] = {}
+        for frame in self.lines():
+            ranges.setdefault(os.path.basename(frame.file), []).append(frame.line)
+        parts = [f"{name}:{min(lines)}" + (f"-{max(lines)}" if max(lines) != min(lines) else "")
+                 for name, lines in ranges.items()]
+        return ", ".join(parts[:3]) + (f" (+{len(parts) - 3} files)" if len(parts) > 3 else "")
 
     def title(self) -> str:
         kernels = self.kernels
-        names = ", ".join(k.name for k in kernels) or "no kernel"
-        span = f" {self.span()}" if self.span() else ""
+        names = ", ".join(k.name for k in kernels[:4]) or "no kernel"
+        if len(kernels) > 4:
+            names += f", +{len(kernels) - 4} more"
+        span = f" ({self.span()})" if self.span() else ""
         return (f"region {self.index}: {self.function}{span}: {len(self.graph_ops())} torch op(s) "
-                f"-> {len(kernels)} kernel(s) ({names})")
+                f"-> {len(kernels)} kernel(s): {names}")
 
     def graph_ops(self) -> list[fx.Node]:
         return [n for n in self.graph.graph.nodes
@@ -290,6 +293,7 @@ class Regions:
         self.check = check
         self.label = label
         self.keep_inputs = keep_inputs  # keep each region's last inputs (fusec.profile does)
+        self.cause: GraphBreakError | None = None  # why fusec.compile could not take it whole
         self.regions: list[Region] = []
         self._clock = itertools.count(1)
         self._call_started = 0
@@ -350,16 +354,12 @@ class Regions:
 
     @property
     def schedule(self) -> str:
-        regions = self.last_call
-        if not regions:
-            raise FusecError("fusec: nothing compiled yet; call the compiled function first")
+        regions = self._ran_last()
         return "\n".join(f"{r.title()}\n{r.schedule_text()}" + _after(r) for r in regions)
 
     def source(self) -> str:
         """Every region's whole program (kernels, schedule, wrapper, graph), with the breaks."""
-        regions = self.last_call
-        if not regions:
-            raise FusecError("fusec: nothing compiled yet; call the compiled function first")
+        regions = self._ran_last()
         out = [f"# fusec: {self.label} in {len(regions)} region(s) (graph breaks between them "
                "run eagerly)"]
         for r in regions:
@@ -369,12 +369,28 @@ class Regions:
                 out.append("\n".join("# " + line for line in r.ended_by.describe()))
         return "\n".join(out)
 
+    def _ran_last(self) -> list[Region]:
+        """The last call's regions, or a clear error when there are none."""
+        regions = self.last_call
+        if regions:
+            return regions
+        if self._call_started or self.regions:
+            raise FusecError(f"fusec: the last call of {self.label} ran no compiled region: "
+                             "TorchDynamo found no tensor operations to compile, so all of it "
+                             "ran eagerly")
+        raise FusecError("fusec: nothing compiled yet; call the compiled function first")
+
     def summary(self) -> str:
         """Regions and breaks, in program order: what was compiled and what ran eagerly."""
         regions = self.last_call or self.regions
         kernels = sum(len(r.kernels) for r in regions)
         out = [f"fusec: {self.label} ran as {len(regions)} compiled region(s) with "
                f"{len(self.breaks)} graph break(s), {kernels} kernel(s)"]
+        if self.cause is not None:
+            path, _, line = self.cause.where.rpartition(":")
+            at = f" at {os.path.basename(path)}:{line}" if self.cause.where else ""
+            out.append(f"  (one graph was impossible: {self.cause.reason}{at}; TorchDynamo "
+                       "found the regions)")
         for r in regions:
             out.append("  " + r.title())
             if r.ended_by is not None:
@@ -442,6 +458,7 @@ class GraphBroken:
                  check: bool = False, label: str = "program"):
         self.cause = cause
         self.regions = Regions(backend, check, label)
+        self.regions.cause = cause
         self.compiled = dynamo_compile(fn, self.regions)
 
     def __call__(self, args: tuple, kwargs: dict):
@@ -450,10 +467,12 @@ class GraphBroken:
 
 
 def collect_regions(model: Callable, inputs: tuple, kwargs: dict, backend: str = "auto",
-                    label: str = "program", keep_inputs: bool = False) -> Regions:
+                    label: str = "program", keep_inputs: bool = False,
+                    cause: GraphBreakError | None = None) -> Regions:
     """Run `model(*inputs, **kwargs)` once through TorchDynamo, with fusec compiling each region,
     under torch.no_grad() (what explain and profile show: the inference programs)."""
     collected = Regions(backend, label=label, keep_inputs=keep_inputs)
+    collected.cause = cause
     compiled = dynamo_compile(model, collected)
     collected.begin_call()
     with torch.no_grad():
@@ -471,7 +490,17 @@ def warn_graph_breaks(label: str, cause: GraphBreakError) -> None:
         f"fusec: {label} cannot be one graph: {cause.reason}{where}{code}. fusec compiles the "
         "regions around it with TorchDynamo and runs the rest eagerly (graph breaks); "
         f"fusec.explain({label}, ...) lists every region and break. Pass fullgraph=True to make "
-        "this an error instead.", GraphBreakWarning, stacklevel=5)
+        "this an error instead.", GraphBreakWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning point at the user's call (the first frame, from
+    the caller of warnings.warn outwards, that is neither fusec's nor torch's)."""
+    from .frontend import _is_user_file
+    frame, level = sys._getframe(2), 2  # 1: warn_graph_breaks's caller
+    while frame is not None and not _is_user_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 # ---- reaching the regions of a torch.compile'd object ---------------------------------------------

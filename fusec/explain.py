@@ -571,17 +571,19 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
     model, backend = unwrap(model, backend)
     try:
         captured, chosen = capture_for(model, inputs, kwargs, backend)
-    except GraphBreakError:
+    except GraphBreakError as cause:
         if fullgraph:
             raise
-        return explain_regions(model, inputs, kwargs, backend)
+        return explain_regions(model, inputs, kwargs, backend, cause)
     return Explanation(compile_graph(captured, chosen, record=True, label=_label(model)))
 
 
-def explain_regions(model, inputs: tuple, kwargs: dict, backend: str) -> "RegionsExplanation":
+def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
+                    cause: GraphBreakError | None = None) -> "RegionsExplanation":
     """Run `model` once through TorchDynamo with fusec compiling each region, and explain them."""
     from .breaks import collect_regions
-    return RegionsExplanation(collect_regions(model, inputs, kwargs, backend, label=_label(model)))
+    return RegionsExplanation(collect_regions(model, inputs, kwargs, backend, label=_label(model),
+                                              cause=cause))
 
 
 @dataclass
@@ -606,6 +608,8 @@ class RegionsExplanation:
     def to_dict(self) -> dict:
         return {"label": self.regions.label, "backend": self.regions.backend,
                 "breaks": self.breaks(),
+                "cause": ({"reason": self.regions.cause.reason, "where": self.regions.cause.where}
+                          if self.regions.cause is not None else None),
                 "regions": [{"index": r.index, "function": r.function, "span": r.span(),
                              "lines": [str(f) for f in r.lines()],
                              "ended_by": r.ended_by.to_dict() if r.ended_by else None,

@@ -455,10 +455,10 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     step("compile")
     try:
         captured, chosen = capture_for(model, inputs, kwargs, backend)
-    except GraphBreakError:
+    except GraphBreakError as cause:
         if fullgraph:
             raise
-        return profile_regions(model, inputs, kwargs, backend, label, **options)
+        return profile_regions(model, inputs, kwargs, backend, label, cause=cause, **options)
     cg = compile_graph(captured, chosen, record=True, label=label)
     leaves = frontend.flatten_call(model, inputs, kwargs)[0]
     tensors = [*captured.lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
@@ -599,7 +599,7 @@ class RegionsProfile:
 
 
 def profile_regions(model, inputs: tuple, kwargs: dict, backend: str, name: str | None,
-                    progress=None, **options) -> RegionsProfile:
+                    progress=None, cause=None, **options) -> RegionsProfile:
     """Profile a program that runs in regions: find them (one run through TorchDynamo), time
     the whole call eagerly and compiled, then profile each region's forward program on the
     inputs it received in that run, as `profile` does for a whole program."""
@@ -608,7 +608,8 @@ def profile_regions(model, inputs: tuple, kwargs: dict, backend: str, name: str 
     step = progress or (lambda stage: None)
     label = name or _label(model)
     step("compile")
-    collected = collect_regions(model, inputs, kwargs, backend, label=label, keep_inputs=True)
+    collected = collect_regions(model, inputs, kwargs, backend, label=label, keep_inputs=True,
+                                cause=cause)
     user = dynamo_compile(model, Regions(backend, label=label))
 
     def eager():
