@@ -34,6 +34,7 @@ import inspect
 import itertools
 import linecache
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -60,28 +61,25 @@ class Frame:
         return f"{os.path.basename(self.file)}:{self.line}"
 
 
-# Dynamo's break reasons, in the user's words (torch's own text is kept next to them)
-_PLAIN_REASONS = [
-    ("generic_jump", "Python branches on a tensor value (`if tensor:`)"),
-    ("Data-dependent branching", "Python branches on a tensor value (`if tensor:`)"),
-    ("Tensor.item", "`.item()` turns tensor data into a Python number"),
-    ("Tensor.tolist", "`.tolist()` turns tensor data into Python numbers"),
-    ("Dynamic shape operator", "an op whose output shape depends on the data"),
-    ("data dependent operator", "an op whose output depends on the data in a way Dynamo "
-                                "cannot trace"),
-    ("builtin operator `print`", "print() runs Python on every call"),
-    ("numpy", "numpy code on tensor data"),
+# Dynamo's break reasons, in the user's words (torch's own text is kept next to them). A
+# reason about an op gets the op's name, from the "Developer debug context" line of torch's text.
+_PLAIN_REASONS = [  # (a piece of torch's text, plain words, name the op?)
+    ("generic_jump", "Python branches on a tensor value (`if tensor:`)", False),
+    ("Data-dependent branching", "Python branches on a tensor value (`if tensor:`)", False),
+    ("Tensor.item", "`.item()` turns tensor data into a Python number", False),
+    ("Tensor.tolist", "`.tolist()` turns tensor data into Python numbers", False),
+    ("Dynamic shape operator", "an op whose output shape depends on the data", True),
+    ("data dependent operator", "an op whose output depends on the data", True),
+    ("builtin operator `print`", "print() runs Python on every call", False),
 ]
 
 
 def plain_reason(torch_reason: str) -> str:
     """A short, plain-words version of Dynamo's break reason (its first line otherwise)."""
-    for pattern, words in _PLAIN_REASONS:
+    for pattern, words, name_op in _PLAIN_REASONS:
         if pattern in torch_reason:
-            if words.startswith("an op whose output shape"):
-                op = _debug_context(torch_reason)
-                return f"{words} ({op})" if op else words
-            return words
+            op = _debug_context(torch_reason) if name_op else ""
+            return f"{words} ({op})" if op else words
     return torch_reason.strip().splitlines()[0] if torch_reason.strip() else "unknown"
 
 
@@ -251,17 +249,13 @@ def _arg(a) -> str:
     return repr(a)
 
 
-_TRACE_FRAME = None
+_TRACE_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
 def _innermost(stack_trace: str | None) -> Frame | None:
     """The innermost user frame of an fx node's `stack_trace` text, or None."""
-    global _TRACE_FRAME
     if not stack_trace:
         return None
-    if _TRACE_FRAME is None:
-        import re
-        _TRACE_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
     torch_dir = os.path.dirname(torch.__file__)
     found = None
     for m in _TRACE_FRAME.finditer(stack_trace):
