@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import os
 import sys
+import sysconfig
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -330,8 +331,15 @@ def _user_caller():
 
 
 def _is_user_file(path: str) -> bool:
+    """Code of the program being compiled (the user's, or a library's it calls, such as
+    transformers), not torch's, fusec's or Python's own standard library."""
+    path = os.path.abspath(path) if not path.startswith("<") else path
     return not (path.startswith(_TORCH_DIR) or path.startswith("<")
-                or os.path.abspath(path).startswith(os.path.join(_FUSEC_DIR, "fusec")))
+                or path.startswith(os.path.join(_FUSEC_DIR, "fusec"))
+                or (path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path))
+
+
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def _runs_python(what: str, why: str, frame) -> GraphBreakError:
