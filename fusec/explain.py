@@ -444,6 +444,10 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
 class Explanation:
     compiled: CompiledGraph
 
+    @property
+    def kernels(self) -> list:
+        return self.compiled.kernels
+
     # pieces, also used by fusec.profile and FUSEC_DEBUG_DIR
     def groups(self) -> list[dict]:
         return group_rows(self.compiled.gm, self.compiled.kernels)
@@ -604,6 +608,31 @@ class RegionsExplanation:
 
     def breaks(self) -> list[dict]:
         return [b.to_dict() for b in self.regions.breaks]
+
+    def _owner(self, kernel: int | str) -> tuple["Explanation", str]:
+        """The region program's Explanation that holds `kernel` (by position or name)."""
+        name = self.kernels[kernel].name if isinstance(kernel, int) else kernel
+        for _, parts in self.explanations():
+            for e in parts:
+                if any(k.name == name for k in e.kernels):
+                    return e, name
+        raise FusecError(f"fusec: no kernel named {kernel!r}; the kernels are "
+                         f"{', '.join(k.name for k in self.kernels) or 'none'}")
+
+    def optimized_ir(self, kernel: int | str = 0) -> str:
+        e, name = self._owner(kernel)
+        return e.optimized_ir(name)
+
+    def assembly(self, kernel: int | str = 0) -> str:
+        e, name = self._owner(kernel)
+        return e.assembly(name)
+
+    def dot(self, stage: str = "after") -> str:
+        raise FusecError("fusec: graph pictures are drawn per region: "
+                         "e.explanations()[i][1][0].dot(stage) for region i's program")
+
+    def svg(self, stage: str = "after") -> str | None:
+        return self.dot(stage)
 
     def to_dict(self) -> dict:
         return {"label": self.regions.label, "backend": self.regions.backend,

@@ -368,6 +368,11 @@ def test_torch_compile_exposes_regions():
     fresh = fusec.explain(opt, torch.ones(8))  # compiled afresh for these inputs
     assert len(fresh.regions.last_call) == 2
     assert "branch" in str(regions)
+    report = fusec.profile(opt, -torch.ones(64), iters=2, warmup=1, time_budget_s=0.02,
+                           copy_bytes=1 << 20)
+    assert [r.index for r, _ in report.regions] == [1, 2]
+    assert any("tanh" in k.name for k in report.kernels)
+    assert all(r.numerics.startswith("ok") for _, r in report.regions)
 
 
 def test_torch_compile_module_training_and_regions():
