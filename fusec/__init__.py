@@ -25,15 +25,16 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .api import CompiledFunction, CompiledModule, Kernel, compile  # noqa: E402
+from .breaks import Regions, regions  # noqa: E402
 from .errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError,  # noqa: E402
-                     MismatchError, UnsupportedError)
+                     GraphBreakError, GraphBreakWarning, MismatchError, UnsupportedError)
 from .explain import explain  # noqa: E402
 from .profile import profile  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "explain", "profile", "Kernel", "CompiledFunction", "CompiledModule",
-    "FusecError", "UnsupportedError", "DeviceError", "CompilerNotFoundError", "CompileError",
-    "MismatchError",
+    "compile", "explain", "profile", "regions", "Kernel", "CompiledFunction", "CompiledModule",
+    "Regions", "FusecError", "UnsupportedError", "GraphBreakError", "GraphBreakWarning",
+    "DeviceError", "CompilerNotFoundError", "CompileError", "MismatchError",
 ]

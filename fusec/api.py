@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import frontend
 from . import log as _log
-from .errors import DeviceError, FusecError
+from .errors import DeviceError, FusecError, GraphBreakError
 from .ir import PointwiseKernel
 
 # The pipeline's own modules (and networkx, jinja2) load with fusec, not on the first compile.
@@ -341,13 +341,15 @@ class CompiledFunction:
     """What `fusec.compile(fn)` returns: call it like `fn`."""
 
     def __init__(self, fn: Callable, backend: str = "auto", cuda_graphs: str | bool = "auto",
-                 check: bool = False):
+                 check: bool = False, fullgraph: bool = False):
         if backend not in BACKENDS:
             raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.fn = fn
         self.backend = backend
         self.cuda_graphs = cuda_graphs
         self.check = check
+        self.fullgraph = fullgraph
+        self.breaks = None  # a fusec.breaks.GraphBroken once the program proved not one graph
         self.compiled: dict[tuple, CompiledGraph] = {}
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
@@ -361,7 +363,10 @@ class CompiledFunction:
     # -- public ---------------------------------------------------------------------------------
     @property
     def kernels(self) -> list[Kernel]:
-        """The kernels of the last input signature called (forward, then backward, in training)."""
+        """The kernels of the last input signature called (forward, then backward, in training;
+        with graph breaks, every region's, region by region)."""
+        if self.breaks is not None:
+            return self.breaks.regions.kernels
         if self.last is None and self.train_parts:
             return [k for part in self.train_parts for k in part.kernels]
         return self.last.kernels if self.last else []
@@ -369,12 +374,16 @@ class CompiledFunction:
     @property
     def schedule(self) -> str:
         """The last signature's schedule: numbered steps and the memory plan (print it)."""
+        if self.breaks is not None:
+            return self.breaks.regions.schedule
         if self.last is None:
             raise FusecError("fusec: nothing compiled yet; call the compiled function first")
         return self.last.schedule_text()
 
     def source(self) -> str:
         """The whole generated program (kernels, schedule, graph) of the last signature."""
+        if self.breaks is not None:
+            return self.breaks.regions.source()
         if self.last is None:
             raise FusecError("fusec: nothing compiled yet; call the compiled function first")
         return self.last.source()
@@ -386,7 +395,8 @@ class CompiledFunction:
         straight-line function (fusec/runtime.py), which returns the user's outputs itself.
         Anything else (keyword arguments, non-tensor or nested arguments, a new signature,
         training, check=True) takes the general path, `_call`, which compiles when needed and
-        prepares `self._fast` for the next call like this one."""
+        prepares `self._fast` for the next call like this one. (A program that is not one graph
+        takes `_call` every time, into its graph-break path: fusec/breaks.py.)"""
         if not kwargs and not self.check:
             out = self._fast(args)
             if out is not _MISS:
@@ -397,6 +407,8 @@ class CompiledFunction:
     def _call(self, args: tuple, kwargs: dict):
         """The general path: flatten the arguments, pick (or compile) the signature's program,
         train if gradients are needed, run, check, rebuild the outputs' structure."""
+        if self.breaks is not None:
+            return self.breaks(args, kwargs)
         self._fast = _no_fast_path  # set again below when this call can take the fast path
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         plain = not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor)
@@ -415,7 +427,10 @@ class CompiledFunction:
                          module.training if module is not None else False) + structure
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self._compile(args, kwargs, leaves)
+            try:
+                compiled = self._compile(args, kwargs, leaves)
+            except GraphBreakError as err:
+                return self._graph_breaks(err, args, kwargs)
             self.compiled[key] = compiled
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
@@ -475,6 +490,21 @@ class CompiledFunction:
             captured = frontend.capture(self.fn, args, kwargs, stack_traces=_log.wants_stack_traces())
         return compile_graph(captured, backend, record=True, label=_label(self.fn))
 
+    def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
+        """The program is not one static graph (`cause` says why and where). fullgraph=True:
+        raise that. Otherwise compile the regions around the breaks through TorchDynamo, say so
+        once, and call every later signature that way too (fusec/breaks.py)."""
+        if self.fullgraph:
+            raise GraphBreakError(f"{cause} (fullgraph=True; with fullgraph=False fusec compiles "
+                                  "the regions around this and runs it eagerly)",
+                                  cause.reason, cause.where) from None
+        from .breaks import GraphBroken, warn_graph_breaks
+        label = _label(self.fn)
+        warn_graph_breaks(label, cause)
+        self.breaks = GraphBroken(self.fn, cause, self.backend, self.check, label)
+        self._fast, self.last, self.train_parts = _no_fast_path, None, []
+        return self.breaks(args, kwargs)
+
     def _train(self, args, kwargs):
         """Inputs or parameters require grad: compile forward and backward with AOT Autograd
         (fusec/training.py), one compiled pair per input signature."""
@@ -491,7 +521,19 @@ class CompiledFunction:
             if backend == "triton":
                 _prepare_triton(device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names, backend, self.check)
+            try:  # AOT Autograd traces on the first call
+                with frontend.python_at_trace_time_refused():
+                    out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
+            except GraphBreakError as err:
+                return self._graph_breaks(err, args, kwargs)
+            except Exception as err:
+                cause = frontend._capture_error(err)
+                if not isinstance(cause, GraphBreakError):
+                    raise
+                return self._graph_breaks(cause, args, kwargs)
             self.compiled[key] = entry
+            self.train_parts, self.last = entry[1], None
+            return out
         call, parts = entry
         self.train_parts = parts
         self.last = None
@@ -558,15 +600,20 @@ def _interpreter_off() -> bool:
 
 
 def compile(fn: Callable | None = None, *, backend: str = "auto",
-            cuda_graphs: str | bool = "auto", check: bool = False):
+            cuda_graphs: str | bool = "auto", fullgraph: bool = False, check: bool = False):
     """Compile a function or nn.Module into fused kernels.
 
     Use as `fusec.compile(fn)`, `@fusec.compile`, or `@fusec.compile(backend="cpp", check=True)`.
-    backend: "auto" (Triton for CUDA inputs, C++/OpenMP for CPU inputs), "triton" or "cpp".
+    backend: "auto" (Triton for CUDA inputs, C++/OpenMP for CPU inputs), "triton", "cpp" or "llvm".
+    fullgraph: True: the program must be one graph, or fusec raises a GraphBreakError saying
+    why and where. False (the default): a program that cannot be one graph (Python control flow
+    on tensor values, `.item()`, data-dependent shapes, print or numpy) is compiled in regions
+    through TorchDynamo, with graph breaks between them (fusec/breaks.py; warned once). A
+    program captured whole calls straight into its schedule either way.
     check: also run eager PyTorch on every call and raise fusec.MismatchError if a fused result
     is further from a float64 reference than eager's result is (beyond the dtype's tolerance).
     """
-    options = dict(backend=backend, cuda_graphs=cuda_graphs, check=check)
+    options = dict(backend=backend, cuda_graphs=cuda_graphs, fullgraph=fullgraph, check=check)
     if fn is None:
         return lambda f: compile(f, **options)
     if isinstance(fn, torch.nn.Module):

@@ -97,7 +97,7 @@ def _run(args) -> int:
         elif args.command == "kernels":
             import fusec
             e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
-            for k in e.compiled.kernels:
+            for k in e.kernels:  # every region's, for a program with graph breaks
                 text = e.assembly(k.name, args.target) if args.asm else \
                     e.optimized_ir(k.name) if args.optimized else k.source
                 print(f"# ===== {k.name} ({k.backend}) =====\n{text}")

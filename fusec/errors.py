@@ -9,6 +9,20 @@ class UnsupportedError(FusecError):
     """The program uses something fusec cannot capture or run (data-dependent control flow, ...)."""
 
 
+class GraphBreakError(UnsupportedError):
+    """The program cannot be one static graph: Python control flow on tensor values, `.item()`,
+    an op whose output shape depends on the data, or Python that must run on every call (print,
+    numpy). `fullgraph=False` (the default) compiles the regions around it instead (graph breaks,
+    fusec/breaks.py); `fullgraph=True` raises this.
+
+    `reason` says what happened in a few words; `where` is the user's `file:line` (or "")."""
+
+    def __init__(self, message: str, reason: str = "", where: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
+        self.where = where
+
+
 class DeviceError(FusecError):
     """An input lives on a device the chosen backend cannot run on, or inputs mix devices."""
 
@@ -23,3 +37,8 @@ class CompileError(FusecError):
 
 class MismatchError(FusecError):
     """`check=True` found a fused result further from the float64 reference than eager's."""
+
+
+class GraphBreakWarning(UserWarning):
+    """fusec.compile could not capture the program as one graph and compiles it in regions,
+    with graph breaks between them (fusec/breaks.py). Said once per compiled program."""

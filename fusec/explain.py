@@ -18,6 +18,14 @@
 
 Nothing is run on the inputs' data: the program is captured and compiled exactly as
 `fusec.compile` would (the kernels are built, so their sources are the real ones).
+
+A program that cannot be one graph (graph breaks, fusec/breaks.py) is explained region by
+region: `fusec.explain` then returns a `RegionsExplanation`, which first lists every region,
+every break with the user's line and torch's reason, and what ran eagerly, then walks each
+region's program as above. Finding the regions means running the program once through
+TorchDynamo (a break can depend on the data), under torch.no_grad(). The same holds for a
+`torch.compile(model, backend="fusec")` object: `fusec.explain(opt, *inputs)` compiles its
+regions afresh; `fusec.explain(opt)` with no inputs explains the regions it already compiled.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import torch.fx as fx
 from .api import CompiledGraph, compile_graph, resolve_backend, _prepare_triton
 from .frontend import capture
 from .ir import TensorMeta, contiguous_strides, short_dtype
-from .errors import FusecError
+from .errors import FusecError, GraphBreakError
 
 
 # ---- source lines ---------------------------------------------------------------------------------
@@ -436,6 +444,10 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
 class Explanation:
     compiled: CompiledGraph
 
+    @property
+    def kernels(self) -> list:
+        return self.compiled.kernels
+
     # pieces, also used by fusec.profile and FUSEC_DEBUG_DIR
     def groups(self) -> list[dict]:
         return group_rows(self.compiled.gm, self.compiled.kernels)
@@ -554,14 +566,110 @@ class Explanation:
         p.text(str(self))
 
 
-def explain(model, *inputs, backend: str = "auto", **kwargs) -> Explanation:
+def explain(model, *inputs, backend: str = "auto", **kwargs):
     """Capture and compile `model(*inputs, **kwargs)` and return every stage (see module doc).
 
-    `model` may be a plain function or module, or one already wrapped by fusec.compile.
+    `model` may be a plain function or module, one already wrapped by fusec.compile, or one
+    returned by `torch.compile(..., backend="fusec")`. Returns an Explanation, or a
+    RegionsExplanation when the program runs in regions with graph breaks between them.
     """
+    from .breaks import original, regions
+    torch_compiled = original(model)
+    if torch_compiled is not None:  # torch.compile(..., backend="fusec"): Dynamo's regions
+        collected = regions(model)
+        if not inputs and not kwargs:
+            return RegionsExplanation(collected)
+        backend = collected.backend if backend == "auto" else backend
+        return explain_regions(torch_compiled, inputs, kwargs, backend)
+    fullgraph = getattr(getattr(model, "_compiled", model), "fullgraph", False)
     model, backend = unwrap(model, backend)
-    captured, chosen = capture_for(model, inputs, kwargs, backend)
+    try:
+        captured, chosen = capture_for(model, inputs, kwargs, backend)
+    except GraphBreakError as cause:
+        if fullgraph:
+            raise
+        return explain_regions(model, inputs, kwargs, backend, cause)
     return Explanation(compile_graph(captured, chosen, record=True, label=_label(model)))
+
+
+def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
+                    cause: GraphBreakError | None = None) -> "RegionsExplanation":
+    """Run `model` once through TorchDynamo with fusec compiling each region, and explain them."""
+    from .breaks import collect_regions
+    return RegionsExplanation(collect_regions(model, inputs, kwargs, backend, label=_label(model),
+                                              cause=cause))
+
+
+@dataclass
+class RegionsExplanation:
+    """`fusec.explain` of a program in regions: the regions and breaks, then each region's
+    Explanation (forward program, and backward program when one was compiled)."""
+
+    regions: "Regions"  # noqa: F821 (fusec.breaks.Regions)
+
+    def explanations(self) -> list[tuple]:
+        """(region, [Explanation of each compiled part]) for every region of the last call."""
+        return [(r, [Explanation(cg) for cg in r.compiled_graphs])
+                for r in self.regions.last_call or self.regions.regions]
+
+    @property
+    def kernels(self) -> list:
+        return self.regions.kernels
+
+    def breaks(self) -> list[dict]:
+        return [b.to_dict() for b in self.regions.breaks]
+
+    def _owner(self, kernel: int | str) -> tuple["Explanation", str]:
+        """The region program's Explanation that holds `kernel` (by position or name)."""
+        name = self.kernels[kernel].name if isinstance(kernel, int) else kernel
+        for _, parts in self.explanations():
+            for e in parts:
+                if any(k.name == name for k in e.kernels):
+                    return e, name
+        raise FusecError(f"fusec: no kernel named {kernel!r}; the kernels are "
+                         f"{', '.join(k.name for k in self.kernels) or 'none'}")
+
+    def optimized_ir(self, kernel: int | str = 0) -> str:
+        e, name = self._owner(kernel)
+        return e.optimized_ir(name)
+
+    def assembly(self, kernel: int | str = 0, target: str | None = None) -> str:
+        e, name = self._owner(kernel)
+        return e.assembly(name, target)
+
+    def dot(self, stage: str = "after") -> str:
+        raise FusecError("fusec: graph pictures are drawn per region: "
+                         "e.explanations()[i][1][0].dot(stage) for region i's program")
+
+    def svg(self, stage: str = "after") -> str | None:
+        return self.dot(stage)
+
+    def to_dict(self) -> dict:
+        return {"label": self.regions.label, "backend": self.regions.backend,
+                "breaks": self.breaks(),
+                "cause": ({"reason": self.regions.cause.reason, "where": self.regions.cause.where}
+                          if self.regions.cause is not None else None),
+                "regions": [{"index": r.index, "function": r.function, "span": r.span(),
+                             "lines": [str(f) for f in r.lines()],
+                             "ended_by": r.ended_by.to_dict() if r.ended_by else None,
+                             "kernels": [k.name for k in r.kernels],
+                             "programs": [e.to_dict() for e in parts]}
+                            for r, parts in self.explanations()]}
+
+    def __str__(self) -> str:
+        out = ["fusec explain (graph breaks): " + self.regions.summary()]
+        for region, parts in self.explanations():
+            out.append(f"\n##### {region.title()} #####")
+            out.append("Dynamo's graph (torch ops, with your lines):\n" + region.listing())
+            for name, e in zip(("forward", "backward"), parts):
+                text = str(e).replace("fusec explain", f"region {region.index}, {name} program", 1)
+                out.append("\n" + text)
+            if region.ended_by is not None:
+                out.append("\n" + "\n".join(region.ended_by.describe()))
+        return "\n".join(out)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(str(self))
 
 
 def unwrap(model, backend: str):

@@ -21,8 +21,12 @@ them for ops with several outputs.
 """
 from __future__ import annotations
 
+import builtins
+import contextlib
 import inspect
 import os
+import sys
+import sysconfig
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,7 +44,7 @@ import torch._inductor  # noqa: E402,F401
 from torch.utils import _pytree as pytree
 
 from . import outputs
-from .errors import DeviceError, UnsupportedError
+from .errors import DeviceError, GraphBreakError, UnsupportedError
 from .ir import TensorMeta, ValueMeta
 
 
@@ -222,7 +226,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     attributes = _tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
-        with torch.no_grad(), mode:
+        with torch.no_grad(), mode, python_at_trace_time_refused():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
@@ -476,18 +480,98 @@ def _user_frame(err: BaseException):
 
 
 def _capture_error(err: BaseException) -> UnsupportedError:
+    """One clear fusec error for a torch-internal tracing failure. The failures that mean "this
+    program cannot be one static graph" are GraphBreakErrors: with fullgraph=False, fusec then
+    compiles the program in regions around them (fusec/breaks.py)."""
     frame = _user_frame(err)
     where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+    line = f"{frame.filename}:{frame.lineno}" if frame else ""
     name = type(err).__name__
     text = str(err).strip().splitlines()[0] if str(err).strip() else name
     if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name:
-        return UnsupportedError(
+        return GraphBreakError(
             f"fusec: Python control flow or a Python value that depends on tensor data{where}. "
             "fusec captures one static graph per input signature, so `if tensor:`, `.item()`, "
             "`.tolist()` and loops over tensor values cannot be traced; use torch.where for "
-            "branches or move the decision outside the compiled function")
+            "branches or move the decision outside the compiled function",
+            reason="Python control flow or a Python value that depends on tensor data", where=line)
     if "DynamicOutputShape" in name:
-        return UnsupportedError(
+        return GraphBreakError(
             f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
-            f"indexing){where}; fusec compiles static shapes only ({text})")
+            f"indexing){where}; fusec compiles static shapes only ({text})",
+            reason=f"an op whose output shape depends on the data ({text})", where=line)
     return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
+
+
+# ---- Python that a static graph would run only once ----------------------------------------------
+
+def _user_caller():
+    """The innermost frame on the current stack that belongs to the user (not torch, not fusec)."""
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def _is_user_file(path: str) -> bool:
+    """Code of the program being compiled (the user's, or a library's it calls, such as
+    transformers), not torch's, fusec's or Python's own standard library."""
+    path = os.path.abspath(path) if not path.startswith("<") else path
+    return not (path.startswith(_TORCH_DIR) or path.startswith("<")
+                or path.startswith(os.path.join(_FUSEC_DIR, "fusec"))
+                or (path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path))
+
+
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _runs_python(what: str, why: str, frame) -> GraphBreakError:
+    line = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+    at = f" at {line}" if line else ""
+    return GraphBreakError(f"fusec: {what}{at}: {why}", reason=what, where=line)
+
+
+def _is_traced(t) -> bool:
+    """A tensor of the trace (fake, functionalized), not one that holds data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or \
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+@contextlib.contextmanager
+def python_at_trace_time_refused():
+    """While tracing, refuse the Python that a graph cannot hold and that would otherwise run
+    once at trace time and never again: the user's `print(...)` (it would print once), and
+    `.numpy()` / `np.asarray` of a traced tensor (it would read memory that holds no data and
+    bake it into the graph as a constant: a wrong result). Both raise a GraphBreakError, which
+    with fullgraph=False sends the program to the graph-break path, where they run every call.
+    Note: the patch is process-wide while a capture runs (capture is not thread-safe anyway)."""
+    real_print = builtins.print
+    had_numpy = "numpy" in vars(torch.Tensor)
+    real_numpy = torch.Tensor.numpy
+
+    def print_(*args, **kwargs):
+        if _is_user_file(sys._getframe(1).f_code.co_filename):
+            raise _runs_python("print(...)", "Python that runs on every call, but a captured graph "
+                               "would run it once, while tracing; move it outside the compiled "
+                               "function", sys._getframe(1))
+        return real_print(*args, **kwargs)
+
+    def numpy_(self, *args, **kwargs):
+        if _is_traced(self):
+            raise _runs_python(".numpy() of a tensor the program computes", "numpy needs the "
+                               "tensor's values, which do not exist while tracing (they would be "
+                               "baked into the graph as garbage); use torch ops, or move it "
+                               "outside the compiled function", _user_caller())
+        return real_numpy(self, *args, **kwargs)
+
+    builtins.print, torch.Tensor.numpy = print_, numpy_
+    try:
+        yield
+    finally:
+        builtins.print = real_print
+        if had_numpy:
+            torch.Tensor.numpy = real_numpy
+        else:
+            del torch.Tensor.numpy

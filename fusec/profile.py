@@ -23,6 +23,11 @@ What it does, in order:
 6. measures a copy-bandwidth ceiling (`dst.copy_(src)` over a buffer larger than the caches) to
    judge each kernel's achieved bandwidth.
 
+A program in regions (graph breaks, fusec/breaks.py; or `torch.compile(m, backend="fusec")`)
+gets a `RegionsProfile`: eager against the whole compiled call (regions, guards and the eager
+Python between them), then the report above for every region's forward program, run on the
+inputs that region received.
+
 A "launch" is a device kernel on CUDA; on the CPU it is an ATen op that does work (views and
 allocations do not count) or a fused kernel call. "device time" is the time spent inside those
 launches; "CPU-side time" is the host time of a whole call (Python, dispatch, launches).
@@ -44,8 +49,9 @@ from torch.profiler import ProfilerActivity, record_function
 
 from . import frontend
 from .api import CompiledGraph, compile_graph
-from .explain import (Explanation, _label, capture_for, distinct_elements, fmt_bytes,
-                      kernel_traffic, unwrap, user_line)
+from .errors import GraphBreakError
+from .explain import (Explanation, RegionsExplanation, _label, capture_for, distinct_elements,
+                      fmt_bytes, kernel_traffic, unwrap, user_line)
 from .runtime import KernelStep, ExternStep
 
 STAGES = ("compile", "time eager and fused", "profile eager", "profile fused",
@@ -436,11 +442,23 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     progress: called with each stage's name as it starts (the CLI draws a progress bar).
     """
     step = progress or (lambda stage: None)
+    options = dict(iters=iters, warmup=warmup, time_budget_s=time_budget_s,
+                   copy_bytes=copy_bytes, progress=progress)
+    from .breaks import original
+    torch_compiled = original(model)
+    if torch_compiled is not None:  # torch.compile(..., backend="fusec"): Dynamo's regions
+        return profile_regions(torch_compiled, inputs, kwargs, backend, name, **options)
+    fullgraph = getattr(getattr(model, "_compiled", model), "fullgraph", False)
     model, backend = unwrap(model, backend)
     label = name or _label(model)
 
     step("compile")
-    captured, chosen = capture_for(model, inputs, kwargs, backend)
+    try:
+        captured, chosen = capture_for(model, inputs, kwargs, backend)
+    except GraphBreakError as cause:
+        if fullgraph:
+            raise
+        return profile_regions(model, inputs, kwargs, backend, label, cause=cause, **options)
     cg = compile_graph(captured, chosen, record=True, label=label)
     leaves = frontend.flatten_call(model, inputs, kwargs)[0]
     tensors = [*captured.lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
@@ -517,6 +535,108 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     lines = _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors)
     return ProfileReport(label, chosen, device.type, device_name, note, iters, eager_side,
                          fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph)
+
+
+@dataclass
+class RegionsProfile:
+    """`fusec.profile` of a program in regions: the whole call, then each region's report."""
+
+    name: str
+    eager_ms: float  # median time of an eager call
+    fused_ms: float  # median time of the compiled call: regions, guards, eager Python between
+    regions: list  # [(fusec.breaks.Region, ProfileReport of its forward program)]
+    explanation: RegionsExplanation = field(repr=False)
+
+    @property
+    def speedup(self) -> float:
+        return self.eager_ms / self.fused_ms if self.fused_ms else float("nan")
+
+    @property
+    def kernels(self) -> list[KernelLine]:
+        return [k for _, report in self.regions for k in report.kernels]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "eager_ms": self.eager_ms, "fused_ms": self.fused_ms,
+                "speedup": self.speedup, "breaks": self.explanation.breaks(),
+                "regions": [dict(report.to_dict(), region=region.index,
+                                 function=region.function, span=region.span())
+                            for region, report in self.regions]}
+
+    def export_chrome_traces(self, directory) -> list[Path]:
+        return [p for _, report in self.regions for p in report.export_chrome_traces(directory)]
+
+    def save_html(self, path) -> Path:
+        """One HTML page per region (`<name>_region<i>.html` next to `path`) and, at `path`, a
+        page that lists the regions and breaks and links to them."""
+        import html
+        path = Path(path)
+        links = []
+        for region, report in self.regions:
+            page = path.with_name(f"{path.stem}_region{region.index}{path.suffix or '.html'}")
+            report.save_html(page)
+            links.append(f'<li><a href="{html.escape(page.name)}">{html.escape(region.title())}'
+                         f"</a>: {report.speedup:.2f}x</li>")
+        summary = html.escape(self.explanation.regions.summary())
+        path.write_text(f"<!doctype html><meta charset='utf-8'><title>fusec profile: "
+                        f"{html.escape(self.name)}</title><h1>{html.escape(self.name)} in regions"
+                        f"</h1><p>eager {self.eager_ms:.4f} ms, fusec {self.fused_ms:.4f} ms "
+                        f"({self.speedup:.2f}x)</p><pre>{summary}</pre><ul>{''.join(links)}</ul>",
+                        encoding="utf-8")
+        return path
+
+    def __str__(self) -> str:
+        out = [f"fusec profile: {self.name} in regions (graph breaks)",
+               f"whole call: eager {self.eager_ms:.4f} ms, fusec {self.fused_ms:.4f} ms "
+               f"({self.speedup:.2f}x; Dynamo's guards and the eager Python between regions "
+               "included)",
+               self.explanation.regions.summary()]
+        for region, report in self.regions:
+            out.append(f"\n##### {region.title()} #####\n{report}")
+        return "\n".join(out)
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(str(self))
+
+
+def profile_regions(model, inputs: tuple, kwargs: dict, backend: str, name: str | None,
+                    progress=None, cause=None, **options) -> RegionsProfile:
+    """Profile a program that runs in regions: find them (one run through TorchDynamo), time
+    the whole call eagerly and compiled, then profile each region's forward program on the
+    inputs it received in that run, as `profile` does for a whole program."""
+    from .breaks import Regions, collect_regions, dynamo_compile
+    from .timing import median_ms
+    step = progress or (lambda stage: None)
+    label = name or _label(model)
+    step("compile")
+    collected = collect_regions(model, inputs, kwargs, backend, label=label, keep_inputs=True,
+                                cause=cause)
+    user = dynamo_compile(model, Regions(backend, label=label))
+
+    def eager():
+        with torch.no_grad():
+            return model(*inputs, **kwargs)
+
+    def compiled():
+        with torch.no_grad():
+            return user(*inputs, **kwargs)
+
+    for _ in range(3):
+        eager()
+        compiled()
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device = str(tensors[0].device) if tensors else "cpu"
+    step("time eager and fused")
+    budget = options.get("time_budget_s", 0.25)
+    eager_ms = median_ms(eager, device=device, budget_s=budget, warmup=1)
+    fused_ms = median_ms(compiled, device=device, budget_s=budget, warmup=1)
+    reports = []
+    for region in collected.last_call:
+        if not region.parts or region.examples is None:
+            continue
+        part = region.parts[0]
+        reports.append((region, profile(part.fn, *region.examples, backend=part.backend,
+                                        name=f"{label} region {region.index}", **options)))
+    return RegionsProfile(label, eager_ms, fused_ms, reports, RegionsExplanation(collected))
 
 
 def _cuda_graph_state(user) -> str:

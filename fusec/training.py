@@ -32,7 +32,8 @@ def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
         from .api import CompiledFunction
         # training graphs run step by step: their outputs feed autograd, not a caller
-        compiled = CompiledFunction(gm, backend=backend, check=check, cuda_graphs=False)
+        compiled = CompiledFunction(with_source_lines(gm), backend=backend, check=check,
+                                    cuda_graphs=False)
         parts.append(compiled)
 
         def run(args):  # AOT Autograd's boxed convention: one list, which we may clear
@@ -43,6 +44,22 @@ def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
         run._boxed_call = True
         return run
     return compile_part
+
+
+def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
+    """`gm` as a function that fusec's capture traces node by node (fx.Interpreter) with
+    `preserve_node_meta` on, so that every ATen node it records keeps the `stack_trace` of the
+    node it came from: the user's line, which Dynamo and AOT Autograd put on their graphs'
+    nodes (explain and profile show it). Tracing `gm.forward` itself would record the lines
+    of its generated code instead. Only capture calls this; the compiled program runs kernels."""
+    from torch.fx import traceback as fx_traceback
+
+    def graph(*args):
+        with fx_traceback.preserve_node_meta():
+            return torch.fx.Interpreter(gm).run(*args)
+    graph.__name__ = graph.__qualname__ = "graph"
+    graph.gm = gm
+    return graph
 
 
 def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,

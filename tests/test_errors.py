@@ -43,6 +43,8 @@ def assert_points_at_user_code(err: BaseException, fn, text: str):
 
 
 # ---- data-dependent Python -----------------------------------------------------------------------
+# With fullgraph=True these raise the clear error below; by default (fullgraph=False) they run in
+# compiled regions with graph breaks instead (tests/test_graph_breaks.py).
 
 def branch_on_tensor(x):
     if x.sum() > 0:
@@ -57,8 +59,8 @@ def python_scalar_from_tensor(x):
 
 def test_control_flow_on_tensor_values(target):
     backend, device = target
-    cf = fusec.compile(branch_on_tensor, backend=backend)
-    with pytest.raises(fusec.UnsupportedError) as info:
+    cf = fusec.compile(branch_on_tensor, backend=backend, fullgraph=True)
+    with pytest.raises(fusec.GraphBreakError) as info:
         cf(torch.randn(16, device=device))
     assert_points_at_user_code(info.value, branch_on_tensor, "if x.sum() > 0:")
     assert "torch.where" in str(info.value)  # says what to do instead
@@ -67,8 +69,9 @@ def test_control_flow_on_tensor_values(target):
 
 def test_item(target):
     backend, device = target
-    with pytest.raises(fusec.UnsupportedError) as info:
-        fusec.compile(python_scalar_from_tensor, backend=backend)(torch.randn(16, device=device))
+    with pytest.raises(fusec.GraphBreakError) as info:
+        fusec.compile(python_scalar_from_tensor, backend=backend,
+                      fullgraph=True)(torch.randn(16, device=device))
     assert_points_at_user_code(info.value, python_scalar_from_tensor, "x.abs().max().item()")
 
 
@@ -84,8 +87,8 @@ def boolean_mask(x):
                                       (boolean_mask, "x[x > 0]")], ids=["nonzero", "mask"])
 def test_data_dependent_output_shape(target, fn, text):
     backend, device = target
-    with pytest.raises(fusec.UnsupportedError) as info:
-        fusec.compile(fn, backend=backend)(torch.randn(16, device=device))
+    with pytest.raises(fusec.GraphBreakError) as info:
+        fusec.compile(fn, backend=backend, fullgraph=True)(torch.randn(16, device=device))
     assert "depends on the data" in str(info.value)
     assert_points_at_user_code(info.value, fn, text)
 
