@@ -89,7 +89,7 @@ def _run(args) -> int:
         if args.command == "demo":
             run_demo(args.backend)
             return 0
-        ex = _example(load_example(args.example), args.device, args.small)
+        ex = _example(load_example(args.example), args.device, args.small, args.backend)
         if args.command == "run":
             run_example(ex, args.backend)
         elif args.command == "explain":
@@ -109,11 +109,11 @@ def _run(args) -> int:
     return 0
 
 
-def _example(module, device: str, small: bool = False):
+def _example(module, device: str, small: bool = False, backend: str = "auto"):
     import torch
-    if device == "auto":
+    if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
         from fusec.api import default_device
-        device = default_device()
+        device = "cpu" if backend in ("cpp", "llvm") else default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
     return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))

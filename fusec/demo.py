@@ -102,9 +102,9 @@ def load_example(name_or_path: str):
 
 
 def run_demo(backend: str = "auto", device: str | None = None) -> list[Result]:
-    if device is None:
+    if device is None:  # the CPU backends run on the CPU, also on a GPU machine
         from fusec.api import default_device
-        device = default_device()
+        device = "cpu" if backend in ("cpp", "llvm") else default_device()
     print(f"fusec demo on {device} (torch {torch.__version__})\n")
     results = []
     for i, name in enumerate(SEED_EXAMPLES):

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 import fusec
 from fusec import cache, ops
-from conftest import assert_matches
+from conftest import TRITON_DEVICE, assert_matches
 
 
 def sin4(x):
@@ -302,7 +302,7 @@ def test_explain_accepts_a_compiled_function():
     assert [k["name"] for k in d["kernels"]] == ["fused_sin_sin_sin_sin_0"]
     assert len(cf.compiled) == 0  # explaining compiles a separate copy, runs nothing
     triton = fusec.compile(sin4, backend="triton")
-    assert fusec.explain(triton, x).to_dict()["backend"] == "triton"  # keeps the wrapper's backend
+    assert fusec.explain(triton, x.to(TRITON_DEVICE)).to_dict()["backend"] == "triton"  # keeps the wrapper's backend
     model = Net()
     d = fusec.explain(fusec.compile(model), torch.randn(2, 8)).to_dict()
     assert d["stages"][0]["graph"].count("p_weight") >= 1  # the module's parameter, lifted

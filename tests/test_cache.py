@@ -189,8 +189,9 @@ def test_truncated_triton_module_is_rewritten(triton_runs, tmp_path):
 def test_binary_garbage_triton_module_is_rewritten(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
     from fusec.codegen import triton as triton_backend
+    from conftest import TRITON_DEVICE
     cf = fusec.compile(lambda x: torch.sin(x) + 1, backend="triton")
-    x = torch.randn(100)
+    x = torch.randn(100, device=TRITON_DEVICE)
     cf(x)
     kernel = cf.kernels[0]
     (module,) = (tmp_path / "triton").glob("*.py")

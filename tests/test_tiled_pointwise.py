@@ -5,7 +5,7 @@ source is checked for the template the decision picked."""
 import pytest
 import torch
 
-from conftest import assert_matches
+from conftest import TRITON_DEVICE, assert_matches
 from fusec.codegen.triton import TILE_MIN
 
 TILED = "triton_pointwise_tiled.py.j2"
@@ -65,13 +65,13 @@ def test_a_scalar_read_in_a_tile(target):
 
 @pytest.mark.parametrize("shape", [(TILE_MIN - 1, 64), (64, TILE_MIN - 1)])
 def test_short_dims_keep_one_dimensional_blocks(shape):
-    x = torch.randn(*shape)
+    x = torch.randn(*shape, device=TRITON_DEVICE)
     cf = assert_matches(lambda x: x.t().contiguous() + 1, x, backend="triton", kernels=1)
     assert TILED not in source(cf)
 
 
 def test_agreeing_strides_keep_one_dimensional_blocks():
-    x = torch.randn(40, 50)
+    x = torch.randn(40, 50, device=TRITON_DEVICE)
     cf = assert_matches(lambda x: torch.exp(x) + 1, x, backend="triton", kernels=1)
     assert TILED not in source(cf)
     cf = assert_matches(lambda x: torch.exp(x.t()), x, backend="triton", kernels=1)
