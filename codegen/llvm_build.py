@@ -243,7 +243,13 @@ class Worker:
     def compile(self, source: str, target: Target, what: str, name: str):
         with self.lock:
             if self.proc is None or self.proc.poll() is not None or self.pid != os.getpid():
-                self._start()  # first use, after a crash, or in a forked child (own pipes)
+                try:  # first use, after a crash, or in a forked child (own pipes)
+                    self._start()
+                except OSError as exc:  # no usable Python executable (an embedded interpreter)
+                    self.proc = None
+                    self.stderr.close()
+                    raise BuildError(f"could not start LLVM's compiler process "
+                                     f"({' '.join(self.command[:2])}): {exc}") from None
             data = pickle.dumps((source, astuple(target), what))  # plain data: the worker
             # imports no fusec module, so it could not unpickle a Target by its class
             try:

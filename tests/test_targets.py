@@ -207,6 +207,12 @@ def test_a_dying_compiler_is_an_error_not_a_crash():
     assert llvm.object_code("define void @f() {\n  ret void\n}")
 
 
+def test_a_compiler_process_that_cannot_start_is_an_error():
+    worker = llvm_build.Worker(["/nonexistent/python", "--worker"])
+    with pytest.raises(llvm_build.BuildError, match="could not start LLVM's compiler process"):
+        worker.compile("define void @f() {\n  ret void\n}", llvm.host(), "object", "fused_k")
+
+
 def test_fusec_falls_back_when_llvm_dies(monkeypatch, tmp_path):
     if not cpp.available():
         pytest.skip("no other CPU backend to fall back to")
