@@ -226,19 +226,18 @@ class Region:
             rows.append(f"  {node.name} = {target}({args}){where}")
         return "\n".join(rows) or "  (no ops)"
 
+    def compiled_parts(self) -> list[tuple[str, Any]]:
+        """("forward" | "backward", part) for each part of this region that has been compiled."""
+        return [(name, part) for name, part in zip(("forward", "backward"), self.parts)
+                if part.last is not None]
+
     def source(self) -> str:
-        parts = []
-        for name, part in zip(("forward", "backward"), self.parts):
-            if part.last is not None:
-                parts.append(f"# ----- {name} program -----\n{part.source()}")
-        return "\n".join(parts) or "# (not compiled yet)"
+        return "\n".join(f"# ----- {name} program -----\n{part.source()}"
+                         for name, part in self.compiled_parts()) or "# (not compiled yet)"
 
     def schedule_text(self) -> str:
-        texts = []
-        for name, part in zip(("forward", "backward"), self.parts):
-            if part.last is not None:
-                texts.append(f"{name}:\n" + part.schedule)
-        return "\n".join(texts) or "(not compiled yet)"
+        return "\n".join(f"{name}:\n{part.schedule}"
+                         for name, part in self.compiled_parts()) or "(not compiled yet)"
 
 
 def _arg(a) -> str:
