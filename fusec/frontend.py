@@ -237,11 +237,11 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     finally:
         changed = _restore_attributes(attributes)
     if changed:
-        raise UnsupportedError(
+        raise GraphBreakError(
             f"fusec: the program assigns new tensors to module attributes ({', '.join(changed)}) "
             "that are neither parameters nor buffers; a captured graph cannot replay that side "
-            "effect. Register them as buffers (`self.register_buffer(...)`) and update them in "
-            "place, or return them")
+            "effect (register them as buffers and update them in place, or return them)",
+            reason="assigns tensors to module attributes that are neither parameters nor buffers")
 
     _out_of_place(gm)
     user_names = [names[i] for i in tensor_pos]
@@ -495,6 +495,13 @@ def _capture_error(err: BaseException) -> UnsupportedError:
             "`.tolist()` and loops over tensor values cannot be traced; use torch.where for "
             "branches or move the decision outside the compiled function",
             reason="Python control flow or a Python value that depends on tensor data", where=line)
+    if "mutating a non-functional tensor with a functional tensor" in text:
+        return GraphBreakError(
+            f"fusec: an in-place update of a tensor that is neither an input, a parameter nor a "
+            f"buffer (a plain module attribute, a global or a closure's tensor){where}; a captured "
+            "graph would update it once, while tracing",
+            reason="an in-place update of a tensor that is not an input, parameter or buffer",
+            where=line)
     if "DynamicOutputShape" in name:
         return GraphBreakError(
             f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "

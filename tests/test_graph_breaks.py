@@ -262,6 +262,45 @@ def test_module_with_keyword_arguments():
     assert fusec.regions(cm) is cm._compiled.breaks.regions
 
 
+class StatefulCell(torch.nn.Module):
+    """A hand-written recurrent cell that keeps its hidden state in a plain attribute (neither a
+    parameter nor a buffer): updated in place when the caller passes one, replaced every call."""
+
+    def __init__(self, n=6):
+        super().__init__()
+        self.hidden = torch.randn(3, n)
+        self.step = torch.nn.Linear(2 * n, n)
+
+    def forward(self, x, initial=None):
+        if initial is not None:
+            self.hidden.copy_(initial)
+        self.hidden = torch.tanh(self.step(torch.cat((x, self.hidden), dim=1)))
+        return self.hidden * 2
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["own-state", "given-state"])
+def test_module_state_in_plain_attributes(initial):
+    """Assigning a new tensor to `self.hidden`, or updating a plain attribute in place, is a side
+    effect one captured graph cannot replay: a graph break, and every call matches eager, state
+    included."""
+    torch.manual_seed(0)
+    model = StatefulCell()
+    ref = copy.deepcopy(model)
+    cm = fusec.compile(model, backend="cpp")
+    with pytest.raises(fusec.GraphBreakError, match="in-place update|module attributes"):
+        with torch.no_grad():
+            fusec.compile(copy.deepcopy(model), backend="cpp", fullgraph=True)(
+                torch.randn(3, 6), *([torch.randn(3, 6)] if initial else []))
+    for i in range(3):
+        args = (torch.randn(3, 6),) + ((torch.randn(3, 6),) if initial else ())
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", fusec.GraphBreakWarning)
+            got, want = cm(*args), ref(*args)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(model.hidden, ref.hidden)
+    assert cm.kernels
+
+
 def test_training_step_through_regions():
     """Forward and backward both run through the regions (each region is an AOT Autograd
     forward/backward pair compiled by fusec); gradients and updates match eager's."""

@@ -1,0 +1,17 @@
+"""torchvision's vit_b_16: batch 32 images of 224 x 224."""
+import torch
+import torchvision
+
+batch_size = 32
+
+
+def Model():
+    return torchvision.models.vit_b_16()
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(batch_size, 3, 224, 224)]

@@ -1,0 +1,17 @@
+"""torchvision's mobilenet_v3_large: batch 32 images of 224 x 224."""
+import torch
+import torchvision
+
+batch_size = 32
+
+
+def Model():
+    return torchvision.models.mobilenet_v3_large()
+
+
+def get_init_inputs():
+    return []
+
+
+def get_inputs():
+    return [torch.randn(batch_size, 3, 224, 224)]
