@@ -522,7 +522,7 @@ class CompiledFunction:
                 _prepare_triton(device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names, backend, self.check)
             try:  # AOT Autograd traces on the first call
-                with frontend.python_at_trace_time_refused():
+                with frontend.python_at_trace_time_refused(), frontend.compiling():
                     out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)

@@ -36,6 +36,7 @@ import linecache
 import os
 import re
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -439,9 +440,31 @@ def dynamo_compile(fn: Callable, backend: Callable) -> Callable:
     params = inspect.signature(torch.compile).parameters
     if "isolate_recompiles" in params:
         options["isolate_recompiles"] = True
+    elif isinstance(fn, types.FunctionType):
+        # An older torch keeps Dynamo's compiled frames on the function's code object, shared by
+        # every torch.compile of that function: a second fusec.compile(f, backend=...) would
+        # run the first one's regions. A copy of the code object has a cache of its own.
+        fn = _with_own_code(fn)
     if "recompile_limit" in params:
         options["recompile_limit"] = 64
-    return torch.compile(fn, backend=backend, **options)
+        return torch.compile(fn, backend=backend, **options)
+    compiled = torch.compile(fn, backend=backend, **options)
+    limits = {k: 64 for k in ("recompile_limit", "cache_size_limit")
+              if hasattr(torch._dynamo.config, k)}
+
+    def call(*args, **kwargs):  # the older torch's process-wide recompile budget, raised
+        with torch._dynamo.config.patch(**limits):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def _with_own_code(fn: types.FunctionType) -> types.FunctionType:
+    """The same function (globals, defaults, closure) over a distinct copy of its code object."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__module__, copy.__doc__ = fn.__module__, fn.__doc__
+    return copy
 
 
 class GraphBroken:

@@ -226,7 +226,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     attributes = _tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
-        with torch.no_grad(), mode, python_at_trace_time_refused():
+        with torch.no_grad(), mode, python_at_trace_time_refused(), compiling():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
@@ -544,6 +544,24 @@ def _is_traced(t) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
     return isinstance(t, (FakeTensor, FunctionalTensor)) or \
         torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+@contextlib.contextmanager
+def compiling():
+    """While tracing, `torch.compiler.is_compiling()` is True, as it is inside torch.compile and
+    torch.export: fusec's capture is a compile. Libraries ask it to choose their traceable path;
+    transformers, for one, then stops checking whether an attention mask is all ones
+    (`mask.all()`, a Python branch on tensor data) and keeps the mask in the graph."""
+    import torch.compiler as tc
+    if not hasattr(tc, "_is_compiling_flag"):  # an older torch: nothing to say it with
+        yield
+        return
+    before = tc._is_compiling_flag
+    tc._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = before
 
 
 @contextlib.contextmanager

@@ -185,3 +185,21 @@ def test_training_step_matches_eager():
     assert compiled.kernels
     for p, r in zip(model.parameters(), ref.parameters()):
         assert relative_error(p.detach(), r.detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_bert_with_padding_mask_is_one_graph(backend):
+    """transformers checks `padding_mask.all()` in Python unless torch.compiler.is_compiling()
+    says a compiler is tracing; fusec's capture says so, so BERT with a padding mask is one graph
+    (fullgraph=True), and the mask's values still matter on every call."""
+    model, ids = build("bert")
+    compiled = fusec.compile(model, backend=backend, fullgraph=True)
+    padded = torch.ones(TOKENS, dtype=torch.long)
+    padded[1, 5:] = 0
+    for mask in (padded, torch.ones(TOKENS, dtype=torch.long), padded.flip(1)):
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask)
+            got = compiled(ids, attention_mask=mask)
+        assert_same_output(got, want)
+    assert compiled._compiled.breaks is None
+    assert not torch.compiler.is_compiling()  # only while capturing
