@@ -14,7 +14,8 @@ For each problem: build the model under a fixed seed, run eager, run `fusec.comp
 (`torch.allclose(fused, eager, atol=1e-2, rtol=1e-2)`), also reporting the relative error
 ‖fused − eager‖ / ‖eager‖. Where allclose fails (values that cancel to near zero defeat any fixed
 tolerance), the problem also runs in float64, and fusec passes when its relative error against
-that is at most twice eager's plus 1e-6: it computes no worse than eager. `--time` adds eager / torch.compile / fusec medians side by side.
+that is at most twice eager's plus 1e-6: it computes no worse than eager. `--time` adds eager / torch.compile / fusec medians side by side; `--profile DIR` writes
+fusec.profile's eager-vs-fused report of each problem to DIR.
 
 `--dtype bfloat16` (or float16) converts the model and its floating-point inputs. Two programs
 that round differently in bf16 drift apart in a deep model by more than any fixed tolerance, so
@@ -161,6 +162,9 @@ def run_one(path: Path, device: str, small: bool, timed: bool, dtype: str = "flo
         row.update(status="ok" if ok else "mismatch", rel_err=err)
         if timed and ok:
             row.update(time_all(model, cf, inputs, device))
+        if PROFILE_DIR and ok:  # eager vs fused, op by op and kernel by kernel (fusec.profile)
+            report = fusec.profile(model, *inputs)
+            (PROFILE_DIR / f"{path.parent.name}_{path.stem}.txt").write_text(str(report))
     except Exception as exc:  # noqa: BLE001
         row.update(status="error", detail=f"{type(exc).__name__}: {exc}"[:500],
                    where=traceback.format_exc().strip().splitlines()[-3:])
@@ -194,8 +198,13 @@ def time_all(model, cf, inputs, device: str) -> dict:
     return out
 
 
+PROFILE_DIR: Path | None = None
+
+
 def worker(args) -> None:
     """Read problem paths from stdin, write one JSON line per problem to stdout."""
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
     for line in sys.stdin:
         path = Path(line.strip())
         print(json.dumps({"started": str(path)}), flush=True)
@@ -212,6 +221,7 @@ def drive(paths: list[Path], args) -> list[dict]:
     rows: list[dict] = []
     cmd = [sys.executable, __file__, "--worker", "--device", args.device, "--dtype", args.dtype]
     cmd += ["--small"] * args.small + ["--time"] * args.time
+    cmd += ["--profile", str(args.profile)] if args.profile else []
 
     def run_worker():
         while True:
@@ -282,6 +292,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=0)
     parser.add_argument("--only", default="")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", type=Path, help="write fusec.profile's report per problem here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cpu":
