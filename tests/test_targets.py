@@ -217,7 +217,7 @@ def test_fusec_falls_back_when_llvm_dies(monkeypatch, tmp_path):
     if not cpp.available():
         pytest.skip("no other CPU backend to fall back to")
     from fusec import api
-    monkeypatch.setattr(llvm_build, "_WORKER", _crashing_worker())
+    monkeypatch.setattr(llvm_build, "_WORKERS", llvm_build.WorkerPool(_crashing_worker))
     monkeypatch.setattr(api, "_FELL_BACK", set())
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))  # nothing cached: LLVM must compile
     x = torch.randn(300)
