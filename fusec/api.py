@@ -80,12 +80,22 @@ class CompiledGraph:
     backend: str
     captured: frontend.Captured
     gm: fx.GraphModule  # after the pipeline
-    snapshots: list
+    snapshots: list | None  # the graph after each pass, if recorded: see `stages()`
     kernels: list[Kernel]
     program: Any
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
+
+    def stages(self) -> list:
+        """The graph after each pass (`passes.Snapshot`s). A compile records them only when
+        someone watches (FUSEC_LOG, FUSEC_DEBUG_DIR, explain, profile): printing a model's graph
+        seven times was a fifth of its warm start. Otherwise they are made here, on first use, by
+        running the passes again over the captured graph (they are deterministic)."""
+        if self.snapshots is None:
+            from fusec.passes import run_pipeline
+            self.snapshots = run_pipeline(self.captured.gm, record=True)[1]
+        return self.snapshots
 
     def schedule_text(self) -> str:
         """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
@@ -160,6 +170,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
 
     _log.captured(captured.gm)
     gm, snapshots = run_pipeline(captured.gm, record=record)
+    snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
     _log.pipeline_done(captured.gm, gm, snapshots)
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
@@ -483,7 +494,8 @@ class CompiledFunction:
             _prepare_triton(device)
         with torch.no_grad():
             captured = frontend.capture(self.fn, args, kwargs, stack_traces=_log.wants_stack_traces())
-        return compile_graph(captured, backend, record=True, label=_label(self.fn))
+        return compile_graph(captured, backend, record=_log.wants_stack_traces(),
+                             label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
         """The program is not one static graph (`cause` says why and where). fullgraph=True:

@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor  # noqa: E402,F401
 from torch.utils import _pytree as pytree
 
-from . import outputs
+from . import graphmodule, outputs
 from .errors import DeviceError, GraphBreakError, UnsupportedError
 from .ir import TensorMeta, ValueMeta
 
@@ -226,7 +226,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     attributes = _tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
-        with torch.no_grad(), mode, python_at_trace_time_refused():
+        with torch.no_grad(), mode, python_at_trace_time_refused(), graphmodule.lazily():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
