@@ -14,6 +14,7 @@ import importlib
 import operator
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -84,6 +85,7 @@ class CompiledGraph:
     kernels: list[Kernel]
     program: Any
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
+    times: dict = field(default_factory=dict)  # seconds per stage of its compile (see `report`)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
 
@@ -168,10 +170,14 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     from fusec.build import build_all
     from fusec.runtime import build_program
 
+    times = {"capture": captured.seconds}
     _log.captured(captured.gm)
+    start = time.perf_counter()
     gm, snapshots = run_pipeline(captured.gm, record=record)
     snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
+    times["passes"] = time.perf_counter() - start
     _log.pipeline_done(captured.gm, gm, snapshots)
+    start = time.perf_counter()
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
                    if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
@@ -187,13 +193,15 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
         groups.append(node)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/build.py)
     kernels: dict[str, Kernel] = {}
-    for node, ir, built in zip(groups, irs, build_all(irs, backend)):
+    for node, ir, built in zip(groups, irs, build_all(irs, backend, times)):
         kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
                                                built.launcher, built)
         if _log.enabled("output_code"):
             _log.kernel_rendered(ir.name, built.backend, kernel.source)
+    start = time.perf_counter()
     # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
     # no place in the pool, so the pool is planned again without them
     from fusec.passes.schedule import plan_inplace, plan_memory
@@ -204,6 +212,9 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
     from fusec.runtime import graph_blocker
     compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
+    times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
+    compiled.times = times
+    _log.compile_times(compiled, label)
     _log.compiled(compiled, label)
     return compiled
 

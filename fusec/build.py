@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from . import log as _log
+from . import cache
 from .errors import CompileError
 from .ir import canonical
 
@@ -49,8 +50,9 @@ from .ir import canonical
 FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
 _FELL_BACK: set[str] = set()
 
-# (backend, canonical source) -> its Built, while some kernel uses it (`Kernel.built`): a second
-# program (a new input signature, another model with the same layers) loads nothing twice.
+# (cache directory, backend, canonical source) -> its Built, while some kernel uses it
+# (`Kernel.built`): a second program (a new input signature, another model with the same layers)
+# loads nothing twice. Pointing FUSEC_CACHE_DIR elsewhere starts afresh.
 _LOADED: "weakref.WeakValueDictionary[tuple[str, str], Built]" = weakref.WeakValueDictionary()
 _LOADED_LOCK = threading.Lock()
 
@@ -79,7 +81,7 @@ class Built:
     ir: Any  # the canonical kernel IR
     backend: str  # the backend asked for; after a fallback, the one that built it
     source: str  # the canonical source, for `backend`: the text that was compiled
-    key: tuple  # (backend asked for, its canonical source): what `_LOADED` finds it by
+    key: tuple  # (cache dir, backend asked for, its canonical source): how `_LOADED` finds it
     path: Any = None  # the binary on disk (a .so, an .o or a Triton module)
     launcher: Any = None
     error: CompileError | None = None
@@ -90,28 +92,39 @@ def codegen(backend: str):
     return importlib.import_module(f"fusec.codegen.{backend}")
 
 
-def build_all(irs: list, backend: str) -> list[Built]:
+def build_all(irs: list, backend: str, times: dict | None = None) -> list[Built]:
     """Build and load the kernels `irs` for `backend`: one build per distinct canonical source,
     `jobs()` builds at a time. Returns each kernel's Built, in order (kernels with the same
-    canonical source share one)."""
+    canonical source share one). Adds the seconds spent to `times` ("codegen": canonical IR and
+    render, "build", "load")."""
+    times = {} if times is None else times
+    start = time.perf_counter()
     distinct: dict[str, Built] = {}
     mine: list[Built] = []
+    where = str(cache.root())
     for ir in irs:
         canon = canonical(ir)
         source = codegen(backend).render(canon)
         built = distinct.get(source)
         if built is None:
+            key = (where, backend, source)
             with _LOADED_LOCK:
-                built = _LOADED.get((backend, source))
+                built = _LOADED.get(key)
             if built is None:
-                built = Built(canon, backend, source, (backend, source))
+                built = Built(canon, backend, source, key)
             distinct[source] = built
         mine.append(built)
     todo = [b for b in distinct.values() if b.launcher is None]
-    _log.log("cache", f"{len(irs)} kernels, {len(distinct)} distinct, {len(todo)} to load")
+    cache.log(f"{len(irs)} kernels, {len(distinct)} distinct, {len(todo)} not loaded yet")
+    built_at = time.perf_counter()
     _build_parallel(todo)
+    loaded_at = time.perf_counter()
     for built in todo:
         _load(built)
+    end = time.perf_counter()
+    for stage, seconds in (("codegen", built_at - start), ("build", loaded_at - built_at),
+                           ("load", end - loaded_at)):
+        times[stage] = times.get(stage, 0.0) + seconds
     return mine
 
 

@@ -27,6 +27,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,6 +63,7 @@ class Captured:
     output_aliases: dict = None
     # flat output index -> a non-tensor value the program returns as is (None, a number)
     output_constants: dict = None
+    seconds: float = 0.0  # how long capturing took
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     stack_traces: also record, on every node, the user's source line that produced it
     (`node.meta["stack_trace"]`; explain and profile show it). Off by default: it costs time.
     """
+    start = time.perf_counter()
     kwargs = kwargs or {}
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
@@ -251,7 +254,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     if device.type != "cpu":
         scalars_to_device(gm, device)
     return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases),
-                    dict(constants))
+                    dict(constants), time.perf_counter() - start)
 
 
 def _tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
