@@ -196,7 +196,8 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/build.py)
     kernels: dict[str, Kernel] = {}
-    for node, ir, built in zip(groups, irs, build_all(irs, backend, times)):
+    device = groups[0].meta["fusec_group"]["device"] if groups else None
+    for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
         kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
                                                built.launcher, built)
         if _log.enabled("output_code"):

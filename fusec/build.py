@@ -16,8 +16,9 @@ What runs in parallel, per backend:
 * cpp: `g++` processes (`codegen/cpp.py`'s `build` runs one per call; Python threads only wait);
 * llvm: LLVM's optimizer and code generator, in a pool of guarded compiler processes
   (codegen/llvm_build.py), one per job: a crash there still takes down only that process;
-* triton: writing the module is all `build` does; Triton compiles a kernel when it first
-  launches it (under TRITON_INTERPRET=1 it never compiles at all).
+* triton: `build` writes the module; then, on a GPU, each distinct module compiles its kernel
+  ahead of the first run (Triton's `warmup`), in threads, into Triton's cache, where the first
+  launch finds it (under TRITON_INTERPRET=1 nothing is compiled at all).
 
 Loading (dlopen, MCJIT linking, importing a Triton module) happens here, in this thread, one
 binary at a time: it takes milliseconds, and ctypes and llvmlite are not meant to be driven
@@ -92,11 +93,12 @@ def codegen(backend: str):
     return importlib.import_module(f"fusec.codegen.{backend}")
 
 
-def build_all(irs: list, backend: str, times: dict | None = None) -> list[Built]:
-    """Build and load the kernels `irs` for `backend`: one build per distinct canonical source,
-    `jobs()` builds at a time. Returns each kernel's Built, in order (kernels with the same
-    canonical source share one). Adds the seconds spent to `times` ("codegen": canonical IR and
-    render, "build", "load")."""
+def build_all(irs: list, backend: str, times: dict | None = None,
+              device: str | None = None) -> list[Built]:
+    """Build and load the kernels `irs` for `backend` (on `device`): one build per distinct
+    canonical source, `jobs()` builds at a time. Returns each kernel's Built, in order (kernels
+    with the same canonical source share one). Adds the seconds spent to `times` ("codegen":
+    canonical IR and render, "build", "load")."""
     times = {} if times is None else times
     start = time.perf_counter()
     distinct: dict[str, Built] = {}
@@ -121,9 +123,12 @@ def build_all(irs: list, backend: str, times: dict | None = None) -> list[Built]
     loaded_at = time.perf_counter()
     for built in todo:
         _load(built)
+    compiled_at = time.perf_counter()
+    _compile_triton_ahead([b for b in todo if b.backend == "triton"], device)
     end = time.perf_counter()
-    for stage, seconds in (("codegen", built_at - start), ("build", loaded_at - built_at),
-                           ("load", end - loaded_at)):
+    for stage, seconds in (("codegen", built_at - start),
+                           ("build", loaded_at - built_at + end - compiled_at),
+                           ("load", compiled_at - loaded_at)):
         times[stage] = times.get(stage, 0.0) + seconds
     return mine
 
@@ -139,6 +144,39 @@ def _build_parallel(todo: list[Built]) -> None:
         return
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-build") as pool:
         for future in progress.builds(as_completed([pool.submit(_build, b) for b in todo]),
+                                      len(todo)):
+            future.result()
+
+
+def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
+    """On a GPU, Triton compiles a kernel when it is first launched, so a program's first run
+    would compile its kernels one after another. Instead each distinct kernel's module compiles
+    it now (`compile_ahead`: Triton's `warmup`, which compiles for the argument types without
+    launching), `jobs()` at a time in threads, into Triton's own cache, where the first launch
+    finds it. A kernel that fails here is left to its first launch, which reports the error
+    where it always did. Under TRITON_INTERPRET=1 nothing is compiled at all."""
+    import torch
+    n = min(jobs(), len(todo))
+    if n <= 1 or device is None or torch.device(device).type != "cuda" \
+            or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+
+    def compile_one(built: Built) -> None:
+        ahead = getattr(built.launcher.module, "compile_ahead", None)
+        if ahead is None:
+            return
+        try:
+            with torch.cuda.device(index):  # Triton compiles for the thread's current device
+                ahead(*[p.dtype for p in built.ir.params])
+        except Exception as err:  # noqa: BLE001 - the first launch compiles it and says why
+            cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
+                      "its first launch compiles it")
+
+    from . import progress
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-triton") as pool:
+        for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in todo]),
                                       len(todo)):
             future.result()
 

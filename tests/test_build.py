@@ -276,3 +276,24 @@ def test_concurrent_compiles_into_one_cold_cache(backend, tmp_path):
     again = finish(start())
     assert again["problems"] == [] and again["stats"].get("compiles", 0) == 0
     assert again["stats"].get("misses", 0) == 0
+
+
+def test_every_triton_module_can_compile_ahead(fresh_cache):
+    """Each Triton template has `compile_ahead(*dtypes)` (fusec/build.py calls it on a GPU before
+    the first run). Under the interpreter Triton's warmup compiles nothing; this checks that the
+    function is there for pointwise, tiled and reduction kernels and takes one dtype per pointer."""
+    from conftest import TRITON_DEVICE
+
+    def f(x, y):
+        a = torch.sin(x) + y                   # pointwise
+        b = (x.t() * 2).contiguous()           # a transposing copy: the tiled template
+        c = torch.softmax(x, dim=-1)           # a reduction
+        return a, b, c
+
+    x, y = torch.randn(64, 48, device=TRITON_DEVICE), torch.randn(48, device=TRITON_DEVICE)
+    cf = assert_matches(f, x, y, backend="triton")
+    templates = {k.source.split("templates/")[1].split()[0].rstrip(".") for k in cf.kernels}
+    assert {"triton_pointwise.py.j2", "triton_pointwise_tiled.py.j2",
+            "triton_reduction.py.j2"} <= templates, templates
+    for k in cf.kernels:
+        k.launcher.module.compile_ahead(*[p.dtype for p in k.ir.params])
