@@ -194,7 +194,8 @@ def _load(built: Built) -> None:
     """Load the built binary (or fall back to the other CPU backend), and remember it."""
     if built.error is None:
         try:
-            built.launcher = codegen(built.backend).launcher(built.path, built.ir.name, len(built.ir.params))
+            built.launcher = codegen(built.backend).launcher(built.path, built.ir.name,
+                                                             len(built.ir.params))
         except CompileError as err:  # loading refused it (LLVM: a symbol this process lacks)
             built.error = err
     if built.error is not None:
