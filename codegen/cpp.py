@@ -320,8 +320,13 @@ class CppLauncher:
         self.fn(*[t.data_ptr() for t in tensors])
 
 
+def launcher(lib: Path, name: str, n_params: int) -> CppLauncher:
+    """Load a built library (fusec/build.py builds first, several at a time, then loads)."""
+    return CppLauncher(lib, name, n_params)
+
+
 def load(kernel: PointwiseKernel, source: str) -> CppLauncher:
-    return CppLauncher(build(source, kernel.name), kernel.name, len(kernel.params))
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
 
 
 # ---- reductions ------------------------------------------------------------------------------

@@ -937,5 +937,10 @@ class LlvmLauncher:
             f.result()
 
 
+def launcher(obj: Path, name: str, n_params: int) -> LlvmLauncher:
+    """Load a built object file (fusec/build.py builds first, several at a time, then loads)."""
+    return LlvmLauncher(obj, name, n_params)
+
+
 def load(kernel, source: str) -> LlvmLauncher:
-    return LlvmLauncher(build(source, kernel.name), kernel.name, len(kernel.params))
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))

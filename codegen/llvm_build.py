@@ -16,11 +16,12 @@ to Sapphire Rapids and AArch64, whatever machine the tests happen to run on.
 
 A guarded compiler. An aborting code generator must not take the user's program (and their
 data) down with it. So fusec never runs LLVM's optimizer or code generator in the user's
-process: it keeps one helper process (this file, run as `python llvm_build.py --worker`; it
-imports llvmlite and nothing else, so it starts in a fraction of a second) and sends it the IR;
-the helper sends the object code back. If the helper dies, `compile_ir` raises `WorkerDied`
-with the signal and the end of what LLVM printed, a fresh helper starts for the next kernel, and
-fusec falls back to another backend (fusec/api.py). Loading the object (MCJIT linking) is cheap
+process: it keeps helper processes (this file, run as `python llvm_build.py --worker`; it
+imports llvmlite and nothing else, so it starts in a fraction of a second), one per kernel it
+builds at once (`WorkerPool`), and sends one the IR; the helper sends the object code back. If
+the helper dies, `compile_ir` raises `WorkerDied` with the signal and the end of what LLVM
+printed, a fresh helper starts for the next kernel, and fusec falls back to another backend
+(fusec/build.py). Loading the object (MCJIT linking) is cheap
 and stays in the user's process; `undefined_symbols` lets llvm.py check, before loading, that
 every function the machine code calls exists in this process: a missing one would otherwise be
 linked as address 0 and crash on the first call.
@@ -280,14 +281,45 @@ class Worker:
         self.proc = None
 
 
-_WORKER = Worker()
-atexit.register(_WORKER.close)
+class WorkerPool:
+    """Compiler processes for kernels built at the same time (fusec/build.py builds several at
+    once, each in its own thread). A request takes an idle worker, or starts a new one when all
+    are busy, and gives it back when answered; so there are never more workers than builds ever
+    ran at once, and a program built one kernel at a time keeps one. `make` makes a Worker (the
+    tests give one that crashes)."""
+
+    def __init__(self, make=Worker):
+        self.make = make
+        self.workers: list[Worker] = []
+        self.idle: list[Worker] = []
+        self.lock = threading.Lock()
+
+    def compile(self, source: str, target: Target, what: str, name: str):
+        with self.lock:
+            if self.idle:
+                worker = self.idle.pop()
+            else:
+                worker = self.make()
+                self.workers.append(worker)
+        try:
+            return worker.compile(source, target, what, name)
+        finally:
+            with self.lock:
+                self.idle.append(worker)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
+_WORKERS = WorkerPool()
+atexit.register(_WORKERS.close)
 
 
 def guarded(source: str, target: Target, what: str = "object", name: str = "kernel"):
-    """compile_ir(source, target, what) in the compiler process: a crash there raises
+    """compile_ir(source, target, what) in a compiler process: a crash there raises
     WorkerDied here instead of ending this process."""
-    return _WORKER.compile(source, target, what, name)
+    return _WORKERS.compile(source, target, what, name)
 
 
 # ---- what an object file needs from the process that loads it ----------------------------------

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -227,10 +228,11 @@ def _summary(kernel: PointwiseKernel) -> str:
     return f"fuses {len(names)} ATen op(s): {', '.join(names)}"
 
 
-def load(kernel: PointwiseKernel, source: str):
-    """Write the module into the cache (if not already there, intact) and import its launcher."""
+def build(source: str, name: str) -> Path:
+    """Write the module into the cache (unless it is there, intact). Triton compiles the kernel
+    when it first launches it; a module is only text until then."""
     key = cache.content_hash(source)
-    path = cache.cache_dir("triton") / f"{kernel.name}-{key}.py"
+    path = cache.cache_dir("triton") / f"{name}-{key}.py"
     try:
         intact = path.read_bytes() == source.encode()
     except OSError:
@@ -243,7 +245,12 @@ def load(kernel: PointwiseKernel, source: str):
             cache.log(f"corrupt cache entry {path.name}: rewriting")
         cache.STATS["misses"] += 1
         cache.atomic_write(path, source)
-    module_name = f"fusec_kernels.{kernel.name}_{key}"
+    return path
+
+
+def launcher(path: Path, name: str, n_params: int):
+    """Import a written module (once per process) and wrap its `launch` in a TritonLauncher."""
+    module_name = f"fusec_kernels.{path.stem.replace('-', '_')}"
     module = sys.modules.get(module_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -251,7 +258,12 @@ def load(kernel: PointwiseKernel, source: str):
         spec.loader.exec_module(module)
         sys.modules[module_name] = module
     from .triton_launch import TritonLauncher
-    return TritonLauncher(module, path, kernel.name, len(kernel.params))
+    return TritonLauncher(module, path, name, n_params)
+
+
+def load(kernel: PointwiseKernel, source: str):
+    """Write the module into the cache (if not already there, intact) and import its launcher."""
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
 
 
 # ---- reductions ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import importlib
 import operator
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -38,14 +39,36 @@ BACKENDS = ("auto", "triton", "cpp", "llvm")
 
 @dataclass
 class Kernel:
-    """One generated kernel: `name` says what it fuses, `source` is the full generated text."""
+    """One generated kernel: `name` says what it fuses, `source` is the full generated text.
+
+    `source` is this kernel as it reads in its program: its own name, parameters named after the
+    buffers it reads and writes, comments citing its ATen nodes. The binary it runs was built
+    from `canonical`, the same kernel with generic names, which every kernel of the program
+    (and of any other program) that differs from it only in names shares: one build, one
+    loaded binary (fusec/build.py). `shares` lists the kernels of a program that share it."""
 
     name: str
     backend: str
-    source: str
+    source: str | None  # None: rendered from `ir` when first read
     ops: list[str]
     ir: Any = field(repr=False)  # fusec.ir.PointwiseKernel or ReductionKernel
     launcher: Callable = field(repr=False, default=None)
+    built: Any = field(repr=False, default=None)  # its fusec.build.Built
+
+    def __post_init__(self) -> None:
+        if self.source is None:  # rendering is cheap, but a warm start renders only what it builds
+            del self.source
+
+    def __getattr__(self, attr: str):
+        if attr == "source":  # (only reached while the instance has no `source` yet)
+            self.source = backend_module(self.backend).render(self.ir)
+            return self.source
+        raise AttributeError(attr)
+
+    @property
+    def canonical(self) -> str:
+        """The text that was compiled into the binary this kernel runs."""
+        return self.built.source if self.built is not None else self.source
 
     def __str__(self) -> str:
         return self.source
@@ -58,12 +81,23 @@ class CompiledGraph:
     backend: str
     captured: frontend.Captured
     gm: fx.GraphModule  # after the pipeline
-    snapshots: list
+    snapshots: list | None  # the graph after each pass, if recorded: see `stages()`
     kernels: list[Kernel]
     program: Any
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
+    times: dict = field(default_factory=dict)  # seconds per stage of its compile (see `report`)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
+
+    def stages(self) -> list:
+        """The graph after each pass (`passes.Snapshot`s). A compile records them only when
+        someone watches (FUSEC_LOG, FUSEC_DEBUG_DIR, explain, profile): printing a model's graph
+        seven times was a fifth of its warm start. Otherwise they are made here, on first use, by
+        running the passes again over the captured graph (they are deterministic)."""
+        if self.snapshots is None:
+            from fusec.passes import run_pipeline
+            self.snapshots = run_pipeline(self.captured.gm, record=True)[1]
+        return self.snapshots
 
     def schedule_text(self) -> str:
         """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
@@ -133,17 +167,22 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     """
     from fusec.codegen.lower import lower_pointwise, lower_reduction
     from fusec.passes import run_pipeline
-    from fusec import progress as _progress
+    from fusec.build import build_all
     from fusec.runtime import build_program
 
+    times = {"capture": captured.seconds}
     _log.captured(captured.gm)
+    start = time.perf_counter()
     gm, snapshots = run_pipeline(captured.gm, record=record)
+    snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
+    times["passes"] = time.perf_counter() - start
     _log.pipeline_done(captured.gm, gm, snapshots)
+    start = time.perf_counter()
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
                    if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
-    kernels: dict[str, Kernel] = {}
-    for node in _progress.kernels(gm.graph.nodes):  # a bar on a terminal: fusec/progress.py
+    groups, irs = [], []
+    for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         sub = getattr(gm, node.target)
@@ -151,9 +190,19 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
         outs = sorted((u for u in node.users), key=lambda u: u.args[1])
         out_layouts = [u.meta["fusec_layout"] for u in outs]
         lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
-        ir = lower(node.target, sub, in_layouts, out_layouts, root_dtypes)
-        kernels[node.target] = build_kernel(ir, backend)
+        irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
+        groups.append(node)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
+    # one build per distinct kernel, several at a time (fusec/build.py)
+    kernels: dict[str, Kernel] = {}
+    device = groups[0].meta["fusec_group"]["device"] if groups else None
+    for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
+        kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
+                                               built.launcher, built)
+        if _log.enabled("output_code"):
+            _log.kernel_rendered(ir.name, built.backend, kernel.source)
+    start = time.perf_counter()
     # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
     # no place in the pool, so the pool is planned again without them
     from fusec.passes.schedule import plan_inplace, plan_memory
@@ -164,50 +213,19 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
     from fusec.runtime import graph_blocker
     compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
+    times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
+    compiled.times = times
+    _log.compile_times(compiled, label)
     _log.compiled(compiled, label)
     return compiled
 
 
-# If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
-# guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
-# the same kernel IR and their launchers are called the same way.
-FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
-_FELL_BACK: set[str] = set()
-
-
 def build_kernel(ir, backend: str) -> Kernel:
-    """Render `ir` for `backend`, build and load it; on a CompileError, try FALLBACK[backend]
-    (saying so once per backend: the kernel's `.backend` says which one built it)."""
-    from .errors import CompileError
-    try:
-        return _build_with(ir, backend)
-    except CompileError as first:
-        other = FALLBACK.get(backend)
-        if other is None or not _usable(other):
-            raise
-        try:
-            kernel = _build_with(ir, other)
-        except CompileError as second:
-            raise CompileError(f"{first}\nand the {other} backend could not build it either:\n"
-                               f"{second}") from None
-        if backend not in _FELL_BACK:
-            _FELL_BACK.add(backend)
-            warnings.warn(f"{first}\nfusec: the {other} backend builds {ir.name} instead (and any "
-                          f"other kernel the {backend} backend cannot build; each kernel's "
-                          f".backend says which built it)", stacklevel=2)
-        return kernel
-
-
-def _build_with(ir, backend: str) -> Kernel:
-    codegen = backend_module(backend)
-    source = codegen.render(ir)
-    _log.kernel_rendered(ir.name, backend, source)
-    launcher = codegen.load(ir, source)
-    return Kernel(ir.name, backend, source, list(ir.ops), ir, launcher)
-
-
-def _usable(backend: str) -> bool:
-    return backend_module(backend).available()
+    """Render `ir` for `backend`, build and load it (or find it built; on a CompileError, the
+    other CPU backend builds it: fusec/build.py)."""
+    from fusec.build import build_all
+    (built,) = build_all([ir], backend)
+    return Kernel(ir.name, built.backend, None, list(ir.ops), ir, built.launcher, built)
 
 
 class _Miss:
@@ -488,7 +506,8 @@ class CompiledFunction:
             _prepare_triton(device)
         with torch.no_grad():
             captured = frontend.capture(self.fn, args, kwargs, stack_traces=_log.wants_stack_traces())
-        return compile_graph(captured, backend, record=True, label=_label(self.fn))
+        return compile_graph(captured, backend, record=_log.wants_stack_traces(),
+                             label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
         """The program is not one static graph (`cause` says why and where). fullgraph=True:

@@ -26,16 +26,20 @@ from pathlib import Path
 STATS: Counter = Counter()
 
 
-def cache_dir(kind: str) -> Path:
+def root() -> Path:
+    """$FUSEC_CACHE_DIR, else $XDG_CACHE_HOME/fusec, else ~/.cache/fusec (not created here)."""
     base = os.environ.get("FUSEC_CACHE_DIR")
     if base:
-        root = Path(base)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = Path(xdg) / "fusec"
-    path = root / kind
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "fusec"
+
+
+def cache_dir(kind: str) -> Path:
+    root_dir = root()
+    path = root_dir / kind
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for p in (root, path):
+    for p in (root_dir, path):
         st = p.stat()
         if st.st_uid != os.getuid():
             # someone else could replace the libraries we load from here

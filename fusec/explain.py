@@ -512,9 +512,9 @@ class Explanation:
         return {
             "backend": cg.backend,
             "graph": node_rows(cg.captured.gm),
-            "stages": [{"after": s.after, "graph": s.code} for s in cg.snapshots],
+            "stages": [{"after": s.after, "graph": s.code} for s in cg.stages()],
             "passes": [{k: v for k, v in c.items() if k != "graph"}
-                       for c in pass_changes(cg.captured.gm, gm, cg.snapshots)],
+                       for c in pass_changes(cg.captured.gm, gm, cg.stages())],
             "removed_by_dce": list(gm.meta.get("fusec_dce", [])),
             "refusals": refusal_dicts(gm),
             "groups": self.groups(),
@@ -533,7 +533,7 @@ class Explanation:
         out = [f"fusec explain ({cg.backend} backend): {len(cg.kernels)} kernel(s), "
                f"{len(self.fallbacks())} extern call(s)"]
         out.append("\n=== captured ATen graph ===\n" + self.graph())
-        changes = pass_changes(cg.captured.gm, gm, cg.snapshots)
+        changes = pass_changes(cg.captured.gm, gm, cg.stages())
         fuse_stages = [c["after"] for c in changes if c["after"].startswith("fuse")]
         previous = None
         for change in changes:

@@ -27,6 +27,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import torch._inductor  # noqa: E402,F401
 from torch.utils import _pytree as pytree
 
-from . import outputs
+from . import graphmodule, outputs
 from .errors import DeviceError, GraphBreakError, UnsupportedError
 from .ir import TensorMeta, ValueMeta
 
@@ -62,6 +63,7 @@ class Captured:
     output_aliases: dict = None
     # flat output index -> a non-tensor value the program returns as is (None, a number)
     output_constants: dict = None
+    seconds: float = 0.0  # how long capturing took
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     stack_traces: also record, on every node, the user's source line that produced it
     (`node.meta["stack_trace"]`; explain and profile show it). Off by default: it costs time.
     """
+    start = time.perf_counter()
     kwargs = kwargs or {}
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
@@ -226,7 +229,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     attributes = _tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
-        with torch.no_grad(), mode, python_at_trace_time_refused(), compiling():
+        with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
+                graphmodule.lazily():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
@@ -251,7 +255,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     if device.type != "cpu":
         scalars_to_device(gm, device)
     return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases),
-                    dict(constants))
+                    dict(constants), time.perf_counter() - start)
 
 
 def _tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:

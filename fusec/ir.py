@@ -17,7 +17,7 @@ dim and reads `x_ptr + offsets`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, replace
 from math import prod
 from typing import Union
 
@@ -300,3 +300,69 @@ class ReductionKernel:
         lines += [f"  store {s.param}[{_fmt_index(s.index)}] = {s.var.name}  {short_dtype(s.dtype)}"
                   for s in self.stores]
         return "\n".join(lines)
+
+
+# ---- one build per distinct kernel ---------------------------------------------------------------
+
+def family(name: str) -> str:
+    """A kernel's name without its position in the program: `fused_add_gelu_13` -> `fused_add_gelu`.
+    Every layer of a model has its own `fused_add_gelu_<k>`; all of them are one family."""
+    stem, _, position = name.rpartition("_")
+    return stem if stem and position.isdigit() else name
+
+
+def canonical(kernel):
+    """The same kernel with every name that comes from the graph replaced by a generic one.
+
+    Note: one build per distinct kernel. A model repeats its layers, and each layer's kernels
+    are the same code with different pointers: `fused_add_gelu_13` in layer 0 and
+    `fused_add_gelu_27` in layer 1 differ only in names (the kernel's position, the graph
+    values their parameters and variables are named after, the ATen nodes their comments cite).
+    `canonical` renames consistently and in order of appearance, so two kernels get the same
+    canonical IR exactly when they compute the same thing from the same shapes, strides and
+    dtypes:
+
+        kernel       fused_add_gelu_13          ->  fused_add_gelu
+        parameters   mm_5, arg7_1, gelu_2       ->  in0, in1, out2
+        variables    v0_mm_5, v2_add_9          ->  v0_in0, v2_add
+        comments     add_9 = aten.add.Tensor(mm_5, arg7_1)  ->  aten.add.Tensor
+
+    The renaming is one-to-one (every name gets its own new name) and keeps the order of
+    parameters, so a binary built from one kernel's canonical source is the binary of every
+    kernel with the same canonical source, called with its own buffers in the same order. The
+    api builds each distinct canonical source once (fusec/api.py) and the cache stores it once;
+    `cf.kernels` keep their descriptive names and sources."""
+    params = {p.name: f"{'out' if p.is_output else 'in'}{i}" for i, p in enumerate(kernel.params)}
+    names: dict[str, str] = {}  # variables
+    body = kernel.stmts if isinstance(kernel, PointwiseKernel) else kernel.body
+    for load in kernel.loads:
+        names.setdefault(load.var.name, f"v{len(names)}_{params[load.param]}")
+    for item in body:
+        names.setdefault(item.var.name, f"v{len(names)}_{item.op}")
+
+    def var(v: Var) -> Var:
+        return Var(names[v.name], v.dtype)
+
+    def operand(o):
+        return var(o) if isinstance(o, Var) else o
+
+    def origin(text: str) -> str:  # "add_9 = aten.add.Tensor(mm_5, 1.0)" -> "aten.add.Tensor"
+        return text.partition(" = ")[2].partition("(")[0]
+
+    def item(s):
+        if isinstance(s, Reduce):
+            return replace(s, var=var(s.var), operand=var(s.operand), origin=origin(s.origin))
+        return replace(s, var=var(s.var), operands=tuple(operand(o) for o in s.operands),
+                       origin=origin(s.origin))
+
+    common = dict(name=family(kernel.name),
+                  params=[replace(p, name=params[p.name]) for p in kernel.params],
+                  loads=[replace(l, var=var(l.var), param=params[l.param]) for l in kernel.loads],
+                  stores=[replace(s, var=var(s.var), param=params[s.param]) for s in kernel.stores])
+    if isinstance(kernel, PointwiseKernel):
+        return replace(kernel, stmts=[item(s) for s in body], **common)
+    return replace(kernel, body=[item(s) for s in body],
+                   varying={names[v] for v in kernel.varying},
+                   level={names[k]: v for k, v in kernel.level.items()},
+                   online=[OnlineSoftmax(*(names[f] for f in astuple(o))) for o in kernel.online],
+                   **common)

@@ -14,6 +14,7 @@ Topics, in pipeline order:
     output_code  each generated kernel's source, as soon as it is rendered
     schedule     the ordered list of kernel launches and extern calls
     cache        disk-cache hits, misses, compiles and corrupt entries (fusec/cache.py)
+    compile      where each program's compile time went: capture, passes, codegen, build, load
 
 Every message goes through `log(topic, text)`; its first line is prefixed `[fusec TOPIC]` so a
 reader can grep for one stage. With FUSEC_DEBUG_DIR set, each compiled program gets its own
@@ -26,7 +27,7 @@ import os
 import sys
 from pathlib import Path
 
-TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache")
+TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile")
 
 
 def topics() -> set[str]:
@@ -56,9 +57,10 @@ def debug_dir() -> Path | None:
 
 
 def wants_stack_traces() -> bool:
-    """Record the user's source line of every ATen node while tracing? (Costs ~15% of capture
-    time, so only when someone will read it: explain, profile, FUSEC_LOG or FUSEC_DEBUG_DIR.)"""
-    return bool(topics() or debug_dir())
+    """Record the user's source line of every ATen node while tracing, and the graph after every
+    pass? (Costs ~15% of capture time and ~20% of a warm start, so only when someone will read
+    them: explain, profile, FUSEC_LOG or FUSEC_DEBUG_DIR.)"""
+    return bool(topics() - {"compile"} or debug_dir())  # timing must not change what it times
 
 
 # ---- hooks called by the driver (fusec/api.py compile_graph) -------------------------------------
@@ -72,6 +74,17 @@ def captured(gm) -> None:
 def kernel_rendered(name: str, backend: str, source: str) -> None:
     if enabled("output_code"):
         log("output_code", f"kernel {name} ({backend})\n{source}")
+
+
+def compile_times(compiled_graph, label: str = "program") -> None:
+    """`FUSEC_LOG=compile`: one line per program, its compile's seconds per stage."""
+    if enabled("compile"):
+        times = compiled_graph.times
+        kernels = compiled_graph.kernels
+        distinct = len({id(k.built) for k in kernels})
+        log("compile", f"{label}: {sum(times.values()):.3f} s = " + ", ".join(
+            f"{stage} {seconds:.3f}" for stage, seconds in times.items())
+            + f" ({len(kernels)} kernels, {distinct} distinct)")
 
 
 def pipeline_done(captured_gm, gm, snapshots) -> None:
@@ -150,7 +163,7 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
     (folder / "00_captured_graph.txt").write_text(graph_header(compiled_graph)
                                                   + ex.graph_listing(compiled_graph.captured.gm)
                                                   + "\n")
-    for i, snap in enumerate(compiled_graph.snapshots):
+    for i, snap in enumerate(compiled_graph.stages()):
         (folder / f"{i + 1:02d}_{snap.after}.py").write_text(
             f"# graph after {snap.after}\n{snap.code}")
     (folder / "fusion.txt").write_text(ex.format_groups(explanation.groups()) + "\n\n"

@@ -5,11 +5,11 @@ asked: `FUSEC_PROGRESS=1` (or `fusec ... --progress`) forces it on, `FUSEC_PROGR
 test's captured output never holds one. All bars of one piece of work share one rich `Progress`
 (rich allows one live display at a time): `session()` opens it, `track()` adds a task to it.
 
-    for node in progress.kernels(gm.graph.nodes):   # fusec/api.py's compile_graph
+    for future in progress.builds(as_completed(futures), len(futures)):  # fusec/build.py
         ...
 
-On its own (a library call, no session open) a kernel bar appears only for programs of
-`MIN_KERNELS` kernels or more, so compiling `a * b + a` in a terminal does not flash a bar.
+On its own (a library call, no session open) a build bar appears only for programs of
+`MIN_KERNELS` distinct kernels or more, so compiling `a * b + a` in a terminal does not flash a bar.
 """
 from __future__ import annotations
 
@@ -77,10 +77,12 @@ def track(items: Iterable, description: str, total: int, counts=lambda item: Tru
             bar.remove_task(task)
 
 
-def kernels(nodes: Iterable) -> Iterable:
-    """compile_graph's loop over graph nodes, with a bar counting the fused groups built."""
-    nodes = list(nodes)
-    total = sum(1 for n in nodes if n.op == "call_module")
+def builds(items: Iterable, total: int | None = None) -> Iterable:
+    """fusec/build.py's loop over the distinct kernels it builds (or over their futures, as
+    they complete), with a bar counting the builds done."""
+    if total is None:
+        items = list(items)
+        total = len(items)
     if not enabled() or (_active is None and total < MIN_KERNELS):
-        return nodes
-    return track(nodes, "build kernels", total, counts=lambda n: n.op == "call_module")
+        return items
+    return track(items, "build kernels", total)

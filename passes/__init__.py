@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from fusec.graphmodule import graph_module
+
 from .cse import cse
 from .dce import dce
 from .fuse_pointwise import fuse_pointwise
@@ -70,6 +72,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    new = fx.GraphModule(gm, graph)
+    new = graph_module(gm, graph)  # its Python is written only if read: fusec/graphmodule.py
     new.meta.update(gm.meta)
     return new

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
 
 MAX_NAME_OPS = 6
@@ -196,7 +197,7 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group)
     for n in nodes:
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[o] for o in outputs))
-    sub_gm = fx.GraphModule(gm, sub, class_name=name)
+    sub_gm = graph_module(gm, sub, class_name=name)  # no Python written: fusec/graphmodule.py
     sub_gm.meta["fusec_group"] = {
         "name": name,
         "ops": [str(n.target).replace("aten.", "") for n in nodes],

@@ -18,6 +18,7 @@ import torch
 
 import fusec
 from fusec import cache
+from fusec.ir import canonical
 
 SCRIPT = textwrap.dedent(r'''
     import json, sys, time
@@ -197,9 +198,10 @@ def test_binary_garbage_triton_module_is_rewritten(tmp_path, monkeypatch):
     (module,) = (tmp_path / "triton").glob("*.py")
     _garbage(module)
     before = cache.STATS["corrupt"]
-    triton_backend.load(kernel.ir, kernel.source)  # what a new process would do
+    # what a new process would do: the module holds the kernel's canonical source (fusec/build.py)
+    triton_backend.load(canonical(kernel.ir), kernel.canonical)
     assert cache.STATS["corrupt"] == before + 1
-    assert module.read_text() == kernel.source
+    assert module.read_text() == kernel.canonical
 
 
 @pytest.mark.parametrize("manifest", ["", "{", "{}", '{"sha256": 5}', "null", "[]", '"x"'],

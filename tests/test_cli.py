@@ -162,16 +162,13 @@ def test_progress_flag_draws_a_bar_and_changes_nothing_else(monkeypatch, capsys)
     assert os.environ.get("FUSEC_PROGRESS") == "0"  # the flag held for that command only
 
 
-def test_progress_track_counts_kernels(monkeypatch):
+def test_progress_track_counts_builds(monkeypatch):
     import fusec.progress as progress
 
-    class Node:
-        def __init__(self, op):
-            self.op = op
-
-    nodes = [Node("placeholder"), *(Node("call_module") for _ in range(5)), Node("output")]
+    builds = [f"kernel {i}" for i in range(5)]
     monkeypatch.setenv("FUSEC_PROGRESS", "0")
-    assert progress.kernels(nodes) == nodes  # off: the plain list, no bar
+    assert progress.builds(builds) == builds  # off: the plain list, no bar
     monkeypatch.setenv("FUSEC_PROGRESS", "1")
-    assert list(progress.kernels(nodes)) == nodes  # on: the same nodes, through a bar
+    assert list(progress.builds(iter(builds), 5)) == builds  # on: the same items, through a bar
     assert progress._active is None  # the bar is closed afterwards
+    assert progress.builds(builds[:2]) == builds[:2]  # under MIN_KERNELS: no bar on its own

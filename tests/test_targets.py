@@ -216,9 +216,9 @@ def test_a_compiler_process_that_cannot_start_is_an_error():
 def test_fusec_falls_back_when_llvm_dies(monkeypatch, tmp_path):
     if not cpp.available():
         pytest.skip("no other CPU backend to fall back to")
-    from fusec import api
-    monkeypatch.setattr(llvm_build, "_WORKER", _crashing_worker())
-    monkeypatch.setattr(api, "_FELL_BACK", set())
+    from fusec import build
+    monkeypatch.setattr(llvm_build, "_WORKERS", llvm_build.WorkerPool(_crashing_worker))
+    monkeypatch.setattr(build, "_FELL_BACK", set())
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))  # nothing cached: LLVM must compile
     x = torch.randn(300)
     fn = lambda x: torch.sin(x) * 2 + 1  # noqa: E731

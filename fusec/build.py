@@ -1,0 +1,225 @@
+"""Building a program's kernels: each distinct kernel once, several at a time.
+
+`compile_graph` (fusec/api.py) lowers every fused group to kernel IR and hands the list here:
+
+    kernel IR ──canonical (fusec/ir.py)──> canonical IR ──render──> canonical source
+      distinct canonical sources ──build, `jobs()` at a time──> binaries (cached on disk)
+      ──load, once per process──> launchers, shared by every kernel with that canonical source
+
+A 6-layer BERT has 86 fused kernels but only 15 distinct ones: every layer repeats the same
+kernels over buffers of the same shapes. Before this file existed fusec compiled all 86, one
+after another. Now it compiles the 15, in parallel, and the other 71 kernels share their
+binaries (see the note on `canonical` in fusec/ir.py for why that is exact).
+
+What runs in parallel, per backend:
+
+* cpp: `g++` processes (`codegen/cpp.py`'s `build` runs one per call; Python threads only wait);
+* llvm: LLVM's optimizer and code generator, in a pool of guarded compiler processes
+  (codegen/llvm_build.py), one per job: a crash there still takes down only that process;
+* triton: `build` writes the module; then, on a GPU, each distinct module compiles its kernel
+  ahead of the first run (Triton's `warmup`), in threads, into Triton's cache, where the first
+  launch finds it (under TRITON_INTERPRET=1 nothing is compiled at all).
+
+Loading (dlopen, MCJIT linking, importing a Triton module) happens here, in this thread, one
+binary at a time: it takes milliseconds, and ctypes and llvmlite are not meant to be driven
+from several threads at once. A kernel whose backend cannot build it is built by the other CPU
+backend (`FALLBACK`), said once per backend.
+
+The disk cache (fusec/cache.py) is unchanged: a file is named after the kernel family and the
+hash of the canonical source, written under a temporary name and renamed into place, and
+verified before it is loaded. Several processes building into one cold cache each build the
+kernel (the same bytes) and the last rename wins; no reader ever sees half a file.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from . import cache
+from .errors import CompileError
+from .ir import canonical
+
+# If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
+# guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
+# the same kernel IR and their launchers are called the same way.
+FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
+_FELL_BACK: set[str] = set()
+
+# (cache directory, backend, canonical source) -> its Built, while some kernel uses it
+# (`Kernel.built`): a second program (a new input signature, another model with the same layers)
+# loads nothing twice. Pointing FUSEC_CACHE_DIR elsewhere starts afresh.
+_LOADED: "weakref.WeakValueDictionary[tuple[str, str], Built]" = weakref.WeakValueDictionary()
+_LOADED_LOCK = threading.Lock()
+
+
+def jobs() -> int:
+    """How many kernels build at once: $FUSEC_COMPILE_JOBS, else one per core this process may
+    use (a build is one compiler process, which keeps one core busy)."""
+    wanted = os.environ.get("FUSEC_COMPILE_JOBS", "").strip()
+    if wanted:
+        try:
+            return max(int(wanted), 1)
+        except ValueError:
+            from .errors import FusecError
+            raise FusecError(f"fusec: FUSEC_COMPILE_JOBS={wanted!r} is not a number of jobs") \
+                from None
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class Built:
+    """One distinct kernel: its canonical IR and source, and what building it gave."""
+
+    ir: Any  # the canonical kernel IR
+    backend: str  # the backend asked for; after a fallback, the one that built it
+    source: str  # the canonical source, for `backend`: the text that was compiled
+    key: tuple  # (cache dir, backend asked for, its canonical source): how `_LOADED` finds it
+    path: Any = None  # the binary on disk (a .so, an .o or a Triton module)
+    launcher: Any = None
+    error: CompileError | None = None
+
+
+def codegen(backend: str):
+    import importlib
+    return importlib.import_module(f"fusec.codegen.{backend}")
+
+
+def build_all(irs: list, backend: str, times: dict | None = None,
+              device: str | None = None) -> list[Built]:
+    """Build and load the kernels `irs` for `backend` (on `device`): one build per distinct
+    canonical source, `jobs()` builds at a time. Returns each kernel's Built, in order (kernels
+    with the same canonical source share one). Adds the seconds spent to `times` ("codegen":
+    canonical IR and render, "build", "load")."""
+    times = {} if times is None else times
+    start = time.perf_counter()
+    distinct: dict[str, Built] = {}
+    mine: list[Built] = []
+    where = str(cache.root())
+    for ir in irs:
+        canon = canonical(ir)
+        source = codegen(backend).render(canon)
+        built = distinct.get(source)
+        if built is None:
+            key = (where, backend, source)
+            with _LOADED_LOCK:
+                built = _LOADED.get(key)
+            if built is None:
+                built = Built(canon, backend, source, key)
+            distinct[source] = built
+        mine.append(built)
+    todo = [b for b in distinct.values() if b.launcher is None]
+    cache.log(f"{len(irs)} kernels, {len(distinct)} distinct, {len(todo)} not loaded yet")
+    built_at = time.perf_counter()
+    _build_parallel(todo)
+    loaded_at = time.perf_counter()
+    for built in todo:
+        _load(built)
+    compiled_at = time.perf_counter()
+    _compile_triton_ahead([b for b in todo if b.backend == "triton"], device)
+    end = time.perf_counter()
+    for stage, seconds in (("codegen", built_at - start),
+                           ("build", loaded_at - built_at + end - compiled_at),
+                           ("load", compiled_at - loaded_at)):
+        times[stage] = times.get(stage, 0.0) + seconds
+    return mine
+
+
+def _build_parallel(todo: list[Built]) -> None:
+    """Build every kernel of `todo` (binaries on disk; errors kept for `_load`), several at once,
+    with a progress bar over the builds."""
+    from . import progress
+    n = min(jobs(), len(todo))
+    if n <= 1:
+        for built in progress.builds(todo):
+            _build(built)
+        return
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-build") as pool:
+        for future in progress.builds(as_completed([pool.submit(_build, b) for b in todo]),
+                                      len(todo)):
+            future.result()
+
+
+def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
+    """On a GPU, Triton compiles a kernel when it is first launched, so a program's first run
+    would compile its kernels one after another. Instead each distinct kernel's module compiles
+    it now (`compile_ahead`: Triton's `warmup`, which compiles for the argument types without
+    launching), `jobs()` at a time in threads, into Triton's own cache, where the first launch
+    finds it. A kernel that fails here is left to its first launch, which reports the error
+    where it always did. Under TRITON_INTERPRET=1 nothing is compiled at all."""
+    import torch
+    n = min(jobs(), len(todo))
+    if n <= 1 or device is None or torch.device(device).type != "cuda" \
+            or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+
+    def compile_one(built: Built) -> None:
+        ahead = getattr(built.launcher.module, "compile_ahead", None)
+        if ahead is None:
+            return
+        try:
+            with torch.cuda.device(index):  # Triton compiles for the thread's current device
+                ahead(*[p.dtype for p in built.ir.params])
+        except Exception as err:  # noqa: BLE001 - the first launch compiles it and says why
+            cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
+                      "its first launch compiles it")
+
+    from . import progress
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-triton") as pool:
+        for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in todo]),
+                                      len(todo)):
+            future.result()
+
+
+def _build(built: Built) -> None:
+    """Render was done; build the binary (or find it in the cache). A CompileError is kept on
+    `built` so that `_load` can fall back in the main thread."""
+    try:
+        built.path = codegen(built.backend).build(built.source, built.ir.name)
+    except CompileError as err:
+        built.error = err
+
+
+def _load(built: Built) -> None:
+    """Load the built binary (or fall back to the other CPU backend), and remember it."""
+    if built.error is None:
+        try:
+            built.launcher = codegen(built.backend).launcher(built.path, built.ir.name,
+                                                             len(built.ir.params))
+        except CompileError as err:  # loading refused it (LLVM: a symbol this process lacks)
+            built.error = err
+    if built.error is not None:
+        _fall_back(built)
+    with _LOADED_LOCK:
+        _LOADED[built.key] = built
+
+
+def _fall_back(built: Built) -> None:
+    first, backend = built.error, built.backend
+    other = FALLBACK.get(backend)
+    if other is None or not codegen(other).available():
+        raise first
+    module = codegen(other)
+    source = module.render(built.ir)
+    try:
+        path = module.build(source, built.ir.name)
+        launcher = module.launcher(path, built.ir.name, len(built.ir.params))
+    except CompileError as second:
+        raise CompileError(f"{first}\nand the {other} backend could not build it either:\n"
+                           f"{second}") from None
+    if backend not in _FELL_BACK:
+        _FELL_BACK.add(backend)
+        warnings.warn(f"{first}\nfusec: the {other} backend builds {built.ir.name} instead (and "
+                      f"any other kernel the {backend} backend cannot build; each kernel's "
+                      f".backend says which built it)", stacklevel=5)
+    built.backend, built.source, built.path, built.launcher = other, source, path, launcher
