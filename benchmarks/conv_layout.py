@@ -93,6 +93,14 @@ PROBLEMS = {
 }
 
 
+def conv_call(conv, t, w):
+    """`conv` applied to input t with weight w (in whatever layout they are)."""
+    if isinstance(conv, nn.ConvTranspose2d):
+        return F.conv_transpose2d(t, w, conv.bias, conv.stride, conv.padding, conv.output_padding,
+                                  conv.groups, conv.dilation)
+    return conv._conv_forward(t, w, conv.bias)
+
+
 def fusec_with_layout(model, x, mode: str):
     """fusec.compile with FUSEC_LAYOUT=mode while it compiles (the first call)."""
     old = os.environ.get("FUSEC_LAYOUT")
@@ -126,7 +134,8 @@ def run(name, device, dtype, full):
         fns["fusec before"] = fusec_with_layout(model, x, "contiguous")
         fns["fusec after"] = fusec_with_layout(model, x, "auto")
         e = fusec.explain(model, x)
-        row["layout"] = e.compiled.gm.meta["fusec_layout_plan"].choice
+        plan = e.compiled.gm.meta["fusec_layout_plan"]
+        row["layout"], row["layout_reason"] = plan.choice, plan.reason
         for label, fn in fns.items():
             got = fn(x)
             err = (got.float() - want.float()).abs().max().item()
@@ -134,6 +143,13 @@ def run(name, device, dtype, full):
             row[f"{label} ok"] = bool(err <= tol * max(1.0, scale)) and got.stride() == want.stride()
         for label, fn in fns.items():
             row[label] = median_ms(fn, x, device=device, budget_s=1.0 if not full else 0.5)
+        # the convolution alone, in each layout: what passes/layout.py's SPEEDUP table records
+        conv = model.conv
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        x_cl = x.contiguous(memory_format=fmt)
+        w_cl = conv.weight.detach().contiguous(memory_format=fmt)
+        row["conv nchw"] = median_ms(conv, x, device=device)
+        row["conv nhwc"] = median_ms(lambda t: conv_call(conv, t, w_cl), x_cl, device=device)
     return row
 
 
@@ -159,7 +175,8 @@ def main():
         ok = all(r[f"{l} ok"] for l in labels)
         print(f"{r['problem']:<22} {r['layout']:<14}" + "".join(f"{r[l]:>14.3f}" for l in labels)
               + f"{r['eager'] / r['fusec after']:>11.2f}x{r['torch.compile'] / r['fusec after']:>13.2f}x"
-              f"  {'yes' if ok else 'NO'}")
+              f"  {'yes' if ok else 'NO'}   conv alone nchw {r['conv nchw']:.3f} nhwc "
+              f"{r['conv nhwc']:.3f} ({r['conv nchw'] / r['conv nhwc']:.2f}x)")
     for label in ("eager", "torch.compile", "fusec before"):
         g = math.exp(sum(math.log(r[label] / r["fusec after"]) for r in rows) / len(rows))
         print(f"geomean speed of fusec after vs {label}: {g:.2f}x")
