@@ -7,8 +7,8 @@
 Each problem is a convolution followed by what KernelBench level 2 puts after one (activations,
 batch/group norm, pooling, a softmax over channels), written here in that style. Every problem
 runs in one process through eager PyTorch, torch.compile (Inductor, default mode), fusec with
-the layout pass switched off (FUSEC_LAYOUT=contiguous: "before") and fusec as it decides
-("after"); every result is checked against eager first. Modules stay in their default (training)
+the layout pass switched off (FUSEC_LAYOUT=contiguous: "before"), fusec as it decides
+("after") and fusec with channels-last forced ("forced", to check the decision); every result is checked against eager first. Modules stay in their default (training)
 mode as in KernelBench, under torch.no_grad(). Times are medians in ms.
 """
 from __future__ import annotations
@@ -133,6 +133,7 @@ def run(name, device, dtype, full):
         row["compile_s"] = time.perf_counter() - t0
         fns["fusec before"] = fusec_with_layout(model, x, "contiguous")
         fns["fusec after"] = fusec_with_layout(model, x, "auto")
+        fns["fusec forced"] = fusec_with_layout(model, x, "channels_last")
         e = fusec.explain(model, x)
         plan = e.compiled.gm.meta["fusec_layout_plan"]
         row["layout"], row["layout_reason"] = plan.choice, plan.reason
@@ -168,7 +169,7 @@ def main():
         if args.json:  # keep what was measured even if a later problem runs out of time
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-    labels = ["eager", "torch.compile", "fusec before", "fusec after"]
+    labels = ["eager", "torch.compile", "fusec before", "fusec after", "fusec forced"]
     print(f"{'problem':<22} {'layout':<14}" + "".join(f"{l:>14}" for l in labels)
           + f"{'after/eager':>12}{'after/compile':>14}  ok")
     for r in rows:

@@ -301,3 +301,21 @@ def test_explain_says_which_layout_each_tensor_got_and_why(channels_last):
     d = e.to_dict()["layout"]
     assert d["choice"] == "channels_last"
     assert {t["name"]: t["format"] for t in d["tensors"]}["convolution"] == "channels_last"
+
+
+def test_global_average_pool_over_many_channels_reads_rows_side_by_side(channels_last, target):
+    """NHWC mean over (H, W): the rows (channels) are adjacent, each row's elements C apart; the
+    Triton kernel then takes 64 neighbouring rows per program (a column reduction)."""
+    from fusec.codegen.triton import is_column_reduction
+    backend, device = target
+    x, w, b = conv_args(device, n=2, cin=4, cout=96, hw=(11, 9))
+
+    def fn(x, w, b):
+        y = F.relu(F.conv2d(x, w, b))
+        return y.mean((2, 3)), y.amax((2, 3), keepdim=True)
+
+    cf = check(fn, x, w, b, backend=backend)
+    reductions = [k for k in cf.kernels if hasattr(k.ir, "k_shape")]
+    assert reductions and all(is_column_reduction(k.ir) for k in reductions)
+    if backend == "triton":
+        assert all("XBLOCK=64" in k.source for k in reductions)
