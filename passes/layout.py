@@ -22,7 +22,7 @@ This pass tries the other layout and keeps it when the stated cost model says it
    eager's strides (a `clone` pinned to them), so callers see what eager returns;
 4. the price: a conversion that reads a tensor some kernel writes anyway fuses into that kernel
    (it only changes the order the kernel stores in) and is free; a conversion of a program input,
-   a weight or an extern's result is one extra pass over the tensor. Each convolution's gain is
+   a weight or an extern's result is one extra pass over the tensor and one more kernel launch. Each convolution's gain is
    its estimated time (FLOPs / throughput) times (1 - 1/speedup), with the speedup measured per
    device, convolution kind and dtype (SPEEDUP below). The channels-last graph is kept only when
    the gains exceed the extra passes; otherwise the captured graph is returned unchanged.
@@ -87,6 +87,7 @@ SPEEDUP = {
 # ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
 FLOPS = {"cpu": 60e9, "cuda": 100e12}  # convolution FLOP/s (2-core AVX2 f32; H100 TF32, measured)
 BANDWIDTH = {"cpu": 10e9, "cuda": 2.5e12}  # bytes/s of a copy that transposes
+LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
 
 
 def speedup(device: str, spatial: int, transposed: bool, dtype: torch.dtype) -> tuple[float, str]:
@@ -208,7 +209,8 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
 
     plan = LayoutPlan("channels_last", "", choices, conversions)
     plan.gain_s = sum(c.gain_s for c in choices)
-    plan.cost_s = sum(c.nbytes * 2 / BANDWIDTH[_kind(c)] for c in conversions if not c.free)
+    plan.cost_s = sum(c.nbytes * 2 / BANDWIDTH[_kind(c)] + LAUNCH[_kind(c)]
+                      for c in conversions if not c.free)
     if forced == "channels_last":
         plan.reason = "FUSEC_LAYOUT=channels_last (cost model overridden)"
     elif plan.gain_s > plan.cost_s:
