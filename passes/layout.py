@@ -69,24 +69,27 @@ SPEEDUP = {
     ("cpu", 2, False, torch.float16): 1.6,
     ("cpu", 2, True, torch.float32): 1.3,
     ("cpu", 3, False, torch.float32): 1.1,
-    # NVIDIA H100, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default), the
-    # convolution alone at KernelBench level-2 sizes: conv2d 1.64-1.66x, transposed 1.58x (f32);
-    # the half-precision rows assume at least as much (Tensor Cores read NHWC natively).
+    # NVIDIA H100 and H200, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default),
+    # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py, docs/gpu.md):
+    # conv2d 1.64-1.67x (f32), 1.66-1.68x (bf16); transposed 1.56-1.58x (f32), 1.67x (bf16);
+    # conv3d 1.25x (f32), 1.45x (bf16). float16 is assumed to behave as bfloat16.
     ("cuda", 2, False, torch.float32): 1.6,
-    ("cuda", 2, False, torch.bfloat16): 1.6,
-    ("cuda", 2, False, torch.float16): 1.6,
+    ("cuda", 2, False, torch.bfloat16): 1.65,
+    ("cuda", 2, False, torch.float16): 1.65,
     ("cuda", 2, True, torch.float32): 1.55,
-    ("cuda", 2, True, torch.bfloat16): 1.55,
-    ("cuda", 2, True, torch.float16): 1.55,
-    ("cuda", 3, False, torch.float32): 1.2,
-    ("cuda", 3, False, torch.bfloat16): 1.2,
-    ("cuda", 3, False, torch.float16): 1.2,
+    ("cuda", 2, True, torch.bfloat16): 1.65,
+    ("cuda", 2, True, torch.float16): 1.65,
+    ("cuda", 3, False, torch.float32): 1.25,
+    ("cuda", 3, False, torch.bfloat16): 1.45,
+    ("cuda", 3, False, torch.float16): 1.45,
 }
 
 # Rough sustained throughput, to turn FLOPs and bytes into the same unit (seconds). Only their
 # ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
-FLOPS = {"cpu": 60e9, "cuda": 100e12}  # convolution FLOP/s (2-core AVX2 f32; H100 TF32, measured)
-BANDWIDTH = {"cpu": 10e9, "cuda": 2.5e12}  # bytes/s of a copy that transposes
+# Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at
+# ~110 TFLOP/s (TF32), transposed and 3-D ones at ~35; the CPU figures are for 2 AVX2 cores.
+FLOPS = {("cpu", True): 60e9, ("cpu", False): 30e9, ("cuda", True): 100e12, ("cuda", False): 35e12}
+BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)
 LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
 
 
@@ -348,7 +351,7 @@ def _price_conv(node: fx.Node) -> ConvChoice:
         flops = 2 * out.numel() * (x.shape[1] // groups) * window
     s, reason = speedup(str(out.device), spatial, transposed, out.dtype)
     kind = "cuda" if out.device.type == "cuda" else "cpu"
-    gain = flops / FLOPS[kind] * (1 - 1 / s)
+    gain = flops / FLOPS[kind, spatial == 2 and not transposed] * (1 - 1 / s)
     what = f"{'conv_transpose' if transposed else 'conv'}{spatial}d {TensorMeta.of(out)}"
     return ConvChoice(node.name, what, float(flops), s, gain, reason)
 

@@ -319,3 +319,18 @@ def test_global_average_pool_over_many_channels_reads_rows_side_by_side(channels
     assert reductions and all(is_column_reduction(k.ir) for k in reductions)
     if backend == "triton":
         assert all("XBLOCK=64" in k.source for k in reductions)
+
+
+def test_group_norm_walks_its_groups_in_memory_order(channels_last, target):
+    """Channels-last group norm reduces over (C/G, H*W) with strides (1, C): the kernel walks k as
+    (H*W, C/G), so the innermost k dim is the contiguous one."""
+    backend, device = target
+    x, w, b = conv_args(device, n=2, cin=3, cout=8, hw=(6, 5))
+
+    def fn(x, w, b):
+        return F.group_norm(F.conv2d(x, w, b), 2) * 1.5
+
+    cf = check(fn, x, w, b, backend=backend)
+    (gn,) = [k for k in cf.kernels if hasattr(k.ir, "k_shape")]
+    loads = [l for l in gn.ir.loads if any(l.index.strides[len(gn.ir.row_shape):])]
+    assert loads and all(l.index.strides[-1] == 1 for l in loads), gn.ir
