@@ -53,6 +53,8 @@ import torch.fx as fx
 from fusec import ops
 from fusec.ir import TensorMeta, contiguous_strides
 
+from .schedule import _dense, _fake_mode
+
 aten = torch.ops.aten
 
 # ---- the cost model ------------------------------------------------------------------------------
@@ -402,7 +404,6 @@ def _cl_name(fmt) -> str:
 
 def _cl_strides(shape) -> tuple[int, ...]:
     """(N, C, *spatial) stored as (N, *spatial, C)."""
-    n, c, *sp = shape
     order = [0] + list(range(2, len(shape))) + [1]  # outermost to innermost
     strides = [0] * len(shape)
     step = 1
@@ -410,16 +411,6 @@ def _cl_strides(shape) -> tuple[int, ...]:
         strides[d] = step
         step *= max(shape[d], 1)
     return tuple(strides)
-
-
-def _dense(m: TensorMeta) -> bool:
-    dims = sorted((st, sz) for st, sz in zip(m.stride, m.shape) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -438,15 +429,6 @@ def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
             node.meta.setdefault(key, value)
     node.meta["val"] = val
     node.meta["fusec"] = _meta_of(val)
-
-
-def _fake_mode(gm):
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
-            return val.fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    return FakeTensorMode()
 
 
 def _run_fake(mode, node: fx.Node):
