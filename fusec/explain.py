@@ -422,7 +422,7 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 parts.append(f"unfused {len(done)} linear bias(es)")
                 details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                             for addmm, mm, add in done]
-            if snap.after == "layout" and gm.meta.get("fusec_layout_plan"):
+            if snap.after == "layout" and getattr(gm.meta.get("fusec_layout_plan"), "convs", None):
                 plan = gm.meta["fusec_layout_plan"]
                 if plan.choice != "unchanged":
                     parts.append(plan.summary())
@@ -554,7 +554,7 @@ class Explanation:
                 out.append(f"dce removed: {', '.join(gm.meta.get('fusec_dce', [])) or 'nothing'}")
             if fuse_stages and change["after"] == fuse_stages[-1]:
                 out.append(format_refusals(gm))
-        if "fusec_layout_plan" in gm.meta:  # which layout each tensor got, and why
+        if getattr(gm.meta.get("fusec_layout_plan"), "convs", None):  # each tensor's layout, why
             out.append("\n=== memory layout ===\n" + str(gm.meta["fusec_layout_plan"]))
         out.append("\n=== fusion groups ===\n" + format_groups(self.groups()))
         fallbacks = self.fallbacks()

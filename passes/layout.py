@@ -193,11 +193,11 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
         gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "no convolution")
         return gm
     forced = os.environ.get("FUSEC_LAYOUT", "auto").strip().lower()
+    choices = [_price_conv(n) for n in convs]
     if forced in ("contiguous", "off", "0", "nchw"):
-        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous")
+        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)
         return gm
 
-    choices = [_price_conv(n) for n in convs]
     wanted = [n for n, c in zip(convs, choices) if c.speedup > 1.0 or forced == "channels_last"]
     if not wanted:
         gm.meta["fusec_layout_plan"] = LayoutPlan(
