@@ -185,6 +185,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     """
     group = sub.meta["fusec_group"]
     shape, dims = tuple(group["shape"]), tuple(group["reduce_dims"])
+    dims = _memory_order(dims, shape, sub, in_layouts)
     outer = [d for d in range(len(shape)) if d not in dims]
     perm = outer + list(dims)
     rows_only = tuple(shape[d] for d in outer)
@@ -307,6 +308,25 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                             index_of[("out", k, space_of(out))]))
     return ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
                            varying, level, fused_ops, online_softmax(body, varying))
+
+
+def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts) -> tuple[int, ...]:
+    """The reduced dims in the memory order of the tensor being reduced, largest stride first.
+
+    A group norm over a channels-last (N, G, C/G, H*W) view reduces over (C/G, H*W), whose strides
+    are (1, C): walked in the graph's order, neighbouring positions of k would be C elements
+    apart. Walked as (H*W, C/G), each run of C/G positions is contiguous. Only the order of the
+    additions changes. Reductions that return an index (argmax over several dims numbers the
+    positions in the graph's order) keep the graph's order.
+    """
+    if len(dims) < 2 or any(ops.reduction(n) is not None and ops.reduction(n).op.returns_index
+                            for n in sub.graph.nodes if n.op == "call_function"):
+        return dims
+    for layout in in_layouts:
+        full = _broadcast_strides(layout, shape)
+        if all(full[d] for d in dims):  # an element tensor: it varies along every reduced dim
+            return tuple(sorted(dims, key=lambda d: -full[d]))
+    return dims
 
 
 def online_softmax(body: list, varying: set[str]) -> list[OnlineSoftmax]:

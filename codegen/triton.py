@@ -272,7 +272,24 @@ PERSISTENT_MAX_K = 8192  # rows up to this long stay in registers; longer ones a
 LOOP_RBLOCK = 2048
 
 
-def reduction_blocks(rows: int, k: int) -> tuple[bool, int, int, int]:
+# Note (column reductions): a channels-last tensor reduced over its pixels (a global average pool,
+# batch-norm statistics) has its rows (channels) next to each other in memory and each row's
+# elements C apart. One row per program would read one float out of every 32-byte sector it
+# fetches; instead a program takes COLUMN_XBLOCK neighbouring rows and walks k in steps of
+# COLUMN_RBLOCK, so every load of the [XBLOCK, RBLOCK] tile reads XBLOCK consecutive floats.
+COLUMN_XBLOCK = 64
+COLUMN_RBLOCK = 64
+
+
+def is_column_reduction(kernel) -> bool:
+    """True when every load that varies along k is contiguous across rows and strided along k."""
+    n_rows = len(kernel.row_shape)
+    varying = [l.index.strides for l in kernel.loads if any(l.index.strides[n_rows:])]
+    return bool(varying) and n_rows > 0 and all(
+        st[n_rows - 1] == 1 and st[-1] not in (0, 1) for st in varying)
+
+
+def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int, int, int]:
     """(persistent, XBLOCK, RBLOCK, num_warps): a whole short row per program when it fits,
     several rows per program when rows are short, 2048-wide chunks for long rows; a warp per
     1024 elements of the tile (32 per thread: on an H200, 4 warps ran a 4096-wide softmax 2-4%
@@ -280,6 +297,9 @@ def reduction_blocks(rows: int, k: int) -> tuple[bool, int, int, int]:
     for rows read once, evict_last for a weight every row reads) made that layer norm 1.5%
     slower there, so there are none."""
     persistent = k <= PERSISTENT_MAX_K
+    if column and rows >= COLUMN_XBLOCK and k > COLUMN_RBLOCK:
+        # see the note on column reductions above
+        return False, COLUMN_XBLOCK, COLUMN_RBLOCK, 4
     rblock = max(1 << max(k - 1, 0).bit_length(), 2) if persistent else LOOP_RBLOCK
     xblock = max(1, min(4096 // rblock, 1 << max(rows - 1, 0).bit_length()))
     num_warps = max(1, min(16, (xblock * rblock) // 1024))
@@ -287,7 +307,8 @@ def reduction_blocks(rows: int, k: int) -> tuple[bool, int, int, int]:
 
 
 def render_reduction(kernel) -> str:
-    persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k)
+    persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
+                                                             is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)
     helpers: set = set()
 

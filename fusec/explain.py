@@ -422,6 +422,11 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 parts.append(f"unfused {len(done)} linear bias(es)")
                 details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                             for addmm, mm, add in done]
+            if snap.after == "layout" and getattr(gm.meta.get("fusec_layout_plan"), "convs", None):
+                plan = gm.meta["fusec_layout_plan"]
+                if plan.choice != "unchanged":
+                    parts.append(plan.summary())
+                details.append(f"layout: {plan.choice} ({plan.reason}); see === memory layout ===")
             if snap.after == "schedule":
                 steps = gm.meta.get("fusec_schedule", [])
                 nk = sum(1 for s in steps if s.kind == "kernel")
@@ -523,6 +528,8 @@ class Explanation:
             "externs": [s.name for s in gm.meta["fusec_schedule"] if s.kind == "extern"],
             "fallbacks": self.fallbacks(),
             "schedule": format_schedule(gm.meta["fusec_schedule"]),
+            "layout": gm.meta["fusec_layout_plan"].to_dict() if "fusec_layout_plan" in gm.meta
+            else None,
             "dot": {"before": self.dot("before"), "after": self.dot("after")},
         }
 
@@ -547,6 +554,8 @@ class Explanation:
                 out.append(f"dce removed: {', '.join(gm.meta.get('fusec_dce', [])) or 'nothing'}")
             if fuse_stages and change["after"] == fuse_stages[-1]:
                 out.append(format_refusals(gm))
+        if getattr(gm.meta.get("fusec_layout_plan"), "convs", None):  # each tensor's layout, why
+            out.append("\n=== memory layout ===\n" + str(gm.meta["fusec_layout_plan"]))
         out.append("\n=== fusion groups ===\n" + format_groups(self.groups()))
         fallbacks = self.fallbacks()
         out.append("\n=== extern (eager ATen) calls ===")

@@ -1,0 +1,444 @@
+"""Layout: decide, once per program, whether the convolutions run channels-last.
+
+A 4-D activation `(N, C, H, W)` can sit in memory in two dense orders. PyTorch's default,
+*contiguous* (NCHW), keeps each channel's H x W image together; *channels-last* (NHWC) keeps the C
+values of each pixel together. The math is the same, the speed is not: a convolution is a matrix
+product over the C (and kernel-window) values of each pixel, and the fast convolution kernels of
+cuDNN (Tensor Cores) and oneDNN (AVX-512/AVX2 vectors) read those values as one contiguous run,
+so they want NHWC. Given NCHW they either run a slower kernel or transpose the tensor first and
+transpose the result back, and eager PyTorch pays that on every call. docs/passes/layout.md has
+the measurements.
+
+This pass tries the other layout and keeps it when the stated cost model says it pays:
+
+1. every convolution whose device and dtype have fast channels-last kernels gets its input and
+   weight converted (`clone(x, memory_format=torch.channels_last)`, `channels_last_3d` for 5-D);
+2. the new strides are propagated through the graph with fake tensors, exactly as eager PyTorch
+   would propagate them: pointwise ops, norms, pooling and reductions keep the layout of what
+   they read, so the schedule gives every kernel output these strides and every fused kernel
+   walks its tensors in NHWC order. A view that cannot be expressed on the new layout (a
+   `flatten` before a linear layer) gets a conversion back to contiguous just before it;
+3. every program output whose strides now differ from eager's gets a conversion back to exactly
+   eager's strides (a `clone` pinned to them), so callers see what eager returns;
+4. the price: a conversion that reads a tensor some kernel writes anyway fuses into that kernel
+   (it only changes the order the kernel stores in) and is free; a conversion of a program input,
+   a weight or an extern's result is one extra pass over the tensor and one more kernel launch. Each convolution's gain is
+   its estimated time (FLOPs / throughput) times (1 - 1/speedup), with the speedup measured per
+   device, convolution kind and dtype (SPEEDUP below). The channels-last graph is kept only when
+   the gains exceed the extra passes; otherwise the captured graph is returned unchanged.
+
+    before                                         after
+    conv = convolution(x, w, b, ...)               x_cl   = clone(x, memory_format=channels_last)
+    relu = relu(conv)                              w_cl   = clone(w, memory_format=channels_last)
+    return (relu,)                                 conv   = convolution(x_cl, w_cl, b, ...)   # NHWC
+                                                   relu   = relu(conv)                        # NHWC
+                                                   relu_o = clone(relu)  # eager's NCHW strides,
+                                                   return (relu_o,)      # fuses with relu
+
+The decision and a line for every 4-D/5-D tensor (its layout and why) are kept in
+`gm.meta["fusec_layout_plan"]` (a LayoutPlan) and printed by `fusec.explain`. The environment
+variable FUSEC_LAYOUT=channels_last (or contiguous) overrides the cost model, for experiments and
+tests; numerics never depend on it beyond the vendor library's own rounding: the pass changes no
+backend flag (torch.backends.cudnn.allow_tf32 and friends stay as the user set them).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import TensorMeta, contiguous_strides
+
+from .schedule import _dense, _fake_mode
+
+aten = torch.ops.aten
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+# Speed of the convolution alone in channels-last over NCHW, measured with eager PyTorch
+# (docs/passes/layout.md has the tables): key (device type, spatial dims, transposed, dtype).
+# A missing key means 1.0: no measured gain, so no reason to pay for conversions.
+SPEEDUP = {
+    # 2-core AMD EPYC (AVX2, no AVX-512), torch 2.13 + oneDNN, one thread, CPU time: conv2d 1.1-7.8x
+    # (f32; 1.6-2.2x at typical 3x3 sizes), 2.9x (bf16: without AVX-512 BF16 the NCHW path is
+    # slow), transposed conv2d 1.6x, conv3d 1.0-1.3x, depthwise 1.6x.
+    ("cpu", 2, False, torch.float32): 1.6,
+    ("cpu", 2, False, torch.bfloat16): 2.8,
+    ("cpu", 2, False, torch.float16): 1.6,
+    ("cpu", 2, True, torch.float32): 1.3,
+    ("cpu", 3, False, torch.float32): 1.1,
+    # NVIDIA H100 and H200, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default),
+    # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py, docs/gpu.md):
+    # conv2d 1.64-1.67x (f32), 1.66-1.68x (bf16); transposed 1.56-1.58x (f32), 1.67x (bf16);
+    # conv3d 1.25x (f32), 1.45x (bf16). float16 is assumed to behave as bfloat16.
+    ("cuda", 2, False, torch.float32): 1.6,
+    ("cuda", 2, False, torch.bfloat16): 1.65,
+    ("cuda", 2, False, torch.float16): 1.65,
+    ("cuda", 2, True, torch.float32): 1.55,
+    ("cuda", 2, True, torch.bfloat16): 1.65,
+    ("cuda", 2, True, torch.float16): 1.65,
+    ("cuda", 3, False, torch.float32): 1.25,
+    ("cuda", 3, False, torch.bfloat16): 1.45,
+    ("cuda", 3, False, torch.float16): 1.45,
+}
+
+# Rough sustained throughput, to turn FLOPs and bytes into the same unit (seconds). Only their
+# ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
+# Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at
+# ~110 TFLOP/s (TF32), transposed and 3-D ones at ~35; the CPU figures are for 2 AVX2 cores.
+FLOPS = {("cpu", True): 60e9, ("cpu", False): 30e9, ("cuda", True): 100e12, ("cuda", False): 35e12}
+BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)
+LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
+
+
+def speedup(device: str, spatial: int, transposed: bool, dtype: torch.dtype) -> tuple[float, str]:
+    """(measured channels-last speedup, why) for one convolution."""
+    kind = "cuda" if device.startswith("cuda") else device.split(":")[0]
+    if kind == "cuda":
+        if not torch.backends.cudnn.enabled:
+            return 1.0, "cuDNN is disabled (torch.backends.cudnn.enabled = False)"
+        if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+            # Without TF32 no Tensor Core kernel may run in f32; we do not switch it on.
+            return 1.0, "f32 without TF32 (torch.backends.cudnn.allow_tf32 = False): no gain measured"
+    elif kind == "cpu":
+        if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
+            return 1.0, "oneDNN is not available or disabled (torch.backends.mkldnn)"
+    s = SPEEDUP.get((kind, spatial, transposed, dtype), 1.0)
+    lib = "cuDNN" if kind == "cuda" else "oneDNN"
+    what = f"{'transposed ' if transposed else ''}conv{spatial}d {_short(dtype)} on {kind}"
+    if s <= 1.0:
+        return 1.0, f"{what}: {lib} measured no faster in channels-last"
+    return s, f"{what}: {lib} measured {s:.2f}x faster in channels-last"
+
+
+# ---- what the pass records -----------------------------------------------------------------------
+
+@dataclass
+class ConvChoice:
+    node: str
+    what: str  # "conv2d f32[128, 64, 126, 126]"
+    flops: float
+    speedup: float
+    gain_s: float  # estimated seconds saved per call
+    reason: str
+
+
+@dataclass
+class Conversion:
+    node: str  # the clone node the pass inserted
+    source: str  # the value it converts
+    to: str  # "channels_last", "contiguous", ...
+    nbytes: int
+    free: bool  # fuses into a kernel that runs anyway
+    why: str
+    device: str = "cpu"
+
+
+@dataclass
+class LayoutPlan:
+    """What the layout pass decided for one program (gm.meta["fusec_layout_plan"])."""
+
+    choice: str  # "channels_last" or "unchanged"
+    reason: str
+    convs: list[ConvChoice] = field(default_factory=list)
+    conversions: list[Conversion] = field(default_factory=list)
+    tensors: list[tuple[str, str, str, str]] = field(default_factory=list)  # name, meta, format, why
+    gain_s: float = 0.0
+    cost_s: float = 0.0
+
+    def summary(self) -> str:
+        if self.choice == "channels_last":
+            return (f"channels-last for {len(self.convs)} convolution(s), "
+                    f"{len(self.conversions)} conversion(s)")
+        return "layout unchanged"
+
+    def __str__(self) -> str:
+        lines = [f"layout: {self.choice} — {self.reason}"]
+        if self.convs:
+            lines.append(f"  cost model: gain {self.gain_s * 1e3:.3f} ms vs conversions "
+                         f"{self.cost_s * 1e3:.3f} ms per call (estimates)")
+        for c in self.convs:
+            lines.append(f"  {c.node:<24} {c.what}: {c.flops / 1e9:.3g} GFLOP, "
+                         f"gain {c.gain_s * 1e3:.3f} ms  ({c.reason})")
+        for c in self.conversions:
+            cost = "free: fuses into the kernel that writes it" if c.free else \
+                f"{c.nbytes} bytes, one extra pass"
+            lines.append(f"  {c.node:<24} {c.source} -> {c.to}: {c.why} ({cost})")
+        if self.tensors:
+            lines.append("  tensors:")
+            for name, meta, fmt, why in self.tensors:
+                lines.append(f"    {name:<24} {meta:<24} {fmt:<16} {why}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"choice": self.choice, "reason": self.reason, "gain_s": self.gain_s,
+                "cost_s": self.cost_s,
+                "convs": [vars(c) for c in self.convs],
+                "conversions": [vars(c) for c in self.conversions],
+                "tensors": [dict(zip(("name", "meta", "format", "why"), t)) for t in self.tensors]}
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+
+def layout(gm: fx.GraphModule) -> fx.GraphModule:
+    """Run the convolutions channels-last when the cost model says it pays (see module doc)."""
+    convs = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is aten.convolution.default and _tensor(n.args[0]) is not None
+             and _tensor(n.args[0]).dim() in (4, 5)]
+    if not convs:
+        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "no convolution")
+        return gm
+    forced = os.environ.get("FUSEC_LAYOUT", "auto").strip().lower()
+    choices = [_price_conv(n) for n in convs]
+    if forced in ("contiguous", "off", "0", "nchw"):
+        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)
+        return gm
+
+    wanted = [n for n, c in zip(convs, choices) if c.speedup > 1.0 or forced == "channels_last"]
+    if not wanted:
+        gm.meta["fusec_layout_plan"] = LayoutPlan(
+            "unchanged", "no convolution is measured faster in channels-last here", choices)
+        return gm
+
+    from . import copy_graph_module
+    trial = copy_graph_module(gm)
+    try:
+        conversions = _rewrite(trial, {n.name for n in wanted})
+    except _CannotConvert as err:
+        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", str(err), choices)
+        return gm
+
+    plan = LayoutPlan("channels_last", "", choices, conversions)
+    plan.gain_s = sum(c.gain_s for c in choices)
+    plan.cost_s = sum(c.nbytes * 2 / BANDWIDTH[_kind(c)] + LAUNCH[_kind(c)]
+                      for c in conversions if not c.free)
+    if forced == "channels_last":
+        plan.reason = "FUSEC_LAYOUT=channels_last (cost model overridden)"
+    elif plan.gain_s > plan.cost_s:
+        plan.reason = "the convolutions' estimated gain exceeds the conversions' cost"
+    else:
+        gm.meta["fusec_layout_plan"] = LayoutPlan(
+            "unchanged", f"conversions would cost {plan.cost_s * 1e3:.3f} ms, more than the "
+            f"{plan.gain_s * 1e3:.3f} ms the convolutions would gain", choices,
+            gain_s=plan.gain_s, cost_s=plan.cost_s)
+        return gm
+    plan.tensors = _describe(trial, conversions, {n.name for n in wanted})
+    trial.meta["fusec_layout_plan"] = plan
+    trial.recompile()
+    return trial
+
+
+class _CannotConvert(Exception):
+    pass
+
+
+def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
+    """Insert the conversions and re-derive every node's strides. Returns the conversions."""
+    graph = gm.graph
+    mode = _fake_mode(gm)
+    eager_meta = {n: n.meta.get("fusec") for n in graph.nodes}
+    output = graph.output_node()
+    conversions: list[Conversion] = []
+    converted: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def convert(value: fx.Node, fmt, before: fx.Node, why: str, stride=None,
+                suffix: str = "channels_last") -> fx.Node:
+        key = (value, str(stride) if stride is not None else str(fmt))
+        if key in converted:
+            return converted[key]
+        with graph.inserting_before(before):
+            kwargs = {"memory_format": fmt} if fmt is not None else {}
+            new = graph.call_function(aten.clone.default, (value,), kwargs)
+        new._rename(f"{value.name}_{suffix}")
+        src = value.meta["val"]
+        with mode:
+            val = torch.empty_strided(src.shape, stride, dtype=src.dtype, device=src.device) \
+                if stride is not None else aten.clone.default(src, memory_format=fmt)
+        _set_meta(new, val, like=value)
+        # A conversion fuses into the kernel that computes its input, when one does.
+        free = value.op == "call_function" and ops.classify(value.target) == ops.POINTWISE
+        to = _format_name(TensorMeta.of(val))
+        conversions.append(Conversion(new.name, value.name, to, _nbytes(val), free, why,
+                                      str(src.device)))
+        converted[key] = new
+        return new
+
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.name in conv_names:
+            x, w = node.args[0], node.args[1]
+            fmt = torch.channels_last if _tensor(x).dim() == 4 else torch.channels_last_3d
+            args = list(node.args)
+            for i, (value, role) in enumerate(((x, "input"), (w, "weight"))):
+                if isinstance(value, fx.Node) and _format_name(value.meta["fusec"]) != _cl_name(fmt):
+                    args[i] = convert(value, fmt, node, f"the {role} of {node.name}")
+            node.args = tuple(args)
+
+    # Propagate the new strides in program order, as eager would compute them.
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is aten.clone.default and \
+                any(c.node == node.name for c in conversions):
+            continue
+        if not any(_changed(a, eager_meta) for a in node.all_input_nodes):
+            continue
+        val = _run_fake(mode, node)
+        if val is None and isinstance(node.target, torch._ops.OpOverload) \
+                and ops.classify(node.target) == ops.VIEW:
+            # e.g. flatten before a linear layer: the view needs eager's layout back
+            base = node.args[0]
+            old = eager_meta[base]
+            node.args = (convert(base, None, node, f"{node.target.__name__} ({node.name}) needs "
+                                 "eager's layout", stride=old.stride, suffix="contiguous"),) + tuple(node.args[1:])
+            val = _run_fake(mode, node)
+        if val is None:
+            raise _CannotConvert(f"{node.name} ({node.target}) cannot run on the channels-last "
+                                 "layout; keeping eager's layout everywhere")
+        _set_meta(node, val, like=node)
+
+    # Program outputs: eager's strides, exactly.
+    outs = output.args[0]
+    flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for i, value in enumerate(flat):
+        if not isinstance(value, fx.Node) or not isinstance(value.meta.get("fusec"), TensorMeta):
+            continue
+        old, new = eager_meta.get(value), value.meta["fusec"]
+        if not isinstance(old, TensorMeta) or _same_strides(old, new):
+            continue
+        if not _dense(old):
+            raise _CannotConvert(f"output {value.name} is a non-dense view in eager; keeping "
+                                 "eager's layout everywhere")
+        fmt = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
+               "channels_last_3d": torch.channels_last_3d}.get(_format_name(old))
+        flat[i] = convert(value, fmt, output, "program output: eager's strides",
+                          stride=old.stride, suffix="eager_layout")
+    output.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
+    return conversions
+
+
+def _describe(gm: fx.GraphModule, conversions: list[Conversion], convs: set[str]) -> list:
+    """One line per 4-D/5-D tensor: its layout and why."""
+    made = {c.node: c for c in conversions}
+    rows = []
+    for node in gm.graph.nodes:
+        m = node.meta.get("fusec")
+        if not isinstance(m, TensorMeta) or len(m.shape) not in (4, 5) or node.op == "output":
+            continue
+        fmt = _format_name(m)
+        if node.name in made:
+            why = f"conversion: {made[node.name].why}"
+        elif node.name in convs:
+            why = "convolution: the vendor library's channels-last kernels"
+        elif node.op in ("placeholder", "get_attr"):
+            why = "program input: as the caller passed it"
+        elif node.op == "call_function" and ops.classify(node.target) == ops.VIEW:
+            why = "a view of its input (no copy)"
+        else:
+            why = "follows its inputs (kernels keep the layout of what they read)"
+        rows.append((node.name, str(m), fmt, why))
+    return rows
+
+
+def _price_conv(node: fx.Node) -> ConvChoice:
+    x, w, out = _tensor(node.args[0]), _tensor(node.args[1]), node.meta["val"]
+    transposed = bool(node.args[6])
+    spatial = x.dim() - 2
+    groups = node.args[8]
+    window = math.prod(w.shape[2:])
+    if transposed:  # every input pixel scatters a (C_out/groups x window) patch
+        flops = 2 * x.numel() * (w.shape[1]) * window
+    else:  # every output pixel gathers a (C_in/groups x window) patch
+        flops = 2 * out.numel() * (x.shape[1] // groups) * window
+    s, reason = speedup(str(out.device), spatial, transposed, out.dtype)
+    kind = "cuda" if out.device.type == "cuda" else "cpu"
+    gain = flops / FLOPS[kind, spatial == 2 and not transposed] * (1 - 1 / s)
+    what = f"{'conv_transpose' if transposed else 'conv'}{spatial}d {TensorMeta.of(out)}"
+    return ConvChoice(node.name, what, float(flops), s, gain, reason)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def _kind(c: Conversion) -> str:
+    return "cuda" if c.device.startswith("cuda") else "cpu"
+
+
+def _tensor(a):
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _changed(node: fx.Node, eager_meta: dict) -> bool:
+    old, new = eager_meta.get(node), node.meta.get("fusec")
+    if node not in eager_meta:
+        return True  # a conversion the pass inserted
+    if isinstance(old, TensorMeta) and isinstance(new, TensorMeta):
+        return not _same_strides(old, new)
+    if isinstance(old, tuple) and isinstance(new, tuple):
+        return any(isinstance(a, TensorMeta) and isinstance(b, TensorMeta)
+                   and not _same_strides(a, b) for a, b in zip(old, new))
+    return False
+
+
+def _same_strides(a: TensorMeta, b: TensorMeta) -> bool:
+    """Equal strides, ignoring dims of size 1 (their stride never matters)."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride, b.stride, a.shape)
+                                      if n != 1)
+
+
+def _format_name(m: TensorMeta) -> str:
+    if len(m.shape) in (4, 5):
+        cl = _cl_strides(m.shape)
+        if _same_strides(m, TensorMeta(m.shape, m.dtype, contiguous_strides(m.shape), m.device)):
+            return "contiguous"
+        if _same_strides(m, TensorMeta(m.shape, m.dtype, cl, m.device)):
+            return "channels_last" if len(m.shape) == 4 else "channels_last_3d"
+        return "strided " + str(tuple(m.stride))
+    return "contiguous" if m.stride == contiguous_strides(m.shape) else "strided"
+
+
+def _cl_name(fmt) -> str:
+    return "channels_last" if fmt == torch.channels_last else "channels_last_3d"
+
+
+def _cl_strides(shape) -> tuple[int, ...]:
+    """(N, C, *spatial) stored as (N, *spatial, C)."""
+    order = [0] + list(range(2, len(shape))) + [1]  # outermost to innermost
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _short(dtype: torch.dtype) -> str:
+    from fusec.ir import short_dtype
+    return short_dtype(dtype)
+
+
+def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
+    from fusec.frontend import _meta_of
+    for key, value in like.meta.items():
+        if node is not like and key not in ("val", "fusec", "tensor_meta"):
+            node.meta.setdefault(key, value)
+    node.meta["val"] = val
+    node.meta["fusec"] = _meta_of(val)
+
+
+def _run_fake(mode, node: fx.Node):
+    """Run node's op on the (new) fake values of its arguments; None if it cannot run."""
+    def arg(a):
+        return a.meta["val"]
+    try:
+        args = fx.node.map_arg(node.args, arg)
+        kwargs = fx.node.map_arg(node.kwargs, arg)
+        with mode:
+            return node.target(*args, **kwargs)
+    except Exception:
+        return None
