@@ -509,7 +509,7 @@ def render_reduction(kernel) -> str:
                 body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
         pragma = ""
         if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
-            pass
+            pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
         elif maxmin:
             clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
                        for r in reds]
@@ -543,7 +543,7 @@ def render_reduction(kernel) -> str:
         if stash:
             comment += f" ({stash[0]} read back from where the last phase kept it)"
         sections.append({"comment": comment, "before": [],
-                         "pragma": "#pragma omp simd", "body": body, "after": [], "kblock": 0,
+                         "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
@@ -617,20 +617,26 @@ SUM_BLOCK_MIN = 256
 # row r+1's values sit right next to row r's. Vectorizing along a row gathers; vectorizing across
 # rows does not: LANES neighbouring rows are computed together, one per SIMD lane, and each k step
 # loads LANES contiguous values. gcc vectorizes such an outer loop (`omp simd` on the row loop)
-# when the row runs a single inner k loop, so this applies to one-phase kernels without a last
-# pass (amax/amin/sum/mean over channels, with any pointwise prologue and row epilogue); softmax's
-# three loops use the row copies of the note "rows reduced across a strided axis" instead.
+# when the row runs a single inner k loop (one-phase kernels without a last pass: amax/amin/sum/
+# mean over channels, with any pointwise prologue and row epilogue), or when its k loops are short
+# enough (K <= LANES_UNROLL_K) to be unrolled away (softmax over 16 channels); other rows use the
+# row copies of the note "rows reduced across a strided axis".
 LANES = 16
+LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loops are fine
 
 
 def lane_blocks(kernel, k_strided) -> int:
     """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0."""
     from fusec.ir import Reduce
-    if not kernel.row_shape or kernel.row_shape[-1] < 8 or kernel.phases != 1 or not kernel.k:
+    if not kernel.row_shape or kernel.row_shape[-1] < 8 or not kernel.k:
         return 0
-    if any(s.var.name in kernel.varying for s in kernel.stores):
-        return 0  # a last pass over the elements: a second k loop
+    several = kernel.phases != 1 or any(s.var.name in kernel.varying for s in kernel.stores)
+    if several and kernel.k > LANES_UNROLL_K:
+        return 0  # several k loops (phases, a last pass) that gcc cannot unroll away
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
+    if several and any(not isinstance(i, Reduce) and i.var.name not in kernel.varying
+                       and 0 < kernel.level.get(i.var.name, 0) < kernel.phases for i in kernel.body):
+        return 0  # row math between phases (logsumexp's guard on the max): gcc keeps it a branch
     if any(ops.REDUCTIONS[r.op].returns_index for r in reds):
         return 0
     if any(r.op == "sum" and r.acc_dtype.is_floating_point for r in reds) and sum_block(kernel.k):

@@ -97,13 +97,33 @@ def test_reductions_across_channels(target, fn, shape, dtype):
 
 
 def test_channel_softmax_gathers_the_row():
-    cf = assert_matches(lambda x: torch.softmax(x, dim=1), torch.randn(2, 16, 8, 8),
+    """40 channels: too long to unroll three loops, so each row is copied into an array."""
+    cf = assert_matches(lambda x: torch.softmax(x, dim=1), torch.randn(2, 40, 8, 8),
                         backend="cpp", kernels=1)
     text = source(cf)
-    assert "row, gathered" in text and "scattered at the end" in text
+    assert "row, gathered" in text and "scattered at the end" in text and "LANES" not in text
     last_dim = assert_matches(lambda x: torch.softmax(x, dim=-1), torch.randn(2, 16, 8, 8),
                               backend="cpp", kernels=1)
-    assert "gathered" not in source(last_dim)
+    assert "gathered" not in source(last_dim) and "LANES" not in source(last_dim)
+
+
+@pytest.mark.parametrize("fn,channels", [
+    (lambda x: torch.amax(x * 2, dim=1), 40),          # one k loop: lanes at any K
+    (lambda x: torch.softmax(x, dim=1), 16),           # three short loops, unrolled
+], ids=["amax", "softmax16"])
+def test_channel_reductions_run_in_lanes(fn, channels):
+    cf = assert_matches(fn, special(2, channels, 5, 24), backend="cpp", kernels=1)
+    assert "constexpr int64_t LANES = 16;" in source(cf) and "gathered" not in source(cf)
+
+
+def test_row_math_across_channels_is_its_own_kernel():
+    """tanh of a channel minimum: two kernels on the CPU, and explain says why."""
+    import fusec
+    f = lambda x: torch.tanh(torch.amin(x, dim=1, keepdim=True))  # noqa: E731
+    x = torch.randn(2, 16, 32, 32)
+    assert_matches(f, x, backend="cpp", kernels=2)
+    assert "would run once per row in scalar code" in str(fusec.explain(f, x, backend="cpp"))
+    assert_matches(f, torch.randn(2, 16, 4, 4), backend="cpp", kernels=1)  # 32 rows: fused
 
 
 def test_channel_softmax_of_a_non_contiguous_input(target):
