@@ -3,6 +3,7 @@
     python benchmarks/kernelbench.py                      # CPU scale, float32, problems + models
     python benchmarks/kernelbench.py --scale gpu --device cuda --dtype bfloat16
     python benchmarks/kernelbench.py --only 2_,31_ --skip-models --json out.json
+    python benchmarks/kernelbench.py --threads 1 --markdown table.md   # the run in docs/benchmarks.md
 
 Two kinds of rows:
 
@@ -83,10 +84,13 @@ def _transformers_model(kind: str, scale: str):
     batch, seq = (2, 64) if small else (8, 512)
     tiny = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512)
     if kind == "gpt2":
-        config = tf.GPT2Config(n_embd=128, n_layer=2, n_head=4) if small else tf.GPT2Config()
+        # small: an 8192-token vocabulary, so the row measures the blocks and not one huge
+        # language-model-head matmul (which eager, torch.compile and fusec all run the same way)
+        config = tf.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=8192,
+                                                bos_token_id=0, eos_token_id=0) if small else tf.GPT2Config()
         model, vocab = tf.GPT2LMHeadModel(config), config.vocab_size
     elif kind == "llama":
-        config = (tf.LlamaConfig(vocab_size=32000, num_key_value_heads=2, **tiny) if small else
+        config = (tf.LlamaConfig(vocab_size=8192, num_key_value_heads=2, **tiny) if small else
                   tf.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                  num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8))
         model, vocab = tf.LlamaForCausalLM(config), config.vocab_size
@@ -252,6 +256,33 @@ def print_table(rows: list[dict], stats: dict, title: str) -> None:
                       f"{detail.get('fusec_error') or detail.get('detail') or ''}"[:300])
 
 
+def markdown(rows: list[dict], stats: dict, meta: dict) -> str:
+    """The table and summary as Markdown (for docs/benchmarks.md)."""
+    def ms(r, key):
+        return f"{r[key]:.3f}" if key in r else "—"
+
+    def ratio(r, key):
+        return f"{r[key] / r['fusec_ms']:.2f}x" if key in r and "fusec_ms" in r else "—"
+    lines = [f"{meta['device_name']}, {meta['threads']} thread(s), torch {meta['torch']}, "
+             f"{meta['scale']} scale, {meta['dtype']}, whole run {meta['wall_s']} s.", "",
+             "| row | kernels | fusec rel. err | eager ms | torch.compile ms | fusec ms | fusec vs eager | fusec vs torch.compile |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = r.get("fusec_rel_err")
+        name = r["name"] + ("" if r["status"] == "ok" else f" ({r['status']})")
+        lines.append(f"| {name} | {r.get('kernels', '—')} | "
+                     f"{f'{err:.1e}' if isinstance(err, float) else '—'} | {ms(r, 'eager_ms')} | "
+                     f"{ms(r, 'inductor_ms')} | {ms(r, 'fusec_ms')} | {ratio(r, 'eager_ms')} | "
+                     f"{ratio(r, 'inductor_ms')} |")
+    lines += ["", f"{stats['fusec_correct']}/{stats['rows']} rows match eager. Geomean over "
+                  f"{stats['timed']} timed rows: fusec {stats['geomean_vs_eager']:.2f}x eager, "
+                  f"{stats['geomean_vs_inductor']:.2f}x torch.compile (torch.compile "
+                  f"{stats['inductor_geomean_vs_eager']:.2f}x eager). Slower than eager: "
+                  f"{', '.join(stats['slower_than_eager']) or 'none'}; by more than 10%: "
+                  f"{', '.join(stats['slower_than_1.1x_eager']) or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=["cpu", "gpu"], default=None,
@@ -268,6 +299,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for all three (torch.set_num_threads and OpenMP); 0: torch's default")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -296,6 +328,8 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name()}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "summary": stats, "rows": rows}, indent=1, default=str))
+    if args.markdown:
+        args.markdown.write_text(markdown(rows, stats, meta))
     print_table(rows, stats, f"kernelbench ({args.scale} scale, {args.dtype}, {meta['device_name']}, "
                              f"{meta['threads']} thread(s), torch {torch.__version__}, {meta['wall_s']} s)")
 

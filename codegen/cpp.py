@@ -7,7 +7,7 @@ back on store; integer arithmetic wraps as PyTorch's does (`-fwrapv`).
 
 Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++):
 
-    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -shared -fPIC kernel.cpp -o kernel.so
+    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -fno-trapping-math -shared -fPIC kernel.cpp -o kernel.so
 
 and the library is cached on disk by the hash of its source and the compiler command
 (fusec/cache.py), so a second process loads it without compiling.
@@ -34,8 +34,12 @@ from .render import render_template
 # move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
 # (libm, one element per call); without it, gcc calls libmvec's 8-wide versions. Results are the
 # same functions' results; only the errno side effect is dropped.
+# -fno-trapping-math: fusec never enables floating-point traps, so a compare may be evaluated
+# speculatively; without it gcc keeps a clamp's select as a branch inside the "lanes of rows"
+# loops and does not vectorize them. Neither flag lets gcc change a value (unlike -ffast-math:
+# no reassociation, no finite-math or signed-zero assumptions).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
-         "-std=c++17", "-shared", "-fPIC"]
+         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC"]
 TEMPLATES = Path(__file__).parent / "templates"
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
 CHUNK = 8192
@@ -367,6 +371,11 @@ def render_reduction(kernel) -> str:
             row_lines.append(f"const int64_t {label}_base = {' + '.join(base)};")
         kterms = [f"q{d}" if s == 1 else f"q{d} * {s}"
                   for d, s in enumerate(idx.strides[n_rows:]) if s]
+        if len(kernel.k_shape) > 1 and flat_k(idx.strides[n_rows:], kernel.k_shape):
+            # contiguous over all of k (group norm's (C/G, H*W)): the address is k itself;
+            # gcc cannot see that q0 * 1024 + q1 is k again and would gather element by element
+            last = idx.strides[-1]
+            kterms = ["k" if last == 1 else f"k * {last}"]
         return " + ".join(([f"{label}_base"] if base else []) + kterms) or "0"
 
     # Note (rows reduced across a strided axis): softmax over the channels of an NCHW tensor
@@ -658,11 +667,25 @@ def sum_block(k: int) -> int:
     return max(SUM_BLOCK_MIN, 1 << math.isqrt(k - 1).bit_length())
 
 
+def flat_k(strides, shape) -> bool:
+    """Whether an access walks the k dims as one flat run: each dim's stride is the next one's
+    times its size (then the address is k times the last stride)."""
+    return strides[-1] != 0 and all(strides[d] == strides[d + 1] * shape[d + 1]
+                                    for d in range(len(shape) - 1))
+
+
 def _coords(prefix: str, var: str, shape) -> list[str]:
-    """Row-major coordinates of the flat position `var` over `shape`."""
+    """Row-major coordinates of the flat position `var` over `shape`.
+
+    Positions are never negative, and saying so (dividing as uint64_t) matters inside a
+    vectorized loop: a signed k / 1024 must round toward zero for negative k, so gcc emits a
+    division sequence and cannot see that q0 * 1024 + q1 is k again; unsigned, it is a shift and
+    a mask, and a contiguous load stays contiguous (group norm's rows: 4x faster)."""
     out = []
     for d in range(len(shape)):
         below = math.prod(shape[d + 1:])
-        expr = var if below == 1 else f"{var} / {below}"
-        out.append(f"const int64_t {prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}") + ";")
+        expr = var if below == 1 else f"(uint64_t){var} / {below}u"
+        if d:
+            expr = f"({expr}) % {shape[d]}u" if below != 1 else f"(uint64_t){var} % {shape[d]}u"
+        out.append(f"const int64_t {prefix}{d} = {expr};")
     return out

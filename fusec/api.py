@@ -137,6 +137,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     from fusec.runtime import build_program
 
     _log.captured(captured.gm)
+    captured.gm.meta["fusec_backend"] = backend  # a pass may decide by it (fuse_reductions)
     gm, snapshots = run_pipeline(captured.gm, record=record)
     _log.pipeline_done(captured.gm, gm, snapshots)
     by_name = {n.name: n for n in gm.graph.nodes}

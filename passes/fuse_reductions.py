@@ -68,9 +68,13 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         return _finish(gm, group_of, order, effects, refusals)
 
     seen_refusals = set()
+    # the backend compile_graph builds for (absent when a pass runs on its own: then a CPU
+    # device means a CPU backend); only C++/LLVM kernels walk one row at a time
+    backend = gm.meta.get("fusec_backend")
+    rows_one_by_one = backend in ("cpp", "llvm") if backend else None
 
     def try_merge(a: Group, b: Group, producer: fx.Node, consumer: fx.Node) -> bool:
-        reason = why_not_fuse(a, b, order, effects)
+        reason = why_not_fuse(a, b, order, effects, rows_one_by_one)
         if reason:
             key = (producer.name, consumer.name)
             if key not in seen_refusals:
@@ -153,7 +157,8 @@ def space(node: fx.Node, key: tuple, inside: set) -> str:
     return "elem"
 
 
-def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
+def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
+                 rows_one_by_one: bool | None = None) -> str | None:
     if a.key is not None and b.key is not None and a.key != b.key:
         return (f"different reductions: {a.key[0]} over dims {a.key[1]} vs {b.key[0]} over dims "
                 f"{b.key[1]}")
@@ -190,7 +195,7 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
         if stored and padded not in (tuple(shape), keep_shape(key)):
             return (f"{n.name} {m} is used outside and is neither a whole element tensor "
                     f"{shape} nor a whole row tensor {keep_shape(key)}")
-    slow = scalar_row_math(inside, key)
+    slow = scalar_row_math(inside, key) if rows_one_by_one is not False else None
     if slow:
         return slow
     if creates_cycle(a, b, order, effects):
@@ -203,8 +208,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
 # code, one libm call per row. When the reduced axis is not the innermost one (the channels of an
 # NCHW tensor: thousands of short rows), that is thousands of scalar calls where eager, or a
 # pointwise kernel over the row results, runs the same math 8 lanes at a time. Such row math stays
-# out of the reduction kernel on the CPU and becomes its own (vectorized) kernel. GPU kernels
-# compute a block of rows at once and are not affected.
+# out of the reduction kernel on the CPU and becomes its own (vectorized) kernel. Triton kernels
+# (on a GPU, or under the interpreter) compute a block of rows at once and are not affected.
 CHEAP_ROW_OPS = {"add", "sub", "mul", "neg", "abs", "relu", "maximum", "minimum", "clamp", "where",
                  "eq", "ne", "lt", "le", "gt", "ge", "copy", "to", "full", "truediv", "div",
                  "squeeze", "unsqueeze", "view", "expand", "permute"}

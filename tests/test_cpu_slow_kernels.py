@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_matches
+from conftest import TRITON_DEVICE, assert_matches
 from fusec.codegen import cpp
 
 
@@ -124,9 +124,27 @@ def test_row_math_across_channels_is_its_own_kernel():
     assert_matches(f, x, backend="cpp", kernels=2)
     assert "would run once per row in scalar code" in str(fusec.explain(f, x, backend="cpp"))
     assert_matches(f, torch.randn(2, 16, 4, 4), backend="cpp", kernels=1)  # 32 rows: fused
+    # Triton kernels compute blocks of rows: one kernel there (also under the interpreter)
+    assert_matches(f, x.to(TRITON_DEVICE), backend="triton", kernels=1)
 
 
 def test_channel_softmax_of_a_non_contiguous_input(target):
     backend, device = target
     x = special(2, 8, 16, 6, device=device).permute(0, 2, 3, 1)  # (2, 16, 6, 8), channels-last-ish
     assert_matches(lambda x: torch.softmax(x, dim=1), x, backend=backend)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_attention_is_eagers_flash_kernel(causal):
+    """F.scaled_dot_product_attention on the CPU runs eager's own kernel as an extern step, not
+    math attention (two matmuls around a softmax: 1.5-3x slower on the CPU)."""
+    import fusec
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal) * 2.0
+    q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
+    for backend in ("cpp", "llvm"):
+        cf = assert_matches(f, q, k, v, backend=backend, kernels=1)
+        text = cf.source()
+        assert "aten._scaled_dot_product_flash_attention_for_cpu" in text and "bmm" not in text
+    assert "_scaled_dot_product_flash_attention_for_cpu" in str(fusec.explain(f, q, k, v, backend="cpp"))

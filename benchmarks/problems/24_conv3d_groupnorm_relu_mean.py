@@ -1,4 +1,5 @@
-"""Conv3d, GroupNorm, mean over everything but the batch.
+"""Conv3d, GroupNorm, ReLU, mean over everything but the batch (without the ReLU the mean of a
+normalized tensor is zero up to rounding, and there would be nothing to compare).
 
 A KernelBench-style problem written for fusec's benchmark (benchmarks/kernelbench.py): a
 3-D convolution followed by the ops a compiler should fuse. `get_model(scale)` and
@@ -19,7 +20,7 @@ class Model(nn.Module):
 
     def forward(self, inputs):
         x = self.conv(inputs)
-        return self.norm(x).mean(dim=(1, 2, 3, 4))
+        return torch.relu(self.norm(x)).mean(dim=(1, 2, 3, 4))
 
 
 def get_model(scale="cpu"):
