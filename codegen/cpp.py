@@ -7,7 +7,7 @@ back on store; integer arithmetic wraps as PyTorch's does (`-fwrapv`).
 
 Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++):
 
-    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -fno-trapping-math -shared -fPIC kernel.cpp -o kernel.so
+    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -shared -fPIC kernel.cpp -o kernel.so
 
 and the library is cached on disk by the hash of its source and the compiler command
 (fusec/cache.py), so a second process loads it without compiling.
@@ -34,12 +34,8 @@ from .render import render_template
 # move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
 # (libm, one element per call); without it, gcc calls libmvec's 8-wide versions. Results are the
 # same functions' results; only the errno side effect is dropped.
-# -fno-trapping-math: fusec never enables floating-point traps, so a compare may be evaluated
-# speculatively; without it gcc keeps a clamp's select as a branch inside the "lanes of rows"
-# loops and does not vectorize them. Neither flag lets gcc change a value (unlike -ffast-math:
-# no reassociation, no finite-math or signed-zero assumptions).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
-         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC"]
+         "-std=c++17", "-shared", "-fPIC"]
 TEMPLATES = Path(__file__).parent / "templates"
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
 CHUNK = 8192
