@@ -7,7 +7,7 @@ back on store; integer arithmetic wraps as PyTorch's does (`-fwrapv`).
 
 Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++):
 
-    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -shared -fPIC kernel.cpp -o kernel.so
+    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -shared -fPIC kernel.cpp -o kernel.so
 
 and the library is cached on disk by the hash of its source and the compiler command
 (fusec/cache.py), so a second process loads it without compiling.
@@ -30,11 +30,23 @@ from fusec.ir import Const, Index, PointwiseKernel, Stmt, Var
 
 from .render import render_template
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-std=c++17",
-         "-shared", "-fPIC"]
+# -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
+# move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
+# (libm, one element per call); without it, gcc calls libmvec's 8-wide versions. Results are the
+# same functions' results; only the errno side effect is dropped.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
+         "-std=c++17", "-shared", "-fPIC"]
 TEMPLATES = Path(__file__).parent / "templates"
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
 CHUNK = 8192
+# Note (tiles for transposed reads): the loop order follows the first output's layout, so an input
+# laid out the other way (x.t() next to a row-major y) is read with a large stride on every inner
+# step: each element a different cache line, and by the time the next row wants the neighbouring
+# element that line is long gone. Cutting the iteration into ROW_TILE x TILE_CHUNK tiles keeps the
+# lines one tile touches (TILE_CHUNK of them per strided input) in L1 while ROW_TILE rows use them.
+ROW_TILE, TILE_CHUNK = 16, 64
+REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
+TILE_STRIDE = 16  # an inner stride of this many elements or more puts each step on a new line
 
 CTYPE = {
     torch.float16: "uint16_t", torch.bfloat16: "uint16_t", torch.float32: "float",
@@ -186,6 +198,10 @@ def render(kernel) -> str:
     inner = shape[-1]
     chunk = inner if rows >= 64 or inner <= CHUNK else CHUNK
     outer_dims = len(shape) - 1
+    strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE})
+    row_tile = 1
+    if strided and rows >= 2 and inner >= 2:
+        row_tile, chunk = min(ROW_TILE, rows), min(TILE_CHUNK, inner)
 
     row_setup: list[str] = []
     if outer_dims:
@@ -209,8 +225,16 @@ def render(kernel) -> str:
         return " + ".join(terms) or "0"
 
     body: list[str] = []
+    gathers: list[str] = []
     for load in kernel.loads:
         ptr = f"{load.param}_ptr[{index(load.index, load.var.name)}]"
+        if row_tile > 1 and load.param in strided:
+            # gcc will not vectorize a loop with a load this strided: copy the tile's part of
+            # the row into a small contiguous array first, then the main loop reads that
+            tile = f"{load.var.name}_tile"
+            gathers += [f"{CTYPE[load.dtype]} {tile}[CHUNK];",
+                        f"for (int64_t i = start; i < end; ++i) {tile}[i - start] = {ptr};"]
+            ptr = f"{tile}[i - start]"
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = "
                     f"{convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)};")
     body += [_stmt(s) for s in kernel.stmts]
@@ -224,8 +248,10 @@ def render(kernel) -> str:
         "cpp_pointwise.cpp.j2",
         name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, numel=kernel.numel, rows=rows, inner=inner,
-        chunk=max(chunk, 1), parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}",
-        params=params, row_setup=row_setup, body=body)
+        chunk=max(chunk, 1), parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}", row_tile=row_tile,
+        tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
+                    f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
+        params=params, row_setup=row_setup, gathers=gathers, body=body)
 
 
 def summary(kernel: PointwiseKernel) -> str:
@@ -346,11 +372,41 @@ def render_reduction(kernel) -> str:
             row_lines.append(f"const int64_t {label}_base = {' + '.join(base)};")
         kterms = [f"q{d}" if s == 1 else f"q{d} * {s}"
                   for d, s in enumerate(idx.strides[n_rows:]) if s]
+        if len(kernel.k_shape) > 1 and flat_k(idx.strides[n_rows:], kernel.k_shape):
+            # contiguous over all of k (group norm's (C/G, H*W)): the address is k itself;
+            # gcc cannot see that q0 * 1024 + q1 is k again and would gather element by element
+            last = idx.strides[-1]
+            kterms = ["k" if last == 1 else f"k * {last}"]
         return " + ".join(([f"{label}_base"] if base else []) + kterms) or "0"
+
+    # Note (rows reduced across a strided axis): softmax over the channels of an NCHW tensor
+    # reduces K values that lie H*W elements apart. Read in place, every k step is a new cache
+    # line and gcc will not vectorize the row's loops (exp, say). Such an access is copied
+    # between memory and a small contiguous array once per row (the rows next to each other share
+    # those cache lines, so the copies hit L1); the row's phases then run on the array, vectorized.
+    def k_strided(idx: Index) -> bool:
+        ks = [abs(s) for s in idx.strides[n_rows:] if s]
+        return bool(ks) and min(ks) >= TILE_STRIDE
+    lanes = lane_blocks(kernel, k_strided)
+    if lanes:
+        # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
+        # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
+        row_lines = _coords("c", "outer", kernel.row_shape[:-1])
+        row_lines.append(f"const int64_t c{n_rows - 1} = lane0 + lane;")
+
+    def strided_k(idx: Index) -> bool:
+        return not lanes and k_strided(idx) and kernel.k <= REDUCTION_TILE_MAX
+    gather_k = " ".join(k_coords)
+    scatters: list[str] = []
 
     lines: dict[str, str] = {}
     for l in kernel.loads:
         ptr = f"{l.param}_ptr[{index(l.index, l.var.name)}]"
+        if strided_k(l.index):
+            tile = f"{l.var.name}_tile"
+            row_lines.append(f"{CTYPE[l.dtype]} {tile}[K];  // {l.param}'s row, gathered")
+            row_lines.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {tile}[k] = {ptr}; }}")
+            ptr = f"{tile}[k]"
         lines[l.var.name] = (f"const {CTYPE[l.var.dtype]} {l.var.name} = "
                              f"{convert(_load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
     producers = {l.var.name: l for l in kernel.loads}
@@ -373,6 +429,11 @@ def render_reduction(kernel) -> str:
         if n not in store_targets:
             s = kernel.stores[n]
             store_targets[n] = f"{s.param}_ptr[{index(s.index, f'out{n}')}]"
+            if strided_k(s.index):
+                tile = f"out{n}_tile"
+                row_lines.append(f"{CTYPE[s.dtype]} {tile}[K];  // {s.param}'s row, scattered at the end")
+                scatters.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {store_targets[n]} = {tile}[k]; }}")
+                store_targets[n] = f"{tile}[k]"
         return store_targets[n]
 
     stash = stash_choice(kernel)
@@ -457,13 +518,15 @@ def render_reduction(kernel) -> str:
                 after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
                 body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
         pragma = ""
-        if maxmin:
+        if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
+            pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
+        elif maxmin:
             clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
                        for r in reds]
             flags = [f"acc_{r.var.name}_nan" for r in reds if r.acc_dtype.is_floating_point]
             clauses += [f"reduction(|:{', '.join(flags)})"] if flags else []
             pragma = "#pragma omp simd " + " ".join(clauses)
-        if simd and reds:
+        if simd and reds and not lanes:
             op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
             if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
                 names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
@@ -490,15 +553,16 @@ def render_reduction(kernel) -> str:
         if stash:
             comment += f" ({stash[0]} read back from where the last phase kept it)"
         sections.append({"comment": comment, "before": [],
-                         "pragma": "#pragma omp simd", "body": body, "after": [], "kblock": 0,
+                         "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
+        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=lanes,
+        last=kernel.row_shape[-1] if kernel.row_shape else 1,
         params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
                 for p in kernel.params],
-        row_lines=row_lines, sections=sections, row_stores=row_stores)
+        row_lines=row_lines, sections=sections, row_stores=row_stores + scatters)
 
 
 # Note (keeping an element value in the output): the last pass recomputes the element values
@@ -558,6 +622,44 @@ def stash_choice(kernel) -> tuple[str, int] | None:
 SUM_BLOCK_MIN = 256
 
 
+# Note (lanes of rows): a reduction across a strided axis (softmax or a minimum over the channels
+# of NCHW: K values H*W apart, for every one of N*H*W rows) has short rows lying side by side:
+# row r+1's values sit right next to row r's. Vectorizing along a row gathers; vectorizing across
+# rows does not: LANES neighbouring rows are computed together, one per SIMD lane, and each k step
+# loads LANES contiguous values. gcc vectorizes such an outer loop (`omp simd` on the row loop)
+# when the row runs a single inner k loop (one-phase kernels without a last pass: amax/amin/sum/
+# mean over channels, with any pointwise prologue and row epilogue), or when its k loops are short
+# enough (K <= LANES_UNROLL_K) to be unrolled away (softmax over 16 channels); other rows use the
+# row copies of the note "rows reduced across a strided axis".
+LANES = 16
+LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loops are fine
+
+
+def lane_blocks(kernel, k_strided) -> int:
+    """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0."""
+    from fusec.ir import Reduce
+    if not kernel.row_shape or kernel.row_shape[-1] < 8 or not kernel.k:
+        return 0
+    several = kernel.phases != 1 or any(s.var.name in kernel.varying for s in kernel.stores)
+    if several and kernel.k > LANES_UNROLL_K:
+        return 0  # several k loops (phases, a last pass) that gcc cannot unroll away
+    reds = [i for i in kernel.body if isinstance(i, Reduce)]
+    if several and any(not isinstance(i, Reduce) and i.var.name not in kernel.varying
+                       and 0 < kernel.level.get(i.var.name, 0) < kernel.phases for i in kernel.body):
+        return 0  # row math between phases (logsumexp's guard on the max): gcc keeps it a branch
+    if any(ops.REDUCTIONS[r.op].returns_index for r in reds):
+        return 0
+    if any(r.op == "sum" and r.acc_dtype.is_floating_point for r in reds) and sum_block(kernel.k):
+        return 0  # blocked sums: two nested loops
+    n_rows = len(kernel.row_shape)
+    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
+    if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
+        return 0
+    if not any(k_strided(l.index) and l.index.strides[n_rows - 1] == 1 for l in kernel.loads):
+        return 0
+    return LANES
+
+
 def sum_block(k: int) -> int:
     """Block length for a float sum over k values (0: no blocking): about sqrt(k), so the
     values summed in a row, per block and across blocks, both stay near sqrt(k)."""
@@ -566,11 +668,25 @@ def sum_block(k: int) -> int:
     return max(SUM_BLOCK_MIN, 1 << math.isqrt(k - 1).bit_length())
 
 
+def flat_k(strides, shape) -> bool:
+    """Whether an access walks the k dims as one flat run: each dim's stride is the next one's
+    times its size (then the address is k times the last stride)."""
+    return strides[-1] != 0 and all(strides[d] == strides[d + 1] * shape[d + 1]
+                                    for d in range(len(shape) - 1))
+
+
 def _coords(prefix: str, var: str, shape) -> list[str]:
-    """Row-major coordinates of the flat position `var` over `shape`."""
+    """Row-major coordinates of the flat position `var` over `shape`.
+
+    Positions are never negative, and saying so (dividing as uint64_t) matters inside a
+    vectorized loop: a signed k / 1024 must round toward zero for negative k, so gcc emits a
+    division sequence and cannot see that q0 * 1024 + q1 is k again; unsigned, it is a shift and
+    a mask, and a contiguous load stays contiguous (group norm's rows: 4x faster)."""
     out = []
     for d in range(len(shape)):
         below = math.prod(shape[d + 1:])
-        expr = var if below == 1 else f"{var} / {below}"
-        out.append(f"const int64_t {prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}") + ";")
+        expr = var if below == 1 else f"(uint64_t){var} / {below}u"
+        if d:
+            expr = f"({expr}) % {shape[d]}u" if below != 1 else f"(uint64_t){var} % {shape[d]}u"
+        out.append(f"const int64_t {prefix}{d} = {expr};")
     return out

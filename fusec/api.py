@@ -172,6 +172,7 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
 
     times = {"capture": captured.seconds}
     _log.captured(captured.gm)
+    captured.gm.meta["fusec_backend"] = backend  # a pass may decide by it (fuse_reductions)
     start = time.perf_counter()
     gm, snapshots = run_pipeline(captured.gm, record=record)
     snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked

@@ -155,7 +155,7 @@ def decompositions() -> dict:
     else:
         table = dict(decomp.core_aten_decompositions())
     table.update(ours.table())  # softmax, layer_norm, var ... as reductions + pointwise ops
-    return table
+    return ours.keep_as_extern(table)  # CPU flash attention: eager's kernel, not math attention
 
 
 def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: list[int],

@@ -68,9 +68,13 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         return _finish(gm, group_of, order, effects, refusals)
 
     seen_refusals = set()
+    # the backend compile_graph builds for (absent when a pass runs on its own: then a CPU
+    # device means a CPU backend); only C++/LLVM kernels walk one row at a time
+    backend = gm.meta.get("fusec_backend")
+    rows_one_by_one = backend in ("cpp", "llvm") if backend else None
 
     def try_merge(a: Group, b: Group, producer: fx.Node, consumer: fx.Node) -> bool:
-        reason = why_not_fuse(a, b, order, effects)
+        reason = why_not_fuse(a, b, order, effects, rows_one_by_one)
         if reason:
             key = (producer.name, consumer.name)
             if key not in seen_refusals:
@@ -153,7 +157,8 @@ def space(node: fx.Node, key: tuple, inside: set) -> str:
     return "elem"
 
 
-def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
+def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
+                 rows_one_by_one: bool | None = None) -> str | None:
     if a.key is not None and b.key is not None and a.key != b.key:
         return (f"different reductions: {a.key[0]} over dims {a.key[1]} vs {b.key[0]} over dims "
                 f"{b.key[1]}")
@@ -190,6 +195,53 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
         if stored and padded not in (tuple(shape), keep_shape(key)):
             return (f"{n.name} {m} is used outside and is neither a whole element tensor "
                     f"{shape} nor a whole row tensor {keep_shape(key)}")
+    slow = scalar_row_math(inside, key) if rows_one_by_one is not False else None
+    if slow:
+        return slow
     if creates_cycle(a, b, order, effects):
         return "would create a cycle (a path between them leaves through another node)"
+    return None
+
+
+# Note (row math across a strided axis on the CPU): a C++/LLVM reduction kernel walks one row at a
+# time, so a value computed once per row (tanh of a row's minimum, say) is computed in scalar
+# code, one libm call per row. When the reduced axis is not the innermost one (the channels of an
+# NCHW tensor: thousands of short rows), that is thousands of scalar calls where eager, or a
+# pointwise kernel over the row results, runs the same math 8 lanes at a time. Such row math stays
+# out of the reduction kernel on the CPU and becomes its own (vectorized) kernel. Triton kernels
+# (on a GPU, or under the interpreter) compute a block of rows at once and are not affected.
+CHEAP_ROW_OPS = {"add", "sub", "mul", "neg", "abs", "relu", "maximum", "minimum", "clamp", "where",
+                 "eq", "ne", "lt", "le", "gt", "ge", "copy", "to", "full", "truediv", "div",
+                 "squeeze", "unsqueeze", "view", "expand", "permute"}
+SCALAR_ROWS_MIN = 256  # fewer rows than this: a separate kernel costs more than the scalar math
+
+
+def scalar_row_math(inside: set, key: tuple) -> str | None:
+    """Why a CPU reduction kernel should not take this row math (see the note above), or None."""
+    from .grouping import op_name
+    shape, dims = key
+    reds = [n for n in inside if ops.reduction(n) is not None]
+    if not reds or meta(reds[0]).device != "cpu" or not shape or not dims:
+        return None
+    operand = meta(ops.reduction(reds[0]).operand)
+    inner = min(range(len(shape)), key=lambda d: (abs(operand.stride[d]) if shape[d] > 1 else 1 << 62))
+    rows = 1
+    for d, size in enumerate(shape):
+        rows *= size if d not in dims else 1
+    if inner in dims or rows < SCALAR_ROWS_MIN:
+        return None
+    keep = keep_shape(key)
+    for n in sorted(inside, key=lambda n: n.name):
+        name = op_name(n)
+        if ops.reduction(n) is not None or name.split("_")[0] in CHEAP_ROW_OPS \
+                or name.startswith(("logical_", "bitwise_")):
+            continue
+        m = meta(n).shape
+        padded = (1,) * (len(shape) - len(m)) + tuple(m)
+        per_row = space(n, key, inside) == "rows" or (len(padded) == len(shape) and all(
+            padded[d] == 1 for d in dims) and broadcasts_to(m, keep))
+        if per_row and any(ops.reduction(a) is not None or a in inside for a in n.all_input_nodes):
+            return (f"{n.name} ({name}) would run once per row in scalar code: the reduction "
+                    f"crosses a strided axis ({rows} rows), so it runs faster as its own vectorized "
+                    "kernel on the CPU (note: row math across a strided axis)")
     return None

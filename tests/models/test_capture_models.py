@@ -349,8 +349,9 @@ def test_cpu_attention_matches_eager(backend, kernel):
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 def test_cpu_flash_attention_gradients_match_eager(mask):
-    """CPU flash attention's backward reads the logsumexp its forward saved: the decomposed
-    forward must save the real one (torch's decomposition saves the attention matrix there)."""
+    """CPU flash attention's backward reads the logsumexp its forward saved. The forward runs as
+    an extern (eager's kernel, fusec/decompositions.py "attention stays eager's"), which saves the
+    real one; torch's decomposition would save the attention matrix there."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3))
     m = {None: None, "bool": torch.rand(8, 8) > 0.3, "float": torch.randn(8, 8)}[mask]

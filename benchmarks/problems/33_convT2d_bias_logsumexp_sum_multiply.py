@@ -1,0 +1,33 @@
+"""ConvTranspose2d, a per-channel bias, global average pooling, logsumexp over channels, times 10.
+
+A KernelBench-style problem written for fusec's benchmark (benchmarks/kernelbench.py): a
+2-D transposed convolution followed by the ops a compiler should fuse. `get_model(scale)` and
+`get_inputs(scale)` build it at the "cpu" scale (seconds on two cores) or the "gpu" scale.
+"""
+import torch
+import torch.nn.functional as F  # noqa: F401 - used by most problems
+from torch import nn
+
+SIZES = {"cpu": dict(batch=2, cin=8, cout=16, hw=16), "gpu": dict(batch=32, cin=32, cout=64, hw=64)}
+
+
+class Model(nn.Module):
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(cin, cout, 4, stride=2, padding=1)
+        self.bias = nn.Parameter(torch.randn(cout, 1, 1) * 0.1)
+
+    def forward(self, inputs):
+        x = self.conv(inputs)
+        x = x.mean(dim=(2, 3), keepdim=True) + self.bias
+        return torch.logsumexp(x, dim=1).flatten(1) * 10.0
+
+
+def get_model(scale="cpu"):
+    s = SIZES[scale]
+    return Model(s["cin"], s["cout"])
+
+
+def get_inputs(scale="cpu"):
+    s = SIZES[scale]
+    return [torch.randn(s["batch"], s["cin"], s["hw"], s["hw"])]
