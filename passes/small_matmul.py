@@ -209,12 +209,13 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
     m = _val(x).shape[0]
 
-    def add(target, args, kwargs=None, gemv=None):
+    def add(target, args, kwargs=None, gemv=None, name=None):
         vals = [_val(a) if isinstance(a, fx.Node) else
                 ([_val(t) for t in a] if isinstance(a, (list, tuple)) and a and
                  isinstance(a[0], fx.Node) else a) for a in args]
         val = target(*vals, **(kwargs or {}))
-        new = graph.call_function(target, tuple(args), kwargs or {})
+        new = graph.create_node("call_function", target, tuple(args), kwargs or {},
+                                name=f"{node.name}_{name}" if name else None)
         for key, value in node.meta.items():
             if key not in ("val", "fusec", "tensor_meta"):
                 new.meta[key] = value
@@ -224,33 +225,35 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
             new.meta["fusec_gemv"] = gemv
         return new
 
-    def cast(v):
-        return v if _val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc})
+    def cast(v, name):
+        return v if _val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc},
+                                                  name=name)
 
     with graph.inserting_before(node):
         if plan["mode"] == "nk":
             inner, parts = plan["inner"], plan["parts"]
-            x3 = add(aten.view.default, (x, [m, 1, *inner]))
+            x3 = add(aten.view.default, (x, [m, 1, *inner]), name="x")
             if len(parts) == 1:
-                terms = [add(aten.mul.Tensor, (cast(x3), cast(parts[0])))]
+                terms = [add(aten.mul.Tensor, (cast(x3, "xf"), cast(parts[0], "wf")), name="prod")]
             else:  # x3's last dim walks the stacked parts: one product per part
-                terms = [add(aten.mul.Tensor, (cast(add(aten.select.int, (x3, -1, i))), cast(p)))
+                terms = [add(aten.mul.Tensor, (cast(add(aten.select.int, (x3, -1, i), name=f"x{i}"),
+                                                    f"xf{i}"), cast(p, f"wf{i}")), name=f"prod{i}")
                          for i, p in enumerate(parts)]
             total = terms[0]
             for t in terms[1:]:
-                total = add(aten.add.Tensor, (total, t))
+                total = add(aten.add.Tensor, (total, t), name="prods")
             dims = list(range(2, _val(total).dim()))
         else:
-            x3 = add(aten.unsqueeze.default, (x, 2))  # (M, K, 1) times b (K, N)
-            total = add(aten.mul.Tensor, (cast(x3), cast(plan["weight"])))
+            x3 = add(aten.unsqueeze.default, (x, 2), name="x")  # (M, K, 1) times b (K, N)
+            total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
             dims = [1]
         k = _val(x).shape[1]
         n = out.shape[1]
         info = {"m": m, "n": n, "k": k, "dtype": dtype}
-        result = add(aten.sum.dim_IntList, (total, dims), gemv=info)
+        result = add(aten.sum.dim_IntList, (total, dims), gemv=info, name="gemv")
         if plan["bias"] is not None:
-            result = add(aten.add.Tensor, (result, cast(plan["bias"])))
+            result = add(aten.add.Tensor, (result, cast(plan["bias"], "biasf")), name="bias")
         if dtype != acc:
-            result = add(aten._to_copy.default, (result,), {"dtype": dtype})
+            result = add(aten._to_copy.default, (result,), {"dtype": dtype}, name="out")
     node.replace_all_uses_with(result)
     graph.erase_node(node)
