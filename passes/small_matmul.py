@@ -194,6 +194,18 @@ def _layout_plan(x: fx.Node, b: fx.Node):
     return {"mode": "kn", "weight": b, "parts": None}
 
 
+def _reshape_adding_rows(node: fx.Node):
+    """The mm's only user, if it is a view back to (*lead, N) with prod(lead) == M."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_function" or users[0].target not in _RESHAPES:
+        return None
+    val, out = _val(users[0]), _val(node)
+    if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == out.shape[1] and \
+            math.prod(val.shape[:-1]) == out.shape[0]:
+        return users[0]
+    return None
+
+
 def _is_transpose(b: fx.Node) -> bool:
     if b.target is aten.permute.default:
         return list(b.args[1]) == [1, 0]
@@ -229,10 +241,18 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
         return v if _val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc},
                                                   name=name)
 
+    # F.linear on a (B, T, K) input is view(mm(view(x, (B*T, K)), W.t()), (B, T, N)): compute in
+    # the (B, T, N) space directly, so that the pointwise work after the view joins the epilogue
+    after = _reshape_adding_rows(node)
+    lead = list(_val(after).shape[:-1]) if after is not None else [m]
+    try:
+        _val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))
+    except RuntimeError:  # x's rows cannot be split that way: stay in (M, N), view after
+        after, lead = None, [m]
     with graph.inserting_before(node):
         if plan["mode"] == "nk":
             inner, parts = plan["inner"], plan["parts"]
-            x3 = add(aten.view.default, (x, [m, 1, *inner]), name="x")
+            x3 = add(aten.view.default, (x, [*lead, 1, *inner]), name="x")
             if len(parts) == 1:
                 terms = [add(aten.mul.Tensor, (cast(x3, "xf"), cast(parts[0], "wf")), name="prod")]
             else:  # x3's last dim walks the stacked parts: one product per part
@@ -242,18 +262,23 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
             total = terms[0]
             for t in terms[1:]:
                 total = add(aten.add.Tensor, (total, t), name="prods")
-            dims = list(range(2, _val(total).dim()))
-        else:
-            x3 = add(aten.unsqueeze.default, (x, 2), name="x")  # (M, K, 1) times b (K, N)
+            dims = list(range(len(lead) + 1, _val(total).dim()))
+        else:  # (..., K, 1) times b (K, N)
+            x3 = add(aten.view.default, (x, [*lead, _val(x).shape[1], 1]), name="x")
             total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
-            dims = [1]
+            dims = [len(lead)]
         k = _val(x).shape[1]
         n = out.shape[1]
         info = {"m": m, "n": n, "k": k, "dtype": dtype}
         result = add(aten.sum.dim_IntList, (total, dims), gemv=info, name="gemv")
         if plan["bias"] is not None:
-            result = add(aten.add.Tensor, (result, cast(plan["bias"], "biasf")), name="bias")
+            # float32 + bfloat16 promotes to float32: the bias is added before the one rounding
+            # (a cast node here would be a per-element value in the kernel, not a per-row one)
+            result = add(aten.add.Tensor, (result, plan["bias"]), name="bias")
         if dtype != acc:
             result = add(aten._to_copy.default, (result,), {"dtype": dtype}, name="out")
+    if after is not None:
+        after.replace_all_uses_with(result)
+        graph.erase_node(after)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
