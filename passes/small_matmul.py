@@ -244,6 +244,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
     # F.linear on a (B, T, K) input is view(mm(view(x, (B*T, K)), W.t()), (B, T, N)): compute in
     # the (B, T, N) space directly, so that the pointwise work after the view joins the epilogue
     after = _reshape_adding_rows(node)
+    bias = plan["bias"]
+    if bias is not None and _val(bias).dim() == 2 and _val(bias).shape[0] != 1:
+        after = None  # a full (M, N) bias lines up with (M, N), not with (B, T, N)
     lead = list(_val(after).shape[:-1]) if after is not None else [m]
     try:
         _val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))

@@ -202,3 +202,23 @@ def test_int8_example_runs(target):
     ex = int8_linear.example(m=1, k=128, n=40, device=device)
     with torch.no_grad():
         assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=1)
+
+
+def test_addmm_with_a_matrix_bias_and_a_view_after(target):
+    backend, device = target
+    x, w = rand(4, 24, device=device), int8_weight(8, 24, device)
+    c = rand(4, 8, device=device, seed=6)
+
+    def f(x, w, c):
+        return torch.relu(torch.addmm(c, x, w.to(x.dtype).t()).view(2, 2, 8))
+    cf = assert_matches(f, x, w, c, backend=backend)
+    assert externs(cf) == []
+
+
+def test_linear_on_a_batch_of_sequences_with_bias(target):
+    backend, device = target
+    x, w = rand(2, 3, 24, device=device), int8_weight(8, 24, device)
+    b = rand(8, device=device, seed=6)
+    cf = assert_matches(lambda x, w, b: F.silu(F.linear(x, w.to(x.dtype), b)), x, w, b,
+                        backend=backend, kernels=1)
+    assert externs(cf) == []
