@@ -222,3 +222,25 @@ def test_linear_on_a_batch_of_sequences_with_bias(target):
     cf = assert_matches(lambda x, w, b: F.silu(F.linear(x, w.to(x.dtype), b)), x, w, b,
                         backend=backend, kernels=1)
     assert externs(cf) == []
+
+
+def test_empty_batch_keeps_the_library_matmul(target):
+    backend, device = target
+    x, w = rand(0, 16, device=device), int8_weight(8, 16, device)
+    s = rand(8, device=device, seed=2, scale=0.05)
+    cf = assert_matches(w8_scale, x, w, s, backend=backend)
+    assert externs(cf) == ["aten.mm.default"]
+
+
+@pytest.mark.parametrize("backend,fmt", [("cpp", "int8"), ("cpp", "int4"), ("llvm", "int4")])
+def test_llama_decode_generates_eager_tokens(backend, fmt):
+    llama = importlib.import_module("fusec.examples.llama_decode")
+    cfg = dict(llama.TINY, layers=1, max_seq=16)
+    model = llama.Llama(cfg, fmt).eval()
+    eager = llama.generate(model, model, [1, 2, 3], 6)
+    cf = fusec.compile(model, backend=backend)
+    assert llama.generate(cf, model, [1, 2, 3], 6) == eager
+    names = [k.name for k in cf.kernels]
+    assert sum("gemv" in n for n in names) >= 6, names  # q, k, v, o, w1, w3, w2, lm_head
+    # every linear is a GEMV; the attention products (bmm with the KV cache) stay library calls
+    assert not {"aten.mm.default", "aten.addmm.default"} & set(externs(cf))
