@@ -546,16 +546,31 @@ def gemv_fits(kernel) -> bool:
             and not any(s.var.name in kernel.varying for s in kernel.stores))
 
 
+SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice
+
+
 def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block; 16 output columns per
-    program, so an 8192-wide layer has 512 programs to spread over the GPU's SMs; BLOCK_K as wide
-    as the tile budget allows (1024 int8 weights per row of the tile at M = 1: 64-byte loads per
-    thread)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block. Up to 16 output columns
+    per program, fewer for narrow layers so that there are about 2 programs per SM (a 1024-wide
+    key/value projection gets 2 columns per program, 512 programs, rather than 64 programs that
+    leave half the GPU idle); BLOCK_K as wide as the tile budget allows (1024 int8 weights per
+    column at M = 1: 64-byte loads per thread)."""
     block_m = 1 << max(m - 1, 0).bit_length()
-    block_n = min(16, 1 << max(n - 1, 0).bit_length())
+    block_n = min(16, 1 << max(n // (2 * SMS), 1).bit_length() - 1)
     block_k = min(max(16, GEMV_TILE // (block_m * block_n)), max(16, 1 << max(k - 1, 0).bit_length()))
     num_warps = 8 if block_m * block_n * block_k >= 8192 else 4
     return block_m, block_n, block_k, num_warps
+
+
+def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
+    """Address terms along K. A tensor whose K dims are back to back in memory (the packed
+    weight, viewed as (K/G, G/2) groups) is addressed by the flat `ks` itself, so Triton sees
+    consecutive addresses and emits wide vector loads; others (a per-group scale) by coordinates.
+    """
+    whole = all(strides[d] == strides[d + 1] * k_shape[d + 1] for d in range(len(k_shape) - 1))
+    if whole and strides[-1]:
+        return ["ks" if strides[-1] == 1 else f"ks * {strides[-1]}"]
+    return [f"k{d}" if st == 1 else f"k{d} * {st}" for d, st in enumerate(strides) if st]
 
 
 def render_gemv(kernel) -> str:
@@ -577,8 +592,7 @@ def render_gemv(kernel) -> str:
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
                 masks.append(f"{axis}_mask")
-        kterms = [f"k{d}" if st == 1 else f"k{d} * {st}"
-                  for d, st in enumerate(idx.strides[n_rows:]) if st]
+        kterms = k_terms(idx.strides[n_rows:], kernel.k_shape)
         if kterms:
             masks.append("k_mask")
         terms += kterms
@@ -649,5 +663,7 @@ def render_gemv(kernel) -> str:
         n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], row_lines=row_lines,
-        loop_lines=k_coords + loop_lines, operand=operand, epilogue=epilogue, stores=stores)
+        loop_lines=[c for c in k_coords if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(
+            row_lines + loop_lines + epilogue + stores))] + loop_lines,
+        operand=operand, epilogue=epilogue, stores=stores)
 
