@@ -57,7 +57,8 @@ from fusec.ir import TensorMeta
 aten = torch.ops.aten
 
 # At most this many activation rows: a decode step's batch. The Triton kernel keeps all M rows
-# of a block in registers; see docs/gpu.md for the measurements behind the number.
+# of a block in registers. Not yet measured on a GPU (docs/gpu.md): benchmarks/quant_linear.py
+# --sweep times the GEMV forced at larger M against the library matmul, to settle it.
 SMALL_M = 8
 
 _MATMULS = (aten.mm.default, aten.addmm.default)
