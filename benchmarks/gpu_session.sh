@@ -2,14 +2,15 @@
 # Everything fusec checks on a GPU, in one device call: install, Triton tests on CUDA (several
 # pytest processes side by side: Triton compiles are single-threaded), then the benchmarks.
 # Results land in $OUT (the device tool fetches them); docs/gpu.md records what was measured.
-# SKIP_TESTS, SKIP_POINTWISE, SKIP_MODELS, SKIP_GRAPHS leave a part out; PROFILE=1 adds a profile.
+# SKIP_TESTS, SKIP_POINTWISE, SKIP_MODELS, SKIP_GRAPHS, SKIP_QUANT, SKIP_DECODE leave a part out;
+# PROFILE=1 adds a profile.
 set -uo pipefail
 OUT=${OUT:-/tmp/fusec-gpu}; mkdir -p "$OUT"
 python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log" 2>&1 || exit 1
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/versions.txt"
 export PYTHONUNBUFFERED=1
-groups=("tests/test_ops.py" "tests/test_reductions.py tests/test_online_softmax.py"
+groups=("tests/test_ops.py tests/test_small_matmul.py" "tests/test_reductions.py tests/test_online_softmax.py"
         "tests/test_views.py tests/test_smoke.py tests/test_schedule.py tests/test_examples.py tests/test_triton_launch.py tests/test_tiled_pointwise.py tests/test_unfuse_bias.py tests/test_inplace.py"
         "tests/test_training.py tests/test_api.py tests/test_cuda_graphs.py tests/test_explain.py tests/test_profile.py tests/test_runtime_fastpath.py tests/test_wrapper.py tests/test_memory_plan.py"
         "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_cse.py tests/test_property.py tests/test_property_reductions.py")
@@ -29,3 +30,5 @@ rm -f "$OUT/install.log"
 [ -n "${SKIP_MODELS:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -12
 [ -n "${SKIP_GRAPHS:-}" ] || timeout "${GRAPHS_TIMEOUT:-300}" python benchmarks/cuda_graphs.py --json "$OUT/cuda_graphs.json" > "$OUT/cuda_graphs.txt" 2>&1; tail -17 "$OUT/cuda_graphs.txt"
 [ -n "${PROFILE:-}" ] && timeout 150 python -m fusec.cli profile gpt2_block --device cuda --iters 5 > "$OUT/profile_gpt2.txt" 2>&1
+[ -n "${SKIP_QUANT:-}" ] || timeout "${QUANT_TIMEOUT:-240}" python benchmarks/quant_linear.py --sweep --json "$OUT/quant_linear.json" 2>&1 | grep -v -i warn | tail -40
+[ -n "${SKIP_DECODE:-}" ] || timeout "${DECODE_TIMEOUT:-400}" python benchmarks/decode.py --layers 2 --json "$OUT/decode.json" 2>&1 | tail -18

@@ -578,7 +578,7 @@ def render_reduction(kernel) -> str:
 CHEAP_OPS = {"add", "add_alpha", "sub", "sub_alpha", "mul", "neg", "abs", "to", "copy", "full",
              "where", "maximum", "minimum", "relu", "eq", "ne", "lt", "le", "gt", "ge",
              "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not",
-             "bitwise_and", "bitwise_or", "bitwise_xor"}
+             "bitwise_and", "bitwise_or", "bitwise_xor", "lshift", "rshift"}
 STASH_MAX_ROW_BYTES = 1 << 20  # 1 MiB: a row that stays in a core's L2 cache; a longer one
 # would cost an extra trip to memory (written, read back, written again) to save the op
 

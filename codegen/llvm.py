@@ -15,7 +15,7 @@ and a loop carries values around with `phi` nodes, which pick a value according 
 control came from. LLVM has no overloading and no implicit conversions, so every instruction
 names its type, and every conversion is an instruction (`fpext float %x to double`, `sitofp i32
 %n to float`). Each op's spelling lives in the op table (fusec/ops.py, the `llvm` column): one or more
-instructions over `{0}`, `{1}` (operands), `{T}` (the type), `{S}` (intrinsic suffix), `{m}` (the C
+instructions over `{0}`, `{1}` (operands), `{T}` (the type), `{W}` (its bit width), `{S}` (intrinsic suffix), `{m}` (the C
 library's `f` suffix) and `{D}` (fusec's dtype name, for the few helpers in llvm_prelude.ll.j2).
 
 Vector math
@@ -225,7 +225,8 @@ def emit_stmt(e: Emitter, s: Stmt, values: dict[str, str]) -> None:
     if dtype in ops.FLOAT16_LIKE:  # lowering computes halves in float (ops.register_dtype)
         raise NotImplementedError(f"fusec: {s.op} computes in {dtype}; the LLVM backend computes "
                                   f"float16/bfloat16 in float32 registers")
-    fields = dict(T=TYPE[dtype], S=SUFFIX[dtype], D=SHORT[dtype],
+    bits = 1 if dtype == torch.bool else dtype.itemsize * 8
+    fields = dict(T=TYPE[dtype], S=SUFFIX[dtype], D=SHORT[dtype], W=bits, W1=bits - 1,
                   m="f" if dtype == torch.float32 else "")
     temps: list[str] = []
     for n, line in enumerate(spelling(row, kind(dtype))):

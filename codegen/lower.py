@@ -73,7 +73,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                      for o, dt in zip(operands, operand_dtypes))
         var = Var(f"v{len(loads) + len(stmts)}_{_ident(node.name)}",
                   ops.register_dtype(out_meta.dtype))
-        rounds = out_meta.dtype in ops.FLOAT16_LIKE  # eager rounds every half result
+        rounds = needs_rounding(row, values, out_meta.dtype)  # eager rounds every half result
         stmts.append(Stmt(var, row.name, args, operand_dtypes,
                           torch.bool if row.returns_bool else compute,
                           out_meta.dtype if rounds else None, origin=_origin(node)))
@@ -87,6 +87,16 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         stores.append(Store(param(layout.root, True), env[out], storage, index))
 
     return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+
+
+def needs_rounding(row: ops.Op, values: list, dtype: torch.dtype) -> bool:
+    """Does a half-precision result need rounding (eager rounds every op's result)? Not a cast
+    from a small integer: int8, uint8 and bool values are exact in float16 and bfloat16, so an
+    int8 weight's `.to(torch.bfloat16)` costs nothing in a dequantization prologue."""
+    if dtype not in ops.FLOAT16_LIKE:
+        return False
+    return not (row.name in ("to", "copy") and isinstance(values[0], torch.Tensor)
+                and values[0].dtype in (torch.int8, torch.uint8, torch.bool))
 
 
 def _param_list(params: list[Param], root_dtypes: dict):
@@ -290,7 +300,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             args = tuple(value(o, where) if isinstance(o, fx.Node) else Const(o, dt)
                          for o, dt in zip(operands, operand_dtypes))
             var = fresh(node.name, ops.register_dtype(out_meta.dtype))
-            rounds = out_meta.dtype in ops.FLOAT16_LIKE
+            rounds = needs_rounding(row, vals, out_meta.dtype)
             body.append(Stmt(var, row.name, args, operand_dtypes,
                              torch.bool if row.returns_bool else compute,
                              out_meta.dtype if rounds else None, origin=_origin(node)))
@@ -306,8 +316,9 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         var = env[(out, space_of(out))]
         stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root],
                             index_of[("out", k, space_of(out))]))
+    gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
     return ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
-                           varying, level, fused_ops, online_softmax(body, varying))
+                           varying, level, fused_ops, online_softmax(body, varying), gemv)
 
 
 def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts) -> tuple[int, ...]:

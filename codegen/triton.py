@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fusec import cache, ops
-from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var
+from fusec.ir import Const, Index, PointwiseKernel, Reduce, Stmt, Var, short_dtype as short
 
 from .render import render_template
 
@@ -307,6 +307,8 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
 
 
 def render_reduction(kernel) -> str:
+    if gemv_fits(kernel):
+        return render_gemv(kernel)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)
@@ -552,3 +554,149 @@ def online_finish(online: list, producers: dict) -> list[str]:
 
 def reduce_line(r, reduce_block) -> str:
     return f"{r.var.name} = {reduce_block(r, r.operand.name)}  # {r.origin}"
+
+
+# ---- GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) --------
+#
+# Note (GEMV kernels): the generic reduction template gives each row of the output, here each
+# (m, n) pair, its own pass over K, so with M rows the weight is streamed M times. A GEMV keeps
+# all M rows of a block of output columns in one program instead: the weight tile is loaded (and
+# dequantized) once and multiplied by every activation row while it sits in registers. The
+# kernel IR is the same ReductionKernel; only the walk differs, so the CPU backends (which
+# already read a row's K elements contiguously) keep their reduction templates.
+
+GEMV_MAX_M = 16  # activation rows kept in registers; passes/small_matmul.py stays below this
+GEMV_TILE = 16384  # elements of the [BLOCK_M, BLOCK_N, BLOCK_K] product per iteration
+
+
+def gemv_fits(kernel) -> bool:
+    """A GEMV-shaped reduction: one sum over K, rows (M, N) or (N,) with M small, no element
+    values stored (those need the generic walk)."""
+    reds = [i for i in kernel.body if isinstance(i, Reduce)]
+    return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum"
+            and 1 <= len(kernel.row_shape) <= 2 and kernel.k > 0 and kernel.rows > 0
+            and (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)
+            and not any(s.var.name in kernel.varying for s in kernel.stores))
+
+
+SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice
+
+
+def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block. Up to 16 output columns
+    per program, fewer for narrow layers so that there are about 2 programs per SM (a 1024-wide
+    key/value projection gets 2 columns per program, 512 programs, rather than 64 programs that
+    leave half the GPU idle); BLOCK_K as wide as the tile budget allows (1024 int8 weights per
+    column at M = 1: 64-byte loads per thread)."""
+    block_m = 1 << max(m - 1, 0).bit_length()
+    block_n = min(16, 1 << max(n // (2 * SMS), 1).bit_length() - 1)
+    block_k = min(max(16, GEMV_TILE // (block_m * block_n)), max(16, 1 << max(k - 1, 0).bit_length()))
+    num_warps = 8 if block_m * block_n * block_k >= 8192 else 4
+    return block_m, block_n, block_k, num_warps
+
+
+def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
+    """Address terms along K. A tensor whose K dims are back to back in memory (the packed
+    weight, viewed as (K/G, G/2) groups) is addressed by the flat `ks` itself, so Triton sees
+    consecutive addresses and emits wide vector loads; others (a per-group scale) by coordinates.
+    """
+    whole = all(strides[d] == strides[d + 1] * k_shape[d + 1] for d in range(len(k_shape) - 1))
+    if whole and strides[-1]:
+        return ["ks" if strides[-1] == 1 else f"ks * {strides[-1]}"]
+    return [f"k{d}" if st == 1 else f"k{d} * {st}" for d, st in enumerate(strides) if st]
+
+
+def render_gemv(kernel) -> str:
+    (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
+    two = len(kernel.row_shape) == 2
+    m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
+    block_m, block_n, block_k, num_warps = gemv_blocks(m, n, kernel.k)
+    n_rows = len(kernel.row_shape)
+    row_axes = ["m", "n"] if two else ["n"]
+    k_coords = []
+    for d in range(len(kernel.k_shape)):
+        below = math.prod(kernel.k_shape[d + 1:])
+        expr = "ks" if below == 1 else f"(ks // {below})"
+        k_coords.append(f"k{d} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
+
+    def index(idx: Index) -> tuple[str, str | None]:
+        terms, masks = [], []
+        for axis, st in zip(row_axes, idx.strides[:n_rows]):
+            if st:
+                terms.append(axis if st == 1 else f"{axis} * {st}")
+                masks.append(f"{axis}_mask")
+        kterms = k_terms(idx.strides[n_rows:], kernel.k_shape)
+        if kterms:
+            masks.append("k_mask")
+        terms += kterms
+        if not terms:
+            terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
+        addr = " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
+        return addr, (" & ".join(masks) or None)
+
+    def load_line(l) -> str:
+        addr, mask = index(l.index)
+        value = f"tl.load({l.param}_ptr + {addr}" + (f", mask={mask})" if mask else ")")
+        if l.dtype != l.var.dtype:
+            value = convert(value, l.dtype, l.var.dtype)
+        return f"{l.var.name} = {value}"
+
+    producers = {l.var.name: l for l in kernel.loads}
+    producers.update((item.var.name, item) for item in kernel.body)
+    order = [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]
+    helpers: set = set()
+
+    def line(name: str) -> str:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            return _stmt(item, helpers, block="[1, 1, 1]")
+        return load_line(item)
+
+    row_lines, epilogue = [], []
+    for name in order:
+        item = producers[name]
+        if name in kernel.varying or isinstance(item, Reduce):
+            continue
+        (row_lines if kernel.level.get(name, 0) == 0 else epilogue).append(line(name))
+    value = convert("acc[:, :, None]", r.acc_dtype, r.var.dtype)
+    if r.round_to is not None:
+        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
+
+    needed = kernel.values_needed({r.operand.name}, only_varying=True)
+    loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
+    loop_lines += [line(n) for n in needed if not isinstance(producers[n], Stmt)]
+    stmts = [n for n in needed if isinstance(producers[n], Stmt)]
+    unpack = any(producers[n].op in ("rshift", "bitwise_and") for n in stmts)
+    loop_lines.append("# prologue: dequantize the weight tile in registers, then multiply")
+    if unpack:
+        loop_lines.append("# (this is where the int4 nibbles are unpacked: w & 0x0F is the low "
+                          "4-bit weight of each byte, w >> 4 the high one)")
+    loop_lines += [line(n) for n in stmts]
+    operand = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+
+    stores = []
+    for s in kernel.stores:
+        addr, mask = index(s.index)
+        stores.append(f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}"
+                      + (f", mask={mask})" if mask else ")"))
+    # the weight: what varies along n and k but not m
+    weights = sorted({short(l.dtype) for l in kernel.loads if l.var.name in kernel.varying
+                      and l.index.strides[n_rows - 1] and not (two and l.index.strides[0])})
+    big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    programs = -(-n // block_n)
+    helpers |= _helpers_in(row_lines + loop_lines + epilogue + stores)
+    return render_template(
+        "triton_gemv.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n, k=kernel.k,
+        block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
+        weight_dtypes=", ".join(weights) or "as stored",
+        unpack_note=" (unpacking the int4 nibbles)" if unpack else "",
+        acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],
+        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
+        helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
+        args=[p.name for p in kernel.params], row_lines=row_lines,
+        loop_lines=[c for c in k_coords if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(
+            row_lines + loop_lines + epilogue + stores))] + loop_lines,
+        operand=operand, epilogue=epilogue, stores=stores)
+

@@ -168,6 +168,26 @@ def fusec_trunc(x):
 
 
 @triton.jit
+def fusec_lshift(a, b):
+    # torch: a << b is 0 when b is negative or not less than the bit width
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    inside = (b >= 0) & (b < bits)
+    return tl.where(inside, a << tl.where(inside, b, 0), 0).to(a.dtype)
+
+
+@triton.jit
+def fusec_rshift(a, b):
+    # torch: past the bit width, a signed value shifts to its sign (a >> (bits - 1)), an
+    # unsigned one to 0; `w >> 4` on a byte is the high nibble of a packed int4 pair
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    inside = (b >= 0) & (b < bits)
+    if a.dtype.is_int_signed():
+        return a >> tl.where(inside, b, bits - 1).to(a.dtype)
+    else:
+        return tl.where(inside, a >> tl.where(inside, b, 0).to(a.dtype), 0).to(a.dtype)
+
+
+@triton.jit
 def fusec_bitwise_not(x):
     if x.dtype == tl.int1:
         return x == 0

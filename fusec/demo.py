@@ -61,7 +61,7 @@ def evaluate(ex: Example, backend: str = "auto") -> Result:
     err = max(((g.double() - w.double()).abs().max().item() if g.numel() else 0.0)
               for g, w in zip(got_l, want_l))
     device = str(ex.inputs[0].device)
-    last = compiled.last
+    last = getattr(compiled, "_compiled", compiled).last  # a CompiledModule wraps one
     with torch.no_grad():
         eager_ms = median_ms(ex.fn, *ex.inputs, device=device)
         fused_ms = median_ms(compiled, *ex.inputs, device=device)

@@ -422,6 +422,13 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 parts.append(f"unfused {len(done)} linear bias(es)")
                 details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                             for addmm, mm, add in done]
+            if snap.after == "small_matmul" and gm.meta.get("fusec_small_matmul"):
+                decisions = gm.meta["fusec_small_matmul"]
+                taken = sum(1 for _, t, _ in decisions if t)
+                if taken:
+                    parts.append(f"{taken} matmul(s) rewritten as GEMV reductions")
+                details += [f"{name}: {'GEMV' if t else 'library matmul'}: {why}"
+                            for name, t, why in decisions]
             if snap.after == "layout" and getattr(gm.meta.get("fusec_layout_plan"), "convs", None):
                 plan = gm.meta["fusec_layout_plan"]
                 if plan.choice != "unchanged":

@@ -248,6 +248,9 @@ class ReductionKernel:
     level: dict = field(default_factory=dict)
     ops: list[str] = field(default_factory=list)
     online: list[OnlineSoftmax] = field(default_factory=list)  # sums a pass can share with a max
+    # a matmul rewritten as a sum over K (passes/small_matmul.py): {"m", "n", "k", "dtype"};
+    # backends may render it as a GEMV (a block of output columns per program, all M rows)
+    gemv: dict | None = None
 
     @property
     def rows(self) -> int:

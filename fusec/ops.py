@@ -196,6 +196,17 @@ _ROWS = [
        llvm='xor {T} {0}, {1}'),
     Op("bitwise_not", "fusec_bitwise_not({0})", "fusec_bitwise_not({0})",
        llvm='xor {T} {0}, -1'),
+    # shifts, as torch defines them for every shift amount: a << b is 0 when b < 0 or b >= the
+    # bit width; a >> b is then a >> (width - 1) for signed a (its sign everywhere) and 0 for
+    # unsigned a. (C, LLVM and Triton leave those shifts undefined.) `{W}` is the bit width.
+    # Unpacking two 4-bit weights from a byte is `w & 0x0F` and `w >> 4`.
+    Op("lshift", "fusec_lshift({0}, {1})", "fusec_lshift({0}, {1})",
+       llvm='i: icmp ult {T} {1}, {W}\nselect i1 {t0}, {T} {1}, {T} 0\nshl {T} {0}, {t1}\n'
+            'select i1 {t0}, {T} {t2}, {T} 0'),
+    Op("rshift", "fusec_rshift({0}, {1})", "fusec_rshift({0}, {1})",
+       llvm='u: icmp ult {T} {1}, {W}\nselect i1 {t0}, {T} {1}, {T} 0\nlshr {T} {0}, {t1}\n'
+            'select i1 {t0}, {T} {t2}, {T} 0'
+            ' || s: icmp ult {T} {1}, {W}\nselect i1 {t0}, {T} {1}, {T} {W1}\nashr {T} {0}, {t1}'),
     # data movement: a cast is an identity computed in the target dtype
     Op("to", "{0}", "{0}", promote=None,
        llvm='{0}'),
@@ -363,6 +374,13 @@ for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
 for _name in ("bitwise_and", "bitwise_or", "bitwise_xor"):
     ATEN[getattr(aten, _name).Tensor] = _plain(_name, 2)
     ATEN[getattr(aten, _name).Scalar] = _plain(_name, 2)
+for _name, _row in (("lshift", "lshift"), ("rshift", "rshift")):
+    ATEN[getattr(aten, f"__{_name}__").Tensor] = _plain(_row, 2)
+    ATEN[getattr(aten, f"__{_name}__").Scalar] = _plain(_row, 2)
+for _name, _row in (("bitwise_left_shift", "lshift"), ("bitwise_right_shift", "rshift")):
+    ATEN[getattr(aten, _name).Tensor] = _plain(_row, 2)
+    ATEN[getattr(aten, _name).Tensor_Scalar] = _plain(_row, 2)
+    ATEN[getattr(aten, _name).Scalar_Tensor] = _plain(_row, 2)
 
 # Python's operator module shows up when graphs index into tuples.
 GETITEM = operator.getitem

@@ -636,3 +636,21 @@ def test_large_and_tiny_floats(target):
                            x.to(F16) * 2, x.to(BF16) * 2, torch.tanh(x),
                            torch.log(x), torch.rsqrt(x)),
         x, rows=["exp", "mul", "to"])
+
+
+def _shift_ops(a, s):
+    return a >> s, a << s, a >> 3, a << 2, torch.bitwise_right_shift(a, s), \
+        torch.bitwise_left_shift(a, 1), (a & 0x0F), (a >> 4) & 0x0F
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=_name)
+def test_shifts_follow_torch_for_every_amount(target, dtype):
+    # shift amounts past the bit width (and negative ones) are undefined in C, LLVM and Triton;
+    # torch defines them: << gives 0, >> gives the sign (signed) or 0 (unsigned)
+    device = target[1]
+    info, bits = torch.iinfo(dtype), dtype.itemsize * 8
+    a = randi((6, 8), dtype, device, seed=1)
+    a[0, :3] = torch.tensor([info.min, info.max, 0], dtype=dtype)
+    s = randi((6, 8), dtype, device, low=max(info.min, -3), high=min(info.max, bits + 3) + 1, seed=2)
+    s[1, :4] = torch.tensor([0, bits - 1, bits, min(bits + 1, info.max)], dtype=dtype)
+    run(target, _shift_ops, a, s, rows=["lshift", "rshift", "bitwise_and"])

@@ -24,7 +24,7 @@ from fusec import ops
 from fusec.codegen import cpp, llvm, llvm_build
 
 from test_ops import (ALL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
-                      _float_unary, _int_ops, _source_values, randf, randi)
+                      _float_unary, _int_ops, _shift_ops, _source_values, randf, randi)
 
 SHAPE = (6, 8)
 
@@ -66,7 +66,8 @@ def programs():
     out.append(("float_reductions_long", _float_reductions, (randf((3, 70000), F32, "cpu"),)))
     for dt in INTS:
         a = [randi(SHAPE, dt, "cpu", seed=s) for s in range(5)]
-        out += [(f"int_ops_{dt}", _int_ops, tuple(a)), (f"int_reductions_{dt}", _int_reductions, (a[0],))]
+        out += [(f"int_ops_{dt}", _int_ops, tuple(a)), (f"int_reductions_{dt}", _int_reductions, (a[0],)),
+                (f"shifts_{dt}", _shift_ops, (a[0], a[1]))]
     p = torch.rand(SHAPE) > 0.5
     out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _int_reductions, (p,))]
     for src in ALL:

@@ -153,6 +153,18 @@ template <typename T> static inline T fusec_ceil(T x) {
 template <typename T> static inline T fusec_trunc(T x) {
     if constexpr (std::is_floating_point_v<T>) return std::trunc(x); else return x;
 }
+// shifts as torch defines them for every amount (C++ leaves b < 0 or b >= width undefined):
+// a << b is then 0; a >> b is a's sign for signed a, 0 for unsigned a
+template <typename T> static inline T fusec_lshift(T a, T b) {
+    constexpr int bits = sizeof(T) * 8;
+    if (b < 0 || b >= (T)bits) return 0;
+    return (T)((std::make_unsigned_t<T>)a << b);
+}
+template <typename T> static inline T fusec_rshift(T a, T b) {
+    constexpr int bits = sizeof(T) * 8;
+    if (b < 0 || b >= (T)bits) return std::is_signed_v<T> ? (T)(a < 0 ? -1 : 0) : (T)0;
+    return (T)(a >> b);
+}
 template <typename T> static inline T fusec_bitwise_not(T x) {
     if constexpr (std::is_same_v<T, bool>) return !x; else return (T)~x;
 }

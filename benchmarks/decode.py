@@ -1,0 +1,139 @@
+"""LLM decoding, one token at a time: tokens/s for bf16, int8 and int4 weights, side by side.
+
+    python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
+                                [--systems eager,torch.compile,reduce-overhead,fusec] [--json out.json]
+
+The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
+static KV cache, SwiGLU; random weights). For each weight format it runs the same prompt and 64
+greedy steps through each system and reports tokens/s and whether the generated tokens equal
+eager's. The next token stays on the device (argmax, no host sync between steps), so the loop
+measures what the GPU and the launches cost.
+
+Systems: eager; torch.compile (default); torch.compile(mode="reduce-overhead") (CUDA graphs);
+fusec, whose step is captured as one CUDA graph by this script: the model writes its KV cache in
+place, and fusec's own CUDA-graph runner launches such programs step by step
+(fusec.runtime.graph_blocker), so here `fusec.compile(model, cuda_graphs=False)` is called once
+under torch.cuda.graph and replayed. On a CPU the same loop runs without graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import fusec
+from fusec.examples.llama_decode import REAL, TINY, Llama
+
+PROMPT = [1, 5, 9, 14, 2, 7, 3, 11]
+
+
+def graphed(fn, device):
+    """fn(tok, pos) captured once as a CUDA graph over static input buffers."""
+    tok = torch.zeros(1, dtype=torch.long, device=device)
+    pos = torch.zeros(1, dtype=torch.long, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(tok, pos)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(tok, pos)
+
+    def step(t, p):
+        tok.copy_(t)
+        pos.copy_(p)
+        graph.replay()
+        return out
+    return step
+
+
+def decode(step, model, steps: int, device) -> tuple[list[int], float]:
+    """Prompt, then `steps` greedy tokens; returns (tokens, seconds for the generated part)."""
+    model.reset()
+    positions = [torch.tensor([i], device=device) for i in range(len(PROMPT) + steps)]
+    prompt = [torch.tensor([t], device=device) for t in PROMPT]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.no_grad():
+        for i, t in enumerate(prompt):
+            logits = step(t, positions[i])
+        tok = logits.argmax(-1)
+        out = [tok]
+        sync()
+        t0 = time.perf_counter()
+        for i in range(len(PROMPT), len(PROMPT) + steps - 1):
+            tok = step(tok, positions[i]).argmax(-1)
+            out.append(tok)
+        sync()
+        seconds = time.perf_counter() - t0
+    return [int(t) for t in torch.cat(out).tolist()], seconds
+
+
+def make(system: str, model, device):
+    if system == "eager":
+        return model
+    if system == "torch.compile":
+        return torch.compile(model)
+    if system == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    if system == "fusec":
+        cf = fusec.compile(model, cuda_graphs=False)
+        return graphed(cf, device) if device == "cuda" else cf
+    raise ValueError(system)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default=None, help="tiny (CPU default) or real (CUDA default)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--formats", default="bf16,int8,int4")
+    p.add_argument("--systems", default="eager,torch.compile,reduce-overhead,fusec")
+    p.add_argument("--json")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = args.size or ("real" if device == "cuda" else "tiny")
+    cfg = dict(REAL if size == "real" else TINY)
+    if args.layers:
+        cfg["layers"] = args.layers
+    cfg["max_seq"] = max(cfg["max_seq"], len(PROMPT) + args.steps)
+    results = []
+    print(f"{'format':6s} {'system':16s} {'tokens/s':>10s} {'ms/token':>9s}  same tokens as eager",
+          flush=True)
+    for fmt in args.formats.split(","):
+        model = Llama(cfg, fmt, device=device).eval()
+        reference = None
+        for system in args.systems.split(","):
+            t0 = time.perf_counter()
+            step = make(system, model, device)
+            decode(step, model, 4, device)  # warm up (compiles)
+            warm = time.perf_counter() - t0
+            tokens, seconds = decode(step, model, args.steps, device)
+            if system == "eager":
+                reference = tokens
+            tps = (args.steps - 1) / seconds
+            same = None if reference is None else tokens == reference
+            first_diff = None if not reference or same else \
+                next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+            results.append(dict(format=fmt, system=system, tokens_per_s=tps, same=same,
+                                first_diff=first_diff, warmup_s=warm))
+            print(f"{fmt:6s} {system:16s} {tps:10.1f} {1e3 / tps:9.3f}  {same}"
+                  + (f" (first difference at step {first_diff})" if first_diff is not None else "")
+                  + f"  [warm-up {warm:.0f} s]", flush=True)
+            del step
+            torch._dynamo.reset()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(cfg=cfg, device=torch.cuda.get_device_name() if device == "cuda"
+                           else "cpu", torch=torch.__version__, results=results), f, indent=1)
+    print("\nformat  " + "  ".join(f"{s:>16s}" for s in args.systems.split(",")))
+    for fmt in args.formats.split(","):
+        cells = {r["system"]: r for r in results if r["format"] == fmt}
+        print(f"{fmt:6s}  " + "  ".join(f"{cells[s]['tokens_per_s']:16.1f}" for s in args.systems.split(",")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Small-M matmuls with a dequantized weight become reductions: the GEMV of LLM decoding.
+
+Decoding one token multiplies a handful of activation rows (M = batch size, often 1) by every
+weight matrix: out[m, n] = sum_k x[m, k] * W[n, k]. Each weight is used M times, so the time is
+the weight's bytes over the memory bandwidth. Storing weights as int8 (or two 4-bit values per
+byte) halves (or quarters) those bytes, but only if the kernel reads the *quantized* weight:
+
+    _to_copy = _to_copy(w, dtype=bf16)        # int8 -> bf16: writes a full bf16 copy of W ...
+    permute  = permute(_to_copy, [1, 0])
+    mm       = mm(x, permute)                 # ... which the library matmul then reads again
+    mul      = mul(mm, s)                     # per-channel scale: one more kernel
+
+Three steps and three times the bytes. This pass writes the product as what it is, a sum over K
+of element-wise products, so the passes after it can fuse everything into one reduction kernel:
+the dequantization becomes its *prologue* (computed in registers from the int8 bytes), the
+scale, bias, activation and residual its *epilogue*:
+
+    before                                    after
+    mm = mm(x, permute(w_bf16, [1, 0]))       x3   = unsqueeze(x, 1)                  # (M, 1, K)
+                                              xf   = _to_copy(x3, dtype=f32)
+                                              wf   = _to_copy(w_bf16, dtype=f32)       # (N, K)
+                                              prod = mul(xf, wf)                       # (M, N, K)
+                                              acc  = sum(prod, [2])                    # (M, N)
+                                              mm   = _to_copy(acc, dtype=bf16)
+
+(`prod` is never stored: fuse_reductions puts it, the sum and the dequantization in one kernel,
+and codegen renders that kernel as a GEMV: each program owns a block of output columns and walks
+K.) Products and the sum are computed in float32 (float64 for float64 inputs) and rounded once at
+the end, as the library matmul does, so the result is as accurate as eager's.
+
+Packed int4 weights are unpacked with `stack([lo, hi], -1).view(N, K)`, a `cat` that no kernel
+can read through. The product distributes over it: with x seen as (M, 1, K/2, 2),
+x @ W.T = sum_j x[..., j, 0] * lo[n, j] + x[..., j, 1] * hi[n, j], so the pass sums the two
+products instead, and the nibbles are unpacked in registers too. A weight viewed from a grouped
+shape (N, K/G, G), as per-group scales need, is handled the same way: x is viewed as
+(M, 1, K/G, G) and the sum runs over the last two dims.
+
+The pass rewrites `mm(x, B)` and `addmm(bias, x, B)` when
+* M (x's rows) is at most SMALL_M: a larger batch reads each weight element from cache several
+  times, where the library's tiled GEMM (tensor cores) wins;
+* B is *computed* (a dequantization, a cast) rather than a stored weight: for a plain weight the
+  library GEMV already streams it once at full speed, and there is no prologue to fuse;
+* the dtype is floating point and nothing is empty.
+Every decision, taken or declined, is recorded with its reason in `gm.meta["fusec_small_matmul"]`
+and printed by `fusec.explain`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import TensorMeta
+
+aten = torch.ops.aten
+
+# At most this many activation rows: a decode step's batch. The Triton kernel keeps all M rows
+# of a block in registers. Not yet measured on a GPU (docs/gpu.md): benchmarks/quant_linear.py
+# --sweep times the GEMV forced at larger M against the library matmul, to settle it.
+SMALL_M = 8
+
+_MATMULS = (aten.mm.default, aten.addmm.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
+
+
+def small_matmul(gm: fx.GraphModule) -> fx.GraphModule:
+    decisions: list[tuple[str, bool, str]] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _MATMULS:
+            continue
+        plan, reason = _plan(node)
+        decisions.append((node.name, plan is not None, reason))
+        if plan is not None:
+            _rewrite(gm.graph, node, plan)
+    gm.meta["fusec_small_matmul"] = decisions
+    if any(taken for _, taken, _ in decisions):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _plan(node: fx.Node):
+    """(plan, reason): how to rewrite `node` as a reduction, or None and why it stays a call to
+    the matrix library."""
+    if node.target is aten.addmm.default:
+        if len(node.args) > 3 or any(v != 1 for v in node.kwargs.values()):
+            return None, "addmm with beta or alpha != 1: library matmul"
+        bias, x, b = node.args[:3]
+    else:
+        (x, b), bias = node.args[:2], None
+    out, xv, bv = _val(node), _val(x), _val(b)
+    if not all(isinstance(t, torch.Tensor) for t in (out, xv, bv)):
+        return None, "operands without shapes: library matmul"
+    if bias is not None and not isinstance(_val(bias), torch.Tensor):
+        return None, "a scalar bias: library matmul"
+    (m, k), n = xv.shape, bv.shape[1]
+    if not out.dtype.is_floating_point:
+        return None, f"{out.dtype} matmul: library matmul"
+    if m == 0 or n == 0 or k == 0:
+        return None, "an empty operand: library matmul"
+    if m > SMALL_M:
+        return None, (f"M = {m} rows > {SMALL_M}: a tiled library GEMM reuses each weight "
+                      "element across rows; kept")
+    weight = _strip_views(b)
+    if weight.op in ("placeholder", "get_attr"):
+        return None, (f"M = {m}, but the weight {weight.name} is read as stored (nothing to "
+                      "dequantize): the library GEMV streams it once already; kept")
+    if ops.classify(weight.target) != ops.POINTWISE and not _stacked(weight):
+        return None, (f"M = {m}, but the weight comes from {weight.target} (not a "
+                      "dequantization a kernel can compute): library matmul")
+    plan = _layout_plan(x, b)
+    if plan is None:
+        return None, (f"M = {m}, but x {tuple(xv.shape)} cannot be viewed in the weight's "
+                      "grouped shape: library matmul")
+    plan["bias"] = bias
+    what = "packed nibbles unpacked, " if plan["parts"] and len(plan["parts"]) > 1 else ""
+    return plan, (f"M = {m} <= {SMALL_M} and the weight is computed ({what}dequantized from "
+                  f"{_roots(weight)}): a GEMV reduction over K = {k} that reads the quantized "
+                  "weight once, with the dequantization as its prologue and what follows as "
+                  "its epilogue")
+
+
+def _strip_views(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and ops.classify(n.target) == ops.VIEW:
+        n = n.args[0]
+    return n
+
+
+def _stacked(n: fx.Node) -> bool:
+    """cat([unsqueeze(a, -1), unsqueeze(b, -1), ...], -1): torch.stack(..., dim=-1)."""
+    return _stack_parts(n) is not None
+
+
+def _stack_parts(n: fx.Node):
+    if n.op != "call_function" or n.target is not aten.cat.default:
+        return None
+    tensors, dim = n.args[0], (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
+    rank = _val(n).dim()
+    if dim % rank != rank - 1 or len(tensors) < 2:
+        return None
+    parts = []
+    for t in tensors:
+        if not (isinstance(t, fx.Node) and t.op == "call_function" and
+                t.target is aten.unsqueeze.default and t.args[1] % rank == rank - 1):
+            return None
+        parts.append(t.args[0])
+    return parts
+
+
+def _roots(n: fx.Node) -> str:
+    """The graph inputs a weight is computed from: 'w', or 'P, sg, z'."""
+    seen, stack, roots = set(), [n], []
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a.op in ("placeholder", "get_attr"):
+            roots.append(a.name)
+        stack += list(a.all_input_nodes)
+    return ", ".join(sorted(roots)) or "constants"
+
+
+def _layout_plan(x: fx.Node, b: fx.Node):
+    """How the product lines up: {"mode": "nk", "inner": dims of K, "parts": weight values} or
+    {"mode": "kn", "weight": b}. "nk": b is W.t() for a weight W (N, K) (nn.Linear), possibly a
+    view of W3 (N, *inner) or of a stack of parts (N, *inner[:-1]) along a last dim; the sum runs
+    over the inner dims. "kn": b (K, N) itself (x @ W)."""
+    bv = _val(b)
+    k, n = bv.shape
+    if b.op == "call_function" and b.target in _TRANSPOSES and _is_transpose(b):
+        w = b.args[0]
+        inner, parts = (k,), [w]
+        if w.op == "call_function" and w.target in _RESHAPES:
+            src = w.args[0]
+            sv = _val(src)
+            if sv is not None and sv.dim() >= 3 and sv.shape[0] == n and \
+                    math.prod(sv.shape[1:]) == k and ops.classify(getattr(src, "target", None)) \
+                    != ops.VIEW and src.op == "call_function":
+                stacked = _stack_parts(src)
+                inner, parts = tuple(sv.shape[1:]), ([src] if stacked is None else stacked)
+        xv = _val(x)
+        try:  # x as (M, 1, *inner): a view of x, which costs nothing
+            xv.view(xv.shape[0], 1, *inner)
+        except RuntimeError:
+            return None
+        return {"mode": "nk", "inner": inner, "parts": parts}
+    return {"mode": "kn", "weight": b, "parts": None}
+
+
+def _reshape_adding_rows(node: fx.Node):
+    """The mm's only user, if it is a view back to (*lead, N) with prod(lead) == M."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].op != "call_function" or users[0].target not in _RESHAPES:
+        return None
+    val, out = _val(users[0]), _val(node)
+    if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == out.shape[1] and \
+            math.prod(val.shape[:-1]) == out.shape[0]:
+        return users[0]
+    return None
+
+
+def _is_transpose(b: fx.Node) -> bool:
+    if b.target is aten.permute.default:
+        return list(b.args[1]) == [1, 0]
+    if b.target is aten.transpose.int:
+        return sorted(d % 2 for d in b.args[1:3]) == [0, 1]
+    return True  # aten.t
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
+    out = _val(node)
+    dtype = out.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+    m = _val(x).shape[0]
+
+    def add(target, args, kwargs=None, gemv=None, name=None):
+        vals = [_val(a) if isinstance(a, fx.Node) else
+                ([_val(t) for t in a] if isinstance(a, (list, tuple)) and a and
+                 isinstance(a[0], fx.Node) else a) for a in args]
+        val = target(*vals, **(kwargs or {}))
+        new = graph.create_node("call_function", target, tuple(args), kwargs or {},
+                                name=f"{node.name}_{name}" if name else None)
+        for key, value in node.meta.items():
+            if key not in ("val", "fusec", "tensor_meta"):
+                new.meta[key] = value
+        new.meta["val"] = val
+        new.meta["fusec"] = TensorMeta.of(val)
+        if gemv is not None:
+            new.meta["fusec_gemv"] = gemv
+        return new
+
+    def cast(v, name):
+        return v if _val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc},
+                                                  name=name)
+
+    # F.linear on a (B, T, K) input is view(mm(view(x, (B*T, K)), W.t()), (B, T, N)): compute in
+    # the (B, T, N) space directly, so that the pointwise work after the view joins the epilogue
+    after = _reshape_adding_rows(node)
+    bias = plan["bias"]
+    if bias is not None and _val(bias).dim() == 2 and _val(bias).shape[0] != 1:
+        after = None  # a full (M, N) bias lines up with (M, N), not with (B, T, N)
+    lead = list(_val(after).shape[:-1]) if after is not None else [m]
+    try:
+        _val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))
+    except RuntimeError:  # x's rows cannot be split that way: stay in (M, N), view after
+        after, lead = None, [m]
+    with graph.inserting_before(node):
+        if plan["mode"] == "nk":
+            inner, parts = plan["inner"], plan["parts"]
+            x3 = add(aten.view.default, (x, [*lead, 1, *inner]), name="x")
+            if len(parts) == 1:
+                terms = [add(aten.mul.Tensor, (cast(x3, "xf"), cast(parts[0], "wf")), name="prod")]
+            else:  # x3's last dim walks the stacked parts: one product per part
+                terms = [add(aten.mul.Tensor, (cast(add(aten.select.int, (x3, -1, i), name=f"x{i}"),
+                                                    f"xf{i}"), cast(p, f"wf{i}")), name=f"prod{i}")
+                         for i, p in enumerate(parts)]
+            total = terms[0]
+            for t in terms[1:]:
+                total = add(aten.add.Tensor, (total, t), name="prods")
+            dims = list(range(len(lead) + 1, _val(total).dim()))
+        else:  # (..., K, 1) times b (K, N)
+            x3 = add(aten.view.default, (x, [*lead, _val(x).shape[1], 1]), name="x")
+            total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
+            dims = [len(lead)]
+        k = _val(x).shape[1]
+        n = out.shape[1]
+        info = {"m": m, "n": n, "k": k, "dtype": dtype}
+        result = add(aten.sum.dim_IntList, (total, dims), gemv=info, name="gemv")
+        if plan["bias"] is not None:
+            # float32 + bfloat16 promotes to float32: the bias is added before the one rounding
+            # (a cast node here would be a per-element value in the kernel, not a per-row one)
+            result = add(aten.add.Tensor, (result, plan["bias"]), name="bias")
+        if dtype != acc:
+            result = add(aten._to_copy.default, (result,), {"dtype": dtype}, name="out")
+    if after is not None:
+        after.replace_all_uses_with(result)
+        graph.erase_node(after)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
