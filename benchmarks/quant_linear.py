@@ -87,12 +87,13 @@ def _dequant(layer, fmt):
 def sweep(rows, layers, x, m, row):
     """Other GEMV block sizes, and the GEMV at M above SMALL_M."""
     import fusec.codegen.triton as tr
-    from fusec.passes import small_matmul as sm
+    import importlib
+    sm = importlib.import_module("fusec.passes.small_matmul")  # the module, not the pass function
     default_blocks, default_m = tr.gemv_blocks, sm.SMALL_M
     sm.SMALL_M = 64
     try:
-        configs = [(16, 1024, 8), (16, 512, 4), (8, 1024, 4), (32, 512, 8), (16, 2048, 8),
-                   (8, 512, 4), (32, 256, 4)]
+        configs = [(16, 1024, 8), (8, 1024, 4), (8, 2048, 8), (4, 2048, 4), (4, 4096, 8),
+                   (2, 4096, 4), (8, 512, 4), (16, 512, 4)]
         for fmt, layer in layers.items():
             nb = weight_bytes(layer)
             if m > default_m:

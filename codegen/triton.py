@@ -566,7 +566,8 @@ def reduce_line(r, reduce_block) -> str:
 # already read a row's K elements contiguously) keep their reduction templates.
 
 GEMV_MAX_M = 16  # activation rows kept in registers; passes/small_matmul.py stays below this
-GEMV_TILE = 16384  # elements of the [BLOCK_M, BLOCK_N, BLOCK_K] product per iteration
+GEMV_TILE = 8192  # f32 partial sums per program, [BLOCK_M, BLOCK_N, BLOCK_K]: 64 per thread
+GEMV_WEIGHT_TILE = 4096  # weight elements per program per iteration, [BLOCK_N, BLOCK_K]
 
 
 def gemv_fits(kernel) -> bool:
@@ -583,15 +584,20 @@ SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover ea
 
 
 def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block. Up to 16 output columns
-    per program, fewer for narrow layers so that there are about 2 programs per SM (a 1024-wide
-    key/value projection gets 2 columns per program, 512 programs, rather than 64 programs that
-    leave half the GPU idle); BLOCK_K as wide as the tile budget allows (1024 int8 weights per
-    column at M = 1: 64-byte loads per thread)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block; 4 warps. Output columns
+    per program: 8 at M = 1, fewer as M grows (the partial sums are M x BLOCK_N x BLOCK_K
+    registers), and fewer for narrow layers so that there are about 2 programs per SM (a
+    1024-wide key/value projection gets 2 columns per program, 512 programs, rather than 64
+    programs that leave half the GPU idle). BLOCK_K: a 4096-element weight tile per iteration
+    within the partial-sum budget. Chosen from `benchmarks/quant_linear.py --sweep` on an H100
+    (docs/gpu.md): at M = 1, K = N = 8192, 8 x 512 x 4 warps streamed int8 weights at 1.65 TB/s,
+    16 x 1024 x 8 warps at 1.47 and 32 columns at under 1.0."""
     block_m = 1 << max(m - 1, 0).bit_length()
-    block_n = min(16, 1 << max(n // (2 * SMS), 1).bit_length() - 1)
-    block_k = min(max(16, GEMV_TILE // (block_m * block_n)), max(16, 1 << max(k - 1, 0).bit_length()))
-    num_warps = 8 if block_m * block_n * block_k >= 8192 else 4
+    block_n = min(8 if block_m == 1 else max(2, 16 // block_m),
+                  1 << max(n // (2 * SMS), 1).bit_length() - 1)
+    block_k = min(max(16, GEMV_WEIGHT_TILE // block_n), max(16, GEMV_TILE // (block_m * block_n)),
+                  max(16, 1 << max(k - 1, 0).bit_length()))
+    num_warps = 4
     return block_m, block_n, block_k, num_warps
 
 
@@ -658,7 +664,7 @@ def render_gemv(kernel) -> str:
         if name in kernel.varying or isinstance(item, Reduce):
             continue
         (row_lines if kernel.level.get(name, 0) == 0 else epilogue).append(line(name))
-    value = convert("acc[:, :, None]", r.acc_dtype, r.var.dtype)
+    value = convert("sums", r.acc_dtype, r.var.dtype)
     if r.round_to is not None:
         value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
     epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")

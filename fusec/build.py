@@ -51,7 +51,7 @@ from .ir import canonical
 FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
 _FELL_BACK: set[str] = set()
 
-# (cache directory, backend, canonical source) -> its Built, while some kernel uses it
+# (cache directory, backend, canonical source, dtypes and device) -> its Built, while some kernel uses it
 # (`Kernel.built`): a second program (a new input signature, another model with the same layers)
 # loads nothing twice. Pointing FUSEC_CACHE_DIR elsewhere starts afresh.
 _LOADED: "weakref.WeakValueDictionary[tuple[str, str], Built]" = weakref.WeakValueDictionary()
@@ -82,7 +82,7 @@ class Built:
     ir: Any  # the canonical kernel IR
     backend: str  # the backend asked for; after a fallback, the one that built it
     source: str  # the canonical source, for `backend`: the text that was compiled
-    key: tuple  # (cache dir, backend asked for, its canonical source): how `_LOADED` finds it
+    key: tuple  # (cache dir, backend asked for, canonical source, dtypes and device): how `_LOADED` finds it
     path: Any = None  # the binary on disk (a .so, an .o or a Triton module)
     launcher: Any = None
     error: CompileError | None = None
@@ -107,14 +107,18 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     for ir in irs:
         canon = canonical(ir)
         source = codegen(backend).render(canon)
-        built = distinct.get(source)
+        # A Triton source does not spell its pointers' dtypes: the JIT specializes on them at the
+        # first launch, and the launcher keeps that compiled kernel (codegen/triton_launch.py).
+        # So the dtypes (and the device) are part of what makes two kernels the same.
+        signature = (tuple(str(p.dtype) for p in canon.params), str(device))
+        built = distinct.get((source, signature))
         if built is None:
-            key = (where, backend, source)
+            key = (where, backend, source, signature)
             with _LOADED_LOCK:
                 built = _LOADED.get(key)
             if built is None:
                 built = Built(canon, backend, source, key)
-            distinct[source] = built
+            distinct[(source, signature)] = built
         mine.append(built)
     todo = [b for b in distinct.values() if b.launcher is None]
     cache.log(f"{len(irs)} kernels, {len(distinct)} distinct, {len(todo)} not loaded yet")

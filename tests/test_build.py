@@ -73,6 +73,24 @@ def test_different_strides_or_dtypes_are_not_shared(target, fresh_cache):
     assert distinct(cf) == len(cf.kernels)
 
 
+def test_same_source_other_dtype_gets_its_own_launcher(target, fresh_cache):
+    """A Triton kernel's source does not spell its pointers' dtypes (the JIT specializes on them
+    at the first launch, and the launcher keeps that compiled kernel), so a float32 program and a
+    float64 one with the same source text must not share a launcher. Found on an H100: a
+    float32 softmax ran the float64 binary that an earlier program had bound."""
+    backend, device = target
+
+    def f(a):
+        return torch.softmax(a, dim=1)
+
+    a = torch.randn(6, 7, 9, device=device)
+    cf32 = assert_matches(f, a, backend=backend)
+    cf64 = assert_matches(f, a.double(), backend=backend)
+    assert cf32(a).dtype == torch.float32
+    assert {id(k.launcher) for k in cf32.kernels}.isdisjoint(id(k.launcher) for k in cf64.kernels)
+    assert_matches(f, a, backend=backend)  # after the float64 program, float32 is still right
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_repeated_module_layers_match_eager(target, dtype, fresh_cache):
     backend, device = target
