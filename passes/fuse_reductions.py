@@ -62,8 +62,13 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             group_of[n] = g
     for node in graph.nodes:
         red = ops.reduction(node)
-        if red is not None:
-            group_of[node] = Group([node], reduction_key(node, red))
+        if red is None:
+            continue
+        reason = few_long_rows(node, red)
+        if reason:  # torch's own reduction kernel, an extern step
+            refusals.append(Refusal(red.operand.name, node.name, reason))
+            continue
+        group_of[node] = Group([node], reduction_key(node, red))
     if not any(g.key for g in group_of.values()):
         return _finish(gm, group_of, order, effects, refusals)
 
@@ -122,6 +127,41 @@ def _finish(gm, group_of, order, effects, refusals):
     gm = outline(gm, groups, order, effects)
     gm.meta["fusec_refusals"] = refusals
     return gm
+
+
+# Devices whose reductions are refused by `few_long_rows`: GPUs, where a program per row leaves
+# most of the chip idle when there are few rows (a CPU thread walks rows one by one anyway).
+FEW_ROWS_DEVICES = ("cuda",)
+FEW_ROWS = 132  # below this many rows (the SMs of an H100/H200) ...
+LONG_ROW = 1 << 16  # ... of at least this many elements each, torch's reduction wins
+
+
+def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
+    """Why this reduction should stay torch's own kernel, or None.
+
+    fusec's reduction kernels give each row (a block of rows) its own program, which walks the
+    row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32 images
+    has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming 4 MB
+    alone, 4x slower than eager (measured on an H100, docs/gpu.md). torch's reduction splits a
+    long row across many blocks and adds their partial results, which fusec does not do yet.
+    Until it does, such a reduction runs as an extern (eager's kernel) and its prologue stays a
+    pointwise kernel: the same work as eager, never slower."""
+    device = meta(node).device
+    if not str(device).startswith(FEW_ROWS_DEVICES):
+        return None
+    shape = meta(red.operand).shape
+    k = 1
+    for d in red.dims:
+        k *= shape[d]
+    rows = 1
+    for d, size in enumerate(shape):
+        if d not in red.dims:
+            rows *= size
+    if rows < FEW_ROWS and k >= LONG_ROW:
+        return (f"few long rows: {rows} row(s) of {k} elements would be {rows} program(s) on a GPU "
+                f"of {FEW_ROWS} SMs; torch's reduction splits each row across blocks (kept as an "
+                f"extern until fusec splits reductions)")
+    return None
 
 
 def reduction_key(node: fx.Node, red: ops.ReductionCall) -> tuple:

@@ -588,3 +588,29 @@ def test_reduction_over_repeated_dim_raises(target, fn):
         fn(x)
     with pytest.raises(fusec.UnsupportedError, match="duplicate|multiple times"):
         fusec.compile(fn, backend=backend)(x)
+
+
+def test_few_long_rows_stay_torch_reductions_on_a_gpu(target, monkeypatch):
+    """On a GPU a reduction of a few very long rows (one number per image of a batch) stays
+    torch's kernel, which splits a row across blocks: fusec's one program per row would leave
+    most SMs idle. The rule is for GPUs; here it is switched on for the CPU device too, so every
+    backend runs the extern path and explain's reason."""
+    import importlib
+    fuse_reductions = importlib.import_module("fusec.passes.fuse_reductions")  # the module
+    backend, device = target
+    monkeypatch.setattr(fuse_reductions, "FEW_ROWS_DEVICES", ("cpu", "cuda"))
+    x = torch.randn(3, 4, 128, 130, device=device)  # 3 rows of 66560 elements
+    x[1, 2, 3, 4] = float("nan")
+
+    def f(x):
+        return torch.sigmoid(x).sum(dim=(1, 2, 3)), (x * 2).amax(dim=1)  # amax: 3 * 128 * 130 rows
+
+    cf = assert_matches(f, x, backend=backend)
+    assert [k.name for k in cf.kernels] == ["fused_sigmoid_0", "fused_mul_amax_1"]
+    d = fusec.explain(f, x, backend=backend).to_dict()
+    assert d["externs"] == ["aten.sum.dim_IntList"]
+    (refusal,) = [r for r in d["refusals"] if r["consumer"] == "sum_1"]
+    assert refusal["reason"].startswith("few long rows: 3 row(s) of 66560 elements")
+    monkeypatch.setattr(fuse_reductions, "FEW_ROWS_DEVICES", ("cuda",))
+    if device == "cpu":  # the rule is off for CPU devices: one kernel does the sum again
+        assert "aten.sum.dim_IntList" not in fusec.explain(f, x, backend=backend).to_dict()["externs"]
