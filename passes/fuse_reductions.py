@@ -132,34 +132,43 @@ def _finish(gm, group_of, order, effects, refusals):
 # Devices whose reductions are refused by `few_long_rows`: GPUs, where a program per row leaves
 # most of the chip idle when there are few rows (a CPU thread walks rows one by one anyway).
 FEW_ROWS_DEVICES = ("cuda",)
-FEW_ROWS = 132  # below this many rows (the SMs of an H100/H200) ...
-LONG_ROW = 1 << 16  # ... of at least this many elements each, torch's reduction wins
+FEW_PROGRAMS = 132  # below this many programs (the SMs of an H100/H200) ...
+LONG_PROGRAM = 1 << 16  # ... of at least this many elements each, torch's reduction wins
+COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton.py, COLUMN_XBLOCK)
 
 
 def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
     """Why this reduction should stay torch's own kernel, or None.
 
-    fusec's reduction kernels give each row (a block of rows) its own program, which walks the
-    row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32 images
-    has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming 4 MB
-    alone, 4x slower than eager (measured on an H100, docs/gpu.md). torch's reduction splits a
-    long row across many blocks and adds their partial results, which fusec does not do yet.
-    Until it does, such a reduction runs as an extern (eager's kernel) and its prologue stays a
-    pointwise kernel: the same work as eager, never slower."""
-    device = meta(node).device
-    if not str(device).startswith(FEW_ROWS_DEVICES):
+    fusec's reduction kernels give each row (or a block of rows) its own program, which walks
+    the row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32
+    images has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming
+    4 MB alone, 4x slower than eager (measured on an H100, docs/gpu.md). The same happens to a
+    global average pool over a channels-last tensor: 2048 (image, channel) rows, but a column
+    reduction takes 64 adjacent channels per program, so 32 programs again. torch's reduction
+    splits long rows across many blocks and adds their partial results, which fusec does not
+    do yet. Until it does, such a reduction runs as an extern (eager's kernel) and its prologue
+    stays a pointwise kernel: the same work as eager, never slower."""
+    if not str(meta(node).device).startswith(FEW_ROWS_DEVICES):
         return None
-    shape = meta(red.operand).shape
-    k = 1
-    for d in red.dims:
-        k *= shape[d]
-    rows = 1
+    shape, strides = meta(red.operand).shape, meta(red.operand).stride  # after the layout pass
+    k = rows = 1
     for d, size in enumerate(shape):
-        if d not in red.dims:
+        if d in red.dims:
+            k *= size
+        else:
             rows *= size
-    if rows < FEW_ROWS and k >= LONG_ROW:
-        return (f"few long rows: {rows} row(s) of {k} elements would be {rows} program(s) on a GPU "
-                f"of {FEW_ROWS} SMs; torch's reduction splits each row across blocks (kept as an "
+    kept = [strides[d] for d, size in enumerate(shape) if d not in red.dims and size > 1]
+    reduced = [strides[d] for d in red.dims if shape[d] > 1]
+    column = bool(kept and reduced) and min(kept) == 1 and min(reduced) > 1
+    per_program = COLUMN_ROWS if column and rows >= COLUMN_ROWS else 1
+    programs = -(-rows // per_program)
+    if programs < FEW_PROGRAMS and per_program * k >= LONG_PROGRAM:
+        what = (f"{rows} row(s) of {k} elements" if per_program == 1 else
+                f"{rows} rows of {k} elements, {per_program} adjacent rows per program (a column "
+                f"reduction)")
+        return (f"few long rows: {what} would be {programs} program(s) on a GPU of "
+                f"{FEW_PROGRAMS} SMs; torch's reduction splits each row across blocks (kept as an "
                 f"extern until fusec splits reductions)")
     return None
 

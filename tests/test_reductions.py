@@ -614,3 +614,26 @@ def test_few_long_rows_stay_torch_reductions_on_a_gpu(target, monkeypatch):
     monkeypatch.setattr(fuse_reductions, "FEW_ROWS_DEVICES", ("cuda",))
     if device == "cpu":  # the rule is off for CPU devices: one kernel does the sum again
         assert "aten.sum.dim_IntList" not in fusec.explain(f, x, backend=backend).to_dict()["externs"]
+
+
+def test_a_global_pool_over_channels_last_is_a_column_reduction_of_few_programs(monkeypatch):
+    """A channels-last (N, C, H, W) averaged over H, W: N * C rows, but a Triton column
+    reduction takes 64 adjacent channels per program, so 2 * 64 rows are 2 programs."""
+    import importlib
+    fuse_reductions = importlib.import_module("fusec.passes.fuse_reductions")
+    monkeypatch.setattr(fuse_reductions, "FEW_ROWS_DEVICES", ("cpu",))
+    x = torch.randn(2, 64, 64, 32).contiguous(memory_format=torch.channels_last)
+
+    def f(x):
+        return torch.nn.functional.gelu(x).mean(dim=(2, 3))
+
+    cf = assert_matches(f, x, backend="cpp")
+    d = fusec.explain(f, x, backend="cpp").to_dict()
+    reasons = [r["reason"] for r in d["refusals"] if "few long rows" in r["reason"]]
+    assert reasons and "128 rows of 2048 elements, 64 adjacent rows per program" in reasons[0]
+    # gelu before torch's sum, and mean's division by H * W after it (decomposed: sum, then div)
+    assert [k.name for k in cf.kernels] == ["fused_gelu_0", "fused_truediv_1"]
+    # the same tensor in NCHW: 128 programs of 2048 contiguous elements each, short: one kernel
+    y = x.contiguous()
+    assert not any("few long rows" in r["reason"]
+                   for r in fusec.explain(f, y, backend="cpp").to_dict()["refusals"])
