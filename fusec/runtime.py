@@ -592,13 +592,30 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | 
     if any(s in inputs for s in program.output_slots):
         return "an output is an input"
     for step in program.steps:
-        tags = getattr(getattr(step, "target", None), "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
+        if draws_random_numbers(step):
             return f"{step.name} draws random numbers (a replay would not follow torch.manual_seed)"
     launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
     if launches < 2:
         return "a single launch: a graph would only add the copy of the inputs"
     return None
+
+
+def draws_random_numbers(step) -> bool:
+    """True for an ATen call that consumes the random generator. torch tags such ops
+    `nondeterministic_seeded`; the fused attention kernels (flash, efficient, cuDNN) carry the tag
+    because they can apply dropout, but with `dropout_p` 0 (inference, eval mode) they draw
+    nothing, and a CUDA graph of a vision transformer must not be refused for it."""
+    target = getattr(step, "target", None)
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = step.kwargs.get("dropout_p", step.args[i] if i < len(step.args) else
+                            schema.arguments[i].default_value)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 _CAPTURE_STREAMS: dict = {}

@@ -61,3 +61,21 @@ def test_baddbmm_and_dropout_in_eval(target):
         return F.dropout(torch.baddbmm(a, b1, b2).sigmoid(), p=0.3, training=False) * 3
     cf = assert_matches(f, a, b1, b2, backend=backend)
     assert [k for k, _ in steps(cf)].count("kernel") == 1
+
+
+def test_attention_without_dropout_does_not_block_a_cuda_graph():
+    """The fused attention ops are tagged nondeterministic_seeded (they can apply dropout); with
+    dropout_p 0 they draw no random numbers, so a program calling them may be one CUDA graph (an
+    H100 profile of torchvision's vit_b_16 ran step by step for this)."""
+    from fusec.runtime import ExternStep, draws_random_numbers
+    aten = torch.ops.aten
+    q = (None, None, None)
+    cudnn = aten._scaled_dot_product_cudnn_attention.default
+    assert not draws_random_numbers(ExternStep(cudnn, (*q, None, False, 0.0, False, False), {}, 0, None))
+    assert draws_random_numbers(ExternStep(cudnn, (*q, None, False, 0.1, False, False), {}, 0, None))
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert not draws_random_numbers(ExternStep(efficient, (*q, None, False), {}, 0, None))  # default 0
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert draws_random_numbers(ExternStep(flash, q, {"dropout_p": 0.5}, 0, None))
+    assert draws_random_numbers(ExternStep(aten.rand.default, ([3],), {}, 0, None))
+    assert not draws_random_numbers(ExternStep(aten.add.Tensor, (1, 2), {}, 0, None))
