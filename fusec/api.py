@@ -542,7 +542,8 @@ class CompiledFunction:
                 _prepare_triton(device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names, backend, self.check)
             try:  # AOT Autograd traces on the first call
-                with frontend.python_at_trace_time_refused(), frontend.compiling():
+                with frontend.python_at_trace_time_refused(), frontend.compiling(), \
+                        frontend.dense_attention_masks():
                     out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)

@@ -203,3 +203,37 @@ def test_bert_with_padding_mask_is_one_graph(backend):
         assert_same_output(got, want)
     assert compiled._compiled.breaks is None
     assert not torch.compiler.is_compiling()  # only while capturing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: SDPA's kernel choice is CUDA's")
+def test_bert_without_a_mask_keeps_fused_attention_on_a_gpu():
+    """Inside a compile transformers' BERT builds an all-ones mask expanded along the keys
+    (stride 0); SDPA sends such a mask to math attention (float32 matmuls). fusec's capture makes
+    the mask dense first (frontend.dense_attention_masks), so a fused attention op is captured
+    and no batched matmul is left."""
+    from fusec.frontend import capture
+    model, ids = build("bert")
+    model = model.cuda().to(torch.bfloat16)
+    ids = ids.cuda()
+    targets = {str(n.target) for n in capture(model, (ids,)).gm.graph.nodes}
+    assert any("_scaled_dot_product" in t and "attention" in t for t in targets), targets
+    assert "aten.bmm.default" not in targets
+    compiled = fusec.compile(model)
+    with torch.no_grad():
+        want, got = model(ids), compiled(ids)
+    torch.testing.assert_close(got.last_hidden_state.float(), want.last_hidden_state.float(),
+                               atol=5e-2, rtol=5e-2)
+
+
+def test_cpu_attention_masks_are_left_as_they_are():
+    """The dense-mask rewrite is for CUDA only: the CPU flash attention reads a broadcast mask."""
+    import torch.nn.functional as F
+    from fusec.frontend import capture
+
+    def f(q, m):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=m.expand(2, 1, 8, 8))
+
+    gm = capture(f, (torch.randn(2, 3, 8, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool))).gm
+    assert "aten.clone.default" not in {str(n.target) for n in gm.graph.nodes}
+    q, m = torch.randn(2, 3, 8, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    torch.testing.assert_close(fusec.compile(f, backend="cpp")(q, m), f(q, m), atol=1e-5, rtol=1e-5)
