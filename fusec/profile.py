@@ -780,12 +780,42 @@ def _numerics(cg: CompiledGraph, tensors: list[torch.Tensor]) -> dict[str, tuple
     return out
 
 
+def _kernel_times(events, names: list[str], iters: int, cuda: bool) -> dict[str, float | None]:
+    """Per-iteration time of each kernel step in `names` (program order).
+
+    Kernels with the same canonical source share one binary (fusec/build.py), and on a GPU the
+    device event carries the binary's name: the kernel family, `fused_add_gelu` for
+    `fused_add_gelu_3` and `fused_add_gelu_7` alike. The profiled run launches the steps one by
+    one in program order, so within a family the i-th launch of an iteration is the family's
+    i-th step; events are dealt out to the steps that way."""
+    from fusec.ir import family
+    out: dict[str, float | None] = {}
+    if cuda:
+        members: dict[str, list[str]] = {}
+        for n in names:
+            members.setdefault(family(n), []).append(n)
+        device = sorted(_device_events(events), key=lambda e: e.time_range.start)
+        for fam, steps in members.items():
+            launches = [e for e in device if e.name == fam]
+            if launches and len(launches) % len(steps) == 0:
+                totals = [0.0] * len(steps)
+                for i, e in enumerate(launches):
+                    totals[i % len(steps)] += e.time_range.elapsed_us()
+                out.update((n, t / 1e3 / iters) for n, t in zip(steps, totals))
+    for n in names:
+        if n not in out:
+            out[n] = _kernel_time(events, n, iters, cuda)
+    return out
+
+
 def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[KernelLine]:
     by_kernel = {k.name: k for k in cg.kernels}
     gm = cg.gm
     captured = cg.captured.gm
     by_name = {n.name: n for n in gm.graph.nodes}
     lines: list[KernelLine] = []
+    kernel_ms = _kernel_times(f_events, [s.name for s in gm.meta["fusec_schedule"]
+                                         if s.kind == "kernel"], iters, cuda)
     for s in gm.meta["fusec_schedule"]:
         if s.kind == "kernel":
             k = by_kernel[s.name]
@@ -798,7 +828,7 @@ def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[
                     src.append(line)
             names = [n.name for n in members]
             eager_ms = _sum_opt(_range_ms(o_events, f"node {n}", iters, cuda) for n in names)
-            fused_ms = _kernel_time(f_events, s.name, iters, cuda)
+            fused_ms = kernel_ms[s.name]
             t = kernel_traffic(k.ir)
             bw = t["bytes"] / (fused_ms / 1e3) if fused_ms else None
             err = errors.get(s.name)

@@ -251,3 +251,27 @@ def test_per_kernel_numerics_survive_pool_reuse(backend):
     for line in kernels:
         assert line.numerics == "ok", (line.name, line.numerics)
         assert line.max_error is not None and line.max_error < 1e-4, (line.name, line.max_error)
+
+
+def test_gpu_kernel_times_are_dealt_out_to_the_steps_of_a_family():
+    """On a GPU the device event of a kernel carries the name of its shared binary, the kernel
+    family (`fused_add` for fused_add_0 and fused_add_2); the profiled run launches steps in
+    program order, so the i-th launch of a family in an iteration belongs to its i-th step."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from fusec.profile import _kernel_times
+
+    def launch(name, start, us):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=Interval(start, start + us))
+
+    iteration = [("fused_add", 10), ("fused_mul", 30), ("fused_add", 50)]  # steps 0, 1, 2
+    events, t = [], 0
+    for _ in range(2):  # two profiled iterations
+        for name, us in iteration:
+            events.append(launch(name, t, us))
+            t += 100
+    times = _kernel_times(events, ["fused_add_0", "fused_mul_1", "fused_add_2"], iters=2, cuda=True)
+    assert times == {"fused_add_0": 0.010, "fused_mul_1": 0.030, "fused_add_2": 0.050}
