@@ -640,12 +640,42 @@ def render_gemv(kernel) -> str:
         addr = " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
         return addr, (" & ".join(masks) or None)
 
+    group = kernel.k_shape[-1] if len(kernel.k_shape) == 2 else 0
+
+    def per_group(idx: Index) -> bool:
+        """A value constant within each group of K (a per-group scale or zero point: it varies
+        along the group dim k0 only), when the chunk holds whole groups."""
+        ks_ = idx.strides[n_rows:]
+        return bool(group > 1 and len(ks_) == 2 and ks_[0] and not ks_[1]
+                    and block_k % group == 0)
+
     def load_line(l) -> str:
+        if l.var.name in kernel.varying and per_group(l.index):
+            return group_load_lines(l)
         addr, mask = index(l.index)
         value = f"tl.load({l.param}_ptr + {addr}" + (f", mask={mask})" if mask else ")")
         if l.dtype != l.var.dtype:
             value = convert(value, l.dtype, l.var.dtype)
         return f"{l.var.name} = {value}"
+
+    def group_load_lines(l) -> str:
+        # one load per group of the chunk, then each value repeated over its group's lanes
+        terms, masks = [], ["g_mask"]
+        for axis, st in zip(row_axes, l.index.strides[:n_rows]):
+            if st:
+                terms.append(axis if st == 1 else f"{axis} * {st}")
+                masks.append(f"{axis}_mask")
+        st = l.index.strides[n_rows]
+        terms.append("gs" if st == 1 else f"gs * {st}")
+        addr = " + ".join(([str(l.index.offset)] if l.index.offset else []) + terms)
+        value = f"tl.load({l.param}_ptr + {addr}, mask={' & '.join(masks)})"
+        if l.dtype != l.var.dtype:
+            value = convert(value, l.dtype, l.var.dtype)
+        lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
+                "BLOCK_N" if l.index.strides[n_rows - 1] else "1"]
+        return (f"{l.var.name} = tl.reshape(tl.broadcast_to(({value})[:, :, :, None], "
+                f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
+                f"[{lead[0]}, {lead[1]}, BLOCK_K])")
 
     producers = {l.var.name: l for l in kernel.loads}
     producers.update((item.var.name, item) for item in kernel.body)
@@ -691,6 +721,12 @@ def render_gemv(kernel) -> str:
                       and l.index.strides[n_rows - 1] and not (two and l.index.strides[0])})
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    group_lines = []
+    if any("gs" in line for line in loop_lines):
+        group_lines = [f"# the groups of {group} along K in this chunk: their scales and zero points "
+                       f"are loaded once each",
+                       f"gs = k_start // {group} + tl.arange(0, BLOCK_K // {group})[None, None, :]",
+                       f"g_mask = gs < {kernel.k_shape[0]}"]
     programs = -(-n // block_n)
     helpers |= _helpers_in(row_lines + loop_lines + epilogue + stores)
     return render_template(
@@ -703,6 +739,6 @@ def render_gemv(kernel) -> str:
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], row_lines=row_lines,
         loop_lines=[c for c in k_coords if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(
-            row_lines + loop_lines + epilogue + stores))] + loop_lines,
+            row_lines + loop_lines + epilogue + stores))] + group_lines + loop_lines,
         operand=operand, epilogue=epilogue, stores=stores)
 
