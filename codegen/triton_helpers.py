@@ -52,6 +52,24 @@ def fusec_bf16_to_f32(x):
 
 
 @triton.jit
+def fusec_small_int_to_f32(x):
+    # An 8- or 16-bit integer as float32 without the integer-to-float instruction, which runs at a
+    # quarter of the FP32 rate on NVIDIA GPUs (16 per clock per SM on an H100/H200): a GEMV that
+    # dequantizes every int8 weight spent as long converting as streaming. The trick: the float
+    # whose bits are 0x4B000000 is 2**23, and its low 23 mantissa bits count ones, so an integer
+    # v in [0, 2**23) added to those bits gives exactly 2**23 + v; subtracting 2**23 leaves v.
+    # A signed v is first shifted into [0, 65536) by 32768. One integer add and one float
+    # subtraction, both at full rate, and exact for every value.
+    if x.dtype.is_int_signed():
+        biased = x.to(tl.int32) + 0x4B008000  # bits of 2**23 + 32768 + v
+        out = biased.to(tl.float32, bitcast=True) - 8421376.0  # 2**23 + 32768
+    else:
+        biased = x.to(tl.int32) + 0x4B000000  # bits of 2**23 + v
+        out = biased.to(tl.float32, bitcast=True) - 8388608.0  # 2**23
+    return out
+
+
+@triton.jit
 def fusec_maximum(a, b):
     # torch.maximum propagates NaN from either side; tl.maximum does not by default.
     return tl.where((a > b) | (a != a), a, b)

@@ -330,6 +330,19 @@ def test_casts(target, src):
         assert torch.equal(got, want), f"{src} -> {dst}: {got.tolist()} vs {want.tolist()}"
 
 
+@pytest.mark.parametrize("src", [I8, U8, I16], ids=_name)
+def test_every_small_int_converts_exactly(target, src):
+    # Every value of an 8- or 16-bit integer type, as float32 (and bf16 through it): the Triton
+    # backend converts these with a bit trick (codegen/triton_helpers.py, fusec_small_int_to_f32)
+    # instead of the slow cast instruction, so check the whole range, bit for bit.
+    info = torch.iinfo(src)
+    x = torch.arange(info.min, info.max + 1, dtype=torch.int64).to(src).to(target[1])
+    fn = lambda x: (x.to(F32), x.to(F32) * 0.5 + 1)  # noqa: E731
+    cf = run(target, fn, x, rows=["to"])
+    for got, want in zip(cf(x), fn(x)):
+        assert torch.equal(got, want)
+
+
 def test_float_specials_cast(target):
     # NaN and inf survive float -> float casts (and narrow to inf), and NaN is True as a bool.
     values = [NAN, INF, -INF, 1e300, -1e300, 7e4, 3.5e38, 1e-8, -0.0, 5e-324]
