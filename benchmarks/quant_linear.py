@@ -89,22 +89,36 @@ def sweep(rows, layers, x, m, row):
     import fusec.codegen.triton as tr
     import importlib
     sm = importlib.import_module("fusec.passes.small_matmul")  # the module, not the pass function
-    default_blocks, default_m = tr.gemv_blocks, sm.SMALL_M
+    default_blocks, default_dot, default_m = tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M
     sm.SMALL_M = 64
     try:
         configs = [(16, 1024, 8), (8, 1024, 4), (8, 2048, 8), (4, 2048, 4), (4, 4096, 8),
                    (2, 4096, 4), (8, 512, 4), (16, 512, 4)]
+        dot_configs = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (32, 128, 4, 3),
+                       (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3), (32, 256, 8, 4)]
         for fmt, layer in layers.items():
             nb = weight_bytes(layer)
             if m > default_m:
                 row(f"{fmt} fusec GEMV forced", m, nb, fusec.compile(layer), x)
-            for bn, bk_m1, warps in configs:
-                bm = 1 << max(m - 1, 0).bit_length()
-                bk = max(16, bk_m1 // bm)
-                tr.gemv_blocks = lambda mm, nn, kk, c=(bm, bn, bk, warps): c
-                row(f"{fmt} fusec BN={bn} BK={bk} w={warps}", m, nb, fusec.compile(layer), x)
+            if m < tr.GEMV_DOT_MIN_M:
+                for bn, bk_m1, warps in configs:
+                    bm = 1 << max(m - 1, 0).bit_length()
+                    bk = max(16, bk_m1 // bm)
+                    tr.gemv_blocks = lambda mm, nn, kk, c=(bm, bn, bk, warps): c
+                    row(f"{fmt} fusec BN={bn} BK={bk} w={warps}", m, nb, fusec.compile(layer), x)
+                continue  # M = 1 rows are one-dimensional: no tensor-core version
+            default_dot_m, tr.GEMV_DOT_MIN_M = tr.GEMV_DOT_MIN_M, 1 << 30
+            try:
+                row(f"{fmt} fusec GEMV lanes (no dot)", m, nb, fusec.compile(layer), x)
+            finally:
+                tr.GEMV_DOT_MIN_M = default_dot_m
+            for bn, bk, warps, stages in dot_configs:
+                bm = max(16, 1 << max(m - 1, 0).bit_length())
+                tr.gemv_dot_blocks = lambda mm, nn, kk, t=1, c=(bm, bn, bk, warps, stages): c
+                row(f"{fmt} fusec dot BN={bn} BK={bk} w={warps} s={stages}", m, nb,
+                    fusec.compile(layer), x)
     finally:
-        tr.gemv_blocks, sm.SMALL_M = default_blocks, default_m
+        tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M = default_blocks, default_dot, default_m
 
 
 if __name__ == "__main__":

@@ -606,6 +606,73 @@ def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, block_n, block_k, num_warps
 
 
+def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core GEMV (M > 1).
+    tl.dot needs every dim >= 16, so the M rows are padded to 16 (the padding rows cost tensor-core
+    time, which a weight-streaming kernel has plenty of). A 32 x 256 weight tile per iteration:
+    BLOCK_K counts stored elements, so a packed int4 byte (two dots, `terms` = 2) gets 128. 16
+    columns per program when 32 would leave SMs idle. From `benchmarks/quant_linear.py --sweep`
+    on an H200 (docs/gpu.md), K = N = 8192: int8 at M = 4 and 16 streamed 1.39 TB/s with 32 x 256
+    (16 x 256: 1.04, 64 x 128: 1.16-1.20), packed int4 0.30-0.45 with 32 or 64 x 128."""
+    block_m = max(16, 1 << max(m - 1, 0).bit_length())
+    block_n = 32 if n >= 32 * SMS else 16
+    block_k = max(16, min(256 // terms, 1 << max(k - 1, 0).bit_length()))
+    return block_m, block_n, block_k, 4, 3
+
+
+GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
+BF16_EXACT_INTS = (torch.int8, torch.uint8)  # every value of these is a bf16 number
+
+
+def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[str, str]] | None:
+    """The reduction's operand as a sum of products x * w, with x varying along (m, k) only and
+    w along (n, k) only, both exactly bf16 numbers: then a tensor-core dot of bf16 tiles with a
+    float32 accumulator computes exactly the products the lanes version adds (bf16 x bf16 fits
+    a float32 mantissa), in another order. None when the operand has another form."""
+    axes_of: dict[str, frozenset] = {}
+
+    def axes(name: str) -> frozenset:
+        if name not in axes_of:
+            item = producers[name]
+            if isinstance(item, Stmt):
+                out = frozenset().union(*[axes(o.name) for o in item.operands
+                                          if not isinstance(o, Const)])
+            else:
+                st = item.index.strides
+                out = frozenset(ax for ax, s in zip("mn"[2 - n_rows:], st[:n_rows]) if s)
+                out |= {"k"} if any(st[n_rows:]) else frozenset()
+            axes_of[name] = out
+        return axes_of[name]
+
+    def exact(name: str) -> bool:
+        item = producers[name]
+        if not isinstance(item, Stmt):
+            return item.dtype == torch.bfloat16 or item.dtype in BF16_EXACT_INTS
+        if item.round_to == torch.bfloat16 or item.var.dtype in (torch.bfloat16, *BF16_EXACT_INTS):
+            return True
+        return item.op in ("to", "copy") and not isinstance(item.operands[0], Const) \
+            and exact(item.operands[0].name)
+
+    def terms(name: str):
+        item = producers[name]
+        if not isinstance(item, Stmt) or any(isinstance(o, Const) for o in item.operands):
+            return None
+        if item.op == "add":
+            a, b = (terms(o.name) for o in item.operands)
+            return None if a is None or b is None else a + b
+        if item.op != "mul":
+            return None
+        a, b = (o.name for o in item.operands)
+        x_axes = frozenset("mk") if n_rows == 2 else frozenset("k")
+        if axes(b) <= x_axes and "n" in axes(a):
+            a, b = b, a
+        if not (axes(a) <= x_axes and axes(b) <= frozenset("nk") and exact(a) and exact(b)):
+            return None
+        return [(a, b)]
+
+    return terms(operand)
+
+
 def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
     """Address terms along K. A tensor whose K dims are back to back in memory (the packed
     weight, viewed as (K/G, G/2) groups) is addressed by the flat `ks` itself, so Triton sees
@@ -621,7 +688,14 @@ def render_gemv(kernel) -> str:
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     two = len(kernel.row_shape) == 2
     m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
-    block_m, block_n, block_k, num_warps = gemv_blocks(m, n, kernel.k)
+    producers = {l.var.name: l for l in kernel.loads}
+    producers.update((item.var.name, item) for item in kernel.body)
+    # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
+    dot = dot_terms(kernel, r.operand.name, producers, 2) if two and m >= GEMV_DOT_MIN_M else None
+    if dot:
+        block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
+    else:
+        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(m, n, kernel.k), 3
     n_rows = len(kernel.row_shape)
     row_axes = ["m", "n"] if two else ["n"]
     k_coords = []
@@ -682,8 +756,6 @@ def render_gemv(kernel) -> str:
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])")
 
-    producers = {l.var.name: l for l in kernel.loads}
-    producers.update((item.var.name, item) for item in kernel.body)
     order = [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]
     helpers: set = set()
 
@@ -704,7 +776,8 @@ def render_gemv(kernel) -> str:
         value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
     epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
 
-    needed = kernel.values_needed({r.operand.name}, only_varying=True)
+    wanted = {name for pair in dot for name in pair} if dot else {r.operand.name}
+    needed = kernel.values_needed(wanted, only_varying=True)
     loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
     loop_lines += [line(n) for n in needed if not isinstance(producers[n], Stmt)]
     stmts = [n for n in needed if isinstance(producers[n], Stmt)]
@@ -715,6 +788,15 @@ def render_gemv(kernel) -> str:
                           "4-bit weight of each byte, w >> 4 the high one)")
     loop_lines += [line(n) for n in stmts]
     operand = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+    dot_lines = []
+    for i, (x, w) in enumerate(dot or []):
+        dot_lines += [
+            f"x_tile{i} = tl.reshape(tl.broadcast_to(tl.where(k_mask, {x}, 0.0), "
+            f"[BLOCK_M, 1, BLOCK_K]), [BLOCK_M, BLOCK_K])",
+            f"w_tile{i} = tl.reshape(tl.broadcast_to(tl.where(k_mask, {w}, 0.0), "
+            f"[1, BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K])",
+            f"acc += fusec_dot_bf16(x_tile{i}, w_tile{i})"]
+    helpers |= {"fusec_dot_bf16"} if dot else set()
 
     stores = []
     for s in kernel.stores:
@@ -737,6 +819,7 @@ def render_gemv(kernel) -> str:
     return render_template(
         "triton_gemv.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n, k=kernel.k,
         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
+        num_stages=num_stages, dot_lines=dot_lines,
         weight_dtypes=", ".join(weights) or "as stored",
         unpack_note=" (unpacking the int4 nibbles)" if unpack else "",
         acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],

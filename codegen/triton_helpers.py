@@ -70,6 +70,18 @@ def fusec_small_int_to_f32(x):
 
 
 @triton.jit
+def fusec_dot_bf16(x, w):
+    # x @ w.T on tensor cores, for float32 tiles that hold bf16 numbers (exact in bf16, so the
+    # products are exact in the float32 accumulator). The interpreter's tl.dot does not read bf16
+    # tiles as numbers, so there the same exact products come from a float32 dot.
+    if NATIVE_CASTS:
+        out = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:
+        out = tl.dot(x, tl.trans(w), input_precision="ieee")
+    return out
+
+
+@triton.jit
 def fusec_maximum(a, b):
     # torch.maximum propagates NaN from either side; tl.maximum does not by default.
     return tl.where((a > b) | (a != a), a, b)
