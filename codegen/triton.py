@@ -620,6 +620,7 @@ def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, i
     return block_m, block_n, block_k, 4, 3
 
 
+GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Triton's default)
 GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
 BF16_EXACT_INTS = (torch.int8, torch.uint8)  # every value of these is a bf16 number
 
@@ -695,7 +696,7 @@ def render_gemv(kernel) -> str:
     if dot:
         block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
     else:
-        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(m, n, kernel.k), 3
+        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(m, n, kernel.k), GEMV_STAGES
     n_rows = len(kernel.row_shape)
     row_axes = ["m", "n"] if two else ["n"]
     k_coords = []
