@@ -213,7 +213,8 @@ def compile_graph(captured: frontend.Captured, backend: str, record: bool = Fals
     program = build_program(gm, kernels)
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
     from fusec.runtime import graph_blocker
-    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
+    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
+                                           len(getattr(captured, "lifted", ())))
     times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
     compiled.times = times
     _log.compile_times(compiled, label)

@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import assert_matches
 from fusec import ops
@@ -202,6 +203,17 @@ def test_silu_row(target, monkeypatch):
     for dtype in (F32, F16):
         x = randf((40,), dtype, target[1])
         run(target, lambda x: torch.nn.functional.silu(x) + 1, x, rows=["silu"])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=_name)
+def test_leaky_relu_and_hardtanh_fuse(target, dtype):
+    # the core opset keeps both whole; decomposed (fusec/decompositions.py) they join the kernel
+    x = randf((4, 37), dtype, target[1], scale=5.0)
+    x[0, 0], x[1, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), -float("inf"), -0.0
+    fn = lambda x: (F.leaky_relu(x, 0.01), F.leaky_relu(x, 0.2) * 2, F.hardtanh(x),  # noqa: E731
+                    F.relu6(x), F.hardtanh(x * 2, -2.5, 0.5) + 1)
+    cf = run(target, fn, x, rows=["where", "clamp"])
+    assert not [s for s in cf.last.program.steps if type(s).__name__ == "ExternStep"]
 
 
 # ---- integers and booleans -----------------------------------------------------------------------

@@ -404,6 +404,11 @@ def _norm_cases(device):
                             [img, mean, var, cw, cb]),
         "batch_norm_eval_plain": (lambda x, m, v: F.batch_norm(x, m, v, training=False),
                                   [img, mean, var]),
+        # batch statistics, no running statistics: InstanceNorm's and BatchNorm(track_running_stats=False)'s
+        "batch_norm_batch_stats": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                                   [img, cw, cb]),
+        "instance_norm": (lambda x: F.instance_norm(x), [img]),
+        "instance_norm_1d": (lambda x: F.instance_norm(x), [x]),
         "logsumexp": (lambda x: torch.logsumexp(x, -1), [x]),
         "normalize_by_var": (lambda x: (x - x.mean(-1, keepdim=True))
                              * torch.rsqrt(x.var(-1, keepdim=True, correction=0) + 1e-5), [x]),
