@@ -197,15 +197,16 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     shape, dims = tuple(group["shape"]), tuple(group["reduce_dims"])
     dims = _memory_order(dims, shape, sub, in_layouts)
     outer = [d for d in range(len(shape)) if d not in dims]
-    perm = outer + list(dims)
     rows_only = tuple(shape[d] for d in outer)
+    row_order = _row_order(outer, shape, in_layouts)
+    perm = [outer[i] for i in row_order] + list(dims)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outputs = list(sub.graph.output_node().args[0])
 
     def strides_for(layout: Layout, where: str) -> tuple[int, ...]:
         if where == "rows":
             row_strides = _broadcast_strides(layout, rows_only)
-            return tuple(row_strides) + (0,) * len(dims)
+            return tuple(row_strides[i] for i in row_order) + (0,) * len(dims)
         full = _broadcast_strides(layout, shape)
         return tuple(full[d] for d in perm)
 
@@ -222,7 +223,8 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
         tensors.append(("out", k, space_of(out), strides_for(layout, space_of(out))))
     n_rows = len(outer)
-    row_shape, row_strides = coalesce(tuple(shape[d] for d in outer), [t[3][:n_rows] for t in tensors])
+    row_shape, row_strides = coalesce(tuple(shape[d] for d in perm[:n_rows]),
+                                      [t[3][:n_rows] for t in tensors])
     k_shape, k_strides = coalesce(tuple(shape[d] for d in dims), [t[3][n_rows:] for t in tensors])
     if k_shape == (0,):
         # An empty reduced dim (sum -> 0, any -> False ...): coalesce gives every tensor 0
@@ -338,6 +340,25 @@ def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts)
         if all(full[d] for d in dims):  # an element tensor: it varies along every reduced dim
             return tuple(sorted(dims, key=lambda d: -full[d]))
     return dims
+
+
+def _row_order(outer: list[int], shape, in_layouts) -> list[int]:
+    """The order to walk the rows in (positions into `outer`): the memory order of the tensor
+    being reduced, when one input covers the whole shape, largest stride first.
+
+    The minimum over the depth of a channels-last (N, C, D, H, W) tensor has rows (N, C, H, W)
+    and C is the dim whose neighbours sit side by side in memory. Walked in the graph's order
+    (H, W innermost), neighbouring rows would be C elements apart and each program would gather
+    its rows from scattered addresses (0.23 ms against torch.compile's 0.067 on an H200,
+    KernelBench-style 30_conv3d_min_depth_softmax); walked with C innermost, neighbouring rows
+    are neighbours in memory. Only which program computes which row changes, not the arithmetic.
+    """
+    for layout in in_layouts:
+        if tuple(layout.shape) != tuple(shape):
+            continue  # a row value, or a broadcast one
+        if all(st for st, n in zip(layout.stride, shape) if n > 1):
+            return sorted(range(len(outer)), key=lambda i: -layout.stride[outer[i]])
+    return list(range(len(outer)))
 
 
 def online_softmax(body: list, varying: set[str]) -> list[OnlineSoftmax]:
