@@ -95,11 +95,15 @@ BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (
 LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
 
 
-# Extern ops whose kernel on a device reads only eager's layout: given channels-last they copy their
-# input to contiguous themselves, with a slow generic copy (avg_pool3d on an H200: a 0.24 ms
-# `direct_copy_kernel` before the pooling in KernelBench-style 29_conv3d_batchnorm_avgpool). The
-# pass converts their input back to eager's layout instead, which is free when a kernel writes it.
-CONTIGUOUS_ONLY = {(aten.avg_pool3d.default, "cuda")}
+# Extern ops that should read eager's layout on a device, and why. avg_pool3d has no channels-last
+# CUDA kernel: given one it copies its input back itself, with a slow generic copy (0.24 ms before
+# the pooling in KernelBench-style 29_conv3d_batchnorm_avgpool on an H200); avg_pool2d has one,
+# at half the speed (0.208 ms against 0.102 in NCHW, 13_conv2d_avgpool_sigmoid_sum). The pass
+# converts their input back to eager's layout, which is free when a kernel writes it.
+CONTIGUOUS_ONLY = {
+    (aten.avg_pool3d.default, "cuda"): "has no channels-last kernel on cuda",
+    (aten.avg_pool2d.default, "cuda"): "runs 2x slower in channels-last on cuda",
+}
 
 
 def speedup(device: str, spatial: int, transposed: bool, dtype: torch.dtype) -> tuple[float, str]:
@@ -294,8 +298,8 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
         device = str(getattr(node.meta.get("val"), "device", "cpu")).split(":")[0]
         if (node.target, device) in CONTIGUOUS_ONLY and _changed(node.args[0], eager_meta):
             base = node.args[0]
-            node.args = (convert(base, None, node, f"{node.target.__name__} ({node.name}) has no "
-                                 f"channels-last kernel on {device}", stride=eager_meta[base].stride,
+            why = f"{node.target.__name__} ({node.name}) {CONTIGUOUS_ONLY[node.target, device]}"
+            node.args = (convert(base, None, node, why, stride=eager_meta[base].stride,
                                  suffix="contiguous"),) + tuple(node.args[1:])
         val = _run_fake(mode, node)
         if val is None and isinstance(node.target, torch._ops.OpOverload) \

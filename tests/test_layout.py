@@ -209,6 +209,15 @@ def test_avg_pool3d_reads_eager_layout_on_cuda(channels_last, target):
     else:  # the CPU's avg_pool3d reads channels-last itself
         assert back == []
     check(fn, x, w, b, backend=backend)
+    x2, w2, b2 = conv_args(device)  # avg_pool2d: it has a channels-last kernel, a slow one
+
+    def fn2(x, w, b):
+        return torch.sigmoid(F.avg_pool2d(F.conv2d(x, w, b, padding=1) + 1, 2)).sum()
+
+    plan, _ = plan_of(fn2, x2, w2, b2)
+    back = [c for c in plan.conversions if "slower in channels-last" in c.why]
+    assert len(back) == (1 if device == "cuda" else 0)
+    check(fn2, x2, w2, b2, backend=backend)
 
 
 def test_conv_transpose_programs(channels_last, target):
