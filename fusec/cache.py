@@ -23,6 +23,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from fusec import events
+from fusec.errors import FusecError
+
 STATS: Counter = Counter()
 
 
@@ -43,7 +46,6 @@ def cache_dir(kind: str) -> Path:
         st = p.stat()
         if st.st_uid != os.getuid():
             # someone else could replace the libraries we load from here
-            from .errors import FusecError
             raise FusecError(f"fusec: the cache directory {p} belongs to another user; point "
                              "FUSEC_CACHE_DIR at a directory of your own")
         if st.st_mode & 0o077:
@@ -93,6 +95,5 @@ def verified(artifact: Path) -> bool:
 
 
 def log(message: str) -> None:
-    """`FUSEC_LOG=cache` prints `message` (see fusec/log.py)."""
-    from . import log as _log
-    _log.log("cache", message)
+    """Publish a cache event (`FUSEC_LOG=cache` prints it: fusec/inspect/log.py)."""
+    events.publish("cache", message)

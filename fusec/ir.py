@@ -67,6 +67,16 @@ class ValueMeta:
         return self.kind
 
 
+def meta_of(val):
+    """What fusec records on a node (`node.meta["fusec"]`) for its fake value `val`: a TensorMeta,
+    a tuple of them for several outputs, or a ValueMeta for anything that is not a tensor."""
+    if isinstance(val, torch.Tensor):
+        return TensorMeta.of(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(meta_of(v) for v in val)
+    return ValueMeta(type(val).__name__)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a value lives: `shape`/`stride`/`offset` (in elements) inside its root buffer.

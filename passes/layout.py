@@ -51,7 +51,8 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import TensorMeta, contiguous_strides
+from fusec.graphmodule import copy_graph_module
+from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 
 from .schedule import _dense, _fake_mode
 
@@ -204,7 +205,6 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
             "unchanged", "no convolution is measured faster in channels-last here", choices)
         return gm
 
-    from . import copy_graph_module
     trial = copy_graph_module(gm)
     try:
         conversions = _rewrite(trial, {n.name for n in wanted})
@@ -418,17 +418,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _short(dtype: torch.dtype) -> str:
-    from fusec.ir import short_dtype
     return short_dtype(dtype)
 
 
 def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
-    from fusec.frontend import _meta_of
     for key, value in like.meta.items():
         if node is not like and key not in ("val", "fusec", "tensor_meta"):
             node.meta.setdefault(key, value)
     node.meta["val"] = val
-    node.meta["fusec"] = _meta_of(val)
+    node.meta["fusec"] = meta_of(val)
 
 
 def _run_fake(mode, node: fx.Node):

@@ -1,6 +1,6 @@
 """Building a program's kernels: each distinct kernel once, several at a time.
 
-`compile_graph` (fusec/api.py) lowers every fused group to kernel IR and hands the list here:
+`compile_graph` (fusec/driver.py) lowers every fused group to kernel IR and hands the list here:
 
     kernel IR ──canonical (fusec/ir.py)──> canonical IR ──render──> canonical source
       distinct canonical sources ──build, `jobs()` at a time──> binaries (cached on disk)
@@ -32,6 +32,7 @@ kernel (the same bytes) and the last rename wins; no reader ever sees half a fil
 """
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -41,9 +42,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from . import cache
-from .errors import CompileError
-from .ir import canonical
+import torch
+
+from fusec import cache, progress
+from fusec.errors import CompileError, FusecError
+from fusec.ir import canonical
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
 # guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
@@ -66,7 +69,6 @@ def jobs() -> int:
         try:
             return max(int(wanted), 1)
         except ValueError:
-            from .errors import FusecError
             raise FusecError(f"fusec: FUSEC_COMPILE_JOBS={wanted!r} is not a number of jobs") \
                 from None
     try:
@@ -89,7 +91,7 @@ class Built:
 
 
 def codegen(backend: str):
-    import importlib
+    """The backend module (fusec.codegen.cpp, .llvm or .triton) that renders, builds and loads."""
     return importlib.import_module(f"fusec.codegen.{backend}")
 
 
@@ -140,7 +142,6 @@ def build_all(irs: list, backend: str, times: dict | None = None,
 def _build_parallel(todo: list[Built]) -> None:
     """Build every kernel of `todo` (binaries on disk; errors kept for `_load`), several at once,
     with a progress bar over the builds."""
-    from . import progress
     n = min(jobs(), len(todo))
     if n <= 1:
         for built in progress.builds(todo):
@@ -159,7 +160,6 @@ def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
     launching), `jobs()` at a time in threads, into Triton's own cache, where the first launch
     finds it. A kernel that fails here is left to its first launch, which reports the error
     where it always did. Under TRITON_INTERPRET=1 nothing is compiled at all."""
-    import torch
     n = min(jobs(), len(todo))
     if n <= 1 or device is None or torch.device(device).type != "cuda" \
             or os.environ.get("TRITON_INTERPRET") == "1":
@@ -178,7 +178,6 @@ def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
             cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
                       "its first launch compiles it")
 
-    from . import progress
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-triton") as pool:
         for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in todo]),
                                       len(todo)):

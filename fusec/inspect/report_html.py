@@ -17,9 +17,9 @@ import html
 import jinja2
 import torch
 
-from .explain import fmt_bytes, format_refusals
-from .plots import bar_chart, roofline
-from .report_text import kernel_rows, launches, ms, summary_rows
+from fusec.inspect.groups import fmt_bytes, format_refusals
+from fusec.inspect.plots import bar_chart, roofline
+from fusec.inspect.report_text import kernel_rows, launches, ms, summary_rows
 
 TEMPLATE = r"""<!DOCTYPE html>
 <html lang="en">
