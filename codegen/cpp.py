@@ -252,7 +252,7 @@ class CppLauncher:
 
     The ctypes function is prepared once: its argument types say "one pointer per buffer", so a
     call converts plain ints (`t.data_ptr()`) without building ctypes objects. `pointer_entry` is
-    that function itself: the runtime's straight-line program (fusec/runtime.py) calls it
+    that function itself: the runtime's straight-line program (fusec/runtime/writer.py) calls it
     directly with the data pointers, skipping this class's `__call__` and its list.
     """
 
@@ -268,7 +268,7 @@ class CppLauncher:
 
 
 def launcher(lib: Path, name: str, n_params: int) -> CppLauncher:
-    """Load a built library (fusec/build.py builds first, several at a time, then loads)."""
+    """Load a built library (fusec/runtime/build.py builds first, several at a time, then loads)."""
     return CppLauncher(lib, name, n_params)
 
 

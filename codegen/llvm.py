@@ -216,7 +216,7 @@ class LlvmLauncher:
 
 
 def launcher(obj: Path, name: str, n_params: int) -> LlvmLauncher:
-    """Load a built object file (fusec/build.py builds first, several at a time, then loads)."""
+    """Load a built object file (fusec/runtime/build.py builds first, several at a time, then loads)."""
     return LlvmLauncher(obj, name, n_params)
 
 

@@ -21,7 +21,7 @@ imports llvmlite and nothing else, so it starts in a fraction of a second), one 
 builds at once (`WorkerPool`), and sends one the IR; the helper sends the object code back. If
 the helper dies, `compile_ir` raises `WorkerDied` with the signal and the end of what LLVM
 printed, a fresh helper starts for the next kernel, and fusec falls back to another backend
-(fusec/build.py). Loading the object (MCJIT linking) is cheap
+(fusec/runtime/build.py). Loading the object (MCJIT linking) is cheap
 and stays in the user's process; `undefined_symbols` lets llvm.py check, before loading, that
 every function the machine code calls exists in this process: a missing one would otherwise be
 linked as address 0 and crash on the first call.
@@ -282,7 +282,7 @@ class Worker:
 
 
 class WorkerPool:
-    """Compiler processes for kernels built at the same time (fusec/build.py builds several at
+    """Compiler processes for kernels built at the same time (fusec/runtime/build.py builds several at
     once, each in its own thread). A request takes an idle worker, or starts a new one when all
     are busy, and gives it back when answered; so there are never more workers than builds ever
     ran at once, and a program built one kernel at a time keeps one. `make` makes a Worker (the

@@ -24,43 +24,40 @@ from fusec.capture import calls, frontend, tracing
 from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile, tensor_args
-from fusec.codegen import cpp
-from fusec.device import prepare_triton
+from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph
-from fusec.errors import DeviceError, FusecError, GraphBreakError
+from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast_path,  # noqa: F401
                             _packer, _signature)
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 
-BACKENDS = ("auto", "triton", "cpp", "llvm")
+BACKENDS = ("auto", *backends.BACKENDS)  # the `backend=` option's values
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The backend that compiles for `device` (the option "auto" picks one: codegen/backends.py),
+    made ready for it (Triton on a CPU: its interpreter), or a clear error."""
     device = torch.device(device)
     if backend not in BACKENDS:
         raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else _cpu_backend()
-    if backend in ("cpp", "llvm") and device.type != "cpu":
-        raise DeviceError(f"fusec: backend {backend!r} runs on CPU tensors, but the inputs are on "
-                          f"{device}; use backend='triton' or move the inputs to the CPU")
-    if backend == "triton" and device.type not in ("cuda", "cpu"):
-        raise DeviceError(f"fusec: backend 'triton' runs on CUDA tensors (or on CPU tensors under "
-                          f"TRITON_INTERPRET=1), not on {device}")
+        backend = backends.GPU if device.type == "cuda" else _cpu_backend()
+    backends.get(backend).prepare(device)
     return backend
 
 
 def _cpu_backend() -> str:
     """backend="auto" on CPU: the C++/OpenMP backend when a C++ compiler exists, else the LLVM
     backend, which needs none (said once, so the user knows why)."""
-    if cpp.available():
-        return "cpp"
+    first, fallback = backends.CPU
+    if backends.get(first).available():
+        return first
     global _SAID_LLVM
     if not _SAID_LLVM:
         _SAID_LLVM = True
         warnings.warn("fusec: no C++ compiler found (see $CXX/$CC); backend='auto' uses the "
                       "LLVM backend (llvmlite) for CPU tensors", stacklevel=4)
-    return "llvm"
+    return fallback
 
 
 _SAID_LLVM = False
@@ -128,11 +125,11 @@ class CompiledFunction:
         """Note: the fast path. Most calls pass the same kind of tensors as the call before. For
         those, `self._fast` is a small generated function: it checks the arguments against the
         last signature (`fast.source` shows how) and, if they match, runs the program's
-        straight-line function (fusec/runtime.py), which returns the user's outputs itself.
+        straight-line function (fusec/runtime/writer.py), which returns the user's outputs itself.
         Anything else (keyword arguments, non-tensor or nested arguments, a new signature,
         training, check=True) takes the general path, `_call`, which compiles when needed and
         prepares `self._fast` for the next call like this one. (A program that is not one graph
-        takes `_call` every time, into its graph-break path: fusec/breaks.py.)"""
+        takes `_call` every time, into its graph-break path: fusec/capture/regions.py.)"""
         if not kwargs and not self.check:
             out = self._fast(args)
             if out is not _MISS:
@@ -218,8 +215,6 @@ class CompiledFunction:
         tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
         device = calls.program_device([*self._state(), *tensors])
         backend = resolve_backend(self.backend, device)
-        if backend == "triton":
-            prepare_triton(device)
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
         with torch.no_grad():
             captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
@@ -228,7 +223,7 @@ class CompiledFunction:
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
         """The program is not one static graph (`cause` says why and where). fullgraph=True:
         raise that. Otherwise compile the regions around the breaks through TorchDynamo, say so
-        once, and call every later signature that way too (fusec/breaks.py)."""
+        once, and call every later signature that way too (fusec/capture/regions.py)."""
         if self.fullgraph:
             raise GraphBreakError(f"{cause} (fullgraph=True; with fullgraph=False fusec compiles "
                                   "the regions around this and runs it eagerly)",
@@ -242,7 +237,7 @@ class CompiledFunction:
 
     def _train(self, args, kwargs):
         """Inputs or parameters require grad: compile forward and backward with AOT Autograd
-        (fusec/training.py), one compiled pair per input signature."""
+        (fusec/capture/training.py), one compiled pair per input signature."""
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         leaves, _, _ = calls.flatten_call(self.fn, args, kwargs)
         lifted = self._state()
@@ -252,8 +247,6 @@ class CompiledFunction:
             names = [ref.name for ref in self._state_refs]
             device = calls.program_device([*lifted, *tensor_args(args, kwargs, self.fn)])
             backend = resolve_backend(self.backend, device)
-            if backend == "triton":
-                prepare_triton(device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names,
                                 part_compiler(backend, self.check))
             try:  # AOT Autograd traces on the first call
@@ -315,7 +308,7 @@ def compile(fn: Callable | None = None, *, backend: str = "auto",
     fullgraph: True: the program must be one graph, or fusec raises a GraphBreakError saying
     why and where. False (the default): a program that cannot be one graph (Python control flow
     on tensor values, `.item()`, data-dependent shapes, print or numpy) is compiled in regions
-    through TorchDynamo, with graph breaks between them (fusec/breaks.py; warned once). A
+    through TorchDynamo, with graph breaks between them (fusec/capture/regions.py; warned once). A
     program captured whole calls straight into its schedule either way.
     check: also run eager PyTorch on every call and raise fusec.MismatchError if a fused result
     is further from a float64 reference than eager's result is (beyond the dtype's tolerance).

@@ -30,6 +30,7 @@ import torch
 
 import fusec
 from fusec import progress as bars
+from fusec.codegen import backends
 from fusec.demo import load_example, run_demo, run_example
 from fusec.device import default_device
 from fusec.errors import FusecError
@@ -115,7 +116,7 @@ def _run(args) -> int:
 
 def _example(module, device: str, small: bool = False, backend: str = "auto"):
     if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
-        device = "cpu" if backend in ("cpp", "llvm") else default_device()
+        device = "cpu" if backends.cpu_only(backend) else default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
     return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))

@@ -17,6 +17,7 @@ import torch
 
 import fusec
 from fusec import ops
+from fusec.codegen import backends
 from fusec.device import default_device
 from fusec.timing import median_ms
 
@@ -105,7 +106,7 @@ def load_example(name_or_path: str):
 
 def run_demo(backend: str = "auto", device: str | None = None) -> list[Result]:
     if device is None:  # the CPU backends run on the CPU, also on a GPU machine
-        device = "cpu" if backend in ("cpp", "llvm") else default_device()
+        device = "cpu" if backends.cpu_only(backend) else default_device()
     print(f"fusec demo on {device} (torch {torch.__version__})\n")
     results = []
     for i, name in enumerate(SEED_EXAMPLES):

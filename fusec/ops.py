@@ -467,7 +467,7 @@ def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> 
 # Reductions. A reduction folds the reduced dims of its input into one value per row. Each row
 # says how to start (the identity of the combine), how to combine two partial results, and how a
 # whole block of values is reduced at once in Triton. Mean, var, std, softmax, layer_norm ...
-# are decompositions into these (fusec/decompositions.py).
+# are decompositions into these (fusec/capture/decompositions.py).
 
 REDUCTION = "reduction"
 

@@ -5,7 +5,7 @@ asked: `FUSEC_PROGRESS=1` (or `fusec ... --progress`) forces it on, `FUSEC_PROGR
 test's captured output never holds one. All bars of one piece of work share one rich `Progress`
 (rich allows one live display at a time): `session()` opens it, `track()` adds a task to it.
 
-    for future in progress.builds(as_completed(futures), len(futures)):  # fusec/build.py
+    for future in progress.builds(as_completed(futures), len(futures)):  # fusec/runtime/build.py
         ...
 
 On its own (a library call, no session open) a build bar appears only for programs of
@@ -78,7 +78,7 @@ def track(items: Iterable, description: str, total: int, counts=lambda item: Tru
 
 
 def builds(items: Iterable, total: int | None = None) -> Iterable:
-    """fusec/build.py's loop over the distinct kernels it builds (or over their futures, as
+    """fusec/runtime/build.py's loop over the distinct kernels it builds (or over their futures, as
     they complete), with a bar counting the builds done."""
     if total is None:
         items = list(items)

@@ -41,7 +41,7 @@ from fusec.api import (CompiledFunction, CompiledModule, _label, part_compiler, 
 from fusec.capture.frontend import capture
 from fusec.capture.regions import Regions, collect_regions, original
 from fusec.codegen import llvm, llvm_build
-from fusec.device import prepare_triton
+from fusec.codegen import backends
 from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import FusecError, GraphBreakError
 from fusec.inspect.changes import pass_changes
@@ -72,7 +72,7 @@ class Explanation:
         return graph_listing(self.compiled.captured.gm)
 
     def dot(self, stage: str = "after") -> str:
-        """Graphviz DOT text of the graph "before" or "after" fusion (see fusec/graphviz.py)."""
+        """Graphviz DOT text of the graph "before" or "after" fusion (see fusec/inspect/graphviz.py)."""
         if stage == "before":
             return dot_before(self.compiled.captured.gm, self.compiled.gm)
         if stage == "after":
@@ -90,7 +90,7 @@ class Explanation:
         if k is None:
             raise FusecError(f"fusec: no kernel named {kernel!r}; the kernels are "
                              f"{', '.join(k.name for k in kernels) or 'none'}")
-        if k.backend != "llvm":
+        if "optimized_ir" not in backends.get(k.backend).views:
             raise FusecError(f"fusec: kernel {k.name} was built by the {k.backend} backend; the "
                              "optimized IR and host assembly come from backend='llvm'")
         return k
@@ -297,8 +297,6 @@ def capture_for(model, inputs: tuple, kwargs: dict, backend: str):
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     chosen = resolve_backend(backend, device)
-    if chosen == "triton":
-        prepare_triton(device)
     with torch.no_grad():
         captured = capture(model, inputs, kwargs, stack_traces=True)
     return captured, chosen

@@ -12,7 +12,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.ir import short_dtype
 
-from fusec.inspect.listing import _meta_str, user_line
+from fusec.inspect.listing import _meta_str, distinct_lines, group_members, user_line
 
 
 # ---- bytes moved --------------------------------------------------------------------------------
@@ -92,12 +92,8 @@ def group_rows(gm: fx.GraphModule, kernels) -> list[dict]:
             continue
         g = node.meta.get("fusec_group", {})
         sub = getattr(gm, node.target)
-        members = [n for n in sub.graph.nodes if n.op == "call_function"]
-        lines = []
-        for n in members:
-            line = user_line(n)
-            if line and line not in lines:
-                lines.append(line)
+        members = group_members(sub)
+        lines = distinct_lines(members)
         row = {"name": node.target, "kind": g.get("kind", "pointwise"),
                "ops": [str(n.target).replace("aten.", "") for n in members],
                "nodes": [n.name for n in members],

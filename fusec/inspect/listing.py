@@ -135,3 +135,18 @@ def graph_listing(gm: fx.GraphModule) -> str:
     if outs:
         lines.append("outputs: " + ", ".join(outs[0].get("args", [])))
     return "\n".join(lines)
+
+
+def group_members(sub: fx.GraphModule) -> list[fx.Node]:
+    """The ATen nodes a fused group's sub-GraphModule computes, in order."""
+    return [n for n in sub.graph.nodes if n.op == "call_function"]
+
+
+def distinct_lines(nodes: list[fx.Node]) -> list[str]:
+    """The user's source lines of `nodes` (`user_line`), each once, in order."""
+    lines: list[str] = []
+    for n in nodes:
+        line = user_line(n)
+        if line and line not in lines:
+            lines.append(line)
+    return lines

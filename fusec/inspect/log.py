@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from fusec import events
+from fusec.codegen import backends
 from fusec.inspect.changes import pass_changes
 from fusec.inspect.explain import Explanation
 from fusec.inspect.groups import format_groups, format_refusals, group_rows
@@ -168,8 +169,7 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
     kdir = folder / "kernels"
     kdir.mkdir()
     for k in compiled_graph.kernels:
-        ext = {"cpp": ".cpp", "llvm": ".ll"}.get(k.backend, ".py")
-        (kdir / f"{k.name}{ext}").write_text(k.source)
+        (kdir / f"{k.name}{backends.get(k.backend).suffix}").write_text(k.source)
     (folder / "program.py").write_text(compiled_graph.source())
     for stage in ("before", "after"):
         dot = explanation.dot(stage)

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from fusec import ops
 from fusec.inspect.groups import kernel_traffic
-from fusec.inspect.listing import user_line
+from fusec.inspect.listing import distinct_lines, group_members, user_line
 from fusec.ir import family
 from fusec.timing import median_ms
 
@@ -201,7 +201,7 @@ def _kernel_time(events, name: str, iters: int, cuda: bool) -> float | None:
 def _kernel_times(events, names: list[str], iters: int, cuda: bool) -> dict[str, float | None]:
     """Per-iteration time of each kernel step in `names` (program order).
 
-    Kernels with the same canonical source share one binary (fusec/build.py), and on a GPU the
+    Kernels with the same canonical source share one binary (fusec/runtime/build.py), and on a GPU the
     device event carries the binary's name: the kernel family, `fused_add_gelu` for
     `fused_add_gelu_3` and `fused_add_gelu_7` alike. The profiled run launches the steps one by
     one in program order, so within a family the i-th launch of an iteration is the family's
@@ -237,12 +237,8 @@ def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[
         if s.kind == "kernel":
             k = by_kernel[s.name]
             sub = getattr(gm, s.name)
-            members = [n for n in sub.graph.nodes if n.op == "call_function"]
-            src = []
-            for n in members:
-                line = user_line(n)
-                if line and line not in src:
-                    src.append(line)
+            members = group_members(sub)
+            src = distinct_lines(members)
             names = [n.name for n in members]
             eager_ms = _sum_opt(_range_ms(o_events, f"node {n}", iters, cuda) for n in names)
             fused_ms = kernel_ms[s.name]

@@ -174,7 +174,7 @@ class RegionsProfile:
     name: str
     eager_ms: float  # median time of an eager call
     fused_ms: float  # median time of the compiled call: regions, guards, eager Python between
-    regions: list  # [(fusec.breaks.Region, ProfileReport of its forward program)]
+    regions: list  # [(fusec.capture.regions.Region, ProfileReport of its forward program)]
     explanation: RegionsExplanation = field(repr=False)
 
     @property

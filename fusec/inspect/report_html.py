@@ -1,6 +1,6 @@
 """The profile report as one self-contained HTML page (`report.save_html(path)`).
 
-Everything is inline: CSS, the plots (SVG written by fusec/plots.py), the graph pictures (SVG from
+Everything is inline: CSS, the plots (SVG written by fusec/inspect/plots.py), the graph pictures (SVG from
 Graphviz when it is installed, else the DOT text), and the kernel sources (highlighted by
 pygments, which rich already depends on). The page loads nothing from the network, so it can be
 mailed, attached to an issue or opened offline.
@@ -17,6 +17,7 @@ import html
 import jinja2
 import torch
 
+from fusec.codegen import backends
 from fusec.inspect.groups import fmt_bytes, format_refusals
 from fusec.inspect.plots import bar_chart, roofline
 from fusec.inspect.report_text import kernel_rows, launches, ms, summary_rows
@@ -203,7 +204,9 @@ def highlight(source: str, backend: str) -> tuple[str, str]:
         from pygments.lexers import CppLexer, LlvmLexer, PythonLexer
     except ImportError:  # pragma: no cover - rich depends on pygments
         return f"<pre>{html.escape(source)}</pre>", ""
-    lexer = {"cpp": CppLexer, "llvm": LlvmLexer}.get(backend, PythonLexer)()
+    known = backends.BACKENDS.get(backend)
+    lexer = {"cpp": CppLexer, "llvm": LlvmLexer, "python": PythonLexer}[known.lexer if known
+                                                                         else "python"]()
     formatter = HtmlFormatter(cssclass="highlight")
     return pyg(source, lexer, formatter), formatter.get_style_defs(".highlight")
 

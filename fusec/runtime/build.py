@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from fusec import cache, progress
+from fusec.codegen import backends
 from fusec.errors import CompileError, FusecError
 from fusec.ir import canonical
 
@@ -130,7 +131,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     for built in todo:
         _load(built)
     compiled_at = time.perf_counter()
-    _compile_triton_ahead([b for b in todo if b.backend == "triton"], device)
+    _compile_ahead([b for b in todo if backends.get(b.backend).compiles_ahead], device)
     end = time.perf_counter()
     for stage, seconds in (("codegen", built_at - start),
                            ("build", loaded_at - built_at + end - compiled_at),
@@ -153,7 +154,7 @@ def _build_parallel(todo: list[Built]) -> None:
             future.result()
 
 
-def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
+def _compile_ahead(todo: list[Built], device: str | None) -> None:
     """On a GPU, Triton compiles a kernel when it is first launched, so a program's first run
     would compile its kernels one after another. Instead each distinct kernel's module compiles
     it now (`compile_ahead`: Triton's `warmup`, which compiles for the argument types without
