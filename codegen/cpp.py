@@ -192,26 +192,16 @@ def build(source: str, name: str) -> Path:
     compiler = find_compiler()
     key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(FLAGS + math_flags()),
                              host_cpu())
-    directory = cache.cache_dir("cpp")
-    lib = directory / f"{name}-{key}.so"
-    if cache.verified(lib):
-        cache.STATS["hits"] += 1
-        cache.log(f"hit {lib.name}")
-        return lib
-    cache.STATS["misses"] += 1
-    src = directory / f"{name}-{key}.cpp"
-    cache.atomic_write(src, source)
-    tmp = directory / f"{name}-{key}.{os.getpid()}.so.tmp"
-    cmd = [compiler, *FLAGS, *math_flags(), f"-I{TEMPLATES}", str(src), "-o", str(tmp)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel {name} "
-                           f"({src}):\n{result.stderr[-4000:]}")
-    os.replace(tmp, lib)
-    cache.write_manifest(lib)
-    cache.STATS["compiles"] += 1
-    cache.log(f"compiled {lib.name}")
-    return lib
+    lib = cache.cache_dir("cpp") / f"{name}-{key}.so"
+    src = lib.with_suffix(".cpp")
+
+    def make(tmp: Path) -> None:
+        cmd = [compiler, *FLAGS, *math_flags(), f"-I{TEMPLATES}", str(src), "-o", str(tmp)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "
+                               f"{name} ({src}):\n{result.stderr[-4000:]}")
+    return cache.build_once(lib, source, ".cpp", make)
 
 
 def compile_object(source: str, name: str, arch: list[str], out: Path,

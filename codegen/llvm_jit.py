@@ -79,18 +79,8 @@ def build(source: str, name: str) -> Path:
     key = cache.content_hash(source, host_id(), "O3 loop+slp vectorize, no unroll",
                              "lsr" if llvm_build.LSR else "no lsr")
     obj = cache.cache_dir("llvm") / f"{name}-{key}.o"
-    if cache.verified(obj):
-        cache.STATS["hits"] += 1
-        cache.log(f"hit {obj.name}")
-        return obj
-    cache.STATS["misses"] += 1
-    cache.atomic_write(obj.with_suffix(".ll"), source)
-    data = object_code(source, name)
-    cache.atomic_write(obj, data)
-    cache.write_manifest(obj)
-    cache.STATS["compiles"] += 1
-    cache.log(f"compiled {obj.name}")
-    return obj
+    return cache.build_once(obj, source, ".ll",
+                            lambda tmp: tmp.write_bytes(object_code(source, name)))
 
 
 def check_symbols(data: bytes, name: str) -> None:
