@@ -33,7 +33,7 @@ class Backend:
     lexer: str  # how the HTML report highlights its source: "python", "cpp" or "llvm"
     rows_one_by_one: bool  # its reduction kernels walk one row at a time (the CPU backends)
     writes_over_dying_inputs: bool  # plan_inplace may put an output in a dying input's memory
-    compiles_ahead: bool  # on a GPU, its binaries compile before the first launch (runtime/build.py)
+    compiles_ahead: bool  # on a GPU, binaries compile before the first launch (runtime/build.py)
     views: tuple[str, ...] = ()  # extra views of a built kernel that fusec.explain offers
     interpreted_on: tuple[str, ...] = ()  # device types it runs only under an interpreter
 
