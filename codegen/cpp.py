@@ -19,9 +19,11 @@ holds the decisions the LLVM backend makes the same way.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import math
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -92,14 +94,12 @@ def compiler_id(path: str) -> str:
 @functools.lru_cache(maxsize=None)
 def math_flags() -> list[str]:
     """Link glibc's vector math library where it exists (see cpp_prelude.h), else nothing."""
-    import ctypes.util
     return ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
 
 
 @functools.lru_cache(maxsize=None)
 def host_cpu() -> str:
     """What -march=native compiles for: a library built on one CPU may not run on another."""
-    import platform
     fields = [platform.machine()]
     try:
         with open("/proc/cpuinfo") as f:

@@ -35,6 +35,7 @@ import ctypes.util
 import functools
 import os
 import pickle
+import platform
 import struct
 import subprocess
 import sys
@@ -82,7 +83,7 @@ _INIT = threading.Lock()
 def binding():
     """llvmlite.binding with every target llvmlite was built with (the host's, and the others
     that cross-target compiles need), and libmvec loaded so JIT-linked code can call it."""
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # lazy: LLVM loads only when a kernel is compiled or loaded
     with _INIT:
         try:
             llvm.initialize()
@@ -99,7 +100,6 @@ def binding():
 @functools.lru_cache(maxsize=None)
 def host() -> Target:
     """This machine's CPU, with all its features."""
-    import platform
     llvm = binding()
     features = llvm.get_host_cpu_features()
     if platform.machine() in ("x86_64", "AMD64") and ctypes.util.find_library("mvec"):

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import elementwise_dtypes
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
 
 aten = torch.ops.aten
@@ -454,7 +455,6 @@ def register_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> torch.dtype:
     """The dtype `op` computes in, exactly as PyTorch's type promotion decides it."""
-    from torch._prims_common import elementwise_dtypes
 
     if op.promote is None:
         return register_dtype(out_dtype)

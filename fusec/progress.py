@@ -46,7 +46,7 @@ def session():
     if _active is not None or not enabled():
         yield _active
         return
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich loads only when a bar is drawn
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
         TimeElapsedColumn
     bar = Progress(TextColumn("[bold]fusec[/] {task.description}"), BarColumn(),

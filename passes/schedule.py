@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusec import ops
 from fusec.codegen import backends
@@ -316,7 +317,6 @@ def _fake_mode(gm):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
             return val.fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -220,7 +221,7 @@ def _anchor(fn: Callable) -> Callable:
     functions: register the user's function (torch 2.13 can; 2.11 cannot), or else call a copy
     of a plain function whose code object is named `forward` (same lines, same globals)."""
     try:
-        from torch.fx.proxy import _register_stack_trace_anchor
+        from torch.fx.proxy import _register_stack_trace_anchor  # torch >= 2.13 only
     except ImportError:
         _register_stack_trace_anchor = None
     if isinstance(fn, torch.nn.Module):
@@ -234,7 +235,6 @@ def _anchor(fn: Callable) -> Callable:
     if _register_stack_trace_anchor is not None:
         _register_stack_trace_anchor(fn)
         return fn
-    import types
     if isinstance(fn, types.FunctionType):
         copy = types.FunctionType(fn.__code__.replace(co_name="forward"), fn.__globals__,
                                   fn.__name__, fn.__defaults__, fn.__closure__)

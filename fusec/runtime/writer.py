@@ -7,6 +7,7 @@ the result as `program.run`. See "Note: the per-call path" below for why.
 from __future__ import annotations
 
 import keyword
+import linecache
 import math
 from typing import Any, Callable
 
@@ -127,7 +128,6 @@ class _Writer:
         return names[slot] if names else f"slot {slot}"
 
     def build(self) -> Callable:
-        import linecache
         source = "def run(inputs):\n" + "\n".join(self.lines) + "\n"
         filename = f"<fusec straight-line program {id(self.program):x}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
