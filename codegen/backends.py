@@ -36,6 +36,7 @@ class Backend:
     compiles_ahead: bool  # on a GPU, binaries compile before the first launch (runtime/build.py)
     views: tuple[str, ...] = ()  # extra views of a built kernel that fusec.explain offers
     interpreted_on: tuple[str, ...] = ()  # device types it runs only under an interpreter
+    fallback: str | None = None  # who builds a kernel this backend cannot (runtime/build.py)
 
     @property
     def module(self):
@@ -77,10 +78,10 @@ BACKENDS = {b.name: b for b in (
     Backend("triton", devices=("cuda", "cpu"), suffix=".py", lexer="python", rows_one_by_one=False,
             writes_over_dying_inputs=True, compiles_ahead=True, interpreted_on=("cpu",)),
     Backend("cpp", devices=("cpu",), suffix=".cpp", lexer="cpp", rows_one_by_one=True,
-            writes_over_dying_inputs=False, compiles_ahead=False),
+            writes_over_dying_inputs=False, compiles_ahead=False, fallback="llvm"),
     Backend("llvm", devices=("cpu",), suffix=".ll", lexer="llvm", rows_one_by_one=True,
             writes_over_dying_inputs=False, compiles_ahead=False,
-            views=("optimized_ir", "assembly")),
+            views=("optimized_ir", "assembly"), fallback="cpp"),
 )}
 GPU = "triton"  # what backend="auto" picks for CUDA tensors
 CPU = ("cpp", "llvm")  # and for CPU tensors: the first one available

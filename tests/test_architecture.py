@@ -13,7 +13,9 @@ and every import in it, at the top or inside a function, becomes an edge of one 
    (fusec/__init__.py, the command line, the demo, the examples) may import both. The core does
    not import the `fusec` package itself either: that would bring inspect/ in through the back;
 3. a file over 400 lines says why, in the opening of its module docstring, on a line that starts
-   with "Why this file is long:" (the op table is one table; splitting it would scatter it).
+   with "Why this file is long:" (the op table is one table; splitting it would scatter it);
+4. outside codegen/, nothing tests a backend's name (`backend == "triton"`): it asks the backend
+   registry (codegen/backends.py) for the feature it means. ("auto" is an option, not a backend.)
 """
 from __future__ import annotations
 
@@ -131,3 +133,35 @@ def test_long_files_say_why():
             too_long.append(f"  {path.relative_to(ROOT)}: {len(lines)} lines")
     assert not too_long, (f"files over {MAX_LINES} lines without a line starting {REASON!r} in "
                           "the opening of their module docstring:\n" + "\n".join(too_long))
+
+
+BACKEND_NAMES = {"triton", "cpp", "llvm"}
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """`backend`, `k.backend`, `self.backend`, `chosen`: an expression that holds a backend name."""
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name in ("backend", "chosen")
+
+
+def _backend_strings(node: ast.AST) -> set[str]:
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {v.value for v in values if isinstance(v, ast.Constant) and v.value in BACKEND_NAMES}
+
+
+def test_no_backend_name_tests_outside_codegen():
+    found = []
+    for name, path in modules().items():
+        if name.startswith("fusec.codegen"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_names_a_backend(s) for s in sides) and \
+                        any(_backend_strings(s) for s in sides):
+                    found.append(f"  {path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Dict) and \
+                    len({k.value for k in node.keys if isinstance(k, ast.Constant)} & BACKEND_NAMES) > 1:
+                found.append(f"  {path.relative_to(ROOT)}:{node.lineno} (a table keyed by backend)")
+    assert not found, "backend names tested outside codegen/ (ask codegen/backends.py):\n" + \
+        "\n".join(found)

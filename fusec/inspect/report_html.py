@@ -201,12 +201,11 @@ def highlight(source: str, backend: str) -> tuple[str, str]:
     try:
         from pygments import highlight as pyg
         from pygments.formatters import HtmlFormatter
-        from pygments.lexers import CppLexer, LlvmLexer, PythonLexer
+        from pygments.lexers import get_lexer_by_name
     except ImportError:  # pragma: no cover - rich depends on pygments
         return f"<pre>{html.escape(source)}</pre>", ""
     known = backends.BACKENDS.get(backend)
-    lexer = {"cpp": CppLexer, "llvm": LlvmLexer, "python": PythonLexer}[known.lexer if known
-                                                                         else "python"]()
+    lexer = get_lexer_by_name(known.lexer if known else "python")
     formatter = HtmlFormatter(cssclass="highlight")
     return pyg(source, lexer, formatter), formatter.get_style_defs(".highlight")
 

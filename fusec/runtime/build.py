@@ -23,7 +23,7 @@ What runs in parallel, per backend:
 Loading (dlopen, MCJIT linking, importing a Triton module) happens here, in this thread, one
 binary at a time: it takes milliseconds, and ctypes and llvmlite are not meant to be driven
 from several threads at once. A kernel whose backend cannot build it is built by the other CPU
-backend (`FALLBACK`), said once per backend.
+backend (its `fallback` in codegen/backends.py), said once per backend.
 
 The disk cache (fusec/cache.py) is unchanged: a file is named after the kernel family and the
 hash of the canonical source, written under a temporary name and renamed into place, and
@@ -32,7 +32,6 @@ kernel (the same bytes) and the last rename wins; no reader ever sees half a fil
 """
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import time
@@ -52,7 +51,6 @@ from fusec.ir import canonical
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
 # guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
 # the same kernel IR and their launchers are called the same way.
-FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
 _FELL_BACK: set[str] = set()
 
 # (cache directory, backend, canonical source, dtypes and device) -> its Built, while some kernel uses it
@@ -93,7 +91,7 @@ class Built:
 
 def codegen(backend: str):
     """The backend module (fusec.codegen.cpp, .llvm or .triton) that renders, builds and loads."""
-    return importlib.import_module(f"fusec.codegen.{backend}")
+    return backends.get(backend).module
 
 
 def build_all(irs: list, backend: str, times: dict | None = None,
@@ -210,7 +208,7 @@ def _load(built: Built) -> None:
 
 def _fall_back(built: Built) -> None:
     first, backend = built.error, built.backend
-    other = FALLBACK.get(backend)
+    other = backends.get(backend).fallback
     if other is None or not codegen(other).available():
         raise first
     module = codegen(other)
