@@ -10,6 +10,9 @@ test's captured output never holds one. All bars of one piece of work share one 
 
 On its own (a library call, no session open) a build bar appears only for programs of
 `MIN_KERNELS` distinct kernels or more, so compiling `a * b + a` in a terminal does not flash a bar.
+
+This file sits in the core, not in inspect/: the build loop (fusec/runtime/build.py) draws its bar
+while it works, and it imports nothing of fusec.
 """
 from __future__ import annotations
 
