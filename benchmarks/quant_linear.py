@@ -6,7 +6,7 @@ For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A
 layers of examples/int8_linear.py and examples/int4_linear.py run eagerly, through torch.compile
 and through fusec. Each row gives the median time and the weight bytes per second (the int8 or
 packed int4 bytes plus their scales, which is what the layer has to read). `--sweep` also times
-the fusec GEMV kernel with other block sizes (codegen/triton.py, gemv_blocks) and with the GEMV
+the fusec GEMV kernel with other block sizes (codegen/triton_gemv.py, gemv_blocks) and with the GEMV
 forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
@@ -86,25 +86,39 @@ def _dequant(layer, fmt):
 
 def sweep(rows, layers, x, m, row):
     """Other GEMV block sizes, and the GEMV at M above SMALL_M."""
-    import fusec.codegen.triton as tr
+    import fusec.codegen.triton_gemv as tr
     import importlib
     sm = importlib.import_module("fusec.passes.small_matmul")  # the module, not the pass function
-    default_blocks, default_m = tr.gemv_blocks, sm.SMALL_M
+    default_blocks, default_dot, default_m = tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M
     sm.SMALL_M = 64
     try:
         configs = [(16, 1024, 8), (8, 1024, 4), (8, 2048, 8), (4, 2048, 4), (4, 4096, 8),
                    (2, 4096, 4), (8, 512, 4), (16, 512, 4)]
+        dot_configs = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (32, 128, 4, 3),
+                       (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3), (32, 256, 8, 4)]
         for fmt, layer in layers.items():
             nb = weight_bytes(layer)
             if m > default_m:
                 row(f"{fmt} fusec GEMV forced", m, nb, fusec.compile(layer), x)
-            for bn, bk_m1, warps in configs:
-                bm = 1 << max(m - 1, 0).bit_length()
-                bk = max(16, bk_m1 // bm)
-                tr.gemv_blocks = lambda mm, nn, kk, c=(bm, bn, bk, warps): c
-                row(f"{fmt} fusec BN={bn} BK={bk} w={warps}", m, nb, fusec.compile(layer), x)
+            if m < tr.GEMV_DOT_MIN_M:
+                for bn, bk_m1, warps in configs:
+                    bm = 1 << max(m - 1, 0).bit_length()
+                    bk = max(16, bk_m1 // bm)
+                    tr.gemv_blocks = lambda mm, nn, kk, c=(bm, bn, bk, warps): c
+                    row(f"{fmt} fusec BN={bn} BK={bk} w={warps}", m, nb, fusec.compile(layer), x)
+                continue  # M = 1 rows are one-dimensional: no tensor-core version
+            default_dot_m, tr.GEMV_DOT_MIN_M = tr.GEMV_DOT_MIN_M, 1 << 30
+            try:
+                row(f"{fmt} fusec GEMV lanes (no dot)", m, nb, fusec.compile(layer), x)
+            finally:
+                tr.GEMV_DOT_MIN_M = default_dot_m
+            for bn, bk, warps, stages in dot_configs:
+                bm = max(16, 1 << max(m - 1, 0).bit_length())
+                tr.gemv_dot_blocks = lambda mm, nn, kk, t=1, c=(bm, bn, bk, warps, stages): c
+                row(f"{fmt} fusec dot BN={bn} BK={bk} w={warps} s={stages}", m, nb,
+                    fusec.compile(layer), x)
     finally:
-        tr.gemv_blocks, sm.SMALL_M = default_blocks, default_m
+        tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M = default_blocks, default_dot, default_m
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from fusec import events
 from fusec.capture.frontend import Captured
-from fusec.codegen.lower import lower_pointwise, lower_reduction
+from fusec.codegen.lower import lower_pointwise
+from fusec.codegen.lower_reduction import lower_reduction
 from fusec.passes import run_pipeline
 from fusec.passes.schedule import format_schedule, plan_inplace, plan_memory
 from fusec.runtime.build import build_all, codegen
@@ -159,7 +160,8 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
         gm.meta["fusec_memory"] = plan_memory(gm, gm.meta["fusec_schedule"], skip=set(inplace))
     program = build_program(gm, kernels)
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
-    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots))
+    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
+                                           len(getattr(captured, "lifted", ())))
     times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
     compiled.times = times
     events.publish("compiled", compiled, label)

@@ -228,7 +228,7 @@ class OnlineSoftmax:
     kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
     Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
     rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
-    (codegen/lower.py, online_softmax); a backend decides whether to use them.
+    (codegen/lower_reduction.py, online_softmax); a backend decides whether to use them.
     """
 
     total: str  # the sum Reduce's var

@@ -59,6 +59,12 @@ from .schedule import _dense, _fake_mode
 
 aten = torch.ops.aten
 
+# Extern ops whose kernel on a device reads only eager's layout: given channels-last they copy their
+# input to contiguous themselves, with a slow generic copy (avg_pool3d on an H200: a 0.24 ms
+# `direct_copy_kernel` before the pooling in KernelBench-style 29_conv3d_batchnorm_avgpool). The
+# pass converts their input back to eager's layout instead, which is free when a kernel writes it.
+CONTIGUOUS_ONLY = {(aten.avg_pool3d.default, "cuda")}
+
 # ---- the pass ------------------------------------------------------------------------------------
 
 def layout(gm: fx.GraphModule) -> fx.GraphModule:
@@ -160,6 +166,12 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
             continue
         if not any(_changed(a, eager_meta) for a in node.all_input_nodes):
             continue
+        device = str(getattr(node.meta.get("val"), "device", "cpu")).split(":")[0]
+        if (node.target, device) in CONTIGUOUS_ONLY and _changed(node.args[0], eager_meta):
+            base = node.args[0]
+            node.args = (convert(base, None, node, f"{node.target.__name__} ({node.name}) has no "
+                                 f"channels-last kernel on {device}", stride=eager_meta[base].stride,
+                                 suffix="contiguous"),) + tuple(node.args[1:])
         val = _run_fake(mode, node)
         if val is None and isinstance(node.target, torch._ops.OpOverload) \
                 and ops.classify(node.target) == ops.VIEW:

@@ -56,10 +56,13 @@ from fusec.ir import TensorMeta
 
 aten = torch.ops.aten
 
-# At most this many activation rows: a decode step's batch. The Triton kernel keeps all M rows
-# of a block in registers. Not yet measured on a GPU (docs/gpu.md): benchmarks/quant_linear.py
-# --sweep times the GEMV forced at larger M against the library matmul, to settle it.
+# At most this many activation rows: a decode step's batch. On a GPU, measured on an H200
+# (benchmarks/quant_linear.py --sweep, docs/gpu.md): at M = 16 the Triton GEMV (tensor-core dots
+# from M = 2 on) streams int8 weights at 1.39 TB/s where the dequantize-then-library-matmul path
+# manages 0.67, packed int4 0.30 against 0.10; so 16 there, the most rows its kernel pads to.
+# The CPU kernels read the weight row once per output (M times), so there it stays at 8.
 SMALL_M = 8
+SMALL_M_GPU = 16
 
 _MATMULS = (aten.mm.default, aten.addmm.default)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -105,8 +108,9 @@ def _plan(node: fx.Node):
         return None, f"{out.dtype} matmul: library matmul"
     if m == 0 or n == 0 or k == 0:
         return None, "an empty operand: library matmul"
-    if m > SMALL_M:
-        return None, (f"M = {m} rows > {SMALL_M}: a tiled library GEMM reuses each weight "
+    small = SMALL_M_GPU if out.device.type == "cuda" else SMALL_M
+    if m > small:
+        return None, (f"M = {m} rows > {small}: a tiled library GEMM reuses each weight "
                       "element across rows; kept")
     weight = _strip_views(b)
     if weight.op in ("placeholder", "get_attr"):
@@ -121,7 +125,7 @@ def _plan(node: fx.Node):
                       "grouped shape: library matmul")
     plan["bias"] = bias
     what = "packed nibbles unpacked, " if plan["parts"] and len(plan["parts"]) > 1 else ""
-    return plan, (f"M = {m} <= {SMALL_M} and the weight is computed ({what}dequantized from "
+    return plan, (f"M = {m} <= {small} and the weight is computed ({what}dequantized from "
                   f"{_roots(weight)}): a GEMV reduction over K = {k} that reads the quantized "
                   "weight once, with the dequantization as its prologue and what follows as "
                   "its epilogue")

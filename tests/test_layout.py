@@ -192,6 +192,25 @@ def test_conv3d_programs(channels_last, target):
     check(fn, x, w, b, backend=backend)
 
 
+def test_avg_pool3d_reads_eager_layout_on_cuda(channels_last, target):
+    # cuDNN's conv3d runs NDHWC; CUDA's avg_pool3d has no channels-last kernel and would copy its
+    # input back itself (slowly), so the pass converts it first, inside the kernel that writes it.
+    backend, device = target
+    x, w, b = conv_args(device, n=2, cin=3, cout=5, hw=(4, 6, 6))
+
+    def fn(x, w, b):
+        return F.avg_pool3d(torch.relu(F.conv3d(x, w, b, padding=1)) * 2, 2)
+
+    plan, gm = plan_of(fn, x, w, b)
+    assert plan.choice == "channels_last"
+    back = [c for c in plan.conversions if "no channels-last kernel" in c.why]
+    if device == "cuda":
+        assert len(back) == 1 and back[0].free and back[0].to == "contiguous"
+    else:  # the CPU's avg_pool3d reads channels-last itself
+        assert back == []
+    check(fn, x, w, b, backend=backend)
+
+
 def test_conv_transpose_programs(channels_last, target):
     """KernelBench-style: ConvTranspose2d -> Mish -> add -> Hardtanh -> scale, and a 3-D one."""
     backend, device = target

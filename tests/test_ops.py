@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import assert_matches
 from fusec import ops
@@ -204,6 +205,17 @@ def test_silu_row(target, monkeypatch):
         run(target, lambda x: torch.nn.functional.silu(x) + 1, x, rows=["silu"])
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=_name)
+def test_leaky_relu_and_hardtanh_fuse(target, dtype):
+    # the core opset keeps both whole; decomposed (fusec/decompositions.py) they join the kernel
+    x = randf((4, 37), dtype, target[1], scale=5.0)
+    x[0, 0], x[1, 1], x[1, 2], x[2, 3] = float("nan"), float("inf"), -float("inf"), -0.0
+    fn = lambda x: (F.leaky_relu(x, 0.01), F.leaky_relu(x, 0.2) * 2, F.hardtanh(x),  # noqa: E731
+                    F.relu6(x), F.hardtanh(x * 2, -2.5, 0.5) + 1)
+    cf = run(target, fn, x, rows=["where", "clamp"])
+    assert not [s for s in cf.last.program.steps if type(s).__name__ == "ExternStep"]
+
+
 # ---- integers and booleans -----------------------------------------------------------------------
 
 def _int_ops(a, b, n, d, e):
@@ -328,6 +340,19 @@ def test_casts(target, src):
         if dst == BF16 and target == ("triton", "cpu"):
             continue  # BF16_INTERPRETER (tracked by test_cast_rounds[triton-bfloat16])
         assert torch.equal(got, want), f"{src} -> {dst}: {got.tolist()} vs {want.tolist()}"
+
+
+@pytest.mark.parametrize("src", [I8, U8, I16], ids=_name)
+def test_every_small_int_converts_exactly(target, src):
+    # Every value of an 8- or 16-bit integer type, as float32 (and bf16 through it): the Triton
+    # backend converts these with a bit trick (codegen/triton_helpers.py, fusec_small_int_to_f32)
+    # instead of the slow cast instruction, so check the whole range, bit for bit.
+    info = torch.iinfo(src)
+    x = torch.arange(info.min, info.max + 1, dtype=torch.int64).to(src).to(target[1])
+    fn = lambda x: (x.to(F32), x.to(F32) * 0.5 + 1)  # noqa: E731
+    cf = run(target, fn, x, rows=["to"])
+    for got, want in zip(cf(x), fn(x)):
+        assert torch.equal(got, want)
 
 
 def test_float_specials_cast(target):

@@ -404,6 +404,11 @@ def _norm_cases(device):
                             [img, mean, var, cw, cb]),
         "batch_norm_eval_plain": (lambda x, m, v: F.batch_norm(x, m, v, training=False),
                                   [img, mean, var]),
+        # batch statistics, no running statistics: InstanceNorm's and BatchNorm(track_running_stats=False)'s
+        "batch_norm_batch_stats": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+                                   [img, cw, cb]),
+        "instance_norm": (lambda x: F.instance_norm(x), [img]),
+        "instance_norm_1d": (lambda x: F.instance_norm(x), [x]),
         "logsumexp": (lambda x: torch.logsumexp(x, -1), [x]),
         "normalize_by_var": (lambda x: (x - x.mean(-1, keepdim=True))
                              * torch.rsqrt(x.var(-1, keepdim=True, correction=0) + 1e-5), [x]),
@@ -637,3 +642,19 @@ def test_a_global_pool_over_channels_last_is_a_column_reduction_of_few_programs(
     y = x.contiguous()
     assert not any("few long rows" in r["reason"]
                    for r in fusec.explain(f, y, backend="cpp").to_dict()["refusals"])
+
+
+def test_rows_are_walked_in_the_memory_order_of_the_reduced_tensor(target):
+    # min over the depth of a channels-last (N, C, D, H, W) tensor: rows (N, C, H, W), and C is
+    # the dim whose neighbours are neighbours in memory, so the row walk puts it innermost
+    backend, device = target
+    x = _randn((2, 8, 5, 6, 7), device).to(memory_format=torch.channels_last_3d)
+    x[1, 3, 2, 4, 5] = float("nan")
+    for fn in (lambda x: torch.amin(x, dim=2), lambda x: torch.softmax(x.sum(2), 1)):
+        cf = assert_matches(fn, x, backend=backend)
+        (load,) = [l for l in cf.kernels[0].ir.loads if l.param == "x"]
+        n_rows = len(cf.kernels[0].ir.row_shape)
+        assert load.index.strides[n_rows - 1] == 1, load.index.strides
+    y = _randn((4, 6, 10), device)  # contiguous: the graph's order, unchanged
+    cf = assert_matches(lambda y: y.sum(1), y, backend=backend)
+    assert [l.index.strides for l in cf.kernels[0].ir.loads] == [(60, 1, 10)]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from conftest import assert_matches
+from conftest import TRITON_DEVICE, assert_matches
 
 int8_linear = importlib.import_module("fusec.examples.int8_linear")
 int4_linear = importlib.import_module("fusec.examples.int4_linear")
@@ -157,6 +157,33 @@ def test_int4_is_accurate_against_float64(target):
     fused_err = (got - ref).abs().max().item()
     eager_err = (eager - ref).abs().max().item()
     assert fused_err <= eager_err + 2 ** -8 * ref.abs().max().item(), (fused_err, eager_err)
+
+
+# ---- M > 1 on Triton: tensor-core dots ----------------------------------------------------------
+
+def test_triton_gemv_uses_tensor_cores_from_two_rows_on_exact_bf16_products():
+    # M = 1: lane-by-lane products; M = 4 with bf16 activations and int8 weights: tl.dot of bf16
+    # tiles (exact, see dot_terms); float32 activations are not bf16 numbers: lanes again.
+    backend, device = "triton", TRITON_DEVICE
+    k, n = 67, 37
+    w = int8_weight(n, k, device)
+    s = rand(n, device=device, seed=2, scale=0.02).abs()
+    for m, dtype, dot in [(1, BF16, False), (4, BF16, True), (4, torch.float32, False)]:
+        x = rand(m, k, dtype=dtype, device=device)
+        cf = assert_matches(w8_scale, x, w, s.to(dtype), backend=backend, kernels=1)
+        assert ("fusec_dot_bf16(" in cf.kernels[0].source) == dot, (m, dtype)
+    ex = int4_linear.example(m=3, k=96, n=37, group=32, device=device)
+    cf = assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=1)
+    assert cf.kernels[0].source.count("acc += fusec_dot_bf16(") == 2  # low and high nibbles
+
+
+def test_sixteen_rows_are_a_gemv_on_a_gpu_and_a_library_matmul_on_a_cpu(target):
+    backend, device = target
+    x = rand(16, 64, device=device)
+    w = int8_weight(48, 64, device)
+    s = rand(48, device=device, seed=2, scale=0.05)
+    cf = assert_matches(w8_scale, x, w, s, backend=backend)
+    assert externs(cf) == ([] if device == "cuda" else ["aten.mm.default"])
 
 
 # ---- what stays a library matmul -------------------------------------------------------------

@@ -103,3 +103,45 @@ def test_nan_and_inf_in_the_bias_propagate(target):
         return torch.relu(F.linear(x, w, b)) - 1
     assert len(rewrites(f, x, w, b)[0]) == 1
     assert_matches(f, x, w, b, backend=backend)
+
+
+# ---- convolutions: on CUDA, the bias joins the next kernel ---------------------------------------
+
+def conv_relu(conv):
+    return lambda x: torch.relu(conv(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.Conv2d(6, 10, 3, padding=1),
+    lambda: torch.nn.Conv2d(6, 6, 3, groups=6),  # depthwise: torch's own kernel adds the bias
+    lambda: torch.nn.ConvTranspose2d(6, 10, 3, stride=2),
+    lambda: torch.nn.Conv3d(4, 8, 3),
+    lambda: torch.nn.Conv1d(6, 10, 5),
+], ids=["conv2d", "depthwise", "transposed", "conv3d", "conv1d"])
+def test_conv_bias_moves_into_the_next_kernel_on_cuda_only(target, make):
+    backend, device = target
+    conv = make().to(device).eval()
+    shape = {torch.nn.Conv3d: (2, 4, 6, 7, 5), torch.nn.Conv1d: (3, 6, 17)}.get(type(conv), (2, 6, 9, 11))
+    x = torch.randn(*shape, device=device)
+    x[0, 0, 1] = float("nan")
+    fn = conv_relu(conv)
+    with torch.no_grad():
+        done, gm = rewrites(fn, x)
+        cf = assert_matches(fn, x, backend=backend)
+    convs = [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+    if device == "cuda":  # the add is the first op of the relu's kernel
+        assert len(done) == 1 and convs[0].args[2] is None
+        assert any(k.name.startswith("fused_add_relu") for k in cf.kernels)
+    else:  # oneDNN adds the bias inside the convolution on the CPU
+        assert done == [] and convs[0].args[2] is not None
+
+
+def test_conv_bias_stays_in_half_precision(target):
+    backend, device = target
+    if device != "cuda":
+        pytest.skip("the rewrite is CUDA-only; the CPU case is test_conv_bias_moves_into_the_next_kernel_on_cuda_only")
+    conv = torch.nn.Conv2d(6, 10, 3).to(device, torch.float16)
+    x = torch.randn(2, 6, 9, 11, device=device, dtype=torch.float16)
+    with torch.no_grad():
+        done, _ = rewrites(conv_relu(conv), x)
+    assert done == []

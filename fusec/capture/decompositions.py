@@ -34,6 +34,9 @@ aten = torch.ops.aten
 FROM_TORCH = [
     aten._softmax.default, aten._log_softmax.default, aten.native_layer_norm.default,
     aten.linalg_vector_norm.default, aten.std.correction, aten.any.dims,
+    # activations the core opset keeps whole: a where and a clamp that fusion can see (as
+    # externs they split a conv's epilogue in three: KernelBench-style 14_conv2d_leakyrelu_...)
+    aten.leaky_relu.default, aten.hardtanh.default,
 ]
 
 OURS: dict = {}
@@ -207,8 +210,11 @@ def batch_norm_inference(x, weight, bias, running_mean, running_var, momentum, e
 
 @register(aten.native_batch_norm.default)
 def native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training and running_mean is None and running_var is None and x.dtype in (
+            torch.float32, torch.float64):
+        return batch_norm_batch_statistics(x, weight, bias, eps)
     if training or running_mean is None or running_var is None:
-        return NotImplemented  # batch statistics (and running-stat updates): traced as is
+        return NotImplemented  # running-stat updates: traced as is
     dtype = _compute_dtype(x)
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
 
@@ -229,6 +235,25 @@ def native_batch_norm(x, weight, bias, running_mean, running_var, training, mome
         empty = aten.full.default([0], 0, dtype=x.dtype, device=x.device)
         return out, empty, empty
     return out, running_mean, aten.rsqrt.default(aten.add.Tensor(running_var, eps))
+
+
+def batch_norm_batch_statistics(x, weight, bias, eps):
+    """Normalization by the batch's own statistics, with no running statistics to update: what
+    InstanceNorm (a batch norm over the (1, N*C, H, W) view of its input) and a BatchNorm with
+    track_running_stats=False compute. The mean and the biased variance over every dim but the
+    channels, then pointwise: one reduction kernel and its epilogue instead of eager's two
+    kernels. Returns (out, mean, 1 / std) as eager does; float32 and float64 only (for half
+    inputs eager's statistics dtypes differ between devices)."""
+    dims = [0] + list(range(2, x.dim()))
+    var, mean = _var(x, dims, 0, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.view.default(weight, shape))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, shape))
+    return out, aten.view.default(mean, [x.shape[1]]), aten.view.default(rstd, [x.shape[1]])
 
 
 # Note (attention stays eager's): torch's core table decomposes CPU flash attention

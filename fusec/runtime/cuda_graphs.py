@@ -7,6 +7,8 @@ fusec/api.py decides when: the first call runs step by step, the second captures
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -15,13 +17,26 @@ from fusec.runtime.program import Program
 from fusec.runtime.steps import ExternStep, KernelStep, ViewStep
 
 
-def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | None:
-    """Why this program cannot be replayed as one CUDA graph, or None if it can.
+# Note (when a CUDA graph does not pay): a graph saves at most the CPU time of the launches it
+# replaces, about LAUNCH_US each (a Triton launch through its bound launcher, an ATen call). It
+# costs a copy of every user input into the graph's buffers and of every output out of them.
+# For a big program with few steps the copies are the larger cost: KernelBench-style
+# 7_conv2d_instancenorm_divide on an H200 (a 67 MB input, a 134 MB output, 4 launches) spent
+# 0.098 ms of its 0.656 in those two copies, more than eager needed for its whole bias add.
+LAUNCH_US = 5.0
+COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
+
+
+def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
+                  n_static: int = 0) -> str | None:
+    """Why this program is not replayed as one CUDA graph, or None if it is.
 
     A captured graph replays fixed addresses: every input is read from a buffer we own (or from a
     parameter that stays put), every output comes out of the graph's own memory. So a program
     that writes into its inputs, returns an input (or a view of one), or runs anything on the CPU
-    is launched step by step instead.
+    is launched step by step instead; and so is one whose input and output copies would cost
+    more than its launches (see the note above). `n_static`: the leading inputs that are
+    parameters and buffers, which the graph reads in place.
     """
     devices = {n.meta["fusec"].device for n in gm.graph.nodes
                if isinstance(n.meta.get("fusec"), TensorMeta)}
@@ -42,7 +57,21 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int) -> str | 
     launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
     if launches < 2:
         return "a single launch: a graph would only add the copy of the inputs"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    copied = sum(_bytes(n) for n in placeholders[n_static:]) \
+        + sum(_bytes(n) for n in gm.graph.output_node().all_input_nodes)
+    if copied / COPY_BYTES_PER_US > launches * LAUNCH_US:
+        return (f"copying {copied / 1e6:.1f} MB of inputs and outputs into and out of a graph "
+                f"(~{copied / COPY_BYTES_PER_US:.0f} us) would cost more than its {launches} "
+                f"launches (~{launches * LAUNCH_US:.0f} us)")
     return None
+
+
+def _bytes(node: fx.Node) -> int:
+    m = node.meta.get("fusec")
+    if not isinstance(m, TensorMeta):
+        return 0
+    return math.prod(m.shape) * torch.empty((), dtype=m.dtype).element_size()
 
 
 def draws_random_numbers(step) -> bool:
