@@ -109,6 +109,11 @@ _ROWS = [
        llvm='f: call {T} @llvm.fabs.{S}({T} {0}) || s: call {T} @llvm.abs.{S}({T} {0}, i1 false) || u,b: {0}'),
     Op("reciprocal", "1.0 / {0}", "1 / {0}", promote=F,
        llvm='fdiv {T} 1.0, {0}'),
+    # x ** 2 and x ** 3 as eager's PowKernel computes them: (x * x) and (x * x) * x
+    Op("square", "({0} * {0})", "({0} * {0})", promote=F,
+       llvm='fmul {T} {0}, {0}'),
+    Op("cube", "({0} * {0} * {0})", "({0} * {0} * {0})", promote=F,
+       llvm='fmul {T} {0}, {0}\nfmul {T} {t0}, {0}'),
     Op("pow", "fusec_pow({0}, {1})", "fusec_pow({0}, {1})",
        llvm='f: call {T} @pow{m}({T} {0}, {T} {1}) || s,u: call {T} @fusec_pow.{D}({T} {0}, {T} {1}) || b: select i1 {1}, i1 {0}, i1 true'),
     Op("maximum", "fusec_maximum({0}, {1})", "fusec_maximum({0}, {1})",
@@ -266,9 +271,11 @@ def _div_mode(args, kwargs):
 
 
 # Eager computes x ** 0.5, x ** -0.5 and x ** -1 with sqrt, rsqrt and reciprocal kernels (ATen's
-# PowKernel), which differ from pow at the edges: (-inf) ** 0.5 is inf, sqrt(-inf) is NaN. Its CPU
-# kernel for float16 is the exception: that one calls pow.
-_POW_SPECIAL = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal"}
+# PowKernel), which differ from pow at the edges: (-inf) ** 0.5 is inf, sqrt(-inf) is NaN; and
+# x ** 2, x ** 3 as products (x * x, x * x * x), which also cost a few multiplies instead of a
+# pow call: GPT-2's tanh-GELU cubes every activation, and with libdevice's pow its kernel was
+# compute-bound. Its CPU kernel for float16 is the exception: that one calls pow.
+_POW_SPECIAL = {0.5: "sqrt", -0.5: "rsqrt", -1.0: "reciprocal", 2.0: "square", 3.0: "cube"}
 
 
 def _pow_scalar(args, kwargs):
@@ -277,6 +284,9 @@ def _pow_scalar(args, kwargs):
     base, exponent = args[:2]
     special = None if isinstance(exponent, bool) else _POW_SPECIAL.get(exponent)
     val = base.meta.get("val") if hasattr(base, "meta") else None
+    if special in ("square", "cube") and not (isinstance(val, torch.Tensor)
+                                              and val.dtype.is_floating_point):
+        special = None  # integer powers stay exact, wrapping as torch's do (fusec_pow)
     if isinstance(val, torch.Tensor) and val.dtype == torch.float16 and val.device.type == "cpu" \
             and special != "reciprocal":
         special = None

@@ -274,7 +274,7 @@ def test_explain(target):
 
     assert {"backend", "stages", "refusals", "kernels", "schedule", "externs"} <= set(d)
     assert d["backend"] == backend
-    assert [s["after"] for s in d["stages"]] == ["capture", "dce", "cse", "unfuse_bias", "small_matmul", "layout",
+    assert [s["after"] for s in d["stages"]] == ["capture", "dce", "cse", "unfuse_bias", "small_matmul", "pad_matmul", "layout",
                                                 "fuse_pointwise",
                                                 "fuse_reductions", "schedule"]
     assert "aten.mm.default" in d["stages"][0]["graph"]

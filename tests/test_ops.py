@@ -141,7 +141,7 @@ def _float_unary(x):
         torch.sigmoid(x), torch.nn.functional.silu(x), torch.relu(x),
         torch.nn.functional.gelu(x), torch.nn.functional.gelu(x, approximate="tanh"),
         torch.floor(x), torch.ceil(x), torch.trunc(x),
-        x ** 2, x ** 3.5, x ** 0.5, x ** -1.5, 2 ** x, 0.5 ** x,
+        x ** 2, x ** 3, x ** 3.5, x ** 0.5, x ** -1.5, 2 ** x, 0.5 ** x,
         torch.isnan(x), torch.logical_not(x),
         x.clamp(-1.0, 1.5), x.clamp(min=0.25), x.clamp(max=-0.5), x.clamp(1.0, -1.0),
         x == 0.5, x != 1.0, x < 0.25, x <= -1, x > 2, x >= 0,
@@ -162,6 +162,21 @@ UNARY_ROWS = ["neg", "abs", "reciprocal", "exp", "exp2", "expm1", "log", "log2",
 def test_float_unary(target, dtype):
     x = randf((6, 8), dtype, target[1])
     run(target, _float_unary, x, rows=UNARY_ROWS, kernels=1)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=_name)
+def test_square_and_cube(target, dtype):
+    # x ** 2 and x ** 3 are products, as in eager's PowKernel, except on the CPU in float16,
+    # whose eager kernel calls pow
+    x = randf((6, 8), dtype, target[1])
+    x[0, 0], x[0, 1], x[0, 2] = float("nan"), float("inf"), -float("inf")
+    def fn(x):
+        x = x.clone()  # one shared producer: the ops below join its kernel
+        return x ** 2, x ** 3, torch.pow(x, 3.0) + 1
+    if dtype == F16 and target[1] == "cpu":
+        run(target, fn, x, rows=["pow"], kernels=1)
+    else:
+        run(target, fn, x, rows=["square", "cube"], kernels=1)
 
 
 def _float_binary(x, y):

@@ -1,6 +1,6 @@
 """One KernelBench-style problem, kernel by kernel: eager, torch.compile and fusec on a GPU.
 
-    python benchmarks/diagnostics/problem_profile.py 7 35 ... [--dtype float32] [--iters 20] [--top 8]
+    python benchmarks/diagnostics/problem_profile.py 7 35 hf_gpt2 ... [--dtype float32] [--iters 20] [--top 8]
 
 benchmarks/kernelbench.py says which problems are slow; this says where their time goes. Each
 problem (benchmarks/problems/<N>_*.py at its "gpu" scale) runs `--iters` times per system under
@@ -22,12 +22,19 @@ sys_path = Path(__file__).resolve().parents[1]
 
 
 def load(number: str):
+    """(name, build(scale) -> (model, inputs)): a problem by its number, or a real model by its
+    row name in benchmarks/kernelbench.py (hf_gpt2, tv_resnet50, ...)."""
     import importlib.util
+    import sys
+    sys.path.insert(0, str(sys_path))
+    import kernelbench
+    if number in kernelbench.MODELS:
+        return number, kernelbench.MODELS[number]
     (path,) = sorted((sys_path / "problems").glob(f"{number}_*.py"))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return path.stem, mod
+    return path.stem, lambda scale: (mod.get_model(scale), mod.get_inputs(scale))
 
 
 def kernels(fn, inputs, iters: int):
@@ -53,11 +60,11 @@ def main() -> None:
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     for number in args.problems:
-        name, mod = load(number)
+        name, build = load(number)
         torch.manual_seed(0)
-        model = mod.get_model("gpu").to("cuda", dtype).eval()
-        inputs = [t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
-                  for t in mod.get_inputs("gpu")]
+        model, inputs = build("gpu")
+        model = model.to("cuda", dtype).eval()
+        inputs = [t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda") for t in inputs]
         print(f"\n##### {name} ({args.dtype})")
         for system, fn in [("eager", model), ("torch.compile", torch.compile(model)),
                            ("fusec", fusec.compile(model))]:

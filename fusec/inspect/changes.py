@@ -91,6 +91,11 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                     parts.append(f"{taken} matmul(s) rewritten as GEMV reductions")
                 details += [f"{name}: {'GEMV' if t else 'library matmul'}: {why}"
                             for name, t, why in decisions]
+            if snap.after == "pad_matmul" and gm.meta.get("fusec_pad_matmul"):
+                decisions = gm.meta["fusec_pad_matmul"]
+                if any(t for _, t, _ in decisions):
+                    parts.append(f"padded {sum(1 for _, t, _ in decisions if t)} misaligned matmul(s)")
+                details += [f"{name}: {'padded' if t else 'kept'}: {why}" for name, t, why in decisions]
             if snap.after == "layout" and getattr(gm.meta.get("fusec_layout_plan"), "convs", None):
                 plan = gm.meta["fusec_layout_plan"]
                 if plan.choice != "unchanged":
