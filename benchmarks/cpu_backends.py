@@ -25,7 +25,7 @@ import time
 import torch
 
 import fusec
-from fusec import api
+from fusec.runtime.build import codegen as backend_module
 from fusec.timing import median_ms, wall_ms
 
 
@@ -62,7 +62,7 @@ def cold_build_seconds(fn, inputs, backends: tuple[str, ...], repeat: int) -> di
     """Seconds each kernel's build step takes with an empty cache, per backend (one list entry
     per kernel per repeat). The backends take turns within each repeat, as in the run-time
     rounds: a slow spell of this shared machine then lands on both, not on one."""
-    modules = {b: api.backend_module(b) for b in backends}
+    modules = {b: backend_module(b) for b in backends}
     times: dict[str, list[float]] = {b: [] for b in backends}
     real = {b: m.build for b, m in modules.items()}
 

@@ -7,7 +7,7 @@ side by side in one run, and where fusec's time goes.
 
 On 1k elements the work is tiny, so what is measured is the cost of a call itself: for eager,
 ATen's dispatch and allocation; for fusec, its runtime (fusec/api.py `__call__`, the guard and
-the program's straight-line function in fusec/runtime.py) around one C++ kernel; for
+the program's straight-line function of fusec/runtime/writer.py) around one C++ kernel; for
 torch.compile, Dynamo's guards and Inductor's wrapper.
 
 Every row is timed call by call with `time.perf_counter_ns`. The rows take turns (round robin,

@@ -6,7 +6,7 @@ For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A
 layers of examples/int8_linear.py and examples/int4_linear.py run eagerly, through torch.compile
 and through fusec. Each row gives the median time and the weight bytes per second (the int8 or
 packed int4 bytes plus their scales, which is what the layer has to read). `--sweep` also times
-the fusec GEMV kernel with other block sizes (codegen/triton.py, gemv_blocks) and with the GEMV
+the fusec GEMV kernel with other block sizes (codegen/triton_gemv.py, gemv_blocks) and with the GEMV
 forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
@@ -86,7 +86,7 @@ def _dequant(layer, fmt):
 
 def sweep(rows, layers, x, m, row):
     """Other GEMV block sizes, and the GEMV at M above SMALL_M."""
-    import fusec.codegen.triton as tr
+    import fusec.codegen.triton_gemv as tr
     import importlib
     sm = importlib.import_module("fusec.passes.small_matmul")  # the module, not the pass function
     default_blocks, default_dot, default_m = tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M

@@ -21,7 +21,7 @@ imports llvmlite and nothing else, so it starts in a fraction of a second), one 
 builds at once (`WorkerPool`), and sends one the IR; the helper sends the object code back. If
 the helper dies, `compile_ir` raises `WorkerDied` with the signal and the end of what LLVM
 printed, a fresh helper starts for the next kernel, and fusec falls back to another backend
-(fusec/build.py). Loading the object (MCJIT linking) is cheap
+(fusec/runtime/build.py). Loading the object (MCJIT linking) is cheap
 and stays in the user's process; `undefined_symbols` lets llvm.py check, before loading, that
 every function the machine code calls exists in this process: a missing one would otherwise be
 linked as address 0 and crash on the first call.
@@ -35,6 +35,7 @@ import ctypes.util
 import functools
 import os
 import pickle
+import platform
 import struct
 import subprocess
 import sys
@@ -82,7 +83,7 @@ _INIT = threading.Lock()
 def binding():
     """llvmlite.binding with every target llvmlite was built with (the host's, and the others
     that cross-target compiles need), and libmvec loaded so JIT-linked code can call it."""
-    import llvmlite.binding as llvm
+    import llvmlite.binding as llvm  # lazy: LLVM loads only when a kernel is compiled or loaded
     with _INIT:
         try:
             llvm.initialize()
@@ -99,7 +100,6 @@ def binding():
 @functools.lru_cache(maxsize=None)
 def host() -> Target:
     """This machine's CPU, with all its features."""
-    import platform
     llvm = binding()
     features = llvm.get_host_cpu_features()
     if platform.machine() in ("x86_64", "AMD64") and ctypes.util.find_library("mvec"):
@@ -282,7 +282,7 @@ class Worker:
 
 
 class WorkerPool:
-    """Compiler processes for kernels built at the same time (fusec/build.py builds several at
+    """Compiler processes for kernels built at the same time (fusec/runtime/build.py builds several at
     once, each in its own thread). A request takes an idle worker, or starts a new one when all
     are busy, and gives it back when answered; so there are never more workers than builds ever
     ran at once, and a program built one kernel at a time keeps one. `make` makes a Worker (the

@@ -1,5 +1,8 @@
 """Triton helper functions the op table refers to (same names as codegen/templates/cpp_prelude.h).
 
+Why this file is long: it is the Triton half of one helper library (its C++ half is
+cpp_prelude.h): kernels import it as one module by name, and a helper is found next to its twins.
+
 Each is a small `@triton.jit` function that generated kernels import. Branches on
 `x.dtype.is_floating()` are decided when the kernel is compiled, not at run time, so an integer
 kernel contains only the integer path.

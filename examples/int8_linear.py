@@ -13,7 +13,9 @@ registers (the prologue), sums over K and multiplies by the scale (the epilogue)
 import torch
 import torch.nn.functional as F
 
+import fusec
 from fusec.demo import Example, run_example
+from fusec.timing import median_ms
 
 
 def quantize_int8(w: torch.Tensor):
@@ -54,8 +56,6 @@ SMALL = dict(k=256, n=192)
 
 def bandwidth_table(ex: Example, baseline_weight: torch.Tensor, weight_bytes: int) -> None:
     """Time eager, fusec and a plain bf16 linear (the baseline), print weight bytes per second."""
-    import fusec
-    from fusec.timing import median_ms
     (x,) = ex.inputs
     device = str(x.device)
     fused = fusec.compile(ex.fn)

@@ -9,28 +9,24 @@
     f(torch.randn(1024))        # one fused kernel
     print(f.kernels[0].source)  # read it
 
-See README.md and docs/ for the pipeline: frontend -> passes -> codegen -> runtime.
+The package is laid out in pipeline order (docs/architecture.md has the map): capture/ (a program
+into an ATen graph) -> passes/ -> codegen/ -> runtime/ (build, load and run the program), with the
+driver (api.py, driver.py) and the data every stage shares (ir.py, ops.py, errors.py, cache.py,
+events.py) at this level, and inspect/ (explain, profile, logs, reports) reading all of it.
+This file is the public face: it names what `import fusec` gives.
 """
-import os as _os
 import sys as _sys
 
-import torch as _torch
+from fusec import device as _device  # first: it switches Triton's interpreter on without a GPU
+from fusec.api import CompiledFunction, CompiledModule, Kernel, compile, regions
+from fusec.capture.regions import Regions
+from fusec.errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError,
+                          GraphBreakError, GraphBreakWarning, MismatchError, UnsupportedError)
+from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR printer (events.py)
+from fusec.inspect.explain import explain
+from fusec.inspect.profile import profile
 
-# Triton decides whether it interprets kernels on the CPU when it is imported (its own library
-# functions are decorated then), and importing fusec imports it (through torch's tracing
-# machinery). Without a GPU, interpreting is the only way Triton kernels can run, so switch it on
-# here unless the user chose otherwise.
-TRITON_IMPORTED_BEFORE_FUSEC = "triton" in _sys.modules
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from .api import CompiledFunction, CompiledModule, Kernel, compile  # noqa: E402
-from .breaks import Regions, regions  # noqa: E402
-from .errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError,  # noqa: E402
-                     GraphBreakError, GraphBreakWarning, MismatchError, UnsupportedError)
-from .explain import explain  # noqa: E402
-from .profile import profile  # noqa: E402
-
+TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"
 
 __all__ = [
@@ -38,3 +34,20 @@ __all__ = [
     "Regions", "FusecError", "UnsupportedError", "GraphBreakError", "GraphBreakWarning",
     "DeviceError", "CompilerNotFoundError", "CompileError", "MismatchError",
 ]
+
+# ---- where modules used to be ---------------------------------------------------------------------
+# Before fusec/ had rooms, these modules sat at its top level, and code outside this repository
+# imports them there (`from fusec.frontend import capture`, `fusec.log.compile_times`). Each old
+# name is the same module object as its new home, so importing or patching either is the same.
+# (`fusec.explain` and `fusec.profile` stay the functions; their modules answer `from fusec.explain
+# import kernel_traffic` as before.)
+from fusec.capture import decompositions, frontend, outputs, rnn, training  # noqa: E402
+from fusec.inspect import explain as _explain_module  # noqa: E402
+from fusec.inspect import graphviz, plots, report_html, report_text  # noqa: E402
+from fusec.inspect import profile as _profile_module  # noqa: E402
+from fusec.runtime import build  # noqa: E402
+
+for _module in (decompositions, frontend, outputs, rnn, training, graphviz, log, plots,
+                report_html, report_text, build, _explain_module, _profile_module):
+    _sys.modules.setdefault(f"fusec.{_module.__name__.rpartition('.')[2]}", _module)
+del _module

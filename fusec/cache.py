@@ -22,6 +22,10 @@ import os
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Callable
+
+from fusec import events
+from fusec.errors import FusecError
 
 STATS: Counter = Counter()
 
@@ -43,7 +47,6 @@ def cache_dir(kind: str) -> Path:
         st = p.stat()
         if st.st_uid != os.getuid():
             # someone else could replace the libraries we load from here
-            from .errors import FusecError
             raise FusecError(f"fusec: the cache directory {p} belongs to another user; point "
                              "FUSEC_CACHE_DIR at a directory of your own")
         if st.st_mode & 0o077:
@@ -92,7 +95,28 @@ def verified(artifact: Path) -> bool:
     return True
 
 
+def build_once(artifact: Path, source: str, source_suffix: str,
+               make: Callable[[Path], None]) -> Path:
+    """The one routine the C++ and LLVM backends build through. `artifact` (`<name>-<hash>.so`)
+    is returned as it is when the cache holds it intact (a hit). Otherwise (a miss) the source
+    is written next to it (`source_suffix`: ".cpp", ".ll"), `make(tmp)` writes the binary to a
+    temporary file, which is renamed into place, and the manifest is written last (a compile).
+    `make` raises CompileError when the compiler refuses; nothing is renamed then."""
+    if verified(artifact):
+        STATS["hits"] += 1
+        log(f"hit {artifact.name}")
+        return artifact
+    STATS["misses"] += 1
+    atomic_write(artifact.with_suffix(source_suffix), source)
+    tmp = artifact.with_name(f"{artifact.stem}.{os.getpid()}{artifact.suffix}.tmp")
+    make(tmp)
+    os.replace(tmp, artifact)
+    write_manifest(artifact)
+    STATS["compiles"] += 1
+    log(f"compiled {artifact.name}")
+    return artifact
+
+
 def log(message: str) -> None:
-    """`FUSEC_LOG=cache` prints `message` (see fusec/log.py)."""
-    from . import log as _log
-    _log.log("cache", message)
+    """Publish a cache event (`FUSEC_LOG=cache` prints it: fusec/inspect/log.py)."""
+    events.publish("cache", message)

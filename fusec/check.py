@@ -18,8 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils import _pytree as pytree
 
-from .errors import MismatchError
+from fusec.capture.outputs import leaves
+from fusec.errors import MismatchError
+from fusec.graphmodule import copy_graph_module
 
 TOLERANCE = {  # (rtol, atol) per dtype: about two units in the last place for half types
     torch.float16: (2e-3, 1e-5),
@@ -33,7 +36,6 @@ def float64_reference(gm, inputs: list[torch.Tensor]) -> list[torch.Tensor] | No
     """Run the captured graph in float64: floating inputs upcast, and every floating dtype the
     graph names (casts, fills: `_to_copy(x, dtype=bfloat16)`) replaced by float64, so no step of
     the reference rounds to a narrower type. None if the graph cannot run that way."""
-    from fusec.passes import copy_graph_module
 
     wide_gm = copy_graph_module(gm)
     for node in wide_gm.graph.nodes:
@@ -84,10 +86,8 @@ def compare(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) 
 
 
 def check_outputs(compiled_fn, compiled, args, kwargs, flat_out) -> None:
-    from torch.utils import _pytree as pytree
-
-    from .outputs import leaves
-
+    """Raise MismatchError, naming the kernel, when an output of `compiled` (a CompiledGraph run
+    by `compiled_fn`) is further from the float64 reference than eager's (see `compare`)."""
     with torch.no_grad():
         eager = leaves(compiled_fn.fn(*args, **kwargs))
     inputs = [*compiled.captured.lifted,

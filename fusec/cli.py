@@ -21,8 +21,20 @@ model's forward on one batch). It may define `SMALL`, a dict of example() keywor
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
+
+import torch
+
+import fusec
+from fusec import progress as bars
+from fusec.codegen import backends
+from fusec.demo import load_example, run_demo, run_example
+from fusec.device import default_device
+from fusec.errors import FusecError
+from fusec.inspect.report import STAGES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    import torch
-    if args.backend == "triton" and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-    from fusec.demo import load_example, run_demo, run_example
-    from fusec.errors import FusecError
     try:
         if args.command == "demo":
             run_demo(args.backend)
@@ -95,7 +101,6 @@ def _run(args) -> int:
         elif args.command == "explain":
             _explain(ex, args)
         elif args.command == "kernels":
-            import fusec
             e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
             for k in e.kernels:  # every region's, for a program with graph breaks
                 text = e.assembly(k.name, args.target) if args.asm else \
@@ -110,20 +115,14 @@ def _run(args) -> int:
 
 
 def _example(module, device: str, small: bool = False, backend: str = "auto"):
-    import torch
     if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
-        from fusec.api import default_device
-        device = "cpu" if backend in ("cpp", "llvm") else default_device()
+        device = "cpu" if backends.cpu_only(backend) else default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
     return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))
 
 
 def _explain(ex, args) -> None:
-    import json
-    from pathlib import Path
-
-    import fusec
     e = fusec.explain(ex.fn, *ex.inputs, backend=args.backend)
     if args.dot:
         out = Path(args.dot)
@@ -138,10 +137,6 @@ def _explain(ex, args) -> None:
 
 
 def _profile(ex, args) -> None:
-    import fusec
-    from fusec import progress as bars
-    from fusec.profile import STAGES
-
     with bars.session() as bar:  # None unless stderr is a terminal or --progress
         task = bar.add_task("profile", total=len(STAGES)) if bar else None
         seen: list[str] = []

@@ -15,6 +15,12 @@ from typing import Callable
 
 import torch
 
+import fusec
+from fusec import ops
+from fusec.codegen import backends
+from fusec.device import default_device
+from fusec.timing import median_ms
+
 SEED_EXAMPLES = ["sin4", "add_mul", "maximum_neg_uint8", "strided"]
 
 
@@ -43,15 +49,12 @@ class Result:
 
 def eager_op_count(captured_gm) -> int:
     """ATen ops eager PyTorch runs (views are free, so they are not counted)."""
-    from fusec import ops
     return sum(1 for n in captured_gm.graph.nodes
                if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                and ops.classify(n.target) != ops.VIEW)
 
 
 def evaluate(ex: Example, backend: str = "auto") -> Result:
-    import fusec
-    from fusec.timing import median_ms
 
     compiled = fusec.compile(ex.fn, backend=backend)
     with torch.no_grad():
@@ -103,8 +106,7 @@ def load_example(name_or_path: str):
 
 def run_demo(backend: str = "auto", device: str | None = None) -> list[Result]:
     if device is None:  # the CPU backends run on the CPU, also on a GPU machine
-        from fusec.api import default_device
-        device = "cpu" if backend in ("cpp", "llvm") else default_device()
+        device = "cpu" if backends.cpu_only(backend) else default_device()
     print(f"fusec demo on {device} (torch {torch.__version__})\n")
     results = []
     for i, name in enumerate(SEED_EXAMPLES):

@@ -5,7 +5,7 @@ hands each graph to `fusec_backend`, which compiles it like any function. The ba
 registered through the `torch_dynamo_backends` entry point in pyproject.toml, so torch finds it
 by name without importing fusec first.
 
-Each torch.compile call gets its own `fusec.breaks.Regions` collector, so that what fusec made
+Each torch.compile call gets its own `fusec.capture.regions.Regions` collector, so that what fusec made
 for it stays reachable from what torch.compile returned:
 
     opt = torch.compile(model, backend="fusec")   # options={"backend": "cpp"} picks fusec's backend
@@ -21,10 +21,13 @@ import sys
 
 import torch
 
+from fusec.api import part_compiler
+from fusec.capture.regions import Regions
+
 
 def fusec_backend(gm: torch.fx.GraphModule, example_inputs, **options):
     """Dynamo's graph goes through AOT Autograd, so training works: forward and backward graphs
-    are each compiled by fusec (fusec/training.py). The graph is recorded as one region of the
+    are each compiled by fusec (fusec/capture/training.py). The graph is recorded as one region of the
     collector that belongs to the torch.compile call that is compiling it."""
     return _collector(options, sys._getframe(1))(gm, example_inputs)
 
@@ -36,16 +39,14 @@ def _collector(options: dict, caller):
     call, and that wrapper calls us: the collector lives on it (found again from the compiled
     object by `fusec.regions`, through `innermost_backend(...)`). Called any other way (e.g.
     `torch._dynamo.optimize(fusec_backend)`), the regions are compiled but not kept."""
-    from .breaks import Regions
-
     chosen = dict(options.get("options") or {})  # torch.compile(..., options={"backend": "cpp"})
     backend = chosen.get("backend", options.get("backend", "auto"))
     wrapper = caller.f_locals.get("self") if caller is not None else None
     if type(wrapper).__name__ != "_TorchCompileWrapper":
-        return Regions(backend, label="torch.compile program")
+        return Regions(part_compiler(backend), backend, label="torch.compile program")
     regions = getattr(wrapper, "_fusec_regions", None)
     if regions is None:
-        regions = Regions(backend, label="the torch.compile'd program")
+        regions = Regions(part_compiler(backend), backend, label="the torch.compile'd program")
         wrapper._fusec_regions = regions
     return regions
 

@@ -13,7 +13,7 @@ class GraphBreakError(UnsupportedError):
     """The program cannot be one static graph: Python control flow on tensor values, `.item()`,
     an op whose output shape depends on the data, or Python that must run on every call (print,
     numpy). `fullgraph=False` (the default) compiles the regions around it instead (graph breaks,
-    fusec/breaks.py); `fullgraph=True` raises this.
+    fusec/capture/regions.py); `fullgraph=True` raises this.
 
     `reason` says what happened in a few words; `where` is the user's `file:line` (or "")."""
 
@@ -41,4 +41,4 @@ class MismatchError(FusecError):
 
 class GraphBreakWarning(UserWarning):
     """fusec.compile could not capture the program as one graph and compiles it in regions,
-    with graph breaks between them (fusec/breaks.py). Said once per compiled program."""
+    with graph breaks between them (fusec/capture/regions.py). Said once per compiled program."""

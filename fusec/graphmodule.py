@@ -33,3 +33,13 @@ def graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.G
 def lazily():
     """While open, torch's tracers make lazy GraphModules too."""
     return _use_lazy_graph_module(True) if _use_lazy_graph_module else contextlib.nullcontext()
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with a copy of gm's graph (node metadata is shared, not deep-copied)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = graph_module(gm, graph)  # its Python is written only if read
+    new.meta.update(gm.meta)
+    return new

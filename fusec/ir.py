@@ -67,6 +67,16 @@ class ValueMeta:
         return self.kind
 
 
+def meta_of(val):
+    """What fusec records on a node (`node.meta["fusec"]`) for its fake value `val`: a TensorMeta,
+    a tuple of them for several outputs, or a ValueMeta for anything that is not a tensor."""
+    if isinstance(val, torch.Tensor):
+        return TensorMeta.of(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(meta_of(v) for v in val)
+    return ValueMeta(type(val).__name__)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a value lives: `shape`/`stride`/`offset` (in elements) inside its root buffer.
@@ -218,7 +228,7 @@ class OnlineSoftmax:
     kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
     Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
     rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
-    (codegen/lower.py, online_softmax); a backend decides whether to use them.
+    (codegen/lower_reduction.py, online_softmax); a backend decides whether to use them.
     """
 
     total: str  # the sum Reduce's var

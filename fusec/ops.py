@@ -1,5 +1,9 @@
 """The op table: one row per operation fusec can compile into a kernel.
 
+Why this file is long: it is the one op table (DESIGN.md: "adding an op is one row plus a
+test"). Its rows and the ATen mapping below them are read together; split, a reader would look
+for an op in several places.
+
 Every backend reads the same rows. A row says what kind of op it is, how PyTorch promotes its
 operand dtypes, and how to spell it in each backend, as a format string over its operands
 (`{0}`, `{1}`, ...). The operands arrive already converted to the row's *compute dtype*, so an
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import elementwise_dtypes
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
 
 aten = torch.ops.aten
@@ -460,7 +465,6 @@ def register_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> torch.dtype:
     """The dtype `op` computes in, exactly as PyTorch's type promotion decides it."""
-    from torch._prims_common import elementwise_dtypes
 
     if op.promote is None:
         return register_dtype(out_dtype)
@@ -473,7 +477,7 @@ def compute_dtype(op: Op, operand_values: list[Any], out_dtype: torch.dtype) -> 
 # Reductions. A reduction folds the reduced dims of its input into one value per row. Each row
 # says how to start (the identity of the combine), how to combine two partial results, and how a
 # whole block of values is reduced at once in Triton. Mean, var, std, softmax, layer_norm ...
-# are decompositions into these (fusec/decompositions.py).
+# are decompositions into these (fusec/capture/decompositions.py).
 
 REDUCTION = "reduction"
 

@@ -5,11 +5,14 @@ asked: `FUSEC_PROGRESS=1` (or `fusec ... --progress`) forces it on, `FUSEC_PROGR
 test's captured output never holds one. All bars of one piece of work share one rich `Progress`
 (rich allows one live display at a time): `session()` opens it, `track()` adds a task to it.
 
-    for future in progress.builds(as_completed(futures), len(futures)):  # fusec/build.py
+    for future in progress.builds(as_completed(futures), len(futures)):  # fusec/runtime/build.py
         ...
 
 On its own (a library call, no session open) a build bar appears only for programs of
 `MIN_KERNELS` distinct kernels or more, so compiling `a * b + a` in a terminal does not flash a bar.
+
+This file sits in the core, not in inspect/: the build loop (fusec/runtime/build.py) draws its bar
+while it works, and it imports nothing of fusec.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def session():
     if _active is not None or not enabled():
         yield _active
         return
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich loads only when a bar is drawn
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
         TimeElapsedColumn
     bar = Progress(TextColumn("[bold]fusec[/] {task.description}"), BarColumn(),
@@ -78,7 +81,7 @@ def track(items: Iterable, description: str, total: int, counts=lambda item: Tru
 
 
 def builds(items: Iterable, total: int | None = None) -> Iterable:
-    """fusec/build.py's loop over the distinct kernels it builds (or over their futures, as
+    """fusec/runtime/build.py's loop over the distinct kernels it builds (or over their futures, as
     they complete), with a bar counting the builds done."""
     if total is None:
         items = list(items)

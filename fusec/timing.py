@@ -13,7 +13,7 @@ import torch
 
 def median_ms(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: int = 3) -> float:
     if torch.device(device).type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench  # lazy: triton's timer, only on a GPU
         return float(do_bench(lambda: fn(*args), warmup=25, rep=100, return_mode="median"))
     for _ in range(warmup):
         fn(*args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fusec.graphmodule import graph_module
+from fusec.graphmodule import copy_graph_module
 
 from .cse import cse
 from .dce import dce
@@ -70,13 +70,3 @@ def verify(gm: fx.GraphModule, after: str) -> None:
         if node.op in ("call_function", "call_module", "placeholder") and "val" in node.meta \
                 and "fusec" not in node.meta:
             raise AssertionError(f"fusec: pass {after} left node {node.name} without metadata")
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with a copy of gm's graph (node metadata is shared, not deep-copied)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    new = graph_module(gm, graph)  # its Python is written only if read: fusec/graphmodule.py
-    new.meta.update(gm.meta)
-    return new

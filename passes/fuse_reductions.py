@@ -44,9 +44,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fusec import ops
+from fusec.codegen import backends
 
 from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, inline_groups,
-                       meta, outline)
+                       meta, op_name, outline)
 
 
 def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -76,7 +77,7 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     # the backend compile_graph builds for (absent when a pass runs on its own: then a CPU
     # device means a CPU backend); only C++/LLVM kernels walk one row at a time
     backend = gm.meta.get("fusec_backend")
-    rows_one_by_one = backend in ("cpp", "llvm") if backend else None
+    rows_one_by_one = backends.get(backend).rows_one_by_one if backend else None
 
     def try_merge(a: Group, b: Group, producer: fx.Node, consumer: fx.Node) -> bool:
         reason = why_not_fuse(a, b, order, effects, rows_one_by_one)
@@ -134,7 +135,7 @@ def _finish(gm, group_of, order, effects, refusals):
 FEW_ROWS_DEVICES = ("cuda",)
 FEW_PROGRAMS = 132  # below this many programs (the SMs of an H100/H200) ...
 LONG_PROGRAM = 1 << 16  # ... of at least this many elements each, torch's reduction wins
-COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton.py, COLUMN_XBLOCK)
+COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton_reduction.py, COLUMN_XBLOCK)
 
 
 def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
@@ -267,7 +268,6 @@ SCALAR_ROWS_MIN = 256  # fewer rows than this: a separate kernel costs more than
 
 def scalar_row_math(inside: set, key: tuple) -> str | None:
     """Why a CPU reduction kernel should not take this row math (see the note above), or None."""
-    from .grouping import op_name
     shape, dims = key
     reds = [n for n in inside if ops.reduction(n) is not None]
     if not reds or meta(reds[0]).device != "cpu" or not shape or not dims:

@@ -24,7 +24,7 @@ This pass tries the other layout and keeps it when the stated cost model says it
    (it only changes the order the kernel stores in) and is free; a conversion of a program input,
    a weight or an extern's result is one extra pass over the tensor and one more kernel launch. Each convolution's gain is
    its estimated time (FLOPs / throughput) times (1 - 1/speedup), with the speedup measured per
-   device, convolution kind and dtype (SPEEDUP below). The channels-last graph is kept only when
+   device, convolution kind and dtype (SPEEDUP in layout_plan.py). The channels-last graph is kept only when
    the gains exceed the extra passes; otherwise the captured graph is returned unchanged.
 
     before                                         after
@@ -45,55 +45,19 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import TensorMeta, contiguous_strides
+from fusec.graphmodule import copy_graph_module
+from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 
+from .layout_plan import (BANDWIDTH, FLOPS, LAUNCH, SPEEDUP, ConvChoice, Conversion,  # noqa: F401
+                          LayoutPlan, speedup)
 from .schedule import _dense, _fake_mode
 
 aten = torch.ops.aten
-
-# ---- the cost model ------------------------------------------------------------------------------
-
-# Speed of the convolution alone in channels-last over NCHW, measured with eager PyTorch
-# (docs/passes/layout.md has the tables): key (device type, spatial dims, transposed, dtype).
-# A missing key means 1.0: no measured gain, so no reason to pay for conversions.
-SPEEDUP = {
-    # 2-core AMD EPYC (AVX2, no AVX-512), torch 2.13 + oneDNN, one thread, CPU time: conv2d 1.1-7.8x
-    # (f32; 1.6-2.2x at typical 3x3 sizes), 2.9x (bf16: without AVX-512 BF16 the NCHW path is
-    # slow), transposed conv2d 1.6x, conv3d 1.0-1.3x, depthwise 1.6x.
-    ("cpu", 2, False, torch.float32): 1.6,
-    ("cpu", 2, False, torch.bfloat16): 2.8,
-    ("cpu", 2, False, torch.float16): 1.6,
-    ("cpu", 2, True, torch.float32): 1.3,
-    ("cpu", 3, False, torch.float32): 1.1,
-    # NVIDIA H100 and H200, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default),
-    # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py, docs/gpu.md):
-    # conv2d 1.64-1.67x (f32), 1.66-1.68x (bf16); transposed 1.56-1.58x (f32), 1.67x (bf16);
-    # conv3d 1.25x (f32), 1.45x (bf16). float16 is assumed to behave as bfloat16.
-    ("cuda", 2, False, torch.float32): 1.6,
-    ("cuda", 2, False, torch.bfloat16): 1.65,
-    ("cuda", 2, False, torch.float16): 1.65,
-    ("cuda", 2, True, torch.float32): 1.55,
-    ("cuda", 2, True, torch.bfloat16): 1.65,
-    ("cuda", 2, True, torch.float16): 1.65,
-    ("cuda", 3, False, torch.float32): 1.25,
-    ("cuda", 3, False, torch.bfloat16): 1.45,
-    ("cuda", 3, False, torch.float16): 1.45,
-}
-
-# Rough sustained throughput, to turn FLOPs and bytes into the same unit (seconds). Only their
-# ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
-# Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at
-# ~110 TFLOP/s (TF32), transposed and 3-D ones at ~35; the CPU figures are for 2 AVX2 cores.
-FLOPS = {("cpu", True): 60e9, ("cpu", False): 30e9, ("cuda", True): 100e12, ("cuda", False): 35e12}
-BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)
-LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
-
 
 # Extern ops that should read eager's layout on a device, and why. avg_pool3d has no channels-last
 # CUDA kernel: given one it copies its input back itself, with a slow generic copy (0.24 ms before
@@ -104,94 +68,6 @@ CONTIGUOUS_ONLY = {
     (aten.avg_pool3d.default, "cuda"): "has no channels-last kernel on cuda",
     (aten.avg_pool2d.default, "cuda"): "runs 2x slower in channels-last on cuda",
 }
-
-
-def speedup(device: str, spatial: int, transposed: bool, dtype: torch.dtype) -> tuple[float, str]:
-    """(measured channels-last speedup, why) for one convolution."""
-    kind = "cuda" if device.startswith("cuda") else device.split(":")[0]
-    if kind == "cuda":
-        if not torch.backends.cudnn.enabled:
-            return 1.0, "cuDNN is disabled (torch.backends.cudnn.enabled = False)"
-        if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
-            # Without TF32 no Tensor Core kernel may run in f32; we do not switch it on.
-            return 1.0, "f32 without TF32 (torch.backends.cudnn.allow_tf32 = False): no gain measured"
-    elif kind == "cpu":
-        if not (torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
-            return 1.0, "oneDNN is not available or disabled (torch.backends.mkldnn)"
-    s = SPEEDUP.get((kind, spatial, transposed, dtype), 1.0)
-    lib = "cuDNN" if kind == "cuda" else "oneDNN"
-    what = f"{'transposed ' if transposed else ''}conv{spatial}d {_short(dtype)} on {kind}"
-    if s <= 1.0:
-        return 1.0, f"{what}: {lib} measured no faster in channels-last"
-    return s, f"{what}: {lib} measured {s:.2f}x faster in channels-last"
-
-
-# ---- what the pass records -----------------------------------------------------------------------
-
-@dataclass
-class ConvChoice:
-    node: str
-    what: str  # "conv2d f32[128, 64, 126, 126]"
-    flops: float
-    speedup: float
-    gain_s: float  # estimated seconds saved per call
-    reason: str
-
-
-@dataclass
-class Conversion:
-    node: str  # the clone node the pass inserted
-    source: str  # the value it converts
-    to: str  # "channels_last", "contiguous", ...
-    nbytes: int
-    free: bool  # fuses into a kernel that runs anyway
-    why: str
-    device: str = "cpu"
-
-
-@dataclass
-class LayoutPlan:
-    """What the layout pass decided for one program (gm.meta["fusec_layout_plan"])."""
-
-    choice: str  # "channels_last" or "unchanged"
-    reason: str
-    convs: list[ConvChoice] = field(default_factory=list)
-    conversions: list[Conversion] = field(default_factory=list)
-    tensors: list[tuple[str, str, str, str]] = field(default_factory=list)  # name, meta, format, why
-    gain_s: float = 0.0
-    cost_s: float = 0.0
-
-    def summary(self) -> str:
-        if self.choice == "channels_last":
-            return (f"channels-last for {len(self.convs)} convolution(s), "
-                    f"{len(self.conversions)} conversion(s)")
-        return "layout unchanged"
-
-    def __str__(self) -> str:
-        lines = [f"layout: {self.choice} — {self.reason}"]
-        if self.convs:
-            lines.append(f"  cost model: gain {self.gain_s * 1e3:.3f} ms vs conversions "
-                         f"{self.cost_s * 1e3:.3f} ms per call (estimates)")
-        for c in self.convs:
-            lines.append(f"  {c.node:<24} {c.what}: {c.flops / 1e9:.3g} GFLOP, "
-                         f"gain {c.gain_s * 1e3:.3f} ms  ({c.reason})")
-        for c in self.conversions:
-            cost = "free: fuses into the kernel that writes it" if c.free else \
-                f"{c.nbytes} bytes, one extra pass"
-            lines.append(f"  {c.node:<24} {c.source} -> {c.to}: {c.why} ({cost})")
-        if self.tensors:
-            lines.append("  tensors:")
-            for name, meta, fmt, why in self.tensors:
-                lines.append(f"    {name:<24} {meta:<24} {fmt:<16} {why}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"choice": self.choice, "reason": self.reason, "gain_s": self.gain_s,
-                "cost_s": self.cost_s,
-                "convs": [vars(c) for c in self.convs],
-                "conversions": [vars(c) for c in self.conversions],
-                "tensors": [dict(zip(("name", "meta", "format", "why"), t)) for t in self.tensors]}
-
 
 # ---- the pass ------------------------------------------------------------------------------------
 
@@ -215,7 +91,6 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
             "unchanged", "no convolution is measured faster in channels-last here", choices)
         return gm
 
-    from . import copy_graph_module
     trial = copy_graph_module(gm)
     try:
         conversions = _rewrite(trial, {n.name for n in wanted})
@@ -435,17 +310,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _short(dtype: torch.dtype) -> str:
-    from fusec.ir import short_dtype
     return short_dtype(dtype)
 
 
 def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
-    from fusec.frontend import _meta_of
     for key, value in like.meta.items():
         if node is not like and key not in ("val", "fusec", "tensor_meta"):
             node.meta.setdefault(key, value)
     node.meta["val"] = val
-    node.meta["fusec"] = _meta_of(val)
+    node.meta["fusec"] = meta_of(val)
 
 
 def _run_fake(mode, node: fx.Node):

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusec import ops
+from fusec.codegen import backends
 from fusec.ir import Layout, TensorMeta, contiguous_strides
 
 
@@ -239,7 +241,7 @@ def _escaped(gm: fx.GraphModule) -> set[str]:
 
 def plan_inplace(gm: fx.GraphModule, kernels: dict, backend: str) -> dict[str, str]:
     """Kernel output -> the extern result it is written over (see the note above)."""
-    if backend != "triton":
+    if not backends.get(backend).writes_over_dying_inputs:
         return {}
     steps = gm.meta["fusec_schedule"]
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -315,7 +317,6 @@ def _fake_mode(gm):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
             return val.fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     return FakeTensorMode()
 
 

@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.frontend import TensorMeta
+from fusec.ir import TensorMeta
 
 aten = torch.ops.aten
 

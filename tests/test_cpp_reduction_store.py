@@ -1,6 +1,6 @@
 """C++ reductions: an element value that the last reduction phase computes is kept in the output
 row and read back by the last pass instead of being computed again (see the note above
-`stash_choice` in codegen/cpp.py): softmax computes exp(x - max) once, not twice.
+`stash_choice` in codegen/cpu_plan.py): softmax computes exp(x - max) once, not twice.
 
 Every case is compared with eager (float64-referenced, NaN in the same places).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fusec.codegen.cpp as cpp
+import fusec.codegen.cpu_plan as cpp
 from conftest import assert_matches
 
 KEPT = "// kept for the last pass"

@@ -93,5 +93,5 @@ def test_several_compiled_models_alive_at_once_share_the_capture_stream():
         first = [o.clone() for o in outs[0]]
         a(*mlp.inputs), b(*gpt.inputs)
         assert all(torch.equal(x, y) for x, y in zip(outs[0], first))  # not overwritten
-    from fusec import runtime
+    from fusec.runtime import cuda_graphs as runtime
     assert list(runtime._CAPTURE_STREAMS.values()) == [capture_stream(torch.device("cuda"))]

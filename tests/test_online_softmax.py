@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusec
-import fusec.codegen.triton as triton_backend
+import fusec.codegen.triton_reduction as triton_backend
 from conftest import TRITON_DEVICE, assert_matches
 
 LOOP = "for k_start in range(0, n_k, RBLOCK)"

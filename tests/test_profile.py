@@ -15,7 +15,8 @@ import torch
 
 import fusec
 from fusec.cli import main as cli
-from fusec.profile import ProfileReport, _Named
+from fusec.inspect.instrument import _Named
+from fusec.inspect.report import ProfileReport
 
 FAST = dict(iters=3, warmup=1, time_budget_s=0.02, copy_bytes=1 << 22)
 
@@ -262,7 +263,7 @@ def test_gpu_kernel_times_are_dealt_out_to_the_steps_of_a_family():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import Interval
 
-    from fusec.profile import _kernel_times
+    from fusec.inspect.measure import _kernel_times
 
     def launch(name, start, us):
         return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=Interval(start, start + us))

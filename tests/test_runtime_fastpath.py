@@ -337,7 +337,7 @@ def test_programs_a_cuda_graph_may_replay_take_the_general_run(monkeypatch):
 def test_a_step_the_writer_does_not_know_is_called_as_a_step(monkeypatch):
     """Steps without an emitter (here: every one but kernels) are written as calls of the step
     object on a dict of the live values: slower, same result."""
-    from fusec import runtime
+    from fusec.runtime import writer as runtime
 
     def f(x, w):
         h = torch.relu(torch.sin(x) @ w)

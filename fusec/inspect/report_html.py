@@ -1,6 +1,6 @@
 """The profile report as one self-contained HTML page (`report.save_html(path)`).
 
-Everything is inline: CSS, the plots (SVG written by fusec/plots.py), the graph pictures (SVG from
+Everything is inline: CSS, the plots (SVG written by fusec/inspect/plots.py), the graph pictures (SVG from
 Graphviz when it is installed, else the DOT text), and the kernel sources (highlighted by
 pygments, which rich already depends on). The page loads nothing from the network, so it can be
 mailed, attached to an issue or opened offline.
@@ -17,9 +17,10 @@ import html
 import jinja2
 import torch
 
-from .explain import fmt_bytes, format_refusals
-from .plots import bar_chart, roofline
-from .report_text import kernel_rows, launches, ms, summary_rows
+from fusec.codegen import backends
+from fusec.inspect.groups import fmt_bytes, format_refusals
+from fusec.inspect.plots import bar_chart, roofline
+from fusec.inspect.report_text import kernel_rows, launches, ms, summary_rows
 
 TEMPLATE = r"""<!DOCTYPE html>
 <html lang="en">
@@ -200,10 +201,11 @@ def highlight(source: str, backend: str) -> tuple[str, str]:
     try:
         from pygments import highlight as pyg
         from pygments.formatters import HtmlFormatter
-        from pygments.lexers import CppLexer, LlvmLexer, PythonLexer
+        from pygments.lexers import get_lexer_by_name
     except ImportError:  # pragma: no cover - rich depends on pygments
         return f"<pre>{html.escape(source)}</pre>", ""
-    lexer = {"cpp": CppLexer, "llvm": LlvmLexer}.get(backend, PythonLexer)()
+    known = backends.BACKENDS.get(backend)
+    lexer = get_lexer_by_name(known.lexer if known else "python")
     formatter = HtmlFormatter(cssclass="highlight")
     return pyg(source, lexer, formatter), formatter.get_style_defs(".highlight")
 

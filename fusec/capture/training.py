@@ -12,28 +12,30 @@ softmax gradient's reductions ...) is fused too:
     optimizer.step()                 # unchanged: it updates the module's own parameters
 
 The same compilers serve `torch.compile(model, backend="fusec")` through Dynamo's `aot_autograd`.
+How each graph is compiled is the caller's to say (`compile_fn`: fusec.api.part_compiler), so
+this file never imports the driver that imports it.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+from torch._functorch.aot_autograd import aot_function
+from torch.fx import traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
-from . import frontend, outputs
+from fusec.capture import calls, frontend, outputs
 
 
-def graph_compiler(backend: str, parts: list, check: bool = False) -> Callable:
+def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     """A compiler for AOT Autograd: (ATen GraphModule, example inputs) -> callable.
 
-    Each graph becomes a fusec.CompiledFunction; it compiles on its first real call (the example
+    Each graph becomes `compile_fn(graph)`, a fusec.CompiledFunction that runs step by step
+    (its outputs feed autograd, not a caller); it compiles on its first real call (the example
     inputs AOT Autograd passes are fake tensors) and keeps one program per input signature.
     """
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
-        from .api import CompiledFunction
-        # training graphs run step by step: their outputs feed autograd, not a caller
-        compiled = CompiledFunction(with_source_lines(gm), backend=backend, check=check,
-                                    cuda_graphs=False)
+        compiled = compile_fn(with_source_lines(gm))
         parts.append(compiled)
 
         def run(args):  # AOT Autograd's boxed convention: one list, which we may clear
@@ -52,7 +54,6 @@ def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
     node it came from: the user's line, which Dynamo and AOT Autograd put on their graphs'
     nodes (explain and profile show it). Tracing `gm.forward` itself would record the lines
     of its generated code instead. Only capture calls this; the compiled program runs kernels."""
-    from torch.fx import traceback as fx_traceback
 
     def graph(*args):
         with fx_traceback.preserve_node_meta():
@@ -63,15 +64,13 @@ def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
 
 
 def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,
-                backend: str, check: bool = False):
+                compile_fn: Callable):
     """Compile fn for training with its (lifted) parameters as explicit inputs.
 
     Returns (call, parts): call(*lifted, *tensor_args) runs forward (backward runs on
     .backward()); parts lists the CompiledFunctions made for the forward and backward graphs.
     """
-    from torch._functorch.aot_autograd import aot_function
-
-    leaves, _, rebuild = frontend.flatten_call(fn, args, kwargs)
+    leaves, _, rebuild = calls.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
 
@@ -79,25 +78,15 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
         return outputs.wrap(call(*tensors))
 
     parts: list = []
-    compiler = graph_compiler(backend, parts, check)
+    compiler = graph_compiler(compile_fn, parts)
     compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
                             decompositions=frontend.decompositions())
     return compiled, parts
 
 
-def dynamo_backend(backend: str = "auto"):
-    """`torch.compile(..., backend="fusec")`: Dynamo's graph -> AOT Autograd -> fusec."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    parts: list = []
-    compiler = graph_compiler(backend, parts)
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                        decompositions=frontend.decompositions()), parts
-
-
 def tensor_args(args: tuple, kwargs: dict, fn) -> list:
-    leaves, _, _ = frontend.flatten_call(fn, args, kwargs)
+    leaves, _, _ = calls.flatten_call(fn, args, kwargs)
     return [l for l in leaves if isinstance(l, torch.Tensor)]
 
 
-__all__ = ["aot_compile", "dynamo_backend", "graph_compiler", "pytree"]
+__all__ = ["aot_compile", "graph_compiler", "pytree", "tensor_args", "with_source_lines"]

@@ -1,6 +1,6 @@
 """Building a program's kernels: each distinct kernel once, several at a time.
 
-`compile_graph` (fusec/api.py) lowers every fused group to kernel IR and hands the list here:
+`compile_graph` (fusec/driver.py) lowers every fused group to kernel IR and hands the list here:
 
     kernel IR ──canonical (fusec/ir.py)──> canonical IR ──render──> canonical source
       distinct canonical sources ──build, `jobs()` at a time──> binaries (cached on disk)
@@ -23,7 +23,7 @@ What runs in parallel, per backend:
 Loading (dlopen, MCJIT linking, importing a Triton module) happens here, in this thread, one
 binary at a time: it takes milliseconds, and ctypes and llvmlite are not meant to be driven
 from several threads at once. A kernel whose backend cannot build it is built by the other CPU
-backend (`FALLBACK`), said once per backend.
+backend (its `fallback` in codegen/backends.py), said once per backend.
 
 The disk cache (fusec/cache.py) is unchanged: a file is named after the kernel family and the
 hash of the canonical source, written under a temporary name and renamed into place, and
@@ -41,14 +41,16 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from . import cache
-from .errors import CompileError
-from .ir import canonical
+import torch
+
+from fusec import cache, progress
+from fusec.codegen import backends
+from fusec.errors import CompileError, FusecError
+from fusec.ir import canonical
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
 # guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
 # the same kernel IR and their launchers are called the same way.
-FALLBACK = {"llvm": "cpp", "cpp": "llvm"}
 _FELL_BACK: set[str] = set()
 
 # (cache directory, backend, canonical source, dtypes and device) -> its Built, while some kernel uses it
@@ -66,7 +68,6 @@ def jobs() -> int:
         try:
             return max(int(wanted), 1)
         except ValueError:
-            from .errors import FusecError
             raise FusecError(f"fusec: FUSEC_COMPILE_JOBS={wanted!r} is not a number of jobs") \
                 from None
     try:
@@ -89,8 +90,8 @@ class Built:
 
 
 def codegen(backend: str):
-    import importlib
-    return importlib.import_module(f"fusec.codegen.{backend}")
+    """The backend module (fusec.codegen.cpp, .llvm or .triton) that renders, builds and loads."""
+    return backends.get(backend).module
 
 
 def build_all(irs: list, backend: str, times: dict | None = None,
@@ -128,7 +129,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     for built in todo:
         _load(built)
     compiled_at = time.perf_counter()
-    _compile_triton_ahead([b for b in todo if b.backend == "triton"], device)
+    _compile_ahead([b for b in todo if backends.get(b.backend).compiles_ahead], device)
     end = time.perf_counter()
     for stage, seconds in (("codegen", built_at - start),
                            ("build", loaded_at - built_at + end - compiled_at),
@@ -140,7 +141,6 @@ def build_all(irs: list, backend: str, times: dict | None = None,
 def _build_parallel(todo: list[Built]) -> None:
     """Build every kernel of `todo` (binaries on disk; errors kept for `_load`), several at once,
     with a progress bar over the builds."""
-    from . import progress
     n = min(jobs(), len(todo))
     if n <= 1:
         for built in progress.builds(todo):
@@ -152,14 +152,13 @@ def _build_parallel(todo: list[Built]) -> None:
             future.result()
 
 
-def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
+def _compile_ahead(todo: list[Built], device: str | None) -> None:
     """On a GPU, Triton compiles a kernel when it is first launched, so a program's first run
     would compile its kernels one after another. Instead each distinct kernel's module compiles
     it now (`compile_ahead`: Triton's `warmup`, which compiles for the argument types without
     launching), `jobs()` at a time in threads, into Triton's own cache, where the first launch
     finds it. A kernel that fails here is left to its first launch, which reports the error
     where it always did. Under TRITON_INTERPRET=1 nothing is compiled at all."""
-    import torch
     n = min(jobs(), len(todo))
     if n <= 1 or device is None or torch.device(device).type != "cuda" \
             or os.environ.get("TRITON_INTERPRET") == "1":
@@ -178,7 +177,6 @@ def _compile_triton_ahead(todo: list[Built], device: str | None) -> None:
             cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
                       "its first launch compiles it")
 
-    from . import progress
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-triton") as pool:
         for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in todo]),
                                       len(todo)):
@@ -210,7 +208,7 @@ def _load(built: Built) -> None:
 
 def _fall_back(built: Built) -> None:
     first, backend = built.error, built.backend
-    other = FALLBACK.get(backend)
+    other = backends.get(backend).fallback
     if other is None or not codegen(other).available():
         raise first
     module = codegen(other)

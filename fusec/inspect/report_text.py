@@ -13,7 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .explain import fmt_bytes
+from fusec.inspect.groups import fmt_bytes
 
 
 def ms(v: float | None) -> str:

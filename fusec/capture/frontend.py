@@ -14,39 +14,44 @@ into the graph as constants; the compiled program recompiles when they change. S
 the program reaches without being given them (a closure's mask, a plain tensor attribute).
 
 The program may return anything torch's pytree can flatten, and objects holding tensors that it
-cannot (fusec/outputs.py): the graph returns the flat tensors, the caller gets eager's types back.
+cannot (capture/outputs.py): the graph returns the flat tensors, the caller gets eager's types back.
 
 Every node gets `node.meta["fusec"]`: a TensorMeta (shape, dtype, stride, device) or a tuple of
 them for ops with several outputs.
 """
 from __future__ import annotations
 
-import builtins
-import contextlib
+import functools
 import inspect
-import os
-import sys
-import sysconfig
 import time
-import traceback
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import functools
-
 import torch
+import torch._decomp as decomp
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 # make_fx imports torch._dynamo and torch._inductor the first time it traces (~2 s on a 2-core
 # CPU). Importing them with fusec makes that a fixed cost of `import fusec`, so the first compile
 # of a program costs what compiling it costs.
 import torch._inductor  # noqa: E402,F401
-from torch.utils import _pytree as pytree
 
-from . import graphmodule, outputs
-from .errors import DeviceError, GraphBreakError, UnsupportedError
-from .ir import TensorMeta, ValueMeta
+from fusec import graphmodule
+from fusec.capture import decompositions as ours
+from fusec.capture import outputs
+# (`module_state`, `program_device`, `compiling`, ... are also importable from here, where they
+# lived before calls.py and tracing.py existed)
+from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,  # noqa: F401
+                                 is_cpu_scalar, module_state, program_device)
+from fusec.capture.rnn import RecurrentAsExtern
+from fusec.capture.tracing import (_capture_error, compiling, dense_attention_masks,  # noqa: F401
+                                   python_at_trace_time_refused)
+from fusec.errors import GraphBreakError, UnsupportedError
+from fusec.ir import meta_of
 
 
 @dataclass
@@ -66,90 +71,14 @@ class Captured:
     seconds: float = 0.0  # how long capturing took
 
 
-@dataclass(frozen=True)
-class StateRef:
-    """Where one lifted parameter or buffer lives: `owner._parameters[attr]` (or `_buffers`)."""
-
-    name: str  # the qualified name, `transformer.wte.weight`
-    owner: torch.nn.Module
-    attr: str
-    is_param: bool
-
-    def get(self) -> torch.Tensor:
-        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
-
-
-def module_state(module: torch.nn.Module) -> list[StateRef]:
-    """The module's parameters, then its buffers, each tensor once: the order capture lifts them.
-
-    Note: tied weights. A tensor reachable under several names (GPT-2's `lm_head.weight` and
-    `transformer.wte.weight`, T5's `shared.weight` and `encoder.embed_tokens.weight`, a submodule
-    used twice) is one tensor: it becomes one graph input, under the first name
-    `named_parameters()` gives it. `torch.func.functional_call` (with its default
-    `tie_weights=True`) then hands that input to every name tied to it, and in training its
-    gradient is the sum over all its uses, as eager's is.
-    """
-    seen: set[int] = set()
-    refs = []
-    for is_param, table in ((True, "_parameters"), (False, "_buffers")):
-        for prefix, sub in module.named_modules(remove_duplicate=False):
-            for attr, value in getattr(sub, table).items():
-                if value is not None and id(value) not in seen:
-                    seen.add(id(value))
-                    refs.append(StateRef(f"{prefix}.{attr}" if prefix else attr, sub, attr, is_param))
-    return refs
-
-
-def flatten_call(fn: Callable, args: tuple, kwargs: dict):
-    """Flatten a call's arguments into leaves, with names taken from fn's signature.
-
-    Returns (leaves, names, rebuild) where rebuild(leaves) -> (args, kwargs).
-    """
-    try:
-        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
-        bound = sig.bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        bound = None
-    if bound is None:
-        tree = {"args": list(args), "kwargs": dict(kwargs)}
-    else:
-        tree = dict(bound.arguments)
-    paths_leaves, spec = pytree.tree_flatten_with_path(tree)
-    leaves = [leaf for _, leaf in paths_leaves]
-    names = [_path_name(path) for path, _ in paths_leaves]
-
-    def rebuild(new_leaves):
-        rebuilt = pytree.tree_unflatten(list(new_leaves), spec)
-        if bound is None:
-            return tuple(rebuilt["args"]), rebuilt["kwargs"]
-        b = inspect.BoundArguments(bound.signature, rebuilt)
-        return b.args, b.kwargs
-
-    return leaves, names, rebuild
-
-
-def _path_name(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    name = "_".join(parts) or "arg"
-    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-    return name if name[0].isalpha() else "arg_" + name
-
 
 @functools.lru_cache(maxsize=None)
 def decompositions() -> dict:
-    """torch's core ATen decomposition table, plus fusec's own (fusec/decompositions.py).
+    """torch's core ATen decomposition table, plus fusec's own (capture/decompositions.py).
 
     `core_aten_decompositions()` also lists every CompositeImplicitAutograd op, which takes ~0.3 s
     to enumerate; tracing decomposes those ops by itself, so the post-autograd part is all we need.
     """
-    import torch._decomp as decomp
-
-    from . import decompositions as ours
     if hasattr(decomp, "_core_aten_decompositions_post_autograd"):
         table = dict(decomp._core_aten_decompositions_post_autograd())
     else:
@@ -162,8 +91,7 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
                   lifted_names: list[str]) -> Callable:
     """fn as a function of flat tensors: the lifted parameters and buffers first, then the
     caller's tensors (other arguments stay as the caller gave them). Recurrent layers inside
-    run as one op each (fusec/rnn.py)."""
-    from .rnn import RecurrentAsExtern
+    run as one op each (capture/rnn.py)."""
     module = fn if isinstance(fn, torch.nn.Module) else None
     n_lifted = len(lifted_names)
 
@@ -224,7 +152,6 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
     # user's line, instead of becoming symbolic values that no static schedule could run. Tensors
     # the program reaches by itself (a closure's, a global's) become constants of the graph.
-    from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     attributes = _tensor_attributes(module)
     try:
@@ -294,7 +221,7 @@ def _anchor(fn: Callable) -> Callable:
     functions: register the user's function (torch 2.13 can; 2.11 cannot), or else call a copy
     of a plain function whose code object is named `forward` (same lines, same globals)."""
     try:
-        from torch.fx.proxy import _register_stack_trace_anchor
+        from torch.fx.proxy import _register_stack_trace_anchor  # torch >= 2.13 only
     except ImportError:
         _register_stack_trace_anchor = None
     if isinstance(fn, torch.nn.Module):
@@ -308,7 +235,6 @@ def _anchor(fn: Callable) -> Callable:
     if _register_stack_trace_anchor is not None:
         _register_stack_trace_anchor(fn)
         return fn
-    import types
     if isinstance(fn, types.FunctionType):
         copy = types.FunctionType(fn.__code__.replace(co_name="forward"), fn.__globals__,
                                   fn.__name__, fn.__defaults__, fn.__closure__)
@@ -348,16 +274,8 @@ def annotate(gm: fx.GraphModule) -> fx.GraphModule:
     can tell each one's kind without asking the op."""
     for node in gm.graph.nodes:
         if node.op != "output" and "val" in node.meta:
-            node.meta["fusec"] = _meta_of(node.meta["val"])
+            node.meta["fusec"] = meta_of(node.meta["val"])
     return gm
-
-
-def _meta_of(val):
-    if isinstance(val, torch.Tensor):
-        return TensorMeta.of(val)
-    if isinstance(val, (tuple, list)):
-        return tuple(_meta_of(v) for v in val)
-    return ValueMeta(type(val).__name__)
 
 
 def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
@@ -367,37 +285,6 @@ def _rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
         node.target = node.name
     gm.recompile()
 
-
-def is_cpu_scalar(t: torch.Tensor) -> bool:
-    """A 0-dim CPU tensor: eager lets it meet tensors of any device, as a number would."""
-    return t.dim() == 0 and t.device.type == "cpu"
-
-
-def program_device(tensors: list[torch.Tensor]) -> torch.device:
-    """The device a program runs on: its tensors' device, not counting 0-dim CPU tensors
-    (`torch.tensor(2.0)` next to CUDA activations runs on CUDA, as in eager)."""
-    devices = [t.device for t in tensors if not is_cpu_scalar(t)]
-    return devices[0] if devices else torch.device("cpu")
-
-
-def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
-    devices = {str(t.device) for t in tensors if not is_cpu_scalar(t)}
-    if len(devices) > 1:
-        where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
-        raise DeviceError(f"fusec: inputs live on different devices ({where}); "
-                          "move them to one device before calling the compiled program")
-
-
-def _check_arguments(leaves: list, names: list[str]) -> None:
-    """Refuse arguments that hide tensors in objects pytree cannot open (a `DynamicCache` passed
-    back in): their tensors would be baked into the graph as constants, and whatever the program
-    does to the object (a cache appends this step's keys) would happen to the traced copy only."""
-    for leaf, name in zip(leaves, names):
-        if not isinstance(leaf, torch.Tensor) and outputs.holds_tensors(leaf):
-            raise UnsupportedError(
-                f"fusec: argument {name!r} is a {type(leaf).__name__} holding tensors; fusec takes "
-                "tensors in tuples, lists, dicts and pytree-registered types as arguments. Pass its "
-                "tensors directly, or register the type with torch.utils._pytree")
 
 
 def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
@@ -451,9 +338,6 @@ def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
 
 def _propagate(gm: fx.GraphModule) -> None:
     """Recompute every node's fake value (and meta) after the graph changed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(),
@@ -464,177 +348,3 @@ def _propagate(gm: fx.GraphModule) -> None:
     annotate(gm)
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_STDLIB_DIR = os.path.dirname(os.__file__)  # contextlib's frames are nobody's line either
-
-
-def _in_stdlib(filename: str) -> bool:
-    return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
-
-
-def _user_frame(err: BaseException):
-    """The innermost stack frame that belongs to the user's code (not torch, not fusec)."""
-    frames = traceback.extract_tb(err.__traceback__)
-    user = [f for f in frames
-            if not f.filename.startswith(_TORCH_DIR) and not _in_stdlib(f.filename)
-            and not os.path.abspath(f.filename).startswith(os.path.join(_FUSEC_DIR, "fusec"))
-            and not f.filename.startswith("<")]
-    return user[-1] if user else None
-
-
-def _capture_error(err: BaseException) -> UnsupportedError:
-    """One clear fusec error for a torch-internal tracing failure. The failures that mean "this
-    program cannot be one static graph" are GraphBreakErrors: with fullgraph=False, fusec then
-    compiles the program in regions around them (fusec/breaks.py)."""
-    frame = _user_frame(err)
-    where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
-    line = f"{frame.filename}:{frame.lineno}" if frame else ""
-    name = type(err).__name__
-    text = str(err).strip().splitlines()[0] if str(err).strip() else name
-    if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name:
-        return GraphBreakError(
-            f"fusec: Python control flow or a Python value that depends on tensor data{where}. "
-            "fusec captures one static graph per input signature, so `if tensor:`, `.item()`, "
-            "`.tolist()` and loops over tensor values cannot be traced; use torch.where for "
-            "branches or move the decision outside the compiled function",
-            reason="Python control flow or a Python value that depends on tensor data", where=line)
-    if "mutating a non-functional tensor with a functional tensor" in text:
-        return GraphBreakError(
-            f"fusec: an in-place update of a tensor that is neither an input, a parameter nor a "
-            f"buffer (a plain module attribute, a global or a closure's tensor){where}; a captured "
-            "graph would update it once, while tracing",
-            reason="an in-place update of a tensor that is not an input, parameter or buffer",
-            where=line)
-    if "DynamicOutputShape" in name:
-        return GraphBreakError(
-            f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
-            f"indexing){where}; fusec compiles static shapes only ({text})",
-            reason=f"an op whose output shape depends on the data ({text})", where=line)
-    return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
-
-
-# ---- Python that a static graph would run only once ----------------------------------------------
-
-def _user_caller():
-    """The innermost frame on the current stack that belongs to the user (not torch, not fusec)."""
-    frame = sys._getframe(1)
-    while frame is not None and not _is_user_file(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame
-
-
-def _is_user_file(path: str) -> bool:
-    """Code of the program being compiled (the user's, or a library's it calls, such as
-    transformers), not torch's, fusec's or Python's own standard library."""
-    path = os.path.abspath(path) if not path.startswith("<") else path
-    return not (path.startswith(_TORCH_DIR) or path.startswith("<")
-                or path.startswith(os.path.join(_FUSEC_DIR, "fusec"))
-                or (path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path))
-
-
-_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-
-
-def _runs_python(what: str, why: str, frame) -> GraphBreakError:
-    line = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
-    at = f" at {line}" if line else ""
-    return GraphBreakError(f"fusec: {what}{at}: {why}", reason=what, where=line)
-
-
-def _is_traced(t) -> bool:
-    """A tensor of the trace (fake, functionalized), not one that holds data."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    return isinstance(t, (FakeTensor, FunctionalTensor)) or \
-        torch._C._functorch.is_functorch_wrapped_tensor(t)
-
-
-@contextlib.contextmanager
-def compiling():
-    """While tracing, `torch.compiler.is_compiling()` is True, as it is inside torch.compile and
-    torch.export: fusec's capture is a compile. Libraries ask it to choose their traceable path;
-    transformers, for one, then stops checking whether an attention mask is all ones
-    (`mask.all()`, a Python branch on tensor data) and keeps the mask in the graph."""
-    import torch.compiler as tc
-    if not hasattr(tc, "_is_compiling_flag"):  # an older torch: nothing to say it with
-        yield
-        return
-    before = tc._is_compiling_flag
-    tc._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        tc._is_compiling_flag = before
-
-
-class _DenseAttentionMasks(torch.overrides.TorchFunctionMode):
-    """See `dense_attention_masks`."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask")
-            bound = dict(zip(names, args), **kwargs)
-            mask = bound.get("attn_mask")
-            if isinstance(mask, torch.Tensor) and mask.is_cuda and mask.dim() > 0 \
-                    and mask.shape[-1] > 1 and mask.stride(-1) != 1:
-                args = tuple(a.contiguous() if i == 3 else a for i, a in enumerate(args))
-                if "attn_mask" in kwargs:
-                    kwargs = dict(kwargs, attn_mask=mask.contiguous())
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def dense_attention_masks():
-    """While tracing, an attention mask given to `F.scaled_dot_product_attention` on a GPU is
-    made dense in its last dim.
-
-    Note (attention masks with stride 0). SDPA picks its kernel when it is called, from its
-    arguments: the fused kernels (cuDNN, flash, memory-efficient) need the mask's last dim
-    contiguous, so a mask broadcast along the keys (stride 0, as `mask.expand(...)` makes) sends
-    it to the math path: two matmuls in float32 around a softmax. transformers' BERT, called
-    without an attention mask inside a compile (`torch.compiler.is_compiling()`, see
-    `compiling`), builds exactly such a mask, (16, 1, 512, 512) with strides (0, 512, 1, 0): on
-    an H100 the model ran 2.4x slower than eager, which passes no mask at all. The dense copy
-    holds the same values (a few MB once per call), and the choice becomes cuDNN's attention."""
-    with _DenseAttentionMasks():
-        yield
-
-
-@contextlib.contextmanager
-def python_at_trace_time_refused():
-    """While tracing, refuse the Python that a graph cannot hold and that would otherwise run
-    once at trace time and never again: the user's `print(...)` (it would print once), and
-    `.numpy()` / `np.asarray` of a traced tensor (it would read memory that holds no data and
-    bake it into the graph as a constant: a wrong result). Both raise a GraphBreakError, which
-    with fullgraph=False sends the program to the graph-break path, where they run every call.
-    Note: the patch is process-wide while a capture runs (capture is not thread-safe anyway)."""
-    real_print = builtins.print
-    had_numpy = "numpy" in vars(torch.Tensor)
-    real_numpy = torch.Tensor.numpy
-
-    def print_(*args, **kwargs):
-        if _is_user_file(sys._getframe(1).f_code.co_filename):
-            raise _runs_python("print(...)", "Python that runs on every call, but a captured graph "
-                               "would run it once, while tracing; move it outside the compiled "
-                               "function", sys._getframe(1))
-        return real_print(*args, **kwargs)
-
-    def numpy_(self, *args, **kwargs):
-        if _is_traced(self):
-            raise _runs_python(".numpy() of a tensor the program computes", "numpy needs the "
-                               "tensor's values, which do not exist while tracing (they would be "
-                               "baked into the graph as garbage); use torch ops, or move it "
-                               "outside the compiled function", _user_caller())
-        return real_numpy(self, *args, **kwargs)
-
-    builtins.print, torch.Tensor.numpy = print_, numpy_
-    try:
-        yield
-    finally:
-        builtins.print = real_print
-        if had_numpy:
-            torch.Tensor.numpy = real_numpy
-        else:
-            del torch.Tensor.numpy

@@ -17,7 +17,8 @@ Topics, in pipeline order:
     compile      where each program's compile time went: capture, passes, codegen, build, load
 
 Every message goes through `log(topic, text)`; its first line is prefixed `[fusec TOPIC]` so a
-reader can grep for one stage. With FUSEC_DEBUG_DIR set, each compiled program gets its own
+reader can grep for one stage. The driver does not call this file: it publishes each stage
+(fusec/events.py) and `PRINTER`, registered here when fusec is imported, prints what is asked for. With FUSEC_DEBUG_DIR set, each compiled program gets its own
 folder (`<dir>/<function>_<n>/`, see `dump_compiled`) that a learner can open in an editor.
 """
 from __future__ import annotations
@@ -26,6 +27,15 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from fusec import events
+from fusec.codegen import backends
+from fusec.inspect.changes import pass_changes
+from fusec.inspect.explain import Explanation
+from fusec.inspect.groups import format_groups, format_refusals, group_rows
+from fusec.inspect.listing import graph_listing
+from fusec.inspect.graphviz import render_svg
+from fusec.passes.schedule import format_schedule
 
 TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile")
 
@@ -63,12 +73,12 @@ def wants_stack_traces() -> bool:
     return bool(topics() - {"compile"} or debug_dir())  # timing must not change what it times
 
 
-# ---- hooks called by the driver (fusec/api.py compile_graph) -------------------------------------
+# ---- what the driver published (fusec/driver.py compile_graph), printed ----------------------------
 
 def captured(gm) -> None:
     """Right after capture, before any pass runs."""
     if enabled("graph"):
-        log("graph", "captured ATen graph\n" + _explain_module().graph_listing(gm))
+        log("graph", "captured ATen graph\n" + graph_listing(gm))
 
 
 def kernel_rendered(name: str, backend: str, source: str) -> None:
@@ -92,35 +102,26 @@ def pipeline_done(captured_gm, gm, snapshots) -> None:
     want = topics()
     if not want & {"passes", "schedule"}:
         return
-    ex = _explain_module()
     if "passes" in want:
         previous = None
-        for change in ex.pass_changes(captured_gm, gm, snapshots):
+        for change in pass_changes(captured_gm, gm, snapshots):
             body = ["  " + line for line in change["details"]]
             body.append("(the graph is the same as before this pass)"
                         if change["graph"] == previous else change["graph"].rstrip())
             previous = change["graph"]
             log("passes", f"after {change['after']}: {change['summary']}\n" + "\n".join(body))
     if "schedule" in want:
-        from fusec.passes.schedule import format_schedule
         log("schedule", "schedule\n" + format_schedule(gm.meta["fusec_schedule"]))
-
-
-def _explain_module():
-    import sys
-    import fusec.explain  # noqa: F401  (the attribute fusec.explain is the function)
-    return sys.modules["fusec.explain"]
 
 
 def compiled(compiled_graph, label: str = "program") -> Path | None:
     """After every kernel is built: the fusion table (its byte counts come from the kernel IR),
     then every stage to FUSEC_DEBUG_DIR, if set."""
     if enabled("fusion"):
-        ex = _explain_module()
         gm = compiled_graph.gm
         log("fusion", "fusion groups (bytes from the kernel IR)\n"
-            + ex.format_groups(ex.group_rows(gm, compiled_graph.kernels)) + "\n"
-            + ex.format_refusals(gm))
+            + format_groups(group_rows(gm, compiled_graph.kernels)) + "\n"
+            + format_refusals(gm))
     root = debug_dir()
     if root is None:
         return None
@@ -144,10 +145,6 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
         graph_after_fusion.dot
         explain.txt, explain.json  str() and to_dict() of fusec.explain
     """
-    ex = _explain_module()
-    from .graphviz import render_svg
-    from fusec.passes.schedule import format_schedule
-
     root.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in label) or "program"
     n = 0
@@ -158,22 +155,21 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
             break
         except FileExistsError:
             n += 1
-    explanation = ex.Explanation(compiled_graph)
+    explanation = Explanation(compiled_graph)
     gm = compiled_graph.gm
     (folder / "00_captured_graph.txt").write_text(graph_header(compiled_graph)
-                                                  + ex.graph_listing(compiled_graph.captured.gm)
+                                                  + graph_listing(compiled_graph.captured.gm)
                                                   + "\n")
     for i, snap in enumerate(compiled_graph.stages()):
         (folder / f"{i + 1:02d}_{snap.after}.py").write_text(
             f"# graph after {snap.after}\n{snap.code}")
-    (folder / "fusion.txt").write_text(ex.format_groups(explanation.groups()) + "\n\n"
-                                       + ex.format_refusals(gm) + "\n")
+    (folder / "fusion.txt").write_text(format_groups(explanation.groups()) + "\n\n"
+                                       + format_refusals(gm) + "\n")
     (folder / "schedule.txt").write_text(format_schedule(gm.meta["fusec_schedule"]) + "\n")
     kdir = folder / "kernels"
     kdir.mkdir()
     for k in compiled_graph.kernels:
-        ext = {"cpp": ".cpp", "llvm": ".ll"}.get(k.backend, ".py")
-        (kdir / f"{k.name}{ext}").write_text(k.source)
+        (kdir / f"{k.name}{backends.get(k.backend).suffix}").write_text(k.source)
     (folder / "program.py").write_text(compiled_graph.source())
     for stage in ("before", "after"):
         dot = explanation.dot(stage)
@@ -189,3 +185,32 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
 
 def graph_header(compiled_graph) -> str:
     return f"# captured ATen graph ({compiled_graph.backend} backend)\n"
+
+
+class Printer:
+    """The watcher (fusec/events.py) that turns what the driver publishes into FUSEC_LOG output
+    and FUSEC_DEBUG_DIR folders. It looks the functions above up when an event comes, so a
+    benchmark may replace one (`fusec.log.compile_times = record`)."""
+
+    def wants_detail(self) -> bool:
+        return wants_stack_traces()
+
+    def captured(self, gm) -> None:
+        captured(gm)
+
+    def passes_done(self, captured_gm, gm, snapshots) -> None:
+        pipeline_done(captured_gm, gm, snapshots)
+
+    def kernel_built(self, kernel) -> None:
+        if enabled("output_code"):
+            kernel_rendered(kernel.name, kernel.backend, kernel.source)
+
+    def compiled(self, compiled_graph, label: str) -> None:
+        compile_times(compiled_graph, label)
+        compiled(compiled_graph, label)
+
+    def cache(self, message: str) -> None:
+        log("cache", message)
+
+
+PRINTER = events.watch(Printer())

@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._decomp import get_decompositions
+from torch._prims_common import reduction_dims
 
 aten = torch.ops.aten
 
@@ -50,7 +52,6 @@ def register(op):
 def _dims(x, dim):
     """The reduced dims, sorted and non-negative. An out-of-range or repeated dim raises the
     error eager raises (a bare `d % rank` would quietly reduce over some other dim)."""
-    from torch._prims_common import reduction_dims
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return list(range(x.dim()))
     if isinstance(dim, int):
@@ -266,7 +267,6 @@ KEEP_AS_EXTERN = [aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 
 def table() -> dict:
-    from torch._decomp import get_decompositions
     decomps = dict(get_decompositions(FROM_TORCH))
     for op, ours in OURS.items():
         theirs = decomps.get(op)

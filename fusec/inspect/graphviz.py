@@ -23,6 +23,8 @@ import subprocess
 import torch
 import torch.fx as fx
 
+from fusec import ops
+
 # Light fills that read well behind black text, one per kernel (cycled).
 PALETTE = ["#cfe8fc", "#d4f4d2", "#fde2c8", "#e7dcfa", "#fbd5e5", "#d9f2f0", "#f6f0c4",
            "#e0e0f8", "#f8dccf", "#dcefc4"]
@@ -56,7 +58,6 @@ def _title(node: fx.Node) -> str:
 
 
 def _is_view(node: fx.Node) -> bool:
-    from fusec import ops
     return isinstance(node.target, torch._ops.OpOverload) and ops.classify(node.target) == ops.VIEW
 
 

@@ -1,0 +1,294 @@
+"""C++ reductions: a ReductionKernel as one OpenMP-parallel loop over rows, one loop over k per
+reduction phase inside it, then a last loop that recomputes and stores the element values.
+
+The plan (phases, what is kept between them) is the kernel IR's and cpu_plan.py's; this file
+spells it, with the cache-minded notes below: rows reduced across a strided axis are copied into
+a stack array first, and neighbouring rows run in SIMD lanes when the row is short.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fusec import ops
+from fusec.ir import Index, Reduce
+
+from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
+from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, stash_choice, sum_block, summary
+from .render import render_template
+
+REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
+
+
+# ---- reductions ------------------------------------------------------------------------------
+
+def render_reduction(kernel) -> str:
+    """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
+    last loop that recomputes and stores the element values (softmax's division, say)."""
+    n_rows = len(kernel.row_shape)
+    row_lines = _coords("c", "row", kernel.row_shape)
+    k_coords = _coords("q", "k", kernel.k_shape)
+
+    def index(idx: Index, label: str) -> str:
+        base = ([str(idx.offset)] if idx.offset else []) + \
+            [f"c{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
+        if base:
+            row_lines.append(f"const int64_t {label}_base = {' + '.join(base)};")
+        kterms = [f"q{d}" if s == 1 else f"q{d} * {s}"
+                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        if len(kernel.k_shape) > 1 and flat_k(idx.strides[n_rows:], kernel.k_shape):
+            # contiguous over all of k (group norm's (C/G, H*W)): the address is k itself;
+            # gcc cannot see that q0 * 1024 + q1 is k again and would gather element by element
+            last = idx.strides[-1]
+            kterms = ["k" if last == 1 else f"k * {last}"]
+        return " + ".join(([f"{label}_base"] if base else []) + kterms) or "0"
+
+    # Note (rows reduced across a strided axis): softmax over the channels of an NCHW tensor
+    # reduces K values that lie H*W elements apart. Read in place, every k step is a new cache
+    # line and gcc will not vectorize the row's loops (exp, say). Such an access is copied
+    # between memory and a small contiguous array once per row (the rows next to each other share
+    # those cache lines, so the copies hit L1); the row's phases then run on the array, vectorized.
+    def k_strided(idx: Index) -> bool:
+        ks = [abs(s) for s in idx.strides[n_rows:] if s]
+        return bool(ks) and min(ks) >= TILE_STRIDE
+    lanes = lane_blocks(kernel, k_strided)
+    if lanes:
+        # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
+        # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
+        row_lines = _coords("c", "outer", kernel.row_shape[:-1])
+        row_lines.append(f"const int64_t c{n_rows - 1} = lane0 + lane;")
+
+    def strided_k(idx: Index) -> bool:
+        return not lanes and k_strided(idx) and kernel.k <= REDUCTION_TILE_MAX
+    gather_k = " ".join(k_coords)
+    scatters: list[str] = []
+
+    lines: dict[str, str] = {}
+    for l in kernel.loads:
+        ptr = f"{l.param}_ptr[{index(l.index, l.var.name)}]"
+        if strided_k(l.index):
+            tile = f"{l.var.name}_tile"
+            row_lines.append(f"{CTYPE[l.dtype]} {tile}[K];  // {l.param}'s row, gathered")
+            row_lines.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {tile}[k] = {ptr}; }}")
+            ptr = f"{tile}[k]"
+        lines[l.var.name] = (f"const {CTYPE[l.var.dtype]} {l.var.name} = "
+                             f"{convert(_load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
+    producers = {l.var.name: l for l in kernel.loads}
+    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
+    for item in kernel.body:
+        producers[item.var.name] = item
+        if not isinstance(item, Reduce):
+            lines[item.var.name] = _stmt(item)
+    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
+
+    def closure(targets, given: dict | None = None) -> list[str]:
+        """Lines computing the element values `targets` need; `given` maps a value that is read
+        back from memory (see stash_choice) to the line that reads it."""
+        given = given or {}
+        return [given.get(n, lines[n]) for n in kernel.values_needed(targets, given)]
+
+    store_targets: dict[int, str] = {}
+
+    def target(n: int) -> str:  # a store's address, its `_base` row line written once
+        if n not in store_targets:
+            s = kernel.stores[n]
+            store_targets[n] = f"{s.param}_ptr[{index(s.index, f'out{n}')}]"
+            if strided_k(s.index):
+                tile = f"out{n}_tile"
+                row_lines.append(f"{CTYPE[s.dtype]} {tile}[K];  // {s.param}'s row, scattered at the end")
+                scatters.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {store_targets[n]} = {tile}[k]; }}")
+                store_targets[n] = f"{tile}[k]"
+        return store_targets[n]
+
+    stash = stash_choice(kernel)
+
+    done: set[str] = set()
+    for name in order:  # row values needing no reduction: once per row, before the loops
+        item = producers[name]
+        if name not in kernel.varying and not isinstance(item, Reduce) and kernel.level.get(name, 0) == 0:
+            row_lines.append(lines[name])
+            done.add(name)
+
+    sections = []
+    for phase in range(kernel.phases):
+        reds = [r for r in reduces if r.phase == phase]
+        before, body, after = [], list(k_coords), []
+        body += closure({r.operand.name for r in reds})
+        simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
+                   for r in reds)
+        maxmin = bool(reds) and all(r.op in ("amax", "amin") and r.acc_dtype != torch.bool
+                                    for r in reds)
+        if stash and phase == kernel.phases - 1:
+            final = all((st.var.name, n) == stash or st.var.name not in kernel.varying
+                        for n, st in enumerate(kernel.stores))
+            why = "the output, stored once: no last pass" if final else "kept for the last pass"
+            body.append(f"{target(stash[1])} = {stash[0]};  // {why}")
+        for r in reds:
+            red = ops.REDUCTIONS[r.op]
+            acc = f"acc_{r.var.name}"
+            x = convert(r.operand.name, r.operand.dtype, r.acc_dtype if not red.returns_index
+                        else r.operand.dtype)
+            if red.returns_index:
+                cmp = ">" if r.op == "argmax" else "<"
+                before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
+                              f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
+                before.append(f"int64_t {acc}_at = 0; bool {acc}_seen = false;")
+                nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
+                body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || {nan})) "
+                            f"{{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
+                after.append(f"const int64_t {r.var.name} = {acc}_at;  // {r.origin}")
+            elif maxmin:
+                # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
+                # amax propagates and a compare-and-select would skip)
+                cmp = ">" if r.op == "amax" else "<"
+                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+                body.append(f"{acc} = ({x} {cmp} {acc}) ? {x} : {acc};")
+                value = convert(acc, r.acc_dtype, r.var.dtype)
+                if r.acc_dtype.is_floating_point:
+                    # an int, not a bool: gcc vectorizes a bool |-reduction ~9x slower
+                    before.append(f"int {acc}_nan = 0;")
+                    body.append(f"{acc}_nan |= ({x} != {x});")
+                    value = f"({acc}_nan ? std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN() : {value})"
+                if r.round_to is not None:
+                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
+            else:
+                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+                body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
+                value = convert(acc, r.acc_dtype, r.var.dtype)
+                if r.round_to is not None:
+                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
+            done.add(r.var.name)
+        for name in order:
+            item = producers[name]
+            if name not in done and name not in kernel.varying and not isinstance(item, Reduce) \
+                    and kernel.level.get(name, 0) == phase + 1:
+                after.append(lines[name])
+                done.add(name)
+        # Note (long float sums): adding K values one after another into one float loses
+        # ~K ulps; eager sums in a cascade and loses ~log K. A long float sum is blocked: each
+        # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
+        # added up in double, so the error grows like sqrt(K) ulps of a block sum.
+        blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
+        kblock = sum_block(kernel.k) if blocked else 0
+        block_before, block_after = [], []
+        if kblock:
+            for r in blocked:
+                acc = f"acc_{r.var.name}"
+                before.append(f"double {acc}_total = 0.0;")
+                block_before.append(f"{CTYPE[r.acc_dtype]} {acc}_blk = {literal(0, r.acc_dtype)};")
+                block_after.append(f"{acc}_total += {acc}_blk;")
+                after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
+                body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
+        pragma = ""
+        if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
+            pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
+        elif maxmin:
+            clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
+                       for r in reds]
+            flags = [f"acc_{r.var.name}_nan" for r in reds if r.acc_dtype.is_floating_point]
+            clauses += [f"reduction(|:{', '.join(flags)})"] if flags else []
+            pragma = "#pragma omp simd " + " ".join(clauses)
+        if simd and reds and not lanes:
+            op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
+            if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
+                names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
+                pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
+        sections.append({"comment": f"phase {phase}: " + ", ".join(r.op for r in reds),
+                         "before": before, "pragma": pragma, "body": body, "after": after,
+                         "kblock": kblock, "block_before": block_before,
+                         "block_after": block_after})
+
+    elem_stores, row_stores = [], []
+    for n, s in enumerate(kernel.stores):
+        if stash == (s.var.name, n):
+            continue  # already there: the last phase stored it
+        text = f"{target(n)} = {_store_value(s.var, s.dtype)};"
+        (elem_stores if s.var.name in kernel.varying else row_stores).append(text)
+    if elem_stores:  # (none left when the last phase stored the only element output)
+        given = {}
+        if stash:
+            name = stash[0]
+            given[name] = f"const {CTYPE[producers[name].var.dtype]} {name} = {target(stash[1])};"
+        body = list(k_coords) + closure({s.var.name for s in kernel.stores
+                                         if s.var.name in kernel.varying}, given) + elem_stores
+        comment = "last pass: element values, stored"
+        if stash:
+            comment += f" ({stash[0]} read back from where the last phase kept it)"
+        sections.append({"comment": comment, "before": [],
+                         "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
+                         "block_before": [], "block_after": []})
+    return render_template(
+        "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=lanes,
+        last=kernel.row_shape[-1] if kernel.row_shape else 1,
+        params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+                for p in kernel.params],
+        row_lines=row_lines, sections=sections, row_stores=row_stores + scatters)
+
+
+
+# Note (lanes of rows): a reduction across a strided axis (softmax or a minimum over the channels
+# of NCHW: K values H*W apart, for every one of N*H*W rows) has short rows lying side by side:
+# row r+1's values sit right next to row r's. Vectorizing along a row gathers; vectorizing across
+# rows does not: LANES neighbouring rows are computed together, one per SIMD lane, and each k step
+# loads LANES contiguous values. gcc vectorizes such an outer loop (`omp simd` on the row loop)
+# when the row runs a single inner k loop (one-phase kernels without a last pass: amax/amin/sum/
+# mean over channels, with any pointwise prologue and row epilogue), or when its k loops are short
+# enough (K <= LANES_UNROLL_K) to be unrolled away (softmax over 16 channels); other rows use the
+# row copies of the note "rows reduced across a strided axis".
+LANES = 16
+LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loops are fine
+
+
+def lane_blocks(kernel, k_strided) -> int:
+    """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0."""
+    if not kernel.row_shape or kernel.row_shape[-1] < 8 or not kernel.k:
+        return 0
+    several = kernel.phases != 1 or any(s.var.name in kernel.varying for s in kernel.stores)
+    if several and kernel.k > LANES_UNROLL_K:
+        return 0  # several k loops (phases, a last pass) that gcc cannot unroll away
+    reds = [i for i in kernel.body if isinstance(i, Reduce)]
+    if several and any(not isinstance(i, Reduce) and i.var.name not in kernel.varying
+                       and 0 < kernel.level.get(i.var.name, 0) < kernel.phases for i in kernel.body):
+        return 0  # row math between phases (logsumexp's guard on the max): gcc keeps it a branch
+    if any(ops.REDUCTIONS[r.op].returns_index for r in reds):
+        return 0
+    if any(r.op == "sum" and r.acc_dtype.is_floating_point for r in reds) and sum_block(kernel.k):
+        return 0  # blocked sums: two nested loops
+    n_rows = len(kernel.row_shape)
+    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
+    if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
+        return 0
+    if not any(k_strided(l.index) and l.index.strides[n_rows - 1] == 1 for l in kernel.loads):
+        return 0
+    return LANES
+
+
+
+
+def flat_k(strides, shape) -> bool:
+    """Whether an access walks the k dims as one flat run: each dim's stride is the next one's
+    times its size (then the address is k times the last stride)."""
+    return strides[-1] != 0 and all(strides[d] == strides[d + 1] * shape[d + 1]
+                                    for d in range(len(shape) - 1))
+
+
+def _coords(prefix: str, var: str, shape) -> list[str]:
+    """Row-major coordinates of the flat position `var` over `shape`.
+
+    Positions are never negative, and saying so (dividing as uint64_t) matters inside a
+    vectorized loop: a signed k / 1024 must round toward zero for negative k, so gcc emits a
+    division sequence and cannot see that q0 * 1024 + q1 is k again; unsigned, it is a shift and
+    a mask, and a contiguous load stays contiguous (group norm's rows: 4x faster)."""
+    out = []
+    for d in range(len(shape)):
+        below = math.prod(shape[d + 1:])
+        expr = var if below == 1 else f"(uint64_t){var} / {below}u"
+        if d:
+            expr = f"({expr}) % {shape[d]}u" if below != 1 else f"(uint64_t){var} % {shape[d]}u"
+        out.append(f"const int64_t {prefix}{d} = {expr};")
+    return out

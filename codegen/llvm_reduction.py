@@ -1,0 +1,317 @@
+"""LLVM reductions: a ReductionKernel as LLVM IR text, one function over a range of rows.
+
+Each row runs one loop over k per reduction phase, with an `Accumulator` per reduction (sum,
+prod, amax, argmax, ... and Welford-free blocked float sums, as the C++ backend blocks them:
+cpu_plan.py), then a last loop that recomputes and stores the element values.
+"""
+from __future__ import annotations
+
+import math
+
+
+from fusec import ops
+from fusec.ir import Index, Reduce, Stmt
+
+from .cpu_plan import PARALLEL_THRESHOLD, stash_choice, sum_block, summary
+from .llvm_build import Target
+
+from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
+                      emit_stmt, emit_store, index_sum, is_float, kind,
+                      literal, round_half)
+
+
+# ---- reductions --------------------------------------------------------------------------------
+
+NO_NAN = str(2**63 - 1)  # argmax's "no NaN seen yet": larger than any position
+
+
+class Accumulator:
+    """How one Reduce carries its running value through a loop over k: its phi states, the
+    instructions that fold in one element, and the final value after the loop."""
+
+    def __init__(self, r: Reduce):
+        self.r = r
+        self.red = ops.REDUCTIONS[r.op]
+        self.name = f"acc_{r.var.name}"
+        self.dtype = r.operand.dtype if self.red.returns_index else r.acc_dtype
+
+    def states(self) -> list[tuple[str, str, str]]:
+        """(name, type, initial value) of each loop-carried value."""
+        t = TYPE[self.dtype]
+        init = literal(self.red.init(self.dtype), self.dtype)
+        if self.red.returns_index:  # the running max (or min), and where it is
+            states = [(self.name, t, init), (self.name + ".at", "i64", "0")]
+            if is_float(self.dtype):  # ... and where the first NaN is
+                states.append((self.name + ".nan.at", "i64", NO_NAN))
+            return states
+        if self.nan_flag:
+            return [(self.name, t, init), (self.name + ".nan", "i1", "false")]
+        return [(self.name, t, init)]
+
+    @property
+    def nan_flag(self) -> bool:
+        """Float max/min keep "saw a NaN" apart from the running value (see fold)."""
+        return self.r.op in ("amax", "amin") and kind(self.dtype) == "f"
+
+    def extreme(self, e: Emitter, acc: str, x: str) -> str:
+        """The running max (amax, argmax) or min of acc and x: one instruction. For floats it is
+        `maxnum` that may assume no NaN (`nnan`: a NaN element makes the result poison, i.e.
+        garbage) and ignore the sign of zero (`nsz`), so it is one vmaxps. torch's max is NaN if
+        any element is; llvm.maximum says exactly that, but x86 has no such instruction, and its
+        expansion (a NaN test, a signed-zero fix-up, blends) took twice the time of the C++
+        kernel. So the callers track NaN beside it, and `result` never reads the garbage."""
+        t, d, big = TYPE[self.dtype], self.dtype, self.r.op in ("amax", "argmax")
+        fn = {"f": "maxnum" if big else "minnum", "s": "smax" if big else "smin",
+              "u": "umax" if big else "umin", "b": "umax" if big else "umin"}[kind(d)]
+        flags = "nnan nsz " if is_float(d) else ""
+        return e.emit(f"call {flags}{t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", self.name)
+
+    def fold(self, e: Emitter, x: str, cur: dict[str, str], k: str) -> dict[str, str]:
+        """Instructions folding element x into the current states; returns the next states."""
+        t, d, acc = TYPE[self.dtype], self.dtype, cur[self.name]
+        op, n = self.r.op, self.name
+        if self.red.returns_index:
+            # argmax: the running max and beside it the position where it last grew. From one
+            # element to the next the chain is a max and a select; a compare-or-and-select
+            # chain that also tracked NaN made it 4x slower than gcc's branches.
+            k_ = kind(d)
+            cmp = "fcmp o" if k_ == "f" else ("icmp s" if k_ == "s" else "icmp u")
+            cmp += "gt" if op == "argmax" else "lt"
+            better = e.emit(f"{cmp} {t} {x}, {acc}", n)  # strictly: a tie keeps the first
+            nxt = {n: self.extreme(e, acc, x),
+                   n + ".at": e.emit(f"select i1 {better}, i64 {k}, i64 {cur[n + '.at']}", n)}
+            if k_ == "f":  # the first NaN wins: the smallest k of a NaN element (none: NO_NAN)
+                is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
+                k_nan = e.emit(f"select i1 {is_nan}, i64 {k}, i64 {NO_NAN}", n + ".nan")
+                nxt[n + ".nan.at"] = e.emit(f"call i64 @llvm.smin.i64(i64 {cur[n + '.nan.at']}, "
+                                            f"i64 {k_nan})", n + ".nan")
+            return nxt
+        if op in ("amax", "amin"):
+            if not self.nan_flag:
+                return {n: self.extreme(e, acc, x)}
+            # ... and beside it, whether a NaN went by: the vectorizer knows both as reductions
+            is_nan = e.emit(f"fcmp uno {t} {x}, {x}", n + ".nan")
+            return {n: self.extreme(e, acc, x),
+                    n + ".nan": e.emit(f"or i1 {cur[n + '.nan']}, {is_nan}", n + ".nan")}
+        k_ = kind(d)
+        if op == "sum":
+            rhs = f"fadd reassoc {t} {acc}, {x}" if k_ == "f" else \
+                (f"or i1 {acc}, {x}" if k_ == "b" else f"add {t} {acc}, {x}")
+        elif op == "prod":
+            rhs = f"fmul reassoc {t} {acc}, {x}" if k_ == "f" else \
+                (f"and i1 {acc}, {x}" if k_ == "b" else f"mul {t} {acc}, {x}")
+        elif op == "any":
+            rhs = f"or i1 {acc}, {x}"
+        elif op == "all":
+            rhs = f"and i1 {acc}, {x}"
+        else:
+            raise NotImplementedError(f"fusec: the llvm backend has no reduction {op!r}")
+        return {n: e.emit(rhs, n)}
+
+    def result(self, e: Emitter, final: dict[str, str]) -> str:
+        r = self.r
+        if self.red.returns_index:
+            if not is_float(self.dtype):
+                return final[self.name + ".at"]
+            # a NaN wins; then the running max may be poison, but it is not the one picked
+            nan_at = final[self.name + ".nan.at"]
+            saw_nan = e.emit(f"icmp slt i64 {nan_at}, {NO_NAN}", self.name)
+            return e.emit(f"select i1 {saw_nan}, i64 {nan_at}, i64 {final[self.name + '.at']}",
+                          self.name)
+        value = final[self.name]
+        if self.nan_flag:
+            t = TYPE[self.dtype]
+            value = e.emit(f"select i1 {final[self.name + '.nan']}, {t} "
+                           f"{literal(math.nan, self.dtype)}, {t} {value}", self.name)
+        value = convert(e, value, self.dtype, r.var.dtype, r.var.name)
+        return round_half(e, value, r.round_to, r.var.name)
+
+
+# How many vectors a reduction loop works on per trip (LLVM's "interleave count"; it would pick 4
+# for these loops by itself). One, like gcc's loops in the C++ backend. A loop that calls a
+# vector math function (softmax's exp) gains nothing from more: the call clobbers every vector
+# register, so four running sums are four spills and reloads around every call, and in
+# side-by-side runs one was as fast or faster on softmax. It also means a quarter of the loop
+# body for LLVM's instruction selection and register allocation: 20-30% less compile time.
+REDUCTION_INTERLEAVE = 1
+
+
+def render_reduction(kernel, target: Target | None = None) -> str:
+    """One function over a range of rows; inside a row, one loop over k per reduction phase,
+    then a last loop that recomputes and stores the element values (softmax's division, say).
+    Python decides everything here (which values each loop needs, the accumulators and their
+    phi nodes, blocking of long float sums); the template only lays out the blocks."""
+    counter = _counter()
+    n_rows = len(kernel.row_shape)
+    top = Emitter(counter)
+    c = coords(top, "%row.i", kernel.row_shape, "c")
+    values: dict[str, str] = {}  # row values, visible everywhere after their definition
+    bases: dict[str, str] = {}
+
+    def base(idx: Index, label: str) -> str:
+        if label not in bases:
+            bases[label] = index_sum(top, list(zip(c, idx.strides[:n_rows])), idx.offset,
+                                     label + ".base")
+        return bases[label]
+
+    producers = {l.var.name: l for l in kernel.loads}
+    for item in kernel.body:
+        producers[item.var.name] = item
+    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
+    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
+
+    closure = kernel.values_needed
+
+    def out_index(e: Emitter, n: int, q: list[str]) -> str:
+        """The element index of store number n at k coordinates q."""
+        s = kernel.stores[n]
+        b = base(s.index, f"out{n}")
+        kidx = index_sum(e, list(zip(q, s.index.strides[n_rows:])), 0, f"out{n}.k")
+        return kidx if b == "0" else (b if kidx == "0" else e.emit(f"add nsw i64 {b}, {kidx}", f"out{n}.idx"))
+
+    def emit_elements(e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str,
+                      given: dict[str, int] | None = None):
+        """Recompute element values inside the loop of section `sid`; a value in `given` is read
+        back from the output (store number) where the last phase kept it (see stash_choice)."""
+        q = coords(e, k, kernel.k_shape, f"{sid}.q") if len(kernel.k_shape) > 1 else [k]
+        for name in names:
+            item = producers[name]
+            if given and name in given:
+                s = kernel.stores[given[name]]
+                emit_load(e, s.param, s.dtype, out_index(e, given[name], q), item.var, local)
+            elif isinstance(item, Stmt):
+                emit_stmt(e, item, local)
+            else:
+                b = base(item.index, name)
+                kidx = index_sum(e, list(zip(q, item.index.strides[n_rows:])), 0, name + ".k")
+                idx = kidx if b == "0" else (b if kidx == "0" else e.emit(f"add nsw i64 {b}, {kidx}", name + ".idx"))
+                emit_load(e, item.param, item.dtype, idx, item.var, local)
+        return q
+
+    def row_value(e: Emitter, name: str) -> None:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            emit_stmt(e, item, values)
+        else:  # a load that does not vary along k (a per-row scale, say)
+            emit_load(e, item.param, item.dtype, base(item.index, name), item.var, values)
+
+    done: set[str] = set()
+    for name in order:  # row values needing no reduction: once per row, before the loops
+        if name not in kernel.varying and not isinstance(producers[name], Reduce) \
+                and kernel.level.get(name, 0) == 0:
+            row_value(top, name)
+            done.add(name)
+
+    sections, all_lines = [], []
+    k = kernel.k
+    stash = stash_choice(kernel)  # a costly element value the last phase keeps in the output
+    for phase in range(kernel.phases):
+        sid = f"phase{phase}"
+        reds = [Accumulator(r) for r in reduces if r.phase == phase]
+        blocked = [a for a in reds if a.r.op == "sum" and is_float(a.dtype)]
+        kblock = sum_block(k) if blocked and k else 0
+        before, phis, block_phis, block_after, after = (Emitter(counter) for _ in range(5))
+        body = Emitter(counter, suffix="." + sid)
+        local = dict(values)
+        kvar = f"%{sid}.k"
+        finals: dict[str, dict[str, str]] = {}
+        if k:
+            q = emit_elements(body, closure({a.r.operand.name for a in reds}), local, kvar, sid)
+            if stash and phase == kernel.phases - 1:  # keep it where the last pass reads it
+                s = kernel.stores[stash[1]]
+                final = all((st.var.name, n) == stash or st.var.name not in kernel.varying
+                            for n, st in enumerate(kernel.stores))
+                body.lines.append(f"; {stash[0]}: " + ("the output, stored once: no last pass"
+                                                       if final else "kept for the last pass"))
+                emit_store(body, s.param, s.dtype, out_index(body, stash[1], q),
+                           producers[stash[0]].var, local)
+            for a in reds:
+                x = local[a.r.operand.name]
+                x = convert(body, x, a.r.operand.dtype, a.dtype, a.name)
+                loop_id, entry = f"{sid}.loop", (f"{sid}.block" if kblock else sid)
+                cur, inits = {}, {}
+                for state, t, init in a.states():
+                    cur[state] = f"%{state}"
+                    inits[state] = (t, init)
+                nxt = a.fold(body, x, cur, kvar)
+                for state, (t, init) in inits.items():
+                    if kblock and a in blocked:  # a block sum starts at 0 in every block
+                        phis.lines.append(f"%{state} = phi {t} [ {init}, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                    elif kblock:  # carried across blocks too
+                        block_phis.lines.append(f"%{state}.outer = phi {t} [ {init}, %{sid} ], "
+                                                f"[ {nxt[state]}, %{sid}.block.done ]")
+                        phis.lines.append(f"%{state} = phi {t} [ %{state}.outer, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                    else:
+                        phis.lines.append(f"%{state} = phi {t} [ {init}, %{entry} ], "
+                                          f"[ {nxt[state]}, %{loop_id} ]")
+                if kblock and a in blocked:
+                    t = TYPE[a.dtype]
+                    total = f"%{a.name}.total"
+                    block_phis.lines.append(f"{total} = phi double [ 0.0, %{sid} ], "
+                                            f"[ {total}.next, %{sid}.block.done ]")
+                    if t == "double":
+                        block_after.lines.append(f"{total}.next = fadd double {total}, {nxt[a.name]}")
+                    else:
+                        block_after.lines.append(f"%{a.name}.wide = fpext {t} {nxt[a.name]} to double")
+                        block_after.lines.append(f"{total}.next = fadd double {total}, %{a.name}.wide")
+                    final = f"{total}.next" if t == "double" else \
+                        after.emit(f"fptrunc double {total}.next to {t}", a.name)
+                    finals[a.name] = {a.name: final}
+                else:
+                    finals[a.name] = nxt
+        else:
+            for a in reds:
+                finals[a.name] = {state: init for state, _, init in a.states()}
+        for a in reds:
+            values[a.r.var.name] = a.result(after, finals[a.name])
+            done.add(a.r.var.name)
+        for name in order:
+            if name not in done and name not in kernel.varying \
+                    and not isinstance(producers[name], Reduce) and kernel.level.get(name, 0) == phase + 1:
+                row_value(after, name)
+                done.add(name)
+        # where a block ends: K a multiple of the block gives every block the same constant
+        # trip count, so the vectorizer needs no remainder loop (less code, faster to compile)
+        block_end = [f"%{sid}.k.end = add i64 %{sid}.kb, {kblock}"] if kblock and k % kblock == 0 \
+            else [f"%{sid}.kb.end = add i64 %{sid}.kb, {kblock}",
+                  f"%{sid}.k.end = call i64 @llvm.umin.i64(i64 %{sid}.kb.end, i64 {k})"]
+        sec = dict(id=sid, comment=f"phase {phase}: " + ", ".join(a.r.op for a in reds),
+                   before=before.lines, phis=phis.lines, body=body.lines, after=after.lines,
+                   kblock=kblock, block_phis=block_phis.lines, block_after=block_after.lines,
+                   loop=bool(k), block_end=block_end, interleave=REDUCTION_INTERLEAVE)
+        sections.append(sec)
+        all_lines += body.lines + after.lines + phis.lines
+
+    row_stores = Emitter(counter)
+    # element stores; the stashed value, if it is itself the output, is already stored
+    elem = [n for n, s in enumerate(kernel.stores)
+            if s.var.name in kernel.varying and stash != (s.var.name, n)]
+    if elem and k:
+        sid = "store"
+        body = Emitter(counter, suffix="." + sid)
+        local = dict(values)
+        given = {stash[0]: stash[1]} if stash else None
+        targets = {kernel.stores[n].var.name for n in elem}
+        q = emit_elements(body, closure(targets, set(given or ())), local, f"%{sid}.k", sid, given)
+        for n in elem:
+            s = kernel.stores[n]
+            emit_store(body, s.param, s.dtype, out_index(body, n, q), s.var, local)
+        comment = "last pass: element values, stored"
+        if stash:
+            comment += f" ({stash[0]} read back from where the last phase kept it)"
+        sections.append(dict(id=sid, comment=comment, before=[],
+                             phis=[], body=body.lines, after=[], kblock=0, block_phis=[],
+                             block_after=[], loop=True, interleave=REDUCTION_INTERLEAVE))
+        all_lines += body.lines
+    for n, s in enumerate(kernel.stores):
+        if s.var.name not in kernel.varying:
+            emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
+    all_lines = top.lines + all_lines + row_stores.lines
+    return _finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
+                   source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
+                   rows=kernel.rows, k=k,
+                   parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
+                   params=_params(kernel), row_lines=top.lines, sections=sections,
+                   row_stores=row_stores.lines)

@@ -1,0 +1,99 @@
+"""Triton spelling of the kernel IR: Triton dtypes, block sizes, literals of an exact dtype,
+conversions as torch does them (bfloat16 through exact bit-level helpers), and statements from
+the op table's `triton` column. The three Triton renderers (triton.py for pointwise kernels,
+triton_reduction.py, triton_gemv.py) write through these.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from fusec import ops
+from fusec.ir import Const, Index, PointwiseKernel, Stmt
+
+
+
+TL = {
+    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
+    torch.int16: "tl.int16", torch.int32: "tl.int32", torch.int64: "tl.int64", torch.bool: "tl.int1",
+}
+MAX_BLOCK = 1024
+
+
+def block_size(numel: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps): 1024 lanes and 4 warps for large tensors (8 elements per thread,
+    wide vector loads), smaller for tiny ones so most lanes do useful work."""
+    block = min(MAX_BLOCK, max(128, 1 << max(numel - 1, 0).bit_length()))
+    return block, 4 if block >= 512 else (2 if block >= 256 else 1)
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    """A constant of exactly `dtype` (bare literals would be typed int32/float32 by Triton)."""
+    if dtype == torch.bool:
+        return f"tl.full([1], {1 if value else 0}, tl.int1)"
+    if dtype.is_floating_point:
+        value = float(value)
+        text = f'float("{value}")' if math.isnan(value) or math.isinf(value) else repr(value)
+        return text if dtype == torch.float32 else f"tl.full([1], {text}, {TL[dtype]})"
+    value = torch.tensor(value).to(dtype).item()
+    return f"tl.full([1], {value}, {TL[dtype]})"
+
+
+SMALL_INTS = (torch.int8, torch.uint8, torch.int16)  # exact in float32 through the bit trick
+
+
+def convert(expr: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if src == dst:
+        return expr
+    # bfloat16 through exact bit-level helpers: the interpreter's own casts truncate
+    if dst == torch.bfloat16:
+        return f"fusec_f32_to_bf16({convert(expr, src, torch.float32)})"
+    if src == torch.bfloat16:
+        return convert(f"fusec_bf16_to_f32({expr})", torch.float32, dst)
+    if dst == torch.bool:
+        return f"({expr} != 0)"
+    if src in SMALL_INTS and dst == torch.float32:
+        return f"fusec_small_int_to_f32({expr})"  # exact, and 4x the rate of a cast on a GPU
+    if src.is_floating_point and not dst.is_floating_point and dst != torch.int64:
+        return f"{expr}.to(tl.int64).to({TL[dst]})"
+    return f"{expr}.to({TL[dst]})"
+
+
+def _operand(o, dtype) -> str:
+    if isinstance(o, Const):
+        return literal(o.value, dtype)
+    return convert(o.name, o.dtype, dtype)
+
+
+def _stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
+    row = ops.OPS[s.op]
+    args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
+    if s.op == "full":
+        expr = f"tl.full({block}, {args[0]}, {TL[s.result_dtype]})" if not args[0].startswith(
+            "tl.full") else args[0].replace("[1]", block)
+    else:
+        expr = row.triton.format(*args)
+    helpers.update(re.findall(r"\bfusec_\w+", expr))
+    if s.result_dtype != s.var.dtype:
+        expr = convert(f"({expr})", s.result_dtype, s.var.dtype)
+    if s.round_to is not None:
+        expr = convert(convert(f"({expr})", s.var.dtype, s.round_to), s.round_to, s.var.dtype)
+    return f"{s.var.name} = {expr}  # {s.origin}"
+
+
+def _helpers_in(lines: list[str]) -> set[str]:
+    """The fusec_* helpers a kernel's lines call: the module imports exactly those."""
+    return {name for line in lines for name in re.findall(r"\bfusec_\w+", line)}
+
+
+def _max_address(index: Index, shape: tuple[int, ...]) -> int:
+    """The largest element offset an index reaches: decides between 32- and 64-bit arithmetic."""
+    return abs(index.offset) + sum((size - 1) * abs(st) for size, st in zip(shape, index.strides))
+
+
+def _summary(kernel: PointwiseKernel) -> str:
+    names = [op.replace("aten.", "").split(".")[0] for op in kernel.ops]
+    return f"fuses {len(names)} ATen op(s): {', '.join(names)}"

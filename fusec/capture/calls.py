@@ -1,0 +1,125 @@
+"""A call's arguments: flatten them into named leaves, find the module's parameters and buffers,
+pick the device the program runs on, and refuse arguments a captured graph cannot take.
+
+Capture (frontend.py), training (training.py) and the driver's call path (fusec/api.py) all see a
+call through these: `flatten_call` gives each tensor a name from the function's signature
+(`x`, `xs_0`, `kwargs_mask`), `module_state` says where each lifted parameter lives, so a call
+reads it without walking the module.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fusec.capture import outputs
+from fusec.errors import DeviceError, UnsupportedError
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where one lifted parameter or buffer lives: `owner._parameters[attr]` (or `_buffers`)."""
+
+    name: str  # the qualified name, `transformer.wte.weight`
+    owner: torch.nn.Module
+    attr: str
+    is_param: bool
+
+    def get(self) -> torch.Tensor:
+        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+
+
+def module_state(module: torch.nn.Module) -> list[StateRef]:
+    """The module's parameters, then its buffers, each tensor once: the order capture lifts them.
+
+    Note: tied weights. A tensor reachable under several names (GPT-2's `lm_head.weight` and
+    `transformer.wte.weight`, T5's `shared.weight` and `encoder.embed_tokens.weight`, a submodule
+    used twice) is one tensor: it becomes one graph input, under the first name
+    `named_parameters()` gives it. `torch.func.functional_call` (with its default
+    `tie_weights=True`) then hands that input to every name tied to it, and in training its
+    gradient is the sum over all its uses, as eager's is.
+    """
+    seen: set[int] = set()
+    refs = []
+    for is_param, table in ((True, "_parameters"), (False, "_buffers")):
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for attr, value in getattr(sub, table).items():
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    refs.append(StateRef(f"{prefix}.{attr}" if prefix else attr, sub, attr, is_param))
+    return refs
+
+
+def flatten_call(fn: Callable, args: tuple, kwargs: dict):
+    """Flatten a call's arguments into leaves, with names taken from fn's signature.
+
+    Returns (leaves, names, rebuild) where rebuild(leaves) -> (args, kwargs).
+    """
+    try:
+        sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    if bound is None:
+        tree = {"args": list(args), "kwargs": dict(kwargs)}
+    else:
+        tree = dict(bound.arguments)
+    paths_leaves, spec = pytree.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in paths_leaves]
+    names = [_path_name(path) for path, _ in paths_leaves]
+
+    def rebuild(new_leaves):
+        rebuilt = pytree.tree_unflatten(list(new_leaves), spec)
+        if bound is None:
+            return tuple(rebuilt["args"]), rebuilt["kwargs"]
+        b = inspect.BoundArguments(bound.signature, rebuilt)
+        return b.args, b.kwargs
+
+    return leaves, names, rebuild
+
+
+def _path_name(path) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    name = "_".join(parts) or "arg"
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+    return name if name[0].isalpha() else "arg_" + name
+
+
+def is_cpu_scalar(t: torch.Tensor) -> bool:
+    """A 0-dim CPU tensor: eager lets it meet tensors of any device, as a number would."""
+    return t.dim() == 0 and t.device.type == "cpu"
+
+
+def program_device(tensors: list[torch.Tensor]) -> torch.device:
+    """The device a program runs on: its tensors' device, not counting 0-dim CPU tensors
+    (`torch.tensor(2.0)` next to CUDA activations runs on CUDA, as in eager)."""
+    devices = [t.device for t in tensors if not is_cpu_scalar(t)]
+    return devices[0] if devices else torch.device("cpu")
+
+
+def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
+    devices = {str(t.device) for t in tensors if not is_cpu_scalar(t)}
+    if len(devices) > 1:
+        where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
+        raise DeviceError(f"fusec: inputs live on different devices ({where}); "
+                          "move them to one device before calling the compiled program")
+
+
+def _check_arguments(leaves: list, names: list[str]) -> None:
+    """Refuse arguments that hide tensors in objects pytree cannot open (a `DynamicCache` passed
+    back in): their tensors would be baked into the graph as constants, and whatever the program
+    does to the object (a cache appends this step's keys) would happen to the traced copy only."""
+    for leaf, name in zip(leaves, names):
+        if not isinstance(leaf, torch.Tensor) and outputs.holds_tensors(leaf):
+            raise UnsupportedError(
+                f"fusec: argument {name!r} is a {type(leaf).__name__} holding tensors; fusec takes "
+                "tensors in tuples, lists, dicts and pytree-registered types as arguments. Pass its "
+                "tensors directly, or register the type with torch.utils._pytree")

@@ -1,0 +1,198 @@
+"""The conditions capture traces under, and what a tracing failure means for the user.
+
+While make_fx traces, a few things must hold that plain tracing does not give: Python that a
+graph cannot hold (`print`, `.numpy()` of a traced tensor) is refused instead of running once
+(`python_at_trace_time_refused`), libraries see `torch.compiler.is_compiling()` (`compiling`),
+and SDPA gets dense attention masks on a GPU (`dense_attention_masks`). When tracing fails
+anyway, `_capture_error` turns torch's internal error into one line at the user's source line:
+a GraphBreakError when the program cannot be one static graph (capture/breaks.py takes it from
+there), else an UnsupportedError.
+"""
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import sys
+import sysconfig
+import traceback
+
+import torch
+import torch.compiler as tc
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+
+from fusec.errors import GraphBreakError, UnsupportedError
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fusec package
+_STDLIB_DIR = os.path.dirname(os.__file__)  # contextlib's frames are nobody's line either
+
+
+def _in_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB_DIR) and "-packages" not in filename
+
+
+def _user_frame(err: BaseException):
+    """The innermost stack frame that belongs to the user's code (not torch, not fusec)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames
+            if not f.filename.startswith(_TORCH_DIR) and not _in_stdlib(f.filename)
+            and not os.path.abspath(f.filename).startswith(_FUSEC_DIR)
+            and not f.filename.startswith("<")]
+    return user[-1] if user else None
+
+
+def _capture_error(err: BaseException) -> UnsupportedError:
+    """One clear fusec error for a torch-internal tracing failure. The failures that mean "this
+    program cannot be one static graph" are GraphBreakErrors: with fullgraph=False, fusec then
+    compiles the program in regions around them (capture/breaks.py)."""
+    frame = _user_frame(err)
+    where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+    line = f"{frame.filename}:{frame.lineno}" if frame else ""
+    name = type(err).__name__
+    text = str(err).strip().splitlines()[0] if str(err).strip() else name
+    if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name:
+        return GraphBreakError(
+            f"fusec: Python control flow or a Python value that depends on tensor data{where}. "
+            "fusec captures one static graph per input signature, so `if tensor:`, `.item()`, "
+            "`.tolist()` and loops over tensor values cannot be traced; use torch.where for "
+            "branches or move the decision outside the compiled function",
+            reason="Python control flow or a Python value that depends on tensor data", where=line)
+    if "mutating a non-functional tensor with a functional tensor" in text:
+        return GraphBreakError(
+            f"fusec: an in-place update of a tensor that is neither an input, a parameter nor a "
+            f"buffer (a plain module attribute, a global or a closure's tensor){where}; a captured "
+            "graph would update it once, while tracing",
+            reason="an in-place update of a tensor that is not an input, parameter or buffer",
+            where=line)
+    if "DynamicOutputShape" in name:
+        return GraphBreakError(
+            f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
+            f"indexing){where}; fusec compiles static shapes only ({text})",
+            reason=f"an op whose output shape depends on the data ({text})", where=line)
+    return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
+
+
+# ---- Python that a static graph would run only once ----------------------------------------------
+
+def _user_caller():
+    """The innermost frame on the current stack that belongs to the user (not torch, not fusec)."""
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def _is_user_file(path: str) -> bool:
+    """Code of the program being compiled (the user's, or a library's it calls, such as
+    transformers), not torch's, fusec's or Python's own standard library."""
+    path = os.path.abspath(path) if not path.startswith("<") else path
+    return not (path.startswith(_TORCH_DIR) or path.startswith("<")
+                or path.startswith(_FUSEC_DIR)
+                or (path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path))
+
+
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _runs_python(what: str, why: str, frame) -> GraphBreakError:
+    line = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
+    at = f" at {line}" if line else ""
+    return GraphBreakError(f"fusec: {what}{at}: {why}", reason=what, where=line)
+
+
+def _is_traced(t) -> bool:
+    """A tensor of the trace (fake, functionalized), not one that holds data."""
+    return isinstance(t, (FakeTensor, FunctionalTensor)) or \
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+@contextlib.contextmanager
+def compiling():
+    """While tracing, `torch.compiler.is_compiling()` is True, as it is inside torch.compile and
+    torch.export: fusec's capture is a compile. Libraries ask it to choose their traceable path;
+    transformers, for one, then stops checking whether an attention mask is all ones
+    (`mask.all()`, a Python branch on tensor data) and keeps the mask in the graph."""
+    if not hasattr(tc, "_is_compiling_flag"):  # an older torch: nothing to say it with
+        yield
+        return
+    before = tc._is_compiling_flag
+    tc._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = before
+
+
+class _DenseAttentionMasks(torch.overrides.TorchFunctionMode):
+    """See `dense_attention_masks`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask")
+            bound = dict(zip(names, args), **kwargs)
+            mask = bound.get("attn_mask")
+            if isinstance(mask, torch.Tensor) and mask.is_cuda and mask.dim() > 0 \
+                    and mask.shape[-1] > 1 and mask.stride(-1) != 1:
+                args = tuple(a.contiguous() if i == 3 else a for i, a in enumerate(args))
+                if "attn_mask" in kwargs:
+                    kwargs = dict(kwargs, attn_mask=mask.contiguous())
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def dense_attention_masks():
+    """While tracing, an attention mask given to `F.scaled_dot_product_attention` on a GPU is
+    made dense in its last dim.
+
+    Note (attention masks with stride 0). SDPA picks its kernel when it is called, from its
+    arguments: the fused kernels (cuDNN, flash, memory-efficient) need the mask's last dim
+    contiguous, so a mask broadcast along the keys (stride 0, as `mask.expand(...)` makes) sends
+    it to the math path: two matmuls in float32 around a softmax. transformers' BERT, called
+    without an attention mask inside a compile (`torch.compiler.is_compiling()`, see
+    `compiling`), builds exactly such a mask, (16, 1, 512, 512) with strides (0, 512, 1, 0): on
+    an H100 the model ran 2.4x slower than eager, which passes no mask at all. The dense copy
+    holds the same values (a few MB once per call), and the choice becomes cuDNN's attention."""
+    with _DenseAttentionMasks():
+        yield
+
+
+@contextlib.contextmanager
+def python_at_trace_time_refused():
+    """While tracing, refuse the Python that a graph cannot hold and that would otherwise run
+    once at trace time and never again: the user's `print(...)` (it would print once), and
+    `.numpy()` / `np.asarray` of a traced tensor (it would read memory that holds no data and
+    bake it into the graph as a constant: a wrong result). Both raise a GraphBreakError, which
+    with fullgraph=False sends the program to the graph-break path, where they run every call.
+    Note: the patch is process-wide while a capture runs (capture is not thread-safe anyway)."""
+    real_print = builtins.print
+    had_numpy = "numpy" in vars(torch.Tensor)
+    real_numpy = torch.Tensor.numpy
+
+    def print_(*args, **kwargs):
+        if _is_user_file(sys._getframe(1).f_code.co_filename):
+            raise _runs_python("print(...)", "Python that runs on every call, but a captured graph "
+                               "would run it once, while tracing; move it outside the compiled "
+                               "function", sys._getframe(1))
+        return real_print(*args, **kwargs)
+
+    def numpy_(self, *args, **kwargs):
+        if _is_traced(self):
+            raise _runs_python(".numpy() of a tensor the program computes", "numpy needs the "
+                               "tensor's values, which do not exist while tracing (they would be "
+                               "baked into the graph as garbage); use torch ops, or move it "
+                               "outside the compiled function", _user_caller())
+        return real_numpy(self, *args, **kwargs)
+
+    builtins.print, torch.Tensor.numpy = print_, numpy_
+    try:
+        yield
+    finally:
+        builtins.print = real_print
+        if had_numpy:
+            torch.Tensor.numpy = real_numpy
+        else:
+            del torch.Tensor.numpy

@@ -1,0 +1,168 @@
+"""The driver: a captured graph in, a CompiledGraph out (passes, lowering, build, program).
+
+    captured ATen graph ──passes.PIPELINE──> scheduled graph ──codegen/lower.py──> kernel IR
+      ──runtime/build.py──> built, loaded kernels ──runtime/program.py──> Program
+
+`compile_graph` runs those stages for one input signature, times each, and publishes what it made
+(fusec/events.py: `captured`, `passes_done`, `kernel_built`, `compiled`) for whoever watches;
+it knows nothing of the tools that print or explain (fusec/inspect/). `CompiledGraph` is what
+it returns: everything about one compiled program, read by `cf.kernels`, `cf.source()`,
+`cf.schedule`, `fusec.explain` and `fusec.profile`. `Kernel` is one entry of `cf.kernels`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from fusec import events
+from fusec.capture.frontend import Captured
+from fusec.codegen.lower import lower_pointwise
+from fusec.codegen.lower_reduction import lower_reduction
+from fusec.passes import run_pipeline
+from fusec.passes.schedule import format_schedule, plan_inplace, plan_memory
+from fusec.runtime.build import build_all, codegen
+from fusec.runtime.cuda_graphs import graph_blocker
+from fusec.runtime.launchers import python_wrapper
+from fusec.runtime.program import build_program
+
+
+@dataclass
+class Kernel:
+    """One generated kernel: `name` says what it fuses, `source` is the full generated text.
+
+    `source` is this kernel as it reads in its program: its own name, parameters named after the
+    buffers it reads and writes, comments citing its ATen nodes. The binary it runs was built
+    from `canonical`, the same kernel with generic names, which every kernel of the program
+    (and of any other program) that differs from it only in names shares: one build, one
+    loaded binary (fusec/runtime/build.py). `shares` lists the kernels of a program that share it."""
+
+    name: str
+    backend: str
+    source: str | None  # None: rendered from `ir` when first read
+    ops: list[str]
+    ir: Any = field(repr=False)  # fusec.ir.PointwiseKernel or ReductionKernel
+    launcher: Callable = field(repr=False, default=None)
+    built: Any = field(repr=False, default=None)  # its fusec.runtime.build.Built
+
+    def __post_init__(self) -> None:
+        if self.source is None:  # rendering is cheap, but a warm start renders only what it builds
+            del self.source
+
+    def __getattr__(self, attr: str):
+        if attr == "source":  # (only reached while the instance has no `source` yet)
+            self.source = codegen(self.backend).render(self.ir)
+            return self.source
+        raise AttributeError(attr)
+
+    @property
+    def canonical(self) -> str:
+        """The text that was compiled into the binary this kernel runs."""
+        return self.built.source if self.built is not None else self.source
+
+    def __str__(self) -> str:
+        return self.source
+
+
+@dataclass
+class CompiledGraph:
+    """Everything compiled for one input signature."""
+
+    backend: str
+    captured: Captured
+    gm: fx.GraphModule  # after the pipeline
+    snapshots: list | None  # the graph after each pass, if recorded: see `stages()`
+    kernels: list[Kernel]
+    program: Any
+    graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
+    times: dict = field(default_factory=dict)  # seconds per stage of its compile (see `report`)
+    runner: Any = None  # the CudaGraphRunner once captured
+    calls: int = 0
+
+    def stages(self) -> list:
+        """The graph after each pass (`passes.Snapshot`s). A compile records them only when
+        someone watches (FUSEC_LOG, FUSEC_DEBUG_DIR, explain, profile): printing a model's graph
+        seven times was a fifth of its warm start. Otherwise they are made here, on first use, by
+        running the passes again over the captured graph (they are deterministic)."""
+        if self.snapshots is None:
+            self.snapshots = run_pipeline(self.captured.gm, record=True)[1]
+        return self.snapshots
+
+    def schedule_text(self) -> str:
+        """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
+        text = format_schedule(self.gm.meta["fusec_schedule"])
+        memory = self.gm.meta.get("fusec_memory")
+        text += ("\n" + str(memory) if memory is not None else "")
+        for out, over in self.gm.meta.get("fusec_inplace", {}).items():
+            text += f"\n  {out:<24} written over {over} (its last use): no buffer of its own"
+        return text
+
+    def source(self) -> str:
+        parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
+        for k in self.kernels:
+            parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
+        parts.append("# ===== schedule =====\n" + "\n".join(
+            "# " + line for line in self.schedule_text().splitlines()))
+        parts.append("# ===== wrapper: the program as Python (exec it, then call(...)) =====\n"
+                     + python_wrapper(self.program))
+        parts.append("# ===== graph =====\n" + self.gm.code)
+        return "\n".join(parts)
+
+
+
+def compile_graph(captured: Captured, backend: str, record: bool = False,
+                  label: str = "program") -> CompiledGraph:
+    """Run the pass pipeline over a captured graph and build every kernel for `backend`.
+
+    `record`: keep the graph after every pass (`CompiledGraph.stages()` makes them later
+    otherwise). Each stage is published as it ends (fusec/events.py), so FUSEC_LOG and
+    FUSEC_DEBUG_DIR (fusec/inspect/log.py) show it; `label` names the program for them.
+    """
+    times = {"capture": captured.seconds}
+    events.publish("captured", captured.gm)
+    captured.gm.meta["fusec_backend"] = backend  # a pass may decide by it (fuse_reductions)
+    start = time.perf_counter()
+    gm, snapshots = run_pipeline(captured.gm, record=record)
+    snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
+    times["passes"] = time.perf_counter() - start
+    events.publish("passes_done", captured.gm, gm, snapshots)
+    start = time.perf_counter()
+    by_name = {n.name: n for n in gm.graph.nodes}
+    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
+                   if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
+    groups, irs = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(gm, node.target)
+        in_layouts = [a.meta["fusec_layout"] for a in node.args]
+        outs = sorted((u for u in node.users), key=lambda u: u.args[1])
+        out_layouts = [u.meta["fusec_layout"] for u in outs]
+        lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
+        irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
+        groups.append(node)
+        node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
+    # one build per distinct kernel, several at a time (fusec/runtime/build.py)
+    kernels: dict[str, Kernel] = {}
+    device = groups[0].meta["fusec_group"]["device"] if groups else None
+    for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
+        kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
+                                               built.launcher, built)
+        events.publish("kernel_built", kernel)
+    start = time.perf_counter()
+    # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
+    # no place in the pool, so the pool is planned again without them
+    gm.meta["fusec_inplace"] = inplace = plan_inplace(gm, kernels, backend)
+    if inplace:
+        gm.meta["fusec_memory"] = plan_memory(gm, gm.meta["fusec_schedule"], skip=set(inplace))
+    program = build_program(gm, kernels)
+    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
+                                           len(getattr(captured, "lifted", ())))
+    times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
+    compiled.times = times
+    events.publish("compiled", compiled, label)
+    return compiled

@@ -1,0 +1,146 @@
+"""The fast path: a call that looks like the last one runs its program with almost no Python.
+
+`CompiledFunction.__call__` (fusec/api.py) first tries `self._fast(args)`: a guard written out
+as straight-line Python for the last signature (`_guarded`), which returns `MISS` when the
+arguments differ and otherwise runs the program and returns the user's outputs in the user's
+structure (`_direct_runner`, `_packer`). `_signature` is the key every compiled program is kept
+under; `_complete` puts back the outputs a program does not compute (constants, inputs returned
+as they are).
+"""
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fusec.capture.frontend import Captured
+
+
+class _Miss:
+    """What a fast path returns when the call is not the one it was made for."""
+
+    def __repr__(self) -> str:
+        return "MISS"
+
+
+_MISS = _Miss()
+
+
+def _no_fast_path(args: tuple) -> _Miss:
+    """The fast path before the first call (and after a call that cannot take one)."""
+    return _MISS
+
+
+def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, module) -> Callable:
+    """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
+
+    A guard in the sense of TorchDynamo's, written out as straight-line Python and compiled, so
+    that checking costs a handful of attribute reads per tensor. For `f(x)` with x a (1024,)
+    float32 CPU tensor:
+
+        def fast(args):
+            if len(args) != 1:
+                return MISS
+            a0, = args
+            if (type(a0) is not Tensor or a0.shape != (1024,) or a0.stride() != (1,)
+                    or a0.dtype is not float32 or not a0.is_cpu or a0.requires_grad):
+                return MISS
+            return run(args)
+
+    A module's parameters and buffers are read where they live (an optimizer may replace them)
+    and checked the same way, and so is `module.training`. When some tensor requires grad, the
+    program is an inference one: it runs only while grad mode is off.
+    """
+    glob = {"MISS": _MISS, "Tensor": torch.Tensor, "run": run,
+            "is_grad_enabled": torch.is_grad_enabled}
+    n_args = len(tensors) - n_static
+    args = [f"a{i}" for i in range(n_args)]
+    lines = [f"if len(args) != {n_args}:", "    return MISS"]
+    if args:
+        lines.append(f"{', '.join(args)}{',' if n_args == 1 else ''} = args")
+    if module is not None:
+        glob["module"] = module
+        lines += [f"if module.training is not {module.training}:", "    return MISS"]
+    state = [f"p{i}" for i in range(n_static)]
+    for i, ref in enumerate(state_refs):
+        glob[f"owner{i}"] = ref.owner
+        table = "_parameters" if ref.is_param else "_buffers"
+        lines.append(f"p{i} = owner{i}.{table}[{ref.attr!r}]")
+    for var, t in zip(state + args, tensors):
+        dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
+        glob[dtype], glob[device] = t.dtype, t.device
+        checks = ([f"type({var}) is not Tensor"] if var.startswith("a") else []) + [
+            f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}",
+            f"{var}.dtype is not {dtype}",
+            # is_cpu reads a flag; .device builds a torch.device to compare
+            f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
+            f"{'not ' if t.requires_grad else ''}{var}.requires_grad"]
+        rows = [" or ".join(checks[i:i + 3]) for i in range(0, len(checks), 3)]
+        lines += [f"if ({rows[0]}", *[f"        or {row}" for row in rows[1:-1]],
+                  f"        or {rows[-1]}):", "    return MISS"]
+    if any(t.requires_grad for t in tensors):
+        lines += ["if is_grad_enabled():  # an inference program: training takes `_call`",
+                  "    return MISS"]
+    everything = "args" if not state else f"[{', '.join(state + args)}]"
+    lines.append(f"return run({everything})")
+    source = "def fast(args):\n" + "".join(f"    {line}\n" for line in lines)
+    exec(builtins.compile(source, "<fusec fast path>", "exec"), glob)  # (fusec's compile is ours)
+    fast = glob["fast"]
+    fast.source, fast.run = source, run
+    return fast
+
+
+def _complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
+    """A program's output list, completed with the outputs that are not tensors it computes:
+    constants (None, a number) and inputs returned as they are."""
+    for k, value in sorted(compiled.captured.output_constants.items()):
+        flat_out.insert(k, value)
+    for k, i in compiled.captured.output_aliases.items():
+        flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself
+    return flat_out
+
+
+def _output_form(spec) -> str | None:
+    """"single", "tuple" or "list" when the user's outputs are one tensor or a flat tuple or
+    list of them (the forms a straight-line function returns itself); None for anything else."""
+    n = spec.num_leaves
+    forms = {"single": pytree.tree_structure(0), "tuple": pytree.tree_structure((0,) * n),
+             "list": pytree.tree_structure([0] * n)}
+    return next((name for name, simple in forms.items() if spec == simple), None)
+
+
+def _packer(spec) -> Callable:
+    """flat outputs -> the user's structure, cheaply for the simple forms."""
+    form = _output_form(spec)
+    if form == "single":
+        return operator.itemgetter(0)
+    if form is not None:
+        return tuple if form == "tuple" else list
+    return lambda flat: pytree.tree_unflatten(flat, spec)
+
+
+def _direct_runner(program, captured: Captured) -> Callable:
+    """`run(tensors)` -> the user's outputs: the program's straight-line function, told to
+    return the outputs in the user's structure when it is a tensor, a flat tuple or a flat list
+    (else the structure is rebuilt by pytree after it)."""
+    spec = captured.out_spec
+    form = _output_form(spec)
+    program.prepare()
+    run = program.runner(captured.output_aliases, captured.output_constants, form or "list")
+    if form is not None:
+        return run
+    return lambda tensors: pytree.tree_unflatten(run(tensors), spec)
+
+
+def _signature(leaves: list, grad: bool) -> tuple:
+    key = [grad]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device,
+                        leaf.requires_grad))
+        else:
+            key.append((type(leaf), leaf))
+    return tuple(key)

@@ -1,0 +1,142 @@
+"""CUDA graphs: replay a whole Program as one CUDA graph, when it may be.
+
+`graph_blocker` says why a program cannot be captured (it writes or returns its inputs, runs
+anything on the CPU, draws random numbers, or is a single launch), or None; `CudaGraphRunner`
+captures a program once, on one shared side stream per device (`capture_stream`), and replays it.
+fusec/api.py decides when: the first call runs step by step, the second captures, later ones replay.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fusec.ir import TensorMeta
+from fusec.runtime.program import Program
+from fusec.runtime.steps import ExternStep, KernelStep, ViewStep
+
+
+# Note (when a CUDA graph does not pay): a graph saves at most the CPU time of the launches it
+# replaces, about LAUNCH_US each (a Triton launch through its bound launcher, an ATen call). It
+# costs a copy of every user input into the graph's buffers and of every output out of them.
+# For a big program with few steps the copies are the larger cost: KernelBench-style
+# 7_conv2d_instancenorm_divide on an H200 (a 67 MB input, a 134 MB output, 4 launches) spent
+# 0.098 ms of its 0.656 in those two copies, more than eager needed for its whole bias add.
+LAUNCH_US = 5.0
+COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
+
+
+def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
+                  n_static: int = 0) -> str | None:
+    """Why this program is not replayed as one CUDA graph, or None if it is.
+
+    A captured graph replays fixed addresses: every input is read from a buffer we own (or from a
+    parameter that stays put), every output comes out of the graph's own memory. So a program
+    that writes into its inputs, returns an input (or a view of one), or runs anything on the CPU
+    is launched step by step instead; and so is one whose input and output copies would cost
+    more than its launches (see the note above). `n_static`: the leading inputs that are
+    parameters and buffers, which the graph reads in place.
+    """
+    devices = {n.meta["fusec"].device for n in gm.graph.nodes
+               if isinstance(n.meta.get("fusec"), TensorMeta)}
+    if any(not d.startswith("cuda") for d in devices) or len(devices) != 1:
+        return f"not all on one CUDA device ({', '.join(sorted(devices))})"
+    inputs = set(program.input_slots) | {s for s, _ in program.constants}
+    for step in program.steps:
+        if isinstance(step, ExternStep) and getattr(step.target, "_schema", None) is not None \
+                and step.target._schema.is_mutable:
+            return f"{step.name} writes into a tensor in place"
+        if isinstance(step, ViewStep) and step.root in inputs and step.out_slot in program.output_slots:
+            return "an output is a view of an input"
+    if any(s in inputs for s in program.output_slots):
+        return "an output is an input"
+    for step in program.steps:
+        if draws_random_numbers(step):
+            return f"{step.name} draws random numbers (a replay would not follow torch.manual_seed)"
+    launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
+    if launches < 2:
+        return "a single launch: a graph would only add the copy of the inputs"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    copied = sum(_bytes(n) for n in placeholders[n_static:]) \
+        + sum(_bytes(n) for n in gm.graph.output_node().all_input_nodes)
+    if copied / COPY_BYTES_PER_US > launches * LAUNCH_US:
+        return (f"copying {copied / 1e6:.1f} MB of inputs and outputs into and out of a graph "
+                f"(~{copied / COPY_BYTES_PER_US:.0f} us) would cost more than its {launches} "
+                f"launches (~{launches * LAUNCH_US:.0f} us)")
+    return None
+
+
+def _bytes(node: fx.Node) -> int:
+    m = node.meta.get("fusec")
+    if not isinstance(m, TensorMeta):
+        return 0
+    return math.prod(m.shape) * torch.empty((), dtype=m.dtype).element_size()
+
+
+def draws_random_numbers(step) -> bool:
+    """True for an ATen call that consumes the random generator. torch tags such ops
+    `nondeterministic_seeded`; the fused attention kernels (flash, efficient, cuDNN) carry the tag
+    because they can apply dropout, but with `dropout_p` 0 (inference, eval mode) they draw
+    nothing, and a CUDA graph of a vision transformer must not be refused for it."""
+    target = getattr(step, "target", None)
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = step.kwargs.get("dropout_p", step.args[i] if i < len(step.args) else
+                            schema.arguments[i].default_value)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one side stream per device on which every fusec graph warms up and is captured.
+
+    Capture cannot happen on the default stream, but a new stream per graph would cost memory:
+    cuBLAS keeps a workspace per (handle, stream), tens of MB on recent GPUs, so each fresh stream
+    that runs a matmul adds one. Sharing one stream pays for it once per process.
+    """
+    key = torch.device(device).index if torch.device(device).index is not None \
+        else torch.cuda.current_device()
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _CAPTURE_STREAMS[key]
+
+
+class CudaGraphRunner:
+    """Replays a Program as one CUDA graph: one launch instead of one per step.
+
+    Parameters and buffers (the first `n_static` inputs) are read in place; a call that passes a
+    parameter at another address needs a new capture (`__call__` returns None). Other inputs are
+    copied into buffers the graph owns. Outputs are cloned out of the graph's memory, so the next
+    replay cannot overwrite what an earlier call returned.
+    """
+
+    def __init__(self, program: Program, inputs: list[torch.Tensor], n_static: int):
+        self.program, self.n_static = program, n_static
+        self.static = [t if i < n_static else t.clone() for i, t in enumerate(inputs)]
+        self.static_ptrs = [t.data_ptr() for t in self.static[:n_static]]
+        side = capture_stream(next((t.device for t in inputs), torch.device("cuda")))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up: cuBLAS handles, allocator, Triton binaries
+            program(self.static)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=side):
+            self.outputs = program(self.static)
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        for i in range(self.n_static):
+            if inputs[i].data_ptr() != self.static_ptrs[i]:
+                return None
+        for dst, src in zip(self.static[self.n_static:], inputs[self.n_static:]):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        self.graph.replay()
+        return [o.clone() for o in self.outputs]

@@ -1,0 +1,185 @@
+"""The program model: a scheduled graph becomes a Program, a list of steps over buffer slots.
+
+A Program is built once per input signature. Everything that can be decided ahead of time is:
+which slot each value lives in, the shapes and strides of every buffer a kernel writes, the
+prepared launcher of each kernel. A call then only fills the input slots and runs the steps:
+
+    env = [x, None, None]
+    KernelStep  fused_sin_sin_mul_0   env[1] = empty(4, 4); launch(env[0], env[1])
+    ExternStep  aten.mm.default       env[2] = aten.mm(env[1], env[0])
+    return [env[2]]
+
+Views do not appear here unless an extern call or the caller needs them as tensors: kernels read
+views through index expressions (see passes/schedule.py).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
+from fusec.runtime.writer import straight_line
+
+
+class Program:
+    """A compiled program for one input signature.
+
+    Intermediate buffers live in one pool allocated on the first call and reused by every later
+    one (passes/schedule.py plans the offsets), so a call allocates only its outputs.
+
+    The first call also writes the steps out as one straight-line Python function, `self.run`
+    (see "Note: the per-call path" below); every call after that is just `self.run(inputs)`.
+    `interpret` walks the steps one by one instead: the same result, the slow way.
+    """
+
+    def __init__(self, n_slots: int, input_slots: list[int], constants: dict[int, torch.Tensor],
+                 steps: list, output_slots: list[int], producers: dict[int, Any],
+                 memory=None):
+        self.memory = memory
+        self.pool: torch.Tensor | None = None
+        self.n_slots = n_slots
+        self.input_slots = input_slots
+        self.constants = list(constants.items())
+        self.steps = steps
+        self.output_slots = output_slots
+        self.producers = producers  # output slot -> the kernel (or op name) that produced it
+        self.run: Callable | None = None  # the straight-line function, built by prepare()
+
+    def _bind_pool(self) -> None:
+        kernels = [s for s in self.steps if isinstance(s, KernelStep)]
+        device = kernels[0].device if kernels else torch.device("cpu")
+        self.pool = torch.empty(max(self.memory.pool_bytes if self.memory else 0, 1),
+                                dtype=torch.uint8, device=device)
+        for step in kernels:
+            step.bind_pool(self.pool)
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The output tensors for `inputs` (one tensor per input slot, in order)."""
+        return (self.run or self.prepare())(inputs)
+
+    def prepare(self) -> Callable:
+        """Allocate the pool and build `self.run`, once; returns it."""
+        if self.pool is None:
+            self._bind_pool()
+        if self.run is None:
+            self.run = self.runner()
+        return self.run
+
+    def runner(self, aliases: dict | None = None, constants: dict | None = None,
+               form: str = "list") -> Callable:
+        """A straight-line function `run(inputs)` for this program (see `straight_line`).
+
+        By default it returns the list of output tensors. A caller that knows what the user's
+        function returns can have it returned directly: `constants` (output index -> a value
+        returned as is) are inserted, `aliases` (output index -> input index) return an input
+        itself, and `form` is "list", "tuple" or "single" (the one output, unwrapped).
+        """
+        if self.pool is None:
+            self._bind_pool()
+        return straight_line(self, aliases or {}, constants or {}, form)
+
+    def interpret(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the steps one by one over a list of slots: what `run` does, written as a loop."""
+        if self.pool is None:
+            self._bind_pool()
+        env: list = [None] * self.n_slots
+        for slot, t in zip(self.input_slots, inputs):
+            env[slot] = t
+        for slot, t in self.constants:
+            env[slot] = t
+        for step in self.steps:
+            step(env)
+        return [env[s] for s in self.output_slots]
+
+
+def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
+    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program."""
+    slot_of: dict[str, int] = {}
+
+    def slot(name: str) -> int:
+        if name not in slot_of:
+            slot_of[name] = len(slot_of)
+        return slot_of[name]
+
+    nodes = list(gm.graph.nodes)
+    by_name = {n.name: n for n in nodes}
+    memory = gm.meta.get("fusec_memory")
+    inplace = gm.meta.get("fusec_inplace", {})  # passes/schedule.py: plan_inplace
+    output = gm.graph.output_node()
+    input_slots, constants, steps = [], {}, []
+    producers: dict[int, Any] = {}
+    def folded(n):  # a view read through index arithmetic: it needs no tensor of its own
+        return n.op == "call_function" and "fusec_layout" in n.meta \
+            and n.meta["fusec_layout"].root != n.name
+
+    materialize = {n for n in nodes if folded(n)
+                   and any(u.op != "call_module" and not folded(u) for u in n.users)}
+
+    def ref(a):
+        return SlotRef(slot(a.name)) if isinstance(a, fx.Node) else a
+
+    for node in nodes:
+        if node.op == "placeholder":
+            input_slots.append(slot(node.name))
+        elif node.op == "get_attr":
+            constants[slot(node.name)] = getattr(gm, node.target)
+        elif node.op == "call_module":
+            kernel = kernels[node.target]
+            reads = [slot(p.name) for p in kernel.ir.params if not p.is_output]
+            writes = []
+            for p in kernel.ir.params:
+                if p.is_output:
+                    layout = by_name[p.name].meta["fusec_layout"]
+                    placed = memory.placements.get(p.name) if memory else None
+                    writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype,
+                                               placed.offset if placed else None,
+                                               placed.nbytes if placed else 0,
+                                               slot(inplace[p.name]) if p.name in inplace else None))
+                    producers[slot(p.name)] = kernel
+            device = node.meta["fusec_group"]["device"]
+            # launch unless every output is empty (a reduction over an empty dim still writes
+            # its rows: the identity of the reduction)
+            out_numel = max((math.prod(w.shape) for w in writes), default=0)
+            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device, out_numel))
+        elif node.op == "call_function" and "fusec_views" in node.meta:
+            continue  # split/unbind: its pieces are views, read in place
+        elif node.op == "call_function" and node in materialize:
+            layout = node.meta["fusec_layout"]
+            steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
+        elif folded(node):
+            continue  # a view (or a piece of a split) read through index arithmetic
+        elif node.op == "call_function" and node.target.__name__ == "getitem":
+            src = node.args[0]
+            if src.op == "call_module":
+                continue  # a kernel output: written by the KernelStep
+            layout = node.meta.get("fusec_layout")
+            planned = layout if layout is not None and layout.root == node.name else None
+            steps.append(GetItemStep(slot(src.name), node.args[1], slot(node.name), planned))
+            producers[slot(node.name)] = str(src.target)
+        elif node.op == "call_function" and node in materialize:
+            layout = node.meta["fusec_layout"]
+            steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
+        elif node.op == "call_function" and _is_view(node) and "fusec_layout" in node.meta \
+                and node.meta["fusec_layout"].root != node.name:
+            continue  # folded into the indices of whoever reads it
+        elif node.op == "call_function":
+            layout = node.meta.get("fusec_layout")
+            steps.append(ExternStep(node.target, fx.node.map_arg(node.args, ref),
+                                    fx.node.map_arg(node.kwargs, ref), slot(node.name),
+                                    layout if layout is not None and layout.root == node.name else None))
+            producers[slot(node.name)] = str(node.target)
+    outputs = [slot(a.name) for a in output.args[0]]
+    program = Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
+    program.slot_names = [None] * len(slot_of)
+    for name, index in slot_of.items():
+        program.slot_names[index] = name
+    return program
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and ops.classify(node.target) == ops.VIEW

@@ -1,0 +1,132 @@
+"""Steps: what a compiled program is made of, each a callable over a list of buffer slots.
+
+A step reads and writes `env[slot]`: `KernelStep` launches one fused kernel into outputs it
+allocates (or carves out of the program's pool), `ExternStep` calls one ATen op eagerly and
+settles its result into the planned strides, `ViewStep` makes a view a tensor, `GetItemStep`
+picks one output of an op with several. `Program` (program.py) holds a list of them; the
+straight-line writer (writer.py) spells each one out as a line of Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from fusec.ir import Layout
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    slot: int
+
+
+@dataclass
+class OutputBuffer:
+    slot: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int | None = None  # bytes into the program's pool (memory plan), or None: allocate
+    nbytes: int = 0
+    inplace: int | None = None  # the slot whose buffer this output is written over, if any
+
+
+class KernelStep:
+    def __init__(self, name: str, launcher: Callable, reads: list[int], writes: list[OutputBuffer],
+                 device: str, numel: int):
+        self.name, self.launcher, self.reads, self.writes = name, launcher, reads, writes
+        self.device = torch.device(device)
+        self.numel = numel
+
+        self.planned: dict[int, torch.Tensor] = {}  # slot -> its view into the pool
+
+    def bind_pool(self, pool: torch.Tensor) -> None:
+        """Carve this kernel's planned outputs out of the program's pool, once."""
+        for w in self.writes:
+            if w.offset is not None:
+                piece = pool[w.offset:w.offset + w.nbytes].view(w.dtype)
+                self.planned[w.slot] = piece.as_strided(w.shape, w.stride, piece.storage_offset())
+
+    def __call__(self, env: list) -> None:
+        outs = []
+        for w in self.writes:
+            t = self.planned.get(w.slot)
+            if w.inplace is not None:  # the input's memory, seen with this output's shape
+                src = env[w.inplace]
+                t = src.as_strided(w.shape, w.stride, src.storage_offset())
+            if t is None:
+                t = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+            env[w.slot] = t
+            outs.append(t)
+        if self.numel:
+            self.launcher(*[env[r] for r in self.reads], *outs)
+
+    def __repr__(self) -> str:
+        return f"KernelStep({self.name})"
+
+
+class ExternStep:
+    """An eager ATen call. Its tensor result is put in the layout the schedule planned for it."""
+
+    def __init__(self, target, args, kwargs, out_slot: int, planned: Layout | None):
+        self.target, self.args, self.kwargs = target, args, kwargs
+        self.out_slot, self.planned = out_slot, planned
+        self.name = str(target)
+
+    def __call__(self, env: list) -> None:
+        def fetch(a):
+            return env[a.slot] if isinstance(a, SlotRef) else a
+        args = fx.node.map_aggregate(self.args, fetch)
+        kwargs = fx.node.map_aggregate(self.kwargs, fetch)
+        out = self.target(*args, **kwargs)
+        env[self.out_slot] = out if self.planned is None else self.settle(out)
+
+    def settle(self, out):
+        return settle(out, self.planned)
+
+    def __repr__(self) -> str:
+        return f"ExternStep({self.name})"
+
+
+def settle(out, planned: Layout):
+    """`out` in the strides the schedule planned for it (a copy only when ATen chose others)."""
+    if isinstance(out, torch.Tensor) and tuple(out.stride()) != planned.stride \
+            and out.numel() > 1:
+        fixed = torch.empty_strided(planned.shape, planned.stride, dtype=out.dtype,
+                                    device=out.device)
+        out = fixed.copy_(out)
+    return out
+
+
+class ViewStep:
+    """Materialize a view as a tensor (only for extern calls and program outputs)."""
+
+    def __init__(self, root: int, layout: Layout, out_slot: int):
+        self.root, self.layout, self.out_slot = root, layout, out_slot
+
+    def __call__(self, env: list) -> None:
+        base = env[self.root]
+        env[self.out_slot] = base.as_strided(self.layout.shape, self.layout.stride,
+                                             base.storage_offset() + self.layout.offset)
+
+    def __repr__(self) -> str:
+        return f"ViewStep(slot {self.root} as {self.layout.shape}/{self.layout.stride}+{self.layout.offset})"
+
+
+class GetItemStep:
+    """One output of a multi-output extern. A tensor output is settled into the layout the
+    schedule planned from the op's fake value: a library may lay it out otherwise (an LSTM's
+    batch-first output is a transposed view of a sequence-first buffer), and kernels read it
+    through the planned strides."""
+
+    def __init__(self, src: int, index: int, out_slot: int, planned: Layout | None = None):
+        self.src, self.index, self.out_slot, self.planned = src, index, out_slot, planned
+
+    def __call__(self, env: list) -> None:
+        out = env[self.src][self.index]
+        env[self.out_slot] = out if self.planned is None else settle(out, self.planned)
+
+    def __repr__(self) -> str:
+        return f"GetItemStep(slot {self.src}[{self.index}])"

@@ -1,0 +1,282 @@
+"""The straight-line writer: a Program's steps written out once as one Python function.
+
+`straight_line(program, ...)` turns the list of steps into `def run(inputs)`, one line per step,
+with kernels, ATen ops and constants bound as globals, and compiles it; `Program.prepare` keeps
+the result as `program.run`. See "Note: the per-call path" below for why.
+"""
+from __future__ import annotations
+
+import keyword
+import linecache
+import math
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef,
+                                 ViewStep, settle)
+
+# ---- the straight-line runner ------------------------------------------------------------------
+#
+# Note: the per-call path. A Program's steps are fixed for its input signature, so instead of
+# walking them on every call (an env list, a loop, one method call per step, a list of data
+# pointers built per launch), `straight_line` writes them out once as a Python function and
+# compiles it, the way torch.compile's wrapper code (`output_code`) runs. For `torch.sin(x)`:
+#
+#     def run(inputs):
+#         s0, = inputs
+#         s1 = empty_like(_like)                  # sin: a fresh (1024,) torch.float32 buffer
+#         _fused_sin_0(s0.data_ptr(), s1.data_ptr())
+#         return [s1]
+#
+# `_like` (a one-element tensor expanded to the output's shape), `_fused_sin_0` (the kernel's
+# ctypes function, CppLauncher.pointer_entry) and every other constant are globals of that
+# function, bound when it is built. Nothing is looked up, rendered or walked per call; outputs are
+# still allocated per call, so a later call never overwrites what an earlier one returned.
+# `program.run.source` is the text; a traceback through it shows its lines.
+
+def straight_line(program: "Program", aliases: dict, constants: dict, form: str) -> Callable:
+    """Write `program` out as `def run(inputs)` (see the note above), compile it, return it."""
+    w = _Writer(program)
+    names = [w.define(slot) for slot in program.input_slots]
+    if names:
+        w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
+    for slot, tensor in program.constants:
+        w.names[slot] = w.bind(tensor, "constant")
+    last = last_uses(program)
+    keep = set(program.output_slots) | set(program.input_slots)
+    for i, step in enumerate(program.steps):
+        _EMITTERS.get(type(step), _emit_any)(w, step)
+        dead = [w.names.pop(s) for s in last.get(i, ())
+                if s not in keep and w.names.get(s, "").startswith("s")]
+        if dead:  # as torch.compile's output code does: memory goes back as soon as it can
+            w.line(f"del {', '.join(dead)}", "last use")
+    w.line("return " + _result(w, program, aliases, constants, form))
+    return w.build()
+
+
+def step_reads(step) -> list[int]:
+    """The slots a step reads."""
+    if isinstance(step, KernelStep):
+        return list(step.reads)
+    if isinstance(step, ExternStep):
+        found: list[int] = []
+        for a in (step.args, step.kwargs):
+            fx.node.map_aggregate(a, lambda v: found.append(v.slot) if isinstance(v, SlotRef) else v)
+        return found
+    if isinstance(step, ViewStep):
+        return [step.root]
+    if isinstance(step, GetItemStep):
+        return [step.src]
+    return []
+
+
+def last_uses(program: "Program") -> dict[int, list[int]]:
+    """Step index -> the slots whose last reader (or, if never read, whose writer) it is.
+
+    A slot that is read nowhere dies where it is made: an extern op's result that nothing uses,
+    say. Locals of the straight-line function are deleted there, so a buffer that ATen allocated
+    for an extern call goes back to the allocator after its last reader instead of living until
+    the call returns (which, in a CUDA graph's capture, would keep it in the graph's pool).
+    """
+    where: dict[int, int] = {}
+    for i, step in enumerate(program.steps):
+        for slot in _written_slots(step):
+            where.setdefault(slot, i)
+        for slot in step_reads(step):
+            where[slot] = i
+    out: dict[int, list[int]] = {}
+    for slot, i in sorted(where.items()):
+        out.setdefault(i, []).append(slot)
+    return out
+
+
+class _Writer:
+    """The text of a straight-line function and the globals it reads.
+
+    Slot 3 is the local `s3`; a value that is the same on every call (a kernel, a template, an
+    extern op, a constant argument) is a global with a readable name, `_fused_sin_0` say.
+    """
+
+    def __init__(self, program: "Program"):
+        self.program = program
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}  # slot -> the expression that holds its value
+        self.globals: dict[str, Any] = {"empty_like": torch.empty_like,
+                                        "empty_strided": torch.empty_strided}
+
+    def define(self, slot: int) -> str:
+        self.names[slot] = f"s{slot}"
+        return self.names[slot]
+
+    def bind(self, value: Any, hint: str) -> str:
+        """A global holding `value`, named after `hint`."""
+        base = "_" + "".join(c if c.isalnum() else "_" for c in hint)
+        name, n = base, 1
+        while name in self.globals:
+            name, n = f"{base}_{n}", n + 1
+        self.globals[name] = value
+        return name
+
+    def line(self, text: str, comment: str = "") -> None:
+        self.lines.append(f"    {text}" + (f"  # {comment}" if comment else ""))
+
+    def value_name(self, slot: int) -> str:
+        """The graph's name for a slot's value (`sin`), for comments."""
+        names = getattr(self.program, "slot_names", None)
+        return names[slot] if names else f"slot {slot}"
+
+    def build(self) -> Callable:
+        source = "def run(inputs):\n" + "\n".join(self.lines) + "\n"
+        filename = f"<fusec straight-line program {id(self.program):x}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), self.globals)
+        run = self.globals["run"]
+        run.source = source
+        return run
+
+
+def _emit_kernel(w: _Writer, step: KernelStep) -> None:
+    """Outputs (fresh, or the program's pool views), then the launch."""
+    for buf in step.writes:
+        view = step.planned.get(buf.slot)
+        if buf.inplace is not None:  # written over an input read here for the last time
+            source = w.names[buf.inplace]
+            w.line(f"{w.define(buf.slot)} = {source}.as_strided({buf.shape}, {buf.stride}, "
+                   f"{source}.storage_offset())",
+                   f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
+                   f"its last use")
+        elif view is not None:  # carved out of the pool once: the same memory on every call
+            w.names[buf.slot] = w.bind(view, w.value_name(buf.slot))
+            w.line(f"# {w.names[buf.slot]}: a view of the pool, bytes [{buf.offset}, "
+                   f"{buf.offset + buf.nbytes})")
+        else:
+            w.line(f"{w.define(buf.slot)} = {_allocation(w, buf, step.device)}",
+                   f"{w.value_name(buf.slot)}: a fresh {buf.shape} {buf.dtype} buffer")
+    if not step.numel:
+        w.line("pass", f"{step.name}: every output is empty, nothing to launch")
+        return
+    tensors = [w.names[r] for r in step.reads] + [w.names[b.slot] for b in step.writes]
+    entry = getattr(step.launcher, "pointer_entry", None)
+    if entry is not None:  # a C function: called with the data pointers, as ints
+        w.line(f"{w.bind(entry, step.name)}({', '.join(t + '.data_ptr()' for t in tensors)})")
+    else:  # a Python launcher (Triton's grid launch, the LLVM backend's): called with tensors
+        w.line(f"{w.bind(step.launcher, step.name)}({', '.join(tensors)})")
+
+
+def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
+    """The expression that allocates a fresh output buffer.
+
+    `torch.empty_like(t)`, where t is one element expanded to the buffer's shape, allocates a
+    contiguous buffer of t's shape, dtype and device; it takes no keyword arguments to parse,
+    which makes it the cheapest allocation from Python (~0.2 us less than `empty_strided` with
+    `dtype=` and `device=`). Buffers with other strides use `empty_strided`.
+    """
+    meta = torch.empty((), dtype=buf.dtype, device="meta").expand(buf.shape)
+    if tuple(torch.empty_like(meta).stride()) == tuple(buf.stride):
+        like = torch.empty((), dtype=buf.dtype, device=device).expand(buf.shape)
+        return f"empty_like({w.bind(like, 'like')})"
+    return (f"empty_strided({buf.shape}, {buf.stride}, dtype={w.bind(buf.dtype, 'dtype')}, "
+            f"device={w.bind(device, 'device')})")
+
+
+def _emit_extern(w: _Writer, step: ExternStep) -> None:
+    """`s5 = _aten_mm_default(s1, s2)`, its arguments written out."""
+    try:
+        args = [_argument(w, a) for a in step.args]
+        for k, v in step.kwargs.items():
+            if not k.isidentifier() or keyword.iskeyword(k):
+                raise _NotWritable(f"keyword {k!r}")
+            args.append(f"{k}={_argument(w, v)}")
+    except _NotWritable:
+        return _emit_any(w, step)
+    call = f"{w.bind(step.target, step.name)}({', '.join(args)})"
+    if step.planned is not None:  # ATen picks its result's strides: settle them as planned
+        call = f"{w.bind(step.settle, 'settle')}({call})"
+    w.line(f"{w.define(step.out_slot)} = {call}")
+
+
+class _NotWritable(Exception):
+    """An argument `_argument` cannot write out (a tensor inside a dict, say)."""
+
+
+def _argument(w: _Writer, a: Any) -> str:
+    """An extern call's argument as an expression: a slot's name, a literal, or a global."""
+    if isinstance(a, SlotRef):
+        return w.names[a.slot]
+    if type(a) in (int, bool, str) or a is None or (type(a) is float and math.isfinite(a)):
+        return repr(a)
+    if isinstance(a, (list, tuple)) and _holds_slots(a):
+        if type(a) is not tuple and not isinstance(a, list):
+            raise _NotWritable(type(a))  # a named tuple: left to ExternStep itself
+        inner = [_argument(w, v) for v in a]
+        if isinstance(a, list):
+            return f"[{', '.join(inner)}]"
+        return f"({', '.join(inner)}{',' if len(inner) == 1 else ''})"
+    if _holds_slots(a):
+        raise _NotWritable(type(a))
+    return w.bind(a, "arg")
+
+
+def _holds_slots(a: Any) -> bool:
+    found = []
+    fx.node.map_aggregate(a, lambda v: found.append(v) if isinstance(v, SlotRef) else v)
+    return bool(found)
+
+
+def _emit_view(w: _Writer, step: ViewStep) -> None:
+    root, lay = w.names[step.root], step.layout
+    w.line(f"{w.define(step.out_slot)} = {root}.as_strided({lay.shape}, {lay.stride}, "
+           f"{root}.storage_offset() + {lay.offset})", w.value_name(step.out_slot))
+
+
+def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
+    item = f"{w.names[step.src]}[{step.index!r}]"
+    if step.planned is not None:  # as for an extern's result: settle the strides as planned
+        item = f"{w.bind(settle, 'settle')}({item}, {w.bind(step.planned, 'layout')})"
+    w.line(f"{w.define(step.out_slot)} = {item}")
+
+
+def _emit_any(w: _Writer, step) -> None:
+    """A step written as a call of the step itself, with the live values in a dict for its env
+    (a step reads `env[slot]` and writes `env[out_slot]`; a dict serves as well as a list)."""
+    live = ", ".join(f"{slot}: {name}" for slot, name in w.names.items())
+    env = w.bind(step, type(step).__name__.lower())
+    w.line(f"env = {{{live}}}")
+    w.line(f"{env}(env)", repr(step))
+    for slot in _written_slots(step):
+        w.line(f"{w.define(slot)} = env[{slot}]")
+    w.line("del env")
+
+
+def _written_slots(step) -> list[int]:
+    if isinstance(step, KernelStep):
+        return [b.slot for b in step.writes]
+    return [step.out_slot]
+
+
+_EMITTERS = {KernelStep: _emit_kernel, ExternStep: _emit_extern, ViewStep: _emit_view,
+             GetItemStep: _emit_getitem}
+
+
+def _result(w: _Writer, program: "Program", aliases: dict, constants: dict, form: str) -> str:
+    """The return expression: the program's outputs, with `constants` inserted and `aliases`
+    returning inputs themselves (what CompiledFunction does to a program's output list)."""
+    items = [w.names[s] for s in program.output_slots]
+    for k, value in sorted(constants.items()):
+        items.insert(k, _literal_or_global(w, value))
+    for k, i in aliases.items():
+        items[k] = w.names[program.input_slots[i]]
+    if form == "single":
+        (item,) = items
+        return item
+    if form == "tuple":
+        return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
+    return f"[{', '.join(items)}]"
+
+
+def _literal_or_global(w: _Writer, value: Any) -> str:
+    if type(value) in (int, bool, str) or value is None:
+        return repr(value)
+    return w.bind(value, "out")

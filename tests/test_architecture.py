@@ -1,0 +1,167 @@
+"""The layout's rules, checked on the source: no import cycles, inspection above the core, short files.
+
+Every module of the installed package (fusec/, and passes/, codegen/, examples/, which install as
+fusec.passes, fusec.codegen and fusec.examples: pyproject.toml's package-dir) is parsed with `ast`,
+and every import in it, at the top or inside a function, becomes an edge of one directed graph
+(networkx). Then:
+
+1. the graph has no cycle at all: two modules never import each other, directly or around a
+   loop. A function-local import counts like any other, so hiding a circle inside a function
+   body does not make it go away;
+2. the core never imports the inspection tools (fusec/inspect/): they read the core, and the core
+   publishes what happened (fusec/events.py) instead of calling them. Only the public face
+   (fusec/__init__.py, the command line, the demo, the examples) may import both. The core does
+   not import the `fusec` package itself either: that would bring inspect/ in through the back;
+3. a file over 400 lines says why, in the opening of its module docstring, on a line that starts
+   with "Why this file is long:" (the op table is one table; splitting it would scatter it);
+4. outside codegen/, nothing tests a backend's name (`backend == "triton"`): it asks the backend
+   registry (codegen/backends.py) for the feature it means. ("auto" is an option, not a backend.)
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"fusec": "fusec", "passes": "fusec.passes", "codegen": "fusec.codegen",
+            "examples": "fusec.examples"}
+FACE = {"fusec", "fusec.cli", "fusec.demo"}  # plus fusec.examples.*: may import any room
+MAX_LINES = 400
+REASON = "Why this file is long:"
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> its file, for every .py file of the package."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imported(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
+    """The modules of `known` that one import statement of module `name` (file `path`) loads."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the module's package, `level - 1` packages up
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            package = package[:len(package) - (node.level - 1)]
+            base = ".".join(package + ([node.module] if node.module else []))
+        # `from fusec.codegen import cpp` loads the module fusec.codegen.cpp; `from fusec.ir
+        # import Layout` loads fusec.ir
+        targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                   for alias in node.names]
+    out = []
+    for target in targets:
+        while target and target not in known:  # `import torch.fx`: not ours; `import a.b.c`: a.b.c
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.append(target)
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    known = modules()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(known)
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in imported(name, path, node, set(known)):
+                    graph.add_edge(name, target, line=f"{path.relative_to(ROOT)}:{node.lineno}")
+    return graph
+
+
+def _where(graph: nx.DiGraph, cycle: list[tuple]) -> str:
+    return "\n".join(f"  {a} -> {b}   ({graph.edges[a, b]['line']})" for a, b, *_ in cycle)
+
+
+def test_the_graph_sees_the_imports_it_should():
+    """A guard on the guard: the parser finds top-level, function-level and relative imports."""
+    graph = import_graph()
+    assert graph.has_edge("fusec.driver", "fusec.passes")  # top level
+    assert graph.has_edge("fusec.passes", "fusec.passes.dce")  # relative, in a package
+    assert graph.has_edge("fusec.codegen.llvm", "fusec.codegen.llvm_build")  # `from . import x`
+    assert len(graph) > 60 and graph.number_of_edges() > 150
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = []
+    while True:
+        try:
+            cycle = nx.find_cycle(graph)
+        except nx.NetworkXNoCycle:
+            break
+        cycles.append(cycle)
+        graph.remove_edge(*cycle[0][:2])  # find the next one too, so one run lists them all
+    assert not cycles, "import cycles:\n" + "\n\n".join(_where(import_graph(), c) for c in cycles)
+
+
+def is_inspect(name: str) -> bool:
+    return name == "fusec.inspect" or name.startswith("fusec.inspect.")
+
+
+def is_face(name: str) -> bool:
+    return name in FACE or name.startswith("fusec.examples")
+
+
+def test_the_core_never_imports_inspection():
+    graph = import_graph()
+    wrong = [(a, b) for a, b in graph.edges
+             if not is_inspect(a) and not is_face(a) and (is_inspect(b) or b == "fusec")]
+    assert not wrong, "core modules that import fusec.inspect (or the whole fusec package):\n" + \
+        "\n".join(f"  {a} -> {b}   ({graph.edges[a, b]['line']})" for a, b in wrong)
+
+
+def test_long_files_say_why():
+    too_long = []
+    for name, path in modules().items():
+        lines = path.read_text().splitlines()
+        if len(lines) <= MAX_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse("\n".join(lines))) or ""
+        opening = doc.splitlines()[:30]
+        if not any(line.startswith(REASON) for line in opening):
+            too_long.append(f"  {path.relative_to(ROOT)}: {len(lines)} lines")
+    assert not too_long, (f"files over {MAX_LINES} lines without a line starting {REASON!r} in "
+                          "the opening of their module docstring:\n" + "\n".join(too_long))
+
+
+BACKEND_NAMES = {"triton", "cpp", "llvm"}
+
+
+def _names_a_backend(node: ast.AST) -> bool:
+    """`backend`, `k.backend`, `self.backend`, `chosen`: an expression that holds a backend name."""
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return name in ("backend", "chosen")
+
+
+def _backend_strings(node: ast.AST) -> set[str]:
+    values = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {v.value for v in values if isinstance(v, ast.Constant) and v.value in BACKEND_NAMES}
+
+
+def test_no_backend_name_tests_outside_codegen():
+    found = []
+    for name, path in modules().items():
+        if name.startswith("fusec.codegen"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(_names_a_backend(s) for s in sides) and \
+                        any(_backend_strings(s) for s in sides):
+                    found.append(f"  {path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(node, ast.Dict) and \
+                    len({k.value for k in node.keys if isinstance(k, ast.Constant)} & BACKEND_NAMES) > 1:
+                found.append(f"  {path.relative_to(ROOT)}:{node.lineno} (a table keyed by backend)")
+    assert not found, "backend names tested outside codegen/ (ask codegen/backends.py):\n" + \
+        "\n".join(found)
