@@ -25,7 +25,7 @@ from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile, tensor_args
 from fusec.codegen import backends
-from fusec.driver import CompiledGraph, Kernel, compile_graph
+from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast_path,  # noqa: F401
                             _packer, _signature)
@@ -216,9 +216,10 @@ class CompiledFunction:
         device = calls.program_device([*self._state(), *tensors])
         backend = resolve_backend(self.backend, device)
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
-        with torch.no_grad():
-            captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
-        return compile_graph(captured, backend, record=detail, label=_label(self.fn))
+        with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
+            with torch.no_grad():
+                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
+            return compile_graph(captured, backend, record=detail, label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
         """The program is not one static graph (`cause` says why and where). fullgraph=True:

@@ -27,7 +27,7 @@ import math
 
 import torch
 from torch._decomp import get_decompositions
-from torch._prims_common import reduction_dims
+from torch._prims_common import reduction_dims, suggest_memory_format
 
 aten = torch.ops.aten
 
@@ -101,6 +101,37 @@ def var_correction(x, dim=None, *, correction=None, keepdim=False):
 @register(aten.var_mean.correction)
 def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
     return _var(x, dim, correction, keepdim)
+
+
+@register(aten.cat.default)
+def cat_without_empties(tensors, dim=0):
+    """Concatenation with empty tensors in the list: the empties dropped. A KV cache that starts
+    as `torch.tensor([])` and grows by `torch.cat([cache, k], dim=-2)` is then, at the first
+    step, a copy of k, which fusion puts in the kernel that makes k (a cat is an extern).
+    torch.cat skips a 1-d empty tensor whatever the dim, and a tensor of size 0 along the dim
+    adds nothing; the dtype is still promoted over every tensor, and the memory format is the
+    inputs' (the empties' too) when they agree, else contiguous, as eager's cat picks it. Any
+    other cat is traced as it is."""
+    def skipped(t):  # eager's cat ignores these for shapes (not for the memory format)
+        return t.dim() == 1 and t.numel() == 0
+    kept = [t for t in tensors if not skipped(t) and t.shape[dim] != 0]
+    if not kept or len(kept) == len(tensors):
+        return NotImplemented
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    fmt = _cat_format(tensors)
+    if len(kept) > 1:
+        if _cat_format(kept) != fmt:
+            return NotImplemented  # the cat of the rest would pick another layout
+        out = aten.cat.default(kept, dim)
+        return out if out.dtype == dtype else aten._to_copy.default(out, dtype=dtype)
+    return aten._to_copy.default(kept[0], dtype=dtype, memory_format=fmt)
+
+
+def _cat_format(tensors):
+    formats = {suggest_memory_format(t) for t in tensors}
+    return formats.pop() if len(formats) == 1 else torch.contiguous_format
 
 
 @register(aten.sum.default)
