@@ -72,6 +72,9 @@ class Backend:
                               f"tensors under TRITON_INTERPRET=1), not on {device}")
         if device.type in self.interpreted_on:
             prepare_triton(device)
+        prepare = getattr(self.module, "prepare", None)
+        if prepare is not None:  # (Triton on a GPU: its cache key, worked out in a thread)
+            prepare(device)
 
 
 BACKENDS = {b.name: b for b in (

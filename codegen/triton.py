@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import threading
 from pathlib import Path
 
 from fusec import cache, ops
@@ -175,8 +176,42 @@ def build(source: str, name: str) -> Path:
     return path
 
 
+_KEYS: list[threading.Thread] = []  # the one thread that works out Triton's own key
+
+
+def prepare(device) -> None:
+    """Before the first compile for a GPU in this process, start working out Triton's own cache
+    key in a thread. Every Triton compile, even one that finds its binary in Triton's cache,
+    keys the cache by a hash of Triton's own sources and its 300 MB compiler library
+    (`triton_key()`, computed once per process): 0.4 s on an H200's host, a quarter of a warm
+    start. Reading and hashing a file leave Python's lock free, so the hash is done while the
+    model is captured and the passes run; `launcher` waits for it before any kernel compiles.
+    """
+    if _KEYS or torch_device_type(device) != "cuda":
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # an older Triton keeps it elsewhere: its first compile computes it
+        return
+    def work_out():
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001 - the first compile computes it again and says why
+            pass
+
+    thread = threading.Thread(target=work_out, name="fusec-triton-key", daemon=True)
+    _KEYS.append(thread)
+    thread.start()
+
+
+def torch_device_type(device) -> str:
+    return device.type if hasattr(device, "type") else str(device).split(":")[0]
+
+
 def launcher(path: Path, name: str, n_params: int):
     """Import a written module (once per process) and wrap its `launch` in a TritonLauncher."""
+    for thread in _KEYS:
+        thread.join()  # (prepare: Triton's key, worked out while the model was captured)
     module_name = f"fusec_kernels.{path.stem.replace('-', '_')}"
     module = sys.modules.get(module_name)
     if module is None:
