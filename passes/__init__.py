@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [dce, cse, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise,
+    PIPELINE = [dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise,
                 fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
@@ -22,12 +22,13 @@ from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
 from .layout import layout
 from .pad_matmul import pad_matmul
+from .reinplace import reinplace
 from .schedule import schedule
 from .small_matmul import small_matmul
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [dce, cse, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise, fuse_reductions,
-            schedule]
+PIPELINE = [dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise,
+            fuse_reductions, schedule]
 
 
 @dataclass

@@ -63,7 +63,7 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
             formed = {k: v for k, v in groups.items() if k not in prev_groups}
             dissolved = [k for k in prev_groups if k not in groups]
             parts = []
-            if removed:
+            if removed and snap.after != "reinplace":  # (reinplace says what it replaced)
                 parts.append(f"removed {len(removed)} node(s)")
                 details.append("removed (no user, no side effect): " + ", ".join(removed))
             if dissolved:
@@ -79,6 +79,12 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                     if info.get("kind") == "reduction":
                         why = f"a reduction with its prologue/epilogue ops over {shape}"
                     details.append(f"{k}: {', '.join(members)}  ({why})")
+            if snap.after == "reinplace" and gm.meta.get("fusec_reinplace"):
+                decisions = gm.meta["fusec_reinplace"]
+                if any(done for _, done, _ in decisions):
+                    parts.append(f"{sum(1 for _, d, _ in decisions if d)} buffer update(s) in place")
+                details += [f"{name}: {'-> ' + done if done else 'kept'}: {why}"
+                            for name, done, why in decisions]
             if snap.after == "unfuse_bias" and gm.meta.get("fusec_unfuse_bias"):
                 done = gm.meta["fusec_unfuse_bias"]
                 parts.append(f"unfused {len(done)} linear bias(es)")
