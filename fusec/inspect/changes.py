@@ -83,7 +83,7 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 decisions = gm.meta["fusec_reinplace"]
                 if any(done for _, done, _ in decisions):
                     parts.append(f"{sum(1 for _, d, _ in decisions if d)} buffer update(s) in place")
-                details += [f"{name}: {'-> ' + done if done else 'kept'}: {why}"
+                details += [f"{name} -> {done}: {why}" if done else f"{name}: kept: {why}"
                             for name, done, why in decisions]
             if snap.after == "unfuse_bias" and gm.meta.get("fusec_unfuse_bias"):
                 done = gm.meta["fusec_unfuse_bias"]
