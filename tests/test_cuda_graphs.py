@@ -73,6 +73,41 @@ def test_programs_that_write_inputs_are_not_graphed():
     assert cf.last.graph_blocker and "in place" in cf.last.graph_blocker
 
 
+class KVCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 4, 16, 8, device="cuda"))
+
+    def forward(self, k, pos):
+        self.cache.index_copy_(2, pos, k)  # written in place (passes/reinplace.py)
+        return torch.softmax(self.cache.sum(-1), dim=-1)
+
+
+def test_buffer_updated_in_place_is_graphed_and_written_on_every_replay():
+    module, twin = KVCache(), KVCache()
+    cm = fusec.compile(module)
+    with torch.no_grad():
+        for step in range(5):
+            k, pos = torch.randn(2, 4, 1, 8, device="cuda"), torch.tensor([step], device="cuda")
+            torch.testing.assert_close(cm(k, pos), twin(k, pos))
+            torch.testing.assert_close(module.cache, twin.cache, rtol=0, atol=0)
+    last = cm._compiled.last
+    assert last.graph_blocker is None and last.runner is not None, last.graph_blocker
+
+
+def test_user_input_updated_by_index_put_is_not_graphed():
+    def write(cache, k, pos):
+        cache.index_copy_(1, pos, k)
+        return cache.sum(1)
+    cf = fusec.compile(write)
+    cache, twin = torch.zeros(4, 8, device="cuda"), torch.zeros(4, 8, device="cuda")
+    for step in range(3):
+        k, pos = torch.randn(4, 1, device="cuda"), torch.tensor([step], device="cuda")
+        torch.testing.assert_close(cf(cache, k, pos), write(twin, k, pos))
+        torch.testing.assert_close(cache, twin)
+    assert cf.last.graph_blocker and "in place" in cf.last.graph_blocker
+
+
 def test_several_compiled_models_alive_at_once_share_the_capture_stream():
     """Two graphed models (matmuls in both: they share one capture stream and its cuBLAS
     workspace), called in turns under no_grad: each replays its own graph, right every time,

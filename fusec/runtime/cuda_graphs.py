@@ -33,7 +33,7 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
 
     A captured graph replays fixed addresses: every input is read from a buffer we own (or from a
     parameter that stays put), every output comes out of the graph's own memory. So a program
-    that writes into its inputs, returns an input (or a view of one), or runs anything on the CPU
+    that writes into a user's input (writing into a parameter or buffer is fine), returns an input (or a view of one), or runs anything on the CPU
     is launched step by step instead; and so is one whose input and output copies would cost
     more than its launches (see the note above). `n_static`: the leading inputs that are
     parameters and buffers, which the graph reads in place.
@@ -43,9 +43,10 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
     if any(not d.startswith("cuda") for d in devices) or len(devices) != 1:
         return f"not all on one CUDA device ({', '.join(sorted(devices))})"
     inputs = set(program.input_slots) | {s for s, _ in program.constants}
+    static = set(program.input_slots[:n_static])
     for step in program.steps:
         if isinstance(step, ExternStep) and getattr(step.target, "_schema", None) is not None \
-                and step.target._schema.is_mutable:
+                and step.target._schema.is_mutable and not _writes_only(step, static):
             return f"{step.name} writes into a tensor in place"
         if isinstance(step, ViewStep) and step.root in inputs and step.out_slot in program.output_slots:
             return "an output is a view of an input"
@@ -65,6 +66,16 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
                 f"(~{copied / COPY_BYTES_PER_US:.0f} us) would cost more than its {launches} "
                 f"launches (~{launches * LAUNCH_US:.0f} us)")
     return None
+
+
+def _writes_only(step: ExternStep, slots: set) -> bool:
+    """Does the in-place `step` write only into tensors in `slots`? A graph may write into a
+    parameter or buffer (passes/reinplace.py: a KV cache updated in place), since it reads those
+    where they live; not into a user's input, of which it holds a copy."""
+    written = [i for i, a in enumerate(step.target._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    refs = [step.args[i] if i < len(step.args) else None for i in written]
+    return bool(refs) and all(getattr(r, "slot", None) in slots for r in refs)
 
 
 def _bytes(node: fx.Node) -> int:
