@@ -95,6 +95,26 @@ def test_buffer_updated_in_place_is_graphed_and_written_on_every_replay():
     assert last.graph_blocker is None and last.runner is not None, last.graph_blocker
 
 
+class Counter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), device="cuda"))
+
+    def forward(self, x):
+        self.count.add_(1)  # not idempotent: the capture's warm-up must not count
+        return x * self.count
+
+
+def test_buffer_written_by_a_graph_counts_each_call_once():
+    module, twin = Counter(), Counter()
+    cm = fusec.compile(module)
+    x = torch.randn(64, device="cuda")
+    with torch.no_grad():
+        for step in range(5):
+            torch.testing.assert_close(cm(x), twin(x))
+            assert module.count.item() == twin.count.item() == step + 1
+
+
 def test_user_input_updated_by_index_put_is_not_graphed():
     def write(cache, k, pos):
         cache.index_copy_(1, pos, k)

@@ -72,10 +72,24 @@ def _writes_only(step: ExternStep, slots: set) -> bool:
     """Does the in-place `step` write only into tensors in `slots`? A graph may write into a
     parameter or buffer (passes/reinplace.py: a KV cache updated in place), since it reads those
     where they live; not into a user's input, of which it holds a copy."""
-    written = [i for i, a in enumerate(step.target._schema.arguments)
-               if a.alias_info is not None and a.alias_info.is_write]
-    refs = [step.args[i] if i < len(step.args) else None for i in written]
+    refs = _written_refs(step)
     return bool(refs) and all(getattr(r, "slot", None) in slots for r in refs)
+
+
+def _written_refs(step: ExternStep) -> list:
+    schema = getattr(step.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = [i for i, a in enumerate(schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    return [step.args[i] if i < len(step.args) else None for i in written]
+
+
+def written_inputs(program: Program) -> list[int]:
+    """The positions, among the program's inputs, of those its steps write in place."""
+    where = {slot: i for i, slot in enumerate(program.input_slots)}
+    return sorted({where[r.slot] for step in program.steps if isinstance(step, ExternStep)
+                   for r in _written_refs(step) if getattr(r, "slot", None) in where})
 
 
 def _bytes(node: fx.Node) -> int:
@@ -135,9 +149,17 @@ class CudaGraphRunner:
         self.static_ptrs = [t.data_ptr() for t in self.static[:n_static]]
         side = capture_stream(next((t.device for t in inputs), torch.device("cuda")))
         side.wait_stream(torch.cuda.current_stream())
+        # The warm-up runs the program once more than the caller asked: the parameters and
+        # buffers it writes in place (a KV cache) are put back as they were after it, or a
+        # program that also reads them would see its own update twice.
+        written = written_inputs(program)
+        saved = [(self.static[i], self.static[i].clone()) for i in written]
         with torch.cuda.stream(side):  # warm up: cuBLAS handles, allocator, Triton binaries
             program(self.static)
+            for tensor, before in saved:
+                tensor.copy_(before)
         torch.cuda.current_stream().wait_stream(side)
+        del saved
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side):
             self.outputs = program(self.static)
