@@ -1,6 +1,9 @@
 """What loading cached Triton kernels costs on a warm start, piece by piece.
 
-    python benchmarks/diagnostics/triton_warm_load.py resnet50
+    python benchmarks/diagnostics/triton_warm_load.py resnet50,bert_base [cold,threads,...]
+
+Variant "count" (first, in a cold cache) counts Triton's binaries on disk after the kernels were
+compiled ahead and after the first run: more after the run means a kernel compiled twice.
 
 Compiles the model once (cold, filling the caches), then, in fresh processes over the same
 caches, times: Triton's one-off keys (`triton_key()`, the hash of Triton's own sources, and the
@@ -55,24 +58,40 @@ with torch.no_grad():
         keys["backend_hash"] = time.perf_counter() - start
     if variant == "at_launch":
         build.jobs = lambda: 1
+    counts = {}
+    if variant == "count":  # Triton binaries on disk after compile_ahead, and after the run
+        import glob, os
+        def binaries():
+            return len(glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "*", "*.cubin")))
+        ahead = build._compile_ahead
+
+        def counted(todo, device):
+            ahead(todo, device)
+            counts["after_compile_ahead"] = binaries()
+            counts["distinct"] = len(todo)
+        build._compile_ahead = counted
     compiled = fusec.compile(model)
     start = time.perf_counter()
     compiled(*inputs)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-print(json.dumps({"variant": variant, "seconds": round(seconds, 3), "keys": keys,
+if variant == "count":
+    counts["after_first_run"] = binaries()
+print(json.dumps({"variant": variant, "seconds": round(seconds, 3), "keys": keys, "counts": counts,
                   "stages": {k: round(v, 3) for k, v in times.items()}}))
 '''
 
 
 def main() -> None:
-    for name in sys.argv[1:]:
+    for name in sys.argv[1].split(","):
         code = CHILD.replace("exec(MODEL_CODE)", textwrap.dedent(MODELS[name][1]).strip())
         with tempfile.TemporaryDirectory(prefix="triton_warm_") as root:
             env = dict(os.environ, FUSEC_CACHE_DIR=os.path.join(root, "fusec"),
                        TRITON_CACHE_DIR=os.path.join(root, "triton"))
             env.pop("TRITON_INTERPRET", None)
-            for variant in ("cold", "threads", "keys", "at_launch", "threads"):
+            variants = sys.argv[2].split(",") if len(sys.argv) > 2 else \
+                ["cold", "threads", "keys", "at_launch", "threads"]
+            for variant in variants:
                 proc = subprocess.run([sys.executable, "-c", code, name, variant],
                                       capture_output=True, text=True, env=env)
                 out = proc.stdout.strip().splitlines()

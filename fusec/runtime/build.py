@@ -172,7 +172,10 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
             return
         try:
             with torch.cuda.device(index):  # Triton compiles for the thread's current device
-                ahead(*[p.dtype for p in built.ir.params])
+                compiled = ahead(*[p.dtype for p in built.ir.params])
+                ready = getattr(codegen(built.backend), "prepare_launch", None)
+                if ready is not None and compiled is not None:
+                    ready(compiled)
         except Exception as err:  # noqa: BLE001 - the first launch compiles it and says why
             cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
                       "its first launch compiles it")
