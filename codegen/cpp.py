@@ -131,7 +131,8 @@ def render(kernel) -> str:
     outer_dims = len(shape) - 1
     strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE})
     row_tile = 1
-    if strided and rows >= 2 and inner >= 2:
+    pieces = any(l.valid for l in kernel.loads)  # a cat's loads are conditional: no tiles
+    if strided and rows >= 2 and inner >= 2 and not pieces:
         row_tile, chunk = min(ROW_TILE, rows), min(TILE_CHUNK, inner)
 
     row_setup: list[str] = []
@@ -166,8 +167,14 @@ def render(kernel) -> str:
             gathers += [f"{CTYPE[load.dtype]} {tile}[CHUNK];",
                         f"for (int64_t i = start; i < end; ++i) {tile}[i - start] = {ptr};"]
             ptr = f"{tile}[i - start]"
-        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = "
-                    f"{convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)};")
+        value = convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        if load.valid is not None:  # a piece of a cat: read only inside its range (ir.Load)
+            dim, lo, hi = load.valid
+            at = f"c{dim}" if dim < outer_dims else "i"
+            inside = f"{at} < {hi}" if lo == 0 else f"{at} >= {lo} && {at} < {hi}"
+            other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
+            value = f"({inside}) ? {value} : {other}"
+        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
     body += [_stmt(s) for s in kernel.stmts]
     for k, store in enumerate(kernel.stores):
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"

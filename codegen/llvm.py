@@ -55,8 +55,8 @@ from fusec.ir import Index, PointwiseKernel
 
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, summary
 from .llvm_build import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
-from .llvm_ir import (Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt,
-                      emit_store, index_sum)
+from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt,
+                      emit_store, index_sum, literal)
 from .llvm_ir import vector_isa, vector_isas  # noqa: F401 (the backend's views, read as llvm.X)
 from .llvm_jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
                        object_code, optimized_ir, target_machine, triple_and_layout)
@@ -94,7 +94,12 @@ def render(kernel, target: Target | None = None) -> str:
         return body.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
 
     for load in kernel.loads:
-        emit_load(body, load.param, load.dtype, index(load.index, load.var.name), load.var, values)
+        at = index(load.index, load.var.name)
+        if load.valid is None:
+            emit_load(body, load.param, load.dtype, at, load.var, values)
+        else:
+            emit_piece(body, load, at, c[load.valid[0]] if load.valid[0] < len(c) else "%i",
+                       values)
     for s in kernel.stmts:
         emit_stmt(body, s, values)
     for n, store in enumerate(kernel.stores):
@@ -106,6 +111,24 @@ def render(kernel, target: Target | None = None) -> str:
                    parallel=str(kernel.numel >= PARALLEL_THRESHOLD and rows * chunks > 1).lower(),
                    params=_params(kernel), row_setup=setup.lines, body=body.lines)
 
+
+
+def emit_piece(e: Emitter, load, at: str, coord: str, values: dict[str, str]) -> None:
+    """A piece of a cat (fusec.ir.Load.valid): read where `coord` is inside the piece's range,
+    else take the next piece's value. Outside its range the piece's address may lie before or
+    after its buffer, so the load reads element 0 there instead (always there), and a select
+    drops it: a load that cannot fault, which the vectorizer can still widen."""
+    _, lo, hi = load.valid
+    name = load.var.name
+    inside = e.emit(f"icmp slt i64 {coord}, {hi}", name + ".in")
+    if lo:
+        above = e.emit(f"icmp sge i64 {coord}, {lo}", name + ".in")
+        inside = e.emit(f"and i1 {inside}, {above}", name + ".in")
+    safe = e.emit(f"select i1 {inside}, i64 {at}, i64 0", name + ".at")
+    emit_load(e, load.param, load.dtype, safe, load.var, values)
+    kind = TYPE[load.var.dtype]
+    other = values[load.other.name] if load.other is not None else literal(0, load.var.dtype)
+    values[name] = e.emit(f"select i1 {inside}, {kind} {values[name]}, {kind} {other}", name)
 
 
 # ---- loading and launching -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ This is where every decision about a kernel is made, so the backends only have t
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -34,8 +35,13 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     in_layouts = [_permuted(l, perms.get(ph.name)) for ph, l in zip(placeholders, in_layouts)]
     out_layouts = [_permuted(l, perms.get(o.name)) for o, l in zip(outputs, out_layouts)]
 
-    tensors = [_broadcast_strides(l, shape) for l in in_layouts] + \
-              [_broadcast_strides(l, shape) for l in out_layouts]
+    pieces = cat_pieces(sub, placeholders, in_layouts, shape)
+    only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
+                                               if any(not _is_cat(u) for u in ph.users)}
+    tensors = [_broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
+               for i, l in enumerate(in_layouts)] + \
+              [_broadcast_strides(l, shape) for l in out_layouts] + \
+              [p.strides for p in pieces] + [p.sentinel for p in pieces]
     order = loop_order(tensors[len(in_layouts)] if out_layouts else tensors[0], shape)
     loop_shape, loop_strides = coalesce(tuple(shape[d] for d in order),
                                         [tuple(t[d] for d in order) for t in tensors])
@@ -47,7 +53,25 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     env: dict[fx.Node, Var] = {}
     loads: list[Load] = []
     load_of: dict[tuple, Var] = {}
+    n_out = len(out_layouts)
+    piece_strides = loop_strides[n_in + n_out:n_in + n_out + len(pieces)]
+    sentinels = loop_strides[n_in + n_out + len(pieces):]
+    for cat in dict.fromkeys(p.cat for p in pieces):  # each piece read where it lies
+        mine = [(p, st, se) for p, st, se in zip(pieces, piece_strides, sentinels) if p.cat is cat]
+        other = None
+        for piece, strides, sentinel in reversed(mine):
+            layout = in_layouts[piece.index]
+            storage = root_dtypes[layout.root]
+            var = Var(f"v{len(loads)}_{_ident(cat.name)}_{piece.position}",
+                      ops.register_dtype(storage))
+            dim = next(k for k, s in enumerate(sentinel) if s)
+            loads.append(Load(var, param(layout.root, False), storage,
+                              Index(piece.offset, strides), (dim, piece.lo, piece.hi), other))
+            other = var
+        env[cat] = other
     for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
+        if i in only_pieces:
+            continue
         index = Index(layout.offset, loop_strides[i])
         key = (layout.root, index)
         if key not in load_of:
@@ -61,6 +85,9 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
+            continue
+        if node in env:  # a cat: its pieces' loads
+            fused_ops.append(str(node.target))
             continue
         row, operands = ops.normalize(node)
         out_meta: TensorMeta = node.meta["fusec"]
@@ -86,6 +113,60 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         stores.append(Store(param(layout.root, True), env[out], storage, index))
 
     return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a concatenation in a kernel: placeholder `index`, the `position`-th piece of
+    `cat`, covering positions [lo, hi) of the output along the cat's dim. `strides` and `offset`
+    index it over the output's iteration space (offset shifted back by lo along the dim, so
+    output position i reads piece element i - lo). `sentinel` has a stride only along the dim:
+    coalescing, which merges dims contiguous in every tensor, then keeps the dim a loop dim of
+    its own, whose coordinate the kernel compares with lo and hi."""
+
+    cat: fx.Node
+    position: int
+    index: int
+    lo: int
+    hi: int
+    strides: tuple[int, ...]
+    offset: int
+    sentinel: tuple[int, ...]
+
+
+def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout],
+               shape: tuple[int, ...]) -> list[Piece]:
+    """The pieces of every concatenation in the group, in order (see `Piece`).
+
+    `torch.cat([a, b], dim=-1)` as a kernel: output position i along the dim is a[..., i] for
+    i < len(a) and b[..., i - len(a)] after. Each piece is loaded only where it covers the
+    position (a masked load), and the pieces' loads are chained, each taking the next one's
+    value where it does not read, so one value holds the concatenation, and no copy of it is
+    made in memory."""
+    pieces = []
+    for cat in sub.graph.nodes:
+        if not _is_cat(cat):
+            continue
+        dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % len(shape)
+        sentinel = tuple(1 if d == dim else 0 for d in range(len(shape)))
+        lo = 0
+        for position, ph in enumerate(cat.args[0]):
+            layout = in_layouts[placeholders.index(ph)]
+            size = ph.meta["fusec"].shape[dim]
+            full = Layout(layout.root, tuple(shape[dim] if d == dim else s
+                                             for d, s in enumerate(layout.shape)),
+                          layout.stride, layout.offset)
+            strides = _broadcast_strides(full, shape)
+            pieces.append(Piece(cat, position, placeholders.index(ph), lo, lo + size, strides,
+                                layout.offset - lo * strides[dim], sentinel))
+            lo += size
+    return pieces
+
+
+def _is_cat(node: fx.Node) -> bool:
+    """A concatenation of several pieces (a cat of one is a copy: the op table's row)."""
+    return node.op == "call_function" and node.target is torch.ops.aten.cat.default \
+        and ops.normalize(node) is None
 
 
 def needs_rounding(row: ops.Op, values: list, dtype: torch.dtype) -> bool:

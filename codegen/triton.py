@@ -43,7 +43,7 @@ def render(kernel) -> str:
     flat = [l.index.is_flat(shape) for l in kernel.loads] + \
            [s.index.is_flat(shape) for s in kernel.stores]
     coords = []
-    if not all(flat):
+    if not all(flat) or any(l.valid for l in kernel.loads):
         for d in range(len(shape)):
             below = math.prod(shape[d + 1:])
             expr = "offsets" if below == 1 else f"(offsets // {below})"
@@ -146,14 +146,26 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
     address expression: shared by the 1-D and the tiled template, which differ only there."""
     loads = []
     for l in kernel.loads:
-        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask=mask)"
+        inside = piece_mask(l)
+        where = "mask" if inside is None else f"mask & {inside}"
+        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask={where})"
         if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
             value = convert(value, l.dtype, l.var.dtype)
+        if l.other is not None:  # a piece of a cat: the next piece's value where this one ends
+            value = f"tl.where({inside}, {value}, {l.other.name})"
         loads.append(f"{l.var.name} = {value}")
     body = [_stmt(s, set(), block) for s in kernel.stmts]
     stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
               f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
     return loads, body, stores
+
+
+def piece_mask(load) -> str | None:
+    """Where a piece of a cat is read: its range along the loop dim (fusec.ir.Load.valid)."""
+    if load.valid is None:
+        return None
+    dim, lo, hi = load.valid
+    return f"(i{dim} < {hi})" if lo == 0 else f"(i{dim} >= {lo}) & (i{dim} < {hi})"
 
 
 def build(source: str, name: str) -> Path:

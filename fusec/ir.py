@@ -129,10 +129,17 @@ Operand = Union[Var, Const]
 
 @dataclass(frozen=True)
 class Load:
+    """`var = param[index]`. A piece of a concatenation (`torch.cat`) is read only where the
+    output position along the cat's dim falls inside the piece: `valid` = (loop dim, lo, hi)
+    says so, and elsewhere `var` takes the value `other` (the next piece's load, or 0 for the
+    last one), so the first piece's var holds the whole concatenation."""
+
     var: Var
     param: str
     dtype: torch.dtype  # storage dtype in memory
     index: Index
+    valid: tuple[int, int, int] | None = None  # (loop dim, lo, hi): read only where lo <= i < hi
+    other: Var | None = None  # the value where it does not read (None: zero)
 
 
 @dataclass(frozen=True)
@@ -180,13 +187,21 @@ class PointwiseKernel:
     def __str__(self) -> str:
         lines = [f"PointwiseKernel {self.name} over {self.source_shape}, looped as {self.shape}"]
         lines += [f"  load  {l.var.name} = {l.param}[{_fmt_index(l.index)}]  {short_dtype(l.dtype)}"
-                  for l in self.loads]
+                  + _fmt_valid(l) for l in self.loads]
         for s in self.stmts:
             args = ", ".join(o.name if isinstance(o, Var) else repr(o.value) for o in s.operands)
             lines.append(f"  {s.var.name} = {s.op}({args})  {short_dtype(s.var.dtype)}")
         lines += [f"  store {s.param}[{_fmt_index(s.index)}] = {s.var.name}  {short_dtype(s.dtype)}"
                   for s in self.stores]
         return "\n".join(lines)
+
+
+def _fmt_valid(load: Load) -> str:
+    if load.valid is None:
+        return ""
+    dim, lo, hi = load.valid
+    other = load.other.name if load.other is not None else "0"
+    return f"  where {lo} <= i{dim} < {hi}, else {other}"
 
 
 def _fmt_index(index: Index) -> str:
@@ -370,7 +385,9 @@ def canonical(kernel):
 
     common = dict(name=family(kernel.name),
                   params=[replace(p, name=params[p.name]) for p in kernel.params],
-                  loads=[replace(l, var=var(l.var), param=params[l.param]) for l in kernel.loads],
+                  loads=[replace(l, var=var(l.var), param=params[l.param],
+                                 other=var(l.other) if l.other is not None else None)
+                         for l in kernel.loads],
                   stores=[replace(s, var=var(s.var), param=params[s.param]) for s in kernel.stores])
     if isinstance(kernel, PointwiseKernel):
         return replace(kernel, stmts=[item(s) for s in body], **common)

@@ -37,14 +37,14 @@ from fusec.ir import TensorMeta
 
 import operator
 
-from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, meta,
+from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, is_cat, meta,
                        numel_rank, outline)
 
 
 def is_pointwise(node: fx.Node) -> bool:
     """A node the op table can compile, producing one tensor."""
     return (node.op == "call_function" and isinstance(node.meta.get("fusec"), TensorMeta)
-            and ops.normalize(node) is not None
+            and (ops.normalize(node) is not None or is_cat(node))
             and not (node.target is torch.ops.aten._to_copy.default
                      and any(str(meta(a).device) != meta(node).device
                              for a in node.all_input_nodes)))
@@ -69,7 +69,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
             a, b = group_of[producer], group_of[node]
             if a is b:
                 continue
-            reason = why_not_fuse(a, b, order, effects)
+            reason = _piece_of_a_cat(a, b) or why_not_fuse(a, b, order, effects)
             if reason:
                 refusals.append(Refusal(producer.name, node.name, reason))
                 continue
@@ -82,6 +82,17 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
     gm = outline(gm, groups, order, effects)
     gm.meta["fusec_refusals"] = refusals
     return gm
+
+
+def _piece_of_a_cat(a: Group, b: Group) -> str | None:
+    """A concatenation reads each piece at positions shifted along its dim: the piece must be
+    in memory (a kernel's output, an extern's, an input), not computed in the same loop."""
+    inside = set(a.nodes) | set(b.nodes)
+    for n in inside:
+        if is_cat(n) and any(p in inside for p in n.args[0]):
+            return ("a piece of a cat: the cat reads it at shifted positions, so the piece is "
+                    "stored by its own kernel and loaded where it lies")
+    return None
 
 
 def _view_of_input(node: fx.Node) -> bool:

@@ -47,7 +47,7 @@ from fusec import ops
 from fusec.codegen import backends
 
 from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, inline_groups,
-                       meta, op_name, outline)
+                       is_cat, meta, op_name, outline)
 
 
 def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -215,6 +215,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
     key = a.key or b.key
     if a.perms or b.perms:
         return "one side is a horizontally fused kernel (several iteration orders in one loop)"
+    if any(is_cat(n) for n in (*a.nodes, *b.nodes)):
+        return "one side concatenates (torch.cat): only a pointwise kernel reads pieces"
     if meta(a.nodes[0]).device != meta(b.nodes[0]).device:
         return "different devices"
     inside = set(a.nodes) | set(b.nodes)

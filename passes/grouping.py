@@ -260,3 +260,18 @@ def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Group]]:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm, groups
+
+
+def is_cat(node: fx.Node) -> bool:
+    """A concatenation a pointwise kernel can do: each output element is one element of one
+    piece, read where the piece lives (codegen/lower.py, `cat_loads`). Its pieces must have the
+    output's dtype (no promotion inside the loads) and rank, on its device."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+        return False
+    out = node.meta.get("fusec")
+    pieces = node.args[0]
+    if not isinstance(out, TensorMeta) or len(pieces) < 2 \
+            or not all(isinstance(p, fx.Node) for p in pieces):
+        return False
+    return all(isinstance(m := p.meta.get("fusec"), TensorMeta) and m.dtype == out.dtype
+               and len(m.shape) == len(out.shape) and m.device == out.device for p in pieces)

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta, contiguous_strides, short_dtype
+from fusec.passes.grouping import is_cat
 
 
 # ---- source lines ---------------------------------------------------------------------------------
@@ -80,6 +81,8 @@ def op_kind(node: fx.Node) -> str:
     reduction = getattr(ops, "reduction", None)
     if reduction is not None and reduction(node) is not None:
         return "reduction"
+    if is_cat(node):  # a concatenation a kernel does (its pieces read where they lie)
+        return ops.POINTWISE
     kind = ops.classify(node.target)
     if kind == ops.POINTWISE and ops.normalize(node) is None:
         return "extern"
