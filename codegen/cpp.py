@@ -171,7 +171,8 @@ def render(kernel) -> str:
         if load.valid is not None:  # a piece of a cat: read only inside its range (ir.Load)
             dim, lo, hi = load.valid
             at = f"c{dim}" if dim < outer_dims else "i"
-            inside = f"{at} < {hi}" if lo == 0 else f"{at} >= {lo} && {at} < {hi}"
+            inside = " && ".join(([f"{at} >= {lo}"] if lo > 0 else [])
+                                 + ([f"{at} < {hi}"] if hi < shape[dim] else [])) or "true"
             other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
             value = f"({inside}) ? {value} : {other}"
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")

@@ -120,7 +120,7 @@ def emit_piece(e: Emitter, load, at: str, coord: str, values: dict[str, str]) ->
     drops it: a load that cannot fault, which the vectorizer can still widen."""
     _, lo, hi = load.valid
     name = load.var.name
-    inside = e.emit(f"icmp slt i64 {coord}, {hi}", name + ".in")
+    inside = e.emit(f"icmp slt i64 {coord}, {hi}", name + ".in")  # (the last piece: always)
     if lo:
         above = e.emit(f"icmp sge i64 {coord}, {lo}", name + ".in")
         inside = e.emit(f"and i1 {inside}, {above}", name + ".in")

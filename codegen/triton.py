@@ -146,7 +146,7 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
     address expression: shared by the 1-D and the tiled template, which differ only there."""
     loads = []
     for l in kernel.loads:
-        inside = piece_mask(l)
+        inside = piece_mask(l, kernel.shape)
         where = "mask" if inside is None else f"mask & {inside}"
         value = f"tl.load({l.param}_ptr + {index(l.index)}, mask={where})"
         if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
@@ -160,12 +160,14 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
     return loads, body, stores
 
 
-def piece_mask(load) -> str | None:
+def piece_mask(load, shape) -> str | None:
     """Where a piece of a cat is read: its range along the loop dim (fusec.ir.Load.valid)."""
     if load.valid is None:
         return None
     dim, lo, hi = load.valid
-    return f"(i{dim} < {hi})" if lo == 0 else f"(i{dim} >= {lo}) & (i{dim} < {hi})"
+    tests = ([f"(i{dim} >= {lo})"] if lo > 0 else []) + \
+        ([f"(i{dim} < {hi})"] if hi < shape[dim] else [])
+    return " & ".join(tests) or f"(i{dim} >= 0)"  # (a piece that covers the whole dim)
 
 
 def build(source: str, name: str) -> Path:
