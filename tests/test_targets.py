@@ -52,6 +52,11 @@ def _silu(x):
     return F.silu(x) + 1
 
 
+def _cats(x, y):
+    """Concatenations inside kernels: pieces along the inner and an outer dim (masked loads)."""
+    return torch.cat([x, y[:, :3]], dim=1) * 2, torch.cat([y, x, y], dim=0).neg()
+
+
 def programs():
     """(label, fn, inputs) for every program whose kernels the targets compile. Values do not
     matter (nothing runs); shapes and dtypes decide the code."""
@@ -61,7 +66,8 @@ def programs():
         out += [(f"float_unary_{dt}", _float_unary, (x,)),
                 (f"float_binary_{dt}", _float_binary, (x, y)),
                 (f"float_reductions_{dt}", _float_reductions, (x,)),
-                (f"silu_{dt}", _silu, (x,))]
+                (f"silu_{dt}", _silu, (x,)),
+                (f"cats_{dt}", _cats, (x, y))]
     # long rows: the reduction loops take the blocked, vectorized path
     out.append(("float_reductions_long", _float_reductions, (randf((3, 70000), F32, "cpu"),)))
     for dt in INTS:
