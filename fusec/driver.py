@@ -6,8 +6,10 @@
 `compile_graph` runs those stages for one input signature, times each, and publishes what it made
 (fusec/events.py: `captured`, `passes_done`, `kernel_built`, `compiled`) for whoever watches;
 it knows nothing of the tools that print or explain (fusec/inspect/). `CompiledGraph` is what
-it returns: everything about one compiled program, read by `cf.kernels`, `cf.source()`,
-`cf.schedule`, `fusec.explain` and `fusec.profile`. `Kernel` is one entry of `cf.kernels`.
+it returns: the record of the compilation (fusec/record.py, `Compilation`: captured graph,
+snapshots, the passes' decisions, schedule, memory plan, kernels, program, times), read by
+`cf.kernels`, `cf.source()`, `cf.schedule`, `fusec.explain` and `fusec.profile`. The memory is
+planned here, once, after lowering (passes/memory.py). `Kernel` is one entry of `cf.kernels`.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from fusec.capture.frontend import Captured
 from fusec.codegen.lower import lower_pointwise
 from fusec.codegen.lower_reduction import lower_reduction
 from fusec.passes import run_pipeline
-from fusec.passes.schedule import format_schedule, plan_inplace, plan_memory
+from fusec.passes.memory import plan_inplace, plan_memory
+from fusec.record import Compilation, record_of
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
 from fusec.runtime.launchers import python_wrapper
@@ -67,17 +70,11 @@ class Kernel:
 
 
 @dataclass
-class CompiledGraph:
-    """Everything compiled for one input signature."""
+class CompiledGraph(Compilation):
+    """Everything compiled for one input signature: the Compilation record (fusec/record.py)
+    plus what running it needs."""
 
-    backend: str
-    captured: Captured
-    gm: fx.GraphModule  # after the pipeline
-    snapshots: list | None  # the graph after each pass, if recorded: see `stages()`
-    kernels: list[Kernel]
-    program: Any
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
-    times: dict = field(default_factory=dict)  # seconds per stage of its compile (see `report`)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
 
@@ -89,15 +86,6 @@ class CompiledGraph:
         if self.snapshots is None:
             self.snapshots = run_pipeline(self.captured.gm, record=True)[1]
         return self.snapshots
-
-    def schedule_text(self) -> str:
-        """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
-        text = format_schedule(self.gm.meta["fusec_schedule"])
-        memory = self.gm.meta.get("fusec_memory")
-        text += ("\n" + str(memory) if memory is not None else "")
-        for out, over in self.gm.meta.get("fusec_inplace", {}).items():
-            text += f"\n  {out:<24} written over {over} (its last use): no buffer of its own"
-        return text
 
     def source(self) -> str:
         parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
@@ -111,7 +99,6 @@ class CompiledGraph:
         return "\n".join(parts)
 
 
-
 def compile_graph(captured: Captured, backend: str, record: bool = False,
                   label: str = "program") -> CompiledGraph:
     """Run the pass pipeline over a captured graph and build every kernel for `backend`.
@@ -122,13 +109,40 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
     """
     times = {"capture": captured.seconds}
     events.publish("captured", captured.gm)
-    captured.gm.meta["fusec_backend"] = backend  # a pass may decide by it (fuse_reductions)
+    record_of(captured.gm).backend = backend  # a pass may decide by it (fuse_reductions)
     start = time.perf_counter()
     gm, snapshots = run_pipeline(captured.gm, record=record)
     snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
     times["passes"] = time.perf_counter() - start
     events.publish("passes_done", captured.gm, gm, snapshots)
     start = time.perf_counter()
+    groups, irs = lower_groups(gm)
+    # the memory plan, once: the outputs written over a dying input (which needs the lowered
+    # kernels' indices) first, then the pool for every other intermediate buffer
+    inplace = plan_inplace(gm, {node.target: ir for node, ir in zip(groups, irs)}, backend)
+    memory = plan_memory(gm, skip=set(inplace))
+    times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
+    # one build per distinct kernel, several at a time (fusec/runtime/build.py)
+    kernels: dict[str, Kernel] = {}
+    device = groups[0].meta["fusec_group"]["device"] if groups else None
+    for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
+        kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
+                                               built.launcher, built)
+        events.publish("kernel_built", kernel)
+    start = time.perf_counter()
+    program = build_program(gm, kernels, memory, inplace)
+    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program,
+                             memory, inplace)
+    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
+                                           len(getattr(captured, "lifted", ())))
+    times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
+    compiled.times = times
+    events.publish("compiled", compiled, label)
+    return compiled
+
+
+def lower_groups(gm: fx.GraphModule) -> tuple[list[fx.Node], list]:
+    """Each fused group's call node and its kernel IR (codegen/lower.py, lower_reduction.py)."""
     by_name = {n.name: n for n in gm.graph.nodes}
     root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
                    if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
@@ -144,25 +158,4 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
         irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
         groups.append(node)
         node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
-    times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
-    # one build per distinct kernel, several at a time (fusec/runtime/build.py)
-    kernels: dict[str, Kernel] = {}
-    device = groups[0].meta["fusec_group"]["device"] if groups else None
-    for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
-        kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
-                                               built.launcher, built)
-        events.publish("kernel_built", kernel)
-    start = time.perf_counter()
-    # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
-    # no place in the pool, so the pool is planned again without them
-    gm.meta["fusec_inplace"] = inplace = plan_inplace(gm, kernels, backend)
-    if inplace:
-        gm.meta["fusec_memory"] = plan_memory(gm, gm.meta["fusec_schedule"], skip=set(inplace))
-    program = build_program(gm, kernels)
-    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
-    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
-                                           len(getattr(captured, "lifted", ())))
-    times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
-    compiled.times = times
-    events.publish("compiled", compiled, label)
-    return compiled
+    return groups, irs

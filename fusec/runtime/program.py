@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.record import MemoryPlan
 from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
 from fusec.runtime.writer import straight_line
 
@@ -96,8 +97,13 @@ class Program:
         return [env[s] for s in self.output_slots]
 
 
-def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
-    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program."""
+def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPlan | None = None,
+                  inplace: dict[str, str] | None = None) -> Program:
+    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program.
+
+    `memory` places intermediate buffers in the pool and `inplace` names the outputs written over
+    a dying input (passes/memory.py; the driver plans both). Without them every output is a
+    fresh buffer."""
     slot_of: dict[str, int] = {}
 
     def slot(name: str) -> int:
@@ -107,8 +113,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
 
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
-    memory = gm.meta.get("fusec_memory")
-    inplace = gm.meta.get("fusec_inplace", {})  # passes/schedule.py: plan_inplace
+    inplace = inplace or {}
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
