@@ -28,8 +28,8 @@ from fusec.passes.memory import plan_inplace, plan_memory
 from fusec.record import Compilation, record_of
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
-from fusec.runtime.launchers import python_wrapper
 from fusec.runtime.program import build_program
+from fusec.runtime.writer import python_wrapper
 
 
 @dataclass
@@ -93,7 +93,7 @@ class CompiledGraph(Compilation):
             parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
         parts.append("# ===== schedule =====\n" + "\n".join(
             "# " + line for line in self.schedule_text().splitlines()))
-        parts.append("# ===== wrapper: the program as Python (exec it, then call(...)) =====\n"
+        parts.append("# ===== program: the Python each call runs (exec it, then call(...)) =====\n"
                      + python_wrapper(self.program))
         parts.append("# ===== graph =====\n" + self.gm.code)
         return "\n".join(parts)
