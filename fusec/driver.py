@@ -25,7 +25,7 @@ from fusec.codegen.lower import lower_pointwise
 from fusec.codegen.lower_reduction import lower_reduction
 from fusec.passes import run_pipeline
 from fusec.passes.memory import plan_inplace, plan_memory
-from fusec.record import Compilation, record_of
+from fusec.record import Compilation, layout_of, owns_buffer, record_of
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
 from fusec.runtime.program import build_program
@@ -144,16 +144,15 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
 def lower_groups(gm: fx.GraphModule) -> tuple[list[fx.Node], list]:
     """Each fused group's call node and its kernel IR (codegen/lower.py, lower_reduction.py)."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
-                   if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
+    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes if owns_buffer(n)}
     groups, irs = [], []
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         sub = getattr(gm, node.target)
-        in_layouts = [a.meta["fusec_layout"] for a in node.args]
+        in_layouts = [layout_of(a) for a in node.args]
         outs = sorted((u for u in node.users), key=lambda u: u.args[1])
-        out_layouts = [u.meta["fusec_layout"] for u in outs]
+        out_layouts = [layout_of(u) for u in outs]
         lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
         irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
         groups.append(node)

@@ -22,7 +22,8 @@ Passes stay `GraphModule -> GraphModule` functions (docs/architecture.md): a pas
 of `record_of(gm)`. The record lives in `gm.meta` under one key, so it follows the graph through
 every pass that keeps the graph's meta, and `fusec.graphmodule.copy_graph_module` gives a copy its
 own record (the captured graph's stays as capture left it). Per-node facts (a value's Layout, a
-group's description) stay on the nodes: `node.meta["fusec_layout"]`, `node.meta["fusec_group"]`.
+group's description) stay on the nodes: `node.meta["fusec_layout"]` (read it with `layout_of`,
+`owns_buffer`, `folded_view` below), `node.meta["fusec_group"]`.
 
 This module imports nothing of fusec: every stage may import it.
 """
@@ -167,6 +168,27 @@ def copy_record(source: fx.GraphModule, target: fx.GraphModule) -> None:
     passes replace a field's value, they do not change it in place)."""
     if _KEY in source.meta:
         target.meta[_KEY] = replace(source.meta[_KEY])
+
+
+# ---- where a value lives (per node, set by the schedule pass) -----------------------------------
+
+
+def layout_of(node: fx.Node):
+    """The fusec.ir.Layout the schedule gave node's value (its root buffer, shape, strides,
+    offset), or None: the node is no tensor value, or the schedule has not run."""
+    return node.meta.get("fusec_layout")
+
+
+def owns_buffer(node: fx.Node) -> bool:
+    """Node's value is a root buffer: an input, a constant, a kernel output, an extern result."""
+    layout = node.meta.get("fusec_layout")
+    return layout is not None and layout.root == node.name
+
+
+def folded_view(node: fx.Node) -> bool:
+    """Node is a view folded into its readers' indices: no buffer, no tensor of its own."""
+    layout = node.meta.get("fusec_layout")
+    return node.op == "call_function" and layout is not None and layout.root != node.name
 
 
 # ---- one compilation -----------------------------------------------------------------------------

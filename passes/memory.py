@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from fusec.codegen import backends
 from fusec.ir import Layout, TensorMeta
-from fusec.record import MemoryPlan, Placement, Step, record_of
+from fusec.record import MemoryPlan, Placement, Step, layout_of, owns_buffer, record_of
 
 ALIGN = 64  # bytes: every planned buffer starts on a cache line (and a 16-byte vector boundary)
 
@@ -77,13 +77,13 @@ def plan_memory(gm: fx.GraphModule, steps: list[Step] | None = None,
 def _escaped(gm: fx.GraphModule) -> set[str]:
     """Root buffers that must outlive the call or that something else aliases: the program's
     outputs, and the arguments of an extern that returns a view of them."""
-    escaped = {a.meta["fusec_layout"].root for a in gm.graph.output_node().all_input_nodes
-               if "fusec_layout" in a.meta}
+    escaped = {layout_of(a).root for a in gm.graph.output_node().all_input_nodes
+               if layout_of(a) is not None}
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-                and "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name \
+                and owns_buffer(n) \
                 and any(r.alias_info is not None for r in n.target._schema.returns):
-            escaped |= {a.meta["fusec_layout"].root for a in n.all_input_nodes if "fusec_layout" in a.meta}
+            escaped |= {layout_of(a).root for a in n.all_input_nodes if layout_of(a) is not None}
     return escaped
 
 
@@ -117,8 +117,7 @@ def plan_inplace(gm: fx.GraphModule, irs: dict, backend: str) -> dict[str, str]:
         for name in step.reads:
             last[name] = i
     fresh = {s.node for s in steps if s.kind == "extern" and s.writes == [s.node]
-             and "fusec_layout" in by_name[s.node].meta
-             and by_name[s.node].meta["fusec_layout"].root == s.node}
+             and owns_buffer(by_name[s.node])}
     chosen: dict[str, str] = {}
     for i, step in enumerate(steps):
         if step.kind != "kernel":
@@ -128,13 +127,13 @@ def plan_inplace(gm: fx.GraphModule, irs: dict, backend: str) -> dict[str, str]:
         for store in ir.stores:
             if any(st == 0 and n > 1 for st, n in zip(store.index.strides, space)):
                 continue  # a broadcast store (a row result): several positions, one address
-            out = by_name[store.param].meta["fusec_layout"]
+            out = layout_of(by_name[store.param])
             for name in dict.fromkeys(l.param for l in ir.loads):
                 if name not in fresh or name in escaped or last.get(name) != i \
                         or name in chosen.values():
                     continue
                 loads = [l for l in ir.loads if l.param == name]
-                src = by_name[name].meta["fusec_layout"]
+                src = layout_of(by_name[name])
                 # the same bytes: equal spans, and every element read where it is written
                 if _span(src) == _span(out) and src.offset == out.offset == 0 \
                         and by_name[name].meta["fusec"].dtype == store.dtype \

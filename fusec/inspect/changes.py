@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from fusec.inspect.groups import group_rows
 from fusec.inspect.listing import op_kind
-from fusec.record import record_of
+from fusec.record import folded_view, record_of
 
 
 def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> list[dict]:
@@ -80,8 +80,7 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 nk = sum(1 for s in steps if s.kind == "kernel")
                 ne = len(steps) - nk
                 parts.append(f"{len(steps)} step(s): {nk} kernel launch(es), {ne} extern call(s)")
-                folded = [n.name for n in gm.graph.nodes if "fusec_layout" in n.meta
-                          and n.op == "call_function" and n.meta["fusec_layout"].root != n.name]
+                folded = [n.name for n in gm.graph.nodes if folded_view(n)]
                 if folded:
                     details.append("views folded into load indices (no copy): " + ", ".join(folded))
             summary = "; ".join(parts) or "no change"

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.record import record_of
+from fusec.record import folded_view, record_of
 
 # Light fills that read well behind black text, one per kernel (cycled).
 PALETTE = ["#cfe8fc", "#d4f4d2", "#fde2c8", "#e7dcfa", "#fbd5e5", "#d9f2f0", "#f6f0c4",
@@ -165,8 +165,7 @@ def dot_after(fused: fx.GraphModule, title: str = "") -> str:
             label = f"{node.target}\n{kind} kernel over {shape}\n{_wrap(ops)}"
             lines.append(f"  {nid} [label={quote(label)}, fillcolor=\"{colors[node.target]}\", "
                          "penwidth=1.5];")
-        elif _is_view(node) and node.meta.get("fusec_layout") is not None \
-                and node.meta["fusec_layout"].root != node.name:
+        elif _is_view(node) and folded_view(node):
             lines.append(f"  {nid} [label={quote('view ' + _title(node))}, "
                          f"shape=ellipse, color=\"{VIEW_COLOR}\", fontcolor=\"{VIEW_COLOR}\"];")
         elif node.op == "call_function":
