@@ -88,6 +88,9 @@ class CompiledGraph(Compilation):
         return self.snapshots
 
     def source(self) -> str:
+        """The whole program: each kernel's source, the schedule and memory plan as comments, the
+        Python each call runs (fusec/runtime/writer.py: the very text `program.run` was compiled
+        from, with what its globals are), and the graph that calls the kernels."""
         parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
         for k in self.kernels:
             parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
