@@ -135,7 +135,7 @@ def run(name, device, dtype, full):
         fns["fusec after"] = fusec_with_layout(model, x, "auto")
         fns["fusec forced"] = fusec_with_layout(model, x, "channels_last")
         e = fusec.explain(model, x)
-        plan = e.compiled.gm.meta["fusec_layout_plan"]
+        plan = e.compiled.passes.layout
         row["layout"], row["layout_reason"] = plan.choice, plan.reason
         for label, fn in fns.items():
             got = fn(x)

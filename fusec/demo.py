@@ -68,7 +68,7 @@ def evaluate(ex: Example, backend: str = "auto") -> Result:
     with torch.no_grad():
         eager_ms = median_ms(ex.fn, *ex.inputs, device=device)
         fused_ms = median_ms(compiled, *ex.inputs, device=device)
-    steps = last.gm.meta["fusec_schedule"]
+    steps = last.schedule
     k = compiled.kernels[0] if compiled.kernels else None
     return Result(ex.name, last.backend, eager_op_count(last.captured.gm), len(compiled.kernels),
                   sum(1 for s in steps if s.kind == "extern"), err, eager_ms, fused_ms,

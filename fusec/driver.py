@@ -6,8 +6,10 @@
 `compile_graph` runs those stages for one input signature, times each, and publishes what it made
 (fusec/events.py: `captured`, `passes_done`, `kernel_built`, `compiled`) for whoever watches;
 it knows nothing of the tools that print or explain (fusec/inspect/). `CompiledGraph` is what
-it returns: everything about one compiled program, read by `cf.kernels`, `cf.source()`,
-`cf.schedule`, `fusec.explain` and `fusec.profile`. `Kernel` is one entry of `cf.kernels`.
+it returns: the record of the compilation (fusec/record.py, `Compilation`: captured graph,
+snapshots, the passes' decisions, schedule, memory plan, kernels, program, times), read by
+`cf.kernels`, `cf.source()`, `cf.schedule`, `fusec.explain` and `fusec.profile`. The memory is
+planned here, once, after lowering (passes/memory.py). `Kernel` is one entry of `cf.kernels`.
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ from fusec.capture.frontend import Captured
 from fusec.codegen.lower import lower_pointwise
 from fusec.codegen.lower_reduction import lower_reduction
 from fusec.passes import run_pipeline
-from fusec.passes.schedule import format_schedule, plan_inplace, plan_memory
+from fusec.passes.memory import plan_inplace, plan_memory
+from fusec.record import Compilation, layout_of, owns_buffer, record_of
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
-from fusec.runtime.launchers import python_wrapper
 from fusec.runtime.program import build_program
+from fusec.runtime.writer import python_wrapper
 
 
 @dataclass
@@ -69,17 +72,11 @@ class Kernel:
 
 
 @dataclass
-class CompiledGraph:
-    """Everything compiled for one input signature."""
+class CompiledGraph(Compilation):
+    """Everything compiled for one input signature: the Compilation record (fusec/record.py)
+    plus what running it needs."""
 
-    backend: str
-    captured: Captured
-    gm: fx.GraphModule  # after the pipeline
-    snapshots: list | None  # the graph after each pass, if recorded: see `stages()`
-    kernels: list[Kernel]
-    program: Any
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
-    times: dict = field(default_factory=dict)  # seconds per stage of its compile (see `report`)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
 
@@ -92,22 +89,16 @@ class CompiledGraph:
             self.snapshots = run_pipeline(self.captured.gm, record=True)[1]
         return self.snapshots
 
-    def schedule_text(self) -> str:
-        """The numbered steps (kernel or extern, buffers read and written) and the memory plan."""
-        text = format_schedule(self.gm.meta["fusec_schedule"])
-        memory = self.gm.meta.get("fusec_memory")
-        text += ("\n" + str(memory) if memory is not None else "")
-        for out, over in self.gm.meta.get("fusec_inplace", {}).items():
-            text += f"\n  {out:<24} written over {over} (its last use): no buffer of its own"
-        return text
-
     def source(self) -> str:
+        """The whole program: each kernel's source, the schedule and memory plan as comments, the
+        Python each call runs (fusec/runtime/writer.py: the very text `program.run` was compiled
+        from, with what its globals are), and the graph that calls the kernels."""
         parts = [f"# fusec program ({self.backend} backend): {len(self.kernels)} kernel(s)\n"]
         for k in self.kernels:
             parts.append(f"# ===== kernel {k.name} =====\n{k.source}")
         parts.append("# ===== schedule =====\n" + "\n".join(
             "# " + line for line in self.schedule_text().splitlines()))
-        parts.append("# ===== wrapper: the program as Python (exec it, then call(...)) =====\n"
+        parts.append("# ===== program: the Python each call runs (exec it, then call(...)) =====\n"
                      + python_wrapper(self.program))
         parts.append("# ===== graph =====\n" + self.gm.code)
         return "\n".join(parts)
@@ -148,28 +139,18 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
 def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -> CompiledGraph:
     times = {"capture": captured.seconds}
     events.publish("captured", captured.gm)
-    captured.gm.meta["fusec_backend"] = backend  # a pass may decide by it (fuse_reductions)
+    record_of(captured.gm).backend = backend  # a pass may decide by it (fuse_reductions)
     start = time.perf_counter()
     gm, snapshots = run_pipeline(captured.gm, record=record)
     snapshots = snapshots if record else None  # CompiledGraph.stages() makes them when asked
     times["passes"] = time.perf_counter() - start
     events.publish("passes_done", captured.gm, gm, snapshots)
     start = time.perf_counter()
-    by_name = {n.name: n for n in gm.graph.nodes}
-    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes
-                   if "fusec_layout" in n.meta and n.meta["fusec_layout"].root == n.name}
-    groups, irs = [], []
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        sub = getattr(gm, node.target)
-        in_layouts = [a.meta["fusec_layout"] for a in node.args]
-        outs = sorted((u for u in node.users), key=lambda u: u.args[1])
-        out_layouts = [u.meta["fusec_layout"] for u in outs]
-        lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
-        irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
-        groups.append(node)
-        node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    groups, irs = lower_groups(gm)
+    # the memory plan, once: the outputs written over a dying input (which needs the lowered
+    # kernels' indices) first, then the pool for every other intermediate buffer
+    inplace = plan_inplace(gm, {node.target: ir for node, ir in zip(groups, irs)}, backend)
+    memory = plan_memory(gm, skip=set(inplace))
     times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/runtime/build.py)
     kernels: dict[str, Kernel] = {}
@@ -179,16 +160,31 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
                                                built.launcher, built)
         events.publish("kernel_built", kernel)
     start = time.perf_counter()
-    # outputs written over a dying extern result (passes/schedule.py, plan_inplace): those need
-    # no place in the pool, so the pool is planned again without them
-    gm.meta["fusec_inplace"] = inplace = plan_inplace(gm, kernels, backend)
-    if inplace:
-        gm.meta["fusec_memory"] = plan_memory(gm, gm.meta["fusec_schedule"], skip=set(inplace))
-    program = build_program(gm, kernels)
-    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program)
+    program = build_program(gm, kernels, memory, inplace)
+    compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program,
+                             memory, inplace)
     compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
                                            len(getattr(captured, "lifted", ())))
     times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
     compiled.times = times
     events.publish("compiled", compiled, label)
     return compiled
+
+
+def lower_groups(gm: fx.GraphModule) -> tuple[list[fx.Node], list]:
+    """Each fused group's call node and its kernel IR (codegen/lower.py, lower_reduction.py)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    root_dtypes = {n.name: n.meta["fusec"].dtype for n in gm.graph.nodes if owns_buffer(n)}
+    groups, irs = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(gm, node.target)
+        in_layouts = [layout_of(a) for a in node.args]
+        outs = sorted((u for u in node.users), key=lambda u: u.args[1])
+        out_layouts = [layout_of(u) for u in outs]
+        lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
+        irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
+        groups.append(node)
+        node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+    return groups, irs

@@ -18,6 +18,8 @@ import contextlib
 
 import torch.fx as fx
 
+from fusec.record import copy_record
+
 try:  # private to torch.fx, but what torch.compile itself uses (torch >= 2.3)
     from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -36,10 +38,12 @@ def lazily():
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with a copy of gm's graph (node metadata is shared, not deep-copied)."""
+    """A new GraphModule with a copy of gm's graph (node metadata is shared, not deep-copied)
+    and a record of its own (fusec/record.py), so passes over the copy leave gm's as it was."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     new = graph_module(gm, graph)  # its Python is written only if read
     new.meta.update(gm.meta)
+    copy_record(gm, new)
     return new

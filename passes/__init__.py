@@ -5,12 +5,12 @@
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
-what each pass changed. Passes keep what they decided (fusion groups, refusals, the schedule) in
-`gm.meta`, never in global state.
+what each pass changed. Passes keep what they decided (refusals, the schedule, ...) in the graph's
+record, `record_of(gm)` (fusec/record.py), and per-node facts in `node.meta`, never in global state.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -33,10 +33,15 @@ PIPELINE = [dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout, 
 
 @dataclass
 class Snapshot:
-    """The graph as Python source after the pass named `after`."""
+    """The graph after the pass named `after`: as Python source (`code`), and as the facts a
+    reader compares between passes, so nobody has to parse the source back: `nodes`, the names
+    of the values the top-level graph computes (not its inputs, not its calls of groups), and
+    `groups`, each fused group's name -> the ATen nodes inside it."""
 
     after: str
     code: str
+    nodes: tuple[str, ...] = ()
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"# ---- graph after {self.after} ----\n{self.code}"
@@ -48,13 +53,21 @@ def run_pipeline(gm: fx.GraphModule, passes=None, record: bool = False):
     The input graph is left untouched: it stays the eager reference (`check=True` runs it).
     """
     gm = copy_graph_module(gm)
-    snapshots = [Snapshot("capture", readable(gm))] if record else []
+    snapshots = [snapshot("capture", gm)] if record else []
     for p in PIPELINE if passes is None else passes:
         gm = p(gm)
         verify(gm, p.__name__)
         if record:
-            snapshots.append(Snapshot(p.__name__, readable(gm)))
+            snapshots.append(snapshot(p.__name__, gm))
     return gm, snapshots
+
+
+def snapshot(after: str, gm: fx.GraphModule) -> Snapshot:
+    nodes = tuple(n.name for n in gm.graph.nodes if n.op in ("call_function", "get_attr"))
+    groups = {name: [n.name for n in sub.graph.nodes if n.op == "call_function"
+                     and getattr(n.target, "namespace", None) == "aten"]
+              for name, sub in gm.named_children() if isinstance(sub, fx.GraphModule)}
+    return Snapshot(after, readable(gm), nodes, groups)
 
 
 def readable(gm: fx.GraphModule) -> str:

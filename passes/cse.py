@@ -12,16 +12,18 @@ and once to normalize; a program may call `torch.sigmoid(x)` in two places:
 Two nodes are the same value when they call the same op on the same arguments (after earlier
 duplicates were replaced). A node with an effect — a random op, an in-place update, anything
 torch.fx calls impure — is never merged: two `rand()` calls must draw twice. The pass records
-each replacement in `gm.meta["fusec_cse"]` as (removed, kept).
+each replacement in `record_of(gm).cse` as a `Merge(removed, kept)` (fusec/record.py).
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
+from fusec.record import Merge, record_of
+
 
 def cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict[tuple, fx.Node] = {}
-    replaced: list[tuple[str, str]] = []
+    replaced: list[Merge] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or _impure(node):
             continue
@@ -36,8 +38,8 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         node.replace_all_uses_with(kept)
         gm.graph.erase_node(node)
-        replaced.append((node.name, kept.name))
-    gm.meta["fusec_cse"] = replaced
+        replaced.append(Merge(node.name, kept.name))
+    record_of(gm).cse = replaced
     gm.recompile()
     return gm
 

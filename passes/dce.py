@@ -10,11 +10,13 @@ Tracing records everything the program computed, including values it then threw 
 A node may go only if nothing reads it *and* running it has no effect besides its result. torch.fx
 already knows which nodes are impure (placeholders, outputs, in-place and `copy_` updates of an
 input, random-number ops), so this pass reuses `Graph.eliminate_dead_code` and records what it
-removed in `gm.meta["fusec_dce"]` for `explain`.
+removed in the graph's record, `record_of(gm).dce` (fusec/record.py), for `explain`.
 """
 from __future__ import annotations
 
 import torch.fx as fx
+
+from fusec.record import record_of
 
 
 def dce(gm: fx.GraphModule) -> fx.GraphModule:
@@ -24,6 +26,6 @@ def dce(gm: fx.GraphModule) -> fx.GraphModule:
     except TypeError:
         gm.graph.eliminate_dead_code()
     after = {n.name for n in gm.graph.nodes}
-    gm.meta["fusec_dce"] = [name for name in before if name not in after]
+    record_of(gm).dce = [name for name in before if name not in after]
     gm.recompile()
     return gm

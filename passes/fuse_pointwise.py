@@ -23,7 +23,7 @@ each pointwise producer it reads. A merge is legal when
    other (kernel A -> extern E -> kernel B cannot merge A and B, E needs A's result and B needs E's).
    Paths include the order of side effects: random ops and in-place copies stay in program order.
 
-Every refused merge is recorded with its reason in `gm.meta["fusec_refusals"]`; a producer that
+Every refused merge is recorded with its reason in `record_of(gm).refusals`; a producer that
 is a view or an extern op is no merge candidate and is recorded too. A value consumed outside its
 group becomes one of the group's outputs: the kernel stores it once and every consumer reads it.
 """
@@ -34,10 +34,11 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
+from fusec.record import Refusal, record_of
 
 import operator
 
-from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, is_cat, meta,
+from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, is_cat, meta,
                        numel_rank, outline)
 
 
@@ -80,7 +81,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
     fuse_horizontally(group_of, order, effects, refusals)
     groups = list({id(g): g for g in group_of.values()}.values())
     gm = outline(gm, groups, order, effects)
-    gm.meta["fusec_refusals"] = refusals
+    record_of(gm).refusals = refusals
     return gm
 
 

@@ -37,7 +37,7 @@ legal when
 4. it creates no cycle (as in fuse_pointwise).
 
 It starts from the pointwise groups fuse_pointwise formed (inlined back into the graph) and keeps
-merging until nothing changes. Refusals are added to `gm.meta["fusec_refusals"]` with reasons.
+merging until nothing changes. Refusals are added to `record_of(gm).refusals` with reasons.
 """
 from __future__ import annotations
 
@@ -45,13 +45,14 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.codegen import backends
+from fusec.record import Refusal, record_of
 
-from .grouping import (Group, Refusal, broadcasts_to, creates_cycle, effect_edges, inline_groups,
+from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, inline_groups,
                        is_cat, meta, op_name, outline)
 
 
 def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
-    refusals = list(gm.meta.get("fusec_refusals", []))
+    refusals = list(record_of(gm).refusals)
     gm, prior = inline_groups(gm)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -76,7 +77,7 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     seen_refusals = set()
     # the backend compile_graph builds for (absent when a pass runs on its own: then a CPU
     # device means a CPU backend); only C++/LLVM kernels walk one row at a time
-    backend = gm.meta.get("fusec_backend")
+    backend = record_of(gm).backend
     rows_one_by_one = backends.get(backend).rows_one_by_one if backend else None
 
     def try_merge(a: Group, b: Group, producer: fx.Node, consumer: fx.Node) -> bool:
@@ -126,7 +127,7 @@ def _finish(gm, group_of, order, effects, refusals):
             for n in g.nodes:
                 n.meta["fusec_space"] = space(n, g.key, set(g.nodes))
     gm = outline(gm, groups, order, effects)
-    gm.meta["fusec_refusals"] = refusals
+    record_of(gm).refusals = refusals
     return gm
 
 

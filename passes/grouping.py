@@ -24,16 +24,6 @@ MAX_NAME_OPS = 6
 
 
 @dataclass
-class Refusal:
-    producer: str
-    consumer: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.producer} -> {self.consumer}: {self.reason}"
-
-
-@dataclass
 class Group:
     nodes: list[fx.Node] = field(default_factory=list)
 

@@ -36,7 +36,7 @@ This pass tries the other layout and keeps it when the stated cost model says it
                                                    return (relu_o,)      # fuses with relu
 
 The decision and a line for every 4-D/5-D tensor (its layout and why) are kept in
-`gm.meta["fusec_layout_plan"]` (a LayoutPlan) and printed by `fusec.explain`. The environment
+`record_of(gm).layout` (a LayoutPlan, fusec/record.py) and printed by `fusec.explain`. The environment
 variable FUSEC_LAYOUT=channels_last (or contiguous) overrides the cost model, for experiments and
 tests; numerics never depend on it beyond the vendor library's own rounding: the pass changes no
 backend flag (torch.backends.cudnn.allow_tf32 and friends stay as the user set them).
@@ -52,6 +52,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.graphmodule import copy_graph_module
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
+from fusec.record import record_of
 
 from .layout_plan import (BANDWIDTH, FLOPS, LAUNCH, SPEEDUP, ConvChoice, Conversion,  # noqa: F401
                           LayoutPlan, speedup)
@@ -77,17 +78,17 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
              and n.target is aten.convolution.default and _tensor(n.args[0]) is not None
              and _tensor(n.args[0]).dim() in (4, 5)]
     if not convs:
-        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "no convolution")
+        record_of(gm).layout = LayoutPlan("unchanged", "no convolution")
         return gm
     forced = os.environ.get("FUSEC_LAYOUT", "auto").strip().lower()
     choices = [_price_conv(n) for n in convs]
     if forced in ("contiguous", "off", "0", "nchw"):
-        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)
+        record_of(gm).layout = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)
         return gm
 
     wanted = [n for n, c in zip(convs, choices) if c.speedup > 1.0 or forced == "channels_last"]
     if not wanted:
-        gm.meta["fusec_layout_plan"] = LayoutPlan(
+        record_of(gm).layout = LayoutPlan(
             "unchanged", "no convolution is measured faster in channels-last here", choices)
         return gm
 
@@ -95,7 +96,7 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
     try:
         conversions = _rewrite(trial, {n.name for n in wanted})
     except _CannotConvert as err:
-        gm.meta["fusec_layout_plan"] = LayoutPlan("unchanged", str(err), choices)
+        record_of(gm).layout = LayoutPlan("unchanged", str(err), choices)
         return gm
 
     plan = LayoutPlan("channels_last", "", choices, conversions)
@@ -107,13 +108,13 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
     elif plan.gain_s > plan.cost_s:
         plan.reason = "the convolutions' estimated gain exceeds the conversions' cost"
     else:
-        gm.meta["fusec_layout_plan"] = LayoutPlan(
+        record_of(gm).layout = LayoutPlan(
             "unchanged", f"conversions would cost {plan.cost_s * 1e3:.3f} ms, more than the "
             f"{plan.gain_s * 1e3:.3f} ms the convolutions would gain", choices,
             gain_s=plan.gain_s, cost_s=plan.cost_s)
         return gm
     plan.tensors = _describe(trial, conversions, {n.name for n in wanted})
-    trial.meta["fusec_layout_plan"] = plan
+    record_of(trial).layout = plan
     trial.recompile()
     return trial
 

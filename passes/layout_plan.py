@@ -5,7 +5,7 @@ pass decided (passes/layout.py is the pass itself).
 channels-last over NCHW (docs/passes/layout.md has the tables); FLOPS, BANDWIDTH and LAUNCH turn a
 convolution and a conversion into estimated seconds. `LayoutPlan` (with a `ConvChoice` per
 convolution and a `Conversion` per inserted clone) is what the pass leaves in
-`gm.meta["fusec_layout_plan"]` and `fusec.explain` prints.
+the graph's record (`record_of(gm).layout`, fusec/record.py) and `fusec.explain` prints.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class Conversion:
 
 @dataclass
 class LayoutPlan:
-    """What the layout pass decided for one program (gm.meta["fusec_layout_plan"])."""
+    """What the layout pass decided for one program (`record_of(gm).layout`)."""
 
     choice: str  # "channels_last" or "unchanged"
     reason: str

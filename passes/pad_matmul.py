@@ -23,8 +23,8 @@ pads products of at least MIN_FLOPS. The values are the same products added in t
 order; only the kernel changes.
 
 Where: on CUDA (PAD_DEVICES), for `mm` in float16, bfloat16 and float32 (TF32 kernels want 16
-bytes too). Each decision, taken or not, is recorded in `gm.meta["fusec_pad_matmul"]` as
-(node, padded, reason) and printed by `fusec.explain`.
+bytes too). Each decision, taken or not, is recorded in `record_of(gm).pad_matmul` as a
+`Decision(node, taken, why)` (fusec/record.py) and printed by `fusec.explain`.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from fusec.ir import TensorMeta
+from fusec.record import Decision, record_of
 
 aten = torch.ops.aten
 
@@ -42,15 +43,15 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def pad_matmul(gm: fx.GraphModule) -> fx.GraphModule:
-    decisions: list[tuple[str, bool, str]] = []
+    decisions: list[Decision] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.mm.default:
             continue
         pads, reason = _plan(node)
-        decisions.append((node.name, pads is not None, reason))
+        decisions.append(Decision(node.name, pads is not None, reason))
         if pads is not None:
             _rewrite(gm.graph, node, *pads)
-    gm.meta["fusec_pad_matmul"] = decisions
+    record_of(gm).pad_matmul = decisions
     if any(taken for _, taken, _ in decisions):
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -33,13 +33,15 @@ The rewrite is safe when
 The update it knows is `index_put` (indexed assignment: `cache[:, :, pos] = k`, `index_copy_`,
 which is how Hugging Face's static cache writes). Not yet `slice_scatter` (assignment to a slice
 with a Python int): its in-place form is a `copy_` into a view, whose readers would read the
-buffer itself, with no edge in the graph to keep them after the write. Each decision is recorded in `gm.meta["fusec_reinplace"]` as (update, in-place node or None,
-why), for explain.
+buffer itself, with no edge in the graph to keep them after the write. Each decision is recorded in `record_of(gm).reinplace` (fusec/record.py, `Reinplaced`: the
+update, the in-place node or None, why), for explain.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from fusec.record import Reinplaced, record_of
 
 aten = torch.ops.aten
 
@@ -56,7 +58,7 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
         buffer, copy = update.args[0], copies.get(update)
         why_not = why_not_in_place(update, buffer, copy)
         if why_not is not None:
-            done.append((update.name, None, why_not))
+            done.append(Reinplaced(update.name, None, why_not))
             continue
         with gm.graph.inserting_before(update):
             in_place = gm.graph.call_function(aten.index_put_.default, update.args, update.kwargs)
@@ -64,8 +66,9 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
         update.replace_all_uses_with(in_place, delete_user_cb=lambda user: user is not copy)
         gm.graph.erase_node(copy)
         gm.graph.erase_node(update)
-        done.append((update.name, in_place.name, f"nothing else reads {buffer.name}: written in place"))
-    gm.meta["fusec_reinplace"] = done
+        done.append(Reinplaced(update.name, in_place.name,
+                               f"nothing else reads {buffer.name}: written in place"))
+    record_of(gm).reinplace = done
     gm.recompile()
     return gm
 

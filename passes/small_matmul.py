@@ -41,8 +41,8 @@ The pass rewrites `mm(x, B)` and `addmm(bias, x, B)` when
 * B is *computed* (a dequantization, a cast) rather than a stored weight: for a plain weight the
   library GEMV already streams it once at full speed, and there is no prologue to fuse;
 * the dtype is floating point and nothing is empty.
-Every decision, taken or declined, is recorded with its reason in `gm.meta["fusec_small_matmul"]`
-and printed by `fusec.explain`.
+Every decision, taken or declined, is recorded with its reason in `record_of(gm).small_matmul`
+(a `Decision(node, taken, why)`, fusec/record.py) and printed by `fusec.explain`.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
+from fusec.record import Decision, record_of
 
 aten = torch.ops.aten
 
@@ -70,15 +71,15 @@ _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
 
 
 def small_matmul(gm: fx.GraphModule) -> fx.GraphModule:
-    decisions: list[tuple[str, bool, str]] = []
+    decisions: list[Decision] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
         plan, reason = _plan(node)
-        decisions.append((node.name, plan is not None, reason))
+        decisions.append(Decision(node.name, plan is not None, reason))
         if plan is not None:
             _rewrite(gm.graph, node, plan)
-    gm.meta["fusec_small_matmul"] = decisions
+    record_of(gm).small_matmul = decisions
     if any(taken for _, taken, _ in decisions):
         gm.graph.eliminate_dead_code()
         gm.recompile()

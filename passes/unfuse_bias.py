@@ -43,8 +43,8 @@ float64: torch's depthwise kernel adds the bias before rounding once, which in h
 add after the convolution would not reproduce. On the CPU, oneDNN adds the bias inside the
 convolution, and the rewrite could only add a pass.
 
-Each rewrite is recorded in `gm.meta["fusec_unfuse_bias"]` as (addmm or convolution, the op
-without bias, add) node names.
+Each rewrite is recorded in `record_of(gm).unfuse_bias` as an `Unfused(op, plain, add)`: the
+addmm or convolution, the op without bias, and the add (node names; fusec/record.py).
 """
 from __future__ import annotations
 
@@ -53,12 +53,13 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
+from fusec.record import Unfused, record_of
 
 aten = torch.ops.aten
 
 
 def unfuse_bias(gm: fx.GraphModule) -> fx.GraphModule:
-    done: list[tuple[str, str, str]] = []
+    done: list[Unfused] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.addmm.default and _worth_it(node):
             bias, a, b = node.args[:3]
@@ -74,7 +75,7 @@ def unfuse_bias(gm: fx.GraphModule) -> fx.GraphModule:
                 add = gm.graph.call_function(aten.add.Tensor, (after, bias))
             _annotate(add, aten.add.Tensor(after.meta["val"], bias.meta["val"]), node)
             after.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
-            done.append((node.name, mm.name, add.name))
+            done.append(Unfused(node.name, mm.name, add.name))
         elif node.op == "call_function" and node.target is aten.convolution.default \
                 and _conv_worth_it(node):
             x, w, bias, *rest = node.args
@@ -91,8 +92,8 @@ def unfuse_bias(gm: fx.GraphModule) -> fx.GraphModule:
             _annotate(view, aten.view.default(bias.meta["val"], shape), node)
             _annotate(add, aten.add.Tensor(conv.meta["val"], view.meta["val"]), node)
             conv.replace_all_uses_with(add, delete_user_cb=lambda user: user is not add)
-            done.append((node.name, conv.name, add.name))
-    gm.meta["fusec_unfuse_bias"] = done
+            done.append(Unfused(node.name, conv.name, add.name))
+    record_of(gm).unfuse_bias = done
     gm.recompile()
     return gm
 

@@ -84,7 +84,7 @@ def test_rotary_embedding_reads_its_pieces_in_place(target):
     cos, sin = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
     cf = assert_matches(rotary, x, cos, sin, backend=backend)
     assert [k.name for k in cf.kernels] == ["fused_neg_0", "fused_mul_cat_mul_add_1"]
-    assert "aten.cat" not in cf.source().split("# ===== graph")[0].split("===== wrapper")[1]
+    assert "aten.cat" not in cf.source().split("# ===== graph")[0].split("===== program")[1]
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2, -1])

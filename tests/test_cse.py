@@ -6,6 +6,7 @@ from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import run_pipeline
 from fusec.passes.cse import cse
+from fusec.record import record_of
 
 
 def test_duplicates_are_merged(target):
@@ -18,7 +19,7 @@ def test_duplicates_are_merged(target):
     gm = cse(captured.gm)
     sigmoids = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sigmoid.default]
     assert len(sigmoids) == 1
-    assert gm.meta["fusec_cse"] == [("sigmoid_1", "sigmoid")]
+    assert record_of(gm).cse == [("sigmoid_1", "sigmoid")]
     assert_matches(f, x, backend=backend, kernels=1)
 
 

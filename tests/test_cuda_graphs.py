@@ -144,7 +144,7 @@ def test_several_compiled_models_alive_at_once_share_the_capture_stream():
             torch.testing.assert_close(outs[-1][0], mlp.fn(*mlp.inputs))
             torch.testing.assert_close(outs[-1][1], gpt.fn(*gpt.inputs))
         assert a._compiled.last.runner is not None and b._compiled.last.runner is not None
-        assert b._compiled.last.gm.meta["fusec_inplace"]  # softmax over the scores, ...
+        assert b._compiled.last.inplace  # softmax over the scores, ...
         first = [o.clone() for o in outs[0]]
         a(*mlp.inputs), b(*gpt.inputs)
         assert all(torch.equal(x, y) for x, y in zip(outs[0], first))  # not overwritten

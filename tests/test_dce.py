@@ -13,6 +13,7 @@ import fusec
 from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import dce, run_pipeline
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -40,10 +41,10 @@ def unused_values(x):
 
 def test_removes_unused_nodes_and_records_them():
     before, gm = _dce(unused_values, torch.randn(8))
-    assert sorted(gm.meta["fusec_dce"]) == ["add", "cos", "exp", "mul"]
+    assert sorted(record_of(gm).dce) == ["add", "cos", "exp", "mul"]
     assert _targets(gm) == {aten.sin.default}
     names = {n.name for n in gm.graph.nodes}
-    assert not names & set(gm.meta["fusec_dce"])
+    assert not names & set(record_of(gm).dce)
     # the pipeline works on a copy: the captured graph (the eager reference) keeps everything
     assert {aten.cos.default, aten.exp.default, aten.mul.Tensor} <= _targets(before)
 
@@ -58,7 +59,7 @@ def test_dce_snapshot_no_longer_mentions_removed_nodes():
 
 def test_nothing_to_remove_records_empty_list():
     _, gm = _dce(lambda x: torch.sin(x) * 2, torch.randn(8))
-    assert gm.meta["fusec_dce"] == []
+    assert record_of(gm).dce == []
 
 
 def test_dead_inplace_update_of_an_intermediate_is_removed():
@@ -69,7 +70,7 @@ def test_dead_inplace_update_of_an_intermediate_is_removed():
 
     _, gm = _dce(f, torch.randn(8))
     assert _targets(gm) == {aten.sin.default}
-    assert gm.meta["fusec_dce"]
+    assert record_of(gm).dce
 
 
 def test_dead_code_compiles_no_kernel(target):
@@ -92,7 +93,7 @@ def test_copy_into_mutated_input_survives_dce():
     assert len(copies) == 1 and not copies[0].users       # unused, yet kept
     assert copies[0].is_impure()
     assert copies[0].args[0].op == "placeholder" and copies[0].args[0].name == "x"
-    assert "copy_" not in gm.meta["fusec_dce"]
+    assert "copy_" not in record_of(gm).dce
 
 
 def _check_mutation(fn, make, backend):
@@ -160,7 +161,7 @@ def test_fx_considers_random_ops_impure():
     _, gm = _dce(unused_rand, torch.randn(4, 4))
     (rand,) = [n for n in gm.graph.nodes if n.target is aten.rand.default]
     assert rand.is_impure() and not rand.users
-    assert "rand" not in gm.meta["fusec_dce"]
+    assert "rand" not in record_of(gm).dce
 
 
 def test_unused_dropout_keeps_its_random_op_but_drops_the_arithmetic():
@@ -170,7 +171,7 @@ def test_unused_dropout_keeps_its_random_op_but_drops_the_arithmetic():
     kept = {n.name for n in gm.graph.nodes}
     assert all(n.name in kept for n in random_before)
     assert aten.mul.Tensor not in _targets(gm)  # x * mask / (1-p) is gone
-    assert gm.meta["fusec_dce"]
+    assert record_of(gm).dce
 
 
 @pytest.mark.parametrize("fn", [unused_rand, unused_dropout], ids=["rand", "dropout"])
@@ -197,4 +198,4 @@ def test_random_ops_stay_impure_under_a_tracing_context():
     captured = capture(unused_rand, (torch.randn(4, 4),))
     with tracing(TracingContext(FakeTensorMode())):
         gm, _ = run_pipeline(captured.gm, passes=[dce])
-    assert "rand" not in gm.meta["fusec_dce"]
+    assert "rand" not in record_of(gm).dce

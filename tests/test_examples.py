@@ -10,13 +10,14 @@ import torch
 import fusec
 from conftest import CPU_BACKENDS, assert_matches
 from fusec.demo import load_example
+from fusec.record import record_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def steps_of(cf):
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
-    return last.gm.meta["fusec_schedule"]
+    return record_of(last.gm).schedule
 
 
 @pytest.mark.parametrize("name", ["sin4", "add_mul", "maximum_neg_uint8", "strided"])

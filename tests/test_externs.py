@@ -4,10 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_matches
+from fusec.record import record_of
 
 
 def steps(cf):
-    return [(s.kind, s.name) for s in cf.last.gm.meta["fusec_schedule"]]
+    return [(s.kind, s.name) for s in record_of(cf.last.gm).schedule]
 
 
 def test_conv_bias_relu_batchnorm_eval(target):

@@ -13,6 +13,7 @@ import fusec
 from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import dce, fuse_pointwise, run_pipeline
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -38,7 +39,7 @@ def _group_of(gm: fx.GraphModule) -> dict[str, str]:
 
 
 def _refusals(gm, producer=None, consumer=None):
-    return [r for r in gm.meta["fusec_refusals"]
+    return [r for r in record_of(gm).refusals
             if (producer is None or r.producer == producer)
             and (consumer is None or r.consumer == consumer)]
 
@@ -56,7 +57,7 @@ def test_chain_is_one_group_with_a_descriptive_name():
     group = call.meta["fusec_group"]
     assert group["ops"] == ["sin.default", "sin.default", "mul.Tensor"]
     assert group["inputs"] == ["x"] and group["outputs"] == ["mul"]
-    assert gm.meta["fusec_refusals"] == []
+    assert record_of(gm).refusals == []
     # the graph stays runnable Python at this stage
     x = torch.randn(16)
     torch.testing.assert_close(gm(x)[0], sin_sin_mul(x))
@@ -219,7 +220,7 @@ def test_cycle_through_a_chain_of_externs_and_groups():
     group = _group_of(gm)
     assert group["sin"] == group["cos"]
     assert group["sin"] != group["mul"]
-    assert any("cycle" in r.reason for r in gm.meta["fusec_refusals"])
+    assert any("cycle" in r.reason for r in record_of(gm).refusals)
     torch.testing.assert_close(gm(x, w)[0], f(x, w))
 
 
@@ -251,7 +252,7 @@ def test_broadcast_producer_used_only_inside_fuses():
     (call,) = _kernels(gm)
     assert call.meta["fusec_group"]["shape"] == (8390, 8)
     assert call.meta["fusec_group"]["outputs"] == ["mul"]
-    assert gm.meta["fusec_refusals"] == []
+    assert record_of(gm).refusals == []
 
 
 def test_broadcast_producer_also_used_outside_is_refused():

@@ -17,7 +17,7 @@ def randn(*shape):
 
 
 def inplace_of(cf) -> dict:
-    return cf.last.gm.meta["fusec_inplace"]
+    return cf.last.inplace
 
 
 def scores_softmax(q, k):

@@ -12,6 +12,8 @@ from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import run_pipeline
 from fusec.passes.layout import speedup
+from fusec.passes.memory import plan_memory
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -23,7 +25,7 @@ def channels_last(monkeypatch):
 
 def plan_of(fn, *inputs):
     gm, _ = run_pipeline(capture(fn, inputs).gm)
-    return gm.meta["fusec_layout_plan"], gm
+    return record_of(gm).layout, gm
 
 
 def check(fn, *inputs, backend):
@@ -162,7 +164,7 @@ def test_intermediate_buffers_get_channels_last_strides(channels_last):
     _, gm = plan_of(fn, x, w, b)
     relu = next(n for n in gm.graph.nodes if n.name == "relu")
     assert relu.meta["fusec_layout"].stride == (7 * 9 * 11, 1, 11 * 7, 7)
-    assert "relu" in gm.meta["fusec_memory"].placements
+    assert "relu" in plan_memory(gm).placements
 
 
 def test_conv_residual_block(channels_last, target):

@@ -10,7 +10,7 @@ from fusec.demo import load_example
 
 def plan_of(cf):
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
-    return last.gm.meta["fusec_memory"]
+    return last.memory
 
 
 def assert_no_overlap(plan):

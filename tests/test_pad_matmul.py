@@ -13,6 +13,7 @@ import fusec
 from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import PIPELINE, run_pipeline
+from fusec.record import record_of
 
 pm = importlib.import_module("fusec.passes.pad_matmul")
 aten = torch.ops.aten
@@ -28,7 +29,7 @@ def decisions(fn, *inputs):
     """The pass's decisions, and the graph right after it (before fusion groups its nodes)."""
     upto = PIPELINE[:PIPELINE.index(pm.pad_matmul) + 1]
     gm, _ = run_pipeline(capture(fn, inputs).gm, upto)
-    return gm.meta["fusec_pad_matmul"], gm
+    return record_of(gm).pad_matmul, gm
 
 
 def lm_head(h, w):  # GPT-2's: hidden @ wte.T, the vocabulary odd

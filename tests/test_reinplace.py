@@ -8,6 +8,7 @@ import torch
 from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import run_pipeline
+from fusec.record import record_of
 
 aten = torch.ops.aten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -30,7 +31,7 @@ class Cache(torch.nn.Module):
 def decisions(module, *inputs):
     gm, _ = run_pipeline(capture(module, inputs).gm)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    return gm.meta["fusec_reinplace"], targets
+    return record_of(gm).reinplace, targets
 
 
 def run_steps(module, compiled, device, steps=3, dtype=torch.float32):

@@ -14,6 +14,7 @@ from fusec.frontend import capture
 from fusec.ir import Layout
 from fusec.passes import run_pipeline
 from fusec.passes.schedule import format_schedule
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -43,7 +44,7 @@ def mixed(x, w, b):
 
 def _assert_valid_order(gm):
     """Every buffer a step reads is an input or was written by an earlier step."""
-    steps = gm.meta["fusec_schedule"]
+    steps = record_of(gm).schedule
     available = {n.name for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
     written = set()
     for step in steps:
@@ -60,7 +61,7 @@ def _assert_valid_order(gm):
 def test_schedule_lists_kernels_and_externs_in_order():
     x, w, b = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4)
     gm = _schedule(mixed, x, w, b)
-    steps = gm.meta["fusec_schedule"]
+    steps = record_of(gm).schedule
     assert [(s.kind, s.name) for s in steps] == [
         ("kernel", "fused_sin_add_0"),
         ("extern", "aten.mm.default"),
@@ -92,7 +93,7 @@ def test_steps_read_roots_not_views():
         return torch.sin(x.t()[1:]) + y
 
     gm = _schedule(f, torch.randn(6, 7), torch.randn(6, 6))
-    (step,) = gm.meta["fusec_schedule"]
+    (step,) = record_of(gm).schedule
     assert step.reads == ["x", "y"]  # slice_1/permute are views of x, not buffers
 
 
@@ -103,7 +104,7 @@ def test_schedule_with_multi_output_extern_is_valid():
 
     gm = _schedule(f, torch.randn(5, 7))
     _assert_valid_order(gm)
-    assert [s.kind for s in gm.meta["fusec_schedule"]] == ["extern", "kernel"]
+    assert [s.kind for s in record_of(gm).schedule] == ["extern", "kernel"]
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -286,5 +287,5 @@ def test_copy_into_input_writes_the_input_root():
         return x * 2
 
     gm = _schedule(f, torch.randn(4))
-    (step,) = [s for s in gm.meta["fusec_schedule"] if s.name == "aten.copy_.default"]
+    (step,) = [s for s in record_of(gm).schedule if s.name == "aten.copy_.default"]
     assert step.writes == ["x"]

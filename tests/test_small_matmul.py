@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fusec
 from conftest import TRITON_DEVICE, assert_matches
+from fusec.record import record_of
 
 int8_linear = importlib.import_module("fusec.examples.int8_linear")
 int4_linear = importlib.import_module("fusec.examples.int4_linear")
@@ -21,7 +22,7 @@ BF16 = torch.bfloat16
 
 def steps_of(cf):
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
-    return last.gm.meta["fusec_schedule"]
+    return record_of(last.gm).schedule
 
 
 def externs(cf):
@@ -196,8 +197,8 @@ def test_large_m_keeps_the_library_matmul(target):
     cf = assert_matches(w8_scale, x, w, s, backend=backend)
     assert externs(cf) == ["aten.mm.default"]
     decisions = dict((name, (taken, why)) for name, taken, why in
-                     (cf._compiled.last if hasattr(cf, "_compiled") else cf.last).gm.meta[
-                         "fusec_small_matmul"])
+                     record_of((cf._compiled.last if hasattr(cf, "_compiled")
+                                         else cf.last).gm).small_matmul)
     taken, why = decisions["mm"]
     assert not taken and "M = 64" in why
 

@@ -7,6 +7,7 @@ from conftest import assert_matches
 from fusec.demo import load_example
 from fusec.frontend import capture
 from fusec.passes import PIPELINE, run_pipeline, small_matmul
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -15,7 +16,7 @@ def rewrites(fn, *inputs):
     # without small_matmul, which would turn the small-M "half" case (a weight cast to bf16
     # inside the program) into a GEMV kernel: these tests are about what unfuse_bias leaves
     gm, _ = run_pipeline(capture(fn, inputs).gm, [p for p in PIPELINE if p is not small_matmul])
-    return gm.meta["fusec_unfuse_bias"], gm
+    return record_of(gm).unfuse_bias, gm
 
 
 def linear_gelu(x, w, b):

@@ -36,3 +36,32 @@ def test_gpt2_block_wrapper(target):
         params = [*last.captured.lifted]
         (got,) = run_wrapper(last, *params, *ex.inputs)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_shown_program_is_the_program_that_runs(target):
+    """One writer: cf.source() holds the very text Program.run was compiled from, and every
+    global that text reads is defined above it."""
+    backend, device = target
+
+    def f(x, w):
+        return torch.sin(x) @ w + 1
+    x, w = torch.randn(4, 16, device=device), torch.randn(16, 16, device=device)
+    cf = fusec.compile(f, backend=backend)
+    cf(x, w)
+    run = cf.last.program.run
+    assert run.source.startswith("def run(inputs):") and run.source in cf.source()
+    shown = python_wrapper(cf.last.program)
+    for definition in run.definitions:
+        assert definition in shown
+
+
+def test_spell_makes_the_value_again():
+    from fusec.ir import Layout
+    from fusec.runtime.writer import spell
+    values = [3, 2.5, float("inf"), None, "x", torch.float16, torch.device("cpu"),
+              torch.channels_last, torch.ops.aten.mm.default, Layout("x", (2, 3), (3, 1), 0),
+              [1, (2, 3)], (torch.int8,)]
+    scope = {"torch": torch, "Layout": Layout}
+    for v in values:
+        assert eval(spell(v), scope) == v, v
+    assert spell(torch.ones(2)) is None

@@ -1,6 +1,8 @@
 """Inspect: the tools that show what the pipeline did. They read every other room; no other room
 imports them (tests/test_architecture.py checks it). What the driver does, it publishes through
-fusec/events.py, and log.py's printer, a watcher, prints it.
+fusec/events.py, and log.py's printer, a watcher, prints it. What it made, they read from its
+typed records (fusec/record.py): a `CompiledGraph` is a `Compilation`, and `record_of(gm)` holds
+what each pass decided.
 
     explain.py         `fusec.explain`: every stage, in order (from listing, changes, groups)
     listing.py         the captured graph, one row per value, with the user's source lines

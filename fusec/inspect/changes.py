@@ -1,44 +1,17 @@
 """What each pass changed: nodes removed, groups formed (and from which ops), fusions refused.
 
-`pass_changes(captured_gm, gm, snapshots)` compares the graph after each pass (its printed
-snapshot, `passes.Snapshot`) with the one before; `fusec.explain` and `FUSEC_LOG=passes` print it.
+`pass_changes(captured_gm, gm, snapshots)` compares the graph after each pass (`passes.Snapshot`:
+the values it computes and its groups' members, recorded with the printed graph) with the one
+before, and adds what each pass recorded of its decisions (`record_of(gm)`, fusec/record.py);
+`fusec.explain` and `FUSEC_LOG=passes` print it.
 """
 from __future__ import annotations
-
-import re
 
 import torch.fx as fx
 
 from fusec.inspect.groups import group_rows
 from fusec.inspect.listing import op_kind
-
-
-# ---- what each pass changed ---------------------------------------------------------------------
-
-_TOP = re.compile(r'^        (\w+)(?:: "[^"]*")? = (.*)$')
-_CLASS = re.compile(r"^    class (\w+)\(torch\.nn\.Module\):")
-_INNER = re.compile(r'^            (\w+)(?:: "[^"]*")? = torch\.ops\.aten\.(\S+?)\(')
-_CALL = re.compile(r"self\.(\w+)\(")
-
-
-def _parse_snapshot(code: str) -> tuple[list[str], dict[str, list[str]]]:
-    """Top-level value names, and group name -> member node names, from a printed snapshot."""
-    top, groups, current = [], {}, None
-    for line in code.splitlines():
-        m = _CLASS.match(line)
-        if m:
-            current = m.group(1)
-            groups[current] = []
-            continue
-        if current is None:
-            m = _TOP.match(line)
-            if m and not _CALL.search(m.group(2)):
-                top.append(m.group(1))
-        else:
-            m = _INNER.match(line)
-            if m:
-                groups[current].append(m.group(1))
-    return top, groups
+from fusec.record import folded_view, record_of
 
 
 def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> list[dict]:
@@ -48,9 +21,10 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
     prev_groups: dict[str, list[str]] = {}
     kinds = {n.name: op_kind(n) for n in captured_gm.graph.nodes if n.op == "call_function"}
     final_groups = {r["name"]: r for r in group_rows(gm, None)}
+    record = record_of(gm)
     for snap in snapshots:
-        top, groups = _parse_snapshot(snap.code)
-        nodes = set(top) | {n for members in groups.values() for n in members}
+        groups = snap.groups
+        nodes = set(snap.nodes) | {n for members in groups.values() for n in members}
         details: list[str] = []
         if prev_nodes is None:
             counts: dict[str, int] = {}
@@ -79,41 +53,40 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                     if info.get("kind") == "reduction":
                         why = f"a reduction with its prologue/epilogue ops over {shape}"
                     details.append(f"{k}: {', '.join(members)}  ({why})")
-            if snap.after == "reinplace" and gm.meta.get("fusec_reinplace"):
-                decisions = gm.meta["fusec_reinplace"]
-                if any(done for _, done, _ in decisions):
-                    parts.append(f"{sum(1 for _, d, _ in decisions if d)} buffer update(s) in place")
-                details += [f"{name} -> {done}: {why}" if done else f"{name}: kept: {why}"
-                            for name, done, why in decisions]
-            if snap.after == "unfuse_bias" and gm.meta.get("fusec_unfuse_bias"):
-                done = gm.meta["fusec_unfuse_bias"]
+            if snap.after == "reinplace" and record.reinplace:
+                decisions = record.reinplace
+                if any(d.in_place for d in decisions):
+                    parts.append(f"{sum(1 for d in decisions if d.in_place)} buffer update(s) in place")
+                details += [f"{d.update} -> {d.in_place}: {d.why}" if d.in_place
+                            else f"{d.update}: kept: {d.why}" for d in decisions]
+            if snap.after == "unfuse_bias" and record.unfuse_bias:
+                done = record.unfuse_bias
                 parts.append(f"unfused {len(done)} linear bias(es)")
                 details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                             for addmm, mm, add in done]
-            if snap.after == "small_matmul" and gm.meta.get("fusec_small_matmul"):
-                decisions = gm.meta["fusec_small_matmul"]
+            if snap.after == "small_matmul" and record.small_matmul:
+                decisions = record.small_matmul
                 taken = sum(1 for _, t, _ in decisions if t)
                 if taken:
                     parts.append(f"{taken} matmul(s) rewritten as GEMV reductions")
                 details += [f"{name}: {'GEMV' if t else 'library matmul'}: {why}"
                             for name, t, why in decisions]
-            if snap.after == "pad_matmul" and gm.meta.get("fusec_pad_matmul"):
-                decisions = gm.meta["fusec_pad_matmul"]
+            if snap.after == "pad_matmul" and record.pad_matmul:
+                decisions = record.pad_matmul
                 if any(t for _, t, _ in decisions):
                     parts.append(f"padded {sum(1 for _, t, _ in decisions if t)} misaligned matmul(s)")
                 details += [f"{name}: {'padded' if t else 'kept'}: {why}" for name, t, why in decisions]
-            if snap.after == "layout" and getattr(gm.meta.get("fusec_layout_plan"), "convs", None):
-                plan = gm.meta["fusec_layout_plan"]
+            if snap.after == "layout" and getattr(record.layout, "convs", None):
+                plan = record.layout
                 if plan.choice != "unchanged":
                     parts.append(plan.summary())
                 details.append(f"layout: {plan.choice} ({plan.reason}); see === memory layout ===")
             if snap.after == "schedule":
-                steps = gm.meta.get("fusec_schedule", [])
+                steps = record.schedule
                 nk = sum(1 for s in steps if s.kind == "kernel")
                 ne = len(steps) - nk
                 parts.append(f"{len(steps)} step(s): {nk} kernel launch(es), {ne} extern call(s)")
-                folded = [n.name for n in gm.graph.nodes if "fusec_layout" in n.meta
-                          and n.op == "call_function" and n.meta["fusec_layout"].root != n.name]
+                folded = [n.name for n in gm.graph.nodes if folded_view(n)]
                 if folded:
                     details.append("views folded into load indices (no copy): " + ", ".join(folded))
             summary = "; ".join(parts) or "no change"

@@ -50,7 +50,7 @@ from fusec.inspect.graphviz import dot_after, dot_before, render_svg
 from fusec.inspect.groups import (distinct_elements, fallback_rows, format_groups,  # noqa: F401
                                   format_refusals, group_rows, kernel_traffic, refusal_dicts)
 from fusec.inspect.listing import graph_listing, node_rows
-from fusec.passes.schedule import format_schedule
+from fusec.record import format_schedule
 
 
 @dataclass
@@ -123,16 +123,15 @@ class Explanation:
             "stages": [{"after": s.after, "graph": s.code} for s in cg.stages()],
             "passes": [{k: v for k, v in c.items() if k != "graph"}
                        for c in pass_changes(cg.captured.gm, gm, cg.stages())],
-            "removed_by_dce": list(gm.meta.get("fusec_dce", [])),
+            "removed_by_dce": list(cg.passes.dce),
             "refusals": refusal_dicts(gm),
             "groups": self.groups(),
             "kernels": [{"name": k.name, "ops": k.ops, "source": k.source, "backend": k.backend,
                          "shape": list(k.ir.source_shape)} for k in cg.kernels],
-            "externs": [s.name for s in gm.meta["fusec_schedule"] if s.kind == "extern"],
+            "externs": [s.name for s in cg.schedule if s.kind == "extern"],
             "fallbacks": self.fallbacks(),
-            "schedule": format_schedule(gm.meta["fusec_schedule"]),
-            "layout": gm.meta["fusec_layout_plan"].to_dict() if "fusec_layout_plan" in gm.meta
-            else None,
+            "schedule": format_schedule(cg.schedule),
+            "layout": cg.passes.layout.to_dict() if cg.passes.layout is not None else None,
             "dot": {"before": self.dot("before"), "after": self.dot("after")},
         }
 
@@ -153,11 +152,11 @@ class Explanation:
                        else change["graph"].rstrip())
             previous = change["graph"]
             if change["after"] == "dce":
-                out.append(f"dce removed: {', '.join(gm.meta.get('fusec_dce', [])) or 'nothing'}")
+                out.append(f"dce removed: {', '.join(cg.passes.dce) or 'nothing'}")
             if fuse_stages and change["after"] == fuse_stages[-1]:
                 out.append(format_refusals(gm))
-        if getattr(gm.meta.get("fusec_layout_plan"), "convs", None):  # each tensor's layout, why
-            out.append("\n=== memory layout ===\n" + str(gm.meta["fusec_layout_plan"]))
+        if getattr(cg.passes.layout, "convs", None):  # each tensor's layout, why
+            out.append("\n=== memory layout ===\n" + str(cg.passes.layout))
         out.append("\n=== fusion groups ===\n" + format_groups(self.groups()))
         fallbacks = self.fallbacks()
         out.append("\n=== extern (eager ATen) calls ===")
@@ -168,7 +167,7 @@ class Explanation:
                 out.append(f"  {f['node']} = {f['op']}: {f['reason']}{where}")
         else:
             out.append("none: every op runs inside a fused kernel")
-        out.append(f"\n=== schedule ===\n{format_schedule(gm.meta['fusec_schedule'])}")
+        out.append(f"\n=== schedule ===\n{format_schedule(cg.schedule)}")
         for k in cg.kernels:
             out.append(f"\n=== kernel {k.name} over {tuple(k.ir.source_shape)} ===\n{k.source}")
         return "\n".join(out)

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.record import folded_view, record_of
 
 # Light fills that read well behind black text, one per kernel (cycled).
 PALETTE = ["#cfe8fc", "#d4f4d2", "#fde2c8", "#e7dcfa", "#fbd5e5", "#d9f2f0", "#f6f0c4",
@@ -72,7 +73,7 @@ def kernel_members(gm: fx.GraphModule) -> dict[str, list[str]]:
 
 
 def extern_nodes(gm: fx.GraphModule) -> set[str]:
-    return {s.node for s in gm.meta.get("fusec_schedule", []) if s.kind == "extern"}
+    return {s.node for s in record_of(gm).schedule if s.kind == "extern"}
 
 
 def dot_before(captured: fx.GraphModule, fused: fx.GraphModule, title: str = "") -> str:
@@ -80,7 +81,7 @@ def dot_before(captured: fx.GraphModule, fused: fx.GraphModule, title: str = "")
     members = kernel_members(fused)
     group_of = {n: k for k, names in members.items() for n in names}
     colors = {k: PALETTE[i % len(PALETTE)] for i, k in enumerate(members)}
-    removed = set(fused.meta.get("fusec_dce", []))
+    removed = set(record_of(fused).dce)
     externs = extern_nodes(fused)
     lines = ["digraph before_fusion {", "  rankdir=TB;", "  compound=true;",
              '  node [fontname="Helvetica", fontsize=10, shape=box, style="rounded,filled", '
@@ -164,8 +165,7 @@ def dot_after(fused: fx.GraphModule, title: str = "") -> str:
             label = f"{node.target}\n{kind} kernel over {shape}\n{_wrap(ops)}"
             lines.append(f"  {nid} [label={quote(label)}, fillcolor=\"{colors[node.target]}\", "
                          "penwidth=1.5];")
-        elif _is_view(node) and node.meta.get("fusec_layout") is not None \
-                and node.meta["fusec_layout"].root != node.name:
+        elif _is_view(node) and folded_view(node):
             lines.append(f"  {nid} [label={quote('view ' + _title(node))}, "
                          f"shape=ellipse, color=\"{VIEW_COLOR}\", fontcolor=\"{VIEW_COLOR}\"];")
         elif node.op == "call_function":

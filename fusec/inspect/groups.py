@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import short_dtype
+from fusec.record import record_of
 
 from fusec.inspect.listing import _meta_str, distinct_lines, group_members, user_line
 
@@ -140,7 +141,7 @@ def _text_table(rows: list[tuple], max_width: int = 48) -> str:
 
 
 def refusal_dicts(gm: fx.GraphModule) -> list[dict]:
-    return [dict(vars(r)) for r in gm.meta.get("fusec_refusals", [])]
+    return [dict(vars(r)) for r in record_of(gm).refusals]
 
 
 def format_refusals(gm: fx.GraphModule) -> str:
@@ -185,7 +186,7 @@ def extern_reason(node: fx.Node) -> str:
 def fallback_rows(gm: fx.GraphModule) -> list[dict]:
     by_name = {n.name: n for n in gm.graph.nodes}
     rows = []
-    for step in gm.meta.get("fusec_schedule", []):
+    for step in record_of(gm).schedule:
         if step.kind != "extern":
             continue
         node = by_name[step.node]

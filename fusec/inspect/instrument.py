@@ -148,7 +148,7 @@ def value_slots(cg: CompiledGraph) -> dict[str, int]:
     out.update(zip(placeholders, program.input_slots))
     attrs = [n.name for n in gm.graph.nodes if n.op == "get_attr"]
     out.update(zip(attrs, [slot for slot, _ in program.constants]))
-    externs = [s.node for s in gm.meta["fusec_schedule"] if s.kind == "extern"]
+    externs = [s.node for s in cg.schedule if s.kind == "extern"]
     ext_steps = [s for s in program.steps if isinstance(s, ExternStep)]
     if len(externs) == len(ext_steps):
         out.update(zip(externs, [s.out_slot for s in ext_steps]))

@@ -35,7 +35,7 @@ from fusec.inspect.explain import Explanation
 from fusec.inspect.groups import format_groups, format_refusals, group_rows
 from fusec.inspect.listing import graph_listing
 from fusec.inspect.graphviz import render_svg
-from fusec.passes.schedule import format_schedule
+from fusec.record import format_schedule, record_of
 
 TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile")
 
@@ -111,7 +111,7 @@ def pipeline_done(captured_gm, gm, snapshots) -> None:
             previous = change["graph"]
             log("passes", f"after {change['after']}: {change['summary']}\n" + "\n".join(body))
     if "schedule" in want:
-        log("schedule", "schedule\n" + format_schedule(gm.meta["fusec_schedule"]))
+        log("schedule", "schedule\n" + format_schedule(record_of(gm).schedule))
 
 
 def compiled(compiled_graph, label: str = "program") -> Path | None:
@@ -165,7 +165,7 @@ def dump_compiled(compiled_graph, root: Path, label: str = "program") -> Path:
             f"# graph after {snap.after}\n{snap.code}")
     (folder / "fusion.txt").write_text(format_groups(explanation.groups()) + "\n\n"
                                        + format_refusals(gm) + "\n")
-    (folder / "schedule.txt").write_text(format_schedule(gm.meta["fusec_schedule"]) + "\n")
+    (folder / "schedule.txt").write_text(format_schedule(compiled_graph.schedule) + "\n")
     kdir = folder / "kernels"
     kdir.mkdir()
     for k in compiled_graph.kernels:

@@ -231,9 +231,9 @@ def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[
     captured = cg.captured.gm
     by_name = {n.name: n for n in gm.graph.nodes}
     lines: list[KernelLine] = []
-    kernel_ms = _kernel_times(f_events, [s.name for s in gm.meta["fusec_schedule"]
-                                         if s.kind == "kernel"], iters, cuda)
-    for s in gm.meta["fusec_schedule"]:
+    kernel_ms = _kernel_times(f_events, [s.name for s in cg.schedule if s.kind == "kernel"],
+                              iters, cuda)
+    for s in cg.schedule:
         if s.kind == "kernel":
             k = by_kernel[s.name]
             sub = getattr(gm, s.name)

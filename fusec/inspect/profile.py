@@ -120,7 +120,7 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
         with torch.no_grad():
             return user(*inputs, **kwargs)
 
-    steps = profiled_steps(cg.program, cg.gm.meta["fusec_schedule"])
+    steps = profiled_steps(cg.program, cg.schedule)
 
     def fused_profiled():
         return run_steps(cg.program, steps, tensors)

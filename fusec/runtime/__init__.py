@@ -2,10 +2,10 @@
 
     steps.py        what a program is made of: kernel launches, extern ATen calls, views
     program.py      the program model: `build_program(gm, kernels)` -> `Program`
-    writer.py       the straight-line writer: the steps as one compiled Python function
+    writer.py       the writer: the steps as one compiled Python function, and that text shown
     cuda_graphs.py  replaying a whole program as one CUDA graph (`graph_blocker`, `CudaGraphRunner`)
     build.py        building a program's kernels: each distinct one once, several at a time
-    launchers.py    loading a kernel from its cached file; the program as Python (`cf.source()`)
+    launchers.py    loading a kernel from its cached file
 
 The names below are re-exported so that `fusec.runtime.graph_blocker`, `from fusec.runtime import
 load_launcher` (the generated wrapper's own import) and the like keep working. Modules inside
@@ -13,11 +13,11 @@ this folder import each other by their own names, never through this file.
 """
 from fusec.runtime.cuda_graphs import (COPY_BYTES_PER_US, LAUNCH_US, CudaGraphRunner,
                                        capture_stream, draws_random_numbers, graph_blocker)
-from fusec.runtime.launchers import load_launcher, python_wrapper
+from fusec.runtime.launchers import load_launcher
 from fusec.runtime.program import Program, build_program
 from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef,
                                  ViewStep, settle)
-from fusec.runtime.writer import last_uses, step_reads, straight_line
+from fusec.runtime.writer import last_uses, python_wrapper, step_reads, straight_line
 
 __all__ = ["COPY_BYTES_PER_US", "LAUNCH_US", "CudaGraphRunner", "ExternStep", "GetItemStep", "KernelStep", "OutputBuffer", "Program",
            "SlotRef", "ViewStep", "build_program", "capture_stream", "draws_random_numbers",

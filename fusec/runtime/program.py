@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from fusec import ops
+from fusec.record import MemoryPlan, folded_view, layout_of, owns_buffer
 from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
 from fusec.runtime.writer import straight_line
 
@@ -96,8 +96,13 @@ class Program:
         return [env[s] for s in self.output_slots]
 
 
-def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
-    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program."""
+def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPlan | None = None,
+                  inplace: dict[str, str] | None = None) -> Program:
+    """Turn a scheduled graph plus its compiled kernels (name -> Kernel) into a Program.
+
+    `memory` places intermediate buffers in the pool and `inplace` names the outputs written over
+    a dying input (passes/memory.py; the driver plans both). Without them every output is a
+    fresh buffer."""
     slot_of: dict[str, int] = {}
 
     def slot(name: str) -> int:
@@ -107,17 +112,14 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
 
     nodes = list(gm.graph.nodes)
     by_name = {n.name: n for n in nodes}
-    memory = gm.meta.get("fusec_memory")
-    inplace = gm.meta.get("fusec_inplace", {})  # passes/schedule.py: plan_inplace
+    inplace = inplace or {}
     output = gm.graph.output_node()
     input_slots, constants, steps = [], {}, []
     producers: dict[int, Any] = {}
-    def folded(n):  # a view read through index arithmetic: it needs no tensor of its own
-        return n.op == "call_function" and "fusec_layout" in n.meta \
-            and n.meta["fusec_layout"].root != n.name
-
-    materialize = {n for n in nodes if folded(n)
-                   and any(u.op != "call_module" and not folded(u) for u in n.users)}
+    # a view read through index arithmetic needs no tensor of its own, unless an extern call or
+    # the caller reads it
+    materialize = {n for n in nodes if folded_view(n)
+                   and any(u.op != "call_module" and not folded_view(u) for u in n.users)}
 
     def ref(a):
         return SlotRef(slot(a.name)) if isinstance(a, fx.Node) else a
@@ -133,7 +135,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
             writes = []
             for p in kernel.ir.params:
                 if p.is_output:
-                    layout = by_name[p.name].meta["fusec_layout"]
+                    layout = layout_of(by_name[p.name])
                     placed = memory.placements.get(p.name) if memory else None
                     writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype,
                                                placed.offset if placed else None,
@@ -148,29 +150,21 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
         elif node.op == "call_function" and "fusec_views" in node.meta:
             continue  # split/unbind: its pieces are views, read in place
         elif node.op == "call_function" and node in materialize:
-            layout = node.meta["fusec_layout"]
+            layout = layout_of(node)
             steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
-        elif folded(node):
+        elif folded_view(node):
             continue  # a view (or a piece of a split) read through index arithmetic
         elif node.op == "call_function" and node.target.__name__ == "getitem":
             src = node.args[0]
             if src.op == "call_module":
                 continue  # a kernel output: written by the KernelStep
-            layout = node.meta.get("fusec_layout")
-            planned = layout if layout is not None and layout.root == node.name else None
+            planned = layout_of(node) if owns_buffer(node) else None
             steps.append(GetItemStep(slot(src.name), node.args[1], slot(node.name), planned))
             producers[slot(node.name)] = str(src.target)
-        elif node.op == "call_function" and node in materialize:
-            layout = node.meta["fusec_layout"]
-            steps.append(ViewStep(slot(layout.root), layout, slot(node.name)))
-        elif node.op == "call_function" and _is_view(node) and "fusec_layout" in node.meta \
-                and node.meta["fusec_layout"].root != node.name:
-            continue  # folded into the indices of whoever reads it
         elif node.op == "call_function":
-            layout = node.meta.get("fusec_layout")
             steps.append(ExternStep(node.target, fx.node.map_arg(node.args, ref),
                                     fx.node.map_arg(node.kwargs, ref), slot(node.name),
-                                    layout if layout is not None and layout.root == node.name else None))
+                                    layout_of(node) if owns_buffer(node) else None))
             producers[slot(node.name)] = str(node.target)
     outputs = [slot(a.name) for a in output.args[0]]
     program = Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
@@ -179,7 +173,3 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any]) -> Program:
         program.slot_names[index] = name
     return program
 
-
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        and ops.classify(node.target) == ops.VIEW

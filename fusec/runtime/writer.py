@@ -1,8 +1,13 @@
-"""The straight-line writer: a Program's steps written out once as one Python function.
+"""The writer: a Program's steps written out once as Python, the text that runs and is shown.
 
 `straight_line(program, ...)` turns the list of steps into `def run(inputs)`, one line per step,
 with kernels, ATen ops and constants bound as globals, and compiles it; `Program.prepare` keeps
 the result as `program.run`. See "Note: the per-call path" below for why.
+
+`python_wrapper(program)` shows that program (it is part of `cf.source()`): every global of `run`
+spelled as Python (`_fused_sin_0 = load_launcher(...)`), then the very text `run` was compiled
+from, then `call(x, w)`, which calls it. One writer makes both, so what is shown is what runs;
+exec the text and `call(...)` gives the same result (tests/test_wrapper.py).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fusec.ir import Layout
 from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef,
                                  ViewStep, settle)
 
@@ -41,7 +47,8 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
     w = _Writer(program)
     names = [w.define(slot) for slot in program.input_slots]
     if names:
-        w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs")
+        w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs",
+               ", ".join(w.value_name(slot) for slot in program.input_slots))
     for slot, tensor in program.constants:
         w.names[slot] = w.bind(tensor, "constant")
     last = last_uses(program)
@@ -92,6 +99,9 @@ def last_uses(program: "Program") -> dict[int, list[int]]:
     return out
 
 
+_PRESET = ("empty_like", "empty_strided")  # globals of every written function
+
+
 class _Writer:
     """The text of a straight-line function and the globals it reads.
 
@@ -105,18 +115,25 @@ class _Writer:
         self.names: dict[int, str] = {}  # slot -> the expression that holds its value
         self.globals: dict[str, Any] = {"empty_like": torch.empty_like,
                                         "empty_strided": torch.empty_strided}
+        # each global as Python, for the shown program (python_wrapper), after `setup`
+        self.spelled: dict[str, str] = {"empty_like": "torch.empty_like",
+                                        "empty_strided": "torch.empty_strided"}
+        self.setup: list[str] = []
 
     def define(self, slot: int) -> str:
         self.names[slot] = f"s{slot}"
         return self.names[slot]
 
-    def bind(self, value: Any, hint: str) -> str:
-        """A global holding `value`, named after `hint`."""
+    def bind(self, value: Any, hint: str, spelling: str | None = None) -> str:
+        """A global holding `value`, named after `hint`; `spelling` is the Python that makes it
+        in the shown program (by default `spell(value)`)."""
         base = "_" + "".join(c if c.isalnum() else "_" for c in hint)
         name, n = base, 1
         while name in self.globals:
             name, n = f"{base}_{n}", n + 1
         self.globals[name] = value
+        self.spelled[name] = spelling or spell(value) or \
+            f"...  # a {type(value).__name__} made while compiling: {_short(value)}"
         return name
 
     def line(self, text: str, comment: str = "") -> None:
@@ -134,6 +151,8 @@ class _Writer:
         exec(compile(source, filename, "exec"), self.globals)
         run = self.globals["run"]
         run.source = source
+        run.definitions = self.setup + [f"{n} = {s}" for n, s in self.spelled.items()
+                                        if n not in _PRESET or f"{n}(" in source]
         return run
 
 
@@ -148,7 +167,7 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
                    f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
                    f"its last use")
         elif view is not None:  # carved out of the pool once: the same memory on every call
-            w.names[buf.slot] = w.bind(view, w.value_name(buf.slot))
+            w.names[buf.slot] = w.bind(view, w.value_name(buf.slot), _pool_view(w, buf))
             w.line(f"# {w.names[buf.slot]}: a view of the pool, bytes [{buf.offset}, "
                    f"{buf.offset + buf.nbytes})")
         else:
@@ -159,10 +178,30 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
         return
     tensors = [w.names[r] for r in step.reads] + [w.names[b.slot] for b in step.writes]
     entry = getattr(step.launcher, "pointer_entry", None)
+    loaded = _loaded(step.launcher)
     if entry is not None:  # a C function: called with the data pointers, as ints
-        w.line(f"{w.bind(entry, step.name)}({', '.join(t + '.data_ptr()' for t in tensors)})")
+        name = w.bind(entry, step.name, loaded and loaded + ".pointer_entry")
+        w.line(f"{name}({', '.join(t + '.data_ptr()' for t in tensors)})")
     else:  # a Python launcher (Triton's grid launch, the LLVM backend's): called with tensors
-        w.line(f"{w.bind(step.launcher, step.name)}({', '.join(tensors)})")
+        w.line(f"{w.bind(step.launcher, step.name, loaded)}({', '.join(tensors)})")
+
+
+def _loaded(launcher) -> str | None:
+    """The Python that loads `launcher` again from its cached file (fusec/runtime/launchers.py)."""
+    if not hasattr(launcher, "lib"):
+        return None
+    return f"load_launcher({str(launcher.lib)!r}, {launcher.name!r}, {launcher.n_params})"
+
+
+def _pool_view(w: _Writer, buf: OutputBuffer) -> str:
+    """The Python for a planned output's view of the pool (KernelStep.bind_pool makes it)."""
+    pool = w.program.pool
+    if not w.setup:
+        w.setup.append(f"pool = torch.empty({pool.numel()}, dtype=torch.uint8, "
+                       f"device={str(pool.device)!r})  # the intermediate buffers' memory")
+    first = buf.offset // torch.empty((), dtype=buf.dtype).element_size()
+    return (f"pool[{buf.offset}:{buf.offset + buf.nbytes}].view({buf.dtype})"
+            f".as_strided({buf.shape}, {buf.stride}, {first})")
 
 
 def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
@@ -176,7 +215,8 @@ def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
     meta = torch.empty((), dtype=buf.dtype, device="meta").expand(buf.shape)
     if tuple(torch.empty_like(meta).stride()) == tuple(buf.stride):
         like = torch.empty((), dtype=buf.dtype, device=device).expand(buf.shape)
-        return f"empty_like({w.bind(like, 'like')})"
+        spelled = f"torch.empty((), dtype={buf.dtype}, device={str(device)!r}).expand({buf.shape})"
+        return f"empty_like({w.bind(like, 'like', spelled)})"
     return (f"empty_strided({buf.shape}, {buf.stride}, dtype={w.bind(buf.dtype, 'dtype')}, "
             f"device={w.bind(device, 'device')})")
 
@@ -193,7 +233,7 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
         return _emit_any(w, step)
     call = f"{w.bind(step.target, step.name)}({', '.join(args)})"
     if step.planned is not None:  # ATen picks its result's strides: settle them as planned
-        call = f"{w.bind(step.settle, 'settle')}({call})"
+        call = f"{_settle(w)}({call}, {w.bind(step.planned, 'layout')})"
     w.line(f"{w.define(step.out_slot)} = {call}")
 
 
@@ -234,7 +274,7 @@ def _emit_view(w: _Writer, step: ViewStep) -> None:
 def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
     item = f"{w.names[step.src]}[{step.index!r}]"
     if step.planned is not None:  # as for an extern's result: settle the strides as planned
-        item = f"{w.bind(settle, 'settle')}({item}, {w.bind(step.planned, 'layout')})"
+        item = f"{_settle(w)}({item}, {w.bind(step.planned, 'layout')})"
     w.line(f"{w.define(step.out_slot)} = {item}")
 
 
@@ -280,3 +320,59 @@ def _literal_or_global(w: _Writer, value: Any) -> str:
     if type(value) in (int, bool, str) or value is None:
         return repr(value)
     return w.bind(value, "out")
+
+
+def _settle(w: _Writer) -> str:
+    """The global holding `settle` (fusec/runtime/steps.py), bound once."""
+    if "_settle" not in w.globals:
+        w.bind(settle, "settle", "settle")
+    return "_settle"
+
+
+# ---- the program as shown ------------------------------------------------------------------------
+
+def spell(value: Any) -> str | None:
+    """`value` as a Python expression that makes it again, or None if there is none (a tensor
+    made while compiling, a step object): a literal, a dtype, a device, an ATen op, a Layout."""
+    if type(value) in (int, bool, str) or value is None:
+        return repr(value)
+    if type(value) is float:
+        return repr(value) if math.isfinite(value) else f"float({str(value)!r})"
+    if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
+        return str(value)  # torch.float32, torch.channels_last, torch.strided
+    if isinstance(value, torch.device):
+        return f"torch.device({str(value)!r})"
+    if isinstance(value, torch._ops.OpOverload):
+        return f"torch.ops.{value}"  # torch.ops.aten.mm.default
+    if isinstance(value, Layout):
+        return repr(value)
+    if type(value) in (list, tuple):
+        inner = [spell(v) for v in value]
+        if any(i is None for i in inner):
+            return None
+        if type(value) is list:
+            return f"[{', '.join(inner)}]"
+        return f"({', '.join(inner)}{',' if len(inner) == 1 else ''})"
+    return None
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def python_wrapper(program: "Program") -> str:
+    """The program as runnable Python, like torch.compile's output code: what each global of
+    `program.run` is, the text `run` was compiled from, and `call(*inputs)` calling it. Exec it
+    and call `call`. (A constant tensor of the graph or a step written as an object is shown as
+    `...` with what it is: those exist only in the compiled program.)"""
+    run = program.prepare()
+    names = getattr(program, "slot_names", None) or [f"s{i}" for i in range(program.n_slots)]
+    inputs = ", ".join(names[s] for s in program.input_slots)
+    lines = ["import torch", "from fusec.ir import Layout",
+             "from fusec.runtime import load_launcher, settle", "", *run.definitions, "", "",
+             run.source.rstrip("\n"), "", "", f"def call({inputs}):",
+             f"    return run([{inputs}])"]
+    return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from conftest import TRITON_DEVICE
 from fusec import frontend
 from fusec.errors import DeviceError, UnsupportedError
 from fusec.ir import TensorMeta, ValueMeta
+from fusec.record import record_of
 
 aten = torch.ops.aten
 
@@ -210,7 +211,7 @@ def test_recurrent_layers_run_as_one_extern(cls, layers, bidirectional, batch_fi
     compiled = fusec.compile(model, backend="cpp")
     with torch.no_grad():
         close(compiled(*args), model(*args))
-    externs = [s.name for s in compiled.last.gm.meta["fusec_schedule"] if s.kind == "extern"]
+    externs = [s.name for s in record_of(compiled.last.gm).schedule if s.kind == "extern"]
     assert f"fusec.{cls.__name__.lower().replace('rnn', 'rnn_tanh')}.default" in externs, externs
     assert compiled.kernels
 
@@ -328,7 +329,7 @@ def test_cuda_attention_kernels_are_annotated_externs(variant):
     for meta, val in zip(metas, node.meta["val"]):
         assert isinstance(meta, TensorMeta if isinstance(val, torch.Tensor) else ValueMeta)
     out, _ = run_pipeline(gm)
-    steps = [(s.kind, s.name) for s in out.meta["fusec_schedule"]]
+    steps = [(s.kind, s.name) for s in record_of(out).schedule]
     assert steps == [("extern", str(node.target)), ("kernel", "fused_mul_0")], steps
 
 
