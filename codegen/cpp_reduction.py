@@ -3,8 +3,9 @@ reduction phase inside it, then a last loop that recomputes and stores the eleme
 
 The loop plan (what each loop computes, what is ready after it, which value is kept between the
 last phase and the last pass) is the kernel IR's (`kernel.plan`, fusec/loop_plan.py); cpu_plan.py
-adds what both CPU backends decide alike (threads, blocked sums). This file spells it, with the cache-minded notes below: rows reduced across a strided axis are copied into
-a stack array first, and neighbouring rows run in SIMD lanes when the row is short.
+adds what both CPU backends decide alike (threads, blocked sums). This file spells it, with the
+cache-minded notes below: rows reduced across a strided axis are copied into a stack array
+first, and neighbouring rows run in SIMD lanes when the row is short.
 """
 from __future__ import annotations
 

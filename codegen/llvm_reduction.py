@@ -1,8 +1,10 @@
 """LLVM reductions: a ReductionKernel as LLVM IR text, one function over a range of rows.
 
-Each row runs one loop over k per reduction phase, with an `Accumulator` per reduction (sum,
-prod, amax, argmax, ... and Welford-free blocked float sums, as the C++ backend blocks them:
-cpu_plan.py), then a last loop that recomputes and stores the element values.
+Each row runs one loop over k per phase of the kernel's loop plan (`kernel.plan`,
+fusec/loop_plan.py: what each loop computes and what follows it is decided in lowering), with an
+`Accumulator` per reduction (sum, prod, amax, argmax, ... and Welford-free blocked float sums, as
+the C++ backend blocks them: cpu_plan.py), then a last loop that recomputes and stores the
+element values.
 """
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def gemv_fits(kernel) -> bool:
     return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum"
             and 1 <= len(kernel.row_shape) <= 2 and kernel.k > 0 and kernel.rows > 0
             and (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)
-            and not any(s.var.name in kernel.varying for s in kernel.stores))
+            and not kernel.plan.element_stores)
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice

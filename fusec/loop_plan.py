@@ -140,9 +140,9 @@ class LoopPlan:
             lines.append(f"  phase {p.number}: {reds} over k; each k computes {names(p.loop)}"
                          + (f"; then {names(p.ready)}" if p.ready else ""))
             for o in p.folds:
-                lines.append(f"    online softmax: phase {p.number + 1}'s {o.total}, a sum of "
-                             f"exp({o.value} - {o.shift}), may share this pass, kept against a "
-                             f"running {o.peak}")
+                lines.append(f"    online softmax: phase {p.number + 1}'s {o.total} = "
+                             f"sum(exp({o.value} - {o.shift})) may join this pass "
+                             f"(running max {o.peak})")
         if self.element_stores:
             lines.append(f"  last pass: each k computes {names(self.last_pass)}; stores "
                          + ", ".join(stores[n].param for n in self.element_stores))
