@@ -22,6 +22,9 @@ from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert
 
 PERSISTENT_MAX_K = 8192  # rows up to this long stay in registers; longer ones are looped over
 LOOP_RBLOCK = 2048
+# looped kernels take the loop plan's online-softmax folds (fusec/loop_plan.py, Phase.folds): a
+# phase of sums of exp(x - max) shares the pass of its max (see the note on online softmax below)
+ONLINE_SOFTMAX = True
 
 
 # Note (column reductions): a channels-last tensor reduced over its pixels (a global average pool,
@@ -164,9 +167,6 @@ def render_reduction(kernel) -> str:
         args=[p.name for p in kernel.params], passes=note,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
         row_lines=row_lines, sections=loops)
-
-
-ONLINE_SOFTMAX = True  # looped kernels fold a phase of online sums into their max's pass
 
 
 def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
