@@ -1,9 +1,11 @@
 """C++ reductions: a ReductionKernel as one OpenMP-parallel loop over rows, one loop over k per
 reduction phase inside it, then a last loop that recomputes and stores the element values.
 
-The plan (phases, what is kept between them) is the kernel IR's and cpu_plan.py's; this file
-spells it, with the cache-minded notes below: rows reduced across a strided axis are copied into
-a stack array first, and neighbouring rows run in SIMD lanes when the row is short.
+The loop plan (what each loop computes, what is ready after it, which value is kept between the
+last phase and the last pass) is the kernel IR's (`kernel.plan`, fusec/loop_plan.py); cpu_plan.py
+adds what both CPU backends decide alike (threads, blocked sums). This file spells it, with the
+cache-minded notes below: rows reduced across a strided axis are copied into a stack array
+first, and neighbouring rows run in SIMD lanes when the row is short.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from fusec import ops
 from fusec.ir import Index, Reduce
 
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
-from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, stash_choice, sum_block, summary
+from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, sum_block, summary
 from .render import render_template
 
 REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
@@ -75,18 +77,11 @@ def render_reduction(kernel) -> str:
         lines[l.var.name] = (f"const {CTYPE[l.var.dtype]} {l.var.name} = "
                              f"{convert(_load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
     producers = {l.var.name: l for l in kernel.loads}
-    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
     for item in kernel.body:
         producers[item.var.name] = item
         if not isinstance(item, Reduce):
             lines[item.var.name] = _stmt(item)
-    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
-
-    def closure(targets, given: dict | None = None) -> list[str]:
-        """Lines computing the element values `targets` need; `given` maps a value that is read
-        back from memory (see stash_choice) to the line that reads it."""
-        given = given or {}
-        return [given.get(n, lines[n]) for n in kernel.values_needed(targets, given)]
+    plan, keep = kernel.plan, kernel.plan.keep
 
     store_targets: dict[int, str] = {}
 
@@ -101,29 +96,19 @@ def render_reduction(kernel) -> str:
                 store_targets[n] = f"{tile}[k]"
         return store_targets[n]
 
-    stash = stash_choice(kernel)
-
-    done: set[str] = set()
-    for name in order:  # row values needing no reduction: once per row, before the loops
-        item = producers[name]
-        if name not in kernel.varying and not isinstance(item, Reduce) and kernel.level.get(name, 0) == 0:
-            row_lines.append(lines[name])
-            done.add(name)
-
+    row_lines += [lines[n] for n in plan.before]  # row values needing no reduction: once per row
     sections = []
-    for phase in range(kernel.phases):
-        reds = [r for r in reduces if r.phase == phase]
+    for phase in plan.phases:
+        reds = [producers[n] for n in phase.reduces]
         before, body, after = [], list(k_coords), []
-        body += closure({r.operand.name for r in reds})
+        body += [lines[n] for n in phase.loop]
         simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
                    for r in reds)
         maxmin = bool(reds) and all(r.op in ("amax", "amin") and r.acc_dtype != torch.bool
                                     for r in reds)
-        if stash and phase == kernel.phases - 1:
-            final = all((st.var.name, n) == stash or st.var.name not in kernel.varying
-                        for n, st in enumerate(kernel.stores))
-            why = "the output, stored once: no last pass" if final else "kept for the last pass"
-            body.append(f"{target(stash[1])} = {stash[0]};  // {why}")
+        if keep and phase is plan.phases[-1]:
+            why = "kept for the last pass" if keep.stores else "the output, stored once: no last pass"
+            body.append(f"{target(keep.store)} = {keep.value};  // {why}")
         for r in reds:
             red = ops.REDUCTIONS[r.op]
             acc = f"acc_{r.var.name}"
@@ -160,13 +145,7 @@ def render_reduction(kernel) -> str:
                 if r.round_to is not None:
                     value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
                 after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
-            done.add(r.var.name)
-        for name in order:
-            item = producers[name]
-            if name not in done and name not in kernel.varying and not isinstance(item, Reduce) \
-                    and kernel.level.get(name, 0) == phase + 1:
-                after.append(lines[name])
-                done.add(name)
+        after += [lines[n] for n in phase.ready]
         # Note (long float sums): adding K values one after another into one float loses
         # ~K ulps; eager sums in a cascade and loses ~log K. A long float sum is blocked: each
         # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
@@ -196,27 +175,25 @@ def render_reduction(kernel) -> str:
             if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
                 names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
                 pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
-        sections.append({"comment": f"phase {phase}: " + ", ".join(r.op for r in reds),
+        sections.append({"comment": f"phase {phase.number}: " + ", ".join(r.op for r in reds),
                          "before": before, "pragma": pragma, "body": body, "after": after,
                          "kblock": kblock, "block_before": block_before,
                          "block_after": block_after})
 
+    last_stores = keep.stores if keep else plan.element_stores  # (the kept output is stored)
     elem_stores, row_stores = [], []
-    for n, s in enumerate(kernel.stores):
-        if stash == (s.var.name, n):
-            continue  # already there: the last phase stored it
-        text = f"{target(n)} = {_store_value(s.var, s.dtype)};"
-        (elem_stores if s.var.name in kernel.varying else row_stores).append(text)
+    for n, s in enumerate(kernel.stores):  # in store order, as their `_base` lines come
+        if n in last_stores or n in plan.row_stores:
+            text = f"{target(n)} = {_store_value(s.var, s.dtype)};"
+            (elem_stores if n in last_stores else row_stores).append(text)
     if elem_stores:  # (none left when the last phase stored the only element output)
-        given = {}
-        if stash:
-            name = stash[0]
-            given[name] = f"const {CTYPE[producers[name].var.dtype]} {name} = {target(stash[1])};"
-        body = list(k_coords) + closure({s.var.name for s in kernel.stores
-                                         if s.var.name in kernel.varying}, given) + elem_stores
+        values = [lines[n] for n in plan.last_pass]
         comment = "last pass: element values, stored"
-        if stash:
-            comment += f" ({stash[0]} read back from where the last phase kept it)"
+        if keep:
+            values = [f"const {CTYPE[producers[n].var.dtype]} {n} = {target(keep.store)};"
+                      if n == keep.value else lines[n] for n in keep.last_pass]
+            comment += f" ({keep.value} read back from where the last phase kept it)"
+        body = list(k_coords) + values + elem_stores
         sections.append({"comment": comment, "before": [],
                          "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
@@ -248,12 +225,12 @@ def lane_blocks(kernel, k_strided) -> int:
     """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0."""
     if not kernel.row_shape or kernel.row_shape[-1] < 8 or not kernel.k:
         return 0
-    several = kernel.phases != 1 or any(s.var.name in kernel.varying for s in kernel.stores)
+    plan = kernel.plan
+    several = len(plan.phases) != 1 or bool(plan.element_stores)
     if several and kernel.k > LANES_UNROLL_K:
         return 0  # several k loops (phases, a last pass) that gcc cannot unroll away
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
-    if several and any(not isinstance(i, Reduce) and i.var.name not in kernel.varying
-                       and 0 < kernel.level.get(i.var.name, 0) < kernel.phases for i in kernel.body):
+    if several and any(phase.ready for phase in plan.phases[:-1]):
         return 0  # row math between phases (logsumexp's guard on the max): gcc keeps it a branch
     if any(ops.REDUCTIONS[r.op].returns_index for r in reds):
         return 0

@@ -1,8 +1,10 @@
 """LLVM reductions: a ReductionKernel as LLVM IR text, one function over a range of rows.
 
-Each row runs one loop over k per reduction phase, with an `Accumulator` per reduction (sum,
-prod, amax, argmax, ... and Welford-free blocked float sums, as the C++ backend blocks them:
-cpu_plan.py), then a last loop that recomputes and stores the element values.
+Each row runs one loop over k per phase of the kernel's loop plan (`kernel.plan`,
+fusec/loop_plan.py: what each loop computes and what follows it is decided in lowering), with an
+`Accumulator` per reduction (sum, prod, amax, argmax, ... and Welford-free blocked float sums, as
+the C++ backend blocks them: cpu_plan.py), then a last loop that recomputes and stores the
+element values.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import math
 from fusec import ops
 from fusec.ir import Index, Reduce, Stmt
 
-from .cpu_plan import PARALLEL_THRESHOLD, stash_choice, sum_block, summary
+from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
 
 from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
@@ -157,10 +159,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     producers = {l.var.name: l for l in kernel.loads}
     for item in kernel.body:
         producers[item.var.name] = item
-    order = [l.var.name for l in kernel.loads] + [i.var.name for i in kernel.body]
-    reduces = [i for i in kernel.body if isinstance(i, Reduce)]
-
-    closure = kernel.values_needed
+    plan, keep = kernel.plan, kernel.plan.keep
 
     def out_index(e: Emitter, n: int, q: list[str]) -> str:
         """The element index of store number n at k coordinates q."""
@@ -172,7 +171,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     def emit_elements(e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str,
                       given: dict[str, int] | None = None):
         """Recompute element values inside the loop of section `sid`; a value in `given` is read
-        back from the output (store number) where the last phase kept it (see stash_choice)."""
+        back from the output (store number) where the last phase kept it (the plan's `keep`)."""
         q = coords(e, k, kernel.k_shape, f"{sid}.q") if len(kernel.k_shape) > 1 else [k]
         for name in names:
             item = producers[name]
@@ -195,19 +194,14 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         else:  # a load that does not vary along k (a per-row scale, say)
             emit_load(e, item.param, item.dtype, base(item.index, name), item.var, values)
 
-    done: set[str] = set()
-    for name in order:  # row values needing no reduction: once per row, before the loops
-        if name not in kernel.varying and not isinstance(producers[name], Reduce) \
-                and kernel.level.get(name, 0) == 0:
-            row_value(top, name)
-            done.add(name)
+    for name in plan.before:  # row values needing no reduction: once per row, before the loops
+        row_value(top, name)
 
     sections, all_lines = [], []
     k = kernel.k
-    stash = stash_choice(kernel)  # a costly element value the last phase keeps in the output
-    for phase in range(kernel.phases):
-        sid = f"phase{phase}"
-        reds = [Accumulator(r) for r in reduces if r.phase == phase]
+    for phase in plan.phases:
+        sid = f"phase{phase.number}"
+        reds = [Accumulator(producers[n]) for n in phase.reduces]
         blocked = [a for a in reds if a.r.op == "sum" and is_float(a.dtype)]
         kblock = sum_block(k) if blocked and k else 0
         before, phis, block_phis, block_after, after = (Emitter(counter) for _ in range(5))
@@ -216,15 +210,13 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         kvar = f"%{sid}.k"
         finals: dict[str, dict[str, str]] = {}
         if k:
-            q = emit_elements(body, closure({a.r.operand.name for a in reds}), local, kvar, sid)
-            if stash and phase == kernel.phases - 1:  # keep it where the last pass reads it
-                s = kernel.stores[stash[1]]
-                final = all((st.var.name, n) == stash or st.var.name not in kernel.varying
-                            for n, st in enumerate(kernel.stores))
-                body.lines.append(f"; {stash[0]}: " + ("the output, stored once: no last pass"
-                                                       if final else "kept for the last pass"))
-                emit_store(body, s.param, s.dtype, out_index(body, stash[1], q),
-                           producers[stash[0]].var, local)
+            q = emit_elements(body, phase.loop, local, kvar, sid)
+            if keep and phase is plan.phases[-1]:  # keep it where the last pass reads it
+                s = kernel.stores[keep.store]
+                body.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
+                                                         else "the output, stored once: no last pass"))
+                emit_store(body, s.param, s.dtype, out_index(body, keep.store, q),
+                           producers[keep.value].var, local)
             for a in reds:
                 x = local[a.r.operand.name]
                 x = convert(body, x, a.r.operand.dtype, a.dtype, a.name)
@@ -266,18 +258,14 @@ def render_reduction(kernel, target: Target | None = None) -> str:
                 finals[a.name] = {state: init for state, _, init in a.states()}
         for a in reds:
             values[a.r.var.name] = a.result(after, finals[a.name])
-            done.add(a.r.var.name)
-        for name in order:
-            if name not in done and name not in kernel.varying \
-                    and not isinstance(producers[name], Reduce) and kernel.level.get(name, 0) == phase + 1:
-                row_value(after, name)
-                done.add(name)
+        for name in phase.ready:
+            row_value(after, name)
         # where a block ends: K a multiple of the block gives every block the same constant
         # trip count, so the vectorizer needs no remainder loop (less code, faster to compile)
         block_end = [f"%{sid}.k.end = add i64 %{sid}.kb, {kblock}"] if kblock and k % kblock == 0 \
             else [f"%{sid}.kb.end = add i64 %{sid}.kb, {kblock}",
                   f"%{sid}.k.end = call i64 @llvm.umin.i64(i64 %{sid}.kb.end, i64 {k})"]
-        sec = dict(id=sid, comment=f"phase {phase}: " + ", ".join(a.r.op for a in reds),
+        sec = dict(id=sid, comment=f"phase {phase.number}: " + ", ".join(a.r.op for a in reds),
                    before=before.lines, phis=phis.lines, body=body.lines, after=after.lines,
                    kblock=kblock, block_phis=block_phis.lines, block_after=block_after.lines,
                    loop=bool(k), block_end=block_end, interleave=REDUCTION_INTERLEAVE)
@@ -285,29 +273,28 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         all_lines += body.lines + after.lines + phis.lines
 
     row_stores = Emitter(counter)
-    # element stores; the stashed value, if it is itself the output, is already stored
-    elem = [n for n, s in enumerate(kernel.stores)
-            if s.var.name in kernel.varying and stash != (s.var.name, n)]
+    # element stores; the kept value, if it is itself the output, is already stored
+    elem = keep.stores if keep else plan.element_stores
     if elem and k:
         sid = "store"
         body = Emitter(counter, suffix="." + sid)
         local = dict(values)
-        given = {stash[0]: stash[1]} if stash else None
-        targets = {kernel.stores[n].var.name for n in elem}
-        q = emit_elements(body, closure(targets, set(given or ())), local, f"%{sid}.k", sid, given)
+        given = {keep.value: keep.store} if keep else None
+        q = emit_elements(body, keep.last_pass if keep else plan.last_pass, local, f"%{sid}.k",
+                          sid, given)
         for n in elem:
             s = kernel.stores[n]
             emit_store(body, s.param, s.dtype, out_index(body, n, q), s.var, local)
         comment = "last pass: element values, stored"
-        if stash:
-            comment += f" ({stash[0]} read back from where the last phase kept it)"
+        if keep:
+            comment += f" ({keep.value} read back from where the last phase kept it)"
         sections.append(dict(id=sid, comment=comment, before=[],
                              phis=[], body=body.lines, after=[], kblock=0, block_phis=[],
                              block_after=[], loop=True, interleave=REDUCTION_INTERLEAVE))
         all_lines += body.lines
-    for n, s in enumerate(kernel.stores):
-        if s.var.name not in kernel.varying:
-            emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
+    for n in plan.row_stores:
+        s = kernel.stores[n]
+        emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
     all_lines = top.lines + all_lines + row_stores.lines
     return _finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
                    source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,

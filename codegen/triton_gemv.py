@@ -37,7 +37,7 @@ def gemv_fits(kernel) -> bool:
     return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum"
             and 1 <= len(kernel.row_shape) <= 2 and kernel.k > 0 and kernel.rows > 0
             and (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)
-            and not any(s.var.name in kernel.varying for s in kernel.stores))
+            and not kernel.plan.element_stores)
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice
@@ -212,7 +212,6 @@ def render_gemv(kernel) -> str:
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])")
 
-    order = [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]
     helpers: set = set()
 
     def line(name: str) -> str:
@@ -221,19 +220,17 @@ def render_gemv(kernel) -> str:
             return _stmt(item, helpers, block="[1, 1, 1]")
         return load_line(item)
 
-    row_lines, epilogue = [], []
-    for name in order:
-        item = producers[name]
-        if name in kernel.varying or isinstance(item, Reduce):
-            continue
-        (row_lines if kernel.level.get(name, 0) == 0 else epilogue).append(line(name))
+    # the loop plan's one phase (gemv_fits): row values before it, and after it the epilogue
+    [phase] = kernel.plan.phases
+    row_lines = [line(name) for name in kernel.plan.before]
+    epilogue = [line(name) for name in phase.ready]
     value = convert("sums", r.acc_dtype, r.var.dtype)
     if r.round_to is not None:
         value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
     epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
 
-    wanted = {name for pair in dot for name in pair} if dot else {r.operand.name}
-    needed = kernel.values_needed(wanted, only_varying=True)
+    # the tensor-core form multiplies the activation and the weight tiles itself: what they need
+    needed = kernel.values_needed({name for pair in dot for name in pair}) if dot else phase.loop
     loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
     loop_lines += [line(n) for n in needed if not isinstance(producers[n], Stmt)]
     stmts = [n for n in needed if isinstance(producers[n], Stmt)]

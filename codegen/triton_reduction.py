@@ -1,7 +1,7 @@
 """Triton reductions: a ReductionKernel as one program per block of rows, persistent (the row in
-registers) or looped over chunks of the row, with online softmax-style updates where a phase
-can be folded into the one before it (`looped_passes`), and column reductions for rows that lie
-side by side. A small-M matmul with a dequantized weight goes to triton_gemv.py instead.
+registers) or looped over chunks of the row, one loop per pass of the kernel's loop plan
+(fusec/loop_plan.py), with online softmax-style updates where the plan lets a phase fold into the
+one before it (`looped_pass`), and column reductions for rows that lie side by side. A small-M matmul with a dequantized weight goes to triton_gemv.py instead.
 """
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert
 
 PERSISTENT_MAX_K = 8192  # rows up to this long stay in registers; longer ones are looped over
 LOOP_RBLOCK = 2048
+# looped kernels take the loop plan's online-softmax folds (fusec/loop_plan.py, Phase.folds): a
+# phase of sums of exp(x - max) shares the pass of its max (see the note on online softmax below)
+ONLINE_SOFTMAX = True
 
 
 # Note (column reductions): a channels-last tensor reduced over its pixels (a global average pool,
@@ -115,120 +118,43 @@ def render_reduction(kernel) -> str:
             return load_lines[name]
         return _stmt(item, helpers, block="[1, 1]")
 
-    order = [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]
-
-    def closure(targets: set[str], only_varying: bool) -> list[str]:
-        """The values needed to compute `targets`, in program order."""
-        return kernel.values_needed(targets, only_varying=only_varying)
-
+    plan = kernel.plan
     k_setup = lambda start: [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
                              "mask = row_mask & k_mask", *coords("k", "ks", kernel.k_shape)]
     stores_elem, stores_row = [], []
-    for s in kernel.stores:
+    for n, s in enumerate(kernel.stores):
         addr, mask = index(s.index)
         text = f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}, mask={mask})"
-        (stores_elem if s.var.name in kernel.varying else stores_row).append(text)
+        (stores_elem if n in plan.element_stores else stores_row).append(text)
 
     row_lines = coords("r", "rows", kernel.row_shape)
     loops = []
-    if persistent:
+    if persistent:  # the whole row at hand: every value in program order, no passes
         body = list(k_setup(""))
-        for name in order:
+        for name in [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]:
             kind, item = producers[name]
             body.append(reduce_line(item, reduce_block) if isinstance(item, Reduce) else line(name))
         loops.append({"comment": "The whole row fits in one block: load it once, reduce, finish.",
                       "before": [], "header": "", "body": body + stores_elem + stores_row,
                       "after": []})
     else:
-        done: set[str] = set()
-        # row values that need no reduction: computed once, before the loops
-        for name in order:
-            kind, item = producers[name]
-            if name not in kernel.varying and not isinstance(item, Reduce) \
-                    and kernel.level.get(name, 0) == 0:
-                row_lines.append(line(name))
-                done.add(name)
-        for phase, online in looped_passes(kernel):
-            reds = [i for i in kernel.body if isinstance(i, Reduce) and i.phase == phase]
-            peaks: dict[str, list] = {}  # amax -> the online sums that share its running max
-            for o in online:
-                peaks.setdefault(o.peak, []).append(o)
-            before, body, after = [], list(k_setup("k_start + ")), []
-            for r in reds:
-                red = ops.REDUCTIONS[r.op]
-                init = literal(red.init(r.acc_dtype), r.acc_dtype).replace("[1]", "[XBLOCK, RBLOCK]")
-                if not init.startswith("tl.full"):
-                    init = f"tl.full([XBLOCK, RBLOCK], {init}, {TL[r.acc_dtype]})"
-                before.append(f"acc_{r.var.name} = {init}")
-                if red.returns_index:  # each lane keeps its best value and where it saw it
-                    before.append(f"acc_{r.var.name}_at = tl.full([XBLOCK, RBLOCK], -1, tl.int32)")
-                for o in peaks.get(r.var.name, []):
-                    before.append(f"acc_{o.total} = tl.full([XBLOCK, RBLOCK], 0.0, {TL[r.acc_dtype]})"
-                                  f"  # sum of exp(x - running max), per lane")
-            for name in closure({r.operand.name for r in reds}, True):
-                body.append(line(name))
-            for r in reds:
-                red = ops.REDUCTIONS[r.op]
-                x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
-                if red.returns_index:
-                    acc = f"acc_{r.var.name}"
-                    helpers.update(["fusec_arg_update", "fusec_arg_finish"])
-                    body.append(f"{acc}, {acc}_at = fusec_arg_update({acc}, {acc}_at, {x}, ks, mask, "
-                                f"{r.op == 'argmax'})")
-                    after.append(f"{r.var.name} = " + convert(
-                        f"fusec_arg_finish({acc}, {acc}_at, {r.op == 'argmax'})", torch.int32,
-                        r.var.dtype) + "[:, None]  # " + r.origin)
-                    done.add(r.var.name)
-                    continue
-                combine = red.combine.format(acc=f"acc_{r.var.name}", x=x)
-                helpers.update(re.findall(r"\bfusec_\w+", combine))
-                if r.var.name in peaks:
-                    body += online_update(r, x, combine, peaks[r.var.name])
-                else:
-                    body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
-                block = red.triton_block.format(x=f"acc_{r.var.name}")
-                helpers.update(re.findall(r"\bfusec_\w+", block))
-                value = convert(f"({block})", r.acc_dtype, r.var.dtype)
-                if r.round_to is not None:
-                    value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
-                after.append(f"{r.var.name} = ({value})[:, None]  # " + r.origin)
-                done.add(r.var.name)
-            # row values that became computable after this pass (a merged pass ends two phases)
-            for level in range(phase + 1, phase + 2 + bool(online)):
-                if level == phase + 2:
-                    after += online_finish(online, producers)
-                    done.update(o.total for o in online)
-                for name in order:
-                    kind, item = producers[name]
-                    if name not in done and name not in kernel.varying \
-                            and kernel.level.get(name, 0) == level and not isinstance(item, Reduce):
-                        after.append(line(name))
-                        done.add(name)
-            names = ", ".join(r.op for r in reds)
-            comment = f"Phase {phase}: one pass over the row for {names}."
-            if online:
-                comment = (f"Phases {phase} and {phase + 1} in one pass over the row: {names}, and "
-                           + ", ".join(f"the sum of exp(x - {o.peak})" for o in online)
-                           + " (online softmax).")
-            loops.append({"comment": comment, "before": before,
-                          "header": "for k_start in range(0, n_k, RBLOCK):",
-                          "body": body, "after": after})
+        row_lines += [line(n) for n in plan.before]
+        passes = plan.passes(online=ONLINE_SOFTMAX)  # the phases each loop over the row covers
+        loops += [looped_pass(phases, producers, line, k_setup, helpers) for phases in passes]
         if stores_elem:
-            targets = {s.var.name for s in kernel.stores if s.var.name in kernel.varying}
-            body = list(k_setup("k_start + "))
-            body += [line(n) for n in closure(targets, True)] + stores_elem
+            body = list(k_setup("k_start + ")) + [line(n) for n in plan.last_pass] + stores_elem
             loops.append({"comment": "Last pass: recompute the element values and store them.",
                           "before": [], "header": "for k_start in range(0, n_k, RBLOCK):",
                           "body": body, "after": []})
         if stores_row:
             loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
 
-    passes = ""
+    note = ""
     if not persistent:
-        online = any(o for _, o in looped_passes(kernel))
-        passes = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
-                  + (" (online softmax: the max and the sum of exponentials share one)."
-                     if online else "."))
+        online = any(len(phases) > 1 for phases in passes)
+        note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
+                + (" (online softmax: the max and the sum of exponentials share one)."
+                   if online else "."))
     helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
@@ -238,31 +164,70 @@ def render_reduction(kernel) -> str:
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
         k=kernel.k, xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
-        args=[p.name for p in kernel.params], passes=passes,
+        args=[p.name for p in kernel.params], passes=note,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
         row_lines=row_lines, sections=loops)
 
 
-def looped_passes(kernel) -> list[tuple[int, list]]:
-    """The passes a looped kernel makes over each row before its store pass, as (phase, online
-    sums folded into that pass). Phase p + 1 folds into phase p's pass when every reduction of
-    p + 1 is a sum of exp(v - max) whose max is reduced in phase p (`kernel.online`, found by
-    codegen/lower.py): softmax then reads its row twice (max and sum together, then the store
-    pass) instead of three times, logsumexp once instead of twice. Layer norm's variance needs the
-    mean first and keeps its two passes.
-    """
-    by_total = {o.total: o for o in kernel.online}
-    reductions = [i for i in kernel.body if isinstance(i, Reduce)]
-    passes, phase = [], 0
-    while phase < kernel.phases:
-        folded = [r for r in reductions if r.phase == phase + 1]
-        if folded and all(r.var.name in by_total for r in folded):
-            passes.append((phase, [by_total[r.var.name] for r in folded]))
-            phase += 2
+def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
+    """One loop over the row of a looped kernel, covering one phase of the loop plan, or two
+    when the next phase's sums of exp(x - max) ride along (`LoopPlan.passes`, online softmax):
+    its accumulators before the loop, its body, and the row values computed after it."""
+    first, online = phases[0], (phases[0].folds if len(phases) > 1 else ())
+    reds = [producers[n][1] for n in first.reduces]
+    peaks: dict[str, list] = {}  # amax -> the online sums that share its running max
+    for o in online:
+        peaks.setdefault(o.peak, []).append(o)
+    before, body, after = [], list(k_setup("k_start + ")), []
+    for r in reds:
+        red = ops.REDUCTIONS[r.op]
+        init = literal(red.init(r.acc_dtype), r.acc_dtype).replace("[1]", "[XBLOCK, RBLOCK]")
+        if not init.startswith("tl.full"):
+            init = f"tl.full([XBLOCK, RBLOCK], {init}, {TL[r.acc_dtype]})"
+        before.append(f"acc_{r.var.name} = {init}")
+        if red.returns_index:  # each lane keeps its best value and where it saw it
+            before.append(f"acc_{r.var.name}_at = tl.full([XBLOCK, RBLOCK], -1, tl.int32)")
+        for o in peaks.get(r.var.name, []):
+            before.append(f"acc_{o.total} = tl.full([XBLOCK, RBLOCK], 0.0, {TL[r.acc_dtype]})"
+                          f"  # sum of exp(x - running max), per lane")
+    body += [line(n) for n in first.loop]
+    for r in reds:
+        red = ops.REDUCTIONS[r.op]
+        x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+        if red.returns_index:
+            acc = f"acc_{r.var.name}"
+            helpers.update(["fusec_arg_update", "fusec_arg_finish"])
+            body.append(f"{acc}, {acc}_at = fusec_arg_update({acc}, {acc}_at, {x}, ks, mask, "
+                        f"{r.op == 'argmax'})")
+            after.append(f"{r.var.name} = " + convert(
+                f"fusec_arg_finish({acc}, {acc}_at, {r.op == 'argmax'})", torch.int32,
+                r.var.dtype) + "[:, None]  # " + r.origin)
+            continue
+        combine = red.combine.format(acc=f"acc_{r.var.name}", x=x)
+        helpers.update(re.findall(r"\bfusec_\w+", combine))
+        if r.var.name in peaks:
+            body += online_update(r, x, combine, peaks[r.var.name])
         else:
-            passes.append((phase, []))
-            phase += 1
-    return passes
+            body.append(f"acc_{r.var.name} = tl.where(mask, {combine}, acc_{r.var.name})")
+        block = red.triton_block.format(x=f"acc_{r.var.name}")
+        helpers.update(re.findall(r"\bfusec_\w+", block))
+        value = convert(f"({block})", r.acc_dtype, r.var.dtype)
+        if r.round_to is not None:
+            value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+        after.append(f"{r.var.name} = ({value})[:, None]  # " + r.origin)
+    # row values that became computable after this pass (a merged pass ends two phases)
+    after += [line(n) for n in first.ready]
+    if online:
+        after += online_finish(online, producers)
+        after += [line(n) for n in phases[1].ready]
+    names = ", ".join(r.op for r in reds)
+    comment = f"Phase {first.number}: one pass over the row for {names}."
+    if online:
+        comment = (f"Phases {first.number} and {first.number + 1} in one pass over the row: {names}, "
+                   "and " + ", ".join(f"the sum of exp(x - {o.peak})" for o in online)
+                   + " (online softmax).")
+    return {"comment": comment, "before": before,
+            "header": "for k_start in range(0, n_k, RBLOCK):", "body": body, "after": after}
 
 
 # Note (online softmax): each lane of the [XBLOCK, RBLOCK] tile keeps its running max m and the

@@ -17,11 +17,13 @@ dim and reads `x_ptr + offsets`.
 """
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Union
 
 import torch
+
+from fusec.loop_plan import Keep, LoopPlan, OnlineSoftmax, Phase  # noqa: F401 (part of the IR)
 
 _SHORT = {
     torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64",
@@ -234,30 +236,14 @@ class Reduce:
     round_to: torch.dtype | None = None  # a half-precision result is rounded, as eager's is
 
 
-@dataclass(frozen=True)
-class OnlineSoftmax:
-    """A sum of exp(v - c) over k (`total`) whose shift c is the amax of the same v over the same
-    row one phase earlier (`peak`): softmax's and log_softmax's denominator, logsumexp's sum.
-
-    `shift` names c: the amax itself, or logsumexp's where(|max| == inf, 0, max). A looped
-    kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
-    Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
-    rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
-    (codegen/lower_reduction.py, online_softmax); a backend decides whether to use them.
-    """
-
-    total: str  # the sum Reduce's var
-    peak: str  # the amax Reduce's var
-    value: str  # v, the element value the amax reduces
-    shift: str  # c, the row value subtracted from v before exp
-
-
 @dataclass
 class ReductionKernel:
     """Reduce over (rows, k): every load/store index has len(row_shape) + len(k_shape) strides.
 
     `varying` names the values that change along k (element values); the rest are row values.
     `level[v]` is the phase after which a value can be computed (0: before any reduction).
+    `plan` says which loop computes what (fusec/loop_plan.py): decided in lowering, only spelled
+    by the backends.
     """
 
     name: str
@@ -276,6 +262,7 @@ class ReductionKernel:
     # a matmul rewritten as a sum over K (passes/small_matmul.py): {"m", "n", "k", "dtype"};
     # backends may render it as a GEMV (a block of output columns per program, all M rows)
     gemv: dict | None = None
+    plan: LoopPlan | None = None  # set by lowering (codegen/lower_reduction.py, plan_loops)
 
     @property
     def rows(self) -> int:
@@ -327,6 +314,9 @@ class ReductionKernel:
                 lines.append(f"  {s.var.name} = {s.op}({args})  {short_dtype(s.var.dtype)} [{where}]")
         lines += [f"  store {s.param}[{_fmt_index(s.index)}] = {s.var.name}  {short_dtype(s.dtype)}"
                   for s in self.stores]
+        if self.plan is not None:
+            made = {item.var.name: item for item in self.body}
+            lines += ["  " + line for line in self.plan.describe(made, self.stores)]
         return "\n".join(lines)
 
 
@@ -394,5 +384,5 @@ def canonical(kernel):
     return replace(kernel, body=[item(s) for s in body],
                    varying={names[v] for v in kernel.varying},
                    level={names[k]: v for k, v in kernel.level.items()},
-                   online=[OnlineSoftmax(*(names[f] for f in astuple(o))) for o in kernel.online],
-                   **common)
+                   online=[o.renamed(names) for o in kernel.online],
+                   plan=kernel.plan and kernel.plan.renamed(names), **common)

@@ -99,8 +99,8 @@ def _escaped(gm: fx.GraphModule) -> set[str]:
 # (program inputs belong to the caller; pool buffers are planned already). Only the Triton
 # backend does it: its pointers make no promise that two of them never alias, while the C++ and
 # LLVM kernels declare every pointer `__restrict__`/`noalias`, and the C++ reductions keep values
-# in their output between passes (stash_choice), which an input in the same memory would not
-# survive. CPU memory is rarely what limits a CPU program anyway.
+# in their output between passes (the loop plan's `keep`), which an input in the same memory
+# would not survive. CPU memory is rarely what limits a CPU program anyway.
 
 def plan_inplace(gm: fx.GraphModule, irs: dict, backend: str) -> dict[str, str]:
     """Kernel output -> the extern result it is written over (see the note above).

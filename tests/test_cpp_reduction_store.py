@@ -1,6 +1,6 @@
 """C++ reductions: an element value that the last reduction phase computes is kept in the output
 row and read back by the last pass instead of being computed again (see the note above
-`stash_choice` in codegen/cpu_plan.py): softmax computes exp(x - max) once, not twice.
+`keep_choice` in codegen/lower_reduction.py): softmax computes exp(x - max) once, not twice.
 
 Every case is compared with eager (float64-referenced, NaN in the same places).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fusec.codegen.cpu_plan as cpp
+import fusec.codegen.lower_reduction as lowering
 from conftest import assert_matches
 
 KEPT = "// kept for the last pass"
@@ -124,7 +124,7 @@ def test_softmax_with_other_reductions():
 
 def test_long_rows_are_recomputed(monkeypatch):
     """A row longer than STASH_MAX_ROW_BYTES would not stay in cache: computed again."""
-    monkeypatch.setattr(cpp, "STASH_MAX_ROW_BYTES", 4 * 64)
+    monkeypatch.setattr(lowering, "STASH_MAX_ROW_BYTES", 4 * 64)
     x = _randn((3, 65))
     cf = assert_matches(lambda x: torch.softmax(x, -1), x, backend="cpp", kernels=1)
     assert KEPT not in cf.kernels[0].source

@@ -3,9 +3,11 @@
 A looped kernel (rows longer than codegen.triton.PERSISTENT_MAX_K) makes one pass over the row
 per reduction phase. Softmax's max and its sum of exp(x - max) are two phases, but each lane can
 keep a running max and a running sum rescaled whenever the max grows, so lowering records such
-pairs (`ReductionKernel.online`, codegen/lower.py) and the Triton backend folds the sum into the
-max's pass (`codegen.triton.looped_passes`): softmax reads its row twice instead of three times,
-logsumexp once instead of twice. Layer norm (a sum whose operand needs the mean) keeps its passes.
+pairs (`ReductionKernel.online`, codegen/lower_reduction.py) and, in the kernel's loop plan, which
+phases can fold into the pass before them (`Phase.folds`, `LoopPlan.passes`); the Triton backend
+folds them (`codegen.triton_reduction.ONLINE_SOFTMAX`): softmax reads its row twice instead of
+three times, logsumexp once instead of twice. Layer norm (a sum whose operand needs the mean)
+keeps its passes.
 
 Under Triton's interpreter long rows are slow, so the `looped` fixture lowers the threshold: every
 row is looped, over chunks of RBLOCK = 16, so short rows still take several iterations. The same
@@ -61,6 +63,13 @@ def _passes(cf) -> int:
     return cf.kernels[0].source.count(LOOP)
 
 
+def looped_passes(ir) -> list[tuple[int, list]]:
+    """The passes a looped kernel makes before its store pass, as (first phase, the online sums
+    folded into that pass), read from the kernel's loop plan."""
+    return [(phases[0].number, list(phases[0].folds) if len(phases) > 1 else [])
+            for phases in ir.plan.passes(online=triton_backend.ONLINE_SOFTMAX)]
+
+
 # ---- the decision ------------------------------------------------------------------------------
 
 def _ir(fn, x):
@@ -79,7 +88,7 @@ def test_lowering_finds_the_pair(name):
     assert made[pair.peak].phase + 1 == made[pair.total].phase
     # softmax subtracts the max itself; logsumexp subtracts where(|max| == inf, 0, max)
     assert (pair.shift == pair.peak) == (name != "logsumexp")
-    assert triton_backend.looped_passes(ir) == [(0, [pair])]
+    assert looped_passes(ir) == [(0, [pair])]
 
 
 @pytest.mark.parametrize("fn", [
@@ -95,7 +104,7 @@ def test_lowering_finds_the_pair(name):
 def test_other_reductions_are_not_online(fn):
     ir = _ir(fn, _randn((2, 20)))
     assert ir.online == []
-    assert all(not online for _, online in triton_backend.looped_passes(ir))
+    assert all(not online for _, online in looped_passes(ir))
 
 
 def test_half_precision_steps_are_not_online():
@@ -130,8 +139,7 @@ def test_online_makes_fewer_passes(monkeypatch, looped):
     x = _randn((3, 50))
     cf = assert_matches(FNS["softmax"], x, backend="triton", kernels=1)
     assert _passes(cf) == 2
-    monkeypatch.setattr(triton_backend, "looped_passes",
-                        lambda kernel: [(p, []) for p in range(kernel.phases)])
+    monkeypatch.setattr(triton_backend, "ONLINE_SOFTMAX", False)
     cf = assert_matches(FNS["softmax"], x, backend="triton", kernels=1)
     assert _passes(cf) == 3
 
@@ -217,7 +225,7 @@ def test_not_folded_when_the_next_phase_has_other_work(looped):
     cf = assert_matches(lambda x: (torch.softmax(x, -1), x.var(-1)), x, backend="triton",
                         kernels=1)
     assert len(cf.kernels[0].ir.online) == 1
-    assert triton_backend.looped_passes(cf.kernels[0].ir) == [(0, []), (1, [])]
+    assert looped_passes(cf.kernels[0].ir) == [(0, []), (1, [])]
     assert _passes(cf) == 3
 
 
@@ -226,8 +234,7 @@ def test_softmax_after_a_reduction(looped):
     x = _randn((4, 50))
     fn = lambda x: torch.softmax(x - x.mean(-1, keepdim=True), -1)  # noqa: E731
     cf = assert_matches(fn, x, backend="triton", kernels=1)
-    assert [(p, len(o)) for p, o in triton_backend.looped_passes(cf.kernels[0].ir)] == [(0, 0),
-                                                                                         (1, 1)]
+    assert [(p, len(o)) for p, o in looped_passes(cf.kernels[0].ir)] == [(0, 0), (1, 1)]
     assert _passes(cf) == 3
 
 

@@ -1,0 +1,156 @@
+"""The loop plan of a reduction kernel: which values a row computes before its loops over k, in
+which pass, and which ones become known after each pass. Part of the kernel IR (fusec/ir.py,
+`ReductionKernel.plan`), decided once by lowering (codegen/lower_reduction.py, `plan_loops`), and
+only spelled by the backends.
+
+Note (phases). A reduction's result is known only once the whole row has been seen, so anything
+computed from it waits for a pass over the row to end. Softmax of one row x is
+
+    m = amax(x)                       phase 0: a pass over k for the max
+    s = sum(exp(x - m))               phase 1: a pass that needs m, for the sum
+    exp(x - m) / s                    the last pass: needs s, writes one value per element
+
+Each reduction gets the phase after which all of its operand's inputs are known: its *phase*.
+A phase is one pass over k. Inside the pass the loop computes the element values its reductions
+read (`Phase.loop`: x, x - m and exp(x - m) for phase 1); values that do not vary along k are
+computed once per row, before the loops when they need no reduction at all (`LoopPlan.before`: a
+per-row scale), or as soon as the phase that makes them computable ends (`Phase.ready`:
+logsumexp's log(s) + m). After the last phase, one more pass (`LoopPlan.last_pass`) computes the
+element values that are stored and writes them per element (`element_stores`); a row value
+(softmax's sum, if the program returns it) is written once per row (`row_stores`).
+
+Two optional shortcuts are recorded with the plan, and each backend decides whether to take
+them: a phase whose sums of exp(v - max) can ride along in the pass of their max (`Phase.folds`,
+online softmax: the Triton backend's looped kernels take it), and an element value the last phase
+writes into an output for the last pass to read back instead of computing it again (`Keep`: the
+two CPU backends take it).
+"""
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, replace
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """A sum of exp(v - c) over k (`total`) whose shift c is the amax of the same v over the same
+    row one phase earlier (`peak`): softmax's and log_softmax's denominator, logsumexp's sum.
+
+    `shift` names c: the amax itself, or logsumexp's where(|max| == inf, 0, max). A looped
+    kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
+    Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
+    rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
+    (codegen/lower_reduction.py, online_softmax); a backend decides whether to use them.
+    """
+
+    total: str  # the sum Reduce's var
+    peak: str  # the amax Reduce's var
+    value: str  # v, the element value the amax reduces
+    shift: str  # c, the row value subtracted from v before exp
+
+    def renamed(self, names: dict[str, str]) -> "OnlineSoftmax":
+        return OnlineSoftmax(*(names[f] for f in astuple(self)))
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One pass over k: the reductions of phase `number`, what the loop computes at each k, and
+    the row values that become computable when the pass ends. All are variable names, in
+    program order.
+
+    folds: when every reduction of the next phase is a sum of exp(v - max) over a max of this
+    phase (OnlineSoftmax), those pairs: a backend that keeps running maxes may accumulate the
+    next phase's sums in this pass and skip the next pass (`LoopPlan.passes`). Empty otherwise.
+    """
+
+    number: int
+    reduces: tuple[str, ...]  # the Reduce results this pass accumulates
+    loop: tuple[str, ...]  # element values (loads, statements) the loop computes at each k
+    ready: tuple[str, ...]  # row values computed once the pass is done
+    folds: tuple[OnlineSoftmax, ...] = ()
+
+
+@dataclass(frozen=True)
+class Keep:
+    """An element value that the last phase computes anyway and writes into an output row,
+    where the last pass reads it back instead of computing it again (softmax's exp(x - max): the
+    last pass becomes out[k] = out[k] / sum). Chosen in lowering (codegen/lower_reduction.py,
+    `keep_choice`, where the note says when it pays off); backends that walk one row at a time
+    take it (the row is still in their cache), Triton recomputes.
+
+    last_pass: the element values the last pass computes then (`value` among them, read back);
+    stores: the element stores left for the last pass (none: the kept value is the output, and
+    there is no last pass)."""
+
+    value: str
+    store: int  # the number of the store (kernel.stores) whose place holds the value
+    last_pass: tuple[str, ...]
+    stores: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """What a row does, in order: `before`, one pass per phase, the last pass (only when there
+    are element stores), then the row stores. See the note on phases above."""
+
+    before: tuple[str, ...]  # row values that need no reduction: once per row, before any loop
+    phases: tuple[Phase, ...]
+    last_pass: tuple[str, ...]  # element values the last pass computes for its stores
+    element_stores: tuple[int, ...]  # stores (numbers into kernel.stores) written per element
+    row_stores: tuple[int, ...]  # stores written once per row, after the last phase
+    keep: Keep | None = None
+
+    def passes(self, online: bool) -> list[tuple[Phase, ...]]:
+        """The phases each pass over k covers: one phase per pass, or, with `online`, a phase
+        together with the next one when the next one folds into it (`Phase.folds`): softmax's
+        max and sum share one pass, then the last pass stores (two reads of the row, not three)."""
+        passes, i = [], 0
+        while i < len(self.phases):
+            phase = self.phases[i]
+            if online and phase.folds:
+                passes.append((phase, self.phases[i + 1]))
+                i += 2
+            else:
+                passes.append((phase,))
+                i += 1
+        return passes
+
+    def renamed(self, names: dict[str, str]) -> "LoopPlan":
+        """The same plan over renamed variables (fusec.ir.canonical)."""
+        def each(seq) -> tuple[str, ...]:
+            return tuple(names[n] for n in seq)
+        phases = tuple(replace(p, reduces=each(p.reduces), loop=each(p.loop), ready=each(p.ready),
+                               folds=tuple(o.renamed(names) for o in p.folds))
+                       for p in self.phases)
+        keep = self.keep and replace(self.keep, value=names[self.keep.value],
+                                     last_pass=each(self.keep.last_pass))
+        return replace(self, before=each(self.before), phases=phases,
+                       last_pass=each(self.last_pass), keep=keep)
+
+    def describe(self, made: dict, stores: list) -> list[str]:
+        """The plan as lines for a reader (ReductionKernel.__str__). `made` maps a name to the
+        Reduce that makes it; `stores` are the kernel's stores."""
+        def names(seq) -> str:
+            return ", ".join(seq) or "-"
+
+        lines = ["loop plan, per row:"]
+        if self.before:
+            lines.append(f"  before the loops: {names(self.before)}")
+        for p in self.phases:
+            reds = ", ".join(f"{made[n].op}({made[n].operand.name})" for n in p.reduces)
+            lines.append(f"  phase {p.number}: {reds} over k; each k computes {names(p.loop)}"
+                         + (f"; then {names(p.ready)}" if p.ready else ""))
+            for o in p.folds:
+                lines.append(f"    online softmax: phase {p.number + 1}'s {o.total} = "
+                             f"sum(exp({o.value} - {o.shift})) may join this pass "
+                             f"(running max {o.peak})")
+        if self.element_stores:
+            lines.append(f"  last pass: each k computes {names(self.last_pass)}; stores "
+                         + ", ".join(stores[n].param for n in self.element_stores))
+        if self.row_stores:
+            lines.append("  once per row: stores " + ", ".join(stores[n].param for n in self.row_stores))
+        if self.keep:
+            k = self.keep
+            lines.append(f"  keep: phase {self.phases[-1].number} also writes {k.value} into "
+                         f"{stores[k.store].param}, " + ("where the last pass reads it back"
+                                                         if k.stores else "its output: no last pass"))
+        return lines
