@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.record import group_info
 from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, Store, TensorMeta,
                       Var)
 
@@ -27,11 +28,11 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                     out_layouts: list[Layout], root_dtypes: dict[str, torch.dtype]) -> PointwiseKernel:
     """Build the kernel IR for the group `sub`, reading inputs laid out as `in_layouts` and
     writing outputs laid out as `out_layouts` (both in the order of sub's placeholders/outputs)."""
-    shape = tuple(sub.meta["fusec_group"]["shape"])
+    shape = tuple(group_info(sub).shape)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outputs = list(sub.graph.output_node().args[0])
     # horizontally fused kernels: some tensors are walked with their dims permuted
-    perms = sub.meta["fusec_group"].get("perms") or {}
+    perms = group_info(sub).perms
     in_layouts = [_permuted(l, perms.get(ph.name)) for ph, l in zip(placeholders, in_layouts)]
     out_layouts = [_permuted(l, perms.get(o.name)) for o, l in zip(outputs, out_layouts)]
 

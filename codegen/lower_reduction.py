@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.record import group_info
 from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineSoftmax, Param, Phase,
                       Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
 
@@ -34,8 +35,8 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     tensor gets strides over (row dims..., k dims...): an element tensor broadcast to the reduced
     shape, a row tensor with 0 strides along k. Row dims and k dims are then merged separately.
     """
-    group = sub.meta["fusec_group"]
-    shape, dims = tuple(group["shape"]), tuple(group["reduce_dims"])
+    group = group_info(sub)
+    shape, dims = tuple(group.shape), tuple(group.reduce_dims)
     dims = _memory_order(dims, shape, sub, in_layouts)
     outer = [d for d in range(len(shape)) if d not in dims]
     rows_only = tuple(shape[d] for d in outer)

@@ -27,7 +27,7 @@ from fusec.codegen.lower import lower_pointwise
 from fusec.codegen.lower_reduction import lower_reduction
 from fusec.passes import run_pipeline
 from fusec.passes.memory import plan_inplace, plan_memory
-from fusec.record import Compilation, layout_of, owns_buffer, record_of
+from fusec.record import Compilation, group_info, layout_of, owns_buffer, record_of
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
 from fusec.runtime.program import build_program
@@ -154,7 +154,7 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/runtime/build.py)
     kernels: dict[str, Kernel] = {}
-    device = groups[0].meta["fusec_group"]["device"] if groups else None
+    device = group_info(groups[0]).device if groups else None
     for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
         kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
                                                built.launcher, built)
@@ -183,8 +183,8 @@ def lower_groups(gm: fx.GraphModule) -> tuple[list[fx.Node], list]:
         in_layouts = [layout_of(a) for a in node.args]
         outs = sorted((u for u in node.users), key=lambda u: u.args[1])
         out_layouts = [layout_of(u) for u in outs]
-        lower = lower_reduction if sub.meta["fusec_group"]["kind"] == "reduction" else lower_pointwise
+        lower = lower_reduction if group_info(sub).kind == "reduction" else lower_pointwise
         irs.append(lower(node.target, sub, in_layouts, out_layouts, root_dtypes))
         groups.append(node)
-        node.meta["fusec_group"]["device"] = by_name[outs[0].name].meta["fusec"].device
+        group_info(node).device = by_name[outs[0].name].meta["fusec"].device
     return groups, irs

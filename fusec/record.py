@@ -23,7 +23,7 @@ of `record_of(gm)`. The record lives in `gm.meta` under one key, so it follows t
 every pass that keeps the graph's meta, and `fusec.graphmodule.copy_graph_module` gives a copy its
 own record (the captured graph's stays as capture left it). Per-node facts (a value's Layout, a
 group's description) stay on the nodes: `node.meta["fusec_layout"]` (read it with `layout_of`,
-`owns_buffer`, `folded_view` below), `node.meta["fusec_group"]`.
+`owns_buffer`, `folded_view` below) and a group's `GroupInfo` (`group_info`).
 
 This module imports nothing of fusec: every stage may import it.
 """
@@ -177,6 +177,37 @@ def copy_record(source: fx.GraphModule, target: fx.GraphModule) -> None:
     passes replace a field's value, they do not change it in place)."""
     if _KEY in source.meta:
         target.meta[_KEY] = replace(source.meta[_KEY])
+
+
+# ---- what a fused group is (per group, set by the fusion passes) -------------------------------
+
+@dataclass
+class GroupInfo:
+    """One fused group, as the fusion passes outline it (passes/grouping.py): on the group's
+    sub-GraphModule and on the node that calls it. `device` is filled by the driver once the
+    group is lowered."""
+
+    name: str
+    ops: list[str]  # its ATen ops, in graph order
+    kind: str  # "pointwise" or "reduction"
+    shape: tuple[int, ...]  # the iteration space
+    perms: dict = field(default_factory=dict)  # horizontally fused: value -> dim order
+    reduce_dims: tuple[int, ...] | None = None
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    device: str | None = None
+
+
+_GROUP = "fusec_group"
+
+
+def group_info(gm_or_node) -> GroupInfo | None:
+    """The GroupInfo of a group's sub-GraphModule or of the node that calls it (None: neither)."""
+    return gm_or_node.meta.get(_GROUP)
+
+
+def set_group_info(gm_or_node, info: GroupInfo) -> None:
+    gm_or_node.meta[_GROUP] = info
 
 
 # ---- where a value lives (per node, set by the schedule pass) -----------------------------------

@@ -19,6 +19,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
+from fusec.record import GroupInfo, group_info, set_group_info
 
 MAX_NAME_OPS = 6
 
@@ -170,7 +171,7 @@ def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict)
         sub, inputs, outputs = _subgraph(gm, nodes, name, by_id[unit])
         gm.add_submodule(name, sub)
         call = new.call_module(name, tuple(env[i] for i in inputs))
-        call.meta["fusec_group"] = sub.meta["fusec_group"]
+        set_group_info(call, group_info(sub))
         for k, out in enumerate(outputs):
             # keep the value's name: a reader follows `mul` across passes
             item = new.create_node("call_function", operator.getitem, (call, k), name=out.name)
@@ -199,16 +200,11 @@ def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group)
         env[n] = sub.node_copy(n, env.__getitem__)
     sub.output(tuple(env[o] for o in outputs))
     sub_gm = graph_module(gm, sub, class_name=name)  # no Python written: fusec/graphmodule.py
-    sub_gm.meta["fusec_group"] = {
-        "name": name,
-        "ops": [str(n.target).replace("aten.", "") for n in nodes],
-        "kind": "pointwise" if group.key is None else "reduction",
-        "shape": group.shape,
-        "perms": dict(group.perms),
-        "reduce_dims": None if group.key is None else group.key[1],
-        "inputs": [i.name for i in inputs],
-        "outputs": [o.name for o in outputs],
-    }
+    set_group_info(sub_gm, GroupInfo(
+        name=name, ops=[str(n.target).replace("aten.", "") for n in nodes],
+        kind="pointwise" if group.key is None else "reduction", shape=tuple(group.shape),
+        perms=dict(group.perms), reduce_dims=None if group.key is None else tuple(group.key[1]),
+        inputs=[i.name for i in inputs], outputs=[o.name for o in outputs]))
     return sub_gm, inputs, outputs
 
 
@@ -223,7 +219,7 @@ def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Group]]:
     env: dict[fx.Node, fx.Node] = {}
     groups: list[Group] = []
     for node in gm.graph.nodes:
-        if node.op == "call_module" and "fusec_group" in node.meta:
+        if node.op == "call_module" and group_info(node) is not None:
             sub = getattr(gm, node.target)
             inner: dict[fx.Node, fx.Node] = {}
             members = []
@@ -236,10 +232,10 @@ def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Group]]:
                     members.append(inner[n])
             outs = sub.graph.output_node().args[0]
             env[node] = tuple(inner[o] for o in outs)
-            info = sub.meta["fusec_group"]
+            info = group_info(sub)
             renamed = {old.name: new_node.name for old, new_node in inner.items()}
-            perms = {renamed.get(k, k): v for k, v in (info.get("perms") or {}).items()}
-            space = tuple(info["shape"]) if perms else None
+            perms = {renamed.get(k, k): v for k, v in info.perms.items()}
+            space = tuple(info.shape) if perms else None
             groups.append(Group(members, space=space, perms=perms))
         elif node.op == "call_function" and node.target is operator.getitem \
                 and isinstance(env.get(node.args[0]), tuple):

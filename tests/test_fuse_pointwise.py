@@ -13,7 +13,7 @@ import fusec
 from conftest import assert_matches
 from fusec.frontend import capture
 from fusec.passes import dce, fuse_pointwise, run_pipeline
-from fusec.record import record_of
+from fusec.record import group_info, record_of
 
 aten = torch.ops.aten
 
@@ -54,9 +54,9 @@ def test_chain_is_one_group_with_a_descriptive_name():
     gm = _fuse(sin_sin_mul, torch.randn(16))
     (call,) = _kernels(gm)
     assert call.target == "fused_sin_sin_mul_0"
-    group = call.meta["fusec_group"]
-    assert group["ops"] == ["sin.default", "sin.default", "mul.Tensor"]
-    assert group["inputs"] == ["x"] and group["outputs"] == ["mul"]
+    group = group_info(call)
+    assert group.ops == ["sin.default", "sin.default", "mul.Tensor"]
+    assert group.inputs == ["x"] and group.outputs == ["mul"]
     assert record_of(gm).refusals == []
     # the graph stays runnable Python at this stage
     x = torch.randn(16)
@@ -76,7 +76,7 @@ def test_diamond_and_several_inputs_fuse():
 
     gm = _fuse(f, torch.randn(8), torch.randn(8))
     (call,) = _kernels(gm)
-    assert call.meta["fusec_group"]["inputs"] == ["x", "y"]
+    assert group_info(call).inputs == ["x", "y"]
 
 
 def test_long_chains_have_bounded_names():
@@ -109,7 +109,7 @@ def sin_used_twice(x):
 def test_value_used_outside_its_group_is_a_group_output():
     gm = _fuse(sin_used_twice, torch.randn(16))
     (call,) = _kernels(gm)
-    assert call.meta["fusec_group"]["outputs"] == ["sin", "mul"]
+    assert group_info(call).outputs == ["sin", "mul"]
     items = [u for u in call.users if u.target is operator.getitem]
     assert sorted((u.args[1], u.name) for u in items) == [(0, "sin"), (1, "mul")]
 
@@ -134,7 +134,7 @@ def test_group_output_read_by_an_extern(target):
     x, w = torch.randn(8, 8, device=device), torch.randn(8, 8, device=device)
     gm = _fuse(f, x, w)
     (call,) = _kernels(gm)
-    assert call.meta["fusec_group"]["outputs"] == ["sin", "add"]
+    assert group_info(call).outputs == ["sin", "add"]
     cf = assert_matches(f, x, w, backend=backend, kernels=1)
     assert len(cf.kernels[0].ir.stores) == 2
 
@@ -250,8 +250,8 @@ def bcast_also_outside(x, y):
 def test_broadcast_producer_used_only_inside_fuses():
     gm = _fuse(bcast_inside, torch.randn(1, 8), torch.randn(8390, 8))
     (call,) = _kernels(gm)
-    assert call.meta["fusec_group"]["shape"] == (8390, 8)
-    assert call.meta["fusec_group"]["outputs"] == ["mul"]
+    assert group_info(call).shape == (8390, 8)
+    assert group_info(call).outputs == ["mul"]
     assert record_of(gm).refusals == []
 
 
@@ -355,13 +355,13 @@ def test_group_metadata_matches_the_graph():
 
     gm = _fuse(f, torch.randn(4, 4), torch.randn(4), torch.randn(4, 4))
     for call in _kernels(gm):
-        group = call.meta["fusec_group"]
+        group = group_info(call)
         sub = getattr(gm, call.target)
-        assert group["name"] == call.target
-        assert group["inputs"] == [a.name for a in call.args]
-        assert group["inputs"] == [n.name for n in sub.graph.nodes if n.op == "placeholder"]
-        assert group["outputs"] == [o.name for o in sub.graph.output_node().args[0]]
-        assert sorted(u.name for u in call.users) == sorted(group["outputs"])
+        assert group.name == call.target
+        assert group.inputs == [a.name for a in call.args]
+        assert group.inputs == [n.name for n in sub.graph.nodes if n.op == "placeholder"]
+        assert group.outputs == [o.name for o in sub.graph.output_node().args[0]]
+        assert sorted(u.name for u in call.users) == sorted(group.outputs)
     x, y, w = torch.randn(4, 4), torch.randn(4), torch.randn(4, 4)
     for got, want in zip(gm(x, y, w), f(x, y, w)):
         torch.testing.assert_close(got, want)

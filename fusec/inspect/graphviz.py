@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.record import folded_view, record_of
+from fusec.record import folded_view, group_info, record_of
 
 # Light fills that read well behind black text, one per kernel (cycled).
 PALETTE = ["#cfe8fc", "#d4f4d2", "#fde2c8", "#e7dcfa", "#fbd5e5", "#d9f2f0", "#f6f0c4",
@@ -158,10 +158,10 @@ def dot_after(fused: fx.GraphModule, title: str = "") -> str:
         elif node.op == "output":
             lines.append(f"  {nid} [label=\"output\", shape=ellipse, fillcolor=\"#f2f2f2\"];")
         elif node.op == "call_module":
-            g = node.meta.get("fusec_group", {})
-            ops = ", ".join(o.split(".")[0] for o in g.get("ops", []))
-            shape = tuple(g.get("shape", ()))
-            kind = g.get("kind", "pointwise")
+            g = group_info(node)
+            ops = ", ".join(o.split(".")[0] for o in (g.ops if g else []))
+            shape = tuple(g.shape if g else ())
+            kind = g.kind if g else "pointwise"
             label = f"{node.target}\n{kind} kernel over {shape}\n{_wrap(ops)}"
             lines.append(f"  {nid} [label={quote(label)}, fillcolor=\"{colors[node.target]}\", "
                          "penwidth=1.5];")

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import short_dtype
+from fusec.record import group_info
 from fusec.record import record_of
 
 from fusec.inspect.listing import _meta_str, distinct_lines, group_members, user_line
@@ -91,16 +92,16 @@ def group_rows(gm: fx.GraphModule, kernels) -> list[dict]:
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
-        g = node.meta.get("fusec_group", {})
+        g = group_info(node)
         sub = getattr(gm, node.target)
         members = group_members(sub)
         lines = distinct_lines(members)
-        row = {"name": node.target, "kind": g.get("kind", "pointwise"),
+        row = {"name": node.target, "kind": g.kind if g else "pointwise",
                "ops": [str(n.target).replace("aten.", "") for n in members],
                "nodes": [n.name for n in members],
                "inputs": [_io(a) for a in node.args],
                "outputs": [_io(u) for u in sorted(node.users, key=lambda u: u.args[1])],
-               "shape": list(g.get("shape", ())), "lines": lines,
+               "shape": list(g.shape if g else ()), "lines": lines,
                "read_bytes": None, "write_bytes": None, "flops": None}
         k = by_name.get(node.target)
         if k is not None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from fusec.record import MemoryPlan, folded_view, layout_of, owns_buffer
+from fusec.record import MemoryPlan, folded_view, group_info, layout_of, owns_buffer
 from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
 from fusec.runtime.writer import straight_line
 
@@ -142,7 +142,7 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
                                                placed.nbytes if placed else 0,
                                                slot(inplace[p.name]) if p.name in inplace else None))
                     producers[slot(p.name)] = kernel
-            device = node.meta["fusec_group"]["device"]
+            device = group_info(node).device
             # launch unless every output is empty (a reduction over an empty dim still writes
             # its rows: the identity of the reduction)
             out_numel = max((math.prod(w.shape) for w in writes), default=0)
