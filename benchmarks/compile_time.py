@@ -85,6 +85,26 @@ GPU_DEFAULT = ["bert_base", "vit_base", "t5_encoder", "resnet50", "mobilenet_v3"
                "efficientnet_b0"]
 STAGES = ["capture", "passes", "codegen", "build", "load", "run"]
 
+# What every child process runs to build `model` and `inputs` (from `device` and `dtype`, names
+# of its own): the model's code from MODELS, seeded, moved, and cast. `with_model` puts it where a
+# child's code says BUILD_MODEL (benchmarks/diagnostics/ reuse it).
+BUILD = r'''
+torch.manual_seed(0)
+dtype = getattr(torch, dtype)
+MODEL_CODE
+model = model.eval().to(device)
+if dtype.is_floating_point and dtype != torch.float32:
+    model = model.to(dtype)
+inputs = [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in inputs]
+'''
+
+
+def with_model(child: str, name: str) -> str:
+    """`child` with its BUILD_MODEL line replaced by the code that builds model `name`."""
+    build = BUILD.replace("MODEL_CODE", textwrap.dedent(MODELS[name][1]).strip()).strip()
+    return child.replace("BUILD_MODEL", build)
+
+
 CHILD = r'''
 import json, os, sys, time
 system, name, device, dtype, backend = sys.argv[1:6]
@@ -103,13 +123,7 @@ if system == "fusec":
     fusec.log.compile_times = record
 else:
     import torch._inductor  # (imported by `import fusec` too: neither side pays it in the timing)
-torch.manual_seed(0)
-dtype = getattr(torch, dtype)
-exec(MODEL_CODE)
-model = model.eval().to(device)
-if dtype.is_floating_point and dtype != torch.float32:
-    model = model.to(dtype)
-inputs = [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in inputs]
+BUILD_MODEL
 
 
 def first(out):
@@ -146,7 +160,7 @@ print(json.dumps(result))
 
 def run_child(system: str, name: str, device: str, dtype: str, backend: str, env: dict,
               timeout: int) -> dict:
-    code = CHILD.replace("exec(MODEL_CODE)", textwrap.dedent(MODELS[name][1]).strip())
+    code = with_model(CHILD, name)
     proc = subprocess.run([sys.executable, "-c", code, system, name, device, dtype, backend],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:

@@ -17,11 +17,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compile_time import MODELS  # noqa: E402
+from compile_time import with_model  # noqa: E402
 
 CHILD = r'''
 import json, sys, time
@@ -38,10 +37,8 @@ def record(compiled, label="program", _inner=fusec.log.compile_times):
 
 
 fusec.log.compile_times = record
-torch.manual_seed(0)
-exec(MODEL_CODE)
-model = model.eval().cuda().to(torch.bfloat16)
-inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
+device, dtype = "cuda", "bfloat16"
+BUILD_MODEL
 with torch.no_grad():
     model(*inputs)
     torch.cuda.synchronize()
@@ -84,7 +81,7 @@ print(json.dumps({"variant": variant, "seconds": round(seconds, 3), "keys": keys
 
 def main() -> None:
     for name in sys.argv[1].split(","):
-        code = CHILD.replace("exec(MODEL_CODE)", textwrap.dedent(MODELS[name][1]).strip())
+        code = with_model(CHILD, name)
         with tempfile.TemporaryDirectory(prefix="triton_warm_") as root:
             env = dict(os.environ, FUSEC_CACHE_DIR=os.path.join(root, "fusec"),
                        TRITON_CACHE_DIR=os.path.join(root, "triton"))

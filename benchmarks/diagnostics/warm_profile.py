@@ -14,11 +14,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compile_time import MODELS  # noqa: E402
+from compile_time import with_model  # noqa: E402
 
 CHILD = r'''
 import cProfile, json, pstats, sys, time
@@ -35,13 +34,7 @@ def record(compiled, label="program", _inner=fusec.log.compile_times):
 
 
 fusec.log.compile_times = record
-torch.manual_seed(0)
-dtype = getattr(torch, dtype)
-exec(MODEL_CODE)
-model = model.eval().to(device)
-if dtype.is_floating_point and dtype != torch.float32:
-    model = model.to(dtype)
-inputs = [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in inputs]
+BUILD_MODEL
 with torch.no_grad():
     model(*inputs)
     torch.cuda.synchronize() if device == "cuda" else None
@@ -73,7 +66,7 @@ def main() -> None:
     dtype = "bfloat16" if device == "cuda" else "float32"
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for name in args.models:
-        code = CHILD.replace("exec(MODEL_CODE)", textwrap.dedent(MODELS[name][1]).strip())
+        code = with_model(CHILD, name)
         with tempfile.TemporaryDirectory(prefix="warm_profile_") as root:
             env = dict(os.environ, FUSEC_CACHE_DIR=os.path.join(root, "fusec"),
                        TRITON_CACHE_DIR=os.path.join(root, "triton"))
