@@ -76,6 +76,25 @@ def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, i
 
 
 GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Triton's default)
+# The lane version's loads do not feed a tl.dot, and Triton does not pipeline them (GEMV_STAGES
+# changed nothing): the kernel prefetches by hand, loading chunk i + 1 before multiplying chunk i.
+GEMV_PREFETCH = True
+GEMV_PAIRS = True  # neighbouring activations loaded as pairs (paired_loads)
+
+
+def paired_loads(loads, n_rows: int) -> dict[str, str]:
+    """{first: second} for two loads of neighbouring elements, x[2j] and x[2j + 1] (the activations
+    of a packed int4 weight's low and high nibbles): one load of the pairs, split in registers,
+    reads them with wide loads instead of two loads of every other element."""
+    pairs = {}
+    for a in loads if GEMV_PAIRS else []:
+        for b in loads:
+            ka = a.index.strides[n_rows:]
+            if (a.param == b.param and a.dtype == b.dtype and a.index.strides == b.index.strides
+                    and b.index.offset == a.index.offset + 1 and ka and ka[-1] == 2
+                    and a.var.name not in pairs.values() and b.var.name not in pairs):
+                pairs[a.var.name] = b.var.name
+    return pairs
 GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
 BF16_EXACT_INTS = (torch.int8, torch.uint8)  # every value of these is a bf16 number
 
@@ -154,21 +173,30 @@ def render_gemv(kernel) -> str:
         (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(m, n, kernel.k), GEMV_STAGES
     n_rows = len(kernel.row_shape)
     row_axes = ["m", "n"] if two else ["n"]
-    k_coords = []
-    for d in range(len(kernel.k_shape)):
-        below = math.prod(kernel.k_shape[d + 1:])
-        expr = "ks" if below == 1 else f"(ks // {below})"
-        k_coords.append(f"k{d} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
+    # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
+    even_k = kernel.k % block_k == 0
+    prefetch = GEMV_PREFETCH and not dot
+    def k_coords(sfx: str = "") -> list[str]:
+        out = []
+        for d in range(len(kernel.k_shape)):
+            below = math.prod(kernel.k_shape[d + 1:])
+            expr = f"ks{sfx}" if below == 1 else f"(ks{sfx} // {below})"
+            out.append(f"k{d}{sfx} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
+        return out
 
-    def index(idx: Index) -> tuple[str, str | None]:
+    def index(idx: Index, sfx: str = "") -> tuple[str, str | None]:
+        """The address and mask of a load or store; sfx "_next": the next chunk's (prefetch)."""
         terms, masks = [], []
         for axis, st in zip(row_axes, idx.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
                 masks.append(f"{axis}_mask")
-        kterms = k_terms(idx.strides[n_rows:], kernel.k_shape)
-        if kterms:
-            masks.append("k_mask")
+        kterms = [re.sub(r"\b(ks|k\d+)\b", rf"\g<1>{sfx}", t)
+                  for t in k_terms(idx.strides[n_rows:], kernel.k_shape)]
+        if kterms and not even_k:
+            masks.append(f"k_mask{sfx}")
+        if sfx and kterms:
+            masks.append("has_next")
         terms += kterms
         if not terms:
             terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
@@ -184,46 +212,71 @@ def render_gemv(kernel) -> str:
         return bool(group > 1 and len(ks_) == 2 and ks_[0] and not ks_[1]
                     and block_k % group == 0)
 
-    def load_line(l) -> str:
-        if l.var.name in kernel.varying and per_group(l.index):
-            return group_load_lines(l)
-        addr, mask = index(l.index)
-        value = f"tl.load({l.param}_ptr + {addr}" + (f", mask={mask})" if mask else ")")
-        if l.dtype != l.var.dtype:
-            value = convert(value, l.dtype, l.var.dtype)
-        return f"{l.var.name} = {value}"
+    pairs = paired_loads(kernel.loads, n_rows)
 
-    def group_load_lines(l) -> str:
-        # one load per group of the chunk, then each value repeated over its group's lanes
-        terms, masks = [], ["g_mask"]
+    def load(l, sfx: str = ""):
+        """(raw name, the tl.load of one chunk, finish): finish(e) is the lines that make the
+        kernel's value(s) from the loaded e (convert to float, repeat a group's value over its
+        lanes, split a pair). Apart so that a prefetched chunk is converted only when it is used.
+        None for the second of a pair (loaded with the first)."""
+        if l.var.name in pairs.values():
+            return None
+        name, as_float = l.var.name, (lambda e: convert(e, l.dtype, l.var.dtype)
+                                      if l.dtype != l.var.dtype else e)
+        if l.var.name in kernel.varying and per_group(l.index):
+            addr, mask = group_address(l, sfx)
+            lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
+                    "BLOCK_N" if l.index.strides[n_rows - 1] else "1"]
+            return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+                f", mask={mask})" if mask else ")"), lambda e: [
+                f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, :, None], "
+                f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
+                f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
+        addr, mask = index(l.index, sfx)
+        if l.var.name in pairs:
+            # two neighbours (x[2j], x[2j + 1]): one load of the pairs, split in registers
+            other = pairs[name]
+            lanes = [t for t in (mask or "").split(" & ") if t and t != "has_next"]
+            mask = " & ".join(([f"({' & '.join(lanes)})[:, :, :, None]"] if lanes else [])
+                              + (["has_next"] if "has_next" in (mask or "") else []))
+            return name + "_pair", (f"tl.load({l.param}_ptr + ({addr})[:, :, :, None] + "
+                                    "tl.arange(0, 2)[None, None, None, :]"
+                                    + (f", mask={mask})" if mask else ")")), lambda e: [
+                f"{name}, {other} = tl.split({e})"] + [
+                f"{v} = {as_float(v)}" for v in (name, other) if l.dtype != l.var.dtype]
+        return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+            f", mask={mask})" if mask else ")"), lambda e: [f"{name} = {as_float(e)}"]
+
+    def group_address(l, sfx: str = "") -> tuple[str, str | None]:
+        # one load per group of the chunk (then each value is repeated over its group's lanes)
+        terms, masks = [], [] if even_k else [f"g_mask{sfx}"]
         for axis, st in zip(row_axes, l.index.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
                 masks.append(f"{axis}_mask")
+        if sfx:
+            masks.append("has_next")
         st = l.index.strides[n_rows]
-        terms.append("gs" if st == 1 else f"gs * {st}")
+        terms.append(f"gs{sfx}" if st == 1 else f"gs{sfx} * {st}")
         addr = " + ".join(([str(l.index.offset)] if l.index.offset else []) + terms)
-        value = f"tl.load({l.param}_ptr + {addr}, mask={' & '.join(masks)})"
-        if l.dtype != l.var.dtype:
-            value = convert(value, l.dtype, l.var.dtype)
-        lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
-                "BLOCK_N" if l.index.strides[n_rows - 1] else "1"]
-        return (f"{l.var.name} = tl.reshape(tl.broadcast_to(({value})[:, :, :, None], "
-                f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
-                f"[{lead[0]}, {lead[1]}, BLOCK_K])")
+        return addr, " & ".join(masks) or None
+
+    def load_lines(l) -> list[str]:
+        got = load(l)
+        return [] if got is None else got[2](got[1])
 
     helpers: set = set()
 
-    def line(name: str) -> str:
+    def lines(name: str) -> list[str]:
         item = producers[name]
         if isinstance(item, Stmt):
-            return _stmt(item, helpers, block="[1, 1, 1]")
-        return load_line(item)
+            return [_stmt(item, helpers, block="[1, 1, 1]")]
+        return load_lines(item)
 
     # the loop plan's one phase (gemv_fits): row values before it, and after it the epilogue
     [phase] = kernel.plan.phases
-    row_lines = [line(name) for name in kernel.plan.before]
-    epilogue = [line(name) for name in phase.ready]
+    row_lines = [t for name in kernel.plan.before for t in lines(name)]
+    epilogue = [t for name in phase.ready for t in lines(name)]
     value = convert("sums", r.acc_dtype, r.var.dtype)
     if r.round_to is not None:
         value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
@@ -231,23 +284,54 @@ def render_gemv(kernel) -> str:
 
     # the tensor-core form multiplies the activation and the weight tiles itself: what they need
     needed = kernel.values_needed({name for pair in dot for name in pair}) if dot else phase.loop
-    loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
-    loop_lines += [line(n) for n in needed if not isinstance(producers[n], Stmt)]
+    loads = [n for n in needed if not isinstance(producers[n], Stmt)]
     stmts = [n for n in needed if isinstance(producers[n], Stmt)]
+
+    def chunk_loads(sfx: str = "", start: str = "k_start", raw: bool = False) -> list[str]:
+        """The lines that load one chunk of K: its coordinates, its groups, its values (raw: the
+        loaded values as they are stored, into `<name>_raw<sfx>`, for a prefetch)."""
+        got = [g for g in (load(producers[n], sfx) for n in loads) if g is not None]
+        body = ([f"{g[0]}{sfx} = {g[1]}" for g in got] if raw
+                else [t for g in got for t in g[2](g[1])])
+        out = [c for c in k_coords(sfx) if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(body))]
+        if any(f"gs{sfx}" in t for t in body):
+            out += [f"gs{sfx} = {start} // {group} + tl.arange(0, BLOCK_K // {group})[None, None, :]"]
+            out += [] if even_k else [f"g_mask{sfx} = gs{sfx} < {kernel.k_shape[0]}"]
+        return out + body
+
+    loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
+    loop_lines += chunk_loads()
+    if any(l.startswith("gs =") for l in loop_lines):
+        loop_lines.insert(0, f"# the groups of {group} along K in this chunk: their scales and "
+                          "zero points are loaded once each")
     unpack = any(producers[n].op in ("rshift", "bitwise_and") for n in stmts)
-    loop_lines.append("# prologue: dequantize the weight tile in registers, then multiply")
+    compute = ["# prologue: dequantize the weight tile in registers, then multiply"]
     if unpack:
-        loop_lines.append("# (this is where the int4 nibbles are unpacked: w & 0x0F is the low "
-                          "4-bit weight of each byte, w >> 4 the high one)")
-    loop_lines += [line(n) for n in stmts]
+        compute.append("# (this is where the int4 nibbles are unpacked: w & 0x0F is the low "
+                       "4-bit weight of each byte, w >> 4 the high one)")
+    compute += [t for n in stmts for t in lines(n)]
+    first, rotate = [], []
+    if prefetch:
+        # chunk 0 before the loop; in the loop, the next chunk's loads first, then this chunk's
+        # math on the values loaded one iteration earlier, converted only now
+        got = [g for g in (load(producers[n]) for n in loads) if g is not None]
+        first = chunk_loads(start="0", raw=True)
+        loop_lines = ["# prefetch: issue the next chunk's loads now, so that they are in flight "
+                      "while this chunk is multiplied", "has_next = k_start + BLOCK_K < n_k",
+                      "ks_next = ks + BLOCK_K"] + ([] if even_k else ["k_mask_next = ks_next < n_k"])
+        loop_lines += chunk_loads("_next", "(k_start + BLOCK_K)", raw=True)
+        loop_lines += ["# this chunk's values, loaded one iteration earlier"]
+        loop_lines += [t for g in got for t in g[2](g[0])]
+        rotate = [f"{v} = {v}_next" for v in ["ks", *(g[0] for g in got)]]
+    loop_lines += compute
     operand = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
     dot_lines = []
     for i, (x, w) in enumerate(dot or []):
+        if not even_k:  # the lanes past K's end: zeros, so that they add nothing
+            x, w = f"tl.where(k_mask, {x}, 0.0)", f"tl.where(k_mask, {w}, 0.0)"
         dot_lines += [
-            f"x_tile{i} = tl.reshape(tl.broadcast_to(tl.where(k_mask, {x}, 0.0), "
-            f"[BLOCK_M, 1, BLOCK_K]), [BLOCK_M, BLOCK_K])",
-            f"w_tile{i} = tl.reshape(tl.broadcast_to(tl.where(k_mask, {w}, 0.0), "
-            f"[1, BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K])",
+            f"x_tile{i} = tl.reshape(tl.broadcast_to({x}, [BLOCK_M, 1, BLOCK_K]), [BLOCK_M, BLOCK_K])",
+            f"w_tile{i} = tl.reshape(tl.broadcast_to({w}, [1, BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K])",
             f"acc += fusec_dot_bf16(x_tile{i}, w_tile{i})"]
     helpers |= {"fusec_dot_bf16"} if dot else set()
 
@@ -261,14 +345,8 @@ def render_gemv(kernel) -> str:
                       and l.index.strides[n_rows - 1] and not (two and l.index.strides[0])})
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
-    group_lines = []
-    if any("gs" in line for line in loop_lines):
-        group_lines = [f"# the groups of {group} along K in this chunk: their scales and zero points "
-                       f"are loaded once each",
-                       f"gs = k_start // {group} + tl.arange(0, BLOCK_K // {group})[None, None, :]",
-                       f"g_mask = gs < {kernel.k_shape[0]}"]
     programs = -(-n // block_n)
-    helpers |= _helpers_in(row_lines + loop_lines + epilogue + stores)
+    helpers |= _helpers_in(row_lines + first + loop_lines + epilogue + stores)
     return render_template(
         "triton_gemv.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n, k=kernel.k,
         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
@@ -279,6 +357,5 @@ def render_gemv(kernel) -> str:
         n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], row_lines=row_lines,
-        loop_lines=[c for c in k_coords if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(
-            row_lines + loop_lines + epilogue + stores))] + group_lines + loop_lines,
+        loop_lines=loop_lines, first_lines=first, rotate_lines=rotate, even_k=even_k,
         operand=operand, epilogue=epilogue, stores=stores)
