@@ -70,14 +70,17 @@ def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, i
     on an H200 (docs/gpu.md), K = N = 8192: int8 at M = 4 and 16 streamed 1.39 TB/s with 32 x 256
     (16 x 256: 1.04, 64 x 128: 1.16-1.20), packed int4 0.30-0.45 with 32 or 64 x 128."""
     block_m = max(16, 1 << max(m - 1, 0).bit_length())
-    block_n = 32 if n >= 32 * SMS else 16
+    block_n = 64 if n >= 58 * SMS else 32 if n >= 32 * SMS else 16
     block_k = max(16, min(256 // terms, 1 << max(k - 1, 0).bit_length()))
-    return block_m, block_n, block_k, 4, 3
+    return block_m, block_n, block_k, 8 if terms > 1 and block_n == 64 else 4, 3
 
 
 GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Triton's default)
 # The lane version's loads do not feed a tl.dot, and Triton does not pipeline them (GEMV_STAGES
 # changed nothing): the kernel prefetches by hand, loading chunk i + 1 before multiplying chunk i.
+# Measured on an H200, K = N = 8192, M = 1 (benchmarks/diagnostics/gemv_variants.py, docs/gpu.md):
+# bf16 weights 2.69 -> 3.01 TB/s (cuBLAS 3.04), packed int4 0.85 -> 0.94; but a plain int8 weight
+# 2.23 -> 1.74, so an int8 weight (one byte, nothing unpacked) is streamed without it.
 GEMV_PREFETCH = True
 GEMV_PAIRS = True  # neighbouring activations loaded as pairs (paired_loads)
 
@@ -175,7 +178,6 @@ def render_gemv(kernel) -> str:
     row_axes = ["m", "n"] if two else ["n"]
     # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
     even_k = kernel.k % block_k == 0
-    prefetch = GEMV_PREFETCH and not dot
     def k_coords(sfx: str = "") -> list[str]:
         out = []
         for d in range(len(kernel.k_shape)):
@@ -310,6 +312,10 @@ def render_gemv(kernel) -> str:
         compute.append("# (this is where the int4 nibbles are unpacked: w & 0x0F is the low "
                        "4-bit weight of each byte, w >> 4 the high one)")
     compute += [t for n in stmts for t in lines(n)]
+    # the weight's stored element size: a plain int8 weight streamed slower with the prefetch
+    weight_bytes = {l.dtype.itemsize for l in kernel.loads if l.var.name in kernel.varying
+                    and l.index.strides[n_rows - 1] and not (two and l.index.strides[0])}
+    prefetch = GEMV_PREFETCH and not dot and (unpack or min(weight_bytes, default=2) >= 2)
     first, rotate = [], []
     if prefetch:
         # chunk 0 before the loop; in the loop, the next chunk's loads first, then this chunk's

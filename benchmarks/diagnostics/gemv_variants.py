@@ -14,12 +14,15 @@ streamed per second. The edits are experiments, not fusec's output:
 * `noprefetch`: without the lane version's hand-written prefetch (GEMV_PREFETCH);
 * `nopairs`: the activations of a packed int4 byte's two nibbles loaded as two strided loads
   instead of one load of pairs (GEMV_PAIRS);
+* `nogroups`, an ablation with wrong results: the per-group scale and zero point replaced by a
+  constant, to time what repeating them over their group's lanes costs;
 * `bf16` weights: `F.linear(x, w + 0)`, a computed plain weight, so that small_matmul makes the
   GEMV that it leaves to cuBLAS for a stored bf16 weight: fusec's kernel against cuBLAS's.
 """
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +56,9 @@ def v_round_bf16(x):
 
 def edit(src: str, variant: str) -> str:
     parts = set(variant.split("+"))
+    if "nogroups" in parts:  # an ablation (wrong results): per-group values as a constant
+        src = re.sub(r"^(\s*)(v\w+) = tl\.reshape\(tl\.broadcast_to\(.*$",
+                     r"\1\2 = tl.full([1, 1, BLOCK_K], 0.5, tl.float32)", src, flags=re.M)
     if "noround" in parts:
         src = src.replace(ROUND, "v_ident(v_ident(")
     if "intround" in parts:
@@ -103,9 +109,11 @@ def main():
             blocks = [None, (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 32, 512, 4, 3),
                       (16, 64, 128, 4, 4), (16, 32, 256, 4, 5), (16, 64, 256, 8, 3),
                       (16, 128, 128, 4, 3)]
-        variants = ["base", "noprefetch", "nopairs", "noprefetch+nopairs"]
+        variants = ["base", "noprefetch", "nopairs", "noprefetch+nopairs", "noround", "nogroups",
+                    "noround+nogroups"]
         for variant in variants:
-            if "pairs" in variant and fmt != "int4" or "prefetch" in variant and m > 1:
+            if ("pairs" in variant or "groups" in variant or "round" in variant) and fmt != "int4" \
+                    or "prefetch" in variant and m > 1:
                 continue
             for b in blocks:
                 if b is not None and variant not in ("base", "noprefetch"):
