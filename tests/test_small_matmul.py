@@ -5,6 +5,7 @@ checks the kernel count, and compares with eager against a float64 reference: th
 not exceed eager's by more than the dtype's tolerance (tests/conftest.py, fusec.check.compare).
 """
 import importlib
+import re
 
 import pytest
 import torch
@@ -176,6 +177,44 @@ def test_triton_gemv_uses_tensor_cores_from_two_rows_on_exact_bf16_products():
     ex = int4_linear.example(m=3, k=96, n=37, group=32, device=device)
     cf = assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=1)
     assert cf.kernels[0].source.count("acc += fusec_dot_bf16(") == 2  # low and high nibbles
+
+
+class Bf16Computed(torch.nn.Module):
+    """A plain bf16 weight made a computed one (`w + 0`), so that small_matmul writes a GEMV."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.register_buffer("w", w)
+
+    def forward(self, x):
+        return F.linear(x, self.w + 0)
+
+
+@pytest.mark.parametrize("k", [256, 264, 1000], ids=lambda k: f"K{k}")
+def test_triton_gemv_loop_masks_pairs_and_prefetch(k):
+    """The Triton GEMV's K loop (codegen/triton_gemv.py): no K mask when BLOCK_K divides K; the
+    activations of a packed byte's two nibbles loaded as pairs and split in registers; the M = 1
+    kernel prefetching the next chunk, except for a plain int8 weight. Each still matches eager,
+    whole chunks or not."""
+    backend, device = "triton", TRITON_DEVICE
+    int4_k = k if k % 8 == 0 else 256
+    for m in (1, 3):
+        x = rand(m, k, device=device)
+        w = int8_weight(24, k, device)
+        s = rand(24, device=device, seed=2, scale=0.02).abs()
+        src8 = assert_matches(w8_scale, x, w, s, backend=backend, kernels=1).kernels[0].source
+        layer = Bf16Computed(rand(24, k, device=device, seed=4, scale=0.1))
+        src16 = assert_matches(layer, x, backend=backend, kernels=1).kernels[0].source
+        ex = int4_linear.example(m=m, k=int4_k, n=24, group=int4_k // 4, device=device)
+        src4 = assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=1).kernels[0].source
+        for src, kk in ((src8, k), (src16, k), (src4, int4_k // 2)):
+            block_k = int(re.search(r"BLOCK_K=(\d+)", src).group(1))
+            assert ("k_mask" in src) == (kk % block_k != 0), (m, k, block_k)
+        assert "tl.split(" in src4 and "tl.split(" not in src8
+        assert ("_next = tl.load(" in src4) == ("_next = tl.load(" in src16) == (m == 1)
+        assert "_next = tl.load(" not in src8
+        # a weight read once is loaded with evict_first in the M = 1 kernel
+        assert ('eviction_policy="evict_first"' in src8) == (m == 1)
 
 
 def test_sixteen_rows_are_a_gemv_on_a_gpu_and_a_library_matmul_on_a_cpu(target):

@@ -14,6 +14,8 @@ streamed per second. The edits are experiments, not fusec's output:
 * `noprefetch`: without the lane version's hand-written prefetch (GEMV_PREFETCH);
 * `nopairs`: the activations of a packed int4 byte's two nibbles loaded as two strided loads
   instead of one load of pairs (GEMV_PAIRS);
+* `cg`, `evict`: the weight's loads with `cache_modifier=".cg"` (not kept in L1) or
+  `eviction_policy="evict_first"`: a streamed weight is read once;
 * `nogroups`, an ablation with wrong results: the per-group scale and zero point replaced by a
   constant, to time what repeating them over their group's lanes costs;
 * `bf16` weights: `F.linear(x, w + 0)`, a computed plain weight, so that small_matmul makes the
@@ -63,6 +65,10 @@ def edit(src: str, variant: str) -> str:
         src = src.replace(ROUND, "v_ident(v_ident(")
     if "intround" in parts:
         src = src.replace(ROUND, "v_ident(v_round_bf16(")
+    if parts & {"cg", "evict"}:  # the weight's loads (address along n): streamed, read once
+        hint = ', cache_modifier=".cg"' if "cg" in parts else ', eviction_policy="evict_first"'
+        src = re.sub(r"(tl\.load\(\w+_ptr \+ [^\n]*?n \* \d+ \+ [^\n]*?)\)(\)?)$",
+                     lambda mt: mt.group(1) + hint + ")" + (mt.group(2) or ""), src, flags=re.M)
     if parts & {"noround", "intround"}:
         head, sep, rest = src.partition("\n\n@triton.jit")
         src = head + HELPERS + sep + rest
@@ -81,6 +87,9 @@ class Bf16Linear(torch.nn.Module):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="int4:1,int8:1,int8:16,int4:16,bf16:1")
+    p.add_argument("--variants", default="base,noprefetch,nopairs,noprefetch+nopairs,noround,"
+                   "nogroups,noround+nogroups,cg,evict")
+    p.add_argument("--blocks", action="store_true", help="also other block sizes")
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--device", default="cuda", help="cpu: check the edits under TRITON_INTERPRET=1")
@@ -109,14 +118,13 @@ def main():
             blocks = [None, (16, 32, 256, 4, 3), (16, 64, 256, 4, 3), (16, 32, 512, 4, 3),
                       (16, 64, 128, 4, 4), (16, 32, 256, 4, 5), (16, 64, 256, 8, 3),
                       (16, 128, 128, 4, 3)]
-        variants = ["base", "noprefetch", "nopairs", "noprefetch+nopairs", "noround", "nogroups",
-                    "noround+nogroups"]
+        variants = args.variants.split(",")
         for variant in variants:
             if ("pairs" in variant or "groups" in variant or "round" in variant) and fmt != "int4" \
                     or "prefetch" in variant and m > 1:
                 continue
             for b in blocks:
-                if b is not None and variant not in ("base", "noprefetch"):
+                if b is not None and (variant not in ("base", "noprefetch") or not args.blocks):
                     continue
                 if b is not None and fmt == "int4":
                     b = b[:2] + (b[2] // 2,) + b[3:]  # BLOCK_K counts packed bytes
