@@ -250,6 +250,22 @@ def test_plain_weight_keeps_the_library_matmul():
     assert externs(cf) == ["aten.addmm.default"]
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_stored_bf16_weight_at_one_row_is_a_gemv_where_measured_faster(monkeypatch, bias):
+    """On a GPU (STORED_GEMV_DEVICES) a stored bf16 weight at M = 1 becomes the GEMV, with the
+    bias and what follows as its epilogue; here the device list is widened to test it on the CPU
+    with the Triton interpreter. At M = 2 the library keeps it."""
+    sm = importlib.import_module("fusec.passes.small_matmul")
+    monkeypatch.setattr(sm, "STORED_GEMV_DEVICES", ("cuda", TRITON_DEVICE))
+    lin = torch.nn.Linear(96, 40, bias=bias).to(BF16).to(TRITON_DEVICE)
+    fn = lambda x: F.silu(lin(x))  # noqa: E731
+    with torch.no_grad():
+        cf = assert_matches(fn, rand(1, 96, device=TRITON_DEVICE), backend="triton", kernels=1)
+        assert "gemv" in cf.kernels[0].name and externs(cf) == []
+        cf2 = assert_matches(fn, rand(2, 96, device=TRITON_DEVICE), backend="triton")
+        assert externs(cf2)
+
+
 def test_explain_states_the_decision_and_the_kernel_reads_like_a_gemv():
     ex = int4_linear.example(m=1, k=64, n=16, group=32)
     with torch.no_grad():
