@@ -85,6 +85,8 @@ GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Trito
 # TB/s, bf16 2.95 -> 3.24 (cuBLAS 2.99-3.03), int4 unchanged.
 GEMV_PREFETCH = True
 GEMV_PAIRS = True  # neighbouring activations loaded as pairs (paired_loads)
+GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
+BF16_EXACT_INTS = (torch.int8, torch.uint8)  # every value of these is a bf16 number
 
 
 def paired_loads(loads, n_rows: int) -> dict[str, str]:
@@ -100,8 +102,6 @@ def paired_loads(loads, n_rows: int) -> dict[str, str]:
                     and a.var.name not in pairs.values() and b.var.name not in pairs):
                 pairs[a.var.name] = b.var.name
     return pairs
-GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
-BF16_EXACT_INTS = (torch.int8, torch.uint8)  # every value of these is a bf16 number
 
 
 def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[str, str]] | None:
@@ -180,6 +180,7 @@ def render_gemv(kernel) -> str:
     row_axes = ["m", "n"] if two else ["n"]
     # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
     even_k = kernel.k % block_k == 0
+
     def k_coords(sfx: str = "") -> list[str]:
         out = []
         for d in range(len(kernel.k_shape)):
@@ -188,8 +189,9 @@ def render_gemv(kernel) -> str:
             out.append(f"k{d}{sfx} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
         return out
 
-    def index(idx: Index, sfx: str = "") -> tuple[str, str | None]:
-        """The address and mask of a load or store; sfx "_next": the next chunk's (prefetch)."""
+    def index(idx: Index, sfx: str = "") -> tuple[str, list[str]]:
+        """The address and masks of a load or store; sfx "_next": the next chunk's (prefetch),
+        whose last mask is the scalar `has_next`."""
         terms, masks = [], []
         for axis, st in zip(row_axes, idx.strides[:n_rows]):
             if st:
@@ -205,7 +207,7 @@ def render_gemv(kernel) -> str:
         if not terms:
             terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
         addr = " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
-        return addr, (" & ".join(masks) or None)
+        return addr, masks
 
     group = kernel.k_shape[-1] if len(kernel.k_shape) == 2 else 0
 
@@ -232,7 +234,7 @@ def render_gemv(kernel) -> str:
             lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
                     "BLOCK_N" if l.index.strides[n_rows - 1] else "1"]
             return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
-                f", mask={mask})" if mask else ")"), lambda e: [
+                f", mask={' & '.join(mask)})" if mask else ")"), lambda e: [
                 f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, :, None], "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
@@ -240,12 +242,11 @@ def render_gemv(kernel) -> str:
         if l.var.name in pairs:
             # two neighbours (x[2j], x[2j + 1]): one load of the pairs, split in registers
             other = pairs[name]
-            lanes = [t for t in (mask or "").split(" & ") if t and t != "has_next"]
-            mask = " & ".join(([f"({' & '.join(lanes)})[:, :, :, None]"] if lanes else [])
-                              + (["has_next"] if "has_next" in (mask or "") else []))
+            lanes = [t for t in mask if t != "has_next"]
+            mask = ([f"({' & '.join(lanes)})[:, :, :, None]"] if lanes else []) + mask[len(lanes):]
             return name + "_pair", (f"tl.load({l.param}_ptr + ({addr})[:, :, :, None] + "
                                     "tl.arange(0, 2)[None, None, None, :]"
-                                    + (f", mask={mask})" if mask else ")")), lambda e: [
+                                    + (f", mask={' & '.join(mask)})" if mask else ")")), lambda e: [
                 f"{name}, {other} = tl.split({e})"] + [
                 f"{v} = {as_float(v)}" for v in (name, other) if l.dtype != l.var.dtype]
         hint = ""
@@ -253,14 +254,15 @@ def render_gemv(kernel) -> str:
             # the weight is read once: ask the cache to evict it first, keeping the activations
             hint = ', eviction_policy="evict_first"'
         return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
-            f", mask={mask}" if mask else "") + hint + ")", lambda e: [f"{name} = {as_float(e)}"]
+            f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
+            f"{name} = {as_float(e)}"]
 
     def is_weight(l) -> bool:
         """The streamed operand: it varies along n (and k) but not along m."""
         return (l.var.name in kernel.varying and bool(l.index.strides[n_rows - 1])
                 and not (two and l.index.strides[0]))
 
-    def group_address(l, sfx: str = "") -> tuple[str, str | None]:
+    def group_address(l, sfx: str = "") -> tuple[str, list[str]]:
         # one load per group of the chunk (then each value is repeated over its group's lanes)
         terms, masks = [], [] if even_k else [f"g_mask{sfx}"]
         for axis, st in zip(row_axes, l.index.strides[:n_rows]):
@@ -272,7 +274,7 @@ def render_gemv(kernel) -> str:
         st = l.index.strides[n_rows]
         terms.append(f"gs{sfx}" if st == 1 else f"gs{sfx} * {st}")
         addr = " + ".join(([str(l.index.offset)] if l.index.offset else []) + terms)
-        return addr, " & ".join(masks) or None
+        return addr, masks
 
     def load_lines(l) -> list[str]:
         got = load(l)
@@ -355,7 +357,7 @@ def render_gemv(kernel) -> str:
     for s in kernel.stores:
         addr, mask = index(s.index)
         stores.append(f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}"
-                      + (f", mask={mask})" if mask else ")"))
+                      + (f", mask={' & '.join(mask)})" if mask else ")"))
     # the weight: what varies along n and k but not m
     weights = sorted({short(l.dtype) for l in kernel.loads if is_weight(l)})
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)

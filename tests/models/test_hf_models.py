@@ -237,3 +237,24 @@ def test_cpu_attention_masks_are_left_as_they_are():
     assert "aten.clone.default" not in {str(n.target) for n in gm.graph.nodes}
     q, m = torch.randn(2, 3, 8, 4), torch.ones(2, 1, 1, 1, dtype=torch.bool)
     torch.testing.assert_close(fusec.compile(f, backend="cpp")(q, m), f(q, m), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_one_token_bf16_step_runs_its_linears_as_gemvs(monkeypatch, name):
+    """A decode step of a model nobody here wrote: one token, batch 1, bf16. On a GPU every
+    stored-weight linear at M = 1 becomes fusec's GEMV (passes/small_matmul.py,
+    STORED_GEMV_DEVICES); the list is widened here so that the Triton interpreter runs the same
+    kernels on a machine without a GPU. The logits match eager's within bf16 rounding."""
+    small_matmul = __import__("fusec.passes.small_matmul", fromlist=["STORED_GEMV_DEVICES"])
+    monkeypatch.setattr(small_matmul, "STORED_GEMV_DEVICES", ("cuda", TRITON_DEVICE))
+    model, ids = build(name, TRITON_DEVICE)
+    model = model.to(torch.bfloat16)
+    ids = ids[:1, :1]
+    compiled = fusec.compile(model, backend="triton")
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = compiled(ids, use_cache=False).logits
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert relative_error(got.float(), want.float()) <= 2e-2
+    gemvs = [k.name for k in compiled.kernels if "gemv" in k.name]
+    assert len(gemvs) >= 4, [k.name for k in compiled.kernels]
