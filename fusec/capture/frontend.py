@@ -48,8 +48,8 @@ from fusec.capture import outputs
 from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,  # noqa: F401
                                  is_cpu_scalar, module_state, program_device)
 from fusec.capture.rnn import RecurrentAsExtern
-from fusec.capture.tracing import (_capture_error, compiling, dense_attention_masks,  # noqa: F401
-                                   python_at_trace_time_refused)
+from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
+                                   compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.errors import GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
 
@@ -157,7 +157,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     try:
         fakes = [mode.from_tensor(t) for t in example]
         with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
-                dense_attention_masks(), graphmodule.lazily():
+                dense_attention_masks(), autograd_functions_inlined(), graphmodule.lazily():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)

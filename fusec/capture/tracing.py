@@ -160,6 +160,63 @@ def dense_attention_masks():
         yield
 
 
+class _ForwardOnlyContext:
+    """The `ctx` a custom autograd.Function's `forward(ctx, ...)` receives when no backward will
+    ever run: what it saves is dropped, and no input needs a gradient."""
+
+    def __init__(self, n_inputs: int):
+        self.needs_input_grad = (False,) * n_inputs
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def save_for_forward(self, *tensors):
+        pass
+
+    def mark_dirty(self, *tensors):
+        pass  # the in-place update itself is traced; functionalize makes it explicit
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+
+@contextlib.contextmanager
+def autograd_functions_inlined():
+    """While tracing, a custom `torch.autograd.Function` runs its `forward` directly.
+
+    Capture traces inside `torch.func.functionalize` with gradients off, and torch cannot take a
+    custom Function there. One written the old way (`forward(ctx, ...)`, no `setup_context`) is
+    refused inside any functorch transform ("it must override the setup_context staticmethod").
+    One written the new way fails in functionalize ("NYI: Functionalize rule for
+    custom_function_call"). So a model that uses either could not be compiled for inference.
+    Hugging Face's BLOOM is an example: its `GeLUFunction.apply(x)`.
+    With gradients off, `apply` computes exactly `forward`'s outputs and records nothing for a
+    backward. So the capture calls `forward` itself, the old way with a context that keeps
+    nothing. The ops inside it are then traced like any others, and fused.
+    The training path (capture/training.py, AOT autograd) does not use this; it traces the
+    Function's own backward.
+    Note: like the other patches here, it is process-wide while a capture runs."""
+    from torch.autograd.function import Function, _SingleLevelFunction
+    real = Function.__dict__["apply"]  # the classmethod object itself, restored as is
+
+    def apply(cls, *args, **kwargs):
+        if torch.is_grad_enabled():
+            return real.__func__(cls, *args, **kwargs)
+        if cls.setup_context == _SingleLevelFunction.setup_context:  # forward(ctx, ...)
+            return cls.forward(_ForwardOnlyContext(len(args)), *args, **kwargs)
+        return cls.forward(*args, **kwargs)  # forward(...), setup_context(ctx, ...)
+
+    Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        Function.apply = real
+
+
 @contextlib.contextmanager
 def python_at_trace_time_refused():
     """While tracing, refuse the Python that a graph cannot hold and that would otherwise run

@@ -65,7 +65,49 @@ def convnext():
     return transformers.ConvNextModel(config), "image"
 
 
-MODELS = {f.__name__: f for f in (gpt2, llama, t5_encoder, bert, vit, resnet, convnext)}
+def bloom():
+    # its GELU is a custom autograd.Function written the old way (GeLUFunction.apply), which
+    # torch refuses inside capture's functionalize; fusec traces its forward
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.BloomForCausalLM(config), "tokens"
+
+
+DECODER = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+               bos_token_id=0, eos_token_id=0)
+
+
+def mistral():  # grouped-query attention with a sliding window
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**DECODER)), "tokens"
+
+
+def phi():  # rotary embeddings over part of each head, a parallel attention + MLP block
+    return transformers.PhiForCausalLM(transformers.PhiConfig(**DECODER)), "tokens"
+
+
+def deberta_v2():  # disentangled attention: relative positions gathered per head
+    config = transformers.DebertaV2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64,
+                                          max_position_embeddings=16)
+    return transformers.DebertaV2Model(config), "tokens"
+
+
+def swin():  # shifted windows: roll, window partition views, a relative position bias
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                                     num_heads=[2, 2], window_size=4)
+    return transformers.SwinModel(config), "image"
+
+
+def segformer():  # overlapping patch convolutions, attention over a reduced sequence
+    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                          hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                                          patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2])
+    return transformers.SegformerModel(config), "image"
+
+
+MODELS = {f.__name__: f for f in (gpt2, llama, t5_encoder, bert, vit, resnet, convnext, bloom,
+                                  mistral, phi, deberta_v2, swin, segformer)}
 
 
 def build(name: str, device: str = "cpu"):
