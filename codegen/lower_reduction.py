@@ -180,6 +180,9 @@ def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts)
                             for n in sub.graph.nodes if n.op == "call_function"):
         return dims
     for layout in in_layouts:
+        pad = len(shape) - len(layout.shape)
+        if pad < 0 or any(n not in (1, s) for n, s in zip(layout.shape, shape[pad:])):
+            continue  # a row value, read over the rows only (a (C,) mean of an (N, C, 1, 1) group)
         full = _broadcast_strides(layout, shape)
         if all(full[d] for d in dims):  # an element tensor: it varies along every reduced dim
             return tuple(sorted(dims, key=lambda d: -full[d]))

@@ -64,3 +64,27 @@ def test_torch_compile_backend_inference_and_training():
     (ref(x) ** 2).mean().backward()
     for g, r in zip(grads(model), grads(ref)):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_batch_norm_over_one_pixel_trains(backend):
+    """A BatchNorm in training whose input is (N, C, 1, 1), as the last stage of a small-image
+    MobileViT is: a reduction group of shape (N, C, 1, 1) reads the (C,) statistics as row values,
+    which the reduced dims' memory order (codegen/lower_reduction.py) must not take for an element
+    tensor. It crashed lowering ("layout (8,) does not broadcast to (2, 8, 1, 1)")."""
+    device = "cpu" if backend in CPU_BACKENDS else TRITON_DEVICE
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                torch.nn.SiLU()).to(device).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 3, 3, device=device)
+    compiled = fusec.compile(model, backend=backend)
+    loss = (compiled(x) ** 2).mean()
+    loss.backward()
+    ref_loss = (ref(x) ** 2).mean()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads(model), grads(ref)):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    for name in ("running_mean", "running_var"):  # the statistics update as eager's do
+        torch.testing.assert_close(getattr(model[1], name), getattr(ref[1], name))
