@@ -125,6 +125,11 @@ MODELS = {
     **{f"tv_{k}": (lambda scale, k=k: _torchvision_model(k, scale))
        for k in ("resnet50", "vit_b_16", "convnext_tiny", "mobilenet_v3_large", "efficientnet_b0")},
 }
+# `--more-models`: other torchvision architectures, each with ops the five above lack (dense
+# concatenation, grouped convolutions, channel shuffle, squeeze-excite, shifted windows)
+MORE_MODELS = {f"tv_{k}": (lambda scale, k=k: _torchvision_model(k, scale))
+               for k in ("densenet121", "resnext50_32x4d", "shufflenet_v2_x1_0", "regnet_y_1_6gf",
+                         "efficientnet_v2_s", "squeezenet1_1", "mnasnet1_0", "swin_t")}
 
 
 # ---- one row ------------------------------------------------------------------------------------
@@ -293,6 +298,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated name prefixes")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--skip-problems", action="store_true")
+    parser.add_argument("--more-models", action="store_true",
+                        help="also torchvision's densenet121, resnext50_32x4d, shufflenet_v2, "
+                        "regnet_y_1_6gf, efficientnet_v2_s, squeezenet1_1, mnasnet1_0, swin_t")
     parser.add_argument("--no-time", action="store_true", help="check only")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.05, help="seconds per timing per round")
@@ -308,6 +316,7 @@ def main() -> None:
 
     rows_to_run = [] if args.skip_problems else list(problem_rows())
     rows_to_run += [] if args.skip_models else list(MODELS.items())
+    rows_to_run += list(MORE_MODELS.items()) if args.more_models else []
     if args.only:
         rows_to_run = [(n, b) for n, b in rows_to_run if any(n.startswith(o) for o in args.only.split(","))]
     start = time.perf_counter()

@@ -28,8 +28,9 @@ def load(number: str):
     import sys
     sys.path.insert(0, str(sys_path))
     import kernelbench
-    if number in kernelbench.MODELS:
-        return number, kernelbench.MODELS[number]
+    models = {**kernelbench.MODELS, **kernelbench.MORE_MODELS}
+    if number in models:
+        return number, models[number]
     (path,) = sorted((sys_path / "problems").glob(f"{number}_*.py"))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)

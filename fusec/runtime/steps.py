@@ -67,6 +67,29 @@ class KernelStep:
         return f"KernelStep({self.name})"
 
 
+aten = torch.ops.aten
+
+# Note (externs that copy a whole storage). ATen's functional `copy` and the `*_scatter` ops
+# start from a copy of their first argument made by `clone_preserve_strides`. That helper
+# copies the argument's *whole storage*, so that the copy keeps the argument's strides and
+# storage offset. In eager code the argument owns its storage, and that costs nothing extra.
+# In a fusec program an intermediate value is a view of the program's pool, which holds every
+# intermediate buffer. torchvision's Swin builds its attention mask with nine `slice_scatter`s
+# per block, and each one copied the whole 106 MB pool: 135 copies, 7.3 of 11.7 ms a call on an
+# H200. Such an argument is copied alone first (`own_storage`).
+CLONES_WHOLE_STORAGE = frozenset({aten.copy.default, aten.slice_scatter.default,
+                                  aten.select_scatter.default, aten.diagonal_scatter.default,
+                                  aten.as_strided_scatter.default})
+
+
+def own_storage(t):
+    """`t`, or a copy of `t` alone when `t` is a view into a larger storage (see the note on
+    externs that copy a whole storage)."""
+    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
 class ExternStep:
     """An eager ATen call. Its tensor result is put in the layout the schedule planned for it."""
 
@@ -80,6 +103,8 @@ class ExternStep:
             return env[a.slot] if isinstance(a, SlotRef) else a
         args = fx.node.map_aggregate(self.args, fetch)
         kwargs = fx.node.map_aggregate(self.kwargs, fetch)
+        if self.target in CLONES_WHOLE_STORAGE and args:
+            args = (own_storage(args[0]), *args[1:])
         out = self.target(*args, **kwargs)
         env[self.out_slot] = out if self.planned is None else self.settle(out)
 

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 
 from fusec.ir import Layout
-from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef,
-                                 ViewStep, settle)
+from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
+                                 OutputBuffer, SlotRef, ViewStep, own_storage, settle)
 
 # ---- the straight-line runner ------------------------------------------------------------------
 #
@@ -225,6 +225,8 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
     """`s5 = _aten_mm_default(s1, s2)`, its arguments written out."""
     try:
         args = [_argument(w, a) for a in step.args]
+        if step.target in CLONES_WHOLE_STORAGE and args:  # see that note in runtime/steps.py
+            args[0] = f"{w.bind(own_storage, 'own_storage', 'own_storage')}({args[0]})"
         for k, v in step.kwargs.items():
             if not k.isidentifier() or keyword.iskeyword(k):
                 raise _NotWritable(f"keyword {k!r}")
