@@ -2,7 +2,7 @@
 unchanged, compared with eager: one line per model and mode, OK / MISMATCH / ERROR.
 
     python benchmarks/compat.py [--modes eval,batch,train,bf16] [--only swin,bloom] [--no-tf32]
-                                [--json out.json]
+                                [--time] [--batch 2] [--image-size 64] [--json out.json]
 
 The models are transformers models built from tiny configs (random weights, nothing downloaded)
 and, where torchvision imports (its registry wheels need CUDA torch), every torchvision
@@ -16,7 +16,8 @@ classification model at 64 x 64 inputs. The modes:
   eager's error plus 1e-5 (relative, in norm). A case eager itself cannot run is a SKIP;
 * `bf16`: the model and inputs in bfloat16, inference: twice eager's error plus 1e-3.
 
-This is a sweep, not a test: a failure is printed with its first line and the run goes on, so one
+`--time` also times eager and fusec in the eval and bf16 modes and lists the models fusec makes
+slower (with `--batch 32 --image-size 224`, the sizes people run). This is a sweep, not a test: a failure is printed with its first line and the run goes on, so one
 run lists everything that breaks. tests/models/test_hf_models.py keeps a subset as tests.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import traceback
 import torch
 
 import fusec
+from fusec.timing import median_ms
 
 
 def hf_models() -> dict:
@@ -91,10 +93,15 @@ def torchvision_models() -> dict:
     return out
 
 
-def example(kind: str, device: str, batch: int = 2):
+SIZES = {"image": 32, "image64": 64, "big_image": 224}  # --image-size sets image64's
+BATCH = [2]  # --batch
+
+
+def example(kind: str, device: str):
+    batch = BATCH[0]
     if kind == "tokens":
         return (torch.randint(1, 96, (batch, 12), device=device),)
-    size = {"image": 32, "image64": 64, "big_image": 224}[kind]
+    size = SIZES[kind]
     return (torch.randn(batch, 3, size, size, device=device),)
 
 
@@ -201,7 +208,7 @@ def train_check(model, inputs, device) -> tuple[str, str]:
     return "OK", ""
 
 
-def run_one(build, kind, mode, device) -> tuple[str, str]:
+def run_one(build, kind, mode, device, timed: bool = False) -> tuple[str, str]:
     torch.manual_seed(0)
     model = build().to(device)
     inputs = example(kind, device)
@@ -221,6 +228,10 @@ def run_one(build, kind, mode, device) -> tuple[str, str]:
                             float64_reference(model, call), tol)
             if not ok:
                 return "MISMATCH", f"batch {call[0].shape[0]}: {why}"
+        if timed:  # eager against fusec on the first call's inputs (do_bench medians on a GPU)
+            eager_ms = median_ms(model, *inputs, device=device)
+            fusec_ms = median_ms(compiled, *inputs, device=device)
+            return "OK", f"eager {eager_ms:.3f} ms, fusec {fusec_ms:.3f} ms: {eager_ms / fusec_ms:.2f}x"
     return "OK", ""
 
 
@@ -231,8 +242,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-tf32", action="store_true",
                    help="cuDNN and cuBLAS in full float32 (PyTorch's default lets cuDNN use TF32)")
+    p.add_argument("--time", action="store_true",
+                   help="also time eager and fusec (eval and bf16 modes), list what fusec slows")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--image-size", type=int, default=64, help="torchvision's CNNs' input size")
     p.add_argument("--json")
     args = p.parse_args()
+    BATCH[0], SIZES["image64"] = args.batch, args.image_size
     if args.no_tf32:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -244,7 +260,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             start = time.perf_counter()
             try:
-                status, why = run_one(build, kind, mode, args.device)
+                status, why = run_one(build, kind, mode, args.device, args.time)
             except Exception as e:  # noqa: BLE001 - a sweep: report and go on
                 status, why = "ERROR", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 tb = traceback.format_exc().splitlines()
@@ -254,6 +270,10 @@ def main() -> None:
             print(f"{name:28s} {mode:6s} {status:9s} {seconds:6.1f}s {why}", flush=True)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("OK", "MISMATCH", "ERROR", "SKIP")}
     print(f"\n{len(rows)} runs on {args.device}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    slower = [f"{r['model']} {r['mode']} ({r['detail'].split(': ')[-1]})" for r in rows
+              if r["detail"].endswith("x") and float(r["detail"].rsplit(" ", 1)[-1][:-1]) < 1.0]
+    if args.time:
+        print("slower than eager: " + (", ".join(slower) or "none"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=args.device, torch=torch.__version__, rows=rows), f, indent=1)
