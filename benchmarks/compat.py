@@ -14,7 +14,9 @@ classification model at 64 x 64 inputs. The modes:
 * `train`: one forward and backward with gradients on (dropout, layer drop and stochastic depth
   off): the loss and every parameter's gradient no further from a float64 copy's than twice
   eager's error plus 1e-5 (relative, in norm). A case eager itself cannot run is a SKIP;
-* `bf16`: the model and inputs in bfloat16, inference: twice eager's error plus 1e-3.
+* `bf16`: the model and inputs in bfloat16, inference: twice eager's error plus 1e-3;
+* `dynamo`: as `eval`, through `torch.compile(model, backend="fusec")` (Dynamo's graphs, with
+  its graph breaks, each compiled by fusec).
 
 `--time` also times eager and fusec in the eval and bf16 modes and lists the models fusec makes
 slower (with `--batch 32 --image-size 224`, the sizes people run). This is a sweep, not a test: a failure is printed with its first line and the run goes on, so one
@@ -220,7 +222,9 @@ def run_one(build, kind, mode, device, timed: bool = False) -> tuple[str, str]:
         model = model.to(torch.bfloat16)
         inputs = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs)
         tol = 1e-3
-    compiled = fusec.compile(model)
+    if mode == "dynamo":
+        torch._dynamo.reset()  # its recompile limit counts shared code (transformers' wrappers)
+    compiled = torch.compile(model, backend="fusec") if mode == "dynamo" else fusec.compile(model)
     calls = [inputs] + ([tuple(t[:1] for t in inputs)] if mode == "batch" else [])
     with torch.no_grad():
         for call in calls:

@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fusec.capture import outputs
-from fusec.errors import DeviceError, UnsupportedError
+from fusec.errors import DeviceError, GraphBreakError
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,18 @@ def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.
 
 
 def _check_arguments(leaves: list, names: list[str]) -> None:
-    """Refuse arguments that hide tensors in objects pytree cannot open (a `DynamicCache` passed
-    back in): their tensors would be baked into the graph as constants, and whatever the program
-    does to the object (a cache appends this step's keys) would happen to the traced copy only."""
+    """Refuse, as one graph, arguments that hide tensors in objects pytree cannot open (a
+    `DynamicCache` passed back in, as `model.generate` does on every step): their tensors would be
+    baked into the graph as constants, and whatever the program does to the object (a cache
+    appends this step's keys) would happen to the traced copy only. It is a graph break: with
+    fullgraph=False the program is compiled in regions through TorchDynamo, which opens such
+    objects, tracks what the program does to them and does it to the caller's object."""
     for leaf, name in zip(leaves, names):
         if not isinstance(leaf, torch.Tensor) and outputs.holds_tensors(leaf):
-            raise UnsupportedError(
-                f"fusec: argument {name!r} is a {type(leaf).__name__} holding tensors; fusec takes "
-                "tensors in tuples, lists, dicts and pytree-registered types as arguments. Pass its "
-                "tensors directly, or register the type with torch.utils._pytree")
+            kind = type(leaf).__name__
+            raise GraphBreakError(
+                f"fusec: argument {name!r} is a {kind} holding tensors; one captured graph takes "
+                "tensors in tuples, lists, dicts and pytree-registered types as arguments. Pass "
+                "its tensors directly, or register the type with torch.utils._pytree",
+                reason=f"argument {name!r} is a {kind} holding tensors, which one graph cannot "
+                "take")

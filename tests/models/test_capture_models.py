@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import fusec
 from conftest import TRITON_DEVICE
 from fusec import frontend
-from fusec.errors import DeviceError, UnsupportedError
+from fusec.errors import DeviceError, GraphBreakError
 from fusec.ir import TensorMeta, ValueMeta
 from fusec.record import record_of
 
@@ -129,14 +129,32 @@ def test_outputs_of_any_structure_come_back_as_eager_returns_them():
     assert again["cache"].layers[0].keys is not got["cache"].layers[0].keys
 
 
-def test_an_argument_hiding_tensors_in_an_unknown_object_is_refused():
-    cache = Cache()
-    cache.update(torch.ones(2), torch.ones(2))
-
+def test_an_argument_hiding_tensors_in_an_unknown_object_is_a_graph_break():
+    """One graph cannot take a Cache's tensors as inputs (they would be baked in, and what the
+    program does to the Cache would happen to the traced copy only). With fullgraph=True that is
+    an error naming the argument; by default the program runs in regions through Dynamo, which
+    opens the object and does to the caller's Cache what eager does."""
     def f(x, cache):
-        return x + cache.layers[0].keys
-    with pytest.raises(UnsupportedError, match="argument 'cache' is a Cache holding tensors"):
-        fusec.compile(f, backend="cpp")(torch.ones(2), cache)
+        cache.update(x * 2, x + 1)  # appends this step's keys and values to the caller's cache
+        return x + cache.layers[0].keys.sum()
+
+    def fresh():
+        cache = Cache()
+        cache.update(torch.ones(2), torch.ones(2))
+        return cache
+
+    with pytest.raises(GraphBreakError, match="argument 'cache' is a Cache holding tensors"):
+        fusec.compile(f, backend="cpp", fullgraph=True)(torch.ones(2), fresh())
+    x = torch.arange(2.0)
+    want_cache, got_cache = fresh(), fresh()
+    want = f(x, want_cache)
+    with pytest.warns(UserWarning, match="cannot be one graph: argument .cache. is a Cache"):
+        got = fusec.compile(f, backend="cpp")(x, got_cache)
+    torch.testing.assert_close(got, want)
+    assert len(got_cache.layers) == len(want_cache.layers) == 2
+    for g, w in zip(got_cache.layers, want_cache.layers):
+        torch.testing.assert_close(g.keys, w.keys)
+        torch.testing.assert_close(g.values, w.values)
 
 
 # ---- buffers updated in place ----------------------------------------------------------------
