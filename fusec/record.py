@@ -143,6 +143,17 @@ class Reinplaced(NamedTuple):
 
 
 @dataclass
+class Folded:
+    """A value computed once while compiling (passes/fold_constants.py): the node it replaced,
+    the graph attribute that holds it now, its shape and dtype."""
+
+    node: str
+    attr: str
+    shape: tuple
+    dtype: str
+
+
+@dataclass
 class PassRecord:
     """What the passes decided about one graph, one field per pass that decides something.
 
@@ -150,6 +161,7 @@ class PassRecord:
     passes run (fuse_reductions plans reductions differently for backends that walk rows)."""
 
     backend: str | None = None
+    fold_constants: list[Folded] = field(default_factory=list)
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)
     reinplace: list[Reinplaced] = field(default_factory=list)

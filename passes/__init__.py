@@ -1,7 +1,7 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise,
-                fuse_reductions, schedule]
+    PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout,
+                fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
@@ -18,6 +18,7 @@ from fusec.graphmodule import copy_graph_module
 
 from .cse import cse
 from .dce import dce
+from .fold_constants import fold_constants
 from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
 from .layout import layout
@@ -27,8 +28,8 @@ from .schedule import schedule
 from .small_matmul import small_matmul
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout, fuse_pointwise,
-            fuse_reductions, schedule]
+PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout,
+            fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

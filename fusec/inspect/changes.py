@@ -53,6 +53,11 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                     if info.get("kind") == "reduction":
                         why = f"a reduction with its prologue/epilogue ops over {shape}"
                     details.append(f"{k}: {', '.join(members)}  ({why})")
+            if snap.after == "fold_constants" and record.fold_constants:
+                done = record.fold_constants
+                parts.append(f"computed {len(done)} constant value(s) once")
+                details += [f"{f.node} -> {f.attr}: {f.dtype}{list(f.shape)}, computed while "
+                            "compiling (it depends on no input)" for f in done]
             if snap.after == "reinplace" and record.reinplace:
                 decisions = record.reinplace
                 if any(d.in_place for d in decisions):

@@ -1,0 +1,124 @@
+"""Constant folding: compute once, while compiling, what depends on no input of the program.
+
+A traced program often computes values from nothing but constants: a mask built from the
+shapes, a table of positions. Eager recomputes them on every call, and so would the compiled
+program. torchvision's Swin Transformer builds its shifted-window attention mask in every block.
+It takes a zero tensor and nine slice assignments, each filling a window with a number. After
+functionalization those are `full`, `slice`, `copy` and `slice_scatter` ops, each one an extern
+call on a tiny tensor. That is some sixty eager ATen calls per image batch, all giving the same
+answer every time:
+
+    before                                       after
+    full = aten.full([56, 56], 0.0)              _folded_mask = <a tensor computed once>
+    c0 = lift_fresh_copy(_tensor_constant0)      ...
+    ss = slice_scatter(full, copy(...), 0, 0, 49)
+    ...                                          add = add(attn, _folded_mask)
+    mask = masked_fill(sub(...), ne(...), -100)
+    add = add(attn, mask)
+
+The pass walks the graph in order and knows which values are constant. A `get_attr` tensor (a
+tensor the program reached by itself, baked in by capture) is constant. So is any node whose
+inputs are all constant, unless it is impure, random, or uninitialized memory (`empty`). Those
+nodes are run on real tensors, on the program's device, with the same ATen ops eager would run:
+the folded values are eager's, bit for bit. Where a constant value meets the rest of the program,
+it becomes a `get_attr` of the computed tensor, laid out with the strides the graph recorded.
+The nodes that computed it are left to `dce`.
+
+Parameters and buffers are *not* constants: they are the program's inputs (lifted by capture),
+and an optimizer or the user may change them between calls. A value that is a program output is
+not folded either: each call must return a tensor of its own. Large values (over MAX_ELEMENTS)
+stay computed per call: folding them would trade their compute for memory kept for the program's
+life. `explain` lists what was folded, from `record_of(gm).fold_constants`.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fusec.record import Folded, record_of
+
+MAX_ELEMENTS = 1 << 20  # at most 4 MB of float32 kept per folded value
+
+# Uninitialized memory: its values are whatever the allocator hands out, not a constant.
+UNINITIALIZED = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                 torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                 torch.ops.aten.new_empty_strided.default}
+
+
+def foldable(node: fx.Node) -> bool:
+    """An op that gives the same value every time it runs on the same inputs."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target in UNINITIALIZED:
+        return False
+    if torch.Tag.nondeterministic_seeded in node.target.tags:  # rand, dropout, ...
+        return False
+    return not node.is_impure()
+
+
+def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
+    values: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = _attribute(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                values[node] = value
+            continue
+        if not foldable(node) or not all(a in values for a in node.all_input_nodes):
+            continue
+        if not node.all_input_nodes and not _creates_tensor(node):
+            continue
+        try:
+            args = fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+            with torch.no_grad():
+                values[node] = node.target(*args, **kwargs)
+        except Exception:  # an op that cannot run here: it stays in the program
+            continue
+
+    folded = []
+    for node, value in list(values.items()):
+        if node.op == "get_attr" or not isinstance(value, torch.Tensor):
+            continue
+        users = list(node.users)
+        if all(u in values for u in users) or any(u.op == "output" for u in users):
+            continue  # used only by other constants, or returned to the caller
+        meta = node.meta.get("fusec")
+        if value.numel() > MAX_ELEMENTS or meta is None or tuple(meta.shape) != tuple(value.shape):
+            continue
+        kept = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=value.dtype,
+                                   device=value.device).copy_(value)
+        name = _free_name(gm, f"_folded_{node.name}")
+        gm.register_buffer(name, kept, persistent=False)  # a graph constant, as fx expects one
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        folded.append(Folded(node.name, name, tuple(value.shape), str(value.dtype).replace("torch.", "")))
+    record_of(gm).fold_constants = folded
+    gm.recompile()  # the nodes that computed the folded values are dead now: dce removes them
+    return gm
+
+
+def _creates_tensor(node: fx.Node) -> bool:
+    """A node without inputs worth folding: a factory (full, arange, scalar_tensor ...)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor)
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _free_name(gm: fx.GraphModule, base: str) -> str:
+    name, n = base, 1
+    while hasattr(gm, name):
+        name, n = f"{base}_{n}", n + 1
+    return name
