@@ -24,6 +24,9 @@ the folded values are eager's, bit for bit. Where a constant value meets the res
 it becomes a `get_attr` of the computed tensor, laid out with the strides the graph recorded.
 The nodes that computed it are left to `dce`.
 
+Only constants that cost an eager ATen call are folded. `full(...) > 0` inside a fused kernel is
+computed from each element's index for free, while a folded tensor would be read from memory.
+
 Parameters and buffers are *not* constants: they are the program's inputs (lifted by capture),
 and an optimizer or the user may change them between calls. A value that is a program output is
 not folded either: each call must return a tensor of its own. Large values (over MAX_ELEMENTS)
@@ -37,6 +40,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fusec import ops
 from fusec.record import Folded, record_of
 
 MAX_ELEMENTS = 1 << 20  # at most 4 MB of float32 kept per folded value
@@ -90,6 +94,10 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         meta = node.meta.get("fusec")
         if value.numel() > MAX_ELEMENTS or meta is None or tuple(meta.shape) != tuple(value.shape):
             continue
+        if any(st == 0 and n > 1 for st, n in zip(meta.stride, meta.shape)):
+            continue  # an expanded view (a broadcast): its producer is the value to keep
+        if not _removes_an_extern(node, values):
+            continue
         kept = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=value.dtype,
                                    device=value.device).copy_(value)
         name = _free_name(gm, f"_folded_{node.name}")
@@ -102,6 +110,23 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     record_of(gm).fold_constants = folded
     gm.recompile()  # the nodes that computed the folded values are dead now: dce removes them
     return gm
+
+
+def _removes_an_extern(node: fx.Node, values: dict) -> bool:
+    """Whether computing `node` per call takes an eager ATen call (arange, slice_scatter, copy ...).
+    A constant made only of ops that fuse (`full`, comparisons, `where`) costs nothing inside a
+    kernel, which computes it from the element's index, while a folded tensor would have to be
+    read from memory: those stay."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target is not operator.getitem and ops.classify(n.target) == ops.EXTERN:
+            return True
+        todo += [a for a in n.all_input_nodes if a in values]
+    return False
 
 
 def _creates_tensor(node: fx.Node) -> bool:

@@ -64,4 +64,11 @@ def test_spell_makes_the_value_again():
     scope = {"torch": torch, "Layout": Layout}
     for v in values:
         assert eval(spell(v), scope) == v, v
-    assert spell(torch.ones(2)) is None
+    # small constant tensors are written out exactly (values, dtype, strides); others are not
+    for t in [torch.ones(2), torch.randn(3, 4).t().to(torch.bfloat16), torch.arange(6) > 2,
+              torch.randn(2, 3, dtype=torch.float16)]:
+        again = eval(spell(t), scope)
+        assert again.dtype == t.dtype and again.stride() == t.stride() and torch.equal(again, t)
+    assert spell(torch.ones(5000)) is None  # past SPELLED_TENSOR_ELEMENTS
+    assert spell(torch.tensor([1.0, float("nan")])) is None
+    assert spell(torch.ones(3).expand(2, 3)) is None

@@ -333,11 +333,17 @@ def _settle(w: _Writer) -> str:
 
 # ---- the program as shown ------------------------------------------------------------------------
 
+SPELLED_TENSOR_ELEMENTS = 4096  # constant tensors up to this size are written out in full
+
+
 def spell(value: Any) -> str | None:
-    """`value` as a Python expression that makes it again, or None if there is none (a tensor
-    made while compiling, a step object): a literal, a dtype, a device, an ATen op, a Layout."""
+    """`value` as a Python expression that makes it again, or None if there is none (a large
+    tensor made while compiling, a step object): a literal, a dtype, a device, an ATen op, a
+    Layout, a small constant tensor (its values written out)."""
     if type(value) in (int, bool, str) or value is None:
         return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _spell_tensor(value)
     if type(value) is float:
         return repr(value) if math.isfinite(value) else f"float({str(value)!r})"
     if isinstance(value, (torch.dtype, torch.memory_format, torch.layout)):
@@ -358,6 +364,23 @@ def spell(value: Any) -> str | None:
     return None
 
 
+def _spell_tensor(t: torch.Tensor) -> str | None:
+    """A small dense tensor as `empty_strided(...).copy_(torch.tensor([...]))`: its exact values
+    (a float32, bf16 or fp16 number's repr reads back as the same number), shape, strides,
+    dtype and device."""
+    if t.numel() > SPELLED_TENSOR_ELEMENTS or t.is_complex() or any(
+            st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return None
+    flat = t.detach().cpu().reshape(-1)
+    values = (flat.double() if t.is_floating_point() else flat).tolist()
+    if t.is_floating_point() and not all(math.isfinite(v) for v in values):
+        return None
+    dtype = str(t.dtype)
+    return (f"torch.empty_strided({tuple(t.shape)}, {tuple(t.stride())}, dtype={dtype}, "
+            f"device={str(t.device)!r}).copy_(torch.tensor({values}, dtype={dtype})"
+            f".view({tuple(t.shape)}))")
+
+
 def _short(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor of shape {tuple(value.shape)}, {value.dtype}"
@@ -368,8 +391,9 @@ def _short(value: Any) -> str:
 def python_wrapper(program: "Program") -> str:
     """The program as runnable Python, like torch.compile's output code: what each global of
     `program.run` is, the text `run` was compiled from, and `call(*inputs)` calling it. Exec it
-    and call `call`. (A constant tensor of the graph or a step written as an object is shown as
-    `...` with what it is: those exist only in the compiled program.)"""
+    and call `call`. (A constant tensor of the graph larger than SPELLED_TENSOR_ELEMENTS, or a
+    step written as an object, is shown as `...` with what it is: those exist only in the
+    compiled program.)"""
     run = program.prepare()
     names = getattr(program, "slot_names", None) or [f"s{i}" for i in range(program.n_slots)]
     inputs = ", ".join(names[s] for s in program.input_slots)
