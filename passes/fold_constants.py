@@ -5,8 +5,8 @@ shapes, a table of positions. Eager recomputes them on every call, and so would 
 program. torchvision's Swin Transformer builds its shifted-window attention mask in every block.
 It takes a zero tensor and nine slice assignments, each filling a window with a number. After
 functionalization those are `full`, `slice`, `copy` and `slice_scatter` ops, each one an extern
-call on a tiny tensor. That is some sixty eager ATen calls per image batch, all giving the same
-answer every time:
+call on a tiny tensor: dozens of eager ATen calls per forward, all giving the same answer every
+time:
 
     before                                       after
     full = aten.full([56, 56], 0.0)              _folded_mask = <a tensor computed once>
