@@ -19,8 +19,9 @@ classification model at 64 x 64 inputs. The modes:
   its graph breaks, each compiled by fusec).
 
 `--time` also times eager and fusec in the eval and bf16 modes and lists the models fusec makes
-slower (with `--batch 32 --image-size 224`, the sizes people run). A case that eager itself cannot run (in any mode) is a SKIP. This is a sweep, not a test: a failure is printed with its first line and the run goes on, so one
-run lists everything that breaks. tests/models/test_hf_models.py keeps a subset as tests.
+slower (with `--batch 32 --image-size 224`, the sizes people run). A case that eager itself
+cannot run (in any mode) is a SKIP. This is a sweep, not a test: a failure is printed with its
+first line and the run goes on, so one run lists everything that breaks. tests/models/test_hf_models.py keeps a subset as tests.
 """
 from __future__ import annotations
 

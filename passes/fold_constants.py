@@ -106,7 +106,8 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             attr = gm.graph.get_attr(name)
         attr.meta.update(node.meta)
         node.replace_all_uses_with(attr)
-        folded.append(Folded(node.name, name, tuple(value.shape), str(value.dtype).replace("torch.", "")))
+        dtype = str(value.dtype).replace("torch.", "")
+        folded.append(Folded(node.name, name, tuple(value.shape), dtype))
     record_of(gm).fold_constants = folded
     gm.recompile()  # the nodes that computed the folded values are dead now: dce removes them
     return gm

@@ -365,20 +365,16 @@ def spell(value: Any) -> str | None:
 
 
 def _spell_tensor(t: torch.Tensor) -> str | None:
-    """A small dense tensor as `empty_strided(...).copy_(torch.tensor([...]))`: its exact values
-    (a float32, bf16 or fp16 number's repr reads back as the same number), shape, strides,
-    dtype and device."""
-    if t.numel() > SPELLED_TENSOR_ELEMENTS or t.is_complex() or any(
-            st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    """A small dense tensor: exact values (a float's repr reads back the same), strides, dtype."""
+    if t.numel() > SPELLED_TENSOR_ELEMENTS or t.is_complex() or 0 in t.stride():
         return None
     flat = t.detach().cpu().reshape(-1)
     values = (flat.double() if t.is_floating_point() else flat).tolist()
-    if t.is_floating_point() and not all(math.isfinite(v) for v in values):
+    if not all(math.isfinite(v) for v in values):
         return None
-    dtype = str(t.dtype)
-    return (f"torch.empty_strided({tuple(t.shape)}, {tuple(t.stride())}, dtype={dtype}, "
-            f"device={str(t.device)!r}).copy_(torch.tensor({values}, dtype={dtype})"
-            f".view({tuple(t.shape)}))")
+    shape = tuple(t.shape)
+    return (f"torch.empty_strided({shape}, {tuple(t.stride())}, dtype={t.dtype}, device="
+            f"{str(t.device)!r}).copy_(torch.tensor({values}, dtype={t.dtype}).view({shape}))")
 
 
 def _short(value: Any) -> str:
