@@ -18,6 +18,8 @@ one value with correction 1 is NaN in eager and must be NaN here too.
 
 Every op has a row in the op table, so nothing may run as an extern ATen call.
 """
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -181,7 +183,10 @@ def _check(backend, device, program):
         raise
 
 
-SETTINGS = settings(max_examples=20, deadline=None,
+# The same examples on every run (derandomize), so that a red test is a change's doing and not
+# the draw's. To explore new programs, run with FUSEC_EXPLORE=1: random draws, and hypothesis
+# keeps any failure it finds in .hypothesis/ and replays it first next time.
+SETTINGS = settings(max_examples=20, deadline=None, derandomize=not os.environ.get("FUSEC_EXPLORE"),
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -196,3 +201,17 @@ def test_random_reduction_program_cpu(backend, data):
 @given(data=st.data())
 def test_random_reduction_program_triton(data):
     _check("triton", TRITON_DEVICE, data.draw(programs()))
+
+
+# Found by hypothesis (a random draw, 2026-11-25), and not fixed yet: a sum of 125 elements read
+# through a gathered index, then `(x - sum) / (|sum| + 1)` squared. fusec's C++ kernel adds the
+# 125 values one after another in float32; eager's sum adds them pairwise (cascade summation), so
+# fusec's sum is about 10x further from float64 (2e-5 against 3e-6), and the subtraction carries
+# that into the output. Making long sums pairwise in the CPU kernels would fix it.
+KNOWN_GAP = (torch.float32, [((5, 5, 5, 5), "contiguous")], [("binary", "add", (0, 0))], "sum",
+             (0, 1, 3), True, ("centered_scaled", False), None, "square", False)
+
+
+@pytest.mark.xfail(strict=True, reason="float32 sum in sequence, not pairwise: 10x eager's error")
+def test_long_sum_before_a_cancellation_is_as_accurate_as_eager():
+    _check("cpp", "cpu", KNOWN_GAP)
