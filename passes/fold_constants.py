@@ -16,9 +16,12 @@ time:
     mask = masked_fill(sub(...), ne(...), -100)
     add = add(attn, mask)
 
-The pass walks the graph in order and knows which values are constant. A `get_attr` tensor (a
-tensor the program reached by itself, baked in by capture) is constant. So is any node whose
-inputs are all constant, unless it is impure, random, or uninitialized memory (`empty`). Those
+The pass walks the graph in order and knows which values are constant. A factory (`full`,
+`arange`) is constant, and so is a tensor literal made inside the program (`torch.tensor(3.0)`,
+traced as `lift_fresh_copy` of a graph attribute). So is any node whose inputs are all constant,
+unless it is impure, random, or uninitialized memory (`empty`). A bare graph attribute is *not*:
+it is a tensor the program reached by itself (a closure's), which the program reads at every
+call, so the caller may change it in place between calls and the program must see that. Those
 nodes are run on real tensors, on the program's device, with the same ATen ops eager would run:
 the folded values are eager's, bit for bit. Where a constant value meets the rest of the program,
 it becomes a `get_attr` of the computed tensor, laid out with the strides the graph recorded.
@@ -68,15 +71,17 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     values: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
-            if isinstance(value, torch.Tensor):
-                values[node] = value
-            continue
-        if not foldable(node) or not all(a in values for a in node.all_input_nodes):
+            continue  # a tensor the program reaches (a closure's): the caller may change it
+        literal = node.target is torch.ops.aten.lift_fresh_copy.default \
+            and node.args[0].op == "get_attr"  # `torch.tensor(3.0)` made inside the program
+        if not foldable(node) or not (literal or all(a in values for a in node.all_input_nodes)):
             continue
         if not node.all_input_nodes and not _creates_tensor(node):
             continue
         try:
+            if literal:
+                values[node] = _attribute(gm, node.args[0].target).clone()
+                continue
             args = fx.node.map_arg(node.args, values.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
             with torch.no_grad():

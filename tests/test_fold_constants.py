@@ -107,3 +107,19 @@ def test_folded_values_keep_their_dtype_and_strides(target):
     assert len(done) == 1 and done[0].dtype == "bfloat16"
     value = getattr(gm, done[0].attr)
     assert value.dtype == torch.bfloat16 and value.shape == (4, 3)
+
+
+def test_a_closure_tensor_changed_in_place_is_seen():
+    """A tensor the program reaches by itself is read on every call, so whatever is computed from
+    it is not folded: changed in place between calls, the result follows, as eager's does."""
+    mask = torch.zeros(4)
+
+    def f(x):
+        return x + torch.cumsum(mask, 0)  # cumsum is an extern: it would be folded if constant
+
+    compiled = fusec.compile(f, backend="cpp")
+    x = torch.zeros(4)
+    torch.testing.assert_close(compiled(x), f(x))
+    mask[0] = 1.0
+    torch.testing.assert_close(compiled(x), f(x))
+    assert folded(f, x)[0] == []
