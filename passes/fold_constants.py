@@ -78,6 +78,9 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if not node.all_input_nodes and not _creates_tensor(node):
             continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.numel() > MAX_ELEMENTS:
+            continue  # not computed while compiling at all: it could not be kept anyway
         try:
             if literal:
                 values[node] = _attribute(gm, node.args[0].target).clone()
