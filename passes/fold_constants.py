@@ -94,7 +94,7 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
 
     folded = []
     for node, value in list(values.items()):
-        if node.op == "get_attr" or not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
             continue
         users = list(node.users)
         if all(u in values for u in users) or any(u.op == "output" for u in users):

@@ -18,12 +18,9 @@ def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
-def test_gradients_match_eager(backend):
-    device = "cpu" if backend in CPU_BACKENDS else TRITON_DEVICE
-    model = mlp().to(device)
-    ref = copy.deepcopy(model)
-    x = torch.randn(8, 16, device=device)
+def train_step_matches(model, ref, x, backend):
+    """One step of mean(out ** 2) through fusec on `model` and eagerly on its copy `ref`: the
+    same loss and gradients. Returns the compiled model."""
     compiled = fusec.compile(model, backend=backend)
     loss = (compiled(x) ** 2).mean()
     loss.backward()
@@ -32,6 +29,16 @@ def test_gradients_match_eager(backend):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads(model), grads(ref)):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    return compiled
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_gradients_match_eager(backend):
+    device = "cpu" if backend in CPU_BACKENDS else TRITON_DEVICE
+    model = mlp().to(device)
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 16, device=device)
+    compiled = train_step_matches(model, ref, x, backend)
     names = [k.name for k in compiled.kernels]
     assert any("sum" in n for n in names), names  # the backward has reductions (bias grads)
 
@@ -78,13 +85,6 @@ def test_batch_norm_over_one_pixel_trains(backend):
                                 torch.nn.SiLU()).to(device).train()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 3, 3, 3, device=device)
-    compiled = fusec.compile(model, backend=backend)
-    loss = (compiled(x) ** 2).mean()
-    loss.backward()
-    ref_loss = (ref(x) ** 2).mean()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for g, r in zip(grads(model), grads(ref)):
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    train_step_matches(model, ref, x, backend)
     for name in ("running_mean", "running_var"):  # the statistics update as eager's do
         torch.testing.assert_close(getattr(model[1], name), getattr(ref[1], name))
