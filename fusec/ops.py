@@ -436,7 +436,7 @@ def is_view(target) -> bool:
 def normalize(node) -> tuple[Op, list[Any]] | None:
     """The table row and operand list for an fx node, or None if it cannot be a kernel."""
     fn = ATEN.get(node.target)
-    if fn is None:
+    if fn is None or not kernel_dtypes(node):
         return None
     result = fn(tuple(node.args), dict(node.kwargs))
     if result is None:
@@ -454,6 +454,15 @@ SUPPORTED_DTYPES = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
 )
+
+
+def kernel_dtypes(node) -> bool:
+    """True when every tensor the node reads and makes has a dtype kernels compute in (complex
+    values, float8 and the unsigned 16-64 bit types run as eager's ops). Nodes without metadata
+    (a graph not annotated yet) are not refused here."""
+    metas = [node.meta.get("fusec")] + [a.meta.get("fusec") for a in node.all_input_nodes]
+    return all(m.dtype in SUPPORTED_DTYPES for m in metas
+               if m is not None and hasattr(m, "dtype") and isinstance(m.dtype, torch.dtype))
 
 
 def register_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -565,4 +574,4 @@ ATEN_REDUCTIONS: dict[Any, Callable] = {
 def reduction(node) -> ReductionCall | None:
     """The reduction a node performs in normal form, or None if it is not a reduction."""
     fn = ATEN_REDUCTIONS.get(node.target) if node.op == "call_function" else None
-    return fn(node) if fn is not None else None
+    return fn(node) if fn is not None and kernel_dtypes(node) else None

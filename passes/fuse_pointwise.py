@@ -111,7 +111,8 @@ def _not_pointwise(producer: fx.Node, kind: str) -> str:
     if kind == ops.REDUCTION:
         return f"producer is a reduction ({producer.target}); fuse_reductions decides"
     if kind == ops.POINTWISE:
-        return "producer cannot be a kernel here (device change or unsupported arguments)"
+        return ("producer cannot be a kernel here (device change, unsupported arguments, or a "
+                "dtype kernels do not compute in, such as complex)")
     return f"producer is an extern op ({producer.target}) that runs as an ATen call"
 
 

@@ -59,6 +59,8 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 and ops.classify(node.target) == ops.VIEW:
             base = node.args[0]
             view = _run_fake(mode, node, fake_of)
+            if view is not None and _reinterprets(view, fake_of.get(base)):
+                view = None  # (view_as_complex, view(dtype), conj): eager's op, on the real tensor
             if view is None:  # cannot replay on our layout: copy like reshape would
                 if node.target is torch.ops.aten.view.default:
                     node.target = torch.ops.aten.reshape.default
@@ -145,6 +147,17 @@ def _new_root(node: fx.Node, mode, fake_of) -> None:
     m = node.meta["fusec"]
     fake_of[node] = _root(mode, m, m.stride)
     node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
+
+
+def _reinterprets(view, base) -> bool:
+    """True for a view that is more than a layout over its base's elements: another dtype
+    (`view_as_complex`, `x.view(torch.int32)`: a Layout counts elements of the root's dtype) or a
+    lazy conjugate or negation bit. Such a view runs as eager's op, an extern step, on the real
+    tensor; its result still aliases the base (passes/memory.py keeps the base out of the pool)."""
+    if not isinstance(view, torch.Tensor) or not isinstance(base, torch.Tensor):
+        return False
+    return view.dtype != base.dtype or view.is_conj() != base.is_conj() or \
+        view.is_neg() != base.is_neg()
 
 
 def _run_fake(mode, node: fx.Node, fake_of):

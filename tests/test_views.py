@@ -201,3 +201,40 @@ def test_large_views(target, case):
     fn, shapes = LARGE[case]
     args = [torch.randn(s, device=device) for s in shapes]
     assert_matches(fn, *args, backend=backend, kernels=1)
+
+
+# ---- views that are more than a layout (found by benchmarks/opinfo_sweep.py) ----------------------
+
+REINTERPRETING = {
+    # a Layout counts elements of its root's dtype: these ran as an as_strided of the float
+    # buffer and returned float32 where eager returns complex64 (or garbage element sizes)
+    "view_as_complex": lambda x: torch.view_as_complex(x),
+    "view_as_complex of a kernel": lambda x: torch.view_as_complex(x * 2) * 3,
+    "view_as_real round trip": lambda x: torch.view_as_real(torch.view_as_complex(x * 2)) + 1,
+    "view as int32 then bits": lambda x: (torch.abs(x).view(torch.int32) >> 23) + 1,
+    "view as uint8 of a kernel": lambda x: x.abs().view(torch.uint8).float().sum(dim=-1),
+    "conj of complex": lambda x: torch.view_as_complex(x * 2).conj() * 1j,
+}
+
+
+@pytest.mark.parametrize("case", list(REINTERPRETING))
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_views_that_change_the_dtype_run_as_eager(backend, case):
+    fn = REINTERPRETING[case]
+    x = torch.randn(6, 4, 2)
+    got = fusec.compile(fn, backend=backend)(x)
+    want = fn(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_padding_written_into_slices_of_a_temporary(target, mode):
+    """Circular padding decomposes into an `empty` and three `copy_`s into slices of it, below
+    functionalization: the copies were taken for dead out-of-place ops and the program returned
+    the uninitialized `empty`. Such graphs are traced once more through functionalization."""
+    backend, device = target
+    f = lambda x: torch.nn.functional.pad(torch.sin(x), (1, 2, 2, 1), mode=mode) * 2  # noqa: E731
+    assert_matches(f, torch.randn(2, 3, 5, 6, device=device), backend=backend)
+    g = lambda x: torch.nn.functional.pad(x, (1, 2), mode=mode)  # noqa: E731
+    assert_matches(g, torch.randn(1, 3, 3, device=device), backend=backend)

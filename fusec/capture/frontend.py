@@ -52,6 +52,7 @@ from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.errors import GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
+from fusec.ops import is_view
 
 
 @dataclass
@@ -161,6 +162,10 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
+            _out_of_place(gm)
+            if _mutated_temporaries(gm):  # (see _out_of_place): functionalize the graph itself
+                gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
+                             record_stack_traces=stack_traces)(*fakes)
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
@@ -174,7 +179,6 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             "effect (register them as buffers and update them in place, or return them)",
             reason="assigns tensors to module attributes that are neither parameters nor buffers")
 
-    _out_of_place(gm)
     user_names = [names[i] for i in tensor_pos]
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
@@ -246,7 +250,9 @@ def _anchor(fn: Callable) -> Callable:
 def _out_of_place(gm: fx.GraphModule) -> None:
     """Functionalization runs above torch's decompositions, so a decomposition that updates its
     own temporary in place (rms_norm's `add_(eps)`) survives it. When nothing else reads the
-    temporary, the in-place op is its out-of-place twin (`add`), which fusion understands."""
+    temporary, and it is no view of another tensor, the in-place op is its out-of-place twin
+    (`add`), which fusion understands. A decomposition that writes into views of its temporary
+    (circular padding: `copy_` into three slices of an `empty`) is left for `_mutated_temporaries`."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -254,13 +260,29 @@ def _out_of_place(gm: fx.GraphModule) -> None:
         name = target.overloadpacket.__name__
         base = node.args[0] if node.args else None
         if not name.endswith("_") or name.startswith("_") or not isinstance(base, fx.Node) \
-                or base.op in ("placeholder", "get_attr") or len(base.users) != 1:
+                or base.op in ("placeholder", "get_attr") or len(base.users) != 1 \
+                or (isinstance(base.target, torch._ops.OpOverload) and is_view(base.target)):
             continue
         packet = getattr(torch.ops.aten, name[:-1], None)
         twin = getattr(packet, target._overloadname, None) if packet is not None else None
         if twin is not None:
             node.target = twin
     gm.recompile()
+
+
+def _mutated_temporaries(gm: fx.GraphModule) -> bool:
+    """True when an op still writes in place into a value the graph computed (not into an
+    input: functionalization ends the graph with those `copy_`s on purpose). Tracing the graph
+    once more through functionalization turns such writes into `slice_scatter` and friends."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and target._schema.is_mutable:
+            written = [a for a, spec in zip(node.args, target._schema.arguments)
+                       if spec.alias_info is not None and spec.alias_info.is_write]
+            if any(isinstance(a, fx.Node) and a.op != "placeholder" for a in written):
+                return True
+    return False
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:

@@ -53,7 +53,9 @@ def _capture_error(err: BaseException) -> UnsupportedError:
     line = f"{frame.filename}:{frame.lineno}" if frame else ""
     name = type(err).__name__
     text = str(err).strip().splitlines()[0] if str(err).strip() else name
-    if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name:
+    if "DataDependent" in name or "data-dependent" in text.lower() or "GuardOnDataDependent" in name \
+            or "data is not allocated yet" in text:  # (an op reading its tensor argument's values:
+        # tensor_split's indices, repeat_interleave's repeats, tensor sizes passed as tensors)
         return GraphBreakError(
             f"fusec: Python control flow or a Python value that depends on tensor data{where}. "
             "fusec captures one static graph per input signature, so `if tensor:`, `.item()`, "
