@@ -200,7 +200,9 @@ def test_output_structures_and_constants(target, monkeypatch):
                 lambda x: (torch.sin(x),),
                 lambda x: [torch.sin(x), x * 2],
                 lambda x: {"s": torch.sin(x), "n": None},
-                lambda x: (torch.sin(x), None, 2.5, x)]
+                lambda x: (torch.sin(x), None, 2.5, x),
+                lambda x: x.shape,  # a torch.Size, not a tuple (benchmarks/opinfo_sweep.py)
+                lambda x: (torch.sin(x), [x.size()], torch.broadcast_shapes(x.shape, (3, 1)))]
     for fn in programs:
         cf = compiled(fn, backend)
         cf(x)
@@ -208,14 +210,15 @@ def test_output_structures_and_constants(target, monkeypatch):
             forbid_general_path(cf, m)
             got, want = cf(x), fn(x)
         assert type(got) is type(want)
-        got_leaves = torch.utils._pytree.tree_leaves(got)
-        want_leaves = torch.utils._pytree.tree_leaves(want)
+        is_size = lambda v: isinstance(v, torch.Size)  # noqa: E731
+        got_leaves = torch.utils._pytree.tree_leaves(got, is_leaf=is_size)
+        want_leaves = torch.utils._pytree.tree_leaves(want, is_leaf=is_size)
         assert len(got_leaves) == len(want_leaves)
         for g, w in zip(got_leaves, want_leaves):
             if isinstance(w, torch.Tensor):
                 torch.testing.assert_close(g, w)
             else:
-                assert g == w
+                assert type(g) is type(w) and g == w
 
 
 def test_last_follows_the_call(target):

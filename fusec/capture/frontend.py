@@ -265,9 +265,26 @@ def _out_of_place(gm: fx.GraphModule) -> None:
             continue
         packet = getattr(torch.ops.aten, name[:-1], None)
         twin = getattr(packet, target._overloadname, None) if packet is not None else None
-        if twin is not None:
+        if twin is not None and _same_result(twin, node):
             node.target = twin
     gm.recompile()
+
+
+def _same_result(twin, node: fx.Node) -> bool:
+    """The out-of-place twin computes what the in-place op wrote: the same dtype. (An in-place
+    op keeps its target's dtype; `clamp_min(bf16, f32 scalar)` promotes to float32 where
+    `clamp_min_` stays bfloat16, as cosine_similarity's decomposition relies on.)"""
+    want = node.meta.get("val")
+    args = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+    if not isinstance(want, torch.Tensor) or not all(
+            isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
+        return False
+    try:
+        with want.fake_mode:
+            got = twin(*args[0], **args[1])
+    except Exception:  # noqa: BLE001 (no twin for these arguments: stays in place)
+        return False
+    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
 
 
 def _mutated_temporaries(gm: fx.GraphModule) -> bool:

@@ -113,13 +113,19 @@ def wrap(value: Any) -> Any:
         if isinstance(leaf, (torch.Tensor, *PLAIN)) or not holds_tensors(leaf):
             return leaf
         return _Object(leaf)
-    return pytree.tree_map(one, value)
+    return pytree.tree_map(one, value, is_leaf=_is_size)
+
+
+def _is_size(value: Any) -> bool:
+    """torch.Size is one leaf (a plain value): pytree would flatten it into its ints and
+    rebuild a plain tuple, and `y.shape` returned from a program must stay a torch.Size."""
+    return isinstance(value, torch.Size)
 
 
 def flatten(value: Any) -> tuple[list, pytree.TreeSpec]:
     """(leaves, spec) of a program's result: tensors and plain values as leaves, whatever the
     nesting of containers, registered types and plain objects. `unflatten` inverts it."""
-    return pytree.tree_flatten(wrap(value))
+    return pytree.tree_flatten(wrap(value), is_leaf=_is_size)
 
 
 def unflatten(leaves: list, spec: pytree.TreeSpec) -> Any:
