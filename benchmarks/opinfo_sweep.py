@@ -8,6 +8,7 @@ it, and compares with eager:
     python benchmarks/opinfo_sweep.py                          # every op, float32, C++ backend
     python benchmarks/opinfo_sweep.py --dtypes float32,int64,bfloat16 --backend llvm
     python benchmarks/opinfo_sweep.py --only sum,softmax --samples 8 -v
+    python benchmarks/opinfo_sweep.py --grad                   # training: gradients too
     python benchmarks/opinfo_sweep.py --backend triton --device cuda   # on a GPU
     TRITON_INTERPRET=1 python benchmarks/opinfo_sweep.py --backend triton   # Triton's interpreter
 
@@ -80,14 +81,6 @@ def flatten_sample(sample) -> tuple[list[torch.Tensor], callable]:
     return [leaves[i] for i in where], rebuild
 
 
-def clone(tensors):
-    return [t.clone() for t in tensors]
-
-
-def to_double(tensors):
-    return [t.double() if t.is_floating_point() else t for t in tensors]
-
-
 def compare(got, want, ref) -> str | None:
     """None when `got` matches `want` (see the module docstring), else what differs."""
     g_leaves, g_spec = pytree.tree_flatten(got)
@@ -137,8 +130,28 @@ def compare(got, want, ref) -> str | None:
     return None
 
 
-def run_sample(op, sample, backend: str, seconds: int) -> tuple[str, str]:
-    """(verdict, detail) for one sample."""
+def evaluate(fn, tensors: list, grad: bool):
+    """fn's result on copies of `tensors`; with `grad`, also the gradients of a fixed weighted
+    sum of its floating-point outputs with respect to every input that requires grad (the
+    weights come from a seeded generator: the same for eager, float64 and fusec)."""
+    ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    if not grad:
+        with torch.no_grad():
+            return fn(*ts)
+    out = fn(*ts)
+    wants = [t for t in ts if t.requires_grad]
+    outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    detached = pytree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out)
+    if not outs or not wants:
+        return detached, ()
+    g = torch.Generator().manual_seed(0)
+    total = sum((o * torch.randn(o.shape, generator=g).to(o.device, o.dtype)).sum() for o in outs)
+    grads = torch.autograd.grad(total, wants, allow_unused=True)
+    return detached, tuple(torch.zeros_like(w) if d is None else d for d, w in zip(grads, wants))
+
+
+def run_sample(op, sample, backend: str, seconds: int, grad: bool = False) -> tuple[str, str]:
+    """(verdict, detail) for one sample (with `grad`: its outputs and its input gradients)."""
     import fusec
     tensors, rebuild = flatten_sample(sample)
 
@@ -146,9 +159,8 @@ def run_sample(op, sample, backend: str, seconds: int) -> tuple[str, str]:
         inp, args, kwargs = rebuild(list(ts))
         return op.op(inp, *args, **kwargs)
     try:
-        with torch.no_grad():
-            want = fn(*clone(tensors))
-            again = fn(*clone(tensors))
+        want = evaluate(fn, tensors, grad)
+        again = evaluate(fn, tensors, grad)
     except Exception as err:  # noqa: BLE001
         return "SKIP", f"eager fails: {type(err).__name__}"
     if any(isinstance(t, torch.Tensor) and t.layout != torch.strided
@@ -157,15 +169,14 @@ def run_sample(op, sample, backend: str, seconds: int) -> tuple[str, str]:
     if compare(again, want, None) is not None:
         return "SKIP", "eager is not deterministic"
     try:
-        with torch.no_grad():
-            ref = fn(*to_double(clone(tensors)))
+        ref = evaluate(fn, [t.double() if t.is_floating_point() else t for t in tensors], grad)
     except Exception:  # noqa: BLE001
         ref = None
     signal.alarm(seconds)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = fusec.compile(fn, backend=backend)(*clone(tensors))
+            got = evaluate(fusec.compile(fn, backend=backend), tensors, grad)
     except Timeout:
         return "CRASH", f"no result after {seconds} s"
     except Exception as err:  # noqa: BLE001
@@ -197,6 +208,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4, help="samples per op and dtype")
     parser.add_argument("--only", help="comma-separated op names (exact, or a prefix ending in .)")
     parser.add_argument("--timeout", type=int, default=60, help="seconds per sample")
+    parser.add_argument("--grad", action="store_true",
+                        help="inputs require grad: compare outputs and input gradients (training)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every sample")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -218,11 +231,14 @@ def main() -> int:
                 continue
             verdict, detail, what = "SKIP", "no sample", ""
             try:
-                samples = list(op.sample_inputs(args.device, dtype))[:args.samples]
+                if args.grad and not (op.supports_autograd and dtype.is_floating_point):
+                    continue
+                samples = list(op.sample_inputs(args.device, dtype,
+                                                requires_grad=args.grad))[:args.samples]
             except Exception as err:  # noqa: BLE001
                 samples, detail = [], f"samples fail: {type(err).__name__}"
             for sample in samples:
-                v, d = run_sample(op, sample, args.backend, args.timeout)
+                v, d = run_sample(op, sample, args.backend, args.timeout, args.grad)
                 if args.verbose:
                     print(f"  {op.name} {dtype} {describe(sample)}: {v} {d}", flush=True)
                 if RANK[v] > RANK[verdict] or (verdict == "SKIP" and v == "PASS"):

@@ -158,8 +158,12 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     stores = []
     for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
         var = env[(out, space_of(out))]
-        stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root],
-                            index_of[("out", k, space_of(out))]))
+        index = index_of[("out", k, space_of(out))]
+        if any(index.strides[len(row_shape):]):
+            # stored at every k: computed inside the loop over k, even when nothing it reads
+            # varies along k (`zeros_like(x)` next to `x.sum()`: a constant, stored everywhere)
+            varying.add(var.name)
+        stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root], index))
     gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
     kernel = ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
                              varying, level, fused_ops, online_softmax(body, varying), gemv)

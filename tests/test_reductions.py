@@ -658,3 +658,25 @@ def test_rows_are_walked_in_the_memory_order_of_the_reduced_tensor(target):
     y = _randn((4, 6, 10), device)  # contiguous: the graph's order, unchanged
     cf = assert_matches(lambda y: y.sum(1), y, backend=backend)
     assert [l.index.strides for l in cf.kernels[0].ir.loads] == [(60, 1, 10)]
+
+
+# ---- constants stored next to a reduction (found by benchmarks/opinfo_sweep.py --grad) ------------
+
+STORED_CONSTANTS = {
+    # the backward of div(a, b, rounding_mode="trunc"): zeros for a, a sum for b
+    "zeros_and_their_sum": lambda x: (torch.zeros_like(x), torch.zeros_like(x).sum()),
+    "full_times_x_summed": lambda x: (torch.full_like(x, 2.0), (torch.full_like(x, 2.0) * x).sum()),
+    "per_row": lambda x: (torch.full_like(x, 3.0), x.sum(-1),
+                          torch.ones_like(x) * x.amax(-1, keepdim=True)),
+}
+
+
+@pytest.mark.parametrize("case,shape", [(c, s) for c in STORED_CONSTANTS
+                                        for s in [(5,), (3, 7), (2, 3000)]
+                                        if c != "per_row" or len(s) > 1])
+def test_a_constant_stored_in_a_reduction_kernel_fills_every_element(target, case, shape):
+    """A value that varies along no reduced dim but is stored at every element (a `zeros_like`
+    in the same kernel as a sum) was computed once per row and stored once: the C++ kernel did
+    not compile, the LLVM one left the rest of the tensor uninitialized."""
+    backend, device = target
+    assert_matches(STORED_CONSTANTS[case], torch.randn(*shape, device=device), backend=backend)

@@ -88,3 +88,17 @@ def test_batch_norm_over_one_pixel_trains(backend):
     train_step_matches(model, ref, x, backend)
     for name in ("running_mean", "running_var"):  # the statistics update as eager's do
         torch.testing.assert_close(getattr(model[1], name), getattr(ref[1], name))
+
+
+@pytest.mark.parametrize("mode", ["trunc", "floor"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gradients_of_rounding_division_are_zero(backend, mode):
+    """Eager's gradient of a rounding division is zero for both arguments; fusec's backward kernel
+    (zeros for `a`, their sum for `b`, one reduction kernel) returned uninitialized memory for `a`
+    (benchmarks/opinfo_sweep.py --grad found it)."""
+    f = lambda a, b: torch.div(a, b, rounding_mode=mode) * 3  # noqa: E731
+    a, b = torch.randn(5, 7, requires_grad=True), torch.tensor(0.7, requires_grad=True)
+    out = fusec.compile(f, backend=backend)(a, b)
+    out.sum().backward()
+    torch.testing.assert_close(out, f(a, b))
+    assert torch.equal(a.grad, torch.zeros_like(a)) and torch.equal(b.grad, torch.zeros_like(b))

@@ -74,14 +74,27 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
 
+    spec: list = []  # (the structure of fn's result, its leaves that are not tensors)
+
     def flat_fn(*tensors):  # objects pytree does not know (a DynamicCache) open up: outputs.py
-        return outputs.wrap(call(*tensors))
+        leaves, structure = outputs.flatten(call(*tensors))
+        spec[:] = [structure, {k: v for k, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}]
+        return [v for v in leaves if isinstance(v, torch.Tensor)]
 
     parts: list = []
     compiler = graph_compiler(compile_fn, parts)
     compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
                             decompositions=frontend.decompositions())
-    return compiled, parts
+
+    def run(*tensors):
+        """AOT Autograd sees the result's tensors as one flat list; eager's structure (tuples
+        stay tuples, a torch.Size a torch.Size, None and numbers where they were) is rebuilt
+        around the tensors it returns."""
+        tensors_out = iter(compiled(*tensors))
+        structure, constants = spec
+        return outputs.unflatten([constants[k] if k in constants else next(tensors_out)
+                                  for k in range(structure.num_leaves)], structure)
+    return run, parts
 
 
 def tensor_args(args: tuple, kwargs: dict, fn) -> list:
