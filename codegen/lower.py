@@ -65,7 +65,8 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             storage = root_dtypes[layout.root]
             var = Var(f"v{len(loads)}_{_ident(cat.name)}_{piece.position}",
                       ops.register_dtype(storage))
-            dim = next(k for k, s in enumerate(sentinel) if s)
+            # (an empty space coalesces to no dim with a stride: nothing is read, any dim does)
+            dim = next((k for k, s in enumerate(sentinel) if s), 0)
             loads.append(Load(var, param(layout.root, False), storage,
                               Index(piece.offset, strides), (dim, piece.lo, piece.hi), other))
             other = var

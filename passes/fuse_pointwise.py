@@ -80,7 +80,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
 
     fuse_horizontally(group_of, order, effects, refusals)
     groups = list({id(g): g for g in group_of.values()}.values())
-    gm = outline(gm, groups, order, effects)
+    gm = outline(gm, groups, order, effects, refusals)
     record_of(gm).refusals = refusals
     return gm
 

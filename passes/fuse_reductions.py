@@ -126,7 +126,7 @@ def _finish(gm, group_of, order, effects, refusals):
         if g.key is not None:
             for n in g.nodes:
                 n.meta["fusec_space"] = space(n, g.key, set(g.nodes))
-    gm = outline(gm, groups, order, effects)
+    gm = outline(gm, groups, order, effects, refusals)
     record_of(gm).refusals = refusals
     return gm
 

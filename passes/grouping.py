@@ -19,7 +19,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
-from fusec.record import GroupInfo, group_info, set_group_info
+from fusec.record import GroupInfo, Refusal, group_info, set_group_info
 
 MAX_NAME_OPS = 6
 
@@ -132,28 +132,32 @@ def kernel_name(nodes: list[fx.Node], index: int) -> str:
     return "fused_" + "_".join(names) + f"_{index}"
 
 
-def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict) -> fx.GraphModule:
+def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict,
+            refusals: list | None = None) -> fx.GraphModule:
     """Rebuild the graph with every group replaced by a call to its own sub-GraphModule.
 
     Units (single nodes or whole groups) are emitted in a topological order of the unit graph,
     with ties broken by original position, so the result reads like the input.
     """
-    unit_of = {}
-    for g in groups:
-        for n in g.nodes:
-            unit_of[n] = id(g)
-    for n in gm.graph.nodes:
-        unit_of.setdefault(n, id(n))
-    members: dict[int, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        members.setdefault(unit_of[n], []).append(n)
-
-    dag = nx.DiGraph()
-    dag.add_nodes_from(members)
-    for n in gm.graph.nodes:
-        for u in successors(n, effects):
-            if unit_of[u] != unit_of[n]:
-                dag.add_edge(unit_of[n], unit_of[u])
+    groups = list(groups)
+    while True:
+        members, dag = _unit_graph(gm, groups, effects)
+        try:
+            cycle = nx.find_cycle(dag)
+        except nx.NetworkXNoCycle:
+            break
+        # Note (cycles through other kernels): each merge checks for a path between the two
+        # groups through nodes outside them, but a path can also run through a third group,
+        # which becomes one kernel too: A holds a constant read by B, and B's value reaches,
+        # through an extern, a later node of A. Such a group is dissolved: its nodes run as
+        # eager's ops (correct, rarely seen; found in a backward graph by the OpInfo sweep).
+        on_cycle = [g for g in groups if id(g) in {u for edge in cycle for u in edge[:2]}]
+        dissolved = min(on_cycle, key=lambda g: len(g.nodes))
+        groups.remove(dissolved)
+        if refusals is not None:
+            refusals.append(Refusal(dissolved.nodes[0].name, dissolved.nodes[-1].name,
+                                    "one kernel would make a cycle through another kernel: "
+                                    "these ops run as eager's (Note: cycles through other kernels)"))
     first = {k: min(order[n] for n in v) for k, v in members.items()}
     by_id = {id(g): g for g in groups}
 
@@ -181,6 +185,27 @@ def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict)
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
+
+
+def _unit_graph(gm: fx.GraphModule, groups: list[Group], effects: dict):
+    """The graph of units (each group one unit, every other node its own): (unit -> its nodes,
+    the networkx DiGraph of the data and effect edges between units)."""
+    unit_of = {}
+    for g in groups:
+        for n in g.nodes:
+            unit_of[n] = id(g)
+    for n in gm.graph.nodes:
+        unit_of.setdefault(n, id(n))
+    members: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        members.setdefault(unit_of[n], []).append(n)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(members)
+    for n in gm.graph.nodes:
+        for u in successors(n, effects):
+            if unit_of[u] != unit_of[n]:
+                dag.add_edge(unit_of[n], unit_of[u])
+    return members, dag
 
 
 def _subgraph(gm: fx.GraphModule, nodes: list[fx.Node], name: str, group: Group):

@@ -408,3 +408,32 @@ def test_random_ops_draw_like_eager(target):
     # the LLVM backend's, may round differently from eager's in the last bit)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+
+
+def _cycle_through_another_kernel(a, i, b, g):
+    """The shape of index_reduce(prod)'s backward (benchmarks/opinfo_sweep.py --grad): one
+    constant (CSE shares it) read by two groups, and a path from the second group back into the
+    first through externs (index_put, index_select). Each merge saw no path between its own two
+    groups, but the two finished kernels would each need the other first."""
+    aten = torch.ops.aten
+    one = aten.scalar_tensor.default(1.0, dtype=torch.float32)
+    where = aten.where.self(aten.eq.Scalar(a, 0), one, a)
+    first = aten.div.Tensor(aten.mul.Tensor(g, aten.index_reduce.default(where, 0, i, b, "prod")),
+                            where)
+    zero_b = aten.eq.Scalar(b, 0)
+    put = aten.index_put.default(aten.unsqueeze.default(aten.full_like.default(a, 0), 0), [i],
+                                 aten._to_copy.default(zero_b, dtype=torch.float32), True)
+    both = aten.bitwise_and.Tensor(zero_b, aten.eq.Scalar(
+        aten.index_select.default(aten.squeeze.dims(put, [0]), 0, i), 1))
+    reduced = aten.index_reduce.default(a, 0, i, aten.where.self(both, one, b), "prod")
+    other = aten.div.Tensor(aten.index_select.default(g * 2, 0, i), aten.where.self(zero_b, one, b))
+    return first, aten.where.self(both, aten.index_select.default(g * reduced, 0, i), other)
+
+
+def test_a_cycle_through_a_third_kernel_is_dissolved(target):
+    backend, device = target
+    args = (torch.randn((), device=device), torch.tensor([0], device=device),
+            torch.randn((), device=device), torch.randn((), device=device))
+    assert_matches(_cycle_through_another_kernel, *args, backend=backend)
+    report = str(fusec.explain(_cycle_through_another_kernel, *args, backend=backend))
+    assert "would make a cycle through another kernel" in report, report
