@@ -76,7 +76,10 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 and isinstance(views := _run_fake(mode, node, fake_of), (list, tuple)):
             # split / unbind: a list of views; each getitem below gets a Layout into the root
             node.meta["fusec_views"] = list(views)
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        elif node.op == "call_function" and isinstance(
+                node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            # (a higher-order op: `with_effects`, which AOT Autograd wraps around an op with a
+            # side effect, such as linalg.inv's singular-matrix check: eager runs it as it is)
             steps.append(Step("extern", str(node.target), node.name))
             out = _run_fake(mode, node, fake_of)
             if isinstance(out, torch.Tensor) and isinstance(m, TensorMeta):
@@ -102,7 +105,8 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
     by_name = {n.name: n for n in gm.graph.nodes}
     for step in steps:
         node = by_name[step.node]
-        if step.kind == "extern" and node.target._schema.is_mutable and node.args:
+        if step.kind == "extern" and getattr(node.target, "_schema", None) is not None \
+                and node.target._schema.is_mutable and node.args:
             # copy_(x, new) and friends write into their first argument's buffer
             step.writes.append(node.args[0].meta["fusec_layout"].root)
         elif step.kind == "extern" and "fusec_layout" in node.meta and not step.writes:

@@ -102,3 +102,21 @@ def test_gradients_of_rounding_division_are_zero(backend, mode):
     out.sum().backward()
     torch.testing.assert_close(out, f(a, b))
     assert torch.equal(a.grad, torch.zeros_like(a)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ops_with_side_effects_in_a_training_graph(backend):
+    """AOT Autograd wraps an op with a side effect (linalg.inv's singular-matrix check) in the
+    higher-order op `with_effects`; the schedule runs it as an extern, so gradients match and a
+    singular matrix raises eager's error (the schedule crashed on it)."""
+    f = lambda x: torch.linalg.inv(x) * 2  # noqa: E731
+    a = torch.randn(5, 5)
+    x = (a @ a.T + 5 * torch.eye(5)).requires_grad_(True)
+    ref = x.detach().clone().requires_grad_(True)
+    out = fusec.compile(f, backend=backend)(x)
+    out.sum().backward()
+    f(ref).sum().backward()
+    torch.testing.assert_close(out, f(ref))
+    torch.testing.assert_close(x.grad, ref.grad)
+    with pytest.raises(torch.linalg.LinAlgError, match="could not be completed"):
+        fusec.compile(f, backend=backend)(torch.zeros(3, 3, requires_grad=True))
