@@ -353,7 +353,7 @@ def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
                 copy = graph.call_function(torch.ops.aten._to_copy.default, (node,),
                                            {"device": device})
             node.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy)
-        elif node.kwargs.get("device") is not None:
+        elif node.kwargs.get("device") is not None or _factory_on_default_device(node):
             node.kwargs = {**node.kwargs, "device": device}
         else:
             continue
@@ -373,6 +373,16 @@ def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
     output.args = (results,)
     _propagate(gm)
     gm.recompile()
+
+
+def _factory_on_default_device(node: fx.Node) -> bool:
+    """A factory that names no device (`aten.scalar_tensor(1.0)` in a backward graph) makes its
+    tensor on the CPU."""
+    target = node.target
+    return (node.op == "call_function" and not node.all_input_nodes
+            and isinstance(target, torch._ops.OpOverload)
+            and any(a.name == "device" for a in target._schema.arguments)
+            and node.kwargs.get("device") is None)
 
 
 def _propagate(gm: fx.GraphModule) -> None:

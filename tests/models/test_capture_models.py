@@ -427,6 +427,17 @@ def test_cpu_scalars_move_to_the_program_device():
     assert all(c.device.type == "meta" for c in constants)
 
 
+def test_a_factory_that_names_no_device_moves_to_the_program_device():
+    """`aten.scalar_tensor(1.0)` with no device (AOT Autograd's backward graphs have them) makes
+    a CPU tensor; a kernel on the device cannot read it (Triton on CUDA refused the pointer)."""
+    def f(x):
+        one = aten.scalar_tensor.default(1.0, dtype=torch.float32)
+        return torch.where(x > 0, one, x)
+    gm = frontend.capture(f, (torch.empty(4, 4, device="meta"),), {}).gm
+    scalar = next(n for n in gm.graph.nodes if n.target is aten.scalar_tensor.default)
+    assert scalar.meta["fusec"].device == "meta"
+
+
 def test_cpu_scalars_in_a_cpu_program_are_ordinary_inputs():
     torch.manual_seed(0)
     model, x, shift = Scaled(), torch.randn(4, 4), torch.tensor(0.5)
