@@ -212,13 +212,16 @@ class CompiledFunction:
         return [ref.get() for ref in self._state_refs]
 
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
-        tensors = [l for l in leaves if isinstance(l, torch.Tensor)]
-        device = calls.program_device([*self._state(), *tensors])
-        backend = resolve_backend(self.backend, device)
+        tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
+            if any(not calls.is_cpu_scalar(t) for t in tensors):
+                device = calls.program_device(tensors)
+            else:  # no tensor arguments: where its factories (`torch.ones(3, device="cuda")`) make them
+                device = calls.graph_device(captured.gm)
+            backend = resolve_backend(self.backend, device)
             return compile_graph(captured, backend, record=detail, label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):

@@ -155,8 +155,10 @@ ZEN4 = ["-march=znver3", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", 
 GCC_TARGETS = {"x86-64": ["-march=x86-64"],
                # what a compiler without a half type (gcc before 12) gets: integer conversions
                "x86-64-no-float16": ["-march=x86-64", "-DFUSEC_NO_FLOAT16"], "haswell": ["-march=haswell"],
-               "skylake-avx512": ["-march=skylake-avx512"],
-               "sapphirerapids": ["-march=sapphirerapids"], "znver4": ["-march=znver4"],
+               # AVX-512 CPUs: with the 512-bit vectors fusec asks for there (cpp.vector_flags)
+               "skylake-avx512": ["-march=skylake-avx512", "-mprefer-vector-width=512"],
+               "sapphirerapids": ["-march=sapphirerapids", "-mprefer-vector-width=512"],
+               "znver4": ["-march=znver4", "-mprefer-vector-width=512"],
                "aarch64": ["-march=armv8.2-a"]}
 
 

@@ -105,6 +105,16 @@ def program_device(tensors: list[torch.Tensor]) -> torch.device:
     return devices[0] if devices else torch.device("cpu")
 
 
+def graph_device(gm) -> torch.device:
+    """The device of a program that was given no tensors: the first device other than the CPU
+    that one of its values lives on, else the CPU."""
+    for node in gm.graph.nodes:
+        device = getattr(node.meta.get("fusec"), "device", None)
+        if isinstance(device, str) and device != "cpu":
+            return torch.device(device)
+    return torch.device("cpu")
+
+
 def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
     devices = {str(t.device) for t in tensors if not is_cpu_scalar(t)}
     if len(devices) > 1:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusec
+from fusec.capture import calls
 from conftest import TRITON_DEVICE
 from fusec import frontend
 from fusec.errors import DeviceError, GraphBreakError
@@ -436,6 +437,18 @@ def test_a_factory_that_names_no_device_moves_to_the_program_device():
     gm = frontend.capture(f, (torch.empty(4, 4, device="meta"),), {}).gm
     scalar = next(n for n in gm.graph.nodes if n.target is aten.scalar_tensor.default)
     assert scalar.meta["fusec"].device == "meta"
+
+
+def test_a_program_given_no_tensors_runs_where_its_factories_make_them():
+    gm = frontend.capture(lambda: torch.ones(3, device="meta") * 2, (), {}).gm
+    assert calls.graph_device(gm) == torch.device("meta")
+    assert calls.graph_device(frontend.capture(lambda: torch.ones(3) * 2, (), {}).gm).type == "cpu"
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="needs a GPU")
+def test_factories_on_cuda_with_no_arguments_compile_for_cuda():
+    f = lambda: torch.arange(6, device="cuda", dtype=torch.float32).sin() * 2  # noqa: E731
+    close(fusec.compile(f, backend="triton")(), f())
 
 
 def test_cpu_scalars_in_a_cpu_program_are_ordinary_inputs():
