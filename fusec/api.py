@@ -221,7 +221,10 @@ class CompiledFunction:
                 device = calls.program_device(tensors)
             else:  # no tensor arguments: where its factories (`torch.ones(3, device="cuda")`) make them
                 device = calls.graph_device(captured.gm)
-            backend = resolve_backend(self.backend, device)
+            # a program with no tensor at all (`torch.broadcast_shapes`) has no kernel for any
+            # backend to build: whichever backend this machine runs is as good
+            backend = resolve_backend(self.backend if device is not None else "auto",
+                                      device or torch.device("cpu"))
             return compile_graph(captured, backend, record=detail, label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):

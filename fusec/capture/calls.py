@@ -102,22 +102,24 @@ def program_device(tensors: list[torch.Tensor]) -> torch.device:
     """The device a program runs on: its tensors' device, not counting 0-dim CPU tensors
     (`torch.tensor(2.0)` next to CUDA activations runs on CUDA, as in eager)."""
     devices = [t.device for t in tensors if not is_cpu_scalar(t)]
-    return devices[0] if devices else torch.device("cpu")
+    # an accelerator wins over the CPU: CPU indices next to CUDA data (`x[idx]`) are moved
+    # to the device with the scalars (frontend.scalars_to_device)
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
 
 
-def graph_device(gm) -> torch.device:
+def graph_device(gm) -> torch.device | None:
     """The device of a program that was given no tensors: the first device other than the CPU
-    that one of its values lives on, else the CPU."""
-    for node in gm.graph.nodes:
-        device = getattr(node.meta.get("fusec"), "device", None)
-        if isinstance(device, str) and device != "cpu":
-            return torch.device(device)
-    return torch.device("cpu")
+    that one of its values lives on, else the CPU; None if it makes no tensor at all."""
+    devices = [m.device for n in gm.graph.nodes for m in [n.meta.get("fusec")]
+               if isinstance(getattr(m, "device", None), str)]
+    if not devices:
+        return None
+    return torch.device(next((d for d in devices if d != "cpu"), "cpu"))
 
 
 def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
-    devices = {str(t.device) for t in tensors if not is_cpu_scalar(t)}
-    if len(devices) > 1:
+    devices = {str(t.device) for t in tensors if not is_cpu_scalar(t) and t.device.type != "cpu"}
+    if len(devices) > 1:  # (CPU tensors next to one device: frontend.scalars_to_device)
         where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
         raise DeviceError(f"fusec: inputs live on different devices ({where}); "
                           "move them to one device before calling the compiled program")

@@ -50,7 +50,7 @@ from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
-from fusec.errors import GraphBreakError, UnsupportedError
+from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
 from fusec.ops import is_view
 
@@ -169,7 +169,11 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
-        raise _capture_error(err) from None
+        cause = _capture_error(err)
+        if isinstance(cause, DeviceError):  # name where each input lives
+            cause = DeviceError(f"{cause} (inputs: " + ", ".join(
+                f"{names[i]} on {leaves[i].device}" for i in tensor_pos) + ")")
+        raise cause from None
     finally:
         changed = _restore_attributes(attributes)
     if changed:
@@ -335,14 +339,18 @@ def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
       `lift_fresh_copy` reads) is moved once, now: eager makes it anew on every call anyway;
     - a 0-dim CPU input, buffer or other constant is copied to the device at the start of every
       call (`_to_copy`, one extern step), so the program reads its value of the day;
-    - a factory that makes a 0-dim CPU tensor (`torch.full((), 2.0)`) makes it on the device.
+    - a factory that makes a 0-dim CPU tensor (`torch.full((), 2.0)`) makes it on the device;
+    - a CPU input of any size (the indices of `x[idx]` or `index_put`, which eager also takes
+      from the CPU) is copied like a 0-dim one. Where an op needs it on the CPU after all, the
+      graph does not check out on the device and that is a DeviceError, as before.
     The values then flow on the device; an output eager returns on the CPU is copied back.
     """
     graph = gm.graph
     moved = False
     for node in list(graph.nodes):
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not is_cpu_scalar(val):
+        if not isinstance(val, torch.Tensor) or val.device.type != "cpu" or \
+                not (is_cpu_scalar(val) or node.op == "placeholder"):
             continue
         literal = node.op == "get_attr" and all(
             u.target is torch.ops.aten.lift_fresh_copy.default for u in node.users)
@@ -362,7 +370,15 @@ def scalars_to_device(gm: fx.GraphModule, device: torch.device) -> None:
         return
     was_cpu = [isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
                and a.meta["val"].device.type == "cpu" for a in graph.output_node().args[0]]
-    _propagate(gm)
+    try:
+        _propagate(gm)
+    except Exception as err:  # noqa: BLE001 (an op that wants its CPU argument on the CPU)
+        inputs = [n.name for n in graph.nodes if n.op == "placeholder"
+                  and n.meta["val"].device.type == "cpu" and not is_cpu_scalar(n.meta["val"])]
+        raise DeviceError(f"fusec: inputs live on different devices ({', '.join(inputs)} on the "
+                          f"CPU, the program on {device}), and an op of the program cannot take "
+                          f"them on {device} ({type(err).__name__}); move them to one device "
+                          "before calling the compiled program") from None
     output = graph.output_node()
     results = list(output.args[0])
     for k, (arg, cpu) in enumerate(zip(results, was_cpu)):

@@ -22,7 +22,7 @@ import torch.compiler as tc
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from fusec.errors import GraphBreakError, UnsupportedError
+from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -74,6 +74,8 @@ def _capture_error(err: BaseException) -> UnsupportedError:
             f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
             f"indexing){where}; fusec compiles static shapes only ({text})",
             reason=f"an op whose output shape depends on the data ({text})", where=line)
+    if "DeviceMismatch" in name:  # eager raises it too: `cpu_tensor + cuda_tensor`
+        return DeviceError(f"fusec: tensors on different devices meet in one op{where}: {text}")
     return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
 
 

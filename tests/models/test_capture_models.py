@@ -395,8 +395,15 @@ def test_program_device_ignores_cpu_scalars():
     assert frontend.program_device([scalar, meta]) == torch.device("meta")
     assert frontend.program_device([scalar]) == torch.device("cpu")
     frontend._check_devices([scalar, meta], ["s", "x"], torch.device("meta"))  # eager accepts it
-    with pytest.raises(DeviceError):
-        frontend._check_devices([torch.ones(2), meta], ["a", "x"], torch.device("meta"))
+    # CPU indices next to device data: eager accepts `x[idx]`, and so does capture (it moves
+    # them); CPU data in an op with device data is eager's error, and fusec's, while tracing
+    frontend._check_devices([torch.ones(2), meta], ["a", "x"], torch.device("meta"))
+    with pytest.raises(DeviceError, match="different devices meet in one op"):
+        frontend.capture(lambda a, x: a + x, (torch.ones(2), torch.empty(2, device="meta")), {})
+    gm = frontend.capture(lambda x, i: x[i] * 2, (torch.empty(5, 3, device="meta"),
+                                                 torch.tensor([0, 2])), {}).gm
+    assert all(n.meta["fusec"].device == "meta" for n in gm.graph.nodes
+               if n.op == "call_function"), gm.code
 
 
 class Scaled(nn.Module):
@@ -449,6 +456,21 @@ def test_a_program_given_no_tensors_runs_where_its_factories_make_them():
 def test_factories_on_cuda_with_no_arguments_compile_for_cuda():
     f = lambda: torch.arange(6, device="cuda", dtype=torch.float32).sin() * 2  # noqa: E731
     close(fusec.compile(f, backend="triton")(), f())
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="needs a GPU: CPU indices next to CUDA data")
+def test_cpu_indices_next_to_cuda_data_on_triton():
+    """Eager indexes CUDA data with CPU indices and masks; fusec copies them to the device."""
+    x, idx = torch.randn(6, 4, device="cuda"), torch.tensor([0, 3, 5])
+    mask = torch.tensor([True, False, True, True, False, True])
+    for f in (lambda x, i: torch.sin(x[i]) * 2,
+              lambda x, m: torch.ops.aten.index_put.default(x, [m], torch.ones(4, device="cuda")),
+              lambda x, i: (x[i] + 1, i * 2)):  # `i * 2` stays on the CPU, as eager has it
+        arg = mask if f.__code__.co_varnames[1] == "m" else idx
+        got, want = fusec.compile(f, backend="triton")(x, arg), f(x, arg)
+        for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            assert g.device == w.device
+            close(g, w)
 
 
 def test_cpu_scalars_in_a_cpu_program_are_ordinary_inputs():
