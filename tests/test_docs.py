@@ -28,6 +28,9 @@ SKIP_BASH: dict = {
     ("docs/benchmarks.md", "python benchmarks/kernelbench.py --threads 1 --markdown table.md --json run.json"):
         "the whole KernelBench-style suite: minutes of eager, torch.compile and fusec on 50 problems "
         "and 5 models (tests/test_kernelbench.py runs the script on two problems)",
+    ("docs/benchmarks.md", "python benchmarks/opinfo_sweep.py                                   # every op, float32, C++"):
+        "the whole OpInfo sweep: every op on several backends and dtypes, minutes each "
+        "(tests/test_opinfo.py runs its harness on the ops it found and 33 everyday ones)",
 }
 # bash blocks whose first command is neither fusec nor python, keyed the same way: why
 NOT_RUN = {

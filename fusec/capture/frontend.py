@@ -47,12 +47,12 @@ from fusec.capture import outputs
 # lived before calls.py and tracing.py existed)
 from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,  # noqa: F401
                                  is_cpu_scalar, module_state, program_device)
+from fusec.capture.inplace import _mutated_temporaries, _out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
-from fusec.ops import is_view
 
 
 @dataclass
@@ -249,61 +249,6 @@ def _anchor(fn: Callable) -> Callable:
         copy.__kwdefaults__ = fn.__kwdefaults__
         return copy
     return fn
-
-
-def _out_of_place(gm: fx.GraphModule) -> None:
-    """Functionalization runs above torch's decompositions, so a decomposition that updates its
-    own temporary in place (rms_norm's `add_(eps)`) survives it. When nothing else reads the
-    temporary, and it is no view of another tensor, the in-place op is its out-of-place twin
-    (`add`), which fusion understands. A decomposition that writes into views of its temporary
-    (circular padding: `copy_` into three slices of an `empty`) is left for `_mutated_temporaries`."""
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        name = target.overloadpacket.__name__
-        base = node.args[0] if node.args else None
-        if not name.endswith("_") or name.startswith("_") or not isinstance(base, fx.Node) \
-                or base.op in ("placeholder", "get_attr") or len(base.users) != 1 \
-                or (isinstance(base.target, torch._ops.OpOverload) and is_view(base.target)):
-            continue
-        packet = getattr(torch.ops.aten, name[:-1], None)
-        twin = getattr(packet, target._overloadname, None) if packet is not None else None
-        if twin is not None and _same_result(twin, node):
-            node.target = twin
-    gm.recompile()
-
-
-def _same_result(twin, node: fx.Node) -> bool:
-    """The out-of-place twin computes what the in-place op wrote: the same dtype. (An in-place
-    op keeps its target's dtype; `clamp_min(bf16, f32 scalar)` promotes to float32 where
-    `clamp_min_` stays bfloat16, as cosine_similarity's decomposition relies on.)"""
-    want = node.meta.get("val")
-    args = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
-    if not isinstance(want, torch.Tensor) or not all(
-            isinstance(a.meta.get("val"), torch.Tensor) for a in node.all_input_nodes):
-        return False
-    try:
-        with want.fake_mode:
-            got = twin(*args[0], **args[1])
-    except Exception:  # noqa: BLE001 (no twin for these arguments: stays in place)
-        return False
-    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
-
-
-def _mutated_temporaries(gm: fx.GraphModule) -> bool:
-    """True when an op still writes in place into a value the graph computed (not into an
-    input: functionalization ends the graph with those `copy_`s on purpose). Tracing the graph
-    once more through functionalization turns such writes into `slice_scatter` and friends."""
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
-                and target._schema.is_mutable:
-            written = [a for a, spec in zip(node.args, target._schema.arguments)
-                       if spec.alias_info is not None and spec.alias_info.is_write]
-            if any(isinstance(a, fx.Node) and a.op != "placeholder" for a in written):
-                return True
-    return False
 
 
 def annotate(gm: fx.GraphModule) -> fx.GraphModule:
