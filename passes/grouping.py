@@ -142,10 +142,12 @@ def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict,
     groups = list(groups)
     while True:
         members, dag = _unit_graph(gm, groups, effects)
+        first = {k: min(order[n] for n in v) for k, v in members.items()}
         try:
-            cycle = nx.find_cycle(dag)
-        except nx.NetworkXNoCycle:
+            units = list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))
             break
+        except nx.NetworkXUnfeasible:
+            cycle = nx.find_cycle(dag)
         # Note (cycles through other kernels): each merge checks for a path between the two
         # groups through nodes outside them, but a path can also run through a third group,
         # which becomes one kernel too: A holds a constant read by B, and B's value reaches,
@@ -158,13 +160,12 @@ def outline(gm: fx.GraphModule, groups: list[Group], order: dict, effects: dict,
             refusals.append(Refusal(dissolved.nodes[0].name, dissolved.nodes[-1].name,
                                     "one kernel would make a cycle through another kernel: "
                                     "these ops run as eager's (Note: cycles through other kernels)"))
-    first = {k: min(order[n] for n in v) for k, v in members.items()}
     by_id = {id(g): g for g in groups}
 
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     count = 0
-    for unit in nx.lexicographical_topological_sort(dag, key=first.__getitem__):
+    for unit in units:
         nodes = members[unit]
         if unit not in by_id:
             (node,) = nodes

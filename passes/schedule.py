@@ -38,12 +38,13 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
     output_values = {a for a in gm.graph.output_node().all_input_nodes}
     fake_of: dict[fx.Node, torch.Tensor] = {}
     mode = _fake_mode(gm)
+    roots: dict = {}  # fake buffers by (shape, stride, dtype, device): see _root
     steps: list[Step] = []
 
     for node in gm.graph.nodes:
         m = node.meta.get("fusec")
         if node.op in ("placeholder", "get_attr") and isinstance(m, TensorMeta):
-            fake_of[node] = _root(mode, m, m.stride)
+            fake_of[node] = _root(mode, m, m.stride, roots)
             node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
         elif node.op == "call_module":
             steps.append(Step("kernel", node.target, node.name))
@@ -52,7 +53,7 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
             # eager, and views traced against eager's layout replay on ours.
             stride = m.stride if _dense(m) else contiguous_strides(m.shape)
-            fake_of[node] = _root(mode, m, stride)
+            fake_of[node] = _root(mode, m, stride, roots)
             node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
             steps[-1].writes.append(node.name)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
@@ -65,7 +66,7 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 if node.target is torch.ops.aten.view.default:
                     node.target = torch.ops.aten.reshape.default
                 steps.append(Step("extern", str(node.target), node.name))
-                _new_root(node, mode, fake_of)
+                _new_root(node, mode, fake_of, roots)
                 continue
             fake_of[node] = view
             root = base.meta["fusec_layout"].root
@@ -83,10 +84,10 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             steps.append(Step("extern", str(node.target), node.name))
             out = _run_fake(mode, node, fake_of)
             if isinstance(out, torch.Tensor) and isinstance(m, TensorMeta):
-                fake_of[node] = _root(mode, m, tuple(out.stride()))
+                fake_of[node] = _root(mode, m, tuple(out.stride()), roots)
                 node.meta["fusec_layout"] = Layout(node.name, m.shape, tuple(out.stride()), 0)
             elif isinstance(m, TensorMeta):
-                _new_root(node, mode, fake_of)
+                _new_root(node, mode, fake_of, roots)
         elif node.op == "call_function" and node.target.__name__ == "getitem" \
                 and "fusec_views" in node.args[0].meta:
             view = node.args[0].meta["fusec_views"][node.args[1]]
@@ -97,7 +98,7 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
         elif node.op == "call_function" and node.target.__name__ == "getitem":
             # one output of a multi-output extern: a root buffer of its own
             if isinstance(m, TensorMeta):
-                _new_root(node, mode, fake_of)
+                _new_root(node, mode, fake_of, roots)
                 producer = next(s for s in steps if s.node == node.args[0].name)
                 producer.writes.append(node.name)
 
@@ -142,14 +143,22 @@ def _fake_mode(gm):
     return FakeTensorMode()
 
 
-def _root(mode, m: TensorMeta, stride) -> torch.Tensor:
-    with mode:
-        return torch.empty_strided(m.shape, stride, dtype=m.dtype, device=m.device)
+def _root(mode, m: TensorMeta, stride, roots: dict) -> torch.Tensor:
+    """A fake buffer with `m`'s shape and dtype and this stride. Only its metadata is ever read
+    (views and externs are replayed on it to learn their strides), so buffers that look alike
+    share one: a model's layers make the same shapes again and again, and each new fake tensor
+    costs a trip through the fake mode's dispatcher."""
+    key = (tuple(m.shape), tuple(stride), m.dtype, str(m.device))
+    if key not in roots:
+        with mode:
+            roots[key] = torch.empty_strided(m.shape, stride, dtype=m.dtype, device=m.device)
+    return roots[key]
 
 
-def _new_root(node: fx.Node, mode, fake_of) -> None:
+
+def _new_root(node: fx.Node, mode, fake_of, roots: dict) -> None:
     m = node.meta["fusec"]
-    fake_of[node] = _root(mode, m, m.stride)
+    fake_of[node] = _root(mode, m, m.stride, roots)
     node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
 
 
