@@ -212,10 +212,30 @@ def prepare(device) -> None:
             triton_key()
         except Exception:  # noqa: BLE001 - the first compile computes it again and says why
             pass
+        _ptxas_version(device)
 
     thread = threading.Thread(target=work_out, name="fusec-triton-key", daemon=True)
     _KEYS.append(thread)
     thread.start()
+
+
+def _ptxas_version(device) -> None:
+    """Triton's CUDA backend also keys its cache by `ptxas --version`, a process that Triton
+    runs once per process (0.2 s on an H200's host, measured under a warm start): run it here,
+    in the same thread, where waiting for it leaves Python's lock free. Best effort: the helper
+    and its arguments differ between Triton releases, and the first compile runs it anyway."""
+    try:
+        import inspect
+
+        import torch
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        if inspect.signature(get_ptxas_version).parameters:
+            major, minor = torch.cuda.get_device_capability(device)
+            get_ptxas_version(major * 10 + minor)  # (positional, as Triton calls it)
+        else:
+            get_ptxas_version()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def prepare_launch(compiled) -> None:

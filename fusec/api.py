@@ -213,18 +213,19 @@ class CompiledFunction:
 
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
         tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
+        backend = None
+        if any(not calls.is_cpu_scalar(t) for t in tensors):  # before capture: Triton's
+            backend = resolve_backend(self.backend, calls.program_device(tensors))  # key thread
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
-            if any(not calls.is_cpu_scalar(t) for t in tensors):
-                device = calls.program_device(tensors)
-            else:  # no tensor arguments: where its factories (`torch.ones(3, device="cuda")`) make them
-                device = calls.graph_device(captured.gm)
-            # a program with no tensor at all (`torch.broadcast_shapes`) has no kernel for any
-            # backend to build: whichever backend this machine runs is as good
-            backend = resolve_backend(self.backend if device is not None else "auto",
-                                      device or torch.device("cpu"))
+            if backend is None:  # no tensor arguments: where its factories make them
+                device = calls.graph_device(captured.gm)  # (`torch.ones(3, device="cuda")`)
+                # a program with no tensor at all (`torch.broadcast_shapes`) has no kernel for
+                # any backend to build: whichever backend this machine runs is as good
+                backend = resolve_backend(self.backend if device is not None else "auto",
+                                          device or torch.device("cpu"))
             return compile_graph(captured, backend, record=detail, label=_label(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
