@@ -208,6 +208,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=4, help="samples per op and dtype")
     parser.add_argument("--only", help="comma-separated op names (exact, or a prefix ending in .)")
     parser.add_argument("--timeout", type=int, default=60, help="seconds per sample")
+    parser.add_argument("--start", help="begin at the op of this name (op_db's order): resume a sweep")
     parser.add_argument("--grad", action="store_true",
                         help="inputs require grad: compare outputs and input gradients (training)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every sample")
@@ -220,7 +221,8 @@ def main() -> int:
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     counts, bad = collections.Counter(), []
     start = time.perf_counter()
-    for op in op_db:
+    names = [op.name for op in op_db]
+    for op in op_db[names.index(args.start) if args.start else 0:]:
         if only and not any(op.name == o or (o.endswith(".") and op.name.startswith(o)) for o in only):
             continue
         if any(op.name == n or op.name.startswith(n + "_") or op.name.endswith("." + n)
