@@ -433,3 +433,17 @@ def test_torch_compile_module_training_and_regions():
 def test_regions_of_something_else():
     with pytest.raises(fusec.FusecError, match="not compiled by fusec"):
         fusec.regions(torch.compile(branch, backend="eager"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="jiterator kernels need a GPU")
+def test_jiterator_cuda_kernels_run_eagerly_not_while_tracing():
+    """A jiterator kernel launches its own CUDA code on its arguments, fake ones included: while
+    tracing it read address 0 and broke the CUDA context (OpInfo's jiterator_unary on an H200).
+    It is a graph break: the kernel runs on real tensors, every call."""
+    fn = torch.cuda.jiterator._create_jit_fn(
+        "template <typename T> T neg_mul(T x, T y) { return -x * y; }")
+    f = lambda a, b: fn(a * 2, b) + 1  # noqa: E731
+    a, b = torch.randn(20, device="cuda"), torch.randn(20, device="cuda")
+    with pytest.warns(fusec.GraphBreakWarning, match="cannot be one graph"):
+        got = fusec.compile(f, backend="triton")(a, b)
+    torch.testing.assert_close(got, f(a, b))

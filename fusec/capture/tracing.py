@@ -248,11 +248,24 @@ def python_at_trace_time_refused():
                                "outside the compiled function", _user_caller())
         return real_numpy(self, *args, **kwargs)
 
+    # A jiterator kernel (torch.cuda.jiterator._create_jit_fn) launches real CUDA code on its
+    # arguments, fake or not: on traced tensors it read address 0 and left the CUDA context
+    # broken (an illegal memory access, found by the OpInfo sweep on an H200)
+    real_jiterator = getattr(torch._C, "_cuda_jiterator_compile_and_launch_kernel", None)
+
+    def jiterator_(*args, **kwargs):
+        raise _runs_python("a jiterator kernel (torch.cuda.jiterator)", "it runs its own CUDA "
+                           "code on the tensors, which hold no data while tracing", _user_caller())
+
     builtins.print, torch.Tensor.numpy = print_, numpy_
+    if real_jiterator is not None:
+        torch._C._cuda_jiterator_compile_and_launch_kernel = jiterator_
     try:
         yield
     finally:
         builtins.print = real_print
+        if real_jiterator is not None:
+            torch._C._cuda_jiterator_compile_and_launch_kernel = real_jiterator
         if had_numpy:
             torch.Tensor.numpy = real_numpy
         else:
