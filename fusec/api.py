@@ -213,14 +213,17 @@ class CompiledFunction:
 
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
         tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
+        real = [t for t in tensors if not calls.is_cpu_scalar(t)]
         backend = None
-        if any(not calls.is_cpu_scalar(t) for t in tensors):  # before capture: Triton's
-            backend = resolve_backend(self.backend, calls.program_device(tensors))  # key thread
+        if real and len({t.device for t in real}) == 1:  # before capture: it starts Triton's
+            backend = resolve_backend(self.backend, real[0].device)  # cache key in a thread
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
-            with torch.no_grad():
+            with torch.no_grad():  # (inputs on two devices: capture says if an op mixes them)
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
-            if backend is None:  # no tensor arguments: where its factories make them
+            if real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
+                backend = resolve_backend(self.backend, calls.program_device(tensors))
+            elif backend is None:  # no tensor arguments: where its factories make them
                 device = calls.graph_device(captured.gm)  # (`torch.ones(3, device="cuda")`)
                 # a program with no tensor at all (`torch.broadcast_shapes`) has no kernel for
                 # any backend to build: whichever backend this machine runs is as good
