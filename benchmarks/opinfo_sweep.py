@@ -101,7 +101,8 @@ def compare(got, want, ref) -> str | None:
         if g.device != w.device:
             return f"output {k}: on {g.device}, eager's on {w.device}"
         if w.is_complex():  # (complex32 has no comparisons): compared as real pairs, exactly
-            g, w = torch.view_as_real(g.to(torch.complex128)), torch.view_as_real(w.to(torch.complex128))
+            g, w = (torch.view_as_real(t.to(torch.complex128).resolve_conj().resolve_neg())
+                    for t in (g, w))
         if w.is_complex() or not w.is_floating_point():
             if not torch.equal(g, w):
                 bad = (g != w).sum().item()
