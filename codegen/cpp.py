@@ -93,11 +93,11 @@ def compiler_id(path: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def vector_flags() -> list[str]:
-    """Vectors as wide as eager's own kernels use. On CPUs with AVX-512, gcc's -march=native
-    still prefers 256-bit vectors (and libmvec's 8-wide sinf), while torch runs its AVX512
-    kernels (16-wide SLEEF): fusec's sin x 4 took 2.0 ms against 1.2 with 512-bit vectors on
-    this project's AVX-512 CPU, and ran at 0.83x eager on the GPU machine's Xeon. So where torch
-    reports the AVX512 capability (it respects ATEN_CPU_CAPABILITY), so does fusec."""
+    """Vectors as wide as eager's own kernels use. On Intel's AVX-512 server CPUs gcc's
+    -march=native keeps to 256-bit vectors (gcc picks 512 on AMD's Zen 4 by itself), while torch
+    runs its AVX512 kernels there. So where torch reports the AVX512 capability (it respects
+    ATEN_CPU_CAPABILITY), fusec asks for 512-bit vectors too: sin x 4 on one thread of the GPU
+    machine's Xeon took 2.65 ms with it and 2.79 without (benchmarks/diagnostics/cpu_threads.py)."""
     if platform.machine() not in ("x86_64", "AMD64") or \
             torch.backends.cpu.get_cpu_capability() != "AVX512":
         return []
@@ -197,8 +197,7 @@ def render(kernel) -> str:
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
         body.append(f"{target} = {_store_value(store.var, store.dtype)};")
 
-    params = [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
-              for p in kernel.params]
+    params = _params(kernel)
     return render_template(
         "cpp_pointwise.cpp.j2",
         name=kernel.name, summary=summary(kernel),
@@ -229,13 +228,17 @@ def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
     body += [_stmt(s) for s in kernel.stmts]
     body += [f"{store.param}_ptr[{_plus(store.index.offset, 'base + f')}] = "
              f"{_store_value(store.var, store.dtype)};" for store in kernel.stores]
-    params = [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
-              for p in kernel.params]
+    params = _params(kernel)
     return render_template(
         "cpp_short_rows.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, numel=kernel.numel, rows=math.prod(kernel.shape[:-1]),
         inner=inner, tile_rows=tile_rows, parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}",
         params=params, repeats=repeats, body=body)
+
+
+def _params(kernel: PointwiseKernel) -> list[str]:
+    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+            for p in kernel.params]
 
 
 def _plus(offset: int, term: str) -> str:

@@ -47,7 +47,7 @@ from fusec.capture import outputs
 # lived before calls.py and tracing.py existed)
 from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,  # noqa: F401
                                  is_cpu_scalar, module_state, program_device)
-from fusec.capture.inplace import _mutated_temporaries, _out_of_place
+from fusec.capture.inplace import mutated_temporaries, out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
@@ -162,8 +162,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)
-            _out_of_place(gm)
-            if _mutated_temporaries(gm):  # (see _out_of_place): functionalize the graph itself
+            out_of_place(gm)
+            if mutated_temporaries(gm):  # (see out_of_place): functionalize the graph itself
                 gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
                              record_stack_traces=stack_traces)(*fakes)
     except UnsupportedError:

@@ -3,8 +3,8 @@
 `torch.func.functionalize` runs above torch's decompositions, so an in-place op that a
 decomposition performs on its own temporary survives it:
 
-    rms_norm:       t = pow(x, 2).mean(-1); t.add_(eps)          -> add(t, eps)    (`_out_of_place`)
-    circular pad:   out = empty(...); out[..., 1:4].copy_(x) ... -> slice_scatter   (`_mutated_temporaries`:
+    rms_norm:       t = pow(x, 2).mean(-1); t.add_(eps)          -> add(t, eps)    (`out_of_place`)
+    circular pad:   out = empty(...); out[..., 1:4].copy_(x) ... -> slice_scatter   (`mutated_temporaries`:
                                                                     traced once more through functionalize)
 
 Fusion understands out-of-place ops only; a write into a view of a temporary must become a
@@ -18,12 +18,12 @@ import torch.fx as fx
 from fusec.ops import is_view
 
 
-def _out_of_place(gm: fx.GraphModule) -> None:
+def out_of_place(gm: fx.GraphModule) -> None:
     """Functionalization runs above torch's decompositions, so a decomposition that updates its
     own temporary in place (rms_norm's `add_(eps)`) survives it. When nothing else reads the
     temporary, and it is no view of another tensor, the in-place op is its out-of-place twin
     (`add`), which fusion understands. A decomposition that writes into views of its temporary
-    (circular padding: `copy_` into three slices of an `empty`) is left for `_mutated_temporaries`."""
+    (circular padding: `copy_` into three slices of an `empty`) is left for `mutated_temporaries`."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -58,7 +58,7 @@ def _same_result(twin, node: fx.Node) -> bool:
     return isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
 
 
-def _mutated_temporaries(gm: fx.GraphModule) -> bool:
+def mutated_temporaries(gm: fx.GraphModule) -> bool:
     """True when an op still writes in place into a value the graph computed (not into an
     input: functionalization ends the graph with those `copy_`s on purpose). Tracing the graph
     once more through functionalization turns such writes into `slice_scatter` and friends."""
