@@ -22,6 +22,7 @@ from fusec import check as _check
 from fusec import events
 from fusec.capture import calls, frontend, tracing
 from fusec.capture.breaks import warn_graph_breaks
+from fusec.capture.torch_level import torch_level
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile, tensor_args
 from fusec.codegen import backends
@@ -262,7 +263,7 @@ class CompiledFunction:
                                 part_compiler(backend, self.check))
             try:  # AOT Autograd traces on the first call
                 with tracing.python_at_trace_time_refused(), tracing.compiling(), \
-                        tracing.dense_attention_masks():
+                        tracing.dense_attention_masks(), torch_level():
                     out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)

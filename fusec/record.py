@@ -169,6 +169,7 @@ class PassRecord:
     small_matmul: list[Decision] = field(default_factory=list)
     pad_matmul: list[Decision] = field(default_factory=list)
     layout: Any = None  # passes/layout_plan.py LayoutPlan: channels-last or not, and why
+    split_reductions: list[Decision] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     schedule: list[Step] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
     PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout,
-                fuse_pointwise, fuse_reductions, schedule]
+                split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
@@ -26,10 +26,11 @@ from .pad_matmul import pad_matmul
 from .reinplace import reinplace
 from .schedule import schedule
 from .small_matmul import small_matmul
+from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
 PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, layout,
-            fuse_pointwise, fuse_reductions, schedule]
+            split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

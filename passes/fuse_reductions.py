@@ -139,20 +139,11 @@ LONG_PROGRAM = 1 << 16  # ... of at least this many elements each, torch's reduc
 COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton_reduction.py, COLUMN_XBLOCK)
 
 
-def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
-    """Why this reduction should stay torch's own kernel, or None.
-
-    fusec's reduction kernels give each row (or a block of rows) its own program, which walks
-    the row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32
-    images has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming
-    4 MB alone, 4x slower than eager (measured on an H100, docs/gpu.md). The same happens to a
-    global average pool over a channels-last tensor: 2048 (image, channel) rows, but a column
-    reduction takes 64 adjacent channels per program, so 32 programs again. torch's reduction
-    splits long rows across many blocks and adds their partial results, which fusec does not
-    do yet. Until it does, such a reduction runs as an extern (eager's kernel) and its prologue
-    stays a pointwise kernel: the same work as eager, never slower."""
-    if not str(meta(node).device).startswith(FEW_ROWS_DEVICES):
-        return None
+def programs_of(node: fx.Node, red: ops.ReductionCall) -> tuple[int, int, int, int]:
+    """(rows, k, rows per program, programs) of a reduction as a Triton kernel would run it:
+    one program per row, or COLUMN_ROWS adjacent rows per program for a column reduction
+    (rows side by side in memory, each row's elements strided), with the strides the layout
+    pass chose."""
     shape, strides = meta(red.operand).shape, meta(red.operand).stride  # after the layout pass
     k = rows = 1
     for d, size in enumerate(shape):
@@ -164,14 +155,32 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
     reduced = [strides[d] for d in red.dims if shape[d] > 1]
     column = bool(kept and reduced) and min(kept) == 1 and min(reduced) > 1
     per_program = COLUMN_ROWS if column and rows >= COLUMN_ROWS else 1
-    programs = -(-rows // per_program)
+    return rows, k, per_program, -(-rows // per_program)
+
+
+def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
+    """Why this reduction should stay torch's own kernel, or None.
+
+    fusec's reduction kernels give each row (or a block of rows) its own program, which walks
+    the row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32
+    images has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming
+    4 MB alone, 4x slower than eager (measured on an H100, docs/gpu.md). The same happens to a
+    global average pool over a channels-last tensor: 2048 (image, channel) rows, but a column
+    reduction takes 64 adjacent channels per program, so 32 programs again. The split_reductions
+    pass splits such rows in two reductions first; what reaches this pass still looking like
+    that is a reduction it could not split (argmax, a row of a prime length ...), and it runs as
+    an extern (eager's kernel, which splits rows across blocks) with its prologue as a
+    pointwise kernel: the same work as eager, never slower."""
+    if not str(meta(node).device).startswith(FEW_ROWS_DEVICES):
+        return None
+    rows, k, per_program, programs = programs_of(node, red)
     if programs < FEW_PROGRAMS and per_program * k >= LONG_PROGRAM:
         what = (f"{rows} row(s) of {k} elements" if per_program == 1 else
                 f"{rows} rows of {k} elements, {per_program} adjacent rows per program (a column "
                 f"reduction)")
         return (f"few long rows: {what} would be {programs} program(s) on a GPU of "
                 f"{FEW_PROGRAMS} SMs; torch's reduction splits each row across blocks (kept as an "
-                f"extern until fusec splits reductions)")
+                f"extern: split_reductions could not split it)")
     return None
 
 

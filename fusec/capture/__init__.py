@@ -4,6 +4,7 @@
     calls.py           a call's arguments: flattened, named, the module's state, the device
     tracing.py         the conditions capture traces under, and its errors at the user's line
     decompositions.py  fusec's own decompositions (softmax, layer_norm, var ... as reductions)
+    torch_level.py     composite torch functions traced fusec's way (InstanceNorm without its view)
     outputs.py         whatever the program returns, flattened into tensors and built again
     rnn.py             nn.RNN / LSTM / GRU recorded as one extern op each
     training.py        a program that needs gradients: AOT Autograd's forward and backward

@@ -16,7 +16,7 @@ because torch's versions produce `prims` ops.
 A few are written here so that the whole op stays in the reduction's own iteration space and
 fusion can make it one kernel: logsumexp reduces with keepdim and squeezes only the final result
 (torch's squeezes the max first, and a squeezed row value cannot be broadcast back inside a
-kernel); group_norm normalizes and applies its affine in the (N, groups, C/groups, HW) view and
+kernel); group_norm normalizes and applies its affine in the (N, groups, C/groups, *spatial) view and
 reshapes only the output (torch's reshapes the statistics back to (N, C) first); and batch_norm
 in inference mode, which CPU tracing reaches as `native_batch_norm(training=False)`, becomes the
 pointwise (x - running_mean) * rsqrt(running_var + eps) * weight + bias.
@@ -222,16 +222,46 @@ def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
     def narrow(t):
         return t if t.dtype == x.dtype else aten._to_copy.default(t, dtype=x.dtype)
 
-    grouped = wide(aten.view.default(x, [n, groups, c // groups, hw]))
-    var, mean = _var(grouped, [2, 3], 0, True)
+    # (N, C, *spatial) -> (N, groups, C/groups, *spatial): only C is cut, so this is a view of
+    # a channels-last tensor too (merging C/groups with the spatial dims would not be, and the
+    # layout pass would have to copy the convolution's output back to NCHW first)
+    spatial = list(x.shape[2:])
+    grouped = wide(aten.view.default(x, [n, groups, c // groups] + spatial))
+    dims = list(range(2, 3 + len(spatial)))
+    var, mean = _var(grouped, dims, 0, True)
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
-    out = aten.mul.Tensor(aten.sub.Tensor(grouped, mean), rstd)
+    stats = (aten.view.default(narrow(mean), [n, groups]), aten.view.default(narrow(rstd), [n, groups]))
+    if x.device.type in GROUP_NORM_PER_CHANNEL_DEVICES:
+        # (see the note on group norm per channel below)
+        def per_channel(t):
+            t = aten.expand.default(aten.view.default(t, [n, groups, 1]), [n, groups, c // groups])
+            return aten.view.default(aten.clone.default(t), [n, c] + [1] * len(spatial))
+
+        out = aten.mul.Tensor(aten.sub.Tensor(wide(x), per_channel(mean)), per_channel(rstd))
+        affine = [1, c] + [1] * len(spatial)
+    else:
+        out = aten.mul.Tensor(aten.sub.Tensor(grouped, mean), rstd)
+        affine = [1, groups, c // groups] + [1] * len(spatial)
     if weight is not None:
-        out = aten.mul.Tensor(out, wide(aten.view.default(weight, [1, groups, c // groups, 1])))
+        out = aten.mul.Tensor(out, wide(aten.view.default(weight, affine)))
     if bias is not None:
-        out = aten.add.Tensor(out, wide(aten.view.default(bias, [1, groups, c // groups, 1])))
-    return (aten.view.default(narrow(out), list(x.shape)),
-            aten.view.default(narrow(mean), [n, groups]), aten.view.default(narrow(rstd), [n, groups]))
+        out = aten.add.Tensor(out, wide(aten.view.default(bias, affine)))
+    out = narrow(out)  # (the cast before the view: a view of a computed value ends its kernel)
+    if list(out.shape) != list(x.shape):
+        out = aten.view.default(out, list(x.shape))
+    return (out,) + stats
+
+
+# Note (group norm per channel). On a GPU the group norm's statistics are usually split
+# reductions (passes/split_reductions.py: N * groups rows are few), so they are kernels of their
+# own whatever the normalization does. The normalization is then best done in x's own
+# (N, C, *spatial) space, with the (N, groups) statistics copied out to (N, C) (a few kilobytes):
+# the ops after the norm (a scale, an activation, a pooling's input, a mean) see the same shape
+# and fuse with it. Normalized in the grouped view, its result would be a view of a computed
+# value, stored whole before the next op could read it (one more pass over the activation,
+# KernelBench-style 6_, 24_ and 28_). On the CPU the grouped form stays: one reduction kernel
+# computes the statistics and normalizes while the group's rows are in cache.
+GROUP_NORM_PER_CHANNEL_DEVICES = ("cuda",)
 
 
 @register(aten._native_batch_norm_legit_no_training.default)

@@ -49,6 +49,7 @@ from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,
                                  is_cpu_scalar, module_state, program_device)
 from fusec.capture.inplace import mutated_temporaries, out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
+from fusec.capture.torch_level import torch_level
 from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
@@ -158,7 +159,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     try:
         fakes = [mode.from_tensor(t) for t in example]
         with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
-                dense_attention_masks(), autograd_functions_inlined(), graphmodule.lazily():
+                dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
+                graphmodule.lazily():
             gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                          decomposition_table=decompositions(),
                          record_stack_traces=stack_traces)(*fakes)

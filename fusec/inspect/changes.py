@@ -81,6 +81,12 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 if any(t for _, t, _ in decisions):
                     parts.append(f"padded {sum(1 for _, t, _ in decisions if t)} misaligned matmul(s)")
                 details += [f"{name}: {'padded' if t else 'kept'}: {why}" for name, t, why in decisions]
+            if snap.after == "split_reductions" and record.split_reductions:
+                decisions = record.split_reductions
+                if any(t for _, t, _ in decisions):
+                    parts.append(f"split {sum(1 for _, t, _ in decisions if t)} reduction(s) of "
+                                 "few long rows in two")
+                details += [f"{name}: {'split' if t else 'kept'}: {why}" for name, t, why in decisions]
             if snap.after == "layout" and getattr(record.layout, "convs", None):
                 plan = record.layout
                 if plan.choice != "unchanged":

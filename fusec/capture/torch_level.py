@@ -1,0 +1,69 @@
+"""Composite torch functions that fusec traces its own way, above the dispatcher.
+
+A decomposition table (capture/decompositions.py) only sees ATen ops that reach the dispatcher.
+A few torch functions are *composite*: they are Python or C++ code that calls other ops before
+any table is consulted, and what they call can be the wrong shape for a compiler. Those are
+intercepted here, while tracing, by a torch-function mode (`torch_level`), and computed from ops
+that fusion handles well. Each entry of TORCH_LEVEL says why, and returns NotImplemented where
+torch's own composite should run after all.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+# Note (InstanceNorm before autograd): `F.instance_norm` is a composite op: before any
+# decomposition table is consulted, it views its (N, C, *spatial) input as (1, N * C, *spatial)
+# and runs a training-mode batch norm on that. The view merges N with C, which a channels-last
+# tensor cannot do: the layout pass had to copy every convolution output that an InstanceNorm
+# reads back to NCHW (one more pass over the tensor, KernelBench-style 7_conv2d_instancenorm_*
+# on an H200). So, while tracing, `torch.instance_norm` itself is intercepted at the torch-
+# function level (`torch_level`) and computed per image and channel on the tensor as it is:
+# the mean and biased variance over the spatial dims (two-pass, as capture/decompositions.py computes `var`), then
+# (x - mean) * rsqrt(var + eps), then the affine. The same math eager does, without the view.
+def instance_norm(x, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                  cudnn_enabled=True):
+    if not use_input_stats or running_mean is not None or running_var is not None \
+            or x.dim() < 3 or x.dtype not in (torch.float32, torch.float64):
+        return NotImplemented  # running statistics to use or update: torch's composite
+    dims = list(range(2, x.dim()))
+    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    shape = [1, x.shape[1]] + [1] * len(dims)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    return out
+
+
+def functional_instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
+                             use_input_stats=True, momentum=0.1, eps=1e-5):
+    """`F.instance_norm`'s argument order (a torch-function mode sees it before
+    `torch.instance_norm`)."""
+    return instance_norm(input, weight, bias, running_mean, running_var, use_input_stats,
+                         momentum, eps)
+
+
+TORCH_LEVEL = {torch.instance_norm: instance_norm,
+               torch.nn.functional.instance_norm: functional_instance_norm}
+
+
+class _TorchLevel(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        ours = TORCH_LEVEL.get(func)
+        if ours is not None:
+            out = ours(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def torch_level():
+    """While tracing, the composite torch functions of TORCH_LEVEL are computed fusec's way
+    (see the note on InstanceNorm above)."""
+    with _TorchLevel():
+        yield

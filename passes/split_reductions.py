@@ -1,0 +1,227 @@
+"""Split reductions: a reduction of a few long rows becomes two reductions of many short ones.
+
+A GPU runs a reduction kernel as one program per row (or per block of rows), and a program runs
+on one SM. `x.mean(dim=(2, 3, 4))` of a (16, 32, 16, 64, 64) activation has 512 rows of 65536
+elements; a channels-last global pool of (32, 64, 128, 128) has 2048 rows, but a column reduction
+(passes/fuse_reductions.py, codegen/triton_reduction.py) takes 64 neighbouring rows per program:
+32 programs. On a GPU of 132 SMs most of the chip then waits while a few programs stream
+megabytes each. A group norm is worse still: 4 groups x 16 images are 64 rows.
+
+The cure is old (torch's own reduction kernels do it inside one launch): cut every row into S
+chunks, reduce each chunk in its own program, then reduce the S partial results of each row.
+Here it is a rewrite of the graph, so the fusion passes see two ordinary reductions:
+
+    before                                          after (S = 8 chunks along D)
+    s = sum(x, [2, 3, 4])      # x (16, 32, 16, 64, 64)
+                                                    xs = view(x, [16, 32, 8, 2, 64, 64])
+                                                    p  = sum(xs, [3, 4, 5], keepdim=True)
+                                                    s  = sum(p, [2, 3, 4, 5])   # (16, 32)
+
+The first reduction has 8x the rows (the chunk index is a row dim) and an eighth of the work per
+row; the second adds 8 numbers per row, and the ops that used `s` (mean's division, rstd ...)
+become its epilogue. Splitting a dim is always a view, whatever the strides, and the chunk is
+taken along the reduced dim with the largest stride, so each chunk is a contiguous slab of the
+row. A view of a *computed* value would end its kernel (passes/fuse_pointwise.py: the value is
+stored first), so the view is pushed up through the pointwise ops that compute the operand, to
+the values they read: `sum(sigmoid(x))` becomes `sum(sigmoid(view(x)))`, and the sigmoid stays
+inside the first reduction's kernel. Values that broadcast along the split dim (a per-channel
+scale, a row's mean) get a size-1 dim instead.
+
+Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fusec.explain`:
+
+* only on GPU devices (SPLIT_DEVICES): a CPU thread walks rows one by one and every thread is
+  busy once there are as many rows as threads;
+* only reductions whose partial results combine with the same reduction: sum, amax, amin (an
+  argmax's partial results would need their positions carried along);
+* only when the kernel would have fewer programs than the GPU has SMs (FEW_PROGRAMS), each with
+  at least LONG_PROGRAM elements: the rule of fuse_reductions.few_long_rows, which made such a
+  reduction an extern before this pass existed;
+* S is the smallest divisor of the split dim that gives TARGET_PROGRAMS programs, while each
+  program keeps at least MIN_CHUNK elements;
+* a float16/bfloat16 sum keeps its partial sums in float32 and rounds once, after the second
+  reduction, as eager's kernel does (rounding each partial would lose bits).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import TensorMeta
+from fusec.record import Decision, record_of
+
+from .fuse_reductions import FEW_PROGRAMS as _FEW_PROGRAMS
+from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
+from .fuse_reductions import programs_of
+from .grouping import meta
+from .layout import _run_fake, _set_meta
+from .schedule import _fake_mode
+
+aten = torch.ops.aten
+
+SPLIT_DEVICES = ("cuda",)
+SPLITTABLE = ("sum", "amax", "amin")
+# fuse_reductions.few_long_rows's rule: fewer programs than SMs, each this long
+FEW_PROGRAMS = _FEW_PROGRAMS
+LONG_PROGRAM = _LONG_PROGRAM
+TARGET_PROGRAMS = 4 * FEW_PROGRAMS  # a few programs per SM, so that they balance out
+MIN_CHUNK = 4096  # elements per program after the split: less is launch and combine overhead
+
+
+def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Split each reduction of few long rows in two (see the module docstring)."""
+    decisions = []
+    mode = None
+    for node in list(gm.graph.nodes):
+        red = ops.reduction(node)
+        if red is None or not str(meta(node).device).startswith(SPLIT_DEVICES):
+            continue
+        rows, k, per_program, programs = programs_of(node, red)
+        if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
+            continue
+        if red.op.name not in SPLITTABLE:
+            decisions.append(Decision(node.name, False, f"{red.op.name}: its partial results "
+                                      "do not combine by the same reduction"))
+            continue
+        plan = choose_split(node, red, rows, k, per_program)
+        if plan is None:
+            decisions.append(Decision(node.name, False, "no reduced dim divides into chunks of "
+                                      f"at least {MIN_CHUNK} elements"))
+            continue
+        d, chunks = plan
+        mode = mode or _fake_mode(gm)
+        _split(gm, node, red, d, chunks, mode)
+        decisions.append(Decision(node.name, True, (
+            f"{rows} row(s) of {k} elements ({programs} program(s)) -> {rows * chunks} rows of "
+            f"{k // chunks} ({-(-rows * chunks // per_program)} programs), then {rows} row(s) of "
+            f"{chunks}: dim {d} of {tuple(meta(red.operand).shape)} cut in {chunks} chunks")))
+    record_of(gm).split_reductions = decisions
+    if any(taken for _, taken, _ in decisions):
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,
+                 per_program: int) -> tuple[int, int] | None:
+    """(dim, number of chunks) or None: the reduced dim with the largest stride, cut in the
+    fewest chunks that make TARGET_PROGRAMS programs (or as many as MIN_CHUNK allows)."""
+    m = meta(red.operand)
+    candidates = [d for d in red.dims if m.shape[d] > 1]
+    if not candidates:
+        return None
+    d = max(candidates, key=lambda d: (abs(m.stride[d]), -d))
+    best = None
+    for chunks in range(2, m.shape[d] + 1):
+        if m.shape[d] % chunks:
+            continue
+        if per_program * (k // chunks) < MIN_CHUNK:
+            break
+        best = chunks
+        if -(-rows * chunks // per_program) >= TARGET_PROGRAMS:
+            break
+    return None if best is None else (d, best)
+
+
+def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, chunks: int,
+           mode) -> None:
+    graph = gm.graph
+    memo: dict = {}
+
+    def add(target, args, kwargs=None, like=None, name=None) -> fx.Node:
+        with graph.inserting_before(node):
+            new = graph.call_function(target, args, kwargs or {})
+        if name:
+            new._rename(name)
+        val = _run_fake(mode, new)
+        if val is None:
+            raise RuntimeError(f"split_reductions: {new.format_node()} does not run")
+        _set_meta(new, val, like=like or node)
+        return new
+
+    def split_view(value: fx.Node, dim: int) -> fx.Node:
+        """`value` viewed with dim `dim` cut in (chunks, size // chunks), computed from views of
+        what it reads when it is pointwise (so that it stays in the reduction's kernel)."""
+        key = (value, dim)
+        if key in memo:
+            return memo[key]
+        shape = list(meta(value).shape)
+        if _pushable(value):
+            args = [_arg_for(a, shape, dim) for a in value.args]
+            new = add(value.target, tuple(args), dict(value.kwargs), like=value,
+                      name=f"{value.name}_chunked")
+        else:
+            new = add(aten.view.default, (value, _cut(shape, dim, chunks)), like=value,
+                      name=f"{value.name}_chunks")
+        memo[key] = new
+        return new
+
+    def _arg_for(a, shape, dim):
+        if not isinstance(a, fx.Node) or not isinstance(a.meta.get("fusec"), TensorMeta):
+            return a
+        ashape = list(meta(a).shape)
+        p = dim - (len(shape) - len(ashape))  # a's dims align with the right end of value's
+        if p < 0:
+            return a  # a broadcasts over the split dim from the left: nothing changes
+        if ashape[p] == shape[dim]:
+            return split_view(a, p)
+        return add(aten.view.default, (a, ashape[:p] + [1, 1] + ashape[p + 1:]), like=a,
+                   name=f"{a.name}_unsqueezed")
+
+    operand = split_view(red.operand, d)
+    inner = [r if r < d else r + 1 for r in red.dims]  # d itself -> the dim inside a chunk
+    kwargs = dict(node.kwargs)
+    dtype = meta(node).dtype
+    widen = red.op.name == "sum" and dtype in (torch.float16, torch.bfloat16)
+    if widen:
+        kwargs["dtype"] = torch.float32
+    partial = add(node.target, (operand, inner, True), kwargs, name=f"{node.name}_partial")
+    if red.keepdim:  # only the chunk dim d goes: the partial's shape is then the keepdim shape
+        combined = add(node.target, (partial, [d], False), name=f"{node.name}_combined")
+    else:
+        combined = add(node.target, (partial, sorted(inner + [d]), False),
+                       name=f"{node.name}_combined")
+    if widen:
+        combined = add(aten._to_copy.default, (combined,), {"dtype": dtype},
+                       name=f"{node.name}_rounded")
+    node.replace_all_uses_with(combined)
+    graph.erase_node(node)
+    _erase_dead(graph, red.operand)
+
+
+def _pushable(value: fx.Node) -> bool:
+    """A pointwise op whose tensor inputs are plain positional arguments that broadcast to its
+    shape: viewing its result equals computing it from views of its inputs."""
+    if value.op != "call_function" or not isinstance(value.target, torch._ops.OpOverload) \
+            or ops.classify(value.target) != ops.POINTWISE:
+        return False
+    tensors = [a for a in value.args if isinstance(a, fx.Node)]
+    if not tensors or any(isinstance(a, (list, tuple)) for a in value.args) or \
+            any(isinstance(v, fx.Node) for v in value.kwargs.values()):
+        return False
+    shape = tuple(meta(value).shape)
+    return all(isinstance(a.meta.get("fusec"), TensorMeta)
+               and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
+
+
+def _broadcasts(small: tuple, big: tuple) -> bool:
+    if len(small) > len(big):
+        return False
+    return all(s in (1, b) for s, b in zip(small, big[len(big) - len(small):]))
+
+
+def _cut(shape: list, dim: int, chunks: int) -> list:
+    return shape[:dim] + [chunks, shape[dim] // chunks] + shape[dim + 1:]
+
+
+def _erase_dead(graph: fx.Graph, value: fx.Node) -> None:
+    """Remove the pointwise chain that only the split reduction read."""
+    todo = [value]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and not n.users and (
+                ops.classify(n.target) in (ops.POINTWISE, ops.VIEW)
+                if isinstance(n.target, torch._ops.OpOverload) else False):
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            todo += inputs

@@ -1,0 +1,199 @@
+"""split_reductions: a reduction of few long rows becomes two reductions (passes/split_reductions.py).
+
+The pass is for GPUs (SPLIT_DEVICES); here it is switched on for the CPU device too, with
+thresholds scaled down to small tensors, so every backend (C++, LLVM, Triton under the
+interpreter) runs the split graphs against eager. The InstanceNorm and per-channel group norm
+paths of capture (fusec/capture/torch_level.py, decompositions.py) are tested alongside: they
+exist so that those norms split and fuse on channels-last tensors.
+"""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+from conftest import assert_matches
+
+split_module = importlib.import_module("fusec.passes.split_reductions")
+decompositions = importlib.import_module("fusec.capture.decompositions")
+
+
+@pytest.fixture
+def split_here(monkeypatch):
+    """The pass on for CPU tensors, with rows of a few thousand elements counting as long."""
+    monkeypatch.setattr(split_module, "SPLIT_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(split_module, "LONG_PROGRAM", 2048)
+    monkeypatch.setattr(split_module, "MIN_CHUNK", 256)
+    monkeypatch.setattr(decompositions, "GROUP_NORM_PER_CHANNEL_DEVICES", ("cpu", "cuda"))
+
+
+def split_details(fn, *args, backend):
+    d = fusec.explain(fn, *args, backend=backend).to_dict()
+    (change,) = [c for c in d["passes"] if c["after"] == "split_reductions"]
+    return d, [line for line in change["details"] if ": split: " in line or ": kept: " in line]
+
+
+def _randn(shape, device, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+
+def test_a_sum_of_few_long_rows_is_split_and_keeps_its_prologue(target, split_here):
+    backend, device = target
+    x = _randn((3, 16, 40, 24), device)
+    x[1, 2, 3, 4] = float("nan")
+    w = _randn((16, 1, 1), device, seed=1)
+
+    def f(x, w):
+        return (torch.sigmoid(x) * w).sum(dim=(1, 2, 3))
+
+    cf = assert_matches(f, x, w, backend=backend)
+    # the partial sums with the sigmoid and the scale inside, then the sum of the partials
+    assert [k.name for k in cf.kernels] == ["fused_sigmoid_mul_sum_0", "fused_sum_1"]
+    d, lines = split_details(f, x, w, backend=backend)
+    assert lines == ["sum_1: split: 3 row(s) of 15360 elements (3 program(s)) -> 48 rows of "
+                     "960 (48 programs), then 3 row(s) of 16: dim 1 of (3, 16, 40, 24) cut in 16 "
+                     "chunks"]
+    assert d["externs"] == []
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("op", ["sum", "amax", "amin", "mean"])
+def test_split_reductions_match_eager_with_and_without_keepdim(target, split_here, op, keepdim):
+    backend, device = target
+    x = _randn((2, 8, 30, 36), device)
+    x[0, 1, 2, 3] = float("inf") if op != "amin" else float("-inf")
+
+    def f(x):
+        return getattr(torch.exp(x * 0.5), op)(dim=(0, 2, 3), keepdim=keepdim)
+
+    assert_matches(f, x, backend=backend)
+    _, lines = split_details(f, x, backend=backend)
+    assert len(lines) == 1 and ": split: " in lines[0], lines
+
+
+def test_a_channels_last_global_pool_splits_its_column_reduction(target, split_here):
+    """2 x 64 channels side by side: one column-reduction program of 64 rows per image. The
+    split cuts H, so each program takes 64 channels of a slab of rows."""
+    backend, device = target
+    x = _randn((2, 64, 32, 16), device).contiguous(memory_format=torch.channels_last)
+
+    def f(x):
+        return F.silu(x).mean(dim=(2, 3))
+
+    cf = assert_matches(f, x, backend=backend)
+    _, lines = split_details(f, x, backend=backend)
+    assert lines and "128 row(s) of 512 elements (2 program(s))" in lines[0], lines
+    assert "dim 2 of (2, 64, 32, 16)" in lines[0]
+    assert any("silu" in k.name or "sigmoid" in k.name for k in cf.kernels if "sum" in k.name)
+
+
+def test_a_half_precision_sum_adds_its_partials_in_float32(target, split_here):
+    """Rounding each partial sum to bfloat16 would lose bits eager's kernel keeps: the partials
+    stay float32 and the result is rounded once."""
+    backend, device = target
+    x = _randn((2, 32, 64, 4), device, torch.bfloat16) + 3
+
+    def f(x):
+        return x.sum(dim=(1, 2, 3))
+
+    cf = assert_matches(f, x, backend=backend)
+    d = fusec.explain(f, x, backend=backend).to_dict()
+    (graph,) = [s["graph"] for s in d["stages"] if s["after"] == "split_reductions"]
+    assert "dtype = torch.float32" in graph and "sum_1_rounded" in graph
+    exact = x.double().sum(dim=(1, 2, 3))
+    ours, eager = cf(x).double(), f(x).double()
+    assert ((ours - exact).abs() <= (eager - exact).abs() + 0.5).all()
+
+
+def test_what_does_not_split_is_said(target, split_here):
+    """argmax's partial results would need their positions; a reduced dim of prime length
+    has no chunks. Both are kept (as one kernel here: on a GPU, an extern)."""
+    backend, device = target
+    x = _randn((2, 4099), device)
+
+    def f(x):
+        return x.argmax(dim=1), torch.tanh(x).sum(dim=1)
+
+    assert_matches(f, x, backend=backend)
+    _, lines = split_details(f, x, backend=backend)
+    assert lines == ["argmax: kept: argmax: its partial results do not combine by the same reduction",
+                     "sum_1: kept: no reduced dim divides into chunks of at least 256 elements"]
+
+
+def test_the_pass_is_off_for_cpu_tensors_by_default(target):
+    backend, device = target
+    x = _randn((3, 16, 64, 64), device)
+    cf = assert_matches(lambda x: x.sum(dim=(1, 2, 3)), x, backend=backend)
+    assert len(cf.kernels) == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_group_norm_per_channel_then_a_mean(target, split_here, layout, affine):
+    """Group norm's statistics split; its normalization runs in x's own shape, so the ReLU and
+    the partial sums of the mean after it join the same kernel (no tensor is stored whole)."""
+    backend, device = target
+    norm = torch.nn.GroupNorm(4, 16, affine=affine).to(device)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    x = _randn((2, 16, 24, 32), device)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    def f(x):
+        return torch.relu(norm(x)).mean(dim=(1, 2, 3))
+
+    cf = assert_matches(f, x, backend=backend)
+    _, lines = split_details(f, x, backend=backend)
+    assert sum(": split: " in line for line in lines) == 3, lines  # mean, variance, the last mean
+    assert any(k.name.startswith("fused_sub_mul") and "relu_sum" in k.name for k in cf.kernels), \
+        [k.name for k in cf.kernels]
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (2, 6, 50), (2, 6, 5, 7, 9)])
+def test_group_norm_per_channel_ranks(target, split_here, shape):
+    backend, device = target
+    x = _randn(shape, device) * 3 + 1
+    w, b = _randn((6,), device, seed=1), _randn((6,), device, seed=2)
+    assert_matches(lambda x: F.group_norm(x, 3, w, b, eps=1e-3) * 2, x, backend=backend)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm_runs_on_channels_last_without_a_copy_back(target, affine, monkeypatch):
+    """InstanceNorm views (N, C, H, W) as (1, N * C, H, W), which a channels-last tensor cannot
+    take; capture computes it per image and channel instead (capture/torch_level.py)."""
+    backend, device = target
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1).to(device)
+    norm = torch.nn.InstanceNorm2d(8, affine=affine).to(device)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    x = _randn((2, 3, 12, 10), device)
+
+    def f(x):
+        return norm(conv(x)) / 2.0
+
+    monkeypatch.setenv("FUSEC_LAYOUT", "channels_last")
+    assert_matches(f, x, backend=backend)
+    layout = fusec.explain(f, x, backend=backend).to_dict()["layout"]
+    assert layout["choice"] == "channels_last"
+    whys = [c["why"] for c in layout["conversions"]]
+    assert not any("needs eager's layout" in w for w in whys), whys
+
+
+def test_instance_norm_with_running_statistics_and_functional(target):
+    """With running statistics torch's composite runs (they are read, or updated); without,
+    `F.instance_norm` called directly takes fusec's path."""
+    backend, device = target
+    norm = torch.nn.InstanceNorm1d(4, track_running_stats=True).to(device).eval()
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+    x = _randn((3, 4, 20), device)
+    assert_matches(norm, x, backend=backend)
+    assert_matches(lambda x: F.instance_norm(x, use_input_stats=True, eps=1e-3), x, backend=backend)
