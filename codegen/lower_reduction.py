@@ -188,8 +188,10 @@ def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts)
         if pad < 0 or any(n not in (1, s) for n, s in zip(layout.shape, shape[pad:])):
             continue  # a row value, read over the rows only (a (C,) mean of an (N, C, 1, 1) group)
         full = _broadcast_strides(layout, shape)
-        if all(full[d] for d in dims):  # an element tensor: it varies along every reduced dim
-            return tuple(sorted(dims, key=lambda d: -full[d]))
+        # an element tensor: it varies along every reduced dim (a dim of length 1, such as the
+        # one split_reductions leaves inside a chunk, has no stride to order by)
+        if all(full[d] for d in dims if shape[d] > 1):
+            return tuple(sorted(dims, key=lambda d: (-full[d], d)))
     return dims
 
 

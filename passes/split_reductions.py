@@ -37,11 +37,15 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
   at least LONG_PROGRAM elements: the rule of fuse_reductions.few_long_rows, which made such a
   reduction an extern before this pass existed;
 * S is the smallest divisor of the split dim that gives TARGET_PROGRAMS programs, while each
-  program keeps at least MIN_CHUNK elements;
+  program keeps at least MIN_CHUNK elements; when even a dim cut into single slices leaves too
+  few programs (a 3-D volume of depth 16), the first reduction is split again along the next
+  dim, so a row may be added up in three steps;
 * a float16/bfloat16 sum keeps its partial sums in float32 and rounds once, after the second
   reduction, as eager's kernel does (rounding each partial would lose bits).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -72,8 +76,10 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     """Split each reduction of few long rows in two (see the module docstring)."""
     decisions = []
     mode = None
-    for node in list(gm.graph.nodes):
-        red = ops.reduction(node)
+    todo = list(reversed(gm.graph.nodes))
+    while todo:
+        node = todo.pop()
+        red = None if getattr(node, "_erased", False) else ops.reduction(node)
         if red is None or not str(meta(node).device).startswith(SPLIT_DEVICES):
             continue
         rows, k, per_program, programs = programs_of(node, red)
@@ -90,7 +96,8 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         d, chunks = plan
         mode = mode or _fake_mode(gm)
-        _split(gm, node, red, d, chunks, mode)
+        partial = _split(gm, node, red, d, chunks, mode)
+        todo.append(partial)  # its rows may still be too few: cut another dim (see above)
         decisions.append(Decision(node.name, True, (
             f"{rows} row(s) of {k} elements ({programs} program(s)) -> {rows * chunks} rows of "
             f"{k // chunks} ({-(-rows * chunks // per_program)} programs), then {rows} row(s) of "
@@ -124,9 +131,12 @@ def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,
 
 
 def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, chunks: int,
-           mode) -> None:
+           mode) -> fx.Node:
+    """Replace `node` by a reduction of chunks and a reduction of their results; return the
+    first."""
     graph = gm.graph
     memo: dict = {}
+    made: list[fx.Node] = []
 
     def add(target, args, kwargs=None, like=None, name=None) -> fx.Node:
         with graph.inserting_before(node):
@@ -137,36 +147,45 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
         if val is None:
             raise RuntimeError(f"split_reductions: {new.format_node()} does not run")
         _set_meta(new, val, like=like or node)
+        made.append(new)
         return new
 
-    def split_view(value: fx.Node, dim: int) -> fx.Node:
-        """`value` viewed with dim `dim` cut in (chunks, size // chunks), computed from views of
-        what it reads when it is pointwise (so that it stays in the reduction's kernel)."""
-        key = (value, dim)
+    def unflatten(value: fx.Node, dim: int, parts: tuple) -> fx.Node:
+        """`value` viewed with dim `dim` cut in `parts` (sizes whose product is its length),
+        computed from views of what it reads when it is pointwise, so that it stays in the
+        reduction's kernel. A view that itself only cuts one dim of a pointwise value (group
+        norm's (N, C, ...) -> (N, G, C/G, ...)) is pushed up the same way first."""
+        key = (value, dim, parts)
         if key in memo:
             return memo[key]
         shape = list(meta(value).shape)
+        cut = _unflattens(value)
+        if cut is not None and _pushable(value.args[0]):
+            value = unflatten(value.args[0], *cut)  # the same values, now computed by a pointwise op
         if _pushable(value):
-            args = [_arg_for(a, shape, dim) for a in value.args]
+            args = [_arg_for(a, shape, dim, parts) for a in value.args]
             new = add(value.target, tuple(args), dict(value.kwargs), like=value,
                       name=f"{value.name}_chunked")
         else:
-            new = add(aten.view.default, (value, _cut(shape, dim, chunks)), like=value,
-                      name=f"{value.name}_chunks")
+            new = add(aten.view.default, (value, shape[:dim] + list(parts) + shape[dim + 1:]),
+                      like=value, name=f"{value.name}_chunks")
         memo[key] = new
         return new
 
-    def _arg_for(a, shape, dim):
+    def _arg_for(a, shape, dim, parts):
         if not isinstance(a, fx.Node) or not isinstance(a.meta.get("fusec"), TensorMeta):
             return a
         ashape = list(meta(a).shape)
         p = dim - (len(shape) - len(ashape))  # a's dims align with the right end of value's
         if p < 0:
-            return a  # a broadcasts over the split dim from the left: nothing changes
+            return a  # a broadcasts over the cut dim from the left: nothing changes
         if ashape[p] == shape[dim]:
-            return split_view(a, p)
-        return add(aten.view.default, (a, ashape[:p] + [1, 1] + ashape[p + 1:]), like=a,
-                   name=f"{a.name}_unsqueezed")
+            return unflatten(a, p, parts)
+        return add(aten.view.default, (a, ashape[:p] + [1] * len(parts) + ashape[p + 1:]),
+                   like=a, name=f"{a.name}_unsqueezed")
+
+    def split_view(value: fx.Node, dim: int) -> fx.Node:
+        return unflatten(value, dim, (chunks, meta(value).shape[dim] // chunks))
 
     operand = split_view(red.operand, d)
     inner = [r if r < d else r + 1 for r in red.dims]  # d itself -> the dim inside a chunk
@@ -187,6 +206,10 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
     node.replace_all_uses_with(combined)
     graph.erase_node(node)
     _erase_dead(graph, red.operand)
+    for new in reversed(made):  # steps of a view pushed further up, which nothing reads
+        if not new.users:
+            graph.erase_node(new)
+    return partial
 
 
 def _pushable(value: fx.Node) -> bool:
@@ -202,6 +225,20 @@ def _pushable(value: fx.Node) -> bool:
     shape = tuple(meta(value).shape)
     return all(isinstance(a.meta.get("fusec"), TensorMeta)
                and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
+
+
+def _unflattens(value: fx.Node) -> tuple[int, tuple] | None:
+    """(dim, parts) when `value` is a view that only cuts one dim of its input in parts."""
+    if value.op != "call_function" or value.target is not aten.view.default:
+        return None
+    base, shape = list(meta(value.args[0]).shape), list(meta(value).shape)
+    extra = len(shape) - len(base)
+    for e in range(len(base)):
+        parts = tuple(shape[e:e + extra + 1])
+        if shape[:e] == base[:e] and shape[e + extra + 1:] == base[e + 1:] and extra > 0 \
+                and math.prod(parts) == base[e]:
+            return e, parts
+    return None
 
 
 def _broadcasts(small: tuple, big: tuple) -> bool:
