@@ -168,6 +168,7 @@ class PassRecord:
     unfuse_bias: list[Unfused] = field(default_factory=list)
     small_matmul: list[Decision] = field(default_factory=list)
     pad_matmul: list[Decision] = field(default_factory=list)
+    pooling: list[Decision] = field(default_factory=list)
     layout: Any = None  # passes/layout_plan.py LayoutPlan: channels-last or not, and why
     split_reductions: list[Decision] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)

@@ -45,21 +45,18 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
 from .fuse_reductions import FEW_PROGRAMS as _FEW_PROGRAMS
 from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
 from .fuse_reductions import programs_of
 from .grouping import meta
-from .layout import _run_fake, _set_meta
 from .schedule import _fake_mode
+from .unflatten import Unflattener
 
 aten = torch.ops.aten
 
@@ -135,59 +132,9 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
     """Replace `node` by a reduction of chunks and a reduction of their results; return the
     first."""
     graph = gm.graph
-    memo: dict = {}
-    made: list[fx.Node] = []
-
-    def add(target, args, kwargs=None, like=None, name=None) -> fx.Node:
-        with graph.inserting_before(node):
-            new = graph.call_function(target, args, kwargs or {})
-        if name:
-            new._rename(name)
-        val = _run_fake(mode, new)
-        if val is None:
-            raise RuntimeError(f"split_reductions: {new.format_node()} does not run")
-        _set_meta(new, val, like=like or node)
-        made.append(new)
-        return new
-
-    def unflatten(value: fx.Node, dim: int, parts: tuple) -> fx.Node:
-        """`value` viewed with dim `dim` cut in `parts` (sizes whose product is its length),
-        computed from views of what it reads when it is pointwise, so that it stays in the
-        reduction's kernel. A view that itself only cuts one dim of a pointwise value (group
-        norm's (N, C, ...) -> (N, G, C/G, ...)) is pushed up the same way first."""
-        key = (value, dim, parts)
-        if key in memo:
-            return memo[key]
-        shape = list(meta(value).shape)
-        cut = _unflattens(value)
-        if cut is not None and _pushable(value.args[0]):
-            value = unflatten(value.args[0], *cut)  # the same values, now computed by a pointwise op
-        if _pushable(value):
-            args = [_arg_for(a, shape, dim, parts) for a in value.args]
-            new = add(value.target, tuple(args), dict(value.kwargs), like=value,
-                      name=f"{value.name}_chunked")
-        else:
-            new = add(aten.view.default, (value, shape[:dim] + list(parts) + shape[dim + 1:]),
-                      like=value, name=f"{value.name}_chunks")
-        memo[key] = new
-        return new
-
-    def _arg_for(a, shape, dim, parts):
-        if not isinstance(a, fx.Node) or not isinstance(a.meta.get("fusec"), TensorMeta):
-            return a
-        ashape = list(meta(a).shape)
-        p = dim - (len(shape) - len(ashape))  # a's dims align with the right end of value's
-        if p < 0:
-            return a  # a broadcasts over the cut dim from the left: nothing changes
-        if ashape[p] == shape[dim]:
-            return unflatten(a, p, parts)
-        return add(aten.view.default, (a, ashape[:p] + [1] * len(parts) + ashape[p + 1:]),
-                   like=a, name=f"{a.name}_unsqueezed")
-
-    def split_view(value: fx.Node, dim: int) -> fx.Node:
-        return unflatten(value, dim, (chunks, meta(value).shape[dim] // chunks))
-
-    operand = split_view(red.operand, d)
+    cut = Unflattener(graph, node, mode)
+    add = cut.add
+    operand = cut(red.operand, d, (chunks, meta(red.operand).shape[d] // chunks))
     inner = [r if r < d else r + 1 for r in red.dims]  # d itself -> the dim inside a chunk
     kwargs = dict(node.kwargs)
     dtype = meta(node).dtype
@@ -205,60 +152,5 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
                        name=f"{node.name}_rounded")
     node.replace_all_uses_with(combined)
     graph.erase_node(node)
-    _erase_dead(graph, red.operand)
-    for new in reversed(made):  # steps of a view pushed further up, which nothing reads
-        if not new.users:
-            graph.erase_node(new)
+    cut.finish(red.operand)
     return partial
-
-
-def _pushable(value: fx.Node) -> bool:
-    """A pointwise op whose tensor inputs are plain positional arguments that broadcast to its
-    shape: viewing its result equals computing it from views of its inputs."""
-    if value.op != "call_function" or not isinstance(value.target, torch._ops.OpOverload) \
-            or ops.classify(value.target) != ops.POINTWISE:
-        return False
-    tensors = [a for a in value.args if isinstance(a, fx.Node)]
-    if not tensors or any(isinstance(a, (list, tuple)) for a in value.args) or \
-            any(isinstance(v, fx.Node) for v in value.kwargs.values()):
-        return False
-    shape = tuple(meta(value).shape)
-    return all(isinstance(a.meta.get("fusec"), TensorMeta)
-               and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
-
-
-def _unflattens(value: fx.Node) -> tuple[int, tuple] | None:
-    """(dim, parts) when `value` is a view that only cuts one dim of its input in parts."""
-    if value.op != "call_function" or value.target is not aten.view.default:
-        return None
-    base, shape = list(meta(value.args[0]).shape), list(meta(value).shape)
-    extra = len(shape) - len(base)
-    for e in range(len(base)):
-        parts = tuple(shape[e:e + extra + 1])
-        if shape[:e] == base[:e] and shape[e + extra + 1:] == base[e + 1:] and extra > 0 \
-                and math.prod(parts) == base[e]:
-            return e, parts
-    return None
-
-
-def _broadcasts(small: tuple, big: tuple) -> bool:
-    if len(small) > len(big):
-        return False
-    return all(s in (1, b) for s, b in zip(small, big[len(big) - len(small):]))
-
-
-def _cut(shape: list, dim: int, chunks: int) -> list:
-    return shape[:dim] + [chunks, shape[dim] // chunks] + shape[dim + 1:]
-
-
-def _erase_dead(graph: fx.Graph, value: fx.Node) -> None:
-    """Remove the pointwise chain that only the split reduction read."""
-    todo = [value]
-    while todo:
-        n = todo.pop()
-        if n.op == "call_function" and not n.users and (
-                ops.classify(n.target) in (ops.POINTWISE, ops.VIEW)
-                if isinstance(n.target, torch._ops.OpOverload) else False):
-            inputs = n.all_input_nodes
-            graph.erase_node(n)
-            todo += inputs

@@ -275,8 +275,9 @@ def test_explain(target):
     assert {"backend", "stages", "refusals", "kernels", "schedule", "externs"} <= set(d)
     assert d["backend"] == backend
     assert [s["after"] for s in d["stages"]] == ["capture", "fold_constants", "dce", "cse",
-                                                "reinplace", "unfuse_bias", "small_matmul", "pad_matmul", "layout",
-                                                "fuse_pointwise", "fuse_reductions", "schedule"]
+                                                "reinplace", "unfuse_bias", "small_matmul", "pad_matmul", "pooling",
+                                                "layout", "split_reductions", "fuse_pointwise",
+                                                "fuse_reductions", "schedule"]
     assert "aten.mm.default" in d["stages"][0]["graph"]
     assert [k["name"] for k in d["kernels"]] == ["fused_sin_0", "fused_add_1"]
     assert d["kernels"][0]["ops"] == ["aten.sin.default"]

@@ -1,0 +1,161 @@
+"""Cutting a dim of a computed value into parts, without ending its kernel.
+
+Two passes view a value with one of its dims cut in parts: split_reductions cuts a reduced dim
+into chunks (`(N, C, H, W) -> (N, C, 8, H/8, W)`), pooling cuts H and W into windows
+(`-> (N, C, H/2, 2, W/2, 2)`). A view of a *computed* value would end that value's kernel: it is
+stored whole, then read back through the view (passes/fuse_pointwise.py). But a pointwise op
+commutes with such a view, so the view can be moved up to what the op reads:
+
+    view(sigmoid(x) * w, [N, C, 8, H/8, W])   ==   sigmoid(view(x, [N, C, 8, H/8, W])) * view(w, [C, 1, 1, 1])
+
+and a view of a program input (or of an extern's result) folds into the kernel's load indices.
+`Unflattener(graph, before, mode)(value, dim, parts)` builds the right-hand side: it walks up
+through pointwise ops whose inputs broadcast to their shape, gives each input the same cut (an
+input that broadcasts along the cut dim gets a 1 for each part instead; one that does not reach
+it from the left stays as it is), and ends at anything else with a plain `view`. A view that is
+itself such a cut of a pointwise value (group norm's `(N, C, ...) -> (N, G, C/G, ...)`) is
+pushed up the same way first. The original ops stay for their other readers; `finish` removes
+what nothing reads any more.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import TensorMeta
+
+from .grouping import meta
+from .layout import _run_fake, _set_meta
+
+aten = torch.ops.aten
+
+
+class Unflattener:
+    """Builds cut views of values before `before` in `graph` (see the module docstring)."""
+
+    def __init__(self, graph: fx.Graph, before: fx.Node, mode):
+        self.graph, self.before, self.mode = graph, before, mode
+        self.memo: dict = {}
+        self.made: list[fx.Node] = []
+
+    def add(self, target, args, kwargs=None, like=None, name=None) -> fx.Node:
+        """A new node before `before`, with its fake value and meta."""
+        with self.graph.inserting_before(self.before):
+            new = self.graph.call_function(target, args, kwargs or {})
+        if name:
+            new._rename(name)
+        val = _run_fake(self.mode, new)
+        if val is None:
+            raise RuntimeError(f"fusec: {new.format_node()} does not run on its fake inputs")
+        _set_meta(new, val, like=like or self.before)
+        self.made.append(new)
+        return new
+
+    def __call__(self, value: fx.Node, dim: int, parts: tuple) -> fx.Node:
+        """`value` viewed with dim `dim` cut in `parts` (sizes whose product is its length)."""
+        key = (value, dim, tuple(parts))
+        if key in self.memo:
+            return self.memo[key]
+        shape = list(meta(value).shape)
+        cut = unflattens(value)
+        if cut is not None and pushable(value.args[0]):
+            value = self(value.args[0], *cut)  # the same values, now computed by a pointwise op
+        if pushable(value):
+            args = [self._arg(a, shape, dim, tuple(parts)) for a in value.args]
+            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                           name=f"{value.name}_cut")
+        else:
+            new = self.add(aten.view.default, (value, shape[:dim] + list(parts) + shape[dim + 1:]),
+                           like=value, name=f"{value.name}_cut")
+        self.memo[key] = new
+        return new
+
+    def narrow(self, value: fx.Node, dim: int, length: int) -> fx.Node:
+        """`value[..., :length, ...]` along `dim` (a slice, the other view pooling needs), moved
+        up through pointwise ops the same way."""
+        key = (value, dim, "narrow", length)
+        if key in self.memo:
+            return self.memo[key]
+        shape = list(meta(value).shape)
+        if pushable(value):
+            args = []
+            for a in value.args:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta):
+                    ashape = list(meta(a).shape)
+                    p = dim - (len(shape) - len(ashape))
+                    if p >= 0 and ashape[p] == shape[dim]:
+                        a = self.narrow(a, p, length)
+                args.append(a)
+            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                           name=f"{value.name}_narrowed")
+        else:
+            new = self.add(aten.slice.Tensor, (value, dim, 0, length), like=value,
+                           name=f"{value.name}_narrowed")
+        self.memo[key] = new
+        return new
+
+    def _arg(self, a, shape, dim, parts):
+        if not isinstance(a, fx.Node) or not isinstance(a.meta.get("fusec"), TensorMeta):
+            return a
+        ashape = list(meta(a).shape)
+        p = dim - (len(shape) - len(ashape))  # a's dims align with the right end of value's
+        if p < 0:
+            return a  # a broadcasts over the cut dim from the left: nothing changes
+        if ashape[p] == shape[dim]:
+            return self(a, p, parts)
+        return self.add(aten.view.default, (a, ashape[:p] + [1] * len(parts) + ashape[p + 1:]),
+                        like=a, name=f"{a.name}_unsqueezed")
+
+    def finish(self, *originals: fx.Node) -> None:
+        """Remove the nodes made here that nothing reads (steps of a view pushed further up),
+        and the pointwise chains behind `originals` that only the rewritten node read."""
+        for new in reversed(self.made):
+            if not new.users:
+                self.graph.erase_node(new)
+        todo = list(originals)
+        while todo:
+            n = todo.pop()
+            if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
+                    and isinstance(n.target, torch._ops.OpOverload) \
+                    and ops.classify(n.target) in (ops.POINTWISE, ops.VIEW):
+                inputs = n.all_input_nodes
+                self.graph.erase_node(n)
+                todo += inputs
+
+
+def pushable(value: fx.Node) -> bool:
+    """A pointwise op whose tensor inputs are plain positional arguments that broadcast to its
+    shape: viewing its result equals computing it from views of its inputs."""
+    if value.op != "call_function" or not isinstance(value.target, torch._ops.OpOverload) \
+            or ops.classify(value.target) != ops.POINTWISE:
+        return False
+    tensors = [a for a in value.args if isinstance(a, fx.Node)]
+    if not tensors or any(isinstance(a, (list, tuple)) for a in value.args) or \
+            any(isinstance(v, fx.Node) for v in value.kwargs.values()):
+        return False
+    shape = tuple(meta(value).shape)
+    return all(isinstance(a.meta.get("fusec"), TensorMeta)
+               and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
+
+
+def unflattens(value: fx.Node) -> tuple[int, tuple] | None:
+    """(dim, parts) when `value` is a view that only cuts one dim of its input in parts."""
+    if value.op != "call_function" or value.target is not aten.view.default:
+        return None
+    base, shape = list(meta(value.args[0]).shape), list(meta(value).shape)
+    extra = len(shape) - len(base)
+    for e in range(len(base)):
+        parts = tuple(shape[e:e + extra + 1])
+        if shape[:e] == base[:e] and shape[e + extra + 1:] == base[e + 1:] and extra > 0 \
+                and math.prod(parts) == base[e]:
+            return e, parts
+    return None
+
+
+def _broadcasts(small: tuple, big: tuple) -> bool:
+    if len(small) > len(big):
+        return False
+    return all(s in (1, b) for s, b in zip(small, big[len(big) - len(small):]))
