@@ -73,6 +73,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     """Split each reduction of few long rows in two (see the module docstring)."""
     decisions = []
     mode = None
+    views: dict = {}  # (value, shape) -> its cut view: reductions of one value share it
     todo = list(reversed(gm.graph.nodes))
     while todo:
         node = todo.pop()
@@ -93,7 +94,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         d, chunks = plan
         mode = mode or _fake_mode(gm)
-        partial = _split(gm, node, red, d, chunks, mode)
+        partial = _split(gm, node, red, d, chunks, mode, views)
         todo.append(partial)  # its rows may still be too few: cut another dim (see above)
         decisions.append(Decision(node.name, True, (
             f"{rows} row(s) of {k} elements ({programs} program(s)) -> {rows * chunks} rows of "
@@ -101,6 +102,9 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             f"{chunks}: dim {d} of {tuple(meta(red.operand).shape)} cut in {chunks} chunks")))
     record_of(gm).split_reductions = decisions
     if any(taken for _, taken, _ in decisions):
+        # `x.sum()` and `x.mean()` read one value; split, their partial sums are two copies of
+        # one reduction of one view (the views of values are shared, `views` below)
+        _merge_equal_reductions(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return gm
@@ -128,11 +132,11 @@ def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,
 
 
 def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, chunks: int,
-           mode) -> fx.Node:
+           mode, views: dict) -> fx.Node:
     """Replace `node` by a reduction of chunks and a reduction of their results; return the
     first."""
     graph = gm.graph
-    cut = Unflattener(graph, node, mode)
+    cut = Unflattener(graph, node, mode, views)
     add = cut.add
     operand = cut(red.operand, d, (chunks, meta(red.operand).shape[d] // chunks))
     inner = [r if r < d else r + 1 for r in red.dims]  # d itself -> the dim inside a chunk
@@ -154,3 +158,29 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
     graph.erase_node(node)
     cut.finish(red.operand)
     return partial
+
+
+def _merge_equal_reductions(graph: fx.Graph) -> None:
+    """Replace each reduction that repeats an earlier one (same op, same arguments) by it.
+    Only reductions: a pointwise op that two kernels both compute stays computed twice, since
+    sharing it would make one kernel store it for the other."""
+    seen: dict = {}
+    for node in list(graph.nodes):
+        if ops.reduction(node) is None:
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if v is not None
+                  and not (k == "dtype" and v == meta(node.args[0]).dtype)}  # a cast to itself
+        key = (node.target, node.args, tuple(sorted(kwargs.items(), key=str)))
+        try:
+            kept = seen.setdefault(_hashable(key), node)
+        except TypeError:
+            continue
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            graph.erase_node(node)
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value

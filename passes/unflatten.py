@@ -36,9 +36,12 @@ aten = torch.ops.aten
 class Unflattener:
     """Builds cut views of values before `before` in `graph` (see the module docstring)."""
 
-    def __init__(self, graph: fx.Graph, before: fx.Node, mode):
+    def __init__(self, graph: fx.Graph, before: fx.Node, mode, views: dict | None = None):
         self.graph, self.before, self.mode = graph, before, mode
         self.memo: dict = {}
+        # plain views of values that are not pointwise, shared with other Unflatteners given the
+        # same dict (two reductions of one input then read it through one view node)
+        self.views = {} if views is None else views
         self.made: list[fx.Node] = []
 
     def add(self, target, args, kwargs=None, like=None, name=None) -> fx.Node:
@@ -68,8 +71,12 @@ class Unflattener:
             new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
                            name=f"{value.name}_cut")
         else:
-            new = self.add(aten.view.default, (value, shape[:dim] + list(parts) + shape[dim + 1:]),
-                           like=value, name=f"{value.name}_cut")
+            new_shape = shape[:dim] + list(parts) + shape[dim + 1:]
+            new = self.views.get((value, tuple(new_shape)))
+            if new is None or getattr(new, "_erased", False):
+                new = self.add(aten.view.default, (value, new_shape), like=value,
+                               name=f"{value.name}_cut")
+                self.views[(value, tuple(new_shape))] = new
         self.memo[key] = new
         return new
 
@@ -115,6 +122,8 @@ class Unflattener:
         for new in reversed(self.made):
             if not new.users:
                 self.graph.erase_node(new)
+                for k in [k for k, v in self.views.items() if v is new]:
+                    del self.views[k]
         todo = list(originals)
         while todo:
             n = todo.pop()

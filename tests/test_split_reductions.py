@@ -27,6 +27,7 @@ def split_here(monkeypatch):
     monkeypatch.setattr(split_module, "LONG_PROGRAM", 2048)
     monkeypatch.setattr(split_module, "MIN_CHUNK", 256)
     monkeypatch.setattr(decompositions, "GROUP_NORM_PER_CHANNEL_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(decompositions, "GROUP_NORM_LONG_ROWS", 2048)
 
 
 def split_details(fn, *args, backend):
@@ -158,8 +159,9 @@ def test_group_norm_per_channel_then_a_mean(target, split_here, layout, affine):
 
 
 @pytest.mark.parametrize("shape", [(3, 6), (2, 6, 50), (2, 6, 5, 7, 9)])
-def test_group_norm_per_channel_ranks(target, split_here, shape):
+def test_group_norm_per_channel_ranks(target, split_here, shape, monkeypatch):
     backend, device = target
+    monkeypatch.setattr(decompositions, "GROUP_NORM_LONG_ROWS", 1)  # every group norm
     x = _randn(shape, device) * 3 + 1
     w, b = _randn((6,), device, seed=1), _randn((6,), device, seed=2)
     assert_matches(lambda x: F.group_norm(x, 3, w, b, eps=1e-3) * 2, x, backend=backend)
