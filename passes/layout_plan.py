@@ -44,6 +44,12 @@ SPEEDUP = {
     ("cuda", 3, False, torch.float16): 1.45,
 }
 
+# Depthwise 2-D convolutions (groups = input channels) on CUDA are not FLOP-bound: in NCHW eager
+# runs ATen's own `conv_depthwise2d` kernel, which streamed 0.82 TB/s (input + output bytes) at
+# KernelBench-style 18_'s size on an H200 (32 x 32 x 128 x 128 f32: 0.164 ms), where cuDNN's
+# channels-last kernel took 0.049 ms (3.3x). Their time is priced from bytes, not FLOPs.
+DEPTHWISE = {("cuda", torch.float32): (0.82e12, 3.3)}  # (NCHW bytes/s, channels-last speedup)
+
 # Rough sustained throughput, to turn FLOPs and bytes into the same unit (seconds). Only their
 # ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
 # Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at

@@ -381,3 +381,22 @@ def test_group_norm_walks_its_groups_in_memory_order(channels_last, target):
     (gn,) = [k for k in cf.kernels if hasattr(k.ir, "k_shape")]
     loads = [l for l in gn.ir.loads if any(l.index.strides[len(gn.ir.row_shape):])]
     assert loads and all(l.index.strides[-1] == 1 for l in loads), gn.ir
+
+
+def test_a_depthwise_convolution_is_priced_from_its_bytes(target):
+    """A depthwise conv2d does little arithmetic per byte: in NCHW eager runs ATen's own
+    memory-bound kernel, which cuDNN's channels-last kernel beats 3.3x on an H200. Priced by
+    FLOPs alone it would never pay for its conversions; on CUDA it is priced from its bytes."""
+    backend, device = target
+    x, w, b = conv_args(device, n=4, cin=32, cout=32, hw=(64, 64), groups=32)
+
+    def fn(x, w, b):
+        return torch.clamp(F.conv2d(x, w, b, padding=1, groups=32), 0, 6)
+
+    plan, _ = plan_of(fn, x, w, b)
+    if device == "cuda":
+        assert plan.choice == "channels_last", plan.reason
+        assert "depthwise conv2d f32 on cuda" in plan.convs[0].reason
+    else:  # the CPU's oneDNN has its own cost (SPEEDUP), and no depthwise rule
+        assert all("depthwise" not in c.reason for c in plan.convs)
+    check(fn, x, w, b, backend=backend)

@@ -210,6 +210,24 @@ def _compute_dtype(x):
     return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
+@register(aten.mish.default)
+def mish(x):
+    """x * tanh(softplus(x)) with one exp instead of exp, log1p and tanh: with n = e^x,
+    tanh(log(1 + n)) = ((1 + n)^2 - 1) / ((1 + n)^2 + 1) = n(n + 2) / (n(n + 2) + 2). The
+    same number up to a few ulp, at a third of the transcendental work: a conv followed by mish
+    is bound by that math on a GPU (KernelBench-style 2_conv2d_mish_mish: 0.195 ms for the
+    kernel on an H200, Inductor's 0.148). x is clamped to 20 first, where the ratio is 1.0 in
+    float32 already and n(n + 2) cannot overflow; -inf gives -inf * 0 = NaN, as eager's does."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    dtype = _compute_dtype(x)
+    wide = x if x.dtype == dtype else aten._to_copy.default(x, dtype=dtype)
+    n = aten.exp.default(aten.clamp_max.default(wide, 20.0))
+    t = aten.mul.Tensor(n, aten.add.Tensor(n, 2.0))
+    out = aten.mul.Tensor(wide, aten.div.Tensor(t, aten.add.Tensor(t, 2.0)))
+    return out if out.dtype == x.dtype else aten._to_copy.default(out, dtype=x.dtype)
+
+
 @register(aten.native_group_norm.default)
 def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
     # views first, casts after: a view of an input folds into a load index, a view of a
