@@ -164,6 +164,7 @@ class PassRecord:
     fold_constants: list[Folded] = field(default_factory=list)
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)
+    simplify: list[Decision] = field(default_factory=list)
     reinplace: list[Reinplaced] = field(default_factory=list)
     unfuse_bias: list[Unfused] = field(default_factory=list)
     small_matmul: list[Decision] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
+    PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
                 layout, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
@@ -26,11 +26,12 @@ from .pad_matmul import pad_matmul
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule
+from .simplify import simplify
 from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, dce, cse, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
+PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
             layout, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

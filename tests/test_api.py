@@ -275,7 +275,7 @@ def test_explain(target):
     assert {"backend", "stages", "refusals", "kernels", "schedule", "externs"} <= set(d)
     assert d["backend"] == backend
     assert [s["after"] for s in d["stages"]] == ["capture", "fold_constants", "dce", "cse",
-                                                "reinplace", "unfuse_bias", "small_matmul", "pad_matmul", "pooling",
+                                                "simplify", "reinplace", "unfuse_bias", "small_matmul", "pad_matmul", "pooling",
                                                 "layout", "split_reductions", "fuse_pointwise",
                                                 "fuse_reductions", "schedule"]
     assert "aten.mm.default" in d["stages"][0]["graph"]

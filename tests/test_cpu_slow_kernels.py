@@ -203,3 +203,24 @@ def test_cpu_attention_is_eagers_flash_kernel(causal):
         text = cf.source()
         assert "aten._scaled_dot_product_flash_attention_for_cpu" in text and "bmm" not in text
     assert "_scaled_dot_product_flash_attention_for_cpu" in str(fusec.explain(f, q, k, v, backend="cpp"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_tanh_of_softplus_is_one_exp(target, dtype):
+    """x * tanh(softplus(x)) written out (KernelBench-style 12_): passes/simplify.py makes it one
+    exp and a division, within a few ulp of eager on NaN, infinities, overflow and underflow."""
+    import fusec
+    backend, device = target
+    x = special(3, 5, 67, dtype=dtype, device=device)
+    fn = lambda x: x * torch.tanh(F.softplus(x))  # noqa: E731
+    cf = assert_matches(fn, x, backend=backend, kernels=1)
+    ops = cf.kernels[0].ops
+    assert "aten.exp.default" in ops and "aten.tanh.default" not in ops \
+        and "aten.log1p.default" not in ops, ops
+    d = fusec.explain(fn, x, backend=backend).to_dict()
+    (change,) = [c for c in d["passes"] if c["after"] == "simplify"]
+    assert any(": rewritten: tanh(softplus(x))" in line for line in change["details"]), change
+    # other thresholds and betas, and half precision, keep torch's form
+    assert_matches(lambda x: torch.tanh(F.softplus(x, beta=2)), x, backend=backend)
+    half = assert_matches(fn, x.to(torch.bfloat16), backend=backend)
+    assert any("aten.tanh.default" in k.ops for k in half.kernels)

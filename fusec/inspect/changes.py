@@ -81,6 +81,11 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 if any(t for _, t, _ in decisions):
                     parts.append(f"padded {sum(1 for _, t, _ in decisions if t)} misaligned matmul(s)")
                 details += [f"{name}: {'padded' if t else 'kept'}: {why}" for name, t, why in decisions]
+            if snap.after == "simplify" and record.simplify:
+                decisions = record.simplify
+                if any(t for _, t, _ in decisions):
+                    parts.append(f"{sum(1 for _, t, _ in decisions if t)} expression(s) simplified")
+                details += [f"{name}: {'rewritten' if t else 'kept'}: {why}" for name, t, why in decisions]
             if snap.after == "pooling" and record.pooling:
                 decisions = record.pooling
                 if any(t for _, t, _ in decisions):

@@ -1,0 +1,100 @@
+"""Simplify: the same values from fewer transcendental functions.
+
+A fused pointwise kernel after a convolution is often bound by its math, not its memory: each
+`exp`, `log1p` or `tanh` is tens of instructions per element. One composition is common enough to
+have a name, mish, and is also written out by hand (`x * torch.tanh(F.softplus(x))`):
+
+    tanh(softplus(x)) = tanh(log(1 + e^x)) = ((1 + n)^2 - 1) / ((1 + n)^2 + 1) = n(n + 2) / (n(n + 2) + 2)
+
+with n = e^x: one exp and a division instead of exp, log1p and tanh. torch's softplus (beta 1,
+threshold 20) is `where(x > 20, x, log1p(exp(x)))`, and this pass rewrites
+
+    before                                          after
+    e = exp(x); l = log1p(e)                        c = clamp_max(x, 20.0); n = exp(c)
+    w = where(gt(x, 20), x, l)                      t = n * (n + 2)
+    y = tanh(w)                                     y = t / (t + 2)
+
+Above 20 both sides give 1.0 in float32 (and the clamp keeps n(n + 2) finite); NaN stays NaN,
+-inf gives 0 as eager does. The result differs from eager's by a few ulp (docs/passes/
+simplify.md has the measurement). Only float32 and float64: in half precision eager rounds
+after every op of the spelled-out form, and this pass would not. `F.mish` itself is decomposed
+the same way at capture (capture/decompositions.py, `mish`), for every float dtype, since eager's
+mish kernel rounds once. Each rewrite is a `Decision` in `record_of(gm).simplify`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.record import Decision, record_of
+
+from .grouping import meta
+
+aten = torch.ops.aten
+
+
+def simplify(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite tanh(softplus(x)) as one exp and a division (see the module docstring)."""
+    decisions = []
+    graph = gm.graph
+    for node in list(graph.nodes):
+        x = _tanh_of_softplus(node)
+        if x is None:
+            continue
+        if meta(x).dtype not in (torch.float32, torch.float64):
+            decisions.append(Decision(node.name, False, f"{meta(x).dtype}: eager rounds after "
+                                      "every op of softplus and tanh"))
+            continue
+        with graph.inserting_before(node):
+            n = graph.call_function(aten.exp.default, (
+                graph.call_function(aten.clamp_max.default, (x, 20.0)),))
+            t = graph.call_function(aten.mul.Tensor, (
+                n, graph.call_function(aten.add.Tensor, (n, 2.0))))
+            ratio = graph.call_function(aten.div.Tensor, (
+                t, graph.call_function(aten.add.Tensor, (t, 2.0))))
+        for new in (n.args[0], n, t.args[1], t, ratio.args[1], ratio):
+            new.meta.update({k: node.meta[k] for k in ("val", "fusec") if k in node.meta})
+        ratio._rename(f"{node.name}_softplus")
+        old = node.args[0]
+        node.replace_all_uses_with(ratio)
+        graph.erase_node(node)
+        _erase_dead(graph, old)
+        decisions.append(Decision(ratio.name, True, f"tanh(softplus({x.name})) as "
+                                  "n(n + 2) / (n(n + 2) + 2), n = exp(x): one exp instead of "
+                                  "exp, log1p and tanh"))
+    record_of(gm).simplify = decisions
+    if any(t for _, t, _ in decisions):
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _tanh_of_softplus(node: fx.Node) -> fx.Node | None:
+    """x when node is tanh(where(gt(x, 20), x, log1p(exp(x)))), else None."""
+    if node.op != "call_function" or node.target is not aten.tanh.default:
+        return None
+    where = node.args[0]
+    if not _is(where, aten.where.self) or len(where.args) != 3:
+        return None
+    gt, x, log1p = where.args
+    if not (_is(gt, aten.gt.Scalar) and gt.args[0] is x and gt.args[1] == 20
+            and _is(log1p, aten.log1p.default) and _is(log1p.args[0], aten.exp.default)
+            and log1p.args[0].args[0] is x):
+        return None
+    return x
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
+                and isinstance(n.target, torch._ops.OpOverload) \
+                and ops.classify(n.target) == ops.POINTWISE:
+            todo += n.all_input_nodes
+            graph.erase_node(n)
