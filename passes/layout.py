@@ -54,8 +54,8 @@ from fusec.graphmodule import copy_graph_module
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
 
-from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, SPEEDUP, ConvChoice,  # noqa: F401
-                          Conversion, LayoutPlan, speedup)
+from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, PER_THREAD, SPEEDUP,  # noqa: F401
+                          ConvChoice, Conversion, LayoutPlan, speedup)
 from .schedule import _dense, _fake_mode
 
 aten = torch.ops.aten
@@ -277,7 +277,9 @@ def _price_conv(node: fx.Node) -> ConvChoice:
         flops = 2 * out.numel() * (x.shape[1] // groups) * window
     s, reason = speedup(str(out.device), spatial, transposed, out.dtype)
     kind = "cuda" if out.device.type == "cuda" else "cpu"
-    gain = flops / FLOPS[kind, spatial == 2 and not transposed] * (1 - 1 / s)
+    rate = FLOPS[kind, spatial == 2 and not transposed] * (
+        torch.get_num_threads() if kind in PER_THREAD else 1)
+    gain = flops / rate * (1 - 1 / s)
     what = f"{'conv_transpose' if transposed else 'conv'}{spatial}d {TensorMeta.of(out)}"
     depthwise = DEPTHWISE.get((kind, out.dtype))
     if depthwise and s > 1.0 and spatial == 2 and not transposed and groups > 1 \
