@@ -43,8 +43,13 @@ from .render import render_template
 # move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
 # (libm, one element per call); without it, gcc calls libmvec's 8-wide versions. Results are the
 # same functions' results; only the errno side effect is dropped.
+# -fno-thread-jumps: jump threading copies the rest of a loop body once per outcome of a branch
+# whose condition it can predict from an earlier one. `gelu(leaky_relu(relu(x)))` tests x < 0 in
+# relu and relu > 0 in leaky_relu; threaded, the body held two gelus, and once vectorized (both
+# sides of a select are computed) every element paid two exps: 2x eager's time for that chain
+# (KernelBench-style 23_ at 0.81x eager on one core). Vectorized loops have no branches to gain.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
-         "-std=c++17", "-shared", "-fPIC"]
+         "-fno-thread-jumps", "-std=c++17", "-shared", "-fPIC"]
 
 # Note (tiles for transposed reads): the loop order follows the first output's layout, so an input
 # laid out the other way (x.t() next to a row-major y) is read with a large stride on every inner
