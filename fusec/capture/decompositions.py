@@ -249,7 +249,7 @@ def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
     var, mean = _var(grouped, dims, 0, True)
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
     stats = (aten.view.default(narrow(mean), [n, groups]), aten.view.default(narrow(rstd), [n, groups]))
-    if x.device.type in GROUP_NORM_PER_CHANNEL_DEVICES and n * groups < GROUP_NORM_FEW_ROWS \
+    if x.device.type in GROUP_NORM_PER_CHANNEL_DEVICES \
             and (c // groups) * math.prod(spatial) >= GROUP_NORM_LONG_ROWS:
         # (see the note on group norm per channel below)
         def per_channel(t):
@@ -271,9 +271,11 @@ def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
     return (out,) + stats
 
 
-# Note (group norm per channel). On a GPU, when N * groups rows are few and long, the group
-# norm's statistics become split reductions (passes/split_reductions.py, the same thresholds as
-# GROUP_NORM_FEW_ROWS and GROUP_NORM_LONG_ROWS below), kernels of their own whatever the
+# Note (group norm per channel). On a GPU, when a group's rows are long (GROUP_NORM_LONG_ROWS,
+# fuse_reductions' LONG_PROGRAM), one program per row is slow at normalizing: 256 rows of 131072
+# elements (KernelBench-style 35_) took 0.449 ms in one grouped kernel, 0.349 as statistics plus
+# a pointwise normalization over every element. And when the rows are also few, the statistics
+# become split reductions (passes/split_reductions.py), kernels of their own whatever the
 # normalization does. The normalization is then best done in x's own
 # (N, C, *spatial) space, with the (N, groups) statistics copied out to (N, C) (a few kilobytes):
 # the ops after the norm (a scale, an activation, a pooling's input, a mean) see the same shape
@@ -281,10 +283,9 @@ def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
 # value, stored whole before the next op could read it (one more pass over the activation,
 # KernelBench-style 6_, 24_ and 28_). On the CPU the grouped form stays: one reduction kernel
 # computes the statistics and normalizes while the group's rows are in cache, and so it does on
-# a GPU when the rows are many or short (one kernel instead of four).
+# a GPU when the rows are short (one kernel instead of four).
 GROUP_NORM_PER_CHANNEL_DEVICES = ("cuda",)
-GROUP_NORM_FEW_ROWS = 132  # passes/fuse_reductions.py FEW_PROGRAMS (capture imports no pass)
-GROUP_NORM_LONG_ROWS = 1 << 16  # ... and LONG_PROGRAM
+GROUP_NORM_LONG_ROWS = 1 << 16  # passes/fuse_reductions.py LONG_PROGRAM (capture imports no pass)
 
 
 @register(aten._native_batch_norm_legit_no_training.default)
