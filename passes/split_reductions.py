@@ -45,6 +45,8 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -74,6 +76,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
     decisions = []
     mode = None
     views: dict = {}  # (value, shape) -> its cut view: reductions of one value share it
+    splits: dict = {}  # combined node -> (operand, dims, dim cut, chunks, partial): see variance
     todo = list(reversed(gm.graph.nodes))
     while todo:
         node = todo.pop()
@@ -94,9 +97,15 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         d, chunks = plan
         mode = mode or _fake_mode(gm)
-        partial = _split(gm, node, red, d, chunks, mode, views)
+        mean = _deviations_from(node, red, splits, d, chunks)
+        if mean is not None:
+            partial, combined = _split_variance(gm, node, red, mean, splits, mode, views)
+        else:
+            partial, combined = _split(gm, node, red, d, chunks, mode, views)
+            splits[combined] = (red.operand, red.dims, d, chunks, partial)
         todo.append(partial)  # its rows may still be too few: cut another dim (see above)
-        decisions.append(Decision(node.name, True, (
+        decisions.append(Decision(node.name, True, ("one pass with the chunks' own means "
+                                                    "(see variance) " if mean is not None else "") + (
             f"{rows} row(s) of {k} elements ({programs} program(s)) -> {rows * chunks} rows of "
             f"{k // chunks} ({-(-rows * chunks // per_program)} programs), then {rows} row(s) of "
             f"{chunks}: dim {d} of {tuple(meta(red.operand).shape)} cut in {chunks} chunks")))
@@ -132,9 +141,8 @@ def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,
 
 
 def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, chunks: int,
-           mode, views: dict) -> fx.Node:
-    """Replace `node` by a reduction of chunks and a reduction of their results; return the
-    first."""
+           mode, views: dict) -> tuple[fx.Node, fx.Node]:
+    """Replace `node` by a reduction of chunks and a reduction of their results; return both."""
     graph = gm.graph
     cut = Unflattener(graph, node, mode, views)
     add = cut.add
@@ -157,7 +165,80 @@ def _split(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, d: int, ch
     node.replace_all_uses_with(combined)
     graph.erase_node(node)
     cut.finish(red.operand)
-    return partial
+    return partial, combined
+
+
+# Note (variance from the chunks' own means). A variance is two reductions (capture/
+# decompositions.py, `_var`): the mean, then the sum of squared deviations from it, so split they
+# read the activation twice, and the second pass needs the whole row's mean first. Chan, Golub and
+# LeVeque's parallel formula needs no global mean: with each chunk's count n_c, mean m_c and sum
+# of squared deviations from its own mean M2_c,
+#
+#     sum((x - mean)^2) = sum over chunks of (M2_c + n_c * (m_c - mean)^2)
+#
+# exactly (the cross terms sum to zero). M2_c is a second phase of the kernel that sums the chunk
+# (the chunk's mean is one of its row values, as in a layer norm), so the activation is read once
+# from memory; two small reductions over the chunks add the M2_c and the corrections. It is as stable as the two-pass
+# form (each deviation is taken from a nearby mean) and is how Welford-style variances combine.
+def _deviations_from(node: fx.Node, red: ops.ReductionCall, splits: dict, d: int,
+                     chunks: int) -> fx.Node | None:
+    """The split mean `node` sums squared deviations from, when it is `sum((x - m)^2)` with
+    m = sum(x) / n reduced over the same dims and cut the same way, else None."""
+    if red.op.name != "sum" or meta(node).dtype not in (torch.float32, torch.float64):
+        return None
+    sq = red.operand
+    if not _call(sq, aten.mul.Tensor) or sq.args[0] is not sq.args[1] or sq.kwargs:
+        return None
+    dev = sq.args[0]
+    if not _call(dev, aten.sub.Tensor) or len(dev.args) != 2 or dev.kwargs:
+        return None
+    x, mean = dev.args
+    if not _call(mean, aten.div.Tensor) or mean.args[0] not in splits:
+        return None
+    operand, dims, d1, chunks1, partial = splits[mean.args[0]]
+    if operand is not x or dims != red.dims or (d1, chunks1) != (d, chunks) \
+            or getattr(partial, "_erased", False) or not _call(partial, node.target):
+        return None
+    n = math.prod(meta(x).shape[i] for i in dims)
+    return mean if isinstance(mean.args[1], (int, float)) and mean.args[1] == n else None
+
+
+def _split_variance(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, mean: fx.Node,
+                    splits: dict, mode, views: dict) -> tuple[fx.Node, fx.Node]:
+    """Replace `node` (sum((x - mean)^2)) by the chunks' M2 and its corrections (see the note)."""
+    graph = gm.graph
+    x, dims, d, chunks, sums = splits[mean.args[0]]
+    cut = Unflattener(graph, node, mode, views)
+    add = cut.add
+    n_chunk = mean.args[1] // chunks
+    chunk_mean = add(aten.div.Tensor, (sums, n_chunk), name=f"{node.name}_chunk_mean")
+    dev = add(aten.sub.Tensor, (cut(x, d, (chunks, meta(x).shape[d] // chunks)), chunk_mean),
+              name=f"{node.name}_chunk_dev")
+    inner = [r if r < d else r + 1 for r in red.dims]
+    m2 = add(node.target, (add(aten.mul.Tensor, (dev, dev)), inner, True), dict(node.kwargs),
+             name=f"{node.name}_partial")
+    shape = list(meta(mean).shape)
+    mean_cut = add(aten.view.default, (mean, shape[:d + 1] + [1] + shape[d + 1:]),
+                   name=f"{mean.name}_per_chunk")
+    # (the chunk means again, for the corrections: shared, the mean would be stored by one
+    # kernel for the other, and the two reductions could not share the chunk sums' kernel)
+    gap = add(aten.sub.Tensor, (add(aten.div.Tensor, (sums, n_chunk)), mean_cut))
+    dims_out = [d] if red.keepdim else sorted(inner + [d])
+    # sum(M2_c) + n_c * sum((m_c - mean)^2): two reductions over the chunks (the corrections
+    # as an epilogue of M2's kernel would make it wait for the whole row's mean)
+    m2_sum = add(node.target, (m2, dims_out, False), name=f"{node.name}_combined")
+    gaps = add(node.target, (add(aten.mul.Tensor, (gap, gap)), dims_out, False),
+               name=f"{node.name}_between_chunks")
+    combined = add(aten.add.Tensor, (m2_sum, add(aten.mul.Tensor, (gaps, n_chunk))),
+                   name=f"{node.name}_total")
+    node.replace_all_uses_with(combined)
+    graph.erase_node(node)
+    cut.finish(red.operand)
+    return m2, combined
+
+
+def _call(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
 
 
 def _merge_equal_reductions(graph: fx.Graph) -> None:
