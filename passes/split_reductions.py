@@ -41,7 +41,9 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
   few programs (a 3-D volume of depth 16), the first reduction is split again along the next
   dim, so a row may be added up in three steps;
 * a float16/bfloat16 sum keeps its partial sums in float32 and rounds once, after the second
-  reduction, as eager's kernel does (rounding each partial would lose bits).
+  reduction, as eager's kernel does (rounding each partial would lose bits);
+* a variance, the sum of squared deviations from a split mean of the same value, is split with
+  the chunks' own means (the note on variance below), so the value is read once, not twice.
 """
 from __future__ import annotations
 
