@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fusec import ops
 from fusec.record import Decision, record_of
 
 from .grouping import meta
+from .unflatten import erase_dead
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         old = node.args[0]
         node.replace_all_uses_with(ratio)
         graph.erase_node(node)
-        _erase_dead(graph, old)
+        erase_dead(graph, old)
         decisions.append(Decision(ratio.name, True, f"tanh(softplus({x.name})) as "
                                   "n(n + 2) / (n(n + 2) + 2), n = exp(x): one exp instead of "
                                   "exp, log1p and tanh"))
@@ -87,14 +87,3 @@ def _tanh_of_softplus(node: fx.Node) -> fx.Node | None:
 
 def _is(node, target) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _erase_dead(graph: fx.Graph, node: fx.Node) -> None:
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
-                and isinstance(n.target, torch._ops.OpOverload) \
-                and ops.classify(n.target) == ops.POINTWISE:
-            todo += n.all_input_nodes
-            graph.erase_node(n)

@@ -124,15 +124,21 @@ class Unflattener:
                 self.graph.erase_node(new)
                 for k in [k for k, v in self.views.items() if v is new]:
                     del self.views[k]
-        todo = list(originals)
-        while todo:
-            n = todo.pop()
-            if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
-                    and isinstance(n.target, torch._ops.OpOverload) \
-                    and ops.classify(n.target) in (ops.POINTWISE, ops.VIEW):
-                inputs = n.all_input_nodes
-                self.graph.erase_node(n)
-                todo += inputs
+        erase_dead(self.graph, *originals)
+
+
+def erase_dead(graph: fx.Graph, *nodes: fx.Node) -> None:
+    """Remove `nodes` if nothing reads them, and the pointwise ops and views they read that only
+    they read, up the chain (what a rewrite left behind)."""
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
+                and isinstance(n.target, torch._ops.OpOverload) \
+                and ops.classify(n.target) in (ops.POINTWISE, ops.VIEW):
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            todo += inputs
 
 
 def pushable(value: fx.Node) -> bool:

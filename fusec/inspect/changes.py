@@ -14,6 +14,17 @@ from fusec.inspect.listing import op_kind
 from fusec.record import folded_view, record_of
 
 
+# Passes whose record is a list of Decision(node, taken, why): the summary when some were taken,
+# and the words for a taken and a refused candidate in the detail lines.
+DECISIONS = {
+    "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
+    "small_matmul": ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul"),
+    "pad_matmul": ("padded {n} misaligned matmul(s)", "padded", "kept"),
+    "pooling": ("{n} pooling(s) as reductions", "reduction", "kept"),
+    "split_reductions": ("split {n} reduction(s) of few long rows in two", "split", "kept"),
+}
+
+
 def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> list[dict]:
     """For each recorded stage: a one-line summary, detail lines, and the graph as Python."""
     changes = []
@@ -69,34 +80,15 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
                 parts.append(f"unfused {len(done)} linear bias(es)")
                 details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                             for addmm, mm, add in done]
-            if snap.after == "small_matmul" and record.small_matmul:
-                decisions = record.small_matmul
+            if snap.after in DECISIONS and getattr(record, snap.after):
+                # passes that record a Decision(node, taken, why) per candidate
+                summary, taken_word, kept_word = DECISIONS[snap.after]
+                decisions = getattr(record, snap.after)
                 taken = sum(1 for _, t, _ in decisions if t)
                 if taken:
-                    parts.append(f"{taken} matmul(s) rewritten as GEMV reductions")
-                details += [f"{name}: {'GEMV' if t else 'library matmul'}: {why}"
+                    parts.append(summary.format(n=taken))
+                details += [f"{name}: {taken_word if t else kept_word}: {why}"
                             for name, t, why in decisions]
-            if snap.after == "pad_matmul" and record.pad_matmul:
-                decisions = record.pad_matmul
-                if any(t for _, t, _ in decisions):
-                    parts.append(f"padded {sum(1 for _, t, _ in decisions if t)} misaligned matmul(s)")
-                details += [f"{name}: {'padded' if t else 'kept'}: {why}" for name, t, why in decisions]
-            if snap.after == "simplify" and record.simplify:
-                decisions = record.simplify
-                if any(t for _, t, _ in decisions):
-                    parts.append(f"{sum(1 for _, t, _ in decisions if t)} expression(s) simplified")
-                details += [f"{name}: {'rewritten' if t else 'kept'}: {why}" for name, t, why in decisions]
-            if snap.after == "pooling" and record.pooling:
-                decisions = record.pooling
-                if any(t for _, t, _ in decisions):
-                    parts.append(f"{sum(1 for _, t, _ in decisions if t)} pooling(s) as reductions")
-                details += [f"{name}: {'reduction' if t else 'kept'}: {why}" for name, t, why in decisions]
-            if snap.after == "split_reductions" and record.split_reductions:
-                decisions = record.split_reductions
-                if any(t for _, t, _ in decisions):
-                    parts.append(f"split {sum(1 for _, t, _ in decisions if t)} reduction(s) of "
-                                 "few long rows in two")
-                details += [f"{name}: {'split' if t else 'kept'}: {why}" for name, t, why in decisions]
             if snap.after == "layout" and getattr(record.layout, "convs", None):
                 plan = record.layout
                 if plan.choice != "unchanged":
