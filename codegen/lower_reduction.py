@@ -3,15 +3,14 @@ rows, its epilogue) -> one ReductionKernel (fusec.ir).
 
 The same decisions as lower.py's for pointwise kernels (index expressions, dim merging, dtypes),
 plus the reduction's own: which dims are rows and which are reduced (walked in the memory order
-of the tensor reduced), which sums can be folded into the max before them as online-softmax pairs
-(`online_softmax`), and the loop plan (`plan_loops`, fusec/loop_plan.py): what a row computes
+of the tensor reduced), which sums can share the pass before theirs (online softmax and online
+variance: lower_folds.py), and the loop plan (`plan_loops`, fusec/loop_plan.py): what a row computes
 before its loops, in each pass over k and after it, which stores are per element and which per
 row, and which costly element value the last phase may keep for the last pass (`keep_choice`).
 The backends only spell that plan.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -19,10 +18,11 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.record import group_info
-from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineSoftmax, Param, Phase,
+from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineVariance, Param, Phase,
                       Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
 
 from .lower import (_broadcast_strides, _ident, _origin, _param_list, coalesce, needs_rounding)
+from .lower_folds import online_softmax, online_variance
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -167,6 +167,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
     kernel = ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
                              varying, level, fused_ops, online_softmax(body, varying), gemv)
+    kernel.variances = online_variance(body, varying, level)
     kernel.plan = plan_loops(kernel)
     return kernel
 
@@ -214,63 +215,6 @@ def _row_order(outer: list[int], shape, in_layouts) -> list[int]:
     return list(range(len(outer)))
 
 
-def online_softmax(body: list, varying: set[str]) -> list[OnlineSoftmax]:
-    """The sums of exp(v - c) that can share a pass with amax(v) (see fusec.ir.OnlineSoftmax).
-
-    Matched exactly, so the one-pass sum equals the two-pass one (up to rounding) on every row,
-    including rows with infinities and NaN: the sum's operand is exp(sub(v, c)), through plain
-    copies only, every step in one float dtype with no rounding to half precision; the amax of
-    the same v runs in the phase just before; and c is that amax, or where(cond, K, amax) with
-    a finite constant K (logsumexp's guard for infinite rows).
-    """
-    made = {item.var.name: item for item in body}
-
-    def plain(item, op: str) -> bool:
-        return (isinstance(item, Stmt) and item.op == op and item.round_to is None
-                and item.var.dtype.is_floating_point and item.result_dtype == item.var.dtype
-                and all(isinstance(o, Var) and o.dtype == item.var.dtype for o in item.operands)
-                and all(dt == item.var.dtype for dt in item.operand_dtypes))
-
-    def through_copies(var):
-        while isinstance(var, Var) and (plain(made.get(var.name), "to") or
-                                        plain(made.get(var.name), "copy")):
-            var = made[var.name].operands[0]
-        return var
-
-    def finite_constant(o) -> bool:
-        item = made.get(o.name) if isinstance(o, Var) else None
-        if isinstance(item, Stmt) and item.op == "full" and item.var.dtype == o.dtype:
-            o = item.operands[0]
-        return isinstance(o, Const) and math.isfinite(o.value)
-
-    found = []
-    for total in body:
-        if not (isinstance(total, Reduce) and total.op == "sum" and total.round_to is None
-                and total.acc_dtype == total.var.dtype):
-            continue
-        exp = made.get(through_copies(total.operand).name)
-        sub = made.get(through_copies(exp.operands[0]).name) if plain(exp, "exp") else None
-        if not plain(sub, "sub") or sub.var.dtype != total.acc_dtype:
-            continue
-        v, shift = through_copies(sub.operands[0]), sub.operands[1]
-        if v.name not in varying or shift.name in varying:
-            continue
-        guard = made.get(shift.name)
-        if isinstance(guard, Stmt) and guard.op == "where" and guard.round_to is None \
-                and guard.operand_dtypes[1:] == (shift.dtype, shift.dtype) \
-                and guard.var.dtype == shift.dtype and finite_constant(guard.operands[1]):
-            m = guard.operands[2]
-        else:
-            m = shift
-        peak = made.get(m.name) if isinstance(m, Var) else None
-        if (isinstance(peak, Reduce) and peak.op == "amax" and through_copies(peak.operand) == v
-                and peak.phase == total.phase - 1 and peak.round_to is None
-                and peak.acc_dtype == peak.var.dtype == peak.operand.dtype == total.acc_dtype):
-            found.append(OnlineSoftmax(total.var.name, peak.var.name, peak.operand.name,
-                                       shift.name))
-    return found
-
-
 def plan_loops(kernel: ReductionKernel) -> LoopPlan:
     """The loop plan of a kernel (see the note on phases in fusec/loop_plan.py).
 
@@ -294,14 +238,15 @@ def plan_loops(kernel: ReductionKernel) -> LoopPlan:
                      and kernel.level.get(n, 0) == level)
 
     reduces = [item for item in kernel.body if isinstance(item, Reduce)]
-    by_total = {o.total: o for o in kernel.online}
+    by_total = {o.total: o for o in [*kernel.online, *kernel.variances]}
     phases = []
     for p in range(kernel.phases):
         reds = [r for r in reduces if r.phase == p]
         later = [r for r in reduces if r.phase == p + 1]  # all online sums: they may fold in
         folds = tuple(by_total[r.var.name] for r in later) \
             if later and all(r.var.name in by_total for r in later) else ()
-        loop = kernel.values_needed({r.operand.name for r in reds})
+        loop = kernel.values_needed({r.operand.name for r in reds} |
+                                    {o.value for o in folds if isinstance(o, OnlineVariance)})
         phases.append(Phase(p, tuple(r.var.name for r in reds), tuple(loop), row_values(p + 1),
                             folds))
     elements = tuple(n for n, s in enumerate(kernel.stores) if s.var.name in kernel.varying)

@@ -11,7 +11,7 @@ import re
 import torch
 
 from fusec import ops
-from fusec.ir import Index, Reduce
+from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
 from .render import render_template
 from .triton_gemv import gemv_fits, render_gemv
@@ -22,8 +22,9 @@ from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert
 
 PERSISTENT_MAX_K = 8192  # rows up to this long stay in registers; longer ones are looped over
 LOOP_RBLOCK = 2048
-# looped kernels take the loop plan's online-softmax folds (fusec/loop_plan.py, Phase.folds): a
-# phase of sums of exp(x - max) shares the pass of its max (see the note on online softmax below)
+# looped kernels take the loop plan's folds (fusec/loop_plan.py, Phase.folds): a phase of sums of
+# exp(x - max) shares the pass of its max (see the note on online softmax below), a phase of sums
+# of squared deviations shares the pass before it (the note on online variance)
 ONLINE_SOFTMAX = True
 
 
@@ -151,10 +152,13 @@ def render_reduction(kernel) -> str:
 
     note = ""
     if not persistent:
-        online = any(len(phases) > 1 for phases in passes)
+        folded = [o for phases in passes if len(phases) > 1 for o in phases[0].folds]
+        shared = (["online softmax: the max and the sum of exponentials share one"]
+                  if any(isinstance(o, OnlineSoftmax) for o in folded) else []) + \
+            (["online variance: the mean and the squared deviations share one"]
+             if any(isinstance(o, OnlineVariance) for o in folded) else [])
         note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
-                + (" (online softmax: the max and the sum of exponentials share one)."
-                   if online else "."))
+                + (" (" + "; ".join(shared) + ")." if shared else "."))
     helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
@@ -173,7 +177,9 @@ def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
     """One loop over the row of a looped kernel, covering one phase of the loop plan, or two
     when the next phase's sums of exp(x - max) ride along (`LoopPlan.passes`, online softmax):
     its accumulators before the loop, its body, and the row values computed after it."""
-    first, online = phases[0], (phases[0].folds if len(phases) > 1 else ())
+    first, folds = phases[0], (phases[0].folds if len(phases) > 1 else ())
+    online = [o for o in folds if isinstance(o, OnlineSoftmax)]
+    variances = [o for o in folds if isinstance(o, OnlineVariance)]
     reds = [producers[n][1] for n in first.reduces]
     peaks: dict[str, list] = {}  # amax -> the online sums that share its running max
     for o in online:
@@ -190,7 +196,13 @@ def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
         for o in peaks.get(r.var.name, []):
             before.append(f"acc_{o.total} = tl.full([XBLOCK, RBLOCK], 0.0, {TL[r.acc_dtype]})"
                           f"  # sum of exp(x - running max), per lane")
+    for o in variances:
+        dtype = TL[producers[o.total][1].acc_dtype]
+        before += [f"acc_{o.total}_{part} = tl.full([XBLOCK, RBLOCK], 0.0, {dtype})"
+                   for part in ("shift", "n", "mean", "m2")]
     body += [line(n) for n in first.loop]
+    for o in variances:
+        body += welford_update(o)
     for r in reds:
         red = ops.REDUCTIONS[r.op]
         x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
@@ -219,13 +231,17 @@ def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
     after += [line(n) for n in first.ready]
     if online:
         after += online_finish(online, producers)
+    if variances:
+        after += welford_finish(variances, producers)
+    if folds:
         after += [line(n) for n in phases[1].ready]
     names = ", ".join(r.op for r in reds)
     comment = f"Phase {first.number}: one pass over the row for {names}."
-    if online:
+    if folds:
         comment = (f"Phases {first.number} and {first.number + 1} in one pass over the row: {names}, "
-                   "and " + ", ".join(f"the sum of exp(x - {o.peak})" for o in online)
-                   + " (online softmax).")
+                   "and " + ", ".join([f"the sum of exp(x - {o.peak}) (online softmax)" for o in online]
+                                      + [f"the sum of ({o.value} - {o.shift})^2 (online variance)"
+                                         for o in variances]) + ".")
     return {"comment": comment, "before": before,
             "header": "for k_start in range(0, n_k, RBLOCK):", "body": body, "after": after}
 
@@ -266,6 +282,40 @@ def online_finish(online: list, producers: dict) -> list[str]:
             lines.append(f"# exp({o.peak} - {o.shift}): the program subtracts {o.shift}, not the max")
         lines.append(f"{o.total} = tl.sum(acc_{o.total} * fusec_exp_shift(acc_{o.peak}, {o.peak}), 1)"
                      f"[:, None] * fusec_exp({o.peak} - {o.shift})  # {producers[o.total][1].origin}")
+    return lines
+
+
+# Note (online variance): a variance is sum((v - c)^2) with c the mean, known only after a pass
+# over the row; read again, the row may have left the cache (on an H100, a group norm's statistics
+# over 64 rows of 512K floats took twice as long as one read). Instead each lane of the tile keeps
+# Welford's running count n, mean m and sum s of squared deviations from m, updated per element:
+# m' = m + (y - m) / n', s' = s + (y - m)(y - m'). After the pass, when c is known, the lanes'
+# sums are moved from their own means to c and added up: sum((v - c)^2) = s + n (m - c)^2 per
+# lane. Every term is >= 0 (no cancellation). y is v minus the first value the lane saw (its
+# shift h): far from 0 (a row of 10000 + noise) a running mean would round at 10000's ulp on every
+# step, while y and c - h are differences of nearby floats, exact, of the size of the noise. A
+# NaN or infinite v makes m and s NaN, as the two-pass sum is; a lane that saw no element adds 0.
+
+def welford_update(o) -> list[str]:
+    """Loop body lines: one Welford step for every lane that holds an element of the row."""
+    acc, y = f"acc_{o.total}", f"({o.value} - acc_{o.total}_shift)"
+    return ["# online variance: per lane, a running count, mean and squared deviations (Welford)",
+            f"{acc}_shift = tl.where(mask & ({acc}_n == 0), {o.value}, {acc}_shift)",
+            f"{acc}_n = {acc}_n + tl.where(mask, 1.0, 0.0)",
+            f"delta_{o.total} = tl.where(mask, {y} - {acc}_mean, 0.0)",
+            f"{acc}_mean = {acc}_mean + delta_{o.total} / tl.maximum({acc}_n, 1.0)",
+            f"{acc}_m2 = {acc}_m2 + delta_{o.total} * tl.where(mask, {y} - {acc}_mean, 0.0)"]
+
+
+def welford_finish(variances: list, producers: dict) -> list[str]:
+    """Lines after the loop: each lane's squared deviations moved to the shift c, added up."""
+    lines = []
+    for o in variances:
+        acc = f"acc_{o.total}"
+        lines += [f"# every lane's squared deviations from its own mean, moved to {o.shift} and added up",
+                  f"dev_{o.total} = ({acc}_shift - {o.shift}) + {acc}_mean",
+                  f"{o.total} = tl.sum(tl.where({acc}_n > 0, {acc}_m2 + {acc}_n * dev_{o.total} * "
+                  f"dev_{o.total}, 0.0), 1)[:, None]  # {producers[o.total][1].origin}"]
     return lines
 
 

@@ -23,7 +23,8 @@ from typing import Union
 
 import torch
 
-from fusec.loop_plan import Keep, LoopPlan, OnlineSoftmax, Phase  # noqa: F401 (part of the IR)
+from fusec.loop_plan import (Keep, LoopPlan, OnlineSoftmax, OnlineVariance,  # noqa: F401 (part of the IR)
+                              Phase)
 
 _SHORT = {
     torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64",
@@ -263,6 +264,8 @@ class ReductionKernel:
     # backends may render it as a GEMV (a block of output columns per program, all M rows)
     gemv: dict | None = None
     plan: LoopPlan | None = None  # set by lowering (codegen/lower_reduction.py, plan_loops)
+    variances: list[OnlineVariance] = field(default_factory=list)  # sums of squared deviations
+    # a pass can accumulate before their shift is known (fusec/loop_plan.py, OnlineVariance)
 
     @property
     def rows(self) -> int:
@@ -385,4 +388,5 @@ def canonical(kernel):
                    varying={names[v] for v in kernel.varying},
                    level={names[k]: v for k, v in kernel.level.items()},
                    online=[o.renamed(names) for o in kernel.online],
+                   variances=[o.renamed(names) for o in kernel.variances],
                    plan=kernel.plan and kernel.plan.renamed(names), **common)

@@ -20,10 +20,11 @@ element values that are stored and writes them per element (`element_stores`); a
 (softmax's sum, if the program returns it) is written once per row (`row_stores`).
 
 Two optional shortcuts are recorded with the plan, and each backend decides whether to take
-them: a phase whose sums of exp(v - max) can ride along in the pass of their max (`Phase.folds`,
-online softmax: the Triton backend's looped kernels take it), and an element value the last phase
-writes into an output for the last pass to read back instead of computing it again (`Keep`: the
-two CPU backends take it).
+them: a phase whose sums can ride along in the pass before it (`Phase.folds`: sums of exp(v - max)
+with their max, online softmax, and sums of squared deviations (v - c)^2 from a row value c known
+only after that pass, online variance; the Triton backend's looped kernels take both), and an
+element value the last phase writes into an output for the last pass to read back instead of
+computing it again (`Keep`: the two CPU backends take it).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class OnlineSoftmax:
     kernel may accumulate such a sum in the same pass as its max ("online softmax", Milakov and
     Gimelshein 2018): each lane keeps a running max and the sum of exp(v - running max),
     rescaled by exp(old max - new max) whenever the max grows. Lowering records the pairs
-    (codegen/lower_reduction.py, online_softmax); a backend decides whether to use them.
+    (codegen/lower_folds.py, online_softmax); a backend decides whether to use them.
     """
 
     total: str  # the sum Reduce's var
@@ -52,21 +53,44 @@ class OnlineSoftmax:
 
 
 @dataclass(frozen=True)
+class OnlineVariance:
+    """A sum of (v - c)^2 over k (`total`), where v (`value`) can be computed one phase earlier
+    and c (`shift`) is a row value known once that earlier phase ends: a variance's sum of
+    squared deviations from the mean (layer, group, instance and batch norm; `var`).
+
+    A looped kernel may accumulate it in the earlier pass instead of reading the row again
+    (Welford 1962): each lane keeps its count n, its own running mean m and the sum of squared
+    deviations from that mean, s. Since sum over a lane of (v - c)^2 = s + n (m - c)^2 for any c,
+    the total is the sum over lanes of s + n (m - c)^2 once c is known (Chan, Golub and LeVeque's
+    way of combining variances). Every term is non-negative: no cancellation, whatever c is.
+    """
+
+    total: str  # the sum Reduce's var
+    value: str  # v, the element value whose deviations are squared
+    shift: str  # c, the row value subtracted from v
+
+    def renamed(self, names: dict[str, str]) -> "OnlineVariance":
+        return OnlineVariance(*(names[f] for f in astuple(self)))
+
+
+@dataclass(frozen=True)
 class Phase:
     """One pass over k: the reductions of phase `number`, what the loop computes at each k, and
     the row values that become computable when the pass ends. All are variable names, in
     program order.
 
     folds: when every reduction of the next phase is a sum of exp(v - max) over a max of this
-    phase (OnlineSoftmax), those pairs: a backend that keeps running maxes may accumulate the
-    next phase's sums in this pass and skip the next pass (`LoopPlan.passes`). Empty otherwise.
+    phase (OnlineSoftmax) or a sum of squared deviations (OnlineVariance), those sums: a backend
+    that keeps running maxes and running means may accumulate the next phase's sums in this pass
+    and skip the next pass (`LoopPlan.passes`). Empty otherwise. `loop` then also computes the
+    values whose deviations the folded sums square.
     """
 
     number: int
     reduces: tuple[str, ...]  # the Reduce results this pass accumulates
     loop: tuple[str, ...]  # element values (loads, statements) the loop computes at each k
     ready: tuple[str, ...]  # row values computed once the pass is done
-    folds: tuple[OnlineSoftmax, ...] = ()
+    folds: tuple[OnlineSoftmax | OnlineVariance, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,7 +126,8 @@ class LoopPlan:
     def passes(self, online: bool) -> list[tuple[Phase, ...]]:
         """The phases each pass over k covers: one phase per pass, or, with `online`, a phase
         together with the next one when the next one folds into it (`Phase.folds`): softmax's
-        max and sum share one pass, then the last pass stores (two reads of the row, not three)."""
+        max and sum share one pass, then the last pass stores (two reads of the row, not three);
+        layer norm's mean and variance share one pass the same way."""
         passes, i = [], 0
         while i < len(self.phases):
             phase = self.phases[i]
@@ -140,6 +165,11 @@ class LoopPlan:
             lines.append(f"  phase {p.number}: {reds} over k; each k computes {names(p.loop)}"
                          + (f"; then {names(p.ready)}" if p.ready else ""))
             for o in p.folds:
+                if isinstance(o, OnlineVariance):
+                    lines.append(f"    online variance: phase {p.number + 1}'s {o.total} = "
+                                 f"sum(({o.value} - {o.shift})^2) may join this pass "
+                                 f"(running means per lane)")
+                    continue
                 lines.append(f"    online softmax: phase {p.number + 1}'s {o.total} = "
                              f"sum(exp({o.value} - {o.shift})) may join this pass "
                              f"(running max {o.peak})")

@@ -171,6 +171,7 @@ class PassRecord:
     pad_matmul: list[Decision] = field(default_factory=list)
     pooling: list[Decision] = field(default_factory=list)
     layout: Any = None  # passes/layout_plan.py LayoutPlan: channels-last or not, and why
+    move_permutes: list[Decision] = field(default_factory=list)
     split_reductions: list[Decision] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
     schedule: list[Step] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
     PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
-                layout, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+                layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
@@ -23,6 +23,7 @@ from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
 from .layout import layout
 from .pad_matmul import pad_matmul
+from .permutes import move_permutes
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule
@@ -32,7 +33,7 @@ from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
 PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
-            layout, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+            layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

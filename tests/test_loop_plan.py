@@ -50,11 +50,15 @@ def test_logsumexp_row_values(target):
     assert plan.keep is None
 
 
-def test_layer_norm_does_not_fold(target):
-    """The variance needs the mean: two passes, no online pair, then the last pass."""
+def test_layer_norm_folds_its_variance_into_the_mean_pass(target):
+    """The variance's sum of (x - mean)^2 needs the mean, known after phase 0; it folds into
+    that pass as an online variance (per-lane running means): one pass, then the last pass."""
     ir, plan, ops = _plan(lambda x: F.layer_norm(x, (40,)), torch.randn(6, 40), target)
-    assert len(plan.phases) == 2 and not any(p.folds for p in plan.phases)
-    assert len(plan.passes(online=True)) == 2
+    assert len(plan.phases) == 2
+    [fold] = plan.phases[0].folds
+    assert type(fold).__name__ == "OnlineVariance" and fold.total == plan.phases[1].reduces[0]
+    assert fold.value in plan.phases[0].loop and fold.shift in plan.phases[0].ready
+    assert len(plan.passes(online=True)) == 1 and len(plan.passes(online=False)) == 2
     assert plan.element_stores == (0,)
 
 

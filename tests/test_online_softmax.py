@@ -6,8 +6,8 @@ keep a running max and a running sum rescaled whenever the max grows, so lowerin
 pairs (`ReductionKernel.online`, codegen/lower_reduction.py) and, in the kernel's loop plan, which
 phases can fold into the pass before them (`Phase.folds`, `LoopPlan.passes`); the Triton backend
 folds them (`codegen.triton_reduction.ONLINE_SOFTMAX`): softmax reads its row twice instead of
-three times, logsumexp once instead of twice. Layer norm (a sum whose operand needs the mean)
-keeps its passes.
+three times, logsumexp once instead of twice. Layer norm's variance (a sum whose operand needs the mean)
+folds by another rule (online variance, tests/test_online_variance.py).
 
 Under Triton's interpreter long rows are slow, so the `looped` fixture lowers the threshold: every
 row is looped, over chunks of RBLOCK = 16, so short rows still take several iterations. The same
@@ -56,7 +56,7 @@ FNS = {
     "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
 }
 # passes over each row in the looped template: (with online softmax, as two-pass reductions)
-PASSES = {"softmax": 2, "log_softmax": 2, "logsumexp": 1, "layer_norm": 3}
+PASSES = {"softmax": 2, "log_softmax": 2, "logsumexp": 1, "layer_norm": 2}  # layer norm: online variance
 
 
 def _passes(cf) -> int:
@@ -93,7 +93,7 @@ def test_lowering_finds_the_pair(name):
 
 @pytest.mark.parametrize("fn", [
     lambda x: F.layer_norm(x, (20,)),  # the variance's operand needs the mean: no max
-    lambda x: x.var(-1),
+    lambda x: x.var(-1),               # (its sum folds as an online variance instead)
     lambda x: torch.exp(x).sum(-1),  # no shift
     lambda x: torch.exp(x - x.mean(-1, keepdim=True)).sum(-1),  # shifted by a mean, not a max
     lambda x: torch.exp(x - x.amin(-1, keepdim=True)).sum(-1),
@@ -104,7 +104,7 @@ def test_lowering_finds_the_pair(name):
 def test_other_reductions_are_not_online(fn):
     ir = _ir(fn, _randn((2, 20)))
     assert ir.online == []
-    assert all(not online for _, online in looped_passes(ir))
+    assert all(type(o).__name__ != "OnlineSoftmax" for _, online in looped_passes(ir) for o in online)
 
 
 def test_half_precision_steps_are_not_online():
@@ -218,15 +218,18 @@ def test_two_sums_share_one_max(looped):
     assert _passes(cf) == 2
 
 
-def test_not_folded_when_the_next_phase_has_other_work(looped):
-    """Phase 1 holds softmax's sum and a variance's sum of squares: the variance needs the mean
-    from phase 0, so phase 1 keeps its own pass (and both stay correct)."""
+def test_softmax_and_a_variance_fold_into_one_pass(looped):
+    """Phase 1 holds softmax's sum and a variance's sum of squares: both fold into phase 0's
+    pass (online softmax and online variance, tests/test_online_variance.py), then the pass that
+    stores the softmax."""
     x = _randn((4, 50)) + 1
     cf = assert_matches(lambda x: (torch.softmax(x, -1), x.var(-1)), x, backend="triton",
                         kernels=1)
-    assert len(cf.kernels[0].ir.online) == 1
-    assert looped_passes(cf.kernels[0].ir) == [(0, []), (1, [])]
-    assert _passes(cf) == 3
+    assert len(cf.kernels[0].ir.online) == 1 and len(cf.kernels[0].ir.variances) == 1
+    [(phase, folds)] = looped_passes(cf.kernels[0].ir)
+    assert phase == 0 and sorted(type(o).__name__ for o in folds) == ["OnlineSoftmax",
+                                                                        "OnlineVariance"]
+    assert _passes(cf) == 2
 
 
 def test_softmax_after_a_reduction(looped):

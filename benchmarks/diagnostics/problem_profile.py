@@ -1,6 +1,7 @@
 """One KernelBench-style problem, kernel by kernel: eager, torch.compile and fusec on a GPU.
 
     python benchmarks/diagnostics/problem_profile.py 7 35 hf_gpt2 ... [--dtype float32] [--iters 20] [--top 8]
+        [--sources DIR]
 
 benchmarks/kernelbench.py says which problems are slow; this says where their time goes. Each
 problem (benchmarks/problems/<N>_*.py at its "gpu" scale) runs `--iters` times per system under
@@ -58,6 +59,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--sources", type=Path,
+                   help="write fusec's kernel sources and its explain report under this folder")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     for number in args.problems:
@@ -76,6 +79,13 @@ def main() -> None:
             print(f"== {system}: {ms:.3f} ms per call (do_bench), GPU {sum(r[1] for r in rows):.3f} ms")
             for key, t, count in rows[:args.top]:
                 print(f"   {t:7.4f} ms  x{count:<4.1f} {key[:110]}")
+            if system == "fusec" and args.sources:
+                folder = args.sources / name
+                folder.mkdir(parents=True, exist_ok=True)
+                for k in fn.kernels:
+                    (folder / f"{k.name}.py").write_text(k.source)
+                with torch.no_grad():
+                    (folder / "explain.txt").write_text(str(fusec.explain(model, *inputs)))
         torch._dynamo.reset()
 
 

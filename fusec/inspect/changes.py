@@ -21,6 +21,7 @@ DECISIONS = {
     "small_matmul": ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul"),
     "pad_matmul": ("padded {n} misaligned matmul(s)", "padded", "kept"),
     "pooling": ("{n} pooling(s) as reductions", "reduction", "kept"),
+    "move_permutes": ("moved {n} permute(s) out of fusion's way", "moved", "kept"),
     "split_reductions": ("split {n} reduction(s) of few long rows in two", "split", "kept"),
 }
 
