@@ -198,8 +198,9 @@ def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
                           f"  # sum of exp(x - running max), per lane")
     for o in variances:
         dtype = TL[producers[o.total][1].acc_dtype]
+        before += [f"acc_{o.total}_n = tl.full([1, RBLOCK], 0.0, {dtype})  # the same in every row"]
         before += [f"acc_{o.total}_{part} = tl.full([XBLOCK, RBLOCK], 0.0, {dtype})"
-                   for part in ("shift", "n", "mean", "m2")]
+                   for part in ("shift", "mean", "m2")]
     body += [line(n) for n in first.loop]
     for o in variances:
         body += welford_update(o)
@@ -288,10 +289,14 @@ def online_finish(online: list, producers: dict) -> list[str]:
 # Note (online variance): a variance is sum((v - c)^2) with c the mean, known only after a pass
 # over the row; read again, the row may have left the cache (on an H100, a group norm's statistics
 # over 64 rows of 512K floats took twice as long as one read). Instead each lane of the tile keeps
-# Welford's running count n, mean m and sum s of squared deviations from m, updated per element:
-# m' = m + (y - m) / n', s' = s + (y - m)(y - m'). After the pass, when c is known, the lanes'
+# Welford's running count n (one per column of the tile: every row has its k-th element), mean m
+# and sum s of squared deviations from m, updated per element:
+# m' = m + (y - m) / n', s' = s + (y - m)(y - m') (1 / n' once per column). After the pass, when c is known, the lanes'
 # sums are moved from their own means to c and added up: sum((v - c)^2) = s + n (m - c)^2 per
-# lane. Every term is >= 0 (no cancellation). y is v minus the first value the lane saw (its
+# lane. Every term is >= 0 (no cancellation). The three accumulators per lane (shift, mean,
+# squared deviations) do not call for more warps: on an H100, KernelBench-style 7_, 24_ and 27_
+# ran fastest with the 4 warps of the plain kernel (8 and 16: 1-4% slower; 28_ 2% faster with 8;
+# benchmarks/diagnostics/variance_kernels.py). y is v minus the first value the lane saw (its
 # shift h): far from 0 (a row of 10000 + noise) a running mean would round at 10000's ulp on every
 # step, while y and c - h are differences of nearby floats, exact, of the size of the noise. A
 # NaN or infinite v makes m and s NaN, as the two-pass sum is; a lane that saw no element adds 0.
@@ -301,9 +306,10 @@ def welford_update(o) -> list[str]:
     acc, y = f"acc_{o.total}", f"({o.value} - acc_{o.total}_shift)"
     return ["# online variance: per lane, a running count, mean and squared deviations (Welford)",
             f"{acc}_shift = tl.where(mask & ({acc}_n == 0), {o.value}, {acc}_shift)",
-            f"{acc}_n = {acc}_n + tl.where(mask, 1.0, 0.0)",
+            f"{acc}_n = {acc}_n + tl.where(k_mask, 1.0, 0.0)",
+            f"rcp_{o.total} = 1.0 / tl.maximum({acc}_n, 1.0)  # one division per column, not per element",
             f"delta_{o.total} = tl.where(mask, {y} - {acc}_mean, 0.0)",
-            f"{acc}_mean = {acc}_mean + delta_{o.total} / tl.maximum({acc}_n, 1.0)",
+            f"{acc}_mean = {acc}_mean + delta_{o.total} * rcp_{o.total}",
             f"{acc}_m2 = {acc}_m2 + delta_{o.total} * tl.where(mask, {y} - {acc}_mean, 0.0)"]
 
 

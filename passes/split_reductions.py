@@ -100,11 +100,15 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         d, chunks = plan
         mode = mode or _fake_mode(gm)
         mean = _deviations_from(node, red, splits, d, chunks)
+        key = _value_key(red.operand)  # (before the split erases the operand)
         if mean is not None:
             partial, combined = _split_variance(gm, node, red, mean, splits, mode, views)
         else:
             partial, combined = _split(gm, node, red, d, chunks, mode, views)
-            splits[combined] = (red.operand, red.dims, d, chunks, partial)
+            splits[combined] = (key, red.dims, d, chunks, partial)
+        for key, (operand, dims, d1, chunks1, sums) in list(splits.items()):
+            if sums is node:  # a partial split again: its chunks' sums now come from `combined`
+                splits[key] = (operand, dims, d1, chunks1, combined)
         todo.append(partial)  # its rows may still be too few: cut another dim (see above)
         decisions.append(Decision(node.name, True, ("one pass with the chunks' own means "
                                                     "(see variance) " if mean is not None else "") + (
@@ -198,7 +202,7 @@ def _deviations_from(node: fx.Node, red: ops.ReductionCall, splits: dict, d: int
     if not _call(mean, aten.div.Tensor) or mean.args[0] not in splits:
         return None
     operand, dims, d1, chunks1, partial = splits[mean.args[0]]
-    if operand is not x or dims != red.dims or (d1, chunks1) != (d, chunks) \
+    if operand != _value_key(x) or dims != red.dims or (d1, chunks1) != (d, chunks) \
             or getattr(partial, "_erased", False) or not _call(partial, node.target):
         return None
     n = math.prod(meta(x).shape[i] for i in dims)
@@ -209,7 +213,8 @@ def _split_variance(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, m
                     splits: dict, mode, views: dict) -> tuple[fx.Node, fx.Node]:
     """Replace `node` (sum((x - mean)^2)) by the chunks' M2 and its corrections (see the note)."""
     graph = gm.graph
-    x, dims, d, chunks, sums = splits[mean.args[0]]
+    _, dims, d, chunks, sums = splits[mean.args[0]]
+    x = red.operand.args[0].args[0]  # sum((x - mean)^2)
     cut = Unflattener(graph, node, mode, views)
     add = cut.add
     n_chunk = mean.args[1] // chunks
@@ -237,6 +242,19 @@ def _split_variance(gm: fx.GraphModule, node: fx.Node, red: ops.ReductionCall, m
     graph.erase_node(node)
     cut.finish(red.operand)
     return m2, combined
+
+
+def _value_key(value):
+    """What `value` computes, comparable after the node itself is gone: pointwise ops and views
+    by their op and arguments, anything else by its node. A cut pushed up through pointwise ops
+    makes new copies of them each time (unflatten.py), and a partial split again replaces its
+    operand by a cut of it: the variance rule (below) still recognizes the same value."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_value_key(v) for v in value)
+    if isinstance(value, fx.Node) and value.op == "call_function" \
+            and ops.classify(value.target) in (ops.POINTWISE, ops.VIEW):
+        return (value.target, _value_key(value.args), repr(sorted(value.kwargs.items(), key=str)))
+    return value
 
 
 def _call(node, target) -> bool:

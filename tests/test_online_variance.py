@@ -75,9 +75,13 @@ def test_nan_and_infinities(looped):
     x[0, 5] = float("nan")
     x[1, 59] = float("inf")
     x[2, 0] = -float("inf")
-    x[3, 30] = 1e30  # finite, but its square overflows in float32, as in eager's two passes
     for name in ("layer_norm", "var", "group_norm"):
         assert_matches(FNS[name], x, backend="triton")
+    # finite, but its square overflows in float32: the variance is inf, as eager's. (A layer norm
+    # of that row is 0 here and in eager on a CPU, NaN in eager on a GPU: eager disagrees with
+    # itself; benchmarks/diagnostics/variance_kernels.py shows it row by row.)
+    x[3, 30] = 1e30
+    assert_matches(FNS["var"], x, backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)

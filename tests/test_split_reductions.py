@@ -270,3 +270,23 @@ def test_a_split_variance_reads_its_input_once(target, split_here, keepdim):
     ok = torch.isfinite(exact)
     assert ((ours - exact).abs()[ok] <= 2 * (eager - exact).abs()[ok] + 1e-4).all()
     assert torch.isnan(ours[~ok]).all()
+
+
+def test_a_variance_split_twice_still_reads_its_input_once(target, split_here):
+    """A depth of 4 gives 4 chunks, too few programs: the partial sums are split again along H
+    (the note on variance applies at both levels, each with its own chunks' means), and the
+    chunk sums and squared deviations of the second level share one kernel reading x."""
+    backend, device = target
+    x = _randn((2, 3, 4, 64, 48), device) * 2 + 100.0
+    x[0, 1, 2, 3, 4] = float("nan")
+
+    def f(x):
+        return torch.var(x * 0.5, dim=(2, 3, 4), correction=0)
+
+    cf = assert_matches(f, x, backend=backend)
+    _, lines = split_details(f, x, backend=backend)
+    variance = [line for line in lines if line.startswith("sum_2")]
+    assert len(variance) == 2 and all("one pass with the chunks' own means" in line
+                                      for line in variance), lines
+    readers = [s for s in cf.last.schedule if s.kind == "kernel" and "x" in s.reads]
+    assert len(readers) == 1, [(s.name, s.reads) for s in cf.last.schedule]
