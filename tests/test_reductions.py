@@ -685,4 +685,9 @@ def test_a_constant_stored_in_a_reduction_kernel_fills_every_element(target, cas
     in the same kernel as a sum) was computed once per row and stored once: the C++ kernel did
     not compile, the LLVM one left the rest of the tensor uninitialized."""
     backend, device = target
-    assert_matches(STORED_CONSTANTS[case], torch.randn(*shape, device=device), backend=backend)
+    # positive values: the sums stay far from 0, so their rounding is judged against their size
+    # (a sum of 3000 standard normals can cancel to near 0, where the C++ kernel's blocked sum,
+    # 1.6e-5 off at the median against eager's cascade's 6.9e-6, fails a relative tolerance on
+    # about one random row in twenty: a question of the sum's accuracy, not of this test's)
+    x = torch.rand(*shape, generator=torch.Generator().manual_seed(0)).to(device) + 0.5
+    assert_matches(STORED_CONSTANTS[case], x, backend=backend)
