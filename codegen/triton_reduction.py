@@ -291,12 +291,14 @@ def online_finish(online: list, producers: dict) -> list[str]:
 # over 64 rows of 512K floats took twice as long as one read). Instead each lane of the tile keeps
 # Welford's running count n (one per column of the tile: every row has its k-th element), mean m
 # and sum s of squared deviations from m, updated per element:
-# m' = m + (y - m) / n', s' = s + (y - m)(y - m') (1 / n' once per column). After the pass, when c is known, the lanes'
+# m' = m + (y - m) / n', s' = s + (y - m)(y - m'). After the pass, when c is known, the lanes'
 # sums are moved from their own means to c and added up: sum((v - c)^2) = s + n (m - c)^2 per
 # lane. Every term is >= 0 (no cancellation). The three accumulators per lane (shift, mean,
 # squared deviations) do not call for more warps: on an H100, KernelBench-style 7_, 24_ and 27_
 # ran fastest with the 4 warps of the plain kernel (8 and 16: 1-4% slower; 28_ 2% faster with 8;
-# benchmarks/diagnostics/variance_kernels.py). y is v minus the first value the lane saw (its
+# benchmarks/diagnostics/variance_kernels.py). Nor did taking 1 / n' once per column and
+# multiplying: the instance norms (column reductions) measured slower with it (7_ 0.363 ms against
+# 0.320-0.339 with the division per element). y is v minus the first value the lane saw (its
 # shift h): far from 0 (a row of 10000 + noise) a running mean would round at 10000's ulp on every
 # step, while y and c - h are differences of nearby floats, exact, of the size of the noise. A
 # NaN or infinite v makes m and s NaN, as the two-pass sum is; a lane that saw no element adds 0.
@@ -307,9 +309,8 @@ def welford_update(o) -> list[str]:
     return ["# online variance: per lane, a running count, mean and squared deviations (Welford)",
             f"{acc}_shift = tl.where(mask & ({acc}_n == 0), {o.value}, {acc}_shift)",
             f"{acc}_n = {acc}_n + tl.where(k_mask, 1.0, 0.0)",
-            f"rcp_{o.total} = 1.0 / tl.maximum({acc}_n, 1.0)  # one division per column, not per element",
             f"delta_{o.total} = tl.where(mask, {y} - {acc}_mean, 0.0)",
-            f"{acc}_mean = {acc}_mean + delta_{o.total} * rcp_{o.total}",
+            f"{acc}_mean = {acc}_mean + delta_{o.total} / tl.maximum({acc}_n, 1.0)",
             f"{acc}_m2 = {acc}_m2 + delta_{o.total} * tl.where(mask, {y} - {acc}_mean, 0.0)"]
 
 
