@@ -267,10 +267,7 @@ def plan_loops(kernel: ReductionKernel) -> LoopPlan:
 # cache between the two passes. CPU softmax 512x512 on 2 cores: 0.114 -> 0.085 ms. The CPU
 # backends, which walk one row at a time, take it; Triton recomputes (`Keep` in fusec/loop_plan.py).
 
-CHEAP_OPS = {"add", "add_alpha", "sub", "sub_alpha", "mul", "neg", "abs", "to", "copy", "full",
-             "where", "maximum", "minimum", "relu", "eq", "ne", "lt", "le", "gt", "ge",
-             "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not",
-             "bitwise_and", "bitwise_or", "bitwise_xor", "lshift", "rshift"}
+CHEAP_OPS = ops.CHEAP_OPS
 STASH_MAX_ROW_BYTES = 1 << 20  # 1 MiB: a row that stays in a core's L2 cache; a longer one
 # would cost an extra trip to memory (written, read back, written again) to save the op
 

@@ -433,6 +433,21 @@ def is_view(target) -> bool:
     return bool(ret and arg and not ret.is_write and ret.before_set == arg.before_set)
 
 
+# Ops of a few instructions per element, next to the transcendental ones (exp, erf, tanh...)
+# that take tens: computing one of these twice, or in a loop that vectorizes worse, costs little
+# (codegen/lower_reduction.py's keep_choice, passes/permutes.py).
+CHEAP_OPS = {"add", "add_alpha", "sub", "sub_alpha", "mul", "neg", "abs", "to", "copy", "full",
+             "where", "maximum", "minimum", "relu", "eq", "ne", "lt", "le", "gt", "ge",
+             "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not",
+             "bitwise_and", "bitwise_or", "bitwise_xor", "lshift", "rshift"}
+
+
+def is_cheap(node) -> bool:
+    """node is an op of CHEAP_OPS (or a plain copy, such as clone) for the kernels."""
+    row = normalize(node)
+    return row is not None and row[0].name in CHEAP_OPS
+
+
 def normalize(node) -> tuple[Op, list[Any]] | None:
     """The table row and operand list for an fx node, or None if it cannot be a kernel."""
     fn = ATEN.get(node.target)
