@@ -435,7 +435,7 @@ def is_view(target) -> bool:
 
 # Ops of a few instructions per element, next to the transcendental ones (exp, erf, tanh...)
 # that take tens: computing one of these twice, or in a loop that vectorizes worse, costs little
-# (codegen/lower_reduction.py's keep_choice, passes/permutes.py).
+# (codegen/lower_reduction.py's keep_choice, passes/move_permutes.py).
 CHEAP_OPS = {"add", "add_alpha", "sub", "sub_alpha", "mul", "neg", "abs", "to", "copy", "full",
              "where", "maximum", "minimum", "relu", "eq", "ne", "lt", "le", "gt", "ge",
              "logical_not", "logical_and", "logical_or", "logical_xor", "bitwise_not",

@@ -23,7 +23,7 @@ from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
 from .layout import layout
 from .pad_matmul import pad_matmul
-from .permutes import move_permutes
+from .move_permutes import move_permutes
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule

@@ -334,7 +334,7 @@ def test_view_of_intermediate_is_recorded_as_a_refusal():
 
 @pytest.mark.parametrize("fn,shapes,kernels", [
     # a transpose is a permute: move_permutes computes sin on transposed loads (one kernel), or
-    # the add in sin's order with the output a transposed view of it (passes/permutes.py)
+    # the add in sin's order with the output a transposed view of it (passes/move_permutes.py)
     (view_of_intermediate, [(37, 5), (5, 37)], 1),
     (lambda x, z: (lambda y: (y, y.t() * z))(torch.sin(x)), [(37, 5), (5, 37)], 1),
     (lambda x, z: torch.sin(x)[:, 1::2].unsqueeze(0) + z, [(6, 9), (4, 6, 4)], 2),

@@ -1,5 +1,5 @@
 """move_permutes: permutes moved up to loaded values and down past pointwise ops
-(passes/permutes.py), checked against eager on every backend: values, output strides, and the
+(passes/move_permutes.py), checked against eager on every backend: values, output strides, and the
 kernels that fusion makes once the permutes are out of its way."""
 import importlib
 
