@@ -292,24 +292,20 @@ def _computed(v: fx.Node) -> bool:
     return v.op == "call_function" and (is_pointwise(v) or _classify(v) == ops.REDUCTION)
 
 
-def _after_reduction(v: fx.Node, limit: int = 64) -> bool:
+def _after_reduction(v: fx.Node) -> bool:
     """v is computed from a reduction's result through pointwise ops: the reduction's epilogue."""
-    todo, seen = [v], set()
-    while todo and len(seen) < limit:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if _classify(n) == ops.REDUCTION:
-            return True
-        if n.op == "call_function" and (is_pointwise(n) or _classify(n) == ops.VIEW):
-            todo += n.all_input_nodes
-    return False
+    return _reaches_reduction([v], lambda n: n.all_input_nodes)
 
 
-def _before_reduction(v: fx.Node, limit: int = 64) -> bool:
+def _before_reduction(v: fx.Node) -> bool:
     """A reduction reads v, directly or through pointwise ops and views: v joins its prologue."""
-    todo, seen = list(v.users), set()
+    return _reaches_reduction(list(v.users), lambda n: list(n.users))
+
+
+def _reaches_reduction(todo: list, step, limit: int = 64) -> bool:
+    """A reduction among `todo` or what `step` leads to from them through pointwise ops and
+    views (a bounded walk: the rule is about the kernel a node fuses into, not the program)."""
+    seen: set = set()
     while todo and len(seen) < limit:
         n = todo.pop()
         if n in seen:
@@ -318,7 +314,7 @@ def _before_reduction(v: fx.Node, limit: int = 64) -> bool:
         if _classify(n) == ops.REDUCTION:
             return True
         if n.op == "call_function" and (is_pointwise(n) or _classify(n) == ops.VIEW):
-            todo += list(n.users)
+            todo += step(n)
     return False
 
 
