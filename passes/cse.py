@@ -20,12 +20,14 @@ import torch.fx as fx
 
 from fusec.record import Merge, record_of
 
+from .grouping import impure
+
 
 def cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict[tuple, fx.Node] = {}
     replaced: list[Merge] = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or _impure(node):
+        if node.op != "call_function" or impure(node):
             continue
         try:
             key = (node.target, _freeze(node.args), _freeze(node.kwargs))
@@ -42,13 +44,6 @@ def cse(gm: fx.GraphModule) -> fx.GraphModule:
     record_of(gm).cse = replaced
     gm.recompile()
     return gm
-
-
-def _impure(node: fx.Node) -> bool:
-    try:
-        return node.is_impure(impure_random=True)
-    except TypeError:  # torch < 2.6
-        return node.is_impure()
 
 
 def _freeze(value):

@@ -55,11 +55,13 @@ def effect_edges(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """Side-effecting nodes (random ops, in-place copies) must keep their relative order even
     where no data flows between them: rand() then rand() draws different numbers than the
     reverse. Each such node gets an edge to the next one, next to its data edges."""
-    impure = [n for n in graph.nodes if n.op == "call_function" and _impure(n)]
-    return dict(zip(impure, impure[1:]))
+    effects = [n for n in graph.nodes if n.op == "call_function" and impure(n)]
+    return dict(zip(effects, effects[1:]))
 
 
-def _impure(node: fx.Node) -> bool:
+def impure(node: fx.Node) -> bool:
+    """A node with a side effect: a random op (rand() twice draws different numbers) or an
+    in-place update. cse keeps each one, and fusion keeps them in program order."""
     try:
         return node.is_impure(impure_random=True)
     except TypeError:  # torch < 2.6

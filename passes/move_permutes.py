@@ -69,7 +69,7 @@ from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
 from .fuse_pointwise import is_pointwise, view_root
-from .grouping import _impure, meta
+from .grouping import impure, meta
 from .layout import _run_fake, _same_strides, _set_meta
 from .schedule import _fake_mode
 from .unflatten import erase_dead, pushable
@@ -282,7 +282,7 @@ def _perm(p: fx.Node) -> list[int]:
 
 def _movable(v) -> bool:
     """A pointwise op that commutes with a permute of its inputs (and draws no random numbers)."""
-    return isinstance(v, fx.Node) and is_pointwise(v) and pushable(v) and not _impure(v)
+    return isinstance(v, fx.Node) and is_pointwise(v) and pushable(v) and not impure(v)
 
 
 def _computed(v: fx.Node) -> bool:
