@@ -5,6 +5,8 @@ import importlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 import fusec
@@ -228,3 +230,37 @@ def test_non_contiguous_inputs(target):
 
     assert_matches(f, x, b, backend=backend)
     assert_same_strides(f, x, b, backend=backend)
+
+
+# ---- property: any permutation, any side of a kernel ------------------------------------------
+
+UNARY = {"sin": torch.sin, "relu": torch.relu, "exp": lambda t: torch.exp(t * 0.1),
+         "twice": lambda t: t * 2.0}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_permutation_before_and_after_a_kernel_matches_eager(data):
+    """A random shape and permutation; pointwise ops before the permute (moved up), a softmax or
+    nothing computing the permuted value (moved down), pointwise ops after it with a broadcast
+    operand: values and output strides as eager's, on every backend."""
+    rank = data.draw(st.integers(2, 4), label="rank")
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank),
+                            label="shape"))
+    perm = data.draw(st.permutations(range(rank)), label="perm")
+    before = data.draw(st.sampled_from(sorted(UNARY)), label="before")
+    after = data.draw(st.sampled_from(sorted(UNARY)), label="after")
+    reduce_first = data.draw(st.booleans(), label="softmax")
+    x = _randn(shape)
+    b = _randn(tuple(shape[p] for p in perm)[-1:], seed=1)
+
+    def f(x, b):
+        y = UNARY[before](x)
+        if reduce_first:
+            y = torch.softmax(y, -1)
+        return UNARY[after](y.permute(*perm) + b)
+
+    for backend in ("cpp", "llvm", "triton"):
+        assert_matches(f, x, b, backend=backend)
+        assert_same_strides(f, x, b, backend=backend)
