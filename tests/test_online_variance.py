@@ -139,3 +139,15 @@ def test_cpu_backends_keep_their_two_passes_and_match(backend):
     x = _randn((6, 100), scale=3.0, offset=2.0).cpu()
     for name in ("layer_norm", "group_norm"):
         assert_matches(FNS[name], x, backend=backend)
+
+
+def test_a_column_reduction_folds_too():
+    """An instance norm of a channels-last activation: the rows (channels) lie side by side, so
+    the kernel walks [64 rows, 64 k] tiles (the note on column reductions), and its variance
+    folds into the mean's pass there as well. NaN in one channel stays in that channel."""
+    x = _randn((2, 64, 12, 12), scale=2.0, offset=3.0).to(memory_format=torch.channels_last)
+    x[1, 5, 3, 4] = float("nan")
+    cf = assert_matches(lambda x: F.instance_norm(x), x, backend="triton")
+    (stats,) = [k for k in cf.kernels if k.ir is not None and getattr(k.ir, "variances", None)]
+    assert "looping over the row in chunks of 64" in stats.source
+    assert "online variance" in stats.source and stats.source.count(LOOP) <= 2
