@@ -13,25 +13,15 @@ in one process, so the fastest tile can replace COLUMN_XBLOCK / COLUMN_RBLOCK.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
 
 import fusec
 import fusec.codegen.triton_reduction as triton_backend
 from fusec.timing import median_ms
+from problem_profile import load  # benchmarks/diagnostics/: a problem by its number
 
-PROBLEMS = Path(__file__).resolve().parents[1] / "problems"
 BLOCKS = triton_backend.reduction_blocks
-
-
-def load(number: str):
-    (path,) = sorted(PROBLEMS.glob(f"{number}_*.py"))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return path.stem, mod
 
 
 def column_tile(xblock: int, rblock: int, warps: int):
@@ -53,10 +43,10 @@ def main() -> None:
     variants = [tuple(int(v) for v in s.split("x")) for s in args.variants.split(",")]
     print("problem | torch.compile | " + " | ".join(f"{x}x{r}x{w}" for x, r, w in variants) + " (ms)")
     for number in args.problems.split(","):
-        name, mod = load(number)
+        name, build = load(number)
         torch.manual_seed(0)
-        model = mod.get_model(args.scale).to(args.device)
-        inputs = [t.to(args.device) for t in mod.get_inputs(args.scale)]
+        model, inputs = build(args.scale)
+        model, inputs = model.to(args.device), [t.to(args.device) for t in inputs]
         row = [name]
         with torch.no_grad():
             if args.device == "cuda":

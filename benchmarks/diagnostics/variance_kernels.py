@@ -13,8 +13,6 @@ overflows, forcing the looped template, and prints where NaN appears on either s
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +20,8 @@ import torch.nn.functional as F
 import fusec
 import fusec.codegen.triton_reduction as triton_backend
 from fusec.timing import median_ms
+from problem_profile import load  # benchmarks/diagnostics/: a problem by its number
 
-PROBLEMS = Path(__file__).resolve().parents[1] / "problems"
-
-
-def load(number: str):
-    (path,) = sorted(PROBLEMS.glob(f"{number}_*.py"))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return path.stem, mod
 
 
 def special_rows() -> None:
@@ -68,10 +58,10 @@ def main() -> None:
     args = p.parse_args()
     warps = [int(w) for w in args.warps.split(",")]
     for number in args.problems.split(","):
-        name, mod = load(number)
+        name, build = load(number)
         torch.manual_seed(0)
-        model = mod.get_model("gpu").cuda().eval()
-        inputs = [t.cuda() for t in mod.get_inputs("gpu")]
+        model, inputs = build("gpu")
+        model, inputs = model.cuda().eval(), [t.cuda() for t in inputs]
         with torch.no_grad():
             compiled = torch.compile(model)
             compiled(*inputs)
