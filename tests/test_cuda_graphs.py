@@ -150,3 +150,17 @@ def test_several_compiled_models_alive_at_once_share_the_capture_stream():
         assert all(torch.equal(x, y) for x, y in zip(outs[0], first))  # not overwritten
     from fusec.runtime import cuda_graphs as runtime
     assert list(runtime._CAPTURE_STREAMS.values()) == [capture_stream(torch.device("cuda"))]
+
+
+def test_big_memory_bound_program_runs_step_by_step_and_says_why():
+    """A matmul and a softmax over 64 MB each: the GPU's own time (tens of us at least) hides the
+    two launches, so a graph would only add the copy of the input and the output
+    (fusec/runtime/cuda_graphs.py)."""
+    def g(x):
+        return torch.softmax(x @ x, dim=-1)
+    x = torch.randn(4096, 4096, device="cuda")
+    cf = fusec.compile(g)
+    for _ in range(3):
+        torch.testing.assert_close(cf(x), g(x))
+    assert cf.last.runner is None
+    assert "hide behind the GPU" in cf.last.graph_blocker, cf.last.graph_blocker

@@ -59,7 +59,7 @@ def main() -> None:
             for xblock, rblock, warps in variants:
                 triton_backend.reduction_blocks = column_tile(xblock, rblock, warps)
                 cf = fusec.compile(model, backend="triton")
-                torch.testing.assert_close(cf(*inputs), want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(cf(*inputs), want, rtol=1e-2, atol=1e-2)  # as kernelbench.py (TF32 convs)
                 row.append(f"{median_ms(cf, *inputs, device=args.device):.3f}")
             triton_backend.reduction_blocks = BLOCKS
         print(" | ".join(row), flush=True)

@@ -11,7 +11,8 @@ The names below are re-exported so that `fusec.runtime.graph_blocker`, `from fus
 load_launcher` (the generated wrapper's own import) and the like keep working. Modules inside
 this folder import each other by their own names, never through this file.
 """
-from fusec.runtime.cuda_graphs import (COPY_BYTES_PER_US, LAUNCH_US, CudaGraphRunner,
+from fusec.runtime.cuda_graphs import (COPY_BYTES_PER_US, EXTERN_US, HBM_BYTES_PER_US, LAUNCH_US,
+                                       CudaGraphRunner,
                                        capture_stream, draws_random_numbers, graph_blocker)
 from fusec.runtime.launchers import load_launcher
 from fusec.runtime.program import Program, build_program
@@ -19,7 +20,7 @@ from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuff
                                  ViewStep, settle)
 from fusec.runtime.writer import last_uses, python_wrapper, step_reads, straight_line
 
-__all__ = ["COPY_BYTES_PER_US", "LAUNCH_US", "CudaGraphRunner", "ExternStep", "GetItemStep", "KernelStep", "OutputBuffer", "Program",
+__all__ = ["COPY_BYTES_PER_US", "EXTERN_US", "HBM_BYTES_PER_US", "LAUNCH_US", "CudaGraphRunner", "ExternStep", "GetItemStep", "KernelStep", "OutputBuffer", "Program",
            "SlotRef", "ViewStep", "build_program", "capture_stream", "draws_random_numbers",
            "graph_blocker", "last_uses", "load_launcher", "python_wrapper", "settle", "step_reads",
            "straight_line"]

@@ -14,17 +14,28 @@ import torch.fx as fx
 
 from fusec.ir import TensorMeta
 from fusec.runtime.program import Program
-from fusec.runtime.steps import ExternStep, KernelStep, ViewStep
+from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 
 
-# Note (when a CUDA graph does not pay): a graph saves at most the CPU time of the launches it
-# replaces, about LAUNCH_US each (a Triton launch through its bound launcher, an ATen call). It
-# costs a copy of every user input into the graph's buffers and of every output out of them.
-# For a big program with few steps the copies are the larger cost: KernelBench-style
-# 7_conv2d_instancenorm_divide on an H200 (a 67 MB input, a 134 MB output, 4 launches) spent
-# 0.098 ms of its 0.656 in those two copies, more than eager needed for its whole bias add.
-LAUNCH_US = 5.0
+# Note (when a CUDA graph does not pay): a graph saves at most the CPU time of the steps it
+# replaces, and only where that CPU time is not already hidden: step by step, the CPU queues
+# launch after launch while the GPU works, so a program takes about max(steps' CPU time, GPU
+# time). As one graph it takes the GPU time plus a copy of every user input into the graph's
+# buffers and of every output out of them. So a graph pays only where
+#     kernels * LAUNCH_US + extern calls * EXTERN_US  >  GPU time + copy time.
+# The GPU time is estimated from below (`gpu_floor_us`): every byte each step reads and writes at
+# HBM_BYTES_PER_US, or a matmul's, convolution's or attention's multiply-adds at the tensor cores'
+# peak, whichever is longer. Measured on an H100 (benchmarks/diagnostics/graph_choice.py,
+# docs/gpu.md): the 50 KernelBench-style problems (2-11 steps, 0.1-0.7 ms of GPU time) all ran
+# faster step by step, by 2-35% (7_conv2d_instancenorm_divide spent 0.098 ms of its 0.656 in the
+# copies of a 67 MB input and a 134 MB output); torchvision's ViT-B/16 (138 steps) ran 1.8x
+# faster as a graph, HF BERT 1.5x: an ATen call through the runtime costs tens of microseconds.
+LAUNCH_US = 5.0  # CPU time of one Triton launch through its bound launcher
+EXTERN_US = 40.0  # CPU time of one ATen call (dispatch, allocation, settling the strides)
 COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
+HBM_BYTES_PER_US = 3.0e6  # bytes a memory-bound kernel streams per microsecond (H100 ~2.8-3.0e6)
+# multiply-adds x 2 per microsecond at the tensor cores' dense peak (H100/H200 SXM): a floor
+FLOPS_PER_US = {torch.float16: 990e6, torch.bfloat16: 990e6, "tf32": 495e6, torch.float32: 67e6}
 
 
 def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
@@ -34,8 +45,8 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
     A captured graph replays fixed addresses: every input is read from a buffer we own (or from a
     parameter that stays put), every output comes out of the graph's own memory. So a program
     that writes into a user's input (writing into a parameter or buffer is fine), returns an input (or a view of one), or runs anything on the CPU
-    is launched step by step instead; and so is one whose input and output copies would cost
-    more than its launches (see the note above). `n_static`: the leading inputs that are
+    is launched step by step instead; and so is one whose launches already hide behind the
+    GPU's own time, where the input and output copies would only add to it (the note above). `n_static`: the leading inputs that are
     parameters and buffers, which the graph reads in place.
     """
     devices = {n.meta["fusec"].device for n in gm.graph.nodes
@@ -55,17 +66,80 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
     for step in program.steps:
         if draws_random_numbers(step):
             return f"{step.name} draws random numbers (a replay would not follow torch.manual_seed)"
-    launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
-    if launches < 2:
+    kernels = sum(isinstance(s, KernelStep) for s in program.steps)
+    externs = sum(isinstance(s, ExternStep) for s in program.steps)
+    if kernels + externs < 2:
         return "a single launch: a graph would only add the copy of the inputs"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     copied = sum(_bytes(n) for n in placeholders[n_static:]) \
         + sum(_bytes(n) for n in gm.graph.output_node().all_input_nodes)
-    if copied / COPY_BYTES_PER_US > launches * LAUNCH_US:
-        return (f"copying {copied / 1e6:.1f} MB of inputs and outputs into and out of a graph "
-                f"(~{copied / COPY_BYTES_PER_US:.0f} us) would cost more than its {launches} "
-                f"launches (~{launches * LAUNCH_US:.0f} us)")
+    copy_us, gpu_us = copied / COPY_BYTES_PER_US, gpu_floor_us(program, gm)
+    cpu_us = kernels * LAUNCH_US + externs * EXTERN_US
+    if cpu_us <= gpu_us + copy_us:
+        return (f"its {kernels} launches and {externs} ATen calls (~{cpu_us:.0f} us of CPU) hide "
+                f"behind the GPU's own ~{gpu_us:.0f} us or more, and a graph would add "
+                f"~{copy_us:.0f} us copying {copied / 1e6:.1f} MB of inputs and outputs")
     return None
+
+
+def gpu_floor_us(program: Program, gm: fx.GraphModule) -> float:
+    """A floor under the GPU's time for one run of `program`: for each step, the bytes it reads
+    and writes streamed at HBM_BYTES_PER_US, or for a matmul, convolution or attention its
+    arithmetic at FLOPS_PER_US, whichever takes longer (views and item picks cost nothing)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    slot_nodes = [nodes.get(name) for name in getattr(program, "slot_names", [])]
+
+    def slot_bytes(slot: int) -> int:
+        node = slot_nodes[slot] if slot < len(slot_nodes) else None
+        return _bytes(node) if node is not None else 0
+    total = 0.0
+    for step in program.steps:
+        if isinstance(step, KernelStep):
+            moved = sum(slot_bytes(s) for s in step.reads) + sum(
+                math.prod(w.shape) * w.dtype.itemsize for w in step.writes)
+            total += moved / HBM_BYTES_PER_US
+        elif isinstance(step, ExternStep):
+            refs: list = []
+            fx.node.map_aggregate(step.args, lambda a: refs.append(a) if isinstance(a, SlotRef) else a)
+            fx.node.map_aggregate(step.kwargs, lambda a: refs.append(a) if isinstance(a, SlotRef) else a)
+            moved = sum(slot_bytes(r.slot) for r in refs) + slot_bytes(step.out_slot)
+            shapes = [_meta(slot_nodes[r.slot]) for r in refs if r.slot < len(slot_nodes)]
+            out = _meta(slot_nodes[step.out_slot]) if step.out_slot < len(slot_nodes) else None
+            total += max(moved / HBM_BYTES_PER_US, _flops_us(step, shapes, out))
+    return total
+
+
+def _meta(node) -> TensorMeta | None:
+    m = node.meta.get("fusec") if node is not None else None
+    return m if isinstance(m, TensorMeta) else None
+
+
+_MATMULS = {"aten.mm.default": 0, "aten.addmm.default": 1, "aten.bmm.default": 0,
+            "aten.baddbmm.default": 1}
+
+
+def _flops_us(step: ExternStep, tensors: list, out: TensorMeta | None) -> float:
+    """The multiply-adds of a matmul, convolution or attention call at the tensor cores' peak, in
+    microseconds (0 for any other call). `tensors`: the metas of its tensor arguments, in order."""
+    name = str(step.target)
+    if out is None or None in tensors or not tensors:
+        return 0.0
+    if name in _MATMULS and len(tensors) > _MATMULS[name]:
+        flops = 2 * math.prod(out.shape) * tensors[_MATMULS[name]].shape[-1]
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+    elif name == "aten.convolution.default" and len(tensors) >= 2:
+        weight, transposed = tensors[1], bool(step.args[6]) if len(step.args) > 6 else False
+        per_output = math.prod(weight.shape) // max(weight.shape[0], 1)
+        flops = 2 * math.prod((tensors[0] if transposed else out).shape) * per_output
+        tf32 = torch.backends.cudnn.allow_tf32
+    elif "scaled_dot_product" in name and len(tensors) >= 2:
+        q, k = tensors[0], tensors[1]
+        flops = 4 * math.prod(q.shape) * k.shape[-2] if len(k.shape) >= 2 else 0
+        tf32 = True
+    else:
+        return 0.0
+    key = "tf32" if out.dtype == torch.float32 and tf32 else out.dtype
+    return flops / FLOPS_PER_US.get(key, FLOPS_PER_US[torch.float32])
 
 
 def _writes_only(step: ExternStep, slots: set) -> bool:
