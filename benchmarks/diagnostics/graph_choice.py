@@ -19,7 +19,7 @@ import torch
 
 import fusec
 from fusec import api
-from fusec.runtime import COPY_BYTES_PER_US, LAUNCH_US
+from fusec.runtime import COPY_BYTES_PER_US, EXTERN_US, LAUNCH_US
 from fusec.runtime.cuda_graphs import _bytes, gpu_floor_us
 from fusec.runtime.steps import ExternStep, KernelStep
 from fusec.timing import median_ms, wall_ms
@@ -82,7 +82,8 @@ def main() -> None:
               f"{gpu_floor_us(program, last.gm):.0f} | {way} | "
               + " | ".join(f"{t:.3f}" for t in times)
               + (" <-- wrong" if graph is not None and way != best else ""), flush=True)
-    print(f"(LAUNCH_US = {LAUNCH_US}; a graph is chosen where launches x LAUNCH_US > floor + copy)")
+    print(f"(a graph is chosen where Triton launches x {LAUNCH_US:.0f} us + ATen calls x "
+          f"{EXTERN_US:.0f} us > GPU floor + copy)")
 
 
 if __name__ == "__main__":
