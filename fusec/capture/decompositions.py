@@ -300,6 +300,18 @@ def native_batch_norm(x, weight, bias, running_mean, running_var, training, mome
         return batch_norm_batch_statistics(x, weight, bias, eps)
     if training or running_mean is None or running_var is None:
         return NotImplemented  # running-stat updates: traced as is
+    out = batch_norm_running_statistics(x, weight, bias, running_mean, running_var, eps)
+    if x.device.type == "cpu":  # eager returns empty statistics on the CPU in inference mode
+        empty = aten.full.default([0], 0, dtype=x.dtype, device=x.device)
+        return out, empty, empty
+    return out, running_mean, aten.rsqrt.default(aten.add.Tensor(running_var, eps))
+
+
+def batch_norm_running_statistics(x, weight, bias, running_mean, running_var, eps):
+    """Batch norm in inference: (x - running_mean) * rsqrt(running_var + eps) * weight + bias,
+    pointwise, each (C,) vector a view that folds into the kernel's load index; half inputs are
+    computed in float32 as eager's kernel does. capture/torch_level.py calls this directly for
+    `torch.batch_norm`, above its composite chain."""
     dtype = _compute_dtype(x)
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
 
@@ -314,12 +326,7 @@ def native_batch_norm(x, weight, bias, running_mean, running_var, training, mome
         out = aten.mul.Tensor(out, per_channel(weight))
     if bias is not None:
         out = aten.add.Tensor(out, per_channel(bias))
-    if out.dtype != x.dtype:
-        out = aten._to_copy.default(out, dtype=x.dtype)
-    if x.device.type == "cpu":  # eager returns empty statistics on the CPU in inference mode
-        empty = aten.full.default([0], 0, dtype=x.dtype, device=x.device)
-        return out, empty, empty
-    return out, running_mean, aten.rsqrt.default(aten.add.Tensor(running_var, eps))
+    return out if out.dtype == x.dtype else aten._to_copy.default(out, dtype=x.dtype)
 
 
 def batch_norm_batch_statistics(x, weight, bias, eps):

@@ -47,8 +47,34 @@ def functional_instance_norm(input, running_mean=None, running_var=None, weight=
                          momentum, eps)
 
 
+# Note (BatchNorm in inference, before its composite chain): `F.batch_norm` reaches the
+# decomposition table through `torch.batch_norm`, `aten.batch_norm`, `_batch_norm_impl_index`
+# and `native_batch_norm` (or cuDNN's), every level dispatched through tracing, fake tensors and
+# functionalization; the decomposition then emits its own views and pointwise ops, and on a GPU
+# the statistics eager returns, which nothing reads. Capture pays per traced op: a warm start of
+# resnet50 (53 batch norms) spent more than half of its capture there (docs/gpu.md). In
+# inference (running statistics, no update) the call is intercepted at the top and written
+# straight as capture/decompositions.py's pointwise formula: the same ops the decomposition
+# would leave after dead-code elimination, traced once.
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps,
+               cudnn_enabled=True):
+    if training or running_mean is None or running_var is None or x.dim() < 2 \
+            or not x.dtype.is_floating_point:
+        return NotImplemented  # batch statistics, or running ones to update: torch's path
+    from fusec.capture.decompositions import batch_norm_running_statistics
+    return batch_norm_running_statistics(x, weight, bias, running_mean, running_var, eps)
+
+
+def functional_batch_norm(input, running_mean, running_var, weight=None, bias=None,
+                          training=False, momentum=0.1, eps=1e-5):
+    """`F.batch_norm`'s argument order."""
+    return batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
 TORCH_LEVEL = {torch.instance_norm: instance_norm,
-               torch.nn.functional.instance_norm: functional_instance_norm}
+               torch.nn.functional.instance_norm: functional_instance_norm,
+               torch.batch_norm: batch_norm,
+               torch.nn.functional.batch_norm: functional_batch_norm}
 
 
 class _TorchLevel(torch.overrides.TorchFunctionMode):
