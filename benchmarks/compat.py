@@ -77,6 +77,24 @@ def hf_models() -> dict:
         "convnext": (lambda: T.ConvNextModel(T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)), image),
         "regnet": (lambda: T.RegNetModel(T.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], groups_width=8)), image),
         "mobilevit": (lambda: T.MobileViTModel(T.MobileViTConfig(image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32])), image),
+        "mixtral": (lambda: T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **dec)), tokens),
+        "mamba": (lambda: T.MambaModel(T.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2)), tokens),
+        "gpt_bigcode": (lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64)), tokens),
+        "xlnet": (lambda: T.XLNetModel(T.XLNetConfig(vocab_size=96, d_model=32, n_layer=2, n_head=4, d_inner=64)), tokens),
+        "mpnet": (lambda: T.MPNetModel(T.MPNetConfig(**enc)), tokens),
+        "mobilebert": (lambda: T.MobileBertModel(T.MobileBertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16, max_position_embeddings=64)), tokens),
+        "funnel": (lambda: T.FunnelModel(T.FunnelConfig(vocab_size=96, d_model=32, n_head=4, d_head=8, d_inner=64, block_sizes=[1, 1], num_decoder_layers=1)), tokens),
+        "longformer": (lambda: T.LongformerModel(T.LongformerConfig(attention_window=4, **enc)), tokens),
+        "fnet": (lambda: T.FNetModel(T.FNetConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64)), tokens),
+        "wav2vec2": (lambda: T.Wav2Vec2Model(T.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0)), "waveform"),
+        "whisper_encoder": (lambda: T.WhisperModel(T.WhisperConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=16, max_target_positions=16, pad_token_id=1, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)).get_encoder(), "mel"),
+        "clip_vision": (lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**img)), image),
+        "dinov2": (lambda: T.Dinov2Model(T.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2)), image),
+        "beit": (lambda: T.BeitModel(T.BeitConfig(use_relative_position_bias=True, **img)), image),
+        "levit": (lambda: T.LevitModel(T.LevitConfig(image_size=32, hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1], key_dim=[8, 8, 8])), image),
+        "pvt": (lambda: T.PvtModel(T.PvtConfig(image_size=32, hidden_sizes=[16, 32, 48, 64], num_attention_heads=[1, 1, 2, 2], depths=[1, 1, 1, 1])), image),
+        "mobilenet_v2": (lambda: T.MobileNetV2Model(T.MobileNetV2Config(image_size=32, depth_multiplier=0.25)), image),
+        "detr": (lambda: T.DetrModel(T.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], out_features=["stage4"]), d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=8)), image),
         "segformer": (lambda: T.SegformerModel(T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2])), image),
     }
 
@@ -104,6 +122,10 @@ def example(kind: str, device: str):
     batch = BATCH[0]
     if kind == "tokens":
         return (torch.randint(1, 96, (batch, 12), device=device),)
+    if kind == "waveform":  # raw audio samples
+        return (torch.randn(batch, 400, device=device),)
+    if kind == "mel":  # a (mel bins, frames) spectrogram
+        return (torch.randn(batch, 16, 32, device=device),)
     size = SIZES[kind]
     return (torch.randn(batch, 3, size, size, device=device),)
 
@@ -169,6 +191,10 @@ def no_randomness(model) -> None:
         for attr, value in list(vars(m).items()):
             if "drop" in attr.lower() and isinstance(value, float):
                 setattr(m, attr, 0.0)
+        config = getattr(m, "config", None)  # read at call time (wav2vec2's config.layerdrop)
+        for attr in list(vars(config)) if hasattr(config, "__dict__") else []:
+            if "drop" in attr.lower() and isinstance(getattr(config, attr), float):
+                setattr(config, attr, 0.0)
 
 
 def train_step(model, fn, inputs):
