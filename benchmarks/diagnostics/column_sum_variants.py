@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--producer", action="store_true",
                    help="only time each variant right after a copy wrote its input (warm L2 tail)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("column_sum_variants.py times Triton kernels on a GPU: it needs one")
     n, c, h, w = (int(v) for v in args.shape.split(","))
     x = torch.randn(n, c, h, w, device="cuda").to(memory_format=torch.channels_last)
     want = x.sum(dim=(2, 3))

@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("problems", nargs="*")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_choice.py times CUDA graphs: it needs a GPU")
     numbers = args.problems or sorted((f.name.split("_")[0] for f in PROBLEMS.glob("[0-9]*_*.py")),
                                       key=int)
     dtype = getattr(torch, args.dtype)
