@@ -118,9 +118,7 @@ def _move_up(graph: fx.Graph, mode, p: fx.Node, decisions: list, rows_one_by_one
     except _CannotRun as err:
         new, why = None, str(err)
     if why:
-        for n in reversed(made):
-            graph.erase_node(n)
-        decisions.append(Decision(p.name, False, why))
+        _refuse(graph, made, decisions, p, why)
         return
     old = p.args[0]
     p.replace_all_uses_with(new)
@@ -129,6 +127,15 @@ def _move_up(graph: fx.Graph, mode, p: fx.Node, decisions: list, rows_one_by_one
     decisions.append(Decision(new.name, True, f"permute {p.name} moved above {old.name}: it now "
                               "folds into the loads of what the ops read, and they fuse with "
                               "the permute's readers"))
+
+
+def _refuse(graph: fx.Graph, made: list[fx.Node], decisions: list, node: fx.Node,
+            why: str) -> None:
+    """Undo a move that was built and then refused: erase the nodes it made (last first, so
+    each has no users left), and record why."""
+    for n in reversed(made):
+        graph.erase_node(n)
+    decisions.append(Decision(node.name, False, why))
 
 
 def _why_not_up(v: fx.Node, p: fx.Node, rows_one_by_one: bool) -> str | None:
@@ -200,9 +207,7 @@ def _move_down(graph: fx.Graph, mode, p: fx.Node, u: fx.Node, decisions: list,
     except _CannotRun as err:
         new, why = None, str(err)
     if why:
-        for n in reversed(made):
-            graph.erase_node(n)
-        decisions.append(Decision(u.name, False, why))
+        _refuse(graph, made, decisions, u, why)
         return None
     why = (f"{u.name} computed before permute {p.name}, in the order of {p.args[0].name}, "
            "whose kernel it joins; the permute moves past it")

@@ -100,8 +100,8 @@ def gpu_floor_us(program: Program, gm: fx.GraphModule) -> float:
             total += moved / HBM_BYTES_PER_US
         elif isinstance(step, ExternStep):
             refs: list = []
-            fx.node.map_aggregate(step.args, lambda a: refs.append(a) if isinstance(a, SlotRef) else a)
-            fx.node.map_aggregate(step.kwargs, lambda a: refs.append(a) if isinstance(a, SlotRef) else a)
+            fx.node.map_aggregate((step.args, step.kwargs),
+                                  lambda a: refs.append(a) if isinstance(a, SlotRef) else a)
             moved = sum(slot_bytes(r.slot) for r in refs) + slot_bytes(step.out_slot)
             shapes = [_meta(slot_nodes[r.slot]) for r in refs if r.slot < len(slot_nodes)]
             out = _meta(slot_nodes[step.out_slot]) if step.out_slot < len(slot_nodes) else None
