@@ -1,6 +1,7 @@
 """Quantized linear layers at decode sizes: weight bytes streamed per second, side by side.
 
-    python benchmarks/quant_linear.py [--k 8192] [--n 8192] [--m 1,4,8,16] [--sweep] [--json out.json]
+    python benchmarks/quant_linear.py [--k 8192] [--n 8192] [--m 1,4,8,16] [--sweep] [--int4-paths]
+                                      [--json out.json]
 
 For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A16 and W4A16
 layers of examples/int8_linear.py and examples/int4_linear.py run eagerly, through torch.compile
@@ -8,12 +9,16 @@ and through fusec. Each row gives the median time and the weight bytes per secon
 packed int4 bytes plus their scales, which is what the layer has to read). `--sweep` also times
 the fusec GEMV kernel with other block sizes (codegen/triton_gemv.py, gemv_blocks) and with the GEMV
 forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
+Packed int4 at small M is read as 32-bit words (codegen/triton_gemv_int4.py); `--int4-paths`
+adds a row with that path switched off (FUSEC_INT4_WORDS=0: the byte-per-lane GEMV), so that
+both are timed in one run. Each fusec row names its kernels and which int4 path it took.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,8 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--int4-paths", action="store_true",
+                   help="also time int4 with the word path off (FUSEC_INT4_WORDS=0)")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,15 +67,20 @@ def main() -> None:
             row(f"{fmt} eager", m, nb, layer, x)
             if not args.no_compile:
                 row(f"{fmt} torch.compile", m, nb, torch.compile(layer), x)
-            cf = fusec.compile(layer)
-            row(f"{fmt} fusec", m, nb, cf, x)
-            with torch.no_grad():
-                ref = F.linear(x.double(), _dequant(layer, fmt).double())
-                err_f = (cf(x).double() - ref).abs().max().item()
-                err_e = (layer(x).double() - ref).abs().max().item()
-            rows[-1].update(kernels=[kk.name for kk in cf.kernels], err_fusec=err_f, err_eager=err_e)
-            print(f"{'':34s} kernels {[kk.name for kk in cf.kernels]}  |err| fusec {err_f:.3g} "
-                  f"eager {err_e:.3g}", flush=True)
+            paths = ["1", "0"] if fmt == "int4" and args.int4_paths else [None]
+            for words in paths:
+                label = {None: "", "1": " (words)", "0": " (bytes: FUSEC_INT4_WORDS=0)"}[words]
+                before = os.environ.get("FUSEC_INT4_WORDS")
+                if words is not None:  # read when the kernel is rendered, in fusec.compile's run
+                    os.environ["FUSEC_INT4_WORDS"] = words
+                try:
+                    cf = fusec.compile(layer)
+                    row(f"{fmt} fusec{label}", m, nb, cf, x)
+                finally:
+                    os.environ.pop("FUSEC_INT4_WORDS", None)
+                    if before is not None:
+                        os.environ["FUSEC_INT4_WORDS"] = before
+                check(rows, cf, layer, fmt, x)
         if args.sweep and device == "cuda":
             sweep(rows, layers, x, m, row)
 
@@ -76,6 +88,23 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            torch=torch.__version__, rows=rows), f, indent=1)
+
+
+def check(rows, cf, layer, fmt, x):
+    """The last row's kernels, which int4 path they took, and fusec's and eager's error
+    against a float64 product of the dequantized weight."""
+    with torch.no_grad():
+        ref = F.linear(x.double(), _dequant(layer, fmt).double())
+        err_f = (cf(x).double() - ref).abs().max().item()
+        err_e = (layer(x).double() - ref).abs().max().item()
+    words = any("triton_gemv_int4" in kk.source for kk in cf.kernels)
+    rows[-1].update(kernels=[kk.name for kk in cf.kernels], int4_words=words, err_fusec=err_f,
+                    err_eager=err_e)
+    triton = any(kk.backend == "triton" for kk in cf.kernels)
+    path = (" (read as 32-bit words)" if words else " (byte per lane)") \
+        if fmt == "int4" and triton else ""
+    print(f"{'':34s} kernels {[kk.name for kk in cf.kernels]}{path}  |err| fusec {err_f:.3g} "
+          f"eager {err_e:.3g}", flush=True)
 
 
 def _dequant(layer, fmt):

@@ -24,6 +24,7 @@ from pathlib import Path
 from fusec import cache, ops
 from fusec.ir import Index, PointwiseKernel
 
+from . import triton_keys
 from .render import render_template
 from .triton_launch import TritonLauncher
 from .triton_reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
@@ -203,15 +204,12 @@ def prepare(device) -> None:
     """
     if _KEYS or torch_device_type(device) != "cuda":
         return
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # an older Triton keeps it elsewhere: its first compile computes it
-        return
+    # remembered from an earlier process (codegen/triton_keys.py): nothing to hash
+    remembered = triton_keys.remember(compute=False)
+
     def work_out():
-        try:
-            triton_key()
-        except Exception:  # noqa: BLE001 - the first compile computes it again and says why
-            pass
+        if not remembered:
+            triton_keys.remember(compute=True)  # hashed here, then saved for the next process
         _ptxas_version(device)
 
     thread = threading.Thread(target=work_out, name="fusec-triton-key", daemon=True)

@@ -12,6 +12,7 @@ import torch
 
 from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 
+from .int4_words import match_int4_words
 from .render import render_template
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert
 
@@ -288,14 +289,7 @@ def render_gemv(kernel) -> str:
             return [_stmt(item, helpers, block="[1, 1, 1]")]
         return load_lines(item)
 
-    # the loop plan's one phase (gemv_fits): row values before it, and after it the epilogue
-    [phase] = kernel.plan.phases
-    row_lines = [t for name in kernel.plan.before for t in lines(name)]
-    epilogue = [t for name in phase.ready for t in lines(name)]
-    value = convert("sums", r.acc_dtype, r.var.dtype)
-    if r.round_to is not None:
-        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
-    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
+    phase, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
 
     # the tensor-core form multiplies the activation and the weight tiles itself: what they need
     needed = kernel.values_needed({name for pair in dot for name in pair}) if dot else phase.loop
@@ -369,10 +363,25 @@ def render_gemv(kernel) -> str:
         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
         num_stages=num_stages, dot_lines=dot_lines,
         weight_dtypes=", ".join(weights) or "as stored",
-        unpack_note=" (unpacking the int4 nibbles)" if unpack else "",
+        unpack_note=(" (unpacking the int4 nibbles byte by byte, not as 32-bit words: "
+                     f"{match_int4_words(kernel)[1]})") if unpack else "",
         acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],
         n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], row_lines=row_lines,
         loop_lines=loop_lines, first_lines=first, rotate_lines=rotate, even_k=even_k,
         operand=operand, epilogue=epilogue, stores=stores)
+
+
+def rows_and_epilogue(kernel, r, lines) -> tuple:
+    """The loop plan's one phase (gemv_fits), the lines of the row values computed before the K
+    loop, and the epilogue after it, which starts from the finished sum `sums` (rounded as the
+    reduction `r` says). `lines(name)` spells one value."""
+    [phase] = kernel.plan.phases
+    row_lines = [t for name in kernel.plan.before for t in lines(name)]
+    epilogue = [t for name in phase.ready for t in lines(name)]
+    value = convert("sums", r.acc_dtype, r.var.dtype)
+    if r.round_to is not None:
+        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
+    return phase, row_lines, epilogue

@@ -1,7 +1,9 @@
 """Triton reductions: a ReductionKernel as one program per block of rows, persistent (the row in
 registers) or looped over chunks of the row, one loop per pass of the kernel's loop plan
 (fusec/loop_plan.py), with online softmax-style updates where the plan lets a phase fold into the
-one before it (`looped_pass`), and column reductions for rows that lie side by side. A small-M matmul with a dequantized weight goes to triton_gemv.py instead.
+one before it (`looped_pass`), and column reductions for rows that lie side by side. A small-M
+matmul with a dequantized weight goes to triton_gemv.py instead, or to triton_gemv_int4.py when
+its weight is packed int4 that can be read as 32-bit words (int4_words.py).
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import torch
 from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
+from .int4_words import match_int4_words
 from .render import render_template
 from .triton_gemv import gemv_fits, render_gemv
+from .triton_gemv_int4 import render_gemv_words
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, literal
 
 
@@ -64,7 +68,8 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
 
 def render_reduction(kernel) -> str:
     if gemv_fits(kernel):
-        return render_gemv(kernel)
+        words, _ = match_int4_words(kernel)  # (why not: in the byte kernel's docstring)
+        return render_gemv_words(kernel, words) if words else render_gemv(kernel)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)

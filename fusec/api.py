@@ -12,6 +12,7 @@ are handed `part_compiler(...)`, the one way a piece of a program is compiled.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Callable
 
@@ -22,6 +23,7 @@ from fusec import check as _check
 from fusec import events
 from fusec.capture import calls, frontend, tracing
 from fusec.capture.breaks import warn_graph_breaks
+from fusec.capture.fingerprint import fingerprint
 from fusec.capture.torch_level import torch_level
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile, tensor_args
@@ -30,6 +32,7 @@ from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast_path,  # noqa: F401
                             _packer, _signature)
+from fusec.runtime import saved
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 
 BACKENDS = ("auto", *backends.BACKENDS)  # the `backend=` option's values
@@ -213,16 +216,43 @@ class CompiledFunction:
         return [ref.get() for ref in self._state_refs]
 
     def _compile(self, args, kwargs, leaves) -> CompiledGraph:
+        """Compile the program for this call, or load the one a process before compiled for a
+        call just like it (fusec/runtime/saved.py, keyed by fusec/capture/fingerprint.py)."""
         tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
         real = [t for t in tensors if not calls.is_cpu_scalar(t)]
         backend = None
         if real and len({t.device for t in real}) == 1:  # before capture: it starts Triton's
             backend = resolve_backend(self.backend, real[0].device)  # cache key in a thread
         detail = events.wants_detail()  # source lines and per-pass graphs, for a watcher
+        key = None
+        # a saved program has no graphs to show a watcher, and check=True compares with them;
+        # the pieces of training and graph breaks (GraphModules) are compiled as they come
+        if backend is not None and not detail and not self.check and saved.enabled() \
+                and not isinstance(self.fn, torch.fx.GraphModule):
+            start = time.perf_counter()
+            backends.get(backend).module  # imported now, so that its settings count every time
+            with gc_paused():
+                key = fingerprint(self.fn, args, kwargs, backend)
+            seconds = time.perf_counter() - start
+            if key is not None:
+                remake = saved.placeholders(args, kwargs)
+                loaded = saved.load(key, lambda: self._capture_and_compile(*remake(), backend))
+                if loaded is not None:
+                    loaded.times["capture"] += seconds  # the fingerprint stood in for capture
+                    events.publish("compiled", loaded, _label(self.fn))
+                    return loaded
+        compiled = self._capture_and_compile(args, kwargs, backend, detail, bool(real), tensors)
+        if key is not None:
+            compiled.times["capture"] += seconds
+            saved.save(key, compiled)
+        return compiled
+
+    def _capture_and_compile(self, args, kwargs, backend: str | None, detail: bool = False,
+                             has_real: bool = True, tensors: list | None = None) -> CompiledGraph:
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():  # (inputs on two devices: capture says if an op mixes them)
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
-            if real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
+            if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
                 device = calls.graph_device(captured.gm)  # (`torch.ones(3, device="cuda")`)

@@ -163,9 +163,12 @@ def test_int4_is_accurate_against_float64(target):
 
 # ---- M > 1 on Triton: tensor-core dots ----------------------------------------------------------
 
-def test_triton_gemv_uses_tensor_cores_from_two_rows_on_exact_bf16_products():
+def test_triton_gemv_uses_tensor_cores_from_two_rows_on_exact_bf16_products(monkeypatch):
     # M = 1: lane-by-lane products; M = 4 with bf16 activations and int8 weights: tl.dot of bf16
     # tiles (exact, see dot_terms); float32 activations are not bf16 numbers: lanes again.
+    # (Packed int4 at M <= 4 is read as 32-bit words instead, tests/test_int4_words.py; switched
+    # off here to test the byte path's dots.)
+    monkeypatch.setenv("FUSEC_INT4_WORDS", "0")
     backend, device = "triton", TRITON_DEVICE
     k, n = 67, 37
     w = int8_weight(n, k, device)
@@ -191,11 +194,13 @@ class Bf16Computed(torch.nn.Module):
 
 
 @pytest.mark.parametrize("k", [256, 264, 1000], ids=lambda k: f"K{k}")
-def test_triton_gemv_loop_masks_pairs_and_prefetch(k):
+def test_triton_gemv_loop_masks_pairs_and_prefetch(k, monkeypatch):
     """The Triton GEMV's K loop (codegen/triton_gemv.py): no K mask when BLOCK_K divides K; the
     activations of a packed byte's two nibbles loaded as pairs and split in registers; the M = 1
     kernel prefetching the next chunk, except for a plain int8 weight. Each still matches eager,
-    whole chunks or not."""
+    whole chunks or not. (The byte path for packed int4: the word path, which would take these
+    shapes, is switched off; tests/test_int4_words.py tests it.)"""
+    monkeypatch.setenv("FUSEC_INT4_WORDS", "0")
     backend, device = "triton", TRITON_DEVICE
     int4_k = k if k % 8 == 0 else 256
     for m in (1, 3):

@@ -64,6 +64,14 @@ class _Template:
     def __repr__(self) -> str:
         return f"{type(self.obj).__name__}({', '.join(self.names)})"
 
+    def __reduce__(self):
+        """Pickled (in a saved program: fusec/runtime/saved.py) without the traced values: the
+        attributes that held them are filled anew by every unflatten anyway."""
+        bare = copy.copy(self.obj)
+        for name in self.names:
+            object.__setattr__(bare, name, None)
+        return (_Template, (bare, self.names))
+
 
 def _object_flatten(node: _Object):
     obj = node.obj

@@ -70,7 +70,7 @@ def wants_stack_traces() -> bool:
     """Record the user's source line of every ATen node while tracing, and the graph after every
     pass? (Costs ~15% of capture time and ~20% of a warm start, so only when someone will read
     them: explain, profile, FUSEC_LOG or FUSEC_DEBUG_DIR.)"""
-    return bool(topics() - {"compile"} or debug_dir())  # timing must not change what it times
+    return bool(topics() - {"compile", "cache"} or debug_dir())  # timing must not change what it times
 
 
 # ---- what the driver published (fusec/driver.py compile_graph), printed ----------------------------

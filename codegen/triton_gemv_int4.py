@@ -1,0 +1,181 @@
+"""Triton GEMV for a packed-int4 weight read as 32-bit words (codegen/int4_words.py recognises it).
+
+The byte-per-lane GEMV (codegen/triton_gemv.py) gives every packed byte its own lane and turns
+each nibble into a float32 on its own: a shift or a mask, an integer-to-float trick, a
+subtraction and a multiplication, each rounded to bf16. On an H200 that streamed 0.95 TB/s of
+packed bytes, where the bytes alone load at 2.6 (docs/gpu.md, issue 15). This kernel gives each
+lane a 32-bit word, eight nibbles, and does the dequantization two nibbles at a time:
+
+    pair = (word >> 4t) & 0x000F000F | 0x43004300     nibbles t and t + 4 as two bf16 numbers,
+                                                      128 + q each (0x4300 is 128.0)
+    w    = dequant_pairs(pair, -zero, scale)          (q - zero) * scale for both halves
+
+`dequant_pairs` is three packed bf16 FMAs (PTX `fma.rn.bf16x2`) on GPUs that have them (sm_80
+and newer) and the same three steps in float32 elsewhere (the interpreter, older GPUs, other
+vendors): decided here, when the kernel is rendered, and visible in its source. Each step rounds
+once to bf16, as eager's bf16 ops do, so the dequantized weights are eager's bit for bit; the
+products are accumulated in float32. `benchmarks/diagnostics/int4_gemv_words.py` holds the
+hand-written kernel this one follows (1.35 TB/s on an H200 with two FMAs for an integer zero
+point; the third here makes any bf16 zero point exact).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusec.ir import Index, Load, Reduce, Stmt
+
+from .int4_words import Int4Words
+from .render import render_template
+from .triton_gemv import SMS, rows_and_epilogue
+from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
+
+# Word lanes per program per iteration and partial sums per program: the hand-written kernel's
+# best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).
+WORD_TILE = 2048
+WORD_ACC = 4096
+
+
+def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps). All M rows in one block; 8 output columns per
+    program, fewer for narrow layers so that there are about 2 programs per SM (as gemv_blocks);
+    BLOCK_W: 256 words, fewer when M rows of partial sums would not fit WORD_ACC."""
+    block_m = 1 << max(m - 1, 0).bit_length()
+    block_n = min(8, 1 << max(n // (2 * SMS), 1).bit_length() - 1)
+    block_w = min(256, WORD_TILE // block_n, WORD_ACC // (block_m * block_n),
+                  1 << max(words - 1, 0).bit_length())
+    return block_m, block_n, max(block_w, 1), 8 if block_n * block_w >= 2048 else 4
+
+
+def pair_math() -> tuple[bool, str]:
+    """(asm, why): whether dequant_pairs is the PTX bf16x2 version, decided at render time for
+    the GPU this process compiles for."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False, "in float32: the interpreter runs no PTX"
+    if not torch.cuda.is_available() or torch.version.hip:
+        return False, "in float32: no CUDA GPU for PTX bf16x2 FMAs"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return False, f"in float32: sm_{major}{minor} has no bf16x2 FMA (sm_80 and newer do)"
+    return True, "three packed bf16 FMAs, PTX fma.rn.bf16x2"
+
+
+def _int32(value: int) -> int:
+    """A 32-bit pattern as the signed int32 Triton reads a literal as."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def render_gemv_words(kernel, words: Int4Words) -> str:
+    (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
+    two = len(kernel.row_shape) == 2
+    m, n = kernel.row_shape if two else (1, kernel.row_shape[0])
+    n_rows = len(kernel.row_shape)
+    row_axes = ["m", "n"] if two else ["n"]
+    block_m, block_n, block_w, num_warps = gemv_word_blocks(m, n, words.words)
+    even = words.words % block_w == 0
+    wpg = words.group // 8  # words per group
+    asm, pair_note = pair_math()
+
+    def rows(idx: Index) -> tuple[list[str], list[str]]:
+        """The row terms of an address and their masks."""
+        terms, masks = [], []
+        for axis, st in zip(row_axes, idx.strides[:n_rows]):
+            if st:
+                terms.append(axis if st == 1 else f"{axis} * {st}")
+                masks.append(f"{axis}_mask")
+        return terms, masks
+
+    def address(offset: int, terms: list[str]) -> str:
+        return " + ".join(([str(offset)] if offset else []) + terms) or "0"
+
+    def mask(masks: list[str]) -> str:
+        return f", mask={' & '.join(masks)}" if masks else ""
+
+    # the packed weight, as word indices: its byte offsets over 4 (int4_words checked that they
+    # are whole words)
+    p = words.packed.index
+    _, p_masks = rows(p)
+    word = address(p.offset // 4, [f"n * {p.strides[n_rows - 1] // 4}", "ws"])
+    lanes = p_masks + ([] if even else ["w_mask"])
+    word_mask = " & ".join(lanes)
+    # the next chunk's words: those before the row's end (in an even row, whole chunks)
+    word_mask_next = " & ".join(p_masks + ["(w_start + BLOCK_W < n_words)" if even
+                                           else "(ws + BLOCK_W < n_words)"])
+
+    def group_lines(g: Load, out: str, negate: bool) -> list[str]:
+        """`out` = a per-group value of each word, as bf16x2 bits: loaded once per group and
+        repeated over the group's words when the chunk holds whole groups, else per word."""
+        terms, masks = rows(g.index)
+        st = g.index.strides[n_rows]
+        if block_w % wpg == 0:
+            masks += [] if even else [f"(gs < {kernel.k_shape[0]})"]  # groups past the end
+            addr = address(g.index.offset, terms + [f"gs * {st}" if st != 1 else "gs"])
+            loaded = f"bf16x2(tl.load({g.param}_ptr + {addr}{mask(masks)}), {negate})"
+            return [f"{out} = tl.reshape(tl.broadcast_to(({loaded})[:, :, :, None], "
+                    f"[1, BLOCK_N, BLOCK_W // {wpg}, {wpg}]), [1, BLOCK_N, BLOCK_W])"]
+        addr = address(g.index.offset, terms + [f"(ws // {wpg})" + (f" * {st}" if st != 1 else "")])
+        masks += [] if even else ["w_mask"]
+        return [f"{out} = bf16x2(tl.load({g.param}_ptr + {addr}{mask(masks)}), {negate})"]
+
+    before, loop = [], []
+    if block_w % wpg == 0 and any(isinstance(v, Load) for v in (words.zero, words.scale)):
+        loop.append(f"# the groups of this chunk ({wpg} word(s) each): their zero points and "
+                    "scales, loaded once each")
+        loop.append(f"gs = w_start // {wpg} + tl.arange(0, BLOCK_W // {wpg})[None, None, :]")
+    loop.append("# per word: -zero and scale as bf16 bits, the same in both halves of an int32")
+    if isinstance(words.zero, Load):
+        loop += group_lines(words.zero, "zneg2", True)
+    else:
+        bits = torch.tensor(-words.zero, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+        before.append(f"# the zero point is the constant {words.zero}: -zero as bf16 bits, twice")
+        before.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)")
+    loop += group_lines(words.scale, "s2", False)
+
+    # the activations: eight neighbours per word, x[8w + i] at x's stride along K
+    x = words.x_lo.index
+    x_terms, x_masks = rows(x)
+    step = words.x_step
+    lanes8 = f"(ws * {8 * step})[:, :, :, None] + (tl.arange(0, 8) * {step})[None, None, None, :]" \
+        if step != 1 else "(ws * 8)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]"
+    x_rows = [f"({' + '.join(x_terms)})[:, :, :, None]"] if x_terms else []
+    x_addr = address(x.offset, x_rows + [lanes8])
+    x_mask = [f"{t}[:, :, :, None]" for t in x_masks + ([] if even else ["w_mask"])]
+    x_load = f"{words.x_lo.param}_ptr + {x_addr}{mask(x_mask)}"
+
+    # row values before the loop, and the epilogue after it: the generic GEMV's lines
+    producers = {l.var.name: l for l in kernel.loads}
+    producers.update((item.var.name, item) for item in kernel.body)
+    helpers: set = set()
+
+    def lines(name: str) -> list[str]:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            return [_stmt(item, helpers, block="[1, 1, 1]")]
+        terms, masks = rows(item.index)
+        if not terms:
+            terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
+        value = f"tl.load({item.param}_ptr + {address(item.index.offset, terms)}{mask(masks)})"
+        return [f"{name} = {convert(value, item.dtype, item.var.dtype)}"]
+
+    _, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
+    stores = []
+    for s in kernel.stores:
+        terms, masks = rows(s.index)
+        stores.append(f"tl.store({s.param}_ptr + {address(s.index.offset, terms)}, "
+                      f"{convert(s.var.name, s.var.dtype, s.dtype)}{mask(masks)})")
+
+    big = max([kernel.numel * 2] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                    for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    helpers |= _helpers_in(row_lines + before + loop + epilogue + stores)
+    helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
+    return render_template(
+        "triton_gemv_int4.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n,
+        k=2 * kernel.k, group=words.group, words=words.words, block_m=block_m, block_n=block_n,
+        block_w=block_w, num_warps=num_warps, programs=-(-n // block_n), asm=asm,
+        pair_note=pair_note, helpers=sorted(helpers), packed=words.packed.param,
+        params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
+        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N", even=even,
+        row_lines=row_lines, before_loop=before, loop_lines=loop, word=word,
+        word_mask=word_mask, word_mask_next=word_mask_next, x_load=x_load,
+        x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores)

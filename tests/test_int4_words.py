@@ -1,0 +1,253 @@
+"""codegen/int4_words.py + codegen/triton_gemv_int4.py: the packed-int4 GEMV read as 32-bit words.
+
+Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU), checks
+which kernel was generated (the word kernel says so in its source), and compares with eager
+against a float64 product of eager's dequantized bf16 weight: the fused error may not exceed
+eager's by more than a bf16 rounding (as tests/test_small_matmul.py does). One-hot activations
+read single weights back exactly, so they check the dequantization bit for bit, nibble by nibble.
+Cases the word kernel does not cover must fall back to the byte-per-lane GEMV, and still match.
+"""
+import dataclasses
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+from conftest import TRITON_DEVICE
+from fusec.codegen.int4_words import match_int4_words
+
+int4_linear = importlib.import_module("fusec.examples.int4_linear")
+
+BF16 = torch.bfloat16
+DEV = TRITON_DEVICE
+WORDS = "codegen/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
+BYTES = "codegen/templates/triton_gemv.py.j2"
+
+
+class Int4(torch.nn.Module):
+    """An int4 linear with the variants a quantizer may write: zero point a per-group tensor
+    ("tensor"), a constant ("const", 8) or none ("none"); `swap`: the high nibble holds the even
+    weight (the opposite packing order); then bias and an activation."""
+
+    def __init__(self, n, k, group, zero="tensor", bias=False, act=None, swap=False, seed=0,
+                 dtype=BF16):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.n, self.k, self.group = n, k, group
+        self.zero_kind, self.act, self.swap = zero, act, swap
+        self.register_buffer("packed", torch.randint(0, 256, (n, k // 2), generator=g,
+                                                     dtype=torch.uint8).to(DEV))
+        self.register_buffer("scale", (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3)
+                             .to(dtype).to(DEV))
+        # zero points that are not integers: each step's bf16 rounding matters
+        self.register_buffer("zero", (torch.rand(n, k // group, generator=g) * 15).to(dtype)
+                             .to(DEV))
+        self.register_buffer("bias", torch.randn(n, generator=g).to(dtype).to(DEV) if bias
+                             else None)
+
+    def weight(self, dtype):
+        p = self.packed.view(self.n, self.k // self.group, self.group // 2)
+        lo, hi = p & 0x0F, p >> 4
+        if self.swap:
+            lo, hi = hi, lo
+        lo, hi = lo.to(dtype), hi.to(dtype)
+        s = self.scale[..., None]
+        if self.zero_kind == "tensor":
+            lo, hi = lo - self.zero[..., None], hi - self.zero[..., None]
+        elif self.zero_kind == "const":
+            lo, hi = lo - 8, hi - 8
+        return torch.stack([lo * s, hi * s], dim=-1).view(self.n, self.k)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight(x.dtype), self.bias)
+        return {"relu": torch.relu, "gelu": F.gelu, None: lambda v: v}[self.act](y)
+
+
+def rand(*shape, seed=0, dtype=BF16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).to(DEV)
+
+
+def check(layer, x, path=WORDS, kernels=1):
+    """Compile `layer`, check which GEMV it became, and compare with eager against float64."""
+    cf = fusec.compile(layer, backend="triton")
+    act = {"relu": torch.relu, "gelu": F.gelu, None: lambda v: v}[getattr(layer, "act", None)]
+    with torch.no_grad():
+        got = cf(x)
+        eager = layer(x)
+        w = layer.weight(x.dtype).double()
+        ref = act(F.linear(x.double(), w, None if layer.bias is None else layer.bias.double()))
+    assert len(cf.kernels) == kernels, [k.name for k in cf.kernels]
+    source = gemv(cf).source
+    assert path in source, source[:1500]
+    assert got.dtype == eager.dtype and got.shape == eager.shape
+    ok = torch.isfinite(ref)  # NaN and infinity: where eager has them, and the same
+    assert torch.equal(got[~ok].double().nan_to_num(), eager[~ok].double().nan_to_num())
+    fused_err = (got.double() - ref)[ok].abs().max().item()
+    eager_err = (eager.double() - ref)[ok].abs().max().item()
+    bound = eager_err + 2 ** -8 * ref[ok].abs().max().item()
+    assert fused_err <= bound, (fused_err, eager_err)
+    return cf
+
+
+def gemv(cf):
+    (kernel,) = [k for k in cf.kernels if "gemv" in k.name]
+    return kernel
+
+
+# ---- the word path ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_linear_reads_words(m, group):
+    layer = Int4(37, 256, group)  # odd N: a masked last block of columns
+    cf = check(layer, rand(m, 256, seed=m))
+    assert "eight per 32-bit word" in cf.kernels[0].source
+
+
+def test_the_example_layer_reads_words():
+    ex = int4_linear.example(m=1, k=256, n=48, group=64, device=DEV)
+    check(ex.fn, *ex.inputs)
+
+
+@pytest.mark.parametrize("zero", ["const", "none"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_constant_or_absent_zero_point(zero, m):
+    cf = check(Int4(24, 128, 32, zero=zero), rand(m, 128, seed=5))
+    assert "zneg2 = tl.full(" in cf.kernels[0].source
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_bias_and_activation_epilogue(act):
+    check(Int4(40, 192, 64, bias=True, act=act), rand(2, 192, seed=3))
+
+
+def test_k_tail_and_groups_across_chunks():
+    # 40 words per row in chunks of 64: a masked tail; a group of 96 weights is 12 words, which
+    # no chunk holds whole: each word loads its group's values
+    check(Int4(16, 320, 64), rand(2, 320, seed=4))
+    cf = check(Int4(16, 384, 96), rand(1, 384, seed=6))
+    assert "(ws // 12)" in cf.kernels[0].source
+
+
+def test_several_chunks_with_prefetch():
+    check(Int4(8, 4096, 128), rand(1, 4096, seed=7))
+
+
+def test_non_contiguous_activations():
+    layer = Int4(24, 128, 32)
+    wide = rand(2, 256, seed=8)
+    check(layer, wide[:, ::2])  # stride 2 along K
+    check(layer, rand(128, 3, seed=9).t())  # (3, 128) with strides (1, 3)
+    check(layer, wide[:, 64:192])  # a window of a longer row
+
+
+def test_nan_and_inf_in_the_activations():
+    x = rand(3, 128, seed=10)
+    x[0, 5] = float("nan")
+    x[2, 17] = float("inf")
+    check(Int4(16, 128, 32), x)
+
+
+@pytest.mark.parametrize("zero", ["tensor", "const", "none"])
+def test_dequantized_weights_are_eagers_bit_for_bit(zero):
+    """One-hot activations: out[m, n] = W[n, k] exactly (one bf16 product, float32 sum of
+    zeros, rounded to bf16 once), for every K position: every nibble of every word and group."""
+    k, n = 64, 24
+    layer = Int4(n, k, 16, zero=zero, seed=11)
+    layer.scale[0, 0] = 3e-39  # a subnormal scale: its products round as eager's
+    layer.zero[1, 1] = -0.0
+    cf = fusec.compile(layer, backend="triton")
+    eye = torch.eye(k, dtype=BF16, device=DEV)
+    with torch.no_grad():
+        want = layer.weight(BF16).t()
+        got = torch.cat([cf(eye[i:i + 4]) for i in range(0, k, 4)])
+    assert WORDS in cf.kernels[0].source
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("offset", [1, 4, 16])
+def test_packed_weight_at_any_offset(offset):
+    """A packed weight that starts inside a larger buffer: word loads only where aligned."""
+    layer = Int4(16, 128, 32)
+    big = torch.zeros(layer.packed.numel() + 16, dtype=torch.uint8, device=DEV)
+    big[offset:offset + layer.packed.numel()] = layer.packed.flatten()
+    layer.packed = big[offset:offset + layer.packed.numel()].view(16, 64)
+    cf = fusec.compile(layer, backend="triton")
+    with torch.no_grad():
+        assert torch.equal(cf(rand(2, 128)), layer(rand(2, 128)))
+    assert len(cf.kernels) == 1 and WORDS in cf.kernels[0].source
+
+
+# ---- what falls back to the byte-per-lane GEMV -----------------------------------------------
+
+def reason(layer, x) -> str:
+    """Why the word path declined (it is also in the byte kernel's docstring)."""
+    kernel = gemv(check(layer, x, path=BYTES))
+    why = match_int4_words(kernel.ir)[1]
+    assert why in kernel.source
+    return why
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSEC_INT4_WORDS", "0")
+    assert "FUSEC_INT4_WORDS=0" in reason(Int4(24, 128, 32), rand(1, 128))
+
+
+def test_groups_that_are_not_whole_words():
+    assert "not whole 32-bit words" in reason(Int4(24, 64, 4), rand(1, 64))
+    assert "not whole 32-bit words" in reason(Int4(24, 36, 12), rand(1, 36))  # K % 8 != 0
+
+
+def test_float16_keeps_the_byte_path():
+    layer = Int4(24, 128, 32, dtype=torch.float16)
+    assert "not a bf16 activation" in reason(layer, rand(1, 128, dtype=torch.float16))
+
+
+def test_opposite_packing_order_keeps_the_byte_path():
+    assert "x[2j], x[2j + 1]" in reason(Int4(24, 128, 32, swap=True), rand(1, 128))
+
+
+def test_packed_weight_rows_not_whole_words():
+    layer = Int4(16, 128, 32)
+    wide = torch.zeros(16, 66, dtype=torch.uint8, device=DEV)  # rows of 66 bytes
+    wide[:, :64] = layer.packed
+    layer.packed = wide[:, :64]
+    assert "4-byte boundaries" in reason(layer, rand(1, 128))
+
+
+def test_packed_weight_transposed_in_memory():
+    layer = Int4(16, 128, 32)
+    layer.packed = layer.packed.t().contiguous().t()  # (16, 64) with strides (1, 16)
+    assert "not contiguous along K" in reason(layer, rand(2, 128))
+
+
+def test_more_rows_than_the_word_kernel_takes():
+    assert "M = 8 rows" in reason(Int4(24, 128, 32), rand(8, 128))
+
+
+def test_a_zero_point_computed_by_another_kernel_is_read_from_its_buffer():
+    class F32Zero(Int4):  # a float32 zero point rounded to bf16 in the graph (its own kernel)
+        def weight(self, dtype):
+            z = self.zero
+            self.zero = self.zero.float().to(dtype) + 0
+            try:
+                return super().weight(dtype)
+            finally:
+                self.zero = z
+    check(F32Zero(24, 128, 32), rand(1, 128), kernels=2)
+
+
+def test_the_match_checks_every_rounding_step():
+    """The word kernel's arithmetic is eager's only for bf16 rounding after the subtraction and
+    after the multiplication: the same kernel IR with either rounding taken out is declined."""
+    cf = check(Int4(24, 128, 32), rand(1, 128))
+    ir = gemv(cf).ir
+    assert match_int4_words(ir)[0] is not None
+    for op in ("sub", "mul"):
+        body = [dataclasses.replace(s, round_to=None) if getattr(s, "op", "") == op
+                and s.round_to is not None else s for s in ir.body]
+        found, why = match_int4_words(dataclasses.replace(ir, body=body))
+        assert found is None and "not rounded as a bf16 dequantization is" in why, why
