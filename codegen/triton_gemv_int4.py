@@ -77,13 +77,17 @@ def render_gemv_words(kernel, words: Int4Words) -> str:
     wpg = words.group // 8  # words per group
     asm, pair_note = pair_math()
 
+    # a row axis needs a mask only where its blocks overhang it (N = 8192 in blocks of 8 never
+    # does): the masks of the word loads cost the M = 1 kernel 7% (int4_words_variants.py)
+    overhang = {"m": m % block_m != 0, "n": n % block_n != 0}
+
     def rows(idx: Index) -> tuple[list[str], list[str]]:
         """The row terms of an address and their masks."""
         terms, masks = [], []
         for axis, st in zip(row_axes, idx.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
-                masks.append(f"{axis}_mask")
+                masks += [f"{axis}_mask"] if overhang[axis] else []
         return terms, masks
 
     def address(offset: int, terms: list[str]) -> str:
@@ -98,10 +102,12 @@ def render_gemv_words(kernel, words: Int4Words) -> str:
     _, p_masks = rows(p)
     word = address(p.offset // 4, [f"n * {p.strides[n_rows - 1] // 4}", "ws"])
     lanes = p_masks + ([] if even else ["w_mask"])
-    word_mask = " & ".join(lanes)
-    # the next chunk's words: those before the row's end (in an even row, whole chunks)
-    word_mask_next = " & ".join(p_masks + ["(w_start + BLOCK_W < n_words)" if even
-                                           else "(ws + BLOCK_W < n_words)"])
+    word_mask = " & ".join(lanes) or "0"  # ("0": MASKED is off, the mask is not read)
+    # the next chunk's words: those before the row's end (in an even row, whole chunks; with
+    # no mask at all, the chunk after the last is the row's first again: read, never used)
+    wrap = even and not p_masks
+    word_mask_next = "0" if wrap else " & ".join(
+        p_masks + ["(w_start + BLOCK_W < n_words)" if even else "(ws + BLOCK_W < n_words)"])
 
     def group_lines(g: Load, out: str, negate: bool) -> list[str]:
         """`out` = a per-group value of each word, as bf16x2 bits: loaded once per group and
@@ -142,6 +148,13 @@ def render_gemv_words(kernel, words: Int4Words) -> str:
     x_addr = address(x.offset, x_rows + [lanes8])
     x_mask = [f"{t}[:, :, :, None]" for t in x_masks + ([] if even else ["w_mask"])]
     x_load = f"{words.x_lo.param}_ptr + {x_addr}{mask(x_mask)}"
+    x_flat = not x_terms and not x_masks  # one activation row: loaded and split in 2-D
+    if x_flat:  # a [BLOCK_W, 8] tile; a 6-D one cost the M = 1 kernel 18% (int4_words_variants.py)
+        wv = "(w_start + tl.arange(0, BLOCK_W))"
+        lanes8 = f"({wv} * {8 * step})[:, None] + (tl.arange(0, 8) * {step})[None, :]" \
+            if step != 1 else f"({wv} * 8)[:, None] + tl.arange(0, 8)[None, :]"
+        x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
+            "" if even else f", mask=({wv} < n_words)[:, None]")
 
     # row values before the loop, and the epilogue after it: the generic GEMV's lines
     producers = {l.var.name: l for l in kernel.loads}
@@ -177,5 +190,6 @@ def render_gemv_words(kernel, words: Int4Words) -> str:
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
         n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N", even=even,
         row_lines=row_lines, before_loop=before, loop_lines=loop, word=word,
-        word_mask=word_mask, word_mask_next=word_mask_next, x_load=x_load,
+        word_mask=word_mask, word_mask_next=word_mask_next, masked=bool(lanes), wrap=wrap,
+        x_flat=x_flat, x_load=x_load,
         x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores)

@@ -50,7 +50,7 @@ def remember(compute: bool) -> bool:
 def _stamp(runtime_dir: str) -> str:
     """A hash of the triton package's .py and .so files: names, sizes, modification times."""
     import triton
-    root = os.path.dirname(os.path.dirname(os.path.abspath(runtime_dir)))
+    root = os.path.dirname(os.path.abspath(runtime_dir))  # the triton package
     h = hashlib.sha256(f"{triton.__version__} {root}".encode())
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
