@@ -30,7 +30,6 @@ call (a BERT layer is about 60 calls), a few percent of a capture.
 from __future__ import annotations
 
 import ast
-import contextlib
 import enum
 import functools
 import hashlib
@@ -49,7 +48,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from fusec.capture import outputs
 from fusec.codegen import backends
 from fusec.capture.calls import flatten_call, module_state
-from fusec.capture.torch_level import torch_level
 from fusec.capture.tracing import (autograd_functions_inlined, compiling, dense_attention_masks,
                                    python_at_trace_time_refused)
 
@@ -91,14 +89,8 @@ def trace_text(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | N
                    for k, (fake, real) in enumerate(zip(fakes, example))]
         attributes = _tensor_attributes(module)
         try:
-            # on a GPU, torch_level as in capture: fake CUDA batch norms were otherwise decomposed
-            # by torch in Python, 0.5 s of a MobileNet's fingerprint (on the CPU they have a fast
-            # meta kernel, and the mode's own cost is more than it saves). The recorder, entered
-            # last, sees the user's calls before torch_level rewrites them.
-            cuda = any(t.is_cuda for t in example)
             with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
-                    dense_attention_masks(), autograd_functions_inlined(), \
-                    torch_level() if cuda else contextlib.nullcontext(), recorder:
+                    dense_attention_masks(), autograd_functions_inlined(), recorder:
                 flat_out, spec = outputs.flatten(call(*fakes))
         finally:
             if _restore_attributes(attributes):
