@@ -6,6 +6,7 @@
     cuda_graphs.py  replaying a whole program as one CUDA graph (`graph_blocker`, `CudaGraphRunner`)
     build.py        building a program's kernels: each distinct one once, several at a time
     launchers.py    loading a kernel from its cached file
+    saved.py        a compiled program kept on disk, loaded by a later process (no capture)
 
 The names below are re-exported so that `fusec.runtime.graph_blocker`, `from fusec.runtime import
 load_launcher` (the generated wrapper's own import) and the like keep working. Modules inside
