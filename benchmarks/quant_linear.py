@@ -76,6 +76,8 @@ def main() -> None:
                 try:
                     cf = fusec.compile(layer)
                     row(f"{fmt} fusec{label}", m, nb, cf, x)
+                    for kk in cf.kernels:  # rendered now, under this path's setting (check reads it)
+                        kk.source
                 finally:
                     os.environ.pop("FUSEC_INT4_WORDS", None)
                     if before is not None:
