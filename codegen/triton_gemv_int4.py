@@ -35,15 +35,19 @@ from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
 # best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).
 WORD_TILE = 2048
 WORD_ACC = 4096
+WORD_CHUNK = 128  # words per row per iteration
 
 
 def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps). All M rows in one block; 8 output columns per
     program, fewer for narrow layers so that there are about 2 programs per SM (as gemv_blocks);
-    BLOCK_W: 256 words, fewer when M rows of partial sums would not fit WORD_ACC."""
+    BLOCK_W: 128 words (1024 weights), fewer when M rows of partial sums would not fit WORD_ACC.
+    Measured on an H200 at M = 1, K = N = 8192 (benchmarks/diagnostics/int4_words_variants.py):
+    8 x 128 words x 4 warps 1.34-1.38 TB/s, 8 x 256 x 8 1.28-1.32, 16 x 64 x 4 1.35, 4 x 128 x 2
+    1.33, 16 x 128 x 8 1.15, 16 x 256 x 8 0.91."""
     block_m = 1 << max(m - 1, 0).bit_length()
     block_n = min(8, 1 << max(n // (2 * SMS), 1).bit_length() - 1)
-    block_w = min(256, WORD_TILE // block_n, WORD_ACC // (block_m * block_n),
+    block_w = min(WORD_CHUNK, WORD_TILE // block_n, WORD_ACC // (block_m * block_n),
                   1 << max(words - 1, 0).bit_length())
     return block_m, block_n, max(block_w, 1), 8 if block_n * block_w >= 2048 else 4
 

@@ -42,8 +42,10 @@ def variants(source: str, n: int) -> dict[str, str]:
     out["no dequant"] = re.sub(r"dequant_pairs\((.*), zneg2, s2\)\n", r"\1\n", source)
     out["stages 1"] = source.replace("num_stages=3", "num_stages=1")
     out["x .to(float32)"] = source.replace("fusec_bf16_to_f32(x8)", "x8.to(tl.float32)")
+    out["x by 8 loads, no splits"] = _x_by_eight_loads(source)
     for bn, bw, warps in [(8, 256, 8), (4, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 8),
-                          (16, 256, 8), (2, 512, 4)]:
+                          (16, 256, 8), (2, 512, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8),
+                          (4, 128, 2), (8, 128, 2)]:
         out[f"{bn} x {bw} x {warps}"] = _blocks(source, n, bn, bw, warps)
     return out
 
@@ -53,6 +55,25 @@ def _blocks(source: str, n: int, bn: int, bw: int, warps: int) -> str:
     text = re.sub(r"BLOCK_W=\d+", f"BLOCK_W={bw}", text)
     text = re.sub(r"num_warps=\d+", f"num_warps={warps}", text)
     return re.sub(rf"triton.cdiv\({n}, \d+\)", f"triton.cdiv({n}, {bn})", text)
+
+
+def _x_by_eight_loads(source: str) -> str:
+    """The eight activations of each word as eight strided [BLOCK_W] loads instead of one
+    [BLOCK_W, 8] load taken apart by tl.split (M = 1 kernels only)."""
+    out, skipping = [], False
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("x8 = tl.load("):
+            skipping = True
+            out += [f"        x{t} = fusec_bf16_to_f32(tl.load(x_ptr + (w_start + "
+                    f"tl.arange(0, BLOCK_W)) * 8 + {t}))[None, None, :]" for t in range(8)]
+            continue
+        if skipping:
+            if stripped.startswith("x7 = x7[None, None, :]"):
+                skipping = False
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def load(text: str, name: str):
