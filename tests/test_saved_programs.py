@@ -173,6 +173,10 @@ def test_fusec_settings_are_part_of_the_key(monkeypatch):
         torch.set_float32_matmul_precision("highest")
     monkeypatch.setenv("FUSEC_COMPILE_JOBS", "1")
     assert environment("cpp") != env
+    monkeypatch.undo()
+    driver = importlib.import_module("fusec.driver")  # a name imported from another fusec module
+    monkeypatch.setattr(driver, "plan_memory", lambda *a, **k: None)
+    assert environment("cpp") != env
 
 
 def test_the_trace_names_tensors_by_where_they_come_from():

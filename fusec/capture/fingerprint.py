@@ -217,15 +217,23 @@ def settings() -> str:
     a threshold (`passes.small_matmul.SMALL_M`), a device list or a helper can be replaced by a
     test or a user (`monkeypatch.setattr(...)`), and a program compiled under other settings
     must not be loaded. Checked: every UPPER_CASE name that the source assigns a literal, every
-    top-level function and class, and every method of those classes, in the fusec modules this
-    process has imported (one that is not imported yet has its source's values). "-" when
-    nothing differs."""
+    top-level function and class, every method of those classes, and every public name imported
+    from another fusec module (`fusec.driver.plan_memory` must still be passes.memory's), in the
+    fusec modules this process has imported (one that is not imported yet has its source's
+    values). "-" when nothing differs."""
     changed = []
-    for name, (constants, functions) in sorted(_defaults().items()):
+    for name, (constants, functions, imported) in sorted(_defaults().items()):
         module = sys.modules.get(name)
         if module is None:
             continue
         space = vars(module)
+        for key, (source, attr) in imported.items():  # `from fusec.x import f`: still x's f?
+            origin = sys.modules.get(source)
+            if origin is not None and key in space and hasattr(origin, attr) \
+                    and space[key] is not getattr(origin, attr):
+                value = space[key]
+                changed.append(f"{name}.{key} is {getattr(value, '__module__', '?')}."
+                               f"{getattr(value, '__qualname__', type(value).__name__)}")
         for key, text in constants.items():
             if key in space and _literal(space[key]) != text:
                 changed.append(f"{name}.{key}={_literal(space[key])}")
@@ -246,17 +254,34 @@ def _literal(value) -> str:
 
 
 _ASSIGN = re.compile(r"^([A-Z][A-Z0-9_]*)(?:\s*:\s*[^=]+)?\s*=\s*(.+?)\s*(?:#.*)?$")
+_IMPORT = re.compile(r"^from\s+([\w.]+)\s+import\s+(\([^)]*\)|[^(\n#]+)(?:#.*)?$", re.M)
 _DEF = re.compile(r"^(    )?(?:async\s+)?(def|class)\s+(\w+)")
 
 
 @functools.lru_cache(maxsize=None)
-def _defaults() -> dict[str, tuple[dict, list]]:
-    """module -> (its literal UPPER_CASE constants as their repr, its functions' qualnames),
-    read from the source with two regular expressions (parsing every file would take 0.25 s)."""
+def _defaults() -> dict[str, tuple[dict, list, dict]]:
+    """module -> (its literal UPPER_CASE constants as their repr, its functions' qualnames, the
+    public names it imports from fusec: name -> (module, attribute)), read from the source with
+    regular expressions (parsing every file would take 0.25 s)."""
     found = {}
     for name, path in _sources():
         constants, functions, cls, decorated = {}, [], None, False
-        for line in path.read_text().splitlines():
+        text = path.read_text()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = {}
+        for source, names in _IMPORT.findall(text):
+            if source.startswith("."):  # relative: from the package up
+                base = package
+                for _ in range(len(source) - len(source.lstrip(".")) - 1):
+                    base = base.rpartition(".")[0]
+                source = base + ("." + source.lstrip(".") if source.lstrip(".") else "")
+            if not source.startswith("fusec"):
+                continue
+            for item in re.sub(r"#.*", "", names).replace("(", " ").replace(")", " ").split(","):
+                parts = item.split()
+                if parts and not parts[-1].startswith("_"):
+                    imported[parts[-1]] = (source, parts[0])
+        for line in text.splitlines():
             match = _DEF.match(line)
             if match:  # (a decorated function is whatever its decorator made: not checked)
                 indent, kind, ident = match.groups()
@@ -280,7 +305,8 @@ def _defaults() -> dict[str, tuple[dict, list]]:
                         constants[match.group(1)] = _literal(value)
                 except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                     pass
-        found[name] = (constants, [f for f in functions if not f.split(".")[-1].startswith("_")])
+        found[name] = (constants, [f for f in functions if not f.split(".")[-1].startswith("_")],
+                       imported)
     return found
 
 
