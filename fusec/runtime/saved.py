@@ -26,7 +26,7 @@ import os
 import pickle
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -139,7 +139,7 @@ class _Saver(pickle.Pickler):
             return ("packet", obj._qualified_op_name)
         if callable(obj) and id(obj) in self.launchers:
             return ("launcher", self.launchers[id(obj)])
-        if id(obj) in self.kernels and type(obj).__name__ == "Kernel":
+        if isinstance(obj, Kernel) and id(obj) in self.kernels:
             return ("kernel", self.kernels[id(obj)])
         return None
 
@@ -155,7 +155,7 @@ class _Loader(pickle.Unpickler):
             return self.kernels[rest[0]].launcher
         if kind == "kernel":
             return self.kernels[rest[0]]
-        namespace, name = (rest[0].split("::") if kind == "op" else rest[0].split("::"))
+        namespace, name = rest[0].split("::")  # "aten::mm"
         packet = getattr(getattr(torch.ops, namespace), name)
         return getattr(packet, rest[1] or "default") if kind == "op" else packet
 
@@ -188,18 +188,28 @@ class _SavedGraph(CompiledGraph):
         raise AttributeError(attr)
 
 
+class _TensorLike(NamedTuple):
+    """A tensor argument remembered by its signature only (see `placeholders`)."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def remake(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=self.device).requires_grad_(self.requires_grad)
+
+
 def placeholders(args: tuple, kwargs: dict) -> Callable[[], tuple]:
     """A way to get back arguments like these later without keeping their data alive: each
     tensor is remembered by shape, strides, dtype and device, and remade (uninitialized)."""
-    def spec(v):
-        if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
-        return v
     flat, tree = pytree.tree_flatten((args, kwargs))
-    kept = [spec(v) for v in flat]
+    kept = [_TensorLike(tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
+            if isinstance(v, torch.Tensor) else v for v in flat]
 
     def remake():
-        out = [torch.empty_strided(v[1], v[2], dtype=v[3], device=v[4]).requires_grad_(v[5])
-               if isinstance(v, tuple) and len(v) == 6 and v[0] == "tensor" else v for v in kept]
-        return pytree.tree_unflatten(out, tree)
+        return pytree.tree_unflatten([v.remake() if isinstance(v, _TensorLike) else v
+                                      for v in kept], tree)
     return remake
