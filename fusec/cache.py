@@ -7,6 +7,8 @@ Layout (one directory per user, mode 0700):
       cpp/<name>-<hash>.so            the shared library built from it
       cpp/<name>-<hash>.json          {"sha256": <hash of the .so>} written last
       triton/<name>-<hash>.py         a generated Triton module
+      triton/<name>-<hash>.pyc        its compiled Python code, stamped with the module's hash
+      programs/<fingerprint>.pkl      a whole compiled program (fusec/runtime/saved.py)
 
 The key hashes everything that decides the artifact: the source text, the compiler and its flags.
 Files are written to a temporary name and renamed into place, so a reader never sees half a file,

@@ -125,7 +125,8 @@ def test_second_process_reuses_triton_module(triton_runs):
     assert first["stats"]["misses"] >= 1, first["stats"]
     assert second["stats"]["misses"] == 0, second["stats"]
     assert second["stats"]["hits"] >= 1, second["stats"]
-    assert [p.suffix for p in (triton_runs.cache_dir / "triton").iterdir()] == [".py"]
+    # the module and its compiled Python code (codegen/triton.py's `_bytecode`), nothing else
+    assert sorted(p.suffix for p in (triton_runs.cache_dir / "triton").iterdir()) == [".py", ".pyc"]
 
 
 # ---- (b) warm-cache latency ---------------------------------------------------------------------
@@ -256,3 +257,30 @@ def test_loose_existing_cache_dir_is_tightened(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
     cache.cache_dir("cpp")
     assert _mode(root) == 0o700 and _mode(root / "cpp") == 0o700
+
+
+def test_triton_module_code_is_compiled_once_and_checked(tmp_path):
+    """codegen/triton.py keeps each kernel module's compiled code beside it (`.pyc`, stamped with
+    the module's hash), so a warm start does not compile the module's text again, even where
+    PYTHONDONTWRITEBYTECODE is set. A damaged or stale file is compiled again, never run."""
+    from fusec.codegen import triton as triton_backend
+
+    module = tmp_path / "fused_k-0123.py"
+    module.write_text("VALUE = 41 + 1\n")
+    first = triton_backend._bytecode(module)
+    saved = module.with_suffix(".pyc")
+    assert saved.exists()
+    namespace: dict = {}
+    exec(first, namespace)
+    assert namespace["VALUE"] == 42
+
+    saved.write_bytes(saved.read_bytes()[:-3] + b"\x00\x01\x02")  # damaged after its stamp
+    namespace = {}
+    exec(triton_backend._bytecode(module), namespace)
+    assert namespace["VALUE"] == 42
+
+    module.write_text("VALUE = 7\n")  # another text under the same name: the old code is stale
+    namespace = {}
+    exec(triton_backend._bytecode(module), namespace)
+    assert namespace["VALUE"] == 7
+    assert saved.read_bytes() != b""  # rewritten for the new text

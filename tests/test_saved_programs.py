@@ -171,8 +171,13 @@ def test_fusec_settings_are_part_of_the_key(monkeypatch):
         assert environment("cpp") != env
     finally:
         torch.set_float32_matmul_precision("highest")
-    monkeypatch.setenv("FUSEC_COMPILE_JOBS", "1")
+    monkeypatch.setenv("FUSEC_LAYOUT", "0")
     assert environment("cpp") != env
+    monkeypatch.undo()
+    # how many builds run at once and whether bars are drawn change no program
+    monkeypatch.setenv("FUSEC_COMPILE_JOBS", "1")
+    monkeypatch.setenv("FUSEC_PROGRESS", "1")
+    assert environment("cpp") == env
     monkeypatch.undo()
     driver = importlib.import_module("fusec.driver")  # a name imported from another fusec module
     monkeypatch.setattr(driver, "plan_memory", lambda *a, **k: None)

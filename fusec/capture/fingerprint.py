@@ -25,7 +25,9 @@ A call that cannot be described this way has no fingerprint (None, and the progr
 as usual, never saved): an argument of a type we cannot write down by value, a tensor the program
 reaches by itself (a closure's or a plain attribute's: its values would be baked in), `.item()` or
 anything else that needs data, a model that assigns tensor attributes. Cost: about 20 us a torch
-call (a BERT layer is about 60 calls), a few percent of a capture.
+call (a BERT layer is about 60 calls), a few percent of a capture. Some fake calls cost far more
+the first time a process makes them (a CUDA batch norm: torch runs its Python decomposition);
+their results are remembered in the cache and handed back next time (known_results.py).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from fusec import cache
 from fusec.capture import outputs
 from fusec.codegen import backends
 from fusec.capture.calls import flatten_call, module_state
+from fusec.capture.known_results import Known, known
 from fusec.capture.tracing import (autograd_functions_inlined, compiling, dense_attention_masks,
                                    python_at_trace_time_refused)
 
@@ -70,13 +73,15 @@ def trace_text(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | N
     call (None when the call cannot be fingerprinted)."""
     from fusec.capture.frontend import _restore_attributes, _tensor_attributes, flat_callable
     module = fn if isinstance(fn, torch.nn.Module) else None
+    recorder = None
     try:
         leaves, names, rebuild = flatten_call(fn, args, kwargs)
         state = module_state(module) if module is not None else []
         lifted = [ref.get() for ref in state]
         tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        recorder = _Recorder()
-        header = [environment(backend), f"training={getattr(module, 'training', None)}",
+        env = environment(backend)
+        recorder = _Recorder(known(env))
+        header = [env, f"training={getattr(module, 'training', None)}",
                   "args " + ",".join(names)]
         header += [f"{name}=" + recorder.encode(leaf) for name, leaf in zip(names, leaves)
                    if not isinstance(leaf, torch.Tensor)]
@@ -101,6 +106,9 @@ def trace_text(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | N
                               f"spec: {spec}")
     except Exception:  # noqa: BLE001 (any failure: capture will say what is wrong, or compile)
         return None
+    finally:
+        if recorder is not None:
+            recorder.known.save()
     return "\n".join(header + recorder.lines)
 
 
@@ -108,8 +116,9 @@ class _Recorder(TorchFunctionMode):
     """Writes down every torch call made under it (not the calls those make: while a mode
     handles a call, it is off) and names every tensor it sees."""
 
-    def __init__(self):
+    def __init__(self, known: Known):
         super().__init__()
+        self.known = known  # results of slow fake calls, remembered from earlier processes
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
         self.keep: list = []  # tensors named so far, kept alive so that their ids stay theirs
@@ -126,7 +135,7 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         text = f"{_name(func)}({self.encode(args)}, {self.encode(kwargs)})"
-        out = func(*args, **kwargs)
+        out = self.known.call(func, args, kwargs)  # func(*args, **kwargs), or its known result
         self.lines.append(f"{text} -> {self.result(out)}")
         return out
 
@@ -184,8 +193,9 @@ def _describe(t: torch.Tensor) -> str:
 # ---- what else decides the program ------------------------------------------------------------
 
 _ENV_PREFIXES = ("FUSEC_", "TRITON_", "OMP_", "CUDA_VISIBLE")
-# where caches and logs go, and whether programs are saved, change no program
+# where caches and logs go, whether programs are saved, how the build is run change no program
 _ENV_IGNORED = {"FUSEC_CACHE_DIR", "FUSEC_LOG", "FUSEC_DEBUG_DIR", "FUSEC_SAVED_PROGRAMS",
+                "FUSEC_COMPILE_JOBS", "FUSEC_PROGRESS",  # how many builds at once; progress bars
                 "TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR"}
 
 

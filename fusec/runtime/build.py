@@ -59,6 +59,10 @@ _FELL_BACK: set[str] = set()
 _LOADED: "weakref.WeakValueDictionary[tuple[str, str], Built]" = weakref.WeakValueDictionary()
 _LOADED_LOCK = threading.Lock()
 
+# A kernel found in the caches loads in milliseconds; one that takes longer than this to make
+# ready was compiled, and the kernels after it are compiled in threads (see `_compile_ahead`).
+SLOW_LOAD_S = 0.05
+
 
 def jobs() -> int:
     """How many kernels build at once: $FUSEC_COMPILE_JOBS, else one per core this process may
@@ -95,19 +99,23 @@ def codegen(backend: str):
 
 
 def build_all(irs: list, backend: str, times: dict | None = None,
-              device: str | None = None) -> list[Built]:
+              device: str | None = None, rendered: list | None = None) -> list[Built]:
     """Build and load the kernels `irs` for `backend` (on `device`): one build per distinct
     canonical source, `jobs()` builds at a time. Returns each kernel's Built, in order (kernels
     with the same canonical source share one). Adds the seconds spent to `times` ("codegen":
-    canonical IR and render, "build", "load")."""
+    canonical IR and render, "build", "load"). `rendered`, where given, holds each kernel's
+    (canonical IR, source) from an earlier render by this same fusec (a saved program,
+    fusec/runtime/saved.py), or None for a kernel to render here."""
     times = {} if times is None else times
     start = time.perf_counter()
     distinct: dict[str, Built] = {}
     mine: list[Built] = []
     where = str(cache.root())
-    for ir in irs:
-        canon = canonical(ir)
-        source = codegen(backend).render(canon)
+    for ir, done in zip(irs, rendered or [None] * len(irs)):
+        canon, source = done if done is not None else (None, None)
+        if source is None:
+            canon = canonical(ir)
+            source = codegen(backend).render(canon)
         # A Triton source does not spell its pointers' dtypes: the JIT specializes on them at the
         # first launch, and the launcher keeps that compiled kernel (codegen/triton_launch.py).
         # So the dtypes (and the device) are part of what makes two kernels the same.
@@ -180,10 +188,32 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
             cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
                       "its first launch compiles it")
 
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fusec-triton") as pool:
-        for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in todo]),
-                                      len(todo)):
+    # A module found in fusec's cache was written, and its kernel compiled, by an earlier process:
+    # Triton's cache most likely holds the binary, and loading it takes milliseconds of Python.
+    # Those are done here, one after another; in threads they only fought over Python's lock
+    # (ResNet-50's 42 kernels on an H200 host: 0.3 s in 16 threads, 0.1 s in one). Should one
+    # take long (Triton's cache was emptied), the rest go to the threads with the new ones.
+    written = getattr(codegen(todo[0].backend), "WRITTEN", set())
+    fresh = one_by_one([b for b in todo if b.path not in written], compile_one) + \
+        [b for b in todo if b.path in written]
+    if not fresh:
+        return
+    with ThreadPoolExecutor(max_workers=min(n, len(fresh)), thread_name_prefix="fusec-triton") as pool:
+        for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in fresh]),
+                                      len(fresh)):
             future.result()
+
+
+def one_by_one(found: list, compile_one) -> list:
+    """Make the kernels `found` in the cache ready, one after another, until one of them takes
+    longer than SLOW_LOAD_S (it was compiled: Triton's cache did not hold it). Returns those not
+    done yet, for the threads."""
+    for i, built in enumerate(found):
+        start = time.perf_counter()
+        compile_one(built)
+        if time.perf_counter() - start > SLOW_LOAD_S:
+            return found[i + 1:]
+    return []
 
 
 def _build(built: Built) -> None:

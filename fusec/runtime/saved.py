@@ -5,8 +5,9 @@ tensors), the passes, lowering. For a ResNet-50 on a GPU host that was 1.7 of it
 spent to arrive at the program it arrived at last time. Now, after a compile, the driver's result
 is written to the cache under the call's fingerprint (fusec/capture/fingerprint.py):
 
-    ~/.cache/fusec/programs/<fingerprint>.pkl     kernel IRs, the program's steps, the memory plan,
-                                                   what the caller's outputs look like
+    ~/.cache/fusec/programs/<fingerprint>.pkl     kernel IRs and their rendered sources, the
+                                                   program's steps, the memory plan, what the
+                                                   caller's outputs look like
     ~/.cache/fusec/programs/<fingerprint>.json    its sha256, written last (fusec/cache.py)
 
 and a later process whose call has the same fingerprint loads it: each kernel's binary comes
@@ -21,6 +22,8 @@ nobody watches: `explain`, `profile`, `FUSEC_LOG` and `check=True` compile as us
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import os
 import pickle
@@ -37,7 +40,7 @@ from fusec.driver import CompiledGraph, Kernel
 from fusec.runtime.build import build_all
 from fusec.runtime.steps import KernelStep
 
-FORMAT = 1  # bumped when what is saved changes shape
+FORMAT = 2  # bumped when what is saved changes shape
 
 
 def enabled() -> bool:
@@ -64,6 +67,7 @@ def save(key: str, compiled) -> bool:
         payload = pickle.dumps({
             "format": FORMAT, "backend": compiled.backend,
             "kernels": [(k.name, k.backend, k.ops, k.ir) for k in compiled.kernels],
+            "rendered": [_rendered(k, compiled.backend) for k in compiled.kernels],
             "device": next((str(s.device) for s in program.steps if isinstance(s, KernelStep)), None),
             "program": steps.getvalue(), "memory": compiled.memory, "inplace": compiled.inplace,
             "graph_blocker": compiled.graph_blocker,
@@ -90,8 +94,8 @@ def load(key: str, recompile: Callable[[], Any]):
     if not cache.verified(path):
         return None
     try:
-        with warnings.catch_warnings():  # (torch 2.13 warns about its own pytree specs' pickles)
-            warnings.simplefilter("ignore", FutureWarning)
+        with warnings.catch_warnings(), _no_cycle_collection():
+            warnings.simplefilter("ignore", FutureWarning)  # (torch 2.13: its pytree specs' pickles)
             payload = pickle.loads(path.read_bytes())
     except Exception as err:  # noqa: BLE001 (written by another version of a library: a miss)
         cache.log(f"program {path.name} unreadable ({type(err).__name__}): compiling")
@@ -100,10 +104,11 @@ def load(key: str, recompile: Callable[[], Any]):
         return None
     times = {"capture": 0.0, "passes": 0.0, "load": 0.0}
     irs = [ir for _, _, _, ir in payload["kernels"]]
-    built = build_all(irs, payload["backend"], times, payload["device"])
+    built = build_all(irs, payload["backend"], times, payload["device"], payload["rendered"])
     kernels = [Kernel(name, b.backend, None, list(ops), ir, b.launcher, b)
                for (name, _, ops, ir), b in zip(payload["kernels"], built)]
-    program = _Loader(io.BytesIO(payload["program"]), kernels).load()
+    with _no_cycle_collection():
+        program = _Loader(io.BytesIO(payload["program"]), kernels).load()
     captured = _SavedCapture.__new__(_SavedCapture)
     vars(captured).update(payload["captured"], seconds=0.0)
     compiled = _SavedGraph(payload["backend"], captured, None, None, kernels, program,
@@ -117,6 +122,31 @@ def load(key: str, recompile: Callable[[], Any]):
     cache.STATS["programs loaded"] += 1
     cache.log(f"loaded program {path.name}: {len(kernels)} kernels, nothing captured")
     return compiled
+
+
+def _rendered(kernel, backend: str):
+    """What a loaded program need not render again: the kernel's canonical IR and its source,
+    as this same fusec (the fingerprint holds its source hash) rendered them for `backend`. None
+    for a kernel another backend built (a fallback), which is rendered again on load."""
+    built = kernel.built
+    if built is None or built.backend != backend:
+        return None
+    return built.ir, built.source
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """Unpickling makes tens of thousands of small objects, and every few hundred new objects
+    start Python's cycle collector, whose older generations walk every object in the process
+    (torch, the model, its parameters): 2-4x the unpickling itself. Nothing made here is
+    garbage, so the collector waits until it is done."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 # ---- pickling the steps -------------------------------------------------------------------------
