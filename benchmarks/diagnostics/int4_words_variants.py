@@ -12,6 +12,10 @@ takes that kernel's generated module, edits its text, and times each edit on the
   fractional zero point: timing only), as benchmarks/diagnostics/int4_gemv_words.py's PAIRS kernel;
 * `no dequant`: the bf16 pairs multiplied as they come (timing only);
 * `stages 1`: num_stages=1 at launch;
+* `factored`: scale and zero point applied once per word, in float32 (more accurate than eager,
+  but not eager's bf16 rounding of each weight: its error against eager is printed);
+* `prefetch x, zero, scale`: the next chunk's activations, zero points and scales loaded at the
+  top of the loop, as the words are; `unrolled`: the K loop as `tl.static_range`; and their mixes;
 * block sizes: BLOCK_N x BLOCK_W (words) x warps.
 
 Timing-only variants print their error against eager, so nobody mistakes them for a fix.
@@ -43,6 +47,15 @@ def variants(source: str, n: int) -> dict[str, str]:
     out["stages 1"] = source.replace("num_stages=3", "num_stages=1")
     out["x .to(float32)"] = source.replace("fusec_bf16_to_f32(x8)", "x8.to(tl.float32)")
     out["x by 8 loads, no splits"] = _x_by_eight_loads(source)
+    out["factored, f32"] = _factored(source)
+    out["prefetch x, zero, scale"] = _prefetch_all(source)
+    out["unrolled"] = _unrolled(source)
+    out["unrolled + prefetch"] = _unrolled(_prefetch_all(source))
+    out["unrolled + prefetch + factored"] = _unrolled(_prefetch_all(_factored(source)))
+    for bn, bw, warps in [(4, 128, 4), (16, 128, 4), (8, 64, 4), (16, 64, 4), (8, 256, 8)]:
+        out[f"prefetch {bn} x {bw} x {warps}"] = _blocks(_prefetch_all(source), n, bn, bw, warps)
+        out[f"unrolled + prefetch {bn} x {bw} x {warps}"] = _blocks(
+            _unrolled(_prefetch_all(source)), n, bn, bw, warps)
     for bn, bw, warps in [(8, 256, 8), (4, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 8),
                           (16, 256, 8), (2, 512, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8),
                           (4, 128, 2), (8, 128, 2)]:
@@ -74,6 +87,58 @@ def _x_by_eight_loads(source: str) -> str:
             continue
         out.append(line)
     return "\n".join(out) + "\n"
+
+
+def _factored(source: str) -> str:
+    """Scale and zero point applied per word, not per weight: each word lane sums
+    (128 + q_t) * x_t over its eight nibbles in float32, then adds
+    s * (that - (128 + zero) * sum(x_t)). One multiply-add per weight and none of the bf16
+    rounding steps: more accurate than eager's (q - z) * s in bf16, and not eager's rounding
+    (timing, and its error printed)."""
+    lines = source.splitlines()
+    start = next(i for i, l in enumerate(lines) if "w2 = dequant_pairs((words & 0x000F000F)" in l)
+    end = max(i for i, l in enumerate(lines) if l.strip() == "acc += prods")
+    pad = " " * 8
+    body = []
+    for t in range(4):
+        shifted = "words" if t == 0 else f"(words >> {4 * t})"
+        body.append(f"{pad}p = ({shifted} & 0x000F000F) | 0x43004300")
+        op = "inner = " if t == 0 else "inner += "
+        body.append(f"{pad}{op}(p << 16).to(tl.float32, bitcast=True) * x{t} + "
+                    f"(p & -65536).to(tl.float32, bitcast=True) * x{t + 4}")
+    body += [f"{pad}xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))",
+             f"{pad}s_f = (s2 << 16).to(tl.float32, bitcast=True)",
+             f"{pad}zp_f = 128.0 - (zneg2 << 16).to(tl.float32, bitcast=True)",
+             f"{pad}acc += s_f * (inner - zp_f * xs)"]
+    return "\n".join(lines[:start] + body + lines[end + 1:]) + "\n"
+
+
+def _prefetch_all(source: str) -> str:
+    """The next chunk's activations, zero points and scales loaded at the top of each iteration,
+    as the words already are, so that no load's latency waits inside the loop."""
+    x_load = re.search(r"x8 = (tl\.load\(x_ptr \+ \(\(w_start \+ .*\))\n", source).group(1)
+    z_load = re.search(r"tl\.load\(p_zero_ptr \+ [^)]*gs\)", source).group(0)
+    s_load = re.search(r"tl\.load\(p_scale_ptr \+ [^)]*gs\)", source).group(0)
+    gs_line = re.search(r"\n(        gs = w_start // (\d+) .*)\n", source)
+    first = ["    gs_n = 0 + " + gs_line.group(1).split("+ ", 1)[1],
+             "    z_next = " + z_load.replace("gs)", "gs_n)"),
+             "    s_next = " + s_load.replace("gs)", "gs_n)"),
+             "    x_next = " + x_load.replace("w_start", "0")]
+    body = ["        w_nx = tl.where(w_start + BLOCK_W < n_words, w_start + BLOCK_W, 0)",
+            "        gs_n = w_nx // " + gs_line.group(2) + " + " + gs_line.group(1).split("+ ", 1)[1],
+            "        z_cur = z_next", "        s_cur = s_next", "        x_cur = x_next",
+            "        z_next = " + z_load.replace("gs)", "gs_n)"),
+            "        s_next = " + s_load.replace("gs)", "gs_n)"),
+            "        x_next = " + x_load.replace("w_start", "w_nx")]
+    text = source.replace(gs_line.group(1), "\n".join(body))
+    text = text.replace(z_load, "z_cur").replace(s_load, "s_cur")
+    text = text.replace("x8 = " + x_load, "x8 = x_cur")
+    return text.replace("    for w_start in range(", "\n".join(first) + "\n    for w_start in range(", 1)
+
+
+def _unrolled(source: str) -> str:
+    """The K loop unrolled (tl.static_range): every chunk's loads can be issued early."""
+    return source.replace("for w_start in range(", "for w_start in tl.static_range(")
 
 
 def load(text: str, name: str):
