@@ -56,6 +56,14 @@ def variants(source: str, n: int) -> dict[str, str]:
         out[f"prefetch {bn} x {bw} x {warps}"] = _blocks(_prefetch_all(source), n, bn, bw, warps)
         out[f"unrolled + prefetch {bn} x {bw} x {warps}"] = _blocks(
             _unrolled(_prefetch_all(source)), n, bn, bw, warps)
+    for bn, bw, warps in [(4, 128, 4), (16, 128, 4), (16, 128, 8), (8, 64, 4), (16, 64, 4),
+                          (32, 64, 8), (8, 256, 8), (4, 256, 4), (8, 128, 8), (8, 128, 2)]:
+        out[f"all three {bn} x {bw} x {warps}"] = _blocks(
+            _unrolled(_prefetch_all(_factored(source))), n, bn, bw, warps)
+    for parts, bn, bw, warps in [(2, 8, 128, 4), (4, 8, 128, 4), (2, 16, 128, 4), (4, 16, 128, 4),
+                                 (2, 16, 64, 4), (4, 32, 64, 4)]:
+        out[f"all three, K split {parts}, {bn} x {bw} x {warps}"] = _split_k(_blocks(
+            _unrolled(_prefetch_all(_factored(source))), n, bn, bw, warps), parts)
     for bn, bw, warps in [(8, 256, 8), (4, 256, 4), (8, 128, 4), (16, 128, 8), (4, 512, 8),
                           (16, 256, 8), (2, 512, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8),
                           (4, 128, 2), (8, 128, 2)]:
@@ -134,6 +142,24 @@ def _prefetch_all(source: str) -> str:
     text = text.replace(z_load, "z_cur").replace(s_load, "s_cur")
     text = text.replace("x8 = " + x_load, "x8 = x_cur")
     return text.replace("    for w_start in range(", "\n".join(first) + "\n    for w_start in range(", 1)
+
+
+def _split_k(source: str, parts: int) -> str:
+    """K cut into `parts` slices, one program per (columns, slice): `parts` times the programs,
+    each with 1/parts of the loop. The slices' sums are not combined (every slice stores its
+    own over the same outputs): timing only, for the bandwidth such a grid could reach."""
+    text = source.replace("    pid = tl.program_id(axis=0)\n", "    pid = tl.program_id(axis=0)\n"
+                          f"    kofs = tl.program_id(axis=1) * (n_words // {parts})\n", 1)
+    text = text.replace("    ws = tl.arange(0, BLOCK_W)[None, None, :]",
+                        "    ws = kofs + tl.arange(0, BLOCK_W)[None, None, :]", 1)
+    text = text.replace("    gs_n = 0 + ", "    gs_n = kofs // 16 + ", 1)
+    text = text.replace("    x_next = tl.load(x_ptr + ((0 + ", "    x_next = tl.load(x_ptr + ((kofs + ", 1)
+    text = text.replace("    for w_start in tl.static_range(0, n_words, BLOCK_W):\n",
+                        f"    for w_step in tl.static_range(0, n_words // {parts}, BLOCK_W):\n"
+                        "        w_start = kofs + w_step\n", 1)
+    text = re.sub(r"grid = \((triton\.cdiv\(\d+, \d+\)),\)", rf"grid = (\1, {parts})", text)
+    return re.sub(r"compiled\[\((triton\.cdiv\(\d+, \d+\)), 1, 1\)\]",
+                  rf"compiled[(\1, {parts}, 1)]", text)
 
 
 def _unrolled(source: str) -> str:
