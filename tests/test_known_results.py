@@ -147,3 +147,23 @@ def test_a_new_process_is_handed_the_known_results(tmp_path):
     (key1, hits1), (key2, hits2) = (r.stdout.split() for r in runs)
     assert key1 == key2 and key1 != "None"
     assert hits1 == "0" and hits2 == "8"
+
+
+def test_the_switches_that_steer_a_call_are_part_of_its_key():
+    """Autocast and the convolution libraries (on or off) can change what a call returns: a
+    call made under other switches is not answered from the table."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    table = known_results.known("test environment")
+    with FakeTensorMode():
+        x, w = torch.empty(2, 3, 8, 8), torch.empty(4, 3, 3, 3)
+        plain = table.call(torch.conv2d, (x, w), {})
+        torch.backends.mkldnn.enabled = False
+        try:
+            table.call(torch.conv2d, (x, w), {})
+        finally:
+            torch.backends.mkldnn.enabled = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = table.call(torch.conv2d, (x, w), {})
+    assert table.hits == 0 and len(table.table) == 3
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16

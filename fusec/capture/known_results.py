@@ -11,7 +11,7 @@ one is a file, and serves the next process.
 For a few functions (`PURE`: each returns one new tensor and changes no tensor's shape or
 strides), a fingerprint writes down what a call returned (shape, strides, dtype, device) under
 a key that names the function and every argument, tensors by those same four properties and
-everything else by value:
+everything else by value, and the switches that steer it (autocast, cuDNN and oneDNN on or off):
 
     torch.nn.functional.batch_norm((32, 64, 56, 56)/(200704, 1, 3584, 64)+0 torch.bfloat16
         cuda:0, ..., False, 0.1, 1e-05) -> (32, 64, 56, 56) (200704, 1, 3584, 64) bfloat16 cuda:0
@@ -126,8 +126,10 @@ def _key(func, args: tuple, kwargs: dict) -> str | None:
         text = _encode((args, kwargs))
     except _Unknown:
         return None
+    # (the convolution libraries, when on, decide a fake convolution's output layout)
     return (f"{resolve_name(func) or repr(func)}{text} autocast {_autocast('cuda')} "
-            f"{_autocast('cpu')} cudnn {torch.backends.cudnn.enabled}")
+            f"{_autocast('cpu')} cudnn {torch.backends.cudnn.enabled} "
+            f"mkldnn {torch.backends.mkldnn.enabled}")
 
 
 # the activations whose second argument is `inplace` (`F.relu(x, True)`)
