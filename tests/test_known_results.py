@@ -127,6 +127,22 @@ def test_a_damaged_table_is_read_as_empty(tmp_path):
     assert len(known_results._read(path)) == 8  # written again, whole
 
 
+def test_an_entry_that_describes_no_tensor_is_run_again():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    table = known_results.known("test environment")
+    with FakeTensorMode():
+        x = torch.empty(2, 5)
+        want = table.call(F.gelu, (x,), {})
+        [key] = table.table
+        for damaged in ([[2, 5], [5, 1], "Tensor", "cpu"], [[2, 5]], "x", [[2, 5], [5, 1], 3, "cpu"]):
+            table.table[key] = damaged
+            got = table.call(F.gelu, (x,), {})
+            assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+            assert table.table[key] == [[2, 5], [5, 1], "float32", "cpu"]  # written again
+    assert table.hits == 0
+
+
 def test_a_new_process_is_handed_the_known_results(tmp_path):
     """A real second process: same fingerprint, answered from the file."""
     code = textwrap.dedent("""
