@@ -279,7 +279,7 @@ def launcher(path: Path, name: str, n_params: int):
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
-        exec(_bytecode(path), module.__dict__)  # (what spec.loader.exec_module does, minus the compile)
+        exec(_bytecode(path), module.__dict__)  # (as exec_module, without compiling)
         sys.modules[module_name] = module
     return TritonLauncher(module, path, name, n_params)
 

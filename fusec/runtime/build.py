@@ -190,9 +190,10 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
 
     # A module found in fusec's cache was written, and its kernel compiled, by an earlier process:
     # Triton's cache most likely holds the binary, and loading it takes milliseconds of Python.
-    # Those are done here, one after another; in threads they only fought over Python's lock
-    # (ResNet-50's 42 kernels on an H200 host: 0.3 s in 16 threads, 0.1 s in one). Should one
-    # take long (Triton's cache was emptied), the rest go to the threads with the new ones.
+    # Those are done here, one after another: in 16 threads they only fought over Python's lock
+    # (on an H200 host the threads' summed time was 5-15x the wall-clock, docs/gpu.md), and one
+    # after another takes the same wall-clock on one core. Should one take long (Triton's cache
+    # was emptied), the rest go to the threads with the new ones.
     written = getattr(codegen(todo[0].backend), "WRITTEN", set())
     fresh = one_by_one([b for b in todo if b.path not in written], compile_one) + \
         [b for b in todo if b.path in written]
