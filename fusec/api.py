@@ -236,7 +236,8 @@ class CompiledFunction:
             seconds = time.perf_counter() - start
             if key is not None:
                 remake = saved.placeholders(args, kwargs)
-                loaded = saved.load(key, lambda: self._capture_and_compile(*remake(), backend))
+                with gc_paused():  # (unpickling, too, makes many objects and no garbage)
+                    loaded = saved.load(key, lambda: self._capture_and_compile(*remake(), backend))
                 if loaded is not None:
                     loaded.times["capture"] += seconds  # the fingerprint stood in for capture
                     events.publish("compiled", loaded, _label(self.fn))

@@ -52,7 +52,7 @@ from fusec import cache
 from fusec.capture import outputs
 from fusec.codegen import backends
 from fusec.capture.calls import flatten_call, module_state
-from fusec.capture.known_results import Known, known
+from fusec.capture.known_results import Known, describe, known
 from fusec.capture.tracing import (autograd_functions_inlined, compiling, dense_attention_masks,
                                    python_at_trace_time_refused)
 
@@ -130,7 +130,7 @@ class _Recorder(TorchFunctionMode):
         self.keep.append(fake)
         storage = (real.device, real.untyped_storage().data_ptr())
         shared = self.storages.setdefault(storage, name) if real.numel() else name
-        return f"{name}: {_describe(real)} memory of {shared}"
+        return f"{name}: {describe(real)} memory of {shared}"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -145,7 +145,7 @@ class _Recorder(TorchFunctionMode):
             if id(value) not in self.names:
                 self.names[id(value)] = name = f"t{len(self.keep)}"
                 self.keep.append(value)
-                return f"{name}: {_describe(value)}"
+                return f"{name}: {describe(value)}"
             return self.names[id(value)]
         if isinstance(value, (list, tuple)):
             return "(" + ",".join(self.result(v) for v in value) + ")"
@@ -183,11 +183,6 @@ class _Recorder(TorchFunctionMode):
 
 def _name(func) -> str:
     return resolve_name(func) or f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', func)}"
-
-
-def _describe(t: torch.Tensor) -> str:
-    return (f"{tuple(t.shape)}/{t.stride()}+{t.storage_offset()} {t.dtype} {t.device}"
-            f"{' grad' if t.requires_grad else ''}")
 
 
 # ---- what else decides the program ------------------------------------------------------------

@@ -155,13 +155,19 @@ class _Unknown(Exception):
     """An argument this table does not describe: the call is run."""
 
 
+def describe(t: torch.Tensor) -> str:
+    """A tensor's shape, strides, offset, dtype and device (and autograd), as the fingerprint and
+    this table write them."""
+    return (f"{tuple(t.shape)}/{t.stride()}+{t.storage_offset()} {t.dtype} {t.device}"
+            f"{' grad' if t.requires_grad else ''}")
+
+
 def _encode(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if not isinstance(value, FakeTensor) or value.layout != torch.strided \
                 or value.is_conj() or value.is_neg() or value.requires_grad:
             raise _Unknown
-        return (f"{tuple(value.shape)}/{value.stride()}+{value.storage_offset()} "
-                f"{value.dtype} {value.device}")
+        return describe(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format)):

@@ -22,8 +22,6 @@ nobody watches: `explain`, `profile`, `FUSEC_LOG` and `check=True` compile as us
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import os
 import pickle
@@ -94,8 +92,8 @@ def load(key: str, recompile: Callable[[], Any]):
     if not cache.verified(path):
         return None
     try:
-        with warnings.catch_warnings(), _no_cycle_collection():
-            warnings.simplefilter("ignore", FutureWarning)  # (torch 2.13: its pytree specs' pickles)
+        with warnings.catch_warnings():  # (torch 2.13 warns about its own pytree specs' pickles)
+            warnings.simplefilter("ignore", FutureWarning)
             payload = pickle.loads(path.read_bytes())
     except Exception as err:  # noqa: BLE001 (written by another version of a library: a miss)
         cache.log(f"program {path.name} unreadable ({type(err).__name__}): compiling")
@@ -107,8 +105,7 @@ def load(key: str, recompile: Callable[[], Any]):
     built = build_all(irs, payload["backend"], times, payload["device"], payload["rendered"])
     kernels = [Kernel(name, b.backend, None, list(ops), ir, b.launcher, b)
                for (name, _, ops, ir), b in zip(payload["kernels"], built)]
-    with _no_cycle_collection():
-        program = _Loader(io.BytesIO(payload["program"]), kernels).load()
+    program = _Loader(io.BytesIO(payload["program"]), kernels).load()
     captured = _SavedCapture.__new__(_SavedCapture)
     vars(captured).update(payload["captured"], seconds=0.0)
     compiled = _SavedGraph(payload["backend"], captured, None, None, kernels, program,
@@ -132,21 +129,6 @@ def _rendered(kernel, backend: str):
     if built is None or built.backend != backend:
         return None
     return built.ir, built.source
-
-
-@contextlib.contextmanager
-def _no_cycle_collection():
-    """Unpickling makes tens of thousands of small objects, and every few hundred new objects
-    start Python's cycle collector, whose older generations walk every object in the process
-    (torch, the model, its parameters): 2-4x the unpickling itself. Nothing made here is
-    garbage, so the collector waits until it is done."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
 
 
 # ---- pickling the steps -------------------------------------------------------------------------
