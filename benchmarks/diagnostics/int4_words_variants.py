@@ -11,6 +11,7 @@ takes that kernel's generated module, edits its text, and times each edit on the
 * `2 FMAs`: the dequantization without the exact `q = (128 + q) - 128` step (wrong values for a
   fractional zero point: timing only), as benchmarks/diagnostics/int4_gemv_words.py's PAIRS kernel;
 * `no dequant`: the bf16 pairs multiplied as they come (timing only);
+* `groups gathered per word`: each word lane loads its group's zero point and scale itself;
 * `stages 1`: num_stages=1 at launch;
 * `factored`: scale and zero point applied once per word, in float32 (more accurate than eager,
   but not eager's bf16 rounding of each weight: its error against eager is printed);
@@ -48,6 +49,7 @@ def variants(source: str, n: int) -> dict[str, str]:
     out["x .to(float32)"] = source.replace("fusec_bf16_to_f32(x8)", "x8.to(tl.float32)")
     out["x by 8 loads, no splits"] = _x_by_eight_loads(source)
     out["factored, f32"] = _factored(source)
+    out["groups gathered per word"] = _gathered_groups(source)
     out["prefetch x, zero, scale"] = _prefetch_all(source)
     out["unrolled"] = _unrolled(source)
     out["unrolled + prefetch"] = _unrolled(_prefetch_all(source))
@@ -105,7 +107,7 @@ def _factored(source: str) -> str:
     (timing, and its error printed)."""
     lines = source.splitlines()
     start = next(i for i, l in enumerate(lines) if "w2 = dequant_pairs((words & 0x000F000F)" in l)
-    end = max(i for i, l in enumerate(lines) if l.strip() == "acc += prods")
+    end = max(i for i, l in enumerate(lines) if l.strip().startswith("acc += ") and "x7" in l)
     pad = " " * 8
     body = []
     for t in range(4):
@@ -119,6 +121,23 @@ def _factored(source: str) -> str:
              f"{pad}zp_f = 128.0 - (zneg2 << 16).to(tl.float32, bitcast=True)",
              f"{pad}acc += s_f * (inner - zp_f * xs)"]
     return "\n".join(lines[:start] + body + lines[end + 1:]) + "\n"
+
+
+def _gathered_groups(source: str) -> str:
+    """Each word lane loads its own group's zero point and scale (eight neighbouring lanes read
+    the same address, which the cache serves once), instead of one load per group spread over
+    its lanes by broadcast_to and reshape."""
+    out = []
+    for line in source.splitlines():
+        m = re.match(r"(\s+)(zneg2|s2) = tl\.reshape\(tl\.broadcast_to\(\(bf16x2\(tl\.load\("
+                     r"(p_\w+_ptr) \+ n \* (\d+) \+ gs\), (True|False)\)\)", line)
+        if m:
+            pad, var, ptr, row, neg = m.groups()
+            per = re.search(r"gs = w_start // (\d+)", source).group(1)
+            line = (f"{pad}{var} = bf16x2(tl.load({ptr} + n * {row} + (w_start + "
+                    f"tl.arange(0, BLOCK_W)[None, None, :]) // {per}), {neg})")
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def _prefetch_all(source: str) -> str:
