@@ -8,6 +8,7 @@ fusec/cache.py), `launcher(path, name, n_params)` (the binary loaded, callable w
 facts the rest of fusec decides by:
 
     backends.get("llvm").views             ("optimized_ir", "assembly"): explain can show them
+    backends.get("triton").views           ("gpu_assembly",): SASS for a named GPU (triton_target.py)
     backends.get("cpp").rows_one_by_one     True: fuse_reductions keeps row math out of the rows
     backends.get(name).takes(device)        whether its kernels take tensors on `device`
 
@@ -79,7 +80,8 @@ class Backend:
 
 BACKENDS = {b.name: b for b in (
     Backend("triton", devices=("cuda", "cpu"), suffix=".py", lexer="python", rows_one_by_one=False,
-            writes_over_dying_inputs=True, compiles_ahead=True, interpreted_on=("cpu",)),
+            writes_over_dying_inputs=True, compiles_ahead=True, interpreted_on=("cpu",),
+            views=("gpu_assembly",)),
     Backend("cpp", devices=("cpu",), suffix=".cpp", lexer="cpp", rows_one_by_one=True,
             writes_over_dying_inputs=False, compiles_ahead=False, fallback="llvm"),
     Backend("llvm", devices=("cpu",), suffix=".ll", lexer="llvm", rows_one_by_one=True,

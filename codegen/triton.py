@@ -34,9 +34,11 @@ from .triton_reduction import render_reduction
 from .triton_text import _helpers_in, _max_address, _stmt, _summary, block_size, convert
 
 
-def render(kernel) -> str:
+def render(kernel, arch: int | None = None) -> str:
+    """The kernel's module source. `arch` (80, 90, ...) renders it for that NVIDIA GPU instead
+    of this process's (codegen/triton_target.py): only the int4 GEMV's choices depend on it."""
     if not isinstance(kernel, PointwiseKernel):
-        return render_reduction(kernel)
+        return render_reduction(kernel, arch)
     tiles = tiling(kernel)
     if tiles is not None:
         return render_tiled(kernel, *tiles)

@@ -52,16 +52,18 @@ def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
     return block_m, block_n, max(block_w, 1), 8 if block_n * block_w >= 2048 else 4
 
 
-def pair_math() -> tuple[bool, str]:
+def pair_math(arch: int | None = None) -> tuple[bool, str]:
     """(asm, why): whether dequant_pairs is the PTX bf16x2 version, decided at render time for
-    the GPU this process compiles for."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False, "in float32: the interpreter runs no PTX"
-    if not torch.cuda.is_available() or torch.version.hip:
-        return False, "in float32: no CUDA GPU for PTX bf16x2 FMAs"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        return False, f"in float32: sm_{major}{minor} has no bf16x2 FMA (sm_80 and newer do)"
+    the GPU this process compiles for, or for sm_<arch> when given (codegen/triton_target.py)."""
+    if arch is None:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return False, "in float32: the interpreter runs no PTX"
+        if not torch.cuda.is_available() or torch.version.hip:
+            return False, "in float32: no CUDA GPU for PTX bf16x2 FMAs"
+        major, minor = torch.cuda.get_device_capability()
+        arch = 10 * major + minor
+    if arch < 80:
+        return False, f"in float32: sm_{arch} has no bf16x2 FMA (sm_80 and newer do)"
     return True, "three packed bf16 FMAs, PTX fma.rn.bf16x2"
 
 
@@ -70,7 +72,7 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def render_gemv_words(kernel, words: Int4Words) -> str:
+def render_gemv_words(kernel, words: Int4Words, arch: int | None = None) -> str:
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     two = len(kernel.row_shape) == 2
     m, n = kernel.row_shape if two else (1, kernel.row_shape[0])
@@ -79,7 +81,7 @@ def render_gemv_words(kernel, words: Int4Words) -> str:
     block_m, block_n, block_w, num_warps = gemv_word_blocks(m, n, words.words)
     even = words.words % block_w == 0
     wpg = words.group // 8  # words per group
-    asm, pair_note = pair_math()
+    asm, pair_note = pair_math(arch)
 
     # a row axis needs a mask only where its blocks overhang it (N = 8192 in blocks of 8 never
     # does): the masks of the word loads cost the M = 1 kernel 7% (int4_words_variants.py)

@@ -66,10 +66,10 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
     return persistent, xblock, rblock, num_warps
 
 
-def render_reduction(kernel) -> str:
+def render_reduction(kernel, arch: int | None = None) -> str:
     if gemv_fits(kernel):
         words, _ = match_int4_words(kernel)  # (why not: in the byte kernel's docstring)
-        return render_gemv_words(kernel, words) if words else render_gemv(kernel)
+        return render_gemv_words(kernel, words, arch) if words else render_gemv(kernel)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)

@@ -5,8 +5,9 @@
     fusec explain examples/sin4.py        print every stage of the pipeline for one example
                 [--json] [--dot DIR]      ... as JSON; write the graph pictures (.dot, .svg)
     fusec kernels examples/sin4.py        print just the generated kernel sources
-                [--optimized] [--asm [--target CPU]]
-                                         llvm backend: after LLVM's optimizer; as assembly
+                [--optimized] [--asm [--target CPU|GPU]]
+                                         llvm backend: after LLVM's optimizer; as assembly;
+                                         triton backend: --asm is the SASS for sm_90 (or GPU)
     fusec profile examples/sin4.py        eager vs fused under torch.profiler, as tables
                 [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
 
@@ -66,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--optimized", action="store_true",
                            help="llvm backend: print the IR after LLVM's O3 pipeline")
             p.add_argument("--asm", action="store_true",
-                           help="llvm backend: print the host assembly")
-            p.add_argument("--target", metavar="CPU", default=None,
+                           help="llvm backend: print the host assembly; triton backend: the "
+                                "SASS for an NVIDIA GPU (no GPU needed)")
+            p.add_argument("--target", metavar="CPU|GPU", default=None,
                            help="with --asm: assembly for another CPU (x86-64, haswell, "
-                                "skylake-avx512, sapphirerapids, znver4, aarch64)")
+                                "skylake-avx512, sapphirerapids, znver4, aarch64) or for a GPU "
+                                "(sm_80, sm_86, sm_89, sm_90: the default for triton)")
         if name == "profile":
             p.add_argument("--html", metavar="FILE", help="also write the HTML report here")
             p.add_argument("--traces", metavar="DIR", help="also write eager/fused Chrome traces")

@@ -1,6 +1,6 @@
 """What the GPU runs for fusec's int4 word GEMV: registers, spills and the loop's SASS, per variant.
 
-    python benchmarks/diagnostics/int4_sass.py [--k 8192] [--n 8192] [--out DIR]
+    python benchmarks/diagnostics/int4_sass.py [--k 8192] [--n 8192] [--out DIR] [--arch 90]
 
 int4_words_variants.py times edits of the generated kernel; this script looks at the machine code
 of the same edits, so a timing can be explained by an instruction count. For each variant it
@@ -12,20 +12,28 @@ dividing by the weights one thread handles in a chunk gives instructions per wei
 that says whether the loop is bound by issuing instructions rather than by memory.
 
 With --out, each variant's full SASS is written there as <variant>.sass.
+
+No GPU is needed. On a machine without one (or with --arch), each variant is compiled for the
+named architecture (90: H100/H200) by Triton's own compiler, ptxas and cuobjdump, which ship with
+Triton (fusec/codegen/triton_target.py, what `fusec kernels --asm` uses), rendered with the PTX
+dequantization a GPU would get. On the H200 this
+gave the same registers and loop as the kernel compiled there (docs/gpu.md, 2026-11-26), so
+instruction counts can be compared between GPU sessions; timings still need the GPU.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+import triton
 
 import fusec
+from fusec.codegen import triton as triton_codegen
+from fusec.codegen import triton_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -39,17 +47,8 @@ BRANCH = re.compile(r"BRA(?:\.\w+)?\s+`?\(?\.?L?_?x?_?(0x[0-9a-f]+|\w+)")
 
 
 def sass(cubin: bytes) -> str:
-    """The kernel's SASS, from the cuobjdump that Triton ships (or one on PATH)."""
-    try:
-        from triton import knobs
-        tool = knobs.nvidia.cuobjdump.path
-    except Exception:  # noqa: BLE001 (an older Triton: its own tool, else PATH)
-        tool = "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    """The kernel's SASS (cuobjdump, as Triton ships it)."""
+    return triton_target._cuobjdump(cubin, "-sass")
 
 
 def loop_body(text: str) -> list[str]:
@@ -78,18 +77,25 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--out", default=None, help="write each variant's SASS here")
-    p.add_argument("--variants", default=",".join(SHOWN), help="comma-separated variant names")
+    p.add_argument("--variants", default=";".join(SHOWN), help="variant names, ';' between")
+    p.add_argument("--arch", type=int, default=None,
+                   help="compile for sm_<arch> without launching (default: 90 without a GPU)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a GPU: it compiles generated Triton kernels for it")
+    gpu = torch.cuda.is_available() and args.arch is None
+    device = "cuda" if gpu else "cpu"
     torch.manual_seed(0)
-    layer = Int4Linear(torch.randn(args.n, args.k, dtype=torch.bfloat16) / 64).cuda()
-    x = torch.randn(1, args.k, dtype=torch.bfloat16, device="cuda")
-    cf = fusec.compile(layer)
-    with torch.no_grad():
-        cf(x)
-    [kernel] = cf.kernels
-    source = kernel.source
+    layer = Int4Linear(torch.randn(args.n, args.k, dtype=torch.bfloat16) / 64).to(device)
+    x = torch.randn(1, args.k, dtype=torch.bfloat16, device=device)
+    if gpu:
+        cf = fusec.compile(layer)
+        with torch.no_grad():
+            cf(x)
+        [kernel] = cf.kernels
+    else:  # rendered as for that GPU: with the PTX dequantization (codegen/triton_gemv_int4.py)
+        [kernel] = fusec.explain(layer, x, backend="triton").kernels
+    source = kernel.source if gpu else triton_codegen.render(kernel.ir, arch=args.arch or 90)
+    print(f"Triton {triton.__version__}, " + (torch.cuda.get_device_name() if gpu else
+                                             f"compiled for sm_{args.arch or 90} (no GPU)"))
     params = re.search(r"def launch\((.*?)\):", source).group(1).split(", ")
     block_n = int(re.search(r"BLOCK_N=(\d+)", source).group(1))
     block_w = int(re.search(r"BLOCK_W=(\d+)", source).group(1))
@@ -99,13 +105,19 @@ def main() -> None:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     every = variants(source, args.n)
-    for i, label in enumerate(args.variants.split(",")):
-        module = load(every[label], f"sass_variant_{i}")
-        out = torch.empty(1, args.n, dtype=torch.bfloat16, device="cuda")
+    for i, label in enumerate(args.variants.split(";")):
+        out = torch.empty(1, args.n, dtype=torch.bfloat16, device=device)
         tensors = [getattr(layer, a[2:]) if a.startswith("p_") else x if a == "x" else out
                    for a in params]
-        compiled = module.launch(*tensors)
-        text = sass(compiled.asm["cubin"])
+        if gpu:
+            compiled = load(every[label], f"sass_variant_{i}").launch(*tensors)
+            text = sass(compiled.asm["cubin"])
+            regs, spills = compiled.n_regs, compiled.n_spills
+        else:
+            done = triton_target.compile_for(every[label], kernel.name,
+                                             [str(t.dtype).removeprefix("torch.") for t in tensors],
+                                             args.arch or 90)
+            text, regs, spills = done["sass"], done["regs"], done["spills"]
         if out_dir:
             (out_dir / (re.sub(r"\W+", "_", label) + ".sass")).write_text(text)
         body = loop_body(text)
@@ -113,12 +125,11 @@ def main() -> None:
         if not body:  # an unrolled loop: the whole kernel, over all its chunks
             body = [m.group(3) for m in LINE.finditer(text)]
             chunks = -(-args.k // 8 // block_w)
-        regs = getattr(compiled, "n_regs", 0)
-        fit = min(64, 65536 // max(regs * 32, 1) // warps * warps) if regs else "?"
+        # registers are given out in steps of 8 per thread, and whole blocks fit on an SM
+        fit = min(64, 65536 // (-(-regs // 8) * 8 * 32) // warps * warps) if regs else "?"
         counts = collections.Counter(op.split(".")[0] for op in body)
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(14))
-        print(f"{label}: {regs} registers, {getattr(compiled, 'n_spills', '?')} spilled; "
-              f"warps per SM by registers: {fit}")
+        print(f"{label}: {regs} registers, {spills} bytes spilled; warps per SM by registers: {fit}")
         print(f"  loop body {len(body)} instructions, {len(body) / per_thread / chunks:.2f} per weight "
               f"({per_thread:.0f} weights per thread per chunk): {top}", flush=True)
 

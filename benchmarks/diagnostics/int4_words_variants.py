@@ -106,7 +106,7 @@ def _factored(source: str) -> str:
     rounding steps: more accurate than eager's (q - z) * s in bf16, and not eager's rounding
     (timing, and its error printed)."""
     lines = source.splitlines()
-    start = next(i for i, l in enumerate(lines) if "w2 = dequant_pairs((words & 0x000F000F)" in l)
+    start = next(i for i, l in enumerate(lines) if "w2 = dequant_pairs(nibble_pairs(words)" in l)
     end = max(i for i, l in enumerate(lines) if l.strip().startswith("acc += ") and "x7" in l)
     pad = " " * 8
     body = []

@@ -40,7 +40,7 @@ from fusec.api import (CompiledFunction, CompiledModule, _label, part_compiler, 
                        resolve_backend)
 from fusec.capture.frontend import capture
 from fusec.capture.regions import Regions, collect_regions, original
-from fusec.codegen import llvm, llvm_build
+from fusec.codegen import llvm, llvm_build, triton_target
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import FusecError, GraphBreakError
@@ -83,29 +83,37 @@ class Explanation:
         """The same picture as SVG, or None when Graphviz's `dot` is not installed."""
         return render_svg(self.dot(stage))
 
-    def _llvm_kernel(self, kernel: int | str):
+    def _kernel(self, kernel: int | str, view: str):
         kernels = self.compiled.kernels
         k = kernels[kernel] if isinstance(kernel, int) else \
             next((k for k in kernels if k.name == kernel), None)
         if k is None:
             raise FusecError(f"fusec: no kernel named {kernel!r}; the kernels are "
                              f"{', '.join(k.name for k in kernels) or 'none'}")
-        if "optimized_ir" not in backends.get(k.backend).views:
+        views = backends.get(k.backend).views
+        if view not in views and not (view == "assembly" and "gpu_assembly" in views):
             raise FusecError(f"fusec: kernel {k.name} was built by the {k.backend} backend; the "
-                             "optimized IR and host assembly come from backend='llvm'")
+                             "optimized IR comes from backend='llvm', machine code from "
+                             "backend='llvm' (CPUs) or 'triton' (NVIDIA GPUs)")
         return k
 
     def optimized_ir(self, kernel: int | str = 0) -> str:
         """LLVM backend: the kernel's IR after LLVM's O3 pipeline, where the loop vectorizer has
         turned `float` loads and math into `<8 x float>` ones (by position or by name)."""
-        k = self._llvm_kernel(kernel)
+        k = self._kernel(kernel, "optimized_ir")
         return llvm.optimized_ir(k.source, k.name)
 
     def assembly(self, kernel: int | str = 0, target: str | None = None) -> str:
-        """LLVM backend: the kernel's machine code, as assembly: for this CPU, or for `target`,
-        one of fusec.codegen.llvm_build.NAMED_TARGETS ("haswell", "sapphirerapids", "aarch64",
-        ...) to see what the same kernel becomes on another CPU."""
-        k = self._llvm_kernel(kernel)
+        """The kernel's machine code, as assembly (by position or by name).
+
+        LLVM backend: for this CPU, or for `target`, one of fusec.codegen.llvm_build.NAMED_TARGETS
+        ("haswell", "sapphirerapids", "aarch64", ...) to see what the same kernel becomes on
+        another CPU. Triton backend: its SASS on an NVIDIA GPU, `target` one of
+        fusec.codegen.triton_target.GPU_TARGETS ("sm_80", "sm_90", ...; default sm_90), compiled
+        by Triton's own compiler, which needs no GPU."""
+        k = self._kernel(kernel, "assembly")
+        if "gpu_assembly" in backends.get(k.backend).views:
+            return triton_target.assembly(k.ir, k.name, target or triton_target.DEFAULT)
         if target is None:
             return llvm.assembly(k.source, k.name)
         chosen = llvm_build.available_targets().get(target)

@@ -1,0 +1,105 @@
+"""Triton kernels compiled for named NVIDIA GPUs on a machine without one
+(fusec/codegen/triton_target.py, `Explained.assembly(k, "sm_90")`, `fusec kernels --asm`).
+
+This is also how the suite checks the GPU-only code paths on a CPU: the int4 GEMV's PTX
+dequantization (`fma.rn.bf16x2`, `lop3`) is rendered only for sm_80 and newer, and here ptxas
+must accept it, keep it out of local memory, and turn it into packed bf16 instructions.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import fusec
+from fusec.codegen import triton_target
+from fusec.codegen.triton_gemv_int4 import pair_math
+from fusec.errors import FusecError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _tools() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+needs_tools = pytest.mark.skipif(not _tools(), reason="this Triton has no NVIDIA tools (ptxas)")
+
+
+def _example(name: str, **sizes):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.example(device="cpu", **{**getattr(module, "SMALL", {}), **sizes})
+
+
+@needs_tools
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_the_int4_gemv_compiles_for_the_gpu_with_its_ptx_dequantization(target):
+    ex = _example("int4_linear")
+    e = fusec.explain(ex.fn, *ex.inputs, backend="triton")
+    [k] = e.kernels
+    sass = e.assembly(k.name, target)
+    header = sass.splitlines()[0]
+    assert f"{k.name} on {target}" in header
+    assert "0 bytes spilled" in header, header  # nothing in local memory
+    assert f"code for {target}" in sass and f"Function : {k.name}" in sass
+    # the packed bf16 FMAs of dequant_pairs (rendered only for a GPU: the CPU's source has none)
+    assert "HFMA2" in sass and "HFMA2" not in k.source
+    assert "fma.rn.bf16x2" not in k.source  # here: the interpreter's float32 version
+
+
+@needs_tools
+@pytest.mark.parametrize("name", ["sin4", "softmax", "layernorm", "int8_linear", "gelu_mlp"])
+def test_every_kernel_of_an_example_compiles_for_sm_90(name):
+    ex = _example(name)
+    e = fusec.explain(ex.fn, *ex.inputs, backend="triton")
+    for k in e.kernels:
+        if "gpu_assembly" not in fusec.codegen.backends.get(k.backend).views:
+            continue
+        sass = e.assembly(k.name)  # sm_90 unless told
+        header, body = sass.split("\n", 1)
+        assert header.startswith(f"// {k.name} on sm_90"), header
+        instructions = int(header.rsplit(", ", 1)[1].split()[0])
+        assert instructions > 0 and "EXIT" in body
+
+
+@needs_tools
+def test_the_cli_prints_the_sass(capsys):
+    from fusec.cli import main as cli
+    assert cli(["kernels", "sin4", "--backend", "triton", "--small", "--asm",
+                "--target", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "# ===== fused_" in out and " on sm_80 (Triton " in out and "code for sm_80" in out
+
+
+def test_an_unknown_target_is_a_clear_error():
+    ex = _example("sin4")
+    e = fusec.explain(ex.fn, *ex.inputs, backend="triton")
+    with pytest.raises(FusecError, match="unknown GPU target 'sm_70'; choose one of sm_80"):
+        e.assembly(0, "sm_70")
+    cpp = fusec.explain(ex.fn, *ex.inputs, backend="cpp")
+    with pytest.raises(FusecError, match="machine code from backend='llvm'"):
+        cpp.assembly(0)
+
+
+@needs_tools
+def test_a_kernel_triton_refuses_is_a_fusec_error_not_a_crash():
+    source = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+              "def broken_kernel(x_ptr, BLOCK: tl.constexpr):\n"
+              "    tl.store(x_ptr + tl.arange(0, BLOCK), no_such_name)\n\n\n"
+              "def launch(x):\n    return broken_kernel[(1,)](x, BLOCK=64)\n")
+    with pytest.raises(FusecError, match="compiling broken_kernel for sm_90 failed"):
+        triton_target.compile_for(source, "broken_kernel", ["float32"], 90)
+
+
+def test_the_dequantization_is_chosen_for_the_target_not_this_machine():
+    assert pair_math(80)[0] and pair_math(90)[0]
+    asm, why = pair_math(75)
+    assert not asm and "sm_75 has no bf16x2 FMA" in why
+    if not torch.cuda.is_available():
+        assert not pair_math()[0]  # this machine: no GPU, the float32 version
