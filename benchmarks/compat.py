@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 import traceback
 
@@ -96,6 +97,42 @@ def hf_models() -> dict:
         "mobilenet_v2": (lambda: T.MobileNetV2Model(T.MobileNetV2Config(image_size=32, depth_multiplier=0.25)), image),
         "detr": (lambda: T.DetrModel(T.DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], out_features=["stage4"]), d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=8)), image),
         "segformer": (lambda: T.SegformerModel(T.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2])), image),
+        # added 2026-11-26 (transformers 5.24): more decoders, encoders, vision and speech models
+        "qwen3": (lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**dec, head_dim=8)), tokens),
+        "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**dec, head_dim=8)), tokens),
+        "gemma3_text": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**dec, head_dim=8)), tokens),
+        "phi3": (lambda: T.Phi3ForCausalLM(T.Phi3Config(**dec)), tokens),
+        "stablelm": (lambda: T.StableLmForCausalLM(T.StableLmConfig(**dec)), tokens),
+        "cohere": (lambda: T.CohereForCausalLM(T.CohereConfig(**dec)), tokens),
+        "olmo": (lambda: T.OlmoForCausalLM(T.OlmoConfig(**dec)), tokens),
+        "olmo2": (lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**dec)), tokens),
+        "granite": (lambda: T.GraniteForCausalLM(T.GraniteConfig(**dec)), tokens),
+        "starcoder2": (lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**dec)), tokens),
+        "qwen2_moe": (lambda: T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**dec, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)), tokens),
+        "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4)), tokens),
+        "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4)), tokens),
+        "mpt": (lambda: T.MptForCausalLM(T.MptConfig(vocab_size=96, d_model=32, n_heads=4, n_layers=2, max_seq_len=64)), tokens),
+        "rwkv": (lambda: T.RwkvModel(T.RwkvConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64, context_length=64)), tokens),
+        "biogpt": (lambda: T.BioGptModel(T.BioGptConfig(**enc)), tokens),
+        "xglm": (lambda: T.XGLMModel(T.XGLMConfig(vocab_size=96, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, max_position_embeddings=64)), tokens),
+        "squeezebert": (lambda: T.SqueezeBertModel(T.SqueezeBertConfig(**enc, embedding_size=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2, intermediate_groups=2, output_groups=2)), tokens),
+        "convbert": (lambda: T.ConvBertModel(T.ConvBertConfig(**enc, embedding_size=32)), tokens),
+        "canine": (lambda: T.CanineModel(T.CanineConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, downsampling_rate=2, num_hash_buckets=64, num_hash_functions=2, local_transformer_stride=4)), tokens),
+        "big_bird": (lambda: T.BigBirdModel(T.BigBirdConfig(**enc, attention_type="original_full")), tokens),
+        "layoutlm": (lambda: T.LayoutLMModel(T.LayoutLMConfig(**enc)), tokens),
+        "ernie": (lambda: T.ErnieModel(T.ErnieConfig(**enc)), tokens),
+        "yoso": (lambda: T.YosoModel(T.YosoConfig(**enc)), tokens),
+        "mbart": (lambda: T.MBartModel(T.MBartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0)), tokens),
+        "swinv2": (lambda: T.Swinv2Model(T.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)), image),
+        "convnextv2": (lambda: T.ConvNextV2Model(T.ConvNextV2Config(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)), image),
+        "mobilenet_v1": (lambda: T.MobileNetV1Model(T.MobileNetV1Config(image_size=32, depth_multiplier=0.25)), image),
+        "poolformer": (lambda: T.PoolFormerModel(T.PoolFormerConfig(hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1])), image),
+        "vit_mae": (lambda: T.ViTMAEModel(T.ViTMAEConfig(**img, mask_ratio=0.0)), image),
+        "vit_msn": (lambda: T.ViTMSNModel(T.ViTMSNConfig(**img)), image),
+        "data2vec_vision": (lambda: T.Data2VecVisionModel(T.Data2VecVisionConfig(**img)), image),
+        "hubert": (lambda: T.HubertModel(T.HubertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0)), "waveform"),
+        "sew": (lambda: T.SEWModel(T.SEWConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0, squeeze_factor=2)), "waveform"),
+        "glpn": (lambda: T.GLPNModel(T.GLPNConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2])), image),
     }
 
 
@@ -155,7 +192,8 @@ def close(want, got, ref, tol) -> tuple[bool, str]:
     """fusec's outputs against eager's: the same count, shapes, dtypes; integers equal; floats
     no further from the float64 reference than twice eager's own error plus `tol` (eager's
     convolutions and matmuls on a GPU use TF32 by default, so two correct programs that pick
-    different algorithms differ by far more than float32 rounding)."""
+    different algorithms differ by far more than float32 rounding). Where the float64 copy gives
+    nan or inf and eager does not, eager's output is the reference."""
     if len(want) != len(got):
         return False, f"{len(got)} outputs, eager {len(want)}"
     for i, (w, g) in enumerate(zip(want, got)):
@@ -167,8 +205,13 @@ def close(want, got, ref, tol) -> tuple[bool, str]:
             continue
         r = ref[i] if ref is not None else w
         err_f, err_e = relative_error(g, r), relative_error(w, r)
+        if not math.isfinite(err_e) and math.isfinite(relative_error(w, w)):
+            # the float64 copy overflowed where eager did not (CANINE's hash embeddings): no
+            # reference there, so fusec is held to eager's own output, within `tol`
+            r, err_f, err_e = w, relative_error(g, w), 0.0
         if not err_f <= 2 * err_e + tol:
-            return False, f"output {i}: error {err_f:.3g} vs eager's {err_e:.3g} (float64 reference)"
+            where = "float64 reference" if r is not w else "eager's output: float64 gave nan/inf"
+            return False, f"output {i}: error {err_f:.3g} vs eager's {err_e:.3g} ({where})"
     return True, ""
 
 
@@ -214,7 +257,8 @@ TRAIN_FACTOR = 4
 
 def train_check(model, inputs, device) -> tuple[str, str]:
     """Gradients of fusec's compiled model against eager's, both measured against a float64
-    copy: fusec's error at most TRAIN_FACTOR times eager's plus 1e-5 (relative, in norm)."""
+    copy: fusec's error at most TRAIN_FACTOR times eager's plus 1e-5 (relative, in norm). Where
+    the model cannot run in float64, eager is the reference and torch.compile's error the bound."""
     model.train()
     no_randomness(model)
     try:
@@ -224,21 +268,28 @@ def train_check(model, inputs, device) -> tuple[str, str]:
     try:
         wide = copy.deepcopy(model).double()
         ref = train_step(wide, wide, [t.double() if t.is_floating_point() else t for t in inputs])
-    except Exception:  # noqa: BLE001 - no float64 run: compare with eager itself
+        yardstick = want
+    except Exception:  # noqa: BLE001 - no float64 run (XGLM's mask overflows float32 there):
+        # eager is the reference, and torch.compile's distance from it is the yardstick (a
+        # gradient of norm 1e-8 is cancellation, and any other order of sums moves it by 1e-3)
         ref = want
+        torch._dynamo.reset()
+        yardstick = train_step(model, torch.compile(model), inputs)
     got = train_step(model, fusec.compile(model), inputs)
     bad = []
-    for i, (g, w, r) in enumerate(zip([got[0], *got[1]], [want[0], *want[1]], [ref[0], *ref[1]])):
+    for i, (g, w, r) in enumerate(zip([got[0], *got[1]], [yardstick[0], *yardstick[1]],
+                                      [ref[0], *ref[1]])):
         if (g is None) != (w is None):
             bad.append(i)
         elif g is not None and relative_error(g, r) > TRAIN_FACTOR * relative_error(w, r) + 1e-5:
             bad.append(i)
     if bad:
         i = bad[0]
-        g, w, r = [x[0] if i == 0 else x[1][i - 1] for x in (got, want, ref)]
+        g, w, r = [x[0] if i == 0 else x[1][i - 1] for x in (got, yardstick, ref)]
         what = "the loss" if i == 0 else f"gradient {i - 1}"
+        whose = "eager's" if yardstick is want else "torch.compile's (no float64 run)"
         why = "missing" if g is None or w is None else \
-            f"error {relative_error(g, r):.3g} vs eager's {relative_error(w, r):.3g}"
+            f"error {relative_error(g, r):.3g} vs {whose} {relative_error(w, r):.3g}"
         return "MISMATCH", f"{len(bad)} of {len(got[1]) + 1} differ; {what}: {why}"
     return "OK", ""
 
@@ -266,9 +317,13 @@ def run_one(build, kind, mode, device, timed: bool = False) -> tuple[str, str]:
     compiled = torch.compile(model, backend="fusec") if mode == "dynamo" else fusec.compile(model)
     calls = [inputs] + ([tuple(t[:1] for t in inputs)] if mode == "batch" else [])
     with torch.no_grad():
-        for call in calls:
-            ok, why = close(leaves(model(*call)), leaves(compiled(*call)),
-                            float64_reference(model, call), tol)
+        for call in calls:  # each run from one RNG state: a model may draw (ViTMAE's masking)
+            torch.manual_seed(1)
+            want = leaves(model(*call))
+            torch.manual_seed(1)
+            got = leaves(compiled(*call))
+            torch.manual_seed(1)
+            ok, why = close(want, got, float64_reference(model, call), tol)
             if not ok:
                 return "MISMATCH", f"batch {call[0].shape[0]}: {why}"
         if timed:  # eager against fusec on the first call's inputs (do_bench medians on a GPU)

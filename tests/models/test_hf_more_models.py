@@ -10,7 +10,11 @@ attention to latents (Perceiver), shared layers (ALBERT), bottlenecks without La
 (MobileBERT), partial rotary embeddings with a parallel residual (GPT-NeoX), multi-query
 attention (GPTBigCode), batch norms inside attention and indexed attention biases (LeViT),
 grouped and depthwise convolutions (RegNet, MobileNetV2), and a CNN backbone under a
-transformer (DETR). All are tiny (hidden 32, 8 tokens or 32x32 images) and built from configs:
+transformer (DETR), a recurrent WKV time mix (RWKV), hashed character embeddings with strided
+downsampling (CANINE), norms on queries and keys (Qwen3), sliding-window and global layers
+(Gemma 3), parallel attention and MLP with a logit scale (Cohere), routed and shared experts
+(Qwen2-MoE), grouped 1-D convolutions as linears (SqueezeBERT), pooling as the token mixer
+(PoolFormer) and global response normalization (ConvNeXt V2). All are tiny (hidden 32, 8 tokens or 32x32 images) and built from configs:
 no weights are downloaded.
 """
 import copy
@@ -113,13 +117,37 @@ MODELS = {
         d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=8)),
         image()),
+    # added 2026-11-26 (transformers 5.24)
+    "rwkv": lambda: (T.RwkvModel(T.RwkvConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+        intermediate_size=64, context_length=32)), tokens()),
+    "canine": lambda: (T.CanineModel(T.CanineConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        downsampling_rate=2, num_hash_buckets=64, num_hash_functions=2,
+        local_transformer_stride=4)), tokens()),
+    "qwen3": lambda: (T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=8, **DECODER)), tokens()),
+    "gemma3_text": lambda: (T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=8, **DECODER)),
+                            tokens()),
+    "cohere": lambda: (T.CohereForCausalLM(T.CohereConfig(**DECODER)), tokens()),
+    "qwen2_moe": lambda: (T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, **DECODER)), tokens()),
+    "squeezebert": lambda: (T.SqueezeBertModel(T.SqueezeBertConfig(
+        embedding_size=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
+        intermediate_groups=2, output_groups=2, **ENCODER)), tokens()),
+    "poolformer": lambda: (T.PoolFormerModel(T.PoolFormerConfig(
+        hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1])), image()),
+    "convnextv2": lambda: (T.ConvNextV2Model(T.ConvNextV2Config(
+        hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)), image()),
 }
 
 # forward: every model on the C++ backend, a third of them on LLVM as well
 FORWARD = [(name, "cpp") for name in MODELS] + [(name, "llvm") for name in (
-    "mixtral", "mamba", "longformer", "fnet", "wav2vec2", "levit", "detr", "xlnet")]
+    "mixtral", "mamba", "longformer", "fnet", "wav2vec2", "levit", "detr", "xlnet", "rwkv",
+    "canine")]
 # training: a model per kind of layer whose backward the forward tests do not reach
-TRAINING = ["bart", "mixtral", "mamba", "xlnet", "wav2vec2", "dinov2", "mobilenet_v2", "regnet"]
+TRAINING = ["bart", "mixtral", "mamba", "xlnet", "wav2vec2", "dinov2", "mobilenet_v2", "regnet",
+            "rwkv", "canine", "qwen2_moe"]
 
 
 def build(name: str):
