@@ -31,10 +31,10 @@ import sys
 from pathlib import Path
 
 import torch
+
+import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
 import triton
 import triton.language as tl
-
-import fusec
 from fusec.codegen import triton_target
 from fusec.codegen.triton_helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
@@ -124,7 +124,8 @@ def module_text(n_words: int, group_w: int, n: int, rows: int, lanes: int, warps
             "import fusec_bf16_to_f32, fusec_f32_to_bf16\n\n\n" + kernels +
             f"\ndef launch(p_packed, p_zero, p_scale, x, out):\n"
             f"    return four_words_gemv[({n // rows},)](p_packed, p_zero, p_scale, x, out, "
-            f"{n_words}, {group_w}, {rows}, {lanes}, num_warps={warps})\n")
+            f"{n_words}, {group_w}, {rows}, {lanes}, num_warps={warps}, "
+            "enable_fp_fusion=True)\n")
 
 
 def main() -> None:
@@ -167,7 +168,7 @@ def main() -> None:
             continue
         call = lambda: four_words_gemv[(args.n // rows,)](  # noqa: E731
             layer.packed, layer.zero, layer.scale, x, out, n_words, group_w, rows, lanes,
-            num_warps=warps)
+            num_warps=warps, enable_fp_fusion=True)
         try:
             call()
             ms = median_ms(call, device=dev)

@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
-import fusec
+import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
+import triton
 from fusec.codegen import triton as triton_codegen
 from fusec.codegen import triton_target
 
