@@ -16,6 +16,7 @@ import torch
 from fusec import ops
 from fusec.ir import Index, Reduce
 
+from . import cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, sum_block, summary
 from .render import render_template
@@ -197,6 +198,9 @@ def render_reduction(kernel) -> str:
         sections.append({"comment": comment, "before": [],
                          "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
+    int4 = cpp_int4.match(kernel, lanes)  # a packed-int4 GEMV: a table per group (cpp_int4.py)
+    if int4 is not None:
+        return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,

@@ -57,6 +57,9 @@ class Int4Words:
     words: int  # 32-bit words per weight row (K / 8)
     x_step: int  # x's stride along K, in elements
     values: frozenset  # every name the K loop computes
+    w_lo: str = ""  # the dequantized weights (q - zero) * scale of the low and high nibbles
+    w_hi: str = ""
+    dequant: frozenset = frozenset()  # the names that compute them from the bytes
 
 
 def words_enabled() -> bool:
@@ -133,9 +136,9 @@ def _match(kernel, r, producers) -> Int4Words:
     add = _stmt(producers, r.operand.name, "add")
     _f32(add, rounded=False)
     copies: list[str] = []
-    (x0, w0, nib0), (x1, w1, nib1) = [_term(producers, n, copies) for n in _vars(add)]
+    (x0, w0, nib0, d0), (x1, w1, nib1, d1) = [_term(producers, n, copies) for n in _vars(add)]
     if nib0 == "hi":
-        (x0, w0, nib0), (x1, w1, nib1) = (x1, w1, nib1), (x0, w0, nib0)
+        (x0, w0, nib0, d0), (x1, w1, nib1, d1) = (x1, w1, nib1, d1), (x0, w0, nib0, d0)
     _require((nib0, nib1) == ("lo", "hi"), "the two products do not take one nibble each")
     packed, scale, zero, made = w0
     _require((packed, scale, zero) == w1[:3],
@@ -154,11 +157,11 @@ def _match(kernel, r, producers) -> Int4Words:
         _require(not isinstance(item, Load) or (item.valid is None and not any(
             item.index.strides[n_rows:])), f"the epilogue reads {name} along K or in pieces")
     return Int4Words(packed, scale, zero, x0, x1, 2 * half, kernel.k // 4, step,
-                     frozenset(values))
+                     frozenset(values), d0, d1, frozenset(w0[3] | w1[3]))
 
 
 def _term(producers, name: str, copies: list):
-    """One product x * w: (x's load, (packed, scale, zero, names) of w, which nibble)."""
+    """One product x * w: (x's load, (packed, scale, zero, names) of w, which nibble, w)."""
     prod = _stmt(producers, name, "mul")
     _f32(prod, rounded=False)
     a, b = (_copies(producers, o, copies) for o in _vars(prod))
@@ -168,7 +171,7 @@ def _term(producers, name: str, copies: list):
     _require(isinstance(x, Load) and x.dtype == BF16 and x.var.dtype == F32 and x.valid is None,
              f"{a} is not a bf16 activation loaded from memory")
     weight = _dequant(producers, b)
-    return x, weight[:4], weight[4]
+    return x, weight[:4], weight[4], b
 
 
 def _dequant(producers, name: str):
