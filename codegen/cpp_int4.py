@@ -27,6 +27,8 @@ anything else keeps the generic kernel. Never wrong, rarely slow.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from fusec import ops
@@ -81,7 +83,8 @@ def render(kernel, words: Int4Words, row_lines: list, k_coords: list, lines: dic
         params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
                 for p in kernel.params],
         row_lines=row_lines, k_coords=k_coords, table=table_lines(words, kernel),
-        packed=packed, packed_line=lines[packed], body=body,
+        packed=packed, packed_line=lines[packed], body=body, shuffle=kernel.k_shape[1] % 16 == 0,
+        packed_at=re.sub(r"\bk\b", "(k_block + j + t)", lines[packed].split(" = ", 1)[1].rstrip(";")),
         operand=convert(r.operand.name, r.operand.dtype, r.acc_dtype),
         result=f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}",
         epilogue=[lines[name] for name in phase.ready], stores=stores)

@@ -76,6 +76,12 @@ def programs():
                 (f"shifts_{dt}", _shift_ops, (a[0], a[1]))]
     p = torch.rand(SHAPE) > 0.5
     out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _int_reductions, (p,))]
+    # packed-int4 GEMVs (the C++ table kernel, codegen/cpp_int4.py): groups of 32 weights take its
+    # vector lookups, groups of 16 its plain loop; one and four activation rows
+    from fusec.examples.int4_linear import Int4Linear
+    for group, m in ((32, 1), (16, 4)):
+        layer = Int4Linear(randf((16, 128), F32, "cpu").to(torch.bfloat16), group)
+        out.append((f"int4_linear_g{group}_m{m}", layer, (randf((m, 128), F32, "cpu").to(torch.bfloat16),)))
     for src in ALL:
         out += [(f"casts_from_{src}", _casts, (_source_values(src, "cpu"),)),
                 (f"fills_{src}", _fills, (randf(SHAPE, F32, "cpu").to(src),))]
