@@ -82,3 +82,16 @@ def test_nan_and_infinity_in_scales_and_activations():
 def test_long_groups_keep_the_generic_loop():
     group = 4 * MAX_GROUP_BYTES  # 2 * MAX_GROUP_BYTES packed bytes: longer than a summed block
     check(cpu_layer(8, 2 * group, group), rand(1, 2 * group), table=False)
+
+
+@pytest.mark.parametrize("shape", ["batch_of_rows", "transposed"])
+def test_rows_of_a_batch_and_activations_read_with_strides(shape):
+    """x of shape (2, 2, K) (four rows of one GEMV) and x transposed in memory (stride 3)."""
+    x = rand(2, 2, 256, seed=8) if shape == "batch_of_rows" else rand(256, 3, seed=8).t()
+    layer = cpu_layer(24, 256, 32, seed=9)
+    cf = fusec.compile(layer, backend="cpp")
+    with torch.no_grad():
+        got, want = cf(x), layer(x)
+    assert len(cf.kernels) == 1 and TABLE in cf.kernels[0].source
+    ref = F.linear(x.double(), layer.weight(BF16).double())
+    assert (got.double() - ref).abs().max() <= (want.double() - ref).abs().max() + 2 ** -8 * ref.abs().max()
