@@ -4,8 +4,8 @@ A packed-int4 linear (examples/int4_linear.py) dequantizes every nibble q of a g
 `(q - zero) * scale`, rounding to bfloat16 after the subtraction and after the multiplication,
 as eager's bf16 arithmetic does. The generic C++ reduction (cpp_reduction.py) spells those steps
 for every weight: four roundings per packed byte, each a handful of integer operations. On this
-project's 2-core AMD EPYC that made the K = N = 2048 layer 2.6x slower than eager (4.9 ms against
-1.9; `python examples/int4_linear.py`).
+project's 2-core AMD EPYC that made the K = N = 2048 layer 2.4x slower than eager at M = 1
+(4.9 ms against 2.0; `python examples/int4_linear.py`) and 10x slower at M = 4.
 
 But a nibble has only sixteen values, and a group shares its zero point and scale. So this kernel
 (codegen/templates/cpp_gemv_int4.cpp.j2) walks each weight row a group at a time:
@@ -14,7 +14,8 @@ But a nibble has only sixteen values, and a group shares its zero point and scal
     for (int q = 0; q < 16; ++q) lut[q] = fusec_round_bf16(fusec_round_bf16(q - zero) * scale);
 
 then looks the group's weights up, `lut[p & 15]` and `lut[p >> 4]` for each byte p, into two
-small arrays, and takes one dot product per activation row from them. The weights are the generic
+small arrays (with gcc sixteen at a time: `__builtin_shuffle` of the table as one vector, a
+`vpermps` on AVX-512), and takes one dot product per activation row from them. The weights are the generic
 kernel's, bit for bit: 32 roundings per group instead of four per byte (a group of 128 weights
 has 64 bytes), no per-weight gathers of the zero point and scale, and each weight row
 dequantized once for all M activation rows (the generic kernel's rows are (m, n) pairs, and it

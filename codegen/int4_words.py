@@ -1,4 +1,5 @@
-"""Is this GEMV a packed-int4 linear that the Triton backend can read as 32-bit words?
+"""Is this GEMV a packed-int4 linear that the Triton backend can read as 32-bit words (and the
+C++ backend dequantize through a table per group, codegen/cpp_int4.py)?
 
 passes/small_matmul.py turns a small-M linear whose weight is unpacked from bytes (two 4-bit
 values per byte, `p & 0x0F` and `p >> 4`) and dequantized per group as `(q - zero) * scale` into
