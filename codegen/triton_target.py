@@ -122,7 +122,8 @@ def _signature(fn, args, kwargs) -> tuple[dict, dict, dict, list]:
     return signature, constants, options, pointers
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's output (`flag`: -sass, -res-usage) for a cubin, with the tool Triton ships."""
     import triton
     try:
         from triton import knobs
@@ -159,9 +160,9 @@ def _child() -> None:
     cubin = compiled.asm["cubin"]
     # one instruction per line, without the encodings cuobjdump prints beside and under each
     sass = "\n".join(line.rstrip() for line in
-                     re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/", "", _cuobjdump(cubin, "-sass")).splitlines()
+                     re.sub(r"\s*/\* 0x[0-9a-f]{16} \*/", "", cuobjdump(cubin, "-sass")).splitlines()
                      if line.strip())
-    usage = _cuobjdump(cubin, "-res-usage")
+    usage = cuobjdump(cubin, "-res-usage")
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     print(json.dumps(dict(
         sass=sass, ptx=compiled.asm["ptx"], triton=triton.__version__,

@@ -48,7 +48,7 @@ BRANCH = re.compile(r"BRA(?:\.\w+)?\s+`?\(?\.?L?_?x?_?(0x[0-9a-f]+|\w+)")
 
 def sass(cubin: bytes) -> str:
     """The kernel's SASS (cuobjdump, as Triton ships it)."""
-    return triton_target._cuobjdump(cubin, "-sass")
+    return triton_target.cuobjdump(cubin, "-sass")
 
 
 def loop_body(text: str) -> list[str]:
