@@ -16,7 +16,7 @@ import torch
 from fusec import ops
 from fusec.ir import Index, Reduce
 
-from . import cpp_int4
+from . import cpp_gemv_rows, cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, sum_block, summary
 from .render import render_template
@@ -201,6 +201,9 @@ def render_reduction(kernel) -> str:
     int4 = cpp_int4.match(kernel, lanes)  # a packed-int4 GEMV: a table per group (cpp_int4.py)
     if int4 is not None:
         return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
+    shared = cpp_gemv_rows.match(kernel, lanes)  # a GEMV with a few activation rows
+    if shared is not None:
+        return cpp_gemv_rows.render(kernel, shared, row_lines, k_coords, lines, row_stores)
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
