@@ -18,12 +18,9 @@ kernel (codegen/templates/cpp_gemv_rows.cpp.j2) walks each weight row one block 
         for (k ...) acc += x[m * K + k] * w[k - k_block];
 
 Each block's products are summed in float32 (vectorized: one partial sum per SIMD lane), and
-the block sums in double. The blocks are longer than the generic kernel's (cpu_plan.sum_block,
-about sqrt(K)): at least BLOCK_MIN values. gcc adds a vectorized sum's lanes up one after
-another at the end of every block, 16 to 64 scalar additions, and with blocks of 256 that took
-about half of the int8 kernel's time at M = 4 (K = N = 2048: 1.11 ms with blocks of 256, 0.70
-with 1024, 0.59 with 2048). Within a block each lane still adds only BLOCK_MIN / 16 values or
-fewer on AVX-512 (256 with SSE's four lanes), far below the bf16 rounding of the result.
+the block sums in double, in the generic kernel's blocks (cpu_plan.cpp_sum_block: at least 1024
+values, because gcc adds a block's lanes up one by one at its end; with blocks of 256 that took
+about half of this kernel's time at M = 4).
 
 It is used for 2 <= M <= MAX_M, one sum and nothing else per row, when what is kept is more than
 a plain load of a float32 weight (copying that would save nothing). Packed-int4 weights have
@@ -37,17 +34,16 @@ from fusec import ops
 from fusec.ir import Const, Load, Reduce
 
 from .cpp_text import CTYPE, convert
-from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, sum_block, summary
+from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, summary
 from .render import render_template
 
 MAX_M = 16  # activation rows at most (passes/small_matmul.py sends at most 8 on a CPU)
-BLOCK_MIN = 1024  # values per block of the float sum, at least (or all of K)
 MAX_BLOCK = 4096  # longest block kept on the stack, per kept value
 
 
 def block(k: int) -> int:
     """Values per block of the float sum (see the module's docstring)."""
-    return min(k, max(sum_block(k), BLOCK_MIN))
+    return cpp_sum_block(k) or k
 
 
 def match(kernel, lanes: int) -> tuple[tuple[str, ...], tuple[str, ...]] | None:

@@ -18,7 +18,7 @@ from fusec.ir import Index, Reduce
 
 from . import cpp_gemv_rows, cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
-from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, sum_block, summary
+from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
 from .render import render_template
 
 REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
@@ -152,7 +152,7 @@ def render_reduction(kernel) -> str:
         # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
         # added up in double, so the error grows like sqrt(K) ulps of a block sum.
         blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
-        kblock = sum_block(kernel.k) if blocked else 0
+        kblock = cpp_sum_block(kernel.k) if blocked else 0
         block_before, block_after = [], []
         if kblock:
             for r in blocked:
@@ -242,7 +242,7 @@ def lane_blocks(kernel, k_strided) -> int:
     if any(ops.REDUCTIONS[r.op].returns_index for r in reds):
         return 0
     if any(r.op == "sum" and r.acc_dtype.is_floating_point for r in reds) and sum_block(kernel.k):
-        return 0  # blocked sums: two nested loops
+        return 0  # a long float sum: one lane would add its K values one after another
     n_rows = len(kernel.row_shape)
     accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
     if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):

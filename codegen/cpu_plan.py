@@ -58,3 +58,21 @@ def sum_block(k: int) -> int:
     if k <= SUM_BLOCK_MIN:
         return 0
     return max(SUM_BLOCK_MIN, 1 << math.isqrt(k - 1).bit_length())
+
+
+
+# Note (a vectorized sum's last step in gcc): gcc vectorizes a float sum (`omp simd
+# reduction(+:acc)`) with one partial sum per SIMD lane, and at the end of the loop adds the
+# lanes up one after another: 16 scalar additions for a float loop on AVX-512, 64 when the loop
+# also reads int8 (64 lanes wide). Blocked, that happens once per block: the int8 GEMV of
+# K = N = 2048 spent about half its time there with blocks of 256 (0.25 ms; 0.13 with one block
+# per row). The C++ kernels' blocks are therefore at least CPP_SUM_BLOCK_MIN values long: the
+# int8 GEMV took 0.16 ms, float sums over rows of 1024-4096 gained 5-10%. Each lane still adds
+# at most CPP_SUM_BLOCK_MIN / 4 values per block (SSE's four float lanes; 64 on AVX-512), and the
+# blocks are added in double. LLVM adds its lanes up as a tree, so its kernels keep sum_block.
+CPP_SUM_BLOCK_MIN = 1024
+
+
+def cpp_sum_block(k: int) -> int:
+    """The C++ kernels' block for a float sum over k values (see the note above; 0: none)."""
+    return 0 if k <= CPP_SUM_BLOCK_MIN else max(sum_block(k), CPP_SUM_BLOCK_MIN)
