@@ -1,8 +1,8 @@
-"""codegen/cpp_gemv_rows.py: a C++ GEMV with a few activation rows computes each weight row once.
+"""codegen/cpp_gemv_rows.py: a C++ GEMV with a few activation rows computes each weight value once.
 
-For 2 <= M <= 16 activation rows, what the loop computes from the weight alone (an int8 weight
-widened to float, a bf16 weight's float value) is kept in a small array per block of k and
-shared by the M dot products. Every case is compared with eager against a float64 product: the
+For 2 <= M <= 8 activation rows, one loop over k computes what depends on the weight alone (an
+int8 weight widened to float, a product q * s) once, and adds its product with every activation
+row into that row's running sum. Every case is compared with eager against a float64 product: the
 fused error may exceed eager's by at most the bf16 rounding of the largest output. What the
 kernel does not cover keeps the generic reduction loop, with the same results.
 """
@@ -66,7 +66,9 @@ def test_int8_linear_with_a_few_rows(m):
     layer = Int8Linear(40, 300, seed=m)
     x = rand(m, 300, seed=m)
     cf = check(layer, x, layer.reference(x), kept=True)
-    assert "kept_" in cf.kernels[0].source
+    src = cf.kernels[0].source
+    assert f"acc_m{m - 1}" in src and f"acc_m{m}" not in src  # one running sum per row
+    assert src.count("static_cast<float>(v0_p_q)") == 1  # the weight converted once
 
 
 def test_one_row_keeps_the_generic_loop():
@@ -98,11 +100,18 @@ def test_a_weight_computed_in_several_steps():
     check(fn, x, F.linear(x.double(), (q.to(BF16) * s).double()), kept=True)
 
 
-def test_a_float32_weight_is_not_copied():
+def test_a_float32_weight_in_a_sum_of_products():
     w = rand(48, 384, seed=5, dtype=torch.float32)
     x = rand(4, 384, seed=6, dtype=torch.float32)
-    fn = lambda v: (v[:, None, :] * w[None]).sum(-1)  # noqa: E731  (a sum the GEMV pass sees as is)
-    check(fn, x, (x.double()[:, None, :] * w.double()[None]).sum(-1), kept=False)
+    fn = lambda v: (v[:, None, :] * w[None]).sum(-1)  # noqa: E731  (a GEMV written as a sum)
+    check(fn, x, (x.double()[:, None, :] * w.double()[None]).sum(-1), kept=True)
+
+
+def test_no_shared_value_keeps_the_generic_loop():
+    """A sum over k of x alone, broadcast over n: nothing depends on the weight rows alone."""
+    x = rand(4, 384, seed=7, dtype=torch.float32)
+    fn = lambda v: (v[:, None, :] * torch.ones(1, 12, 1)).sum(-1)  # noqa: E731
+    check(fn, x, (x.double()[:, None, :] * torch.ones(1, 12, 1, dtype=torch.float64)).sum(-1), kept=False)
 
 
 def test_non_contiguous_activations_and_a_transposed_weight():
