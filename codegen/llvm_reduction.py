@@ -16,6 +16,7 @@ from fusec.ir import Index, Reduce, Stmt
 
 from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
+from .unroll_rows import unroll_rows
 
 from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
                       emit_stmt, emit_store, index_sum, is_float, kind,
@@ -143,6 +144,13 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     then a last loop that recomputes and stores the element values (softmax's division, say).
     Python decides everything here (which values each loop needs, the accumulators and their
     phi nodes, blocking of long float sums); the template only lays out the blocks."""
+    unrolled = unroll_rows(kernel)  # a GEMV's few activation rows: one loop (unroll_rows.py)
+    note = ""
+    if unrolled is not None:
+        note = (f"; A GEMV with {kernel.row_shape[0]} activation rows, unrolled into each row "
+                "(codegen/unroll_rows.py): a row is one weight row, whose values are computed once, "
+                "with one sum per activation row (`_m0`, `_m1`, ...).\n")
+        kernel = unrolled
     counter = _counter()
     n_rows = len(kernel.row_shape)
     top = Emitter(counter)
@@ -301,4 +309,4 @@ def render_reduction(kernel, target: Target | None = None) -> str:
                    rows=kernel.rows, k=k,
                    parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
                    params=_params(kernel), row_lines=top.lines, sections=sections,
-                   row_stores=row_stores.lines)
+                   row_stores=row_stores.lines, unrolled=note)

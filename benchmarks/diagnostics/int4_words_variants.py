@@ -17,7 +17,11 @@ takes that kernel's generated module, edits its text, and times each edit on the
   but not eager's bf16 rounding of each weight: its error against eager is printed);
 * `prefetch x, zero, scale`: the next chunk's activations, zero points and scales loaded at the
   top of the loop, as the words are; `unrolled`: the K loop as `tl.static_range`; and their mixes;
-* block sizes: BLOCK_N x BLOCK_W (words) x warps.
+* block sizes: BLOCK_N x BLOCK_W (words) x warps;
+* `maxnreg R`: at most R registers per thread (Triton's launch option). Nsight Compute on an H200
+  found the generated kernel at 80 registers, 6 programs of 4 warps per SM (792 at once), so its
+  1024 programs ran as one full wave and a partial wave of 233 (2026-11-26, evening); 64
+  registers fit 8 programs per SM, and 1024 programs in one wave.
 
 Timing-only variants print their error against eager, so nobody mistakes them for a fix.
 """
@@ -70,7 +74,18 @@ def variants(source: str, n: int) -> dict[str, str]:
                           (16, 256, 8), (2, 512, 4), (8, 64, 4), (16, 64, 4), (32, 64, 8),
                           (4, 128, 2), (8, 128, 2)]:
         out[f"{bn} x {bw} x {warps}"] = _blocks(source, n, bn, bw, warps)
+    for regs in (64, 72, 56):
+        out[f"maxnreg {regs}"] = _maxnreg(source, regs)
+        out[f"unrolled, maxnreg {regs}"] = _maxnreg(_unrolled(source), regs)
+    for bn, bw, warps, regs in [(4, 128, 4, 64), (16, 128, 8, 64), (8, 128, 2, 64), (16, 64, 4, 64),
+                                (8, 256, 8, 64), (4, 256, 4, 64)]:
+        out[f"{bn} x {bw} x {warps}, maxnreg {regs}"] = _maxnreg(_blocks(source, n, bn, bw, warps), regs)
     return out
+
+
+def _maxnreg(source: str, regs: int) -> str:
+    """At most `regs` registers per thread (more programs per SM; ptxas may spill)."""
+    return source.replace("enable_fp_fusion=True)", f"enable_fp_fusion=True, maxnreg={regs})")
 
 
 def _blocks(source: str, n: int, bn: int, bw: int, warps: int) -> str:
@@ -200,6 +215,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--m", type=int, default=1)
+    p.add_argument("--only", default="", help="comma-separated substrings of the variants to time")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a GPU: it times generated Triton kernels")
@@ -215,7 +231,10 @@ def main() -> None:
     params = re.search(r"def launch\((.*?)\):", source).group(1).split(", ")
     packed_bytes = sum(b.numel() * b.element_size() for b in layer.buffers())  # as quant_linear.py
     print(f"{kernel.name}: M={args.m} N={args.n} K={args.k}; launch({', '.join(params)})")
+    wanted = [w for w in args.only.split(",") if w]
     for i, (label, text) in enumerate(variants(source, args.n).items()):
+        if wanted and label != "as generated" and not any(w in label for w in wanted):
+            continue
         module = load(text, f"variant_{i}")
         out = torch.empty(args.m, args.n, dtype=torch.bfloat16, device="cuda")
         tensors = [getattr(layer, a[2:]) if a.startswith("p_") else x if a == "x" else out
