@@ -16,10 +16,11 @@ import torch
 from fusec import ops
 from fusec.ir import Index, Reduce
 
-from . import cpp_gemv_rows, cpp_int4
+from . import cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
 from .render import render_template
+from .unroll_rows import note as unroll_note, unroll_rows
 
 REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
 
@@ -29,6 +30,10 @@ REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note
 def render_reduction(kernel) -> str:
     """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
     last loop that recomputes and stores the element values (softmax's division, say)."""
+    unrolled = None if cpp_int4.match(kernel, 0) is not None else unroll_rows(kernel)
+    note = ""
+    if unrolled is not None:  # a GEMV's few activation rows, unrolled into one loop (unroll_rows.py)
+        note, kernel = unroll_note(kernel.row_shape[0]), unrolled
     n_rows = len(kernel.row_shape)
     row_lines = _coords("c", "row", kernel.row_shape)
     k_coords = _coords("q", "k", kernel.k_shape)
@@ -201,9 +206,6 @@ def render_reduction(kernel) -> str:
     int4 = cpp_int4.match(kernel, lanes)  # a packed-int4 GEMV: a table per group (cpp_int4.py)
     if int4 is not None:
         return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
-    shared = cpp_gemv_rows.match(kernel, lanes)  # a GEMV with a few activation rows
-    if shared is not None:
-        return cpp_gemv_rows.render(kernel, shared, row_lines, k_coords, lines, row_stores)
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
@@ -211,7 +213,7 @@ def render_reduction(kernel) -> str:
         last=kernel.row_shape[-1] if kernel.row_shape else 1,
         params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
                 for p in kernel.params],
-        row_lines=row_lines, sections=sections, row_stores=row_stores + scatters)
+        row_lines=row_lines, sections=sections, row_stores=row_stores + scatters, unrolled=note)
 
 
 

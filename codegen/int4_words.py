@@ -75,7 +75,10 @@ def match_int4_words(kernel) -> tuple[Int4Words | None, str]:
     if m > INT4_WORDS_MAX_M:
         return None, (f"M = {m} rows > {INT4_WORDS_MAX_M}: the rows are multiplied by "
                       "tensor-core dots instead")
-    (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
+    reds = [i for i in kernel.body if isinstance(i, Reduce)]
+    if len(reds) != 1:
+        return None, f"{len(reds)} reductions, not one sum"
+    (r,) = reds
     if r.acc_dtype != F32:
         return None, f"the sum accumulates in {r.acc_dtype}, not float32"
     producers = {l.var.name: l for l in kernel.loads}

@@ -16,7 +16,7 @@ from fusec.ir import Index, Reduce, Stmt
 
 from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
-from .unroll_rows import unroll_rows
+from .unroll_rows import note as unroll_note, unroll_rows
 
 from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
                       emit_stmt, emit_store, index_sum, is_float, kind,
@@ -147,10 +147,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     unrolled = unroll_rows(kernel)  # a GEMV's few activation rows: one loop (unroll_rows.py)
     note = ""
     if unrolled is not None:
-        note = (f"; A GEMV with {kernel.row_shape[0]} activation rows, unrolled into each row "
-                "(codegen/unroll_rows.py): a row is one weight row, whose values are computed once, "
-                "with one sum per activation row (`_m0`, `_m1`, ...).\n")
-        kernel = unrolled
+        note, kernel = f"; {unroll_note(kernel.row_shape[0])}\n", unrolled
     counter = _counter()
     n_rows = len(kernel.row_shape)
     top = Emitter(counter)

@@ -82,7 +82,7 @@ def programs():
     for group, m in ((32, 1), (16, 4)):
         layer = Int4Linear(randf((16, 128), F32, "cpu").to(torch.bfloat16), group)
         out.append((f"int4_linear_g{group}_m{m}", layer, (randf((m, 128), F32, "cpu").to(torch.bfloat16),)))
-    # an int8 GEMV with four activation rows (codegen/cpp_gemv_rows.py: the weight kept per block)
+    # an int8 GEMV with four activation rows (codegen/unroll_rows.py: the rows in one loop)
     from fusec.examples.int8_linear import example as int8_example
     ex = int8_example(m=4, k=192, n=24)
     out.append(("int8_linear_m4", ex.fn, ex.inputs))
@@ -126,11 +126,11 @@ def test_kernels_cover_every_row_and_cast(by_program, kernels):
 
 
 def test_the_special_gemv_kernels_are_among_those_compiled(by_program):
-    """The int4 table kernel and the kept-weight GEMV are compiled for every target below."""
+    """The int4 table kernel and the unrolled GEMV are compiled for every target below."""
     sources = {label: [cpp.render(ir) for ir in by_program[label]]
                for label in ("int4_linear_g32_m1", "int4_linear_g16_m4", "int8_linear_m4")}
     assert all("cpp_gemv_int4.cpp.j2" in s for s in sources["int4_linear_g32_m1"])
-    assert all("cpp_gemv_rows.cpp.j2" in s for s in sources["int8_linear_m4"])
+    assert all("codegen/unroll_rows.py" in s for s in sources["int8_linear_m4"])
 
 
 # the type names, outside comments (a value may be called %half.x)
