@@ -135,7 +135,7 @@ def sweep(rows, layers, x, m, row):
                 for bn, bk_m1, warps in configs:
                     bm = 1 << max(m - 1, 0).bit_length()
                     bk = max(16, bk_m1 // bm)
-                    tr.gemv_blocks = lambda mm, nn, kk, c=(bm, bn, bk, warps): c
+                    tr.gemv_blocks = lambda mm, nn, kk, weight_bytes=1, c=(bm, bn, bk, warps): c
                     row(f"{fmt} fusec BN={bn} BK={bk} w={warps}", m, nb, fusec.compile(layer), x)
                 continue  # M = 1 rows are one-dimensional: no tensor-core version
             default_dot_m, tr.GEMV_DOT_MIN_M = tr.GEMV_DOT_MIN_M, 1 << 30

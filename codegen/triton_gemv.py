@@ -44,7 +44,7 @@ def gemv_fits(kernel) -> bool:
 SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice
 
 
-def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). All M rows in one block; 4 warps. Output columns
     per program: 8 at M = 1, fewer as M grows (the partial sums are M x BLOCK_N x BLOCK_K
     registers), and fewer for narrow layers so that there are about 2 programs per SM (a
@@ -52,13 +52,22 @@ def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     programs that leave half the GPU idle). BLOCK_K: a 4096-element weight tile per iteration
     within the partial-sum budget. Chosen from `benchmarks/quant_linear.py --sweep` on an H100
     (docs/gpu.md): at M = 1, K = N = 8192, 8 x 512 x 4 warps streamed int8 weights at 1.65 TB/s,
-    16 x 1024 x 8 warps at 1.47 and 32 columns at under 1.0."""
+    16 x 1024 x 8 warps at 1.47 and 32 columns at under 1.0.
+
+    A 16-bit weight (a stored bf16/fp16 one, `weight_bytes` 2) at M = 1 takes 2 columns x 1024
+    instead of 8 x 512: half the bytes per iteration, four times the programs. At a decode step's
+    shapes on an H200 (`python benchmarks/diagnostics/gemv_decode_shapes.py`, docs/gpu.md) that
+    was 4096 x 4096 2.10 -> 2.31 TB/s, 11008 x 4096 2.94 -> 3.08, 32000 x 4096 3.59 -> 3.76,
+    4096 x 11008 3.07 -> 3.09; layers narrow enough to get 2 columns already keep their longer
+    tiles (1024 x 4096: 2 x 2048, 1.08 TB/s, against 0.93 with 2 x 1024)."""
     block_m = 1 << max(m - 1, 0).bit_length()
     block_n = min(8 if block_m == 1 else max(2, 16 // block_m),
                   1 << max(n // (2 * SMS), 1).bit_length() - 1)
     block_k = min(max(16, GEMV_WEIGHT_TILE // block_n), max(16, GEMV_TILE // (block_m * block_n)),
                   max(16, 1 << max(k - 1, 0).bit_length()))
     num_warps = 4
+    if block_m == 1 and weight_bytes == 2 and block_n > 2:
+        block_n, block_k = 2, min(1024, max(16, 1 << max(k - 1, 0).bit_length()))
     return block_m, block_n, block_k, num_warps
 
 
@@ -176,7 +185,10 @@ def render_gemv(kernel) -> str:
     if dot:
         block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
     else:
-        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(m, n, kernel.k), GEMV_STAGES
+        weight = [l.dtype.itemsize for l in kernel.loads  # the loads that vary along n and k
+                  if l.index.strides[len(kernel.row_shape) - 1] and any(l.index.strides[len(kernel.row_shape):])]
+        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
+            m, n, kernel.k, weight_bytes=max(weight, default=1)), GEMV_STAGES
     n_rows = len(kernel.row_shape)
     row_axes = ["m", "n"] if two else ["n"]
     # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K

@@ -20,7 +20,7 @@ for fmt, layer in layers.items():
     nb = sum(b.numel() * b.element_size() for b in layer.buffers())
     for bn, bk, warps, stages in [(8,512,4,1),(8,512,4,2),(8,512,4,3),(8,512,4,4),(8,1024,4,2),(8,1024,4,4),(4,1024,4,4),(8,256,4,3),(8,256,4,5),(16,256,4,3),(8,512,8,3),(4,512,4,3),(4,512,2,3),(8,512,2,3)]:
         if fmt == "int4" and bk > 512: continue
-        tr.gemv_blocks = lambda mm, nn, kk, c=(1, bn, bk, warps): c
+        tr.gemv_blocks = lambda mm, nn, kk, weight_bytes=1, c=(1, bn, bk, warps): c
         tr.GEMV_STAGES = stages
         cf = fusec.compile(layer)
         with torch.no_grad():

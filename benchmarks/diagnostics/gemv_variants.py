@@ -130,7 +130,7 @@ def main():
                     b = b[:2] + (b[2] // 2,) + b[3:]  # BLOCK_K counts packed bytes
                 tg.gemv_blocks, tg.gemv_dot_blocks = default_blocks, default_dot
                 if b is not None and m == 1:
-                    tg.gemv_blocks = lambda mm, nn, kk, c=b: c
+                    tg.gemv_blocks = lambda mm, nn, kk, weight_bytes=1, c=b: c
                 elif b is not None:
                     tg.gemv_dot_blocks = lambda mm, nn, kk, t=1, c=b: c
                 trd.render_gemv = lambda kernel, v=variant: edit(render(kernel), v)
