@@ -20,7 +20,7 @@ from . import cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
 from .render import render_template
-from .unroll_rows import note as unroll_note, unroll_rows
+from .unroll_rows import unrolled_or_same
 
 REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note: rows reduced ...)
 
@@ -30,10 +30,10 @@ REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note
 def render_reduction(kernel) -> str:
     """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
     last loop that recomputes and stores the element values (softmax's division, say)."""
-    unrolled = None if cpp_int4.match(kernel, 0) is not None else unroll_rows(kernel)
-    note = ""
-    if unrolled is not None:  # a GEMV's few activation rows, unrolled into one loop (unroll_rows.py)
-        note, kernel = unroll_note(kernel.row_shape[0]), unrolled
+    # a packed-int4 GEMV: a table per group (cpp_int4.py); else a GEMV's few activation rows
+    # unrolled into one loop (unroll_rows.py). (An int4 GEMV never runs its rows in SIMD lanes.)
+    int4 = cpp_int4.match(kernel, 0)
+    kernel, note = (kernel, "") if int4 is not None else unrolled_or_same(kernel)
     n_rows = len(kernel.row_shape)
     row_lines = _coords("c", "row", kernel.row_shape)
     k_coords = _coords("q", "k", kernel.k_shape)
@@ -203,7 +203,7 @@ def render_reduction(kernel) -> str:
         sections.append({"comment": comment, "before": [],
                          "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
-    int4 = cpp_int4.match(kernel, lanes)  # a packed-int4 GEMV: a table per group (cpp_int4.py)
+    int4 = None if lanes else int4
     if int4 is not None:
         return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
     return render_template(

@@ -16,7 +16,7 @@ from fusec.ir import Index, Reduce, Stmt
 
 from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
-from .unroll_rows import note as unroll_note, unroll_rows
+from .unroll_rows import unrolled_or_same
 
 from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
                       emit_stmt, emit_store, index_sum, is_float, kind,
@@ -144,10 +144,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     then a last loop that recomputes and stores the element values (softmax's division, say).
     Python decides everything here (which values each loop needs, the accumulators and their
     phi nodes, blocking of long float sums); the template only lays out the blocks."""
-    unrolled = unroll_rows(kernel)  # a GEMV's few activation rows: one loop (unroll_rows.py)
-    note = ""
-    if unrolled is not None:
-        note, kernel = f"; {unroll_note(kernel.row_shape[0])}\n", unrolled
+    kernel, note = unrolled_or_same(kernel)  # a GEMV's few activation rows: one loop
     counter = _counter()
     n_rows = len(kernel.row_shape)
     top = Emitter(counter)

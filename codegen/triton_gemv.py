@@ -180,16 +180,20 @@ def render_gemv(kernel) -> str:
     m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
     producers = {l.var.name: l for l in kernel.loads}
     producers.update((item.var.name, item) for item in kernel.body)
+    n_rows = len(kernel.row_shape)
+
+    def is_weight(l) -> bool:
+        """The streamed operand: it varies along n (and k) but not along m."""
+        return (l.var.name in kernel.varying and bool(l.index.strides[n_rows - 1])
+                and not (two and l.index.strides[0]))
+    weight_bytes = {l.dtype.itemsize for l in kernel.loads if is_weight(l)}
     # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
     dot = dot_terms(kernel, r.operand.name, producers, 2) if two and m >= GEMV_DOT_MIN_M else None
     if dot:
         block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
     else:
-        weight = [l.dtype.itemsize for l in kernel.loads  # the loads that vary along n and k
-                  if l.index.strides[len(kernel.row_shape) - 1] and any(l.index.strides[len(kernel.row_shape):])]
         (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
-            m, n, kernel.k, weight_bytes=max(weight, default=1)), GEMV_STAGES
-    n_rows = len(kernel.row_shape)
+            m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
     row_axes = ["m", "n"] if two else ["n"]
     # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
     even_k = kernel.k % block_k == 0
@@ -270,11 +274,6 @@ def render_gemv(kernel) -> str:
             f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
             f"{name} = {as_float(e)}"]
 
-    def is_weight(l) -> bool:
-        """The streamed operand: it varies along n (and k) but not along m."""
-        return (l.var.name in kernel.varying and bool(l.index.strides[n_rows - 1])
-                and not (two and l.index.strides[0]))
-
     def group_address(l, sfx: str = "") -> tuple[str, list[str]]:
         # one load per group of the chunk (then each value is repeated over its group's lanes)
         terms, masks = [], [] if even_k else [f"g_mask{sfx}"]
@@ -332,7 +331,6 @@ def render_gemv(kernel) -> str:
                        "4-bit weight of each byte, w >> 4 the high one)")
     compute += [t for n in stmts for t in lines(n)]
     # the weight's stored element size: a plain int8 weight streamed slower with the prefetch
-    weight_bytes = {l.dtype.itemsize for l in kernel.loads if is_weight(l)}
     prefetch = GEMV_PREFETCH and not dot and (unpack or min(weight_bytes, default=2) >= 2)
     first, rotate = [], []
     if prefetch:

@@ -36,11 +36,15 @@ from .lower_reduction import plan_loops
 MAX_M = 8  # activation rows (passes/small_matmul.py sends at most 8 on a CPU)
 
 
-def note(m: int) -> str:
-    """The line an unrolled kernel's source opens with (after its summary)."""
-    return (f"A GEMV with {m} activation rows, unrolled into each row (codegen/unroll_rows.py): a row "
-            "is one weight row, whose values are computed once, with one sum per activation row "
-            "(`_m0`, `_m1`, ...).")
+def unrolled_or_same(kernel: ReductionKernel) -> tuple[ReductionKernel, str]:
+    """(the kernel to spell, the line its source opens with after its summary): the unrolled
+    kernel and a sentence saying so, or the kernel itself and ""."""
+    out = unroll_rows(kernel)
+    if out is None:
+        return kernel, ""
+    return out, (f"A GEMV with {kernel.row_shape[0]} activation rows, unrolled into each row "
+                 "(codegen/unroll_rows.py): a row is one weight row, whose values are computed "
+                 "once, with one sum per activation row (`_m0`, `_m1`, ...).")
 
 
 def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:

@@ -25,7 +25,6 @@ instructions are printed, to compare with benchmarks/diagnostics/int4_sass.py's.
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ from fusec.timing import median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_linear import Int4Linear  # noqa: E402
-from int4_sass import loop_body  # noqa: E402
+from int4_sass import loop_summary  # noqa: E402
 
 
 @triton.jit
@@ -160,11 +159,9 @@ def main() -> None:
             done = triton_target.compile_for(module_text(n_words, group_w, args.n, rows, lanes, warps),
                                              "four_words_gemv", ["uint8", "bfloat16", "bfloat16",
                                                                  "bfloat16", "bfloat16"], 90)
-            loop = [op.split(".")[0] for op in loop_body(done["sass"])]
-            per = len(loop) / (rows * 4 * lanes * 8 / (32 * warps))  # one thread's weights per chunk
-            top = ", ".join(f"{o} {c}" for o, c in collections.Counter(loop).most_common(10))
-            print(f"{spec}: sm_90, {done['regs']} registers, {done['spills']} bytes spilled, "
-                  f"loop {len(loop)} instructions ({per:.2f} per weight): {top}", flush=True)
+            # one thread's weights per chunk
+            print(f"{spec}: {loop_summary(done, rows * 4 * lanes * 8 / (32 * warps), top=10)}",
+                  flush=True)
             continue
         call = lambda: four_words_gemv[(args.n // rows,)](  # noqa: E731
             layer.packed, layer.zero, layer.scale, x, out, n_words, group_w, rows, lanes,

@@ -26,7 +26,6 @@ instructions are printed.
 from __future__ import annotations
 
 import argparse
-import collections
 import inspect
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ from fusec.timing import median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_linear import Int4Linear  # noqa: E402
-from int4_sass import loop_body  # noqa: E402
+from int4_sass import loop_summary  # noqa: E402
 
 
 @triton.jit
@@ -161,11 +160,7 @@ def main() -> None:
                 done = triton_target.compile_for(
                     module_text(m, n_words, group_w, args.n, bn, bw, warps, split), "int4_mma_gemv",
                     ["uint8", "bfloat16", "bfloat16", "bfloat16", "bfloat16", "float32", "int32"], 90)
-                loop = [op.split(".")[0] for op in loop_body(done["sass"])]
-                per = len(loop) / (bn * bw * 8 / (32 * warps))
-                top = ", ".join(f"{o} {c}" for o, c in collections.Counter(loop).most_common(8))
-                print(f"{spec}: sm_90, {done['regs']} registers, {done['spills']} spilled, loop "
-                      f"{len(loop)} instructions ({per:.2f} per weight): {top}", flush=True)
+                print(f"{spec}: {loop_summary(done, bn * bw * 8 / (32 * warps))}", flush=True)
                 continue
             part = torch.empty(split, m, args.n, dtype=torch.float32, device=dev)
             call = lambda: int4_mma_gemv[(args.n // bn, split)](  # noqa: E731

@@ -72,6 +72,15 @@ def loop_body(text: str) -> list[str]:
     return best
 
 
+def loop_summary(done: dict, weights_per_thread: float, top: int = 8) -> str:
+    """One line for a kernel compiled offline (triton_target.compile_for): registers, spills, the
+    loop's instruction count, per weight a thread handles in one trip, and its commonest opcodes."""
+    loop = [op.split(".")[0] for op in loop_body(done["sass"])]
+    common = ", ".join(f"{o} {c}" for o, c in collections.Counter(loop).most_common(top))
+    return (f"sm_90, {done['regs']} registers, {done['spills']} bytes spilled, loop {len(loop)} "
+            f"instructions ({len(loop) / weights_per_thread:.2f} per weight): {common}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--k", type=int, default=8192)
