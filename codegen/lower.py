@@ -149,13 +149,18 @@ def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout]
     for cat in sub.graph.nodes:
         if not _is_cat(cat):
             continue
-        dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % len(shape)
+        # The cat's dim counts in the cat's own rank; the iteration space may have more dims
+        # in front (a (N, K) cat multiplied by an (M, 1, K) tensor runs over (M, N, K)).
+        rank = len(cat.meta["fusec"].shape)
+        own = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % rank
+        dim = own + len(shape) - rank
         sentinel = tuple(1 if d == dim else 0 for d in range(len(shape)))
         lo = 0
         for position, ph in enumerate(cat.args[0]):
             layout = in_layouts[placeholders.index(ph)]
-            size = ph.meta["fusec"].shape[dim]
-            full = Layout(layout.root, tuple(shape[dim] if d == dim else s
+            size = ph.meta["fusec"].shape[own]
+            piece_dim = own + len(layout.shape) - rank
+            full = Layout(layout.root, tuple(shape[dim] if d == piece_dim else s
                                              for d, s in enumerate(layout.shape)),
                           layout.stride, layout.offset)
             strides = _broadcast_strides(full, shape)

@@ -167,3 +167,22 @@ def test_large_odd_shapes(target):
     backend, device = target
     a, b = torch.randn(3, 1037, device=device), torch.randn(3, 515, device=device)
     assert_matches(lambda a, b: torch.cat([b, a], dim=1).tanh(), a, b, backend=backend, kernels=1)
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_broadcast_into_a_larger_iteration_space(target, dim):
+    """The cat's dim counts in the cat's own rank: a (N, K) cat times an (M, 1, K) tensor runs
+    over (M, N, K), and the pieces must be read along the space's dim 1, not its dim 0 (a bug
+    once read every row of every piece from row 0)."""
+    backend, device = target
+    sizes = {0: [(4, 6), (3, 6)], 1: [(5, 2), (5, 4)], -1: [(5, 2), (5, 4)]}[dim]
+    pieces = [torch.randn(s, device=device) for s in sizes]
+    cat_shape = torch.cat(pieces, dim=dim).shape
+    x = torch.randn(2, 1, cat_shape[1], device=device)
+
+    def f(x, a, b):
+        return x * torch.cat([a, b], dim=dim) + 1
+    assert_matches(f, x, *pieces, backend=backend, kernels=1)
+    xs = torch.randn(3, 1, 1, cat_shape[1], device=device)  # two dims in front, one broadcast
+    assert_matches(lambda x, a, b: (x * torch.cat([a, b.sin()], dim=dim)), xs, *pieces,
+                   backend=backend)
