@@ -21,7 +21,8 @@ from fusec.record import group_info
 from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineVariance, Param, Phase,
                       Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
 
-from .lower import (_broadcast_strides, _ident, _origin, _param_list, coalesce, needs_rounding)
+from .lower import (_broadcast_strides, _ident, _is_cat, _origin, _param_list, cat_pieces, coalesce,
+                    needs_rounding)
 from .lower_folds import online_softmax, online_variance
 
 
@@ -57,7 +58,19 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
 
     # Which spaces each input is read in: its users decide (an input can be read both ways).
     tensors: list[tuple] = []  # (kind, index, space, strides)
+    # A GEMV over sibling weights (passes/sibling_gemvs.py) reads them as pieces of a cat along
+    # a row dim: each piece is indexed over the whole space, shifted back by where it starts,
+    # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
+    # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
+    pieces = cat_pieces(sub, placeholders, in_layouts, shape)
+    for n, piece in enumerate(pieces):
+        tensors.append(("piece", n, "elem", tuple(piece.strides[d] for d in perm)))
+        tensors.append(("sentinel", n, "elem", tuple(piece.sentinel[d] for d in perm)))
+    only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
+                                               if any(not _is_cat(u) for u in ph.users)}
     for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
+        if i in only_pieces:
+            continue
         reads = {"elem" if ops.reduction(u) is not None else space_of(u)
                  for u in ph.users if u.op == "call_function"}
         for where in sorted(reads or {"elem"}):
@@ -74,10 +87,10 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         # (out of bounds: they hold no elements). Keep them varying along k, so they are read
         # only inside the (empty) loop over k, or under the k mask.
         k_strides = [(1,) if any(t[3][n_rows:]) else (0,) for t in tensors]
+    offsets = [in_layouts[t[1]].offset if t[0] == "in" else out_layouts[t[1]].offset
+               if t[0] == "out" else pieces[t[1]].offset if t[0] == "piece" else 0 for t in tensors]
     index_of = {(t[0], t[1], t[2]): Index(layout_offset, rs + ks)
-                for t, rs, ks, layout_offset in zip(
-                    tensors, row_strides, k_strides,
-                    [(in_layouts if t[0] == "in" else out_layouts)[t[1]].offset for t in tensors])}
+                for t, rs, ks, layout_offset in zip(tensors, row_strides, k_strides, offsets)}
 
     params: list[Param] = []
     param = _param_list(params, root_dtypes)
@@ -114,10 +127,31 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         env[(node, where)] = load_of[key]
         return load_of[key]
 
+    for cat in dict.fromkeys(p.cat for p in pieces):  # each piece read where it lies
+        other = None
+        for n in reversed([n for n, p in enumerate(pieces) if p.cat is cat]):
+            piece = pieces[n]
+            layout = in_layouts[piece.index]
+            storage = root_dtypes[layout.root]
+            var = fresh(f"{cat.name}_{piece.position}", ops.register_dtype(storage))
+            sentinel = index_of[("sentinel", n, "elem")].strides
+            dim = next((d for d, s in enumerate(sentinel[:len(row_shape)]) if s), 0)
+            index = index_of[("piece", n, "elem")]
+            loads.append(Load(var, param(layout.root, False), storage, index,
+                              (dim, piece.lo, piece.hi), other))
+            if any(index.strides[len(row_shape):]):
+                varying.add(var.name)
+            level[var.name] = 0
+            other = var
+        env[(cat, "elem")] = other
+
     body: list = []
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
+            continue
+        if (node, "elem") in env:  # a cat: its pieces' loads
+            fused_ops.append(str(node.target))
             continue
         where = space_of(node)
         out_meta: TensorMeta = node.meta["fusec"]

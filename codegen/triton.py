@@ -31,7 +31,7 @@ from .render import render_template
 from .triton_launch import TritonLauncher
 from .triton_reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .triton_reduction import render_reduction
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, block_size, convert
+from .triton_text import _helpers_in, _max_address, _stmt, _summary, block_size, convert, piece_mask
 
 
 def render(kernel, arch: int | None = None) -> str:
@@ -163,16 +163,6 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
     stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
               f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
     return loads, body, stores
-
-
-def piece_mask(load, shape) -> str | None:
-    """Where a piece of a cat is read: its range along the loop dim (fusec.ir.Load.valid)."""
-    if load.valid is None:
-        return None
-    dim, lo, hi = load.valid
-    tests = ([f"(i{dim} >= {lo})"] if lo > 0 else []) + \
-        ([f"(i{dim} < {hi})"] if hi < shape[dim] else [])
-    return " & ".join(tests) or f"(i{dim} >= 0)"  # (a piece that covers the whole dim)
 
 
 def build(source: str, name: str) -> Path:

@@ -14,7 +14,8 @@ from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 
 from .int4_words import match_int4_words
 from .render import render_template
-from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert
+from .triton_text import (TL, _helpers_in, _max_address, _stmt, _summary, convert, piece_mask,
+                          rows_and_epilogue)
 
 
 # ---- GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) --------
@@ -236,13 +237,17 @@ def render_gemv(kernel) -> str:
                     and block_k % group == 0)
 
     pairs = paired_loads(kernel.loads, n_rows)
+    # Sibling weights (passes/sibling_gemvs.py) are pieces of a cat along n. The first piece's
+    # load reads them all: each column's address is picked from the piece that holds it, so the
+    # kernel issues one load per chunk, as for one weight (three masked loads were slower).
+    later_pieces = {l.other.name for l in kernel.loads if l.other is not None}
 
     def load(l, sfx: str = ""):
         """(raw name, the tl.load of one chunk, finish): finish(e) is the lines that make the
         kernel's value(s) from the loaded e (convert to float, repeat a group's value over its
         lanes, split a pair). Apart so that a prefetched chunk is converted only when it is used.
         None for the second of a pair (loaded with the first)."""
-        if l.var.name in pairs.values():
+        if l.var.name in pairs.values() or l.var.name in later_pieces:
             return None
         name, as_float = l.var.name, (lambda e: convert(e, l.dtype, l.var.dtype)
                                       if l.dtype != l.var.dtype else e)
@@ -256,6 +261,14 @@ def render_gemv(kernel) -> str:
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
         addr, mask = index(l.index, sfx)
+        if l.other is not None:
+            chain = [l]
+            while chain[-1].other is not None:
+                chain.append(producers[chain[-1].other.name])
+            addr = f"{chain[-1].param}_ptr + {index(chain[-1].index, sfx)[0]}"
+            for p in reversed(chain[:-1]):
+                addr = (f"tl.where({piece_mask(p, kernel.row_shape, row_axes)}, "
+                        f"{p.param}_ptr + {index(p.index, sfx)[0]}, {addr})")
         if l.var.name in pairs:
             # two neighbours (x[2j], x[2j + 1]): one load of the pairs, split in registers
             other = pairs[name]
@@ -270,7 +283,7 @@ def render_gemv(kernel) -> str:
         if not dot and is_weight(l) and any(l.index.strides[n_rows:]):
             # the weight is read once: ask the cache to evict it first, keeping the activations
             hint = ', eviction_policy="evict_first"'
-        return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+        return name + "_raw", f"tl.load({'' if l.other else l.param + '_ptr + '}{addr}" + (
             f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
             f"{name} = {as_float(e)}"]
 
@@ -381,17 +394,3 @@ def render_gemv(kernel) -> str:
         args=[p.name for p in kernel.params], row_lines=row_lines,
         loop_lines=loop_lines, first_lines=first, rotate_lines=rotate, even_k=even_k,
         operand=operand, epilogue=epilogue, stores=stores)
-
-
-def rows_and_epilogue(kernel, r, lines) -> tuple:
-    """The loop plan's one phase (gemv_fits), the lines of the row values computed before the K
-    loop, and the epilogue after it, which starts from the finished sum `sums` (rounded as the
-    reduction `r` says). `lines(name)` spells one value."""
-    [phase] = kernel.plan.phases
-    row_lines = [t for name in kernel.plan.before for t in lines(name)]
-    epilogue = [t for name in phase.ready for t in lines(name)]
-    value = convert("sums", r.acc_dtype, r.var.dtype)
-    if r.round_to is not None:
-        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
-    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
-    return phase, row_lines, epilogue

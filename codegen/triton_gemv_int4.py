@@ -28,8 +28,8 @@ from fusec.ir import Index, Load, Reduce, Stmt
 
 from .int4_words import Int4Words
 from .render import render_template
-from .triton_gemv import SMS, rows_and_epilogue
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
+from .triton_gemv import SMS
+from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert, rows_and_epilogue
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
 # best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).

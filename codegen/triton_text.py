@@ -97,3 +97,28 @@ def _max_address(index: Index, shape: tuple[int, ...]) -> int:
 def _summary(kernel: PointwiseKernel) -> str:
     names = [op.replace("aten.", "").split(".")[0] for op in kernel.ops]
     return f"fuses {len(names)} ATen op(s): {', '.join(names)}"
+
+
+def piece_mask(load, shape, axes=None) -> str | None:
+    """Where a piece of a cat is read: its range along the loop dim (fusec.ir.Load.valid), whose
+    coordinate is `i<dim>` in a pointwise kernel and `axes[dim]` (`n`) in a GEMV's rows."""
+    if load.valid is None:
+        return None
+    dim, lo, hi = load.valid
+    at = axes[dim] if axes else f"i{dim}"
+    tests = ([f"({at} >= {lo})"] if lo > 0 else []) + ([f"({at} < {hi})"] if hi < shape[dim] else [])
+    return " & ".join(tests) or f"({at} >= 0)"  # (a piece that covers the whole dim)
+
+
+def rows_and_epilogue(kernel, r, lines) -> tuple:
+    """The loop plan's one phase (gemv_fits), the lines of the row values computed before the K
+    loop, and the epilogue after it, which starts from the finished sum `sums` (rounded as the
+    reduction `r` says). `lines(name)` spells one value."""
+    [phase] = kernel.plan.phases
+    row_lines = [t for name in kernel.plan.before for t in lines(name)]
+    epilogue = [t for name in phase.ready for t in lines(name)]
+    value = convert("sums", r.acc_dtype, r.var.dtype)
+    if r.round_to is not None:
+        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
+    return phase, row_lines, epilogue

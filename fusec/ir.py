@@ -296,6 +296,8 @@ class ReductionKernel:
             item = producers.get(name)
             if isinstance(item, Stmt) and name not in given:
                 stack += [o.name for o in item.operands if isinstance(o, Var)]
+            elif isinstance(item, Load) and item.other is not None:  # a cat's next piece
+                stack.append(item.other.name)
         return [n for n in producers if n in need]
 
     @property

@@ -165,8 +165,10 @@ class PassRecord:
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)
     simplify: list[Decision] = field(default_factory=list)
+    computed_pieces: list[Decision] = field(default_factory=list)
     reinplace: list[Reinplaced] = field(default_factory=list)
     unfuse_bias: list[Unfused] = field(default_factory=list)
+    sibling_gemvs: list[Decision] = field(default_factory=list)
     small_matmul: list[Decision] = field(default_factory=list)
     pad_matmul: list[Decision] = field(default_factory=list)
     pooling: list[Decision] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
-                layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+    PIPELINE = [fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+                small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fusec.graphmodule import copy_graph_module
 
+from .computed_pieces import computed_pieces
 from .cse import cse
 from .dce import dce
 from .fold_constants import fold_constants
@@ -27,13 +28,14 @@ from .move_permutes import move_permutes
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule
+from .sibling_gemvs import sibling_gemvs
 from .simplify import simplify
 from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, dce, cse, simplify, reinplace, unfuse_bias, small_matmul, pad_matmul, pooling,
-            layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+PIPELINE = [fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+            small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

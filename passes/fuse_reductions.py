@@ -225,7 +225,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
     key = a.key or b.key
     if a.perms or b.perms:
         return "one side is a horizontally fused kernel (several iteration orders in one loop)"
-    if any(is_cat(n) for n in (*a.nodes, *b.nodes)):
+    if any(is_cat(n) and not n.meta.get("fusec_pieces") for n in (*a.nodes, *b.nodes)):
+        # (except sibling weights read by a GEMV along its rows: passes/sibling_gemvs.py)
         return "one side concatenates (torch.cat): only a pointwise kernel reads pieces"
     if meta(a.nodes[0]).device != meta(b.nodes[0]).device:
         return "different devices"

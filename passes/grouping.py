@@ -19,7 +19,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
-from fusec.record import GroupInfo, Refusal, group_info, set_group_info
+from fusec.record import GroupInfo, Refusal, group_info, record_of, set_group_info
 
 MAX_NAME_OPS = 6
 
@@ -289,3 +289,31 @@ def is_cat(node: fx.Node) -> bool:
         return False
     return all(isinstance(m := p.meta.get("fusec"), TensorMeta) and m.dtype == out.dtype
                and len(m.shape) == len(out.shape) and m.device == out.device for p in pieces)
+
+
+# ---- helpers for passes that rewrite nodes and record their decisions -----------------------
+
+def val(n):
+    """The example value (a fake tensor) a node carries, or None for a non-node argument."""
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def new_node(graph: fx.Graph, target, args: tuple, value, like: fx.Node, name: str | None = None,
+             kwargs: dict | None = None) -> fx.Node:
+    """A call of `target` (inserted where the graph's insertion point is), annotated with its
+    example value and fusec's TensorMeta, and with `like`'s other meta (stack trace, origin)."""
+    new = graph.create_node("call_function", target, tuple(args), kwargs or {}, name=name)
+    new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "fusec", "tensor_meta")})
+    new.meta["val"] = value
+    new.meta["fusec"] = TensorMeta.of(value)
+    return new
+
+
+def record_decisions(gm: fx.GraphModule, pass_name: str, decisions: list) -> fx.GraphModule:
+    """Keep a rewriting pass's decisions in the graph's record; if it rewrote anything, drop the
+    nodes it left without users and regenerate the module's code."""
+    setattr(record_of(gm), pass_name, decisions)
+    if any(d.taken for d in decisions):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm

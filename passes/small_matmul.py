@@ -53,8 +53,9 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.ir import TensorMeta
-from fusec.record import Decision, record_of
+from fusec.record import Decision
+
+from .grouping import new_node, record_decisions, val
 
 aten = torch.ops.aten
 
@@ -85,15 +86,7 @@ def small_matmul(gm: fx.GraphModule) -> fx.GraphModule:
         decisions.append(Decision(node.name, plan is not None, reason))
         if plan is not None:
             _rewrite(gm.graph, node, plan)
-    record_of(gm).small_matmul = decisions
-    if any(taken for _, taken, _ in decisions):
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
-
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
+    return record_decisions(gm, "small_matmul", decisions)
 
 
 def _plan(node: fx.Node):
@@ -105,10 +98,10 @@ def _plan(node: fx.Node):
         bias, x, b = node.args[:3]
     else:
         (x, b), bias = node.args[:2], None
-    out, xv, bv = _val(node), _val(x), _val(b)
+    out, xv, bv = val(node), val(x), val(b)
     if not all(isinstance(t, torch.Tensor) for t in (out, xv, bv)):
         return None, "operands without shapes: library matmul"
-    if bias is not None and not isinstance(_val(bias), torch.Tensor):
+    if bias is not None and not isinstance(val(bias), torch.Tensor):
         return None, "a scalar bias: library matmul"
     (m, k), n = xv.shape, bv.shape[1]
     if not out.dtype.is_floating_point:
@@ -120,7 +113,8 @@ def _plan(node: fx.Node):
         return None, (f"M = {m} rows > {small}: a tiled library GEMM reuses each weight "
                       "element across rows; kept")
     weight = _strip_views(b)
-    stored = weight.op in ("placeholder", "get_attr")
+    # stored weights read where they lie as pieces of one (passes/sibling_gemvs.py)
+    stored = weight.op in ("placeholder", "get_attr") or bool(weight.meta.get("fusec_pieces"))
     if stored and not (m == 1 and out.device.type in STORED_GEMV_DEVICES
                        and bv.dtype in (torch.bfloat16, torch.float16)):
         return None, (f"M = {m}, but the weight {weight.name} is read as stored (nothing to "
@@ -133,6 +127,10 @@ def _plan(node: fx.Node):
         return None, (f"M = {m}, but x {tuple(xv.shape)} cannot be viewed in the weight's "
                       "grouped shape: library matmul")
     plan["bias"] = bias
+    if weight.meta.get("fusec_pieces"):
+        return plan, (f"M = 1 and the weight is the stored {bv.dtype} matrices "
+                      f"{', '.join(w.name for w in weight.args[0])}, each read where it lies: "
+                      "one GEMV over all of them (passes/sibling_gemvs.py)")
     if stored:
         return plan, (f"M = 1 and the weight {weight.name} is a stored {bv.dtype} matrix on a "
                       "GPU: fusec's GEMV streams it faster than the library's (3.24 against "
@@ -159,7 +157,7 @@ def _stack_parts(n: fx.Node):
     if n.op != "call_function" or n.target is not aten.cat.default:
         return None
     tensors, dim = n.args[0], (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0))
-    rank = _val(n).dim()
+    rank = val(n).dim()
     if dim % rank != rank - 1 or len(tensors) < 2:
         return None
     parts = []
@@ -190,20 +188,20 @@ def _layout_plan(x: fx.Node, b: fx.Node):
     {"mode": "kn", "weight": b}. "nk": b is W.t() for a weight W (N, K) (nn.Linear), possibly a
     view of W3 (N, *inner) or of a stack of parts (N, *inner[:-1]) along a last dim; the sum runs
     over the inner dims. "kn": b (K, N) itself (x @ W)."""
-    bv = _val(b)
+    bv = val(b)
     k, n = bv.shape
     if b.op == "call_function" and b.target in _TRANSPOSES and _is_transpose(b):
         w = b.args[0]
         inner, parts = (k,), [w]
         if w.op == "call_function" and w.target in _RESHAPES:
             src = w.args[0]
-            sv = _val(src)
+            sv = val(src)
             if sv is not None and sv.dim() >= 3 and sv.shape[0] == n and \
                     math.prod(sv.shape[1:]) == k and ops.classify(getattr(src, "target", None)) \
                     != ops.VIEW and src.op == "call_function":
                 stacked = _stack_parts(src)
                 inner, parts = tuple(sv.shape[1:]), ([src] if stacked is None else stacked)
-        xv = _val(x)
+        xv = val(x)
         try:  # x as (M, 1, *inner): a view of x, which costs nothing
             xv.view(xv.shape[0], 1, *inner)
         except RuntimeError:
@@ -217,9 +215,9 @@ def _reshape_adding_rows(node: fx.Node):
     users = list(node.users)
     if len(users) != 1 or users[0].op != "call_function" or users[0].target not in _RESHAPES:
         return None
-    val, out = _val(users[0]), _val(node)
-    if isinstance(val, torch.Tensor) and val.dim() >= 2 and val.shape[-1] == out.shape[1] and \
-            math.prod(val.shape[:-1]) == out.shape[0]:
+    after, out = val(users[0]), val(node)
+    if isinstance(after, torch.Tensor) and after.dim() >= 2 and after.shape[-1] == out.shape[1] and \
+            math.prod(after.shape[:-1]) == out.shape[0]:
         return users[0]
     return None
 
@@ -233,41 +231,35 @@ def _is_transpose(b: fx.Node) -> bool:
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
-    out = _val(node)
+    out = val(node)
     dtype = out.dtype
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     x = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    m = _val(x).shape[0]
+    m = val(x).shape[0]
 
     def add(target, args, kwargs=None, gemv=None, name=None):
-        vals = [_val(a) if isinstance(a, fx.Node) else
-                ([_val(t) for t in a] if isinstance(a, (list, tuple)) and a and
+        vals = [val(a) if isinstance(a, fx.Node) else
+                ([val(t) for t in a] if isinstance(a, (list, tuple)) and a and
                  isinstance(a[0], fx.Node) else a) for a in args]
-        val = target(*vals, **(kwargs or {}))
-        new = graph.create_node("call_function", target, tuple(args), kwargs or {},
-                                name=f"{node.name}_{name}" if name else None)
-        for key, value in node.meta.items():
-            if key not in ("val", "fusec", "tensor_meta"):
-                new.meta[key] = value
-        new.meta["val"] = val
-        new.meta["fusec"] = TensorMeta.of(val)
+        new = new_node(graph, target, args, target(*vals, **(kwargs or {})), node,
+                       f"{node.name}_{name}" if name else None, kwargs)
         if gemv is not None:
             new.meta["fusec_gemv"] = gemv
         return new
 
     def cast(v, name):
-        return v if _val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc},
+        return v if val(v).dtype == acc else add(aten._to_copy.default, (v,), {"dtype": acc},
                                                   name=name)
 
     # F.linear on a (B, T, K) input is view(mm(view(x, (B*T, K)), W.t()), (B, T, N)): compute in
     # the (B, T, N) space directly, so that the pointwise work after the view joins the epilogue
     after = _reshape_adding_rows(node)
     bias = plan["bias"]
-    if bias is not None and _val(bias).dim() == 2 and _val(bias).shape[0] != 1:
+    if bias is not None and val(bias).dim() == 2 and val(bias).shape[0] != 1:
         after = None  # a full (M, N) bias lines up with (M, N), not with (B, T, N)
-    lead = list(_val(after).shape[:-1]) if after is not None else [m]
+    lead = list(val(after).shape[:-1]) if after is not None else [m]
     try:
-        _val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))
+        val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))
     except RuntimeError:  # x's rows cannot be split that way: stay in (M, N), view after
         after, lead = None, [m]
     with graph.inserting_before(node):
@@ -283,12 +275,12 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
             total = terms[0]
             for t in terms[1:]:
                 total = add(aten.add.Tensor, (total, t), name="prods")
-            dims = list(range(len(lead) + 1, _val(total).dim()))
+            dims = list(range(len(lead) + 1, val(total).dim()))
         else:  # (..., K, 1) times b (K, N)
-            x3 = add(aten.view.default, (x, [*lead, _val(x).shape[1], 1]), name="x")
+            x3 = add(aten.view.default, (x, [*lead, val(x).shape[1], 1]), name="x")
             total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
             dims = [len(lead)]
-        k = _val(x).shape[1]
+        k = val(x).shape[1]
         n = out.shape[1]
         info = {"m": m, "n": n, "k": k, "dtype": dtype}
         result = add(aten.sum.dim_IntList, (total, dims), gemv=info, name="gemv")

@@ -83,7 +83,8 @@ def test_rotary_embedding_reads_its_pieces_in_place(target):
     x = torch.randn(2, 4, 7, 16, device=device)
     cos, sin = torch.randn(7, 16, device=device), torch.randn(7, 16, device=device)
     cf = assert_matches(rotary, x, cos, sin, backend=backend)
-    assert [k.name for k in cf.kernels] == ["fused_neg_0", "fused_mul_cat_mul_add_1"]
+    # -x2 is computed over the whole concatenation (passes/computed_pieces.py): one kernel
+    assert [k.name for k in cf.kernels] == ["fused_mul_cat_neg_where_mul_add_0"]
     assert "aten.cat" not in cf.source().split("# ===== graph")[0].split("===== program")[1]
 
 
@@ -159,8 +160,13 @@ def test_cat_then_softmax_keeps_the_reduction_apart(target):
 
 
 def test_a_computed_piece_is_refused_with_a_reason():
-    e = fusec.explain(rotate_half, torch.randn(3, 8), backend="cpp")
+    """A piece computed from two inputs (not a chain that passes/computed_pieces.py can move
+    past the cat) gets a kernel of its own, and explain says why."""
+    e = fusec.explain(lambda x, y: torch.cat([x * y, x], dim=-1), torch.randn(3, 8),
+                      torch.randn(3, 8), backend="cpp")
     assert any("a piece of a cat" in r for r in str(e).splitlines())
+    text = str(fusec.explain(rotate_half, torch.randn(3, 8), backend="cpp"))
+    assert "computed piece(s) (neg) computed on the whole concatenation" in text
 
 
 def test_large_odd_shapes(target):

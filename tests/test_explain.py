@@ -66,9 +66,9 @@ def test_captured_graph_is_readable():
 def test_what_each_pass_changed():
     e = explain_fallbacks()
     passes = {p["after"]: p for p in e.to_dict()["passes"]}
-    assert list(passes)[:13] == ["capture", "fold_constants", "dce", "cse", "simplify", "reinplace",
-                                "unfuse_bias", "small_matmul", "pad_matmul", "pooling", "layout",
-                                "move_permutes", "split_reductions"]
+    assert list(passes)[:15] == ["capture", "fold_constants", "dce", "cse", "simplify", "computed_pieces", "reinplace",
+                                "unfuse_bias", "sibling_gemvs", "small_matmul", "pad_matmul", "pooling",
+                                "layout", "move_permutes", "split_reductions"]
     assert "ATen op(s)" in passes["capture"]["summary"]
     assert passes["dce"]["summary"] == "removed 1 node(s)"
     assert "cos" in passes["dce"]["details"][0]

@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: fusec against torch.compile, kernel by kernel.
 
-    python benchmarks/diagnostics/decode_profile.py [--format bf16] [--layers 4] [--steps 20] [--top 15]
+    python benchmarks/diagnostics/decode_profile.py [--format bf16] [--layers 4] [--steps 20] [--top 15] [--systems fusec,torch.compile]
 
 benchmarks/decode.py gives tokens/s; this script says why they differ. It runs the same Llama
 decode step (examples/llama_decode.py, real widths) through fusec and through torch.compile
@@ -47,10 +47,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--systems", default="fusec,torch.compile")
     args = p.parse_args()
     cfg = dict(REAL, layers=args.layers)
     model = Llama(cfg, args.format, device="cuda").eval()
-    systems = {"fusec": fusec.compile(model, cuda_graphs=False), "torch.compile": torch.compile(model)}
+    makers = {"fusec": lambda: fusec.compile(model, cuda_graphs=False),
+              "torch.compile": lambda: torch.compile(model)}
+    systems = {name: makers[name]() for name in args.systems.split(",")}
     for name, fn in systems.items():
         model.reset()
         wall, busy, rows = per_step_kernels(fn, args.steps, "cuda")

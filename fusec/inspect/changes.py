@@ -18,6 +18,8 @@ from fusec.record import folded_view, record_of
 # and the words for a taken and a refused candidate in the detail lines.
 DECISIONS = {
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
+    "computed_pieces": ("{n} cat(s) of computed pieces computed over the cat", "rewritten", "kept"),
+    "sibling_gemvs": ("{n} matmul(s) joined with siblings into one GEMV", "joined", "alone"),
     "small_matmul": ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul"),
     "pad_matmul": ("padded {n} misaligned matmul(s)", "padded", "kept"),
     "pooling": ("{n} pooling(s) as reductions", "reduction", "kept"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fusec
+from fusec.record import record_of
 from conftest import TRITON_DEVICE
 from fusec.outputs import flatten
 
@@ -300,6 +301,10 @@ def test_one_token_bf16_step_runs_its_linears_as_gemvs(monkeypatch, name):
     assert relative_error(got.float(), want.float()) <= 2e-2
     gemvs = [k.name for k in compiled.kernels if "gemv" in k.name]
     assert len(gemvs) >= 4, [k.name for k in compiled.kernels]
+    if name == "llama":  # q/k/v and gate/up read one input each: joined (passes/sibling_gemvs.py)
+        last = compiled._compiled.last if hasattr(compiled, "_compiled") else compiled.last
+        joined = [d for d in record_of(last.gm).sibling_gemvs if d.taken]
+        assert len(joined) >= 5, record_of(last.gm).sibling_gemvs
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
