@@ -55,20 +55,23 @@ def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int
     (docs/gpu.md): at M = 1, K = N = 8192, 8 x 512 x 4 warps streamed int8 weights at 1.65 TB/s,
     16 x 1024 x 8 warps at 1.47 and 32 columns at under 1.0.
 
-    A 16-bit weight (a stored bf16/fp16 one, `weight_bytes` 2) at M = 1 takes 2 columns x 1024
-    instead of 8 x 512: half the bytes per iteration, four times the programs. At a decode step's
-    shapes on an H200 (`python benchmarks/diagnostics/gemv_decode_shapes.py`, docs/gpu.md) that
-    was 4096 x 4096 2.10 -> 2.31 TB/s, 11008 x 4096 2.94 -> 3.08, 32000 x 4096 3.59 -> 3.76,
-    4096 x 11008 3.07 -> 3.09; layers narrow enough to get 2 columns already keep their longer
-    tiles (1024 x 4096: 2 x 2048, 1.08 TB/s, against 0.93 with 2 x 1024)."""
+    A 16-bit weight (a stored bf16/fp16 one, `weight_bytes` 2) at M = 1 takes one column per
+    program, a whole 4096-element row chunk per iteration, and 8 warps (16 elements, two 16-byte
+    loads per thread; fewer warps for a shorter K). At a decode step's shapes on an H100
+    (`python benchmarks/diagnostics/gemv_decode_shapes.py`, docs/gpu.md, 2026-11-26 late) it beat
+    the 2 x 1024 x 4 warps chosen before on every shape: 4096 x 4096 1.86 -> 1.91-1.98 TB/s,
+    the joined q/k/v 6144 x 4096 2.06 -> 2.22, 4096 x 11008 2.18-2.28 -> 2.35-2.41, the joined
+    gate/up 22016 x 4096 2.59-2.60 -> 2.73-2.75, 32000 x 4096 2.68 -> 2.83, 1024 x 4096
+    0.95 -> 0.98. (2 x 1024 had replaced 8 x 512 on an H200, where 1 x 4096 was not tried.)"""
     block_m = 1 << max(m - 1, 0).bit_length()
     block_n = min(8 if block_m == 1 else max(2, 16 // block_m),
                   1 << max(n // (2 * SMS), 1).bit_length() - 1)
     block_k = min(max(16, GEMV_WEIGHT_TILE // block_n), max(16, GEMV_TILE // (block_m * block_n)),
                   max(16, 1 << max(k - 1, 0).bit_length()))
     num_warps = 4
-    if block_m == 1 and weight_bytes == 2 and block_n > 2:
-        block_n, block_k = 2, min(1024, max(16, 1 << max(k - 1, 0).bit_length()))
+    if block_m == 1 and weight_bytes == 2:
+        block_n, block_k = 1, min(4096, max(16, 1 << max(k - 1, 0).bit_length()))
+        num_warps = max(1, min(8, block_k // 512))
     return block_m, block_n, block_k, num_warps
 
 
