@@ -137,17 +137,17 @@ class Piece:
 
 
 def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout],
-               shape: tuple[int, ...]) -> list[Piece]:
+               shape: tuple[int, ...], cats=None) -> list[Piece]:
     """The pieces of every concatenation in the group, in order (see `Piece`).
 
     `torch.cat([a, b], dim=-1)` as a kernel: output position i along the dim is a[..., i] for
     i < len(a) and b[..., i - len(a)] after. Each piece is loaded only where it covers the
     position (a masked load), and the pieces' loads are chained, each taking the next one's
     value where it does not read, so one value holds the concatenation, and no copy of it is
-    made in memory."""
+    made in memory. `cats`: only these (default: every cat of the group)."""
     pieces = []
     for cat in sub.graph.nodes:
-        if not _is_cat(cat):
+        if not _is_cat(cat) or (cats is not None and cat not in cats):
             continue
         # The cat's dim counts in the cat's own rank; the iteration space may have more dims
         # in front (a (N, K) cat multiplied by an (M, 1, K) tensor runs over (M, N, K)).

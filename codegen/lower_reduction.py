@@ -62,10 +62,22 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     # a row dim: each piece is indexed over the whole space, shifted back by where it starts,
     # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
     # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
-    pieces = cat_pieces(sub, placeholders, in_layouts, shape)
+    # (A cat read per row, sibling biases added after the sum, is indexed over the rows alone.)
+    cats = [c for c in sub.graph.nodes if _is_cat(c)]
+    pieces = cat_pieces(sub, placeholders, in_layouts, shape,
+                        [c for c in cats if space_of(c) == "elem"])
+    spaces = ["elem"] * len(pieces)
     for n, piece in enumerate(pieces):
         tensors.append(("piece", n, "elem", tuple(piece.strides[d] for d in perm)))
         tensors.append(("sentinel", n, "elem", tuple(piece.sentinel[d] for d in perm)))
+    for piece in cat_pieces(sub, placeholders, in_layouts, rows_only,
+                            [c for c in cats if space_of(c) == "rows"]):
+        tensors.append(("piece", len(pieces), "rows",
+                        tuple(piece.strides[i] for i in row_order) + (0,) * len(dims)))
+        tensors.append(("sentinel", len(pieces), "rows",
+                        tuple(piece.sentinel[i] for i in row_order) + (0,) * len(dims)))
+        pieces.append(piece)
+        spaces.append("rows")
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
                                                if any(not _is_cat(u) for u in ph.users)}
     for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
@@ -134,23 +146,23 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             layout = in_layouts[piece.index]
             storage = root_dtypes[layout.root]
             var = fresh(f"{cat.name}_{piece.position}", ops.register_dtype(storage))
-            sentinel = index_of[("sentinel", n, "elem")].strides
+            sentinel = index_of[("sentinel", n, spaces[n])].strides
             dim = next((d for d, s in enumerate(sentinel[:len(row_shape)]) if s), 0)
-            index = index_of[("piece", n, "elem")]
+            index = index_of[("piece", n, spaces[n])]
             loads.append(Load(var, param(layout.root, False), storage, index,
                               (dim, piece.lo, piece.hi), other))
             if any(index.strides[len(row_shape):]):
                 varying.add(var.name)
             level[var.name] = 0
             other = var
-        env[(cat, "elem")] = other
+        env[(cat, space_of(cat))] = other
 
     body: list = []
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
             continue
-        if (node, "elem") in env:  # a cat: its pieces' loads
+        if (node, space_of(node)) in env and _is_cat(node):  # a cat: its pieces' loads
             fused_ops.append(str(node.target))
             continue
         where = space_of(node)

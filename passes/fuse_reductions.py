@@ -212,6 +212,10 @@ def space(node: fx.Node, key: tuple, inside: set) -> str:
     red = ops.reduction(node)
     if red is not None:
         return "elem" if red.keepdim else "rows"
+    if node.meta.get("fusec_pieces") and node.users and all(
+            u in inside and any(a is not node and a in inside and space(a, key, inside) == "rows"
+                                for a in u.all_input_nodes) for u in node.users):
+        return "rows"  # sibling biases (passes/sibling_gemvs.py): read per row, with the sums
     if any(a in inside and space(a, key, inside) == "rows" for a in node.all_input_nodes):
         return "rows"
     return "elem"

@@ -26,7 +26,9 @@ slices are views of the one output.
 
 The pass groups `mm(x, W.t())` nodes when they share the same `x` (the same graph node) with one
 row (M = 1), and each weight is a stored (N_i, K) bf16/fp16 matrix on a device where the stored
-GEMV is used (small_matmul.STORED_GEMV_DEVICES). Each decision is recorded with its reason in
+GEMV is used (small_matmul.STORED_GEMV_DEVICES). `addmm(b, x, W.t())` nodes with stored bias
+vectors (Qwen2's projections) are grouped among themselves, and their biases joined the same way
+(a cat the GEMV's epilogue reads per output column). Each decision is recorded with its reason in
 `record_of(gm).sibling_gemvs`. A single matmul, or a set of different dtypes or K, is left alone.
 """
 from __future__ import annotations
@@ -54,8 +56,9 @@ def sibling_gemvs(gm: fx.GraphModule) -> fx.GraphModule:
                 decisions.append(Decision(node.name, False, why))
             continue
         w = val(weight)
-        sets.setdefault((node.args[0], w.dtype, w.shape[1], w.device), []).append(node)
-    for (x, dtype, k, _), mms in sets.items():
+        x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+        sets.setdefault((x, w.dtype, w.shape[1], w.device, node.target), []).append(node)
+    for (x, dtype, k, _, _), mms in sets.items():
         if len(mms) < 2:
             decisions.append(Decision(mms[0].name, False,
                                       f"the only M = 1 matmul reading {x.name}: nothing to join"))
@@ -70,11 +73,21 @@ def sibling_gemvs(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _stored_weight(node: fx.Node):
-    """(weight, None) for `mm(x, W.t())` with one row of x and a stored 16-bit W on a GEMV
-    device; (None, reason) for another M = 1 matmul; (None, None) for anything else."""
-    if node.op != "call_function" or node.target is not aten.mm.default:
+    """(weight, None) for `mm(x, W.t())` or `addmm(bias, x, W.t())` (a stored bias vector) with
+    one row of x and a stored 16-bit W on a GEMV device; (None, reason) for another M = 1
+    matmul; (None, None) for anything else."""
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
         return None, None
-    x, b = node.args
+    if node.target is aten.addmm.default:
+        bias, x, b = node.args[:3]
+        if len(node.args) > 3 or node.kwargs or not isinstance(bias, fx.Node):
+            return None, None
+        bias_v = val(bias)
+        if bias.op not in ("placeholder", "get_attr") or not isinstance(bias_v, torch.Tensor) \
+                or bias_v.dim() != 1 or bias_v.dtype != val(node).dtype:
+            return None, "M = 1, but the bias is not a stored vector of the output's dtype: alone"
+    else:
+        x, b = node.args
     xv, bv = val(x), val(b)
     if not (isinstance(xv, torch.Tensor) and isinstance(bv, torch.Tensor)) or xv.shape[0] != 1:
         return None, None
@@ -96,10 +109,11 @@ def _join(graph: fx.Graph, x: fx.Node, mms: list[fx.Node]) -> None:
     def add(target, args, value: torch.Tensor, name: str) -> fx.Node:
         return new_node(graph, target, args, value, mms[0], name)
 
-    weights = [n.args[1].args[0] for n in mms]
+    with_bias = mms[0].target is aten.addmm.default
+    weights = [n.args[-1].args[0] for n in mms]
     first = mms[0]  # (in graph order)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for w in weights:
+    for w in weights + ([n.args[0] for n in mms] if with_bias else []):
         if order[w] > order[first]:  # a constant's get_attr made just before its own use
             first.prepend(w)  # (it reads nothing: moving it earlier is safe)
     with graph.inserting_before(first):
@@ -107,7 +121,15 @@ def _join(graph: fx.Graph, x: fx.Node, mms: list[fx.Node]) -> None:
         cat = add(aten.cat.default, (weights,), cat_val, f"{first.name}_weights")
         cat.meta["fusec_pieces"] = True  # read by a GEMV's prologue, never stored
         t = add(aten.permute.default, (cat, [1, 0]), cat_val.t(), f"{first.name}_weights_t")
-        joined = add(aten.mm.default, (x, t), val(x) @ cat_val.t(), f"{first.name}_joined")
+        if with_bias:  # the biases are read where they lie too, in the GEMV's epilogue
+            biases = [n.args[0] for n in mms]
+            bias_val = torch.cat([val(b) for b in biases])
+            bias = add(aten.cat.default, (biases,), bias_val, f"{first.name}_biases")
+            bias.meta["fusec_pieces"] = True
+            joined = add(aten.addmm.default, (bias, x, t), bias_val + val(x) @ cat_val.t(),
+                         f"{first.name}_joined")
+        else:
+            joined = add(aten.mm.default, (x, t), val(x) @ cat_val.t(), f"{first.name}_joined")
         lo = 0
         for n in mms:
             width = val(n).shape[1]

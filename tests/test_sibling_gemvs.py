@@ -129,3 +129,31 @@ def test_weights_captured_from_a_closure(gemv_here):
     with torch.no_grad():
         cf = assert_matches(lambda v: tuple(F.linear(v, w) for w in ws), x, backend="triton")
     assert [kern.name for kern in cf.kernels] == ["fused_gemv_0"]
+
+
+@pytest.mark.parametrize("widths", [(64, 16, 16), (37, 5, 90)])
+def test_linears_with_biases(gemv_here, widths):
+    """Qwen2's q/k/v projections have biases: they are pieces too, added in the epilogue."""
+    k = 96
+    lins = [torch.nn.Linear(k, n, bias=True).to(torch.bfloat16).to(TRITON_DEVICE) for n in widths]
+    x = rand(1, k)
+
+    def f(x):
+        q, kk, v = (lin(x) for lin in lins)
+        return q.sigmoid(), kk * 2, v
+    with torch.no_grad():
+        cf = assert_matches(f, x, backend="triton")
+    gemvs = [kern for kern in cf.kernels if "gemv" in kern.name]
+    assert len(gemvs) == 1 and sum(d.taken for d in decisions(cf)) == 3
+    # the biases are read per column in the GEMV's epilogue: the weights' and the biases' loads
+    assert "aten.add.Tensor" in gemvs[0].ops and gemvs[0].name.startswith("fused_gemv_cat_add")
+    # (one for the biases, before the loop; the weights' chunk 0 and its prefetch in the loop)
+    assert gemvs[0].source.count("tl.load(tl.where((n < ") == 3
+
+
+def test_mixed_bias_and_no_bias_are_separate_sets(gemv_here):
+    a = torch.nn.Linear(32, 8, bias=True).to(torch.bfloat16).to(TRITON_DEVICE)
+    b = torch.nn.Linear(32, 8, bias=False).to(torch.bfloat16).to(TRITON_DEVICE)
+    with torch.no_grad():
+        cf = assert_matches(lambda x: (a(x), b(x)), rand(1, 32), backend="triton")
+    assert not any(d.taken for d in decisions(cf))
