@@ -37,7 +37,7 @@ from fusec.ir import Index, PointwiseKernel
 from .cpp_reduction import render_reduction
 from .cpp_text import CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, prelude
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, summary
-from .render import render_template
+from .render import no_indexed_writes, render_template
 
 # -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
 # move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
@@ -142,6 +142,7 @@ def available() -> bool:
 def render(kernel) -> str:
     if not isinstance(kernel, PointwiseKernel):
         return render_reduction(kernel)
+    no_indexed_writes(kernel, "C++")
     tile_rows = short_rows(kernel)
     if tile_rows:
         return render_short_rows(kernel, tile_rows)

@@ -61,7 +61,7 @@ from .llvm_ir import vector_isa, vector_isas  # noqa: F401 (the backend's views,
 from .llvm_jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
                        object_code, optimized_ir, target_machine, triple_and_layout)
 from .llvm_reduction import render_reduction
-from .render import render_template
+from .render import no_indexed_writes, render_template
 
 # ---- pointwise kernels -------------------------------------------------------------------------
 
@@ -70,6 +70,7 @@ def render(kernel, target: Target | None = None) -> str:
     vector functions the IR declares; the rest is the same for every CPU."""
     if not isinstance(kernel, PointwiseKernel):
         return render_reduction(kernel, target)
+    no_indexed_writes(kernel, "LLVM")
     counter = _counter()
     shape = kernel.shape
     rows, inner = math.prod(shape[:-1]), shape[-1]

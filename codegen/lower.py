@@ -39,6 +39,14 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     pieces = cat_pieces(sub, placeholders, in_layouts, shape)
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
                                                if any(not _is_cat(u) for u in ph.users)}
+    # An indexed write (`cache[:, :, pos] = k`, passes/grouping.py): the loop runs over k, and the
+    # output is the buffer, seen over k's shape (its strides; the dim written has k's size 1),
+    # plus pos * stride, added by the store. The buffer itself is never read.
+    writes = {k: ops.indexed_write(o) for k, o in enumerate(outputs) if ops.indexed_write(o) is not None}
+    only_pieces |= {placeholders.index(w[0]) for w in writes.values()
+                    if all(ops.indexed_write(u) is not None and u.args[0] is w[0] for u in w[0].users)}
+    out_layouts = [Layout(l.root, tuple(shape[len(shape) - len(l.shape):]), l.stride, l.offset)
+                   if k in writes else l for k, l in enumerate(out_layouts)]
     tensors = [_broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
                for i, l in enumerate(in_layouts)] + \
               [_broadcast_strides(l, shape) for l in out_layouts] + \
@@ -91,6 +99,10 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         if node in env:  # a cat: its pieces' loads
             fused_ops.append(str(node.target))
             continue
+        if ops.indexed_write(node) is not None:  # the store does it (below)
+            env[node] = env[node.args[2]]
+            fused_ops.append(str(node.target))
+            continue
         row, operands = ops.normalize(node)
         out_meta: TensorMeta = node.meta["fusec"]
         values = [o.meta["val"] if isinstance(o, fx.Node) else o for o in operands]
@@ -112,7 +124,12 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
         index = Index(layout.offset, loop_strides[n_in + k])
         storage = root_dtypes[layout.root]
-        stores.append(Store(param(layout.root, True), env[out], storage, index))
+        scatter = None
+        if k in writes:
+            buffer, dim, pos, _ = writes[k]
+            size, stride = buffer.meta["fusec"].shape[dim], layout.stride[dim]
+            scatter = (env[pos].name, stride, size)
+        stores.append(Store(param(layout.root, True), env[out], storage, index, scatter))
 
     return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
 

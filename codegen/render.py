@@ -10,6 +10,8 @@ from pathlib import Path
 
 import jinja2
 
+from fusec.errors import UnsupportedError
+
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -26,3 +28,12 @@ def environment() -> jinja2.Environment:
 
 def render_template(template: str, **context) -> str:
     return environment().get_template(template).render(**context)
+
+
+def no_indexed_writes(kernel, backend: str) -> None:
+    """The CPU backends do not write indexed positions (fusec.ir.Store's `scatter`): on a CPU the
+    write stays eager's, which raises on a position out of range (fusec.ops.INDEXED_WRITE_DEVICES
+    lists the devices where a kernel does it). Reaching here means that list was widened."""
+    if any(s.scatter is not None for s in kernel.stores):
+        raise UnsupportedError(f"{kernel.name}: the {backend} backend does not render indexed writes "
+                               "(fusec.ops.INDEXED_WRITE_DEVICES names the devices that do)")

@@ -63,7 +63,7 @@ def render(kernel, arch: int | None = None) -> str:
         return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
 
     loads, body, stores = pointwise_lines(kernel, index, "[BLOCK_SIZE]")
-    big = max([numel] + [_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) \
+    big = max([numel] + [_max_address(a.index, shape) + _reach(a) for a in [*kernel.loads, *kernel.stores]]) \
         >= 2 ** 31 - 1
     helpers = _helpers_in(loads + body + stores)
     return render_template(
@@ -120,7 +120,7 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
         below = math.prod(shape[o] for o in others[j + 1:])
         expr = "rest" if below == 1 else f"(rest // {below})"
         rest.append(f"i{d} = {expr}" + ("" if j == 0 else f" % {shape[d]}"))
-    big = max([kernel.numel] + [_max_address(a.index, shape)
+    big = max([kernel.numel] + [_max_address(a.index, shape) + _reach(a)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
     block = "[YBLOCK, XBLOCK]"
 
@@ -146,6 +146,12 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
         params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores)
 
 
+def _reach(access) -> int:
+    """How far past its index an indexed write may store (the last position along its dim)."""
+    scatter = getattr(access, "scatter", None)
+    return (scatter[2] - 1) * abs(scatter[1]) if scatter else 0
+
+
 def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, list, list]:
     """(loads, statements, stores) of a pointwise kernel, with `index` writing an Index as an
     address expression: shared by the 1-D and the tiled template, which differ only there."""
@@ -160,8 +166,18 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
             value = f"tl.where({inside}, {value}, {l.other.name})"
         loads.append(f"{l.var.name} = {value}")
     body = [_stmt(s, set(), block) for s in kernel.stmts]
-    stores = [f"tl.store({s.param}_ptr + {index(s.index)}, "
-              f"{convert(s.var.name, s.var.dtype, s.dtype)}, mask=mask)" for s in kernel.stores]
+    stores = []
+    for s in kernel.stores:
+        value, where = convert(s.var.name, s.var.dtype, s.dtype), "mask"
+        addr = index(s.index)
+        if s.scatter is not None:  # an indexed write: `cache[:, :, pos] = k` (fusec.ir.Store)
+            pos, stride, size = s.scatter
+            stores += [f"# write at position {pos} along the buffer's dim of {size} (negative: "
+                       "from the end; outside it: nothing, where eager would raise)",
+                       f"{pos}_at = tl.where({pos} < 0, {pos} + {size}, {pos})"]
+            addr = f"{addr} + {pos}_at * {stride}"
+            where = f"mask & ({pos}_at >= 0) & ({pos}_at < {size})"
+        stores.append(f"tl.store({s.param}_ptr + {addr}, {value}, mask={where})")
     return loads, body, stores
 
 

@@ -170,6 +170,10 @@ class Store:
     var: Var
     dtype: torch.dtype
     index: Index
+    # an indexed write (passes/grouping.py, `indexed_write`): (position var, stride, size). The
+    # address gets position * stride added, a negative position counting from the end as in
+    # eager; a position outside [0, size) writes nothing.
+    scatter: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -383,7 +387,9 @@ def canonical(kernel):
                   loads=[replace(l, var=var(l.var), param=params[l.param],
                                  other=var(l.other) if l.other is not None else None)
                          for l in kernel.loads],
-                  stores=[replace(s, var=var(s.var), param=params[s.param]) for s in kernel.stores])
+                  stores=[replace(s, var=var(s.var), param=params[s.param],
+                                  scatter=s.scatter and (names[s.scatter[0]], *s.scatter[1:]))
+                          for s in kernel.stores])
     if isinstance(kernel, PointwiseKernel):
         return replace(kernel, stmts=[item(s) for s in body], **common)
     return replace(kernel, body=[item(s) for s in body],

@@ -413,6 +413,46 @@ def classify(target) -> str:
     return EXTERN
 
 
+# Devices where a kernel writes an indexed row of a buffer (`cache[:, :, pos] = k`) itself: see
+# `indexed_write`. Eager's out-of-range position is an error there too only asynchronously (a
+# device-side assert); on a CPU, where eager raises an IndexError, the write stays eager's.
+INDEXED_WRITE_DEVICES = ("cuda",)
+
+
+def indexed_write(node):
+    """(buffer, dim, position, values) when `node` writes one position of an input buffer in
+    place, as a static KV cache is written at each decoding step:
+
+        index_put_(k_cache, [None, None, pos], k)     # k_cache[:, :, pos] = k, pos of one element
+
+    Then a pointwise kernel can do it: it loops over the values (k's shape) and stores each at
+    the buffer's address with `pos * stride` added along the dim, read from `pos` in the kernel
+    (codegen/lower.py, fusec.ir.Store's `scatter`), so the kernel that computes k writes the cache itself.
+    None for anything else (several positions, accumulate=True, broadcast values ...)."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.index_put_.default:
+        return None
+    buffer, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate or not hasattr(buffer, 'op') or buffer.op != "placeholder" \
+            or not hasattr(values, 'op'):
+        return None
+    at = [d for d, i in enumerate(indices) if i is not None]
+    if len(at) != 1 or not hasattr(indices[at[0]], 'op'):
+        return None
+    dim, pos = at[0], indices[at[0]]
+    b, v, p = (n.meta.get("fusec") for n in (buffer, values, pos))
+    if not all(hasattr(m, "shape") and hasattr(m, "device") for m in (b, v, p)) \
+            or not str(b.device).startswith(INDEXED_WRITE_DEVICES):
+        return None
+    want = tuple(1 if d == dim else s for d, s in enumerate(b.shape))
+    lead = len(want) - len(v.shape)  # (`cache[:, :, pos] = k` may give k without its leading 1s)
+    if tuple(p.shape) != (1,) or p.dtype not in (torch.int64, torch.int32) or lead < 0 \
+            or (1,) * lead + tuple(v.shape) != want or v.dtype != b.dtype or v.device != b.device \
+            or 0 in b.shape:
+        return None
+    return buffer, dim, pos, values
+
+
 def is_multi_view(target) -> bool:
     """True for ATen ops returning a list of views of their input (split, unbind)."""
     schema = getattr(target, "_schema", None)

@@ -38,14 +38,14 @@ from fusec.record import Refusal, record_of
 
 import operator
 
-from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, is_cat, meta,
-                       numel_rank, outline)
+from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, indexed_write, is_cat,
+                       meta, numel_rank, outline)
 
 
 def is_pointwise(node: fx.Node) -> bool:
     """A node the op table can compile, producing one tensor."""
     return (node.op == "call_function" and isinstance(node.meta.get("fusec"), TensorMeta)
-            and (ops.normalize(node) is not None or is_cat(node))
+            and (ops.normalize(node) is not None or is_cat(node) or indexed_write(node) is not None)
             and not (node.target is torch.ops.aten._to_copy.default
                      and any(str(meta(a).device) != meta(node).device
                              for a in node.all_input_nodes)))
@@ -70,7 +70,8 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
             a, b = group_of[producer], group_of[node]
             if a is b:
                 continue
-            reason = _piece_of_a_cat(a, b) or why_not_fuse(a, b, order, effects)
+            reason = (_reads_an_indexed_write(producer) or _piece_of_a_cat(a, b)
+                      or why_not_fuse(a, b, order, effects))
             if reason:
                 refusals.append(Refusal(producer.name, node.name, reason))
                 continue
@@ -93,6 +94,15 @@ def _piece_of_a_cat(a: Group, b: Group) -> str | None:
         if is_cat(n) and any(p in inside for p in n.args[0]):
             return ("a piece of a cat: the cat reads it at shifted positions, so the piece is "
                     "stored by its own kernel and loaded where it lies")
+    return None
+
+
+def _reads_an_indexed_write(producer: fx.Node) -> str | None:
+    """The buffer an indexed write returns is read whole, after the write: its kernel must end
+    first (the write joins the kernel of its values, never of its readers)."""
+    if indexed_write(producer) is not None:
+        return ("reads the buffer an indexed write updates: the whole buffer, after the write, "
+                "so not in the write's own loop")
     return None
 
 

@@ -47,8 +47,8 @@ from fusec import ops
 from fusec.codegen import backends
 from fusec.record import Refusal, record_of
 
-from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, inline_groups,
-                       is_cat, meta, op_name, outline)
+from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, indexed_write,
+                       inline_groups, is_cat, meta, op_name, outline)
 
 
 def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -229,6 +229,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
     key = a.key or b.key
     if a.perms or b.perms:
         return "one side is a horizontally fused kernel (several iteration orders in one loop)"
+    if any(indexed_write(n) is not None for n in (*a.nodes, *b.nodes)):
+        return "one side writes one position of a buffer (an indexed write): a pointwise kernel's"
     if any(is_cat(n) and not n.meta.get("fusec_pieces") for n in (*a.nodes, *b.nodes)):
         # (except sibling weights read by a GEMV along its rows: passes/sibling_gemvs.py)
         return "one side concatenates (torch.cat): only a pointwise kernel reads pieces"

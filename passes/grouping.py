@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.ops import indexed_write  # noqa: F401 (passes import it from here)
 from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
 from fusec.record import GroupInfo, Refusal, group_info, record_of, set_group_info
@@ -40,7 +41,7 @@ class Group:
             return self.key[0]
         if self.space is not None:
             return self.space
-        return max((meta(n).shape for n in self.nodes), key=numel_rank)
+        return max((loop_shape(n) for n in self.nodes), key=numel_rank)
 
     @property
     def device(self) -> str:
@@ -113,6 +114,8 @@ def op_name(node: fx.Node) -> str:
     red = ops.reduction(node)
     if red is not None:
         return red.op.name
+    if indexed_write(node) is not None:  # `cache[:, :, pos] = k`, done by the kernel
+        return "write"
     row = ops.normalize(node)
     return row[0].name if row is not None else str(node.target).split(".")[-2]
 
@@ -274,6 +277,16 @@ def inline_groups(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Group]]:
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm, groups
+
+
+def loop_shape(node: fx.Node) -> tuple[int, ...]:
+    """The iteration space a node needs: its shape, or for an indexed write the values' shape
+    (the buffer it returns is larger: it is written at one position)."""
+    write = indexed_write(node)
+    if write is None:
+        return tuple(meta(node).shape)
+    buffer, dim = write[:2]  # the buffer's shape with the written dim 1: the values, full rank
+    return tuple(1 if d == dim else s for d, s in enumerate(meta(buffer).shape))
 
 
 def is_cat(node: fx.Node) -> bool:

@@ -107,8 +107,11 @@ def plan_inplace(gm: fx.GraphModule, irs: dict, backend: str) -> dict[str, str]:
 
     `irs` maps each kernel step's name to its kernel IR (fusec/ir.py): whether an element is read
     where it is written is a fact of the lowered kernel's indices, not of the graph."""
+    # an indexed write (`cache[:, :, pos] = k`) is written over its buffer on every backend
+    chosen: dict[str, str] = {s.param: s.param for ir in irs.values() for s in ir.stores
+                              if getattr(s, "scatter", None) is not None}
     if not backends.get(backend).writes_over_dying_inputs:
-        return {}
+        return chosen
     steps = record_of(gm).schedule
     by_name = {n.name: n for n in gm.graph.nodes}
     escaped = _escaped(gm)
@@ -118,7 +121,6 @@ def plan_inplace(gm: fx.GraphModule, irs: dict, backend: str) -> dict[str, str]:
             last[name] = i
     fresh = {s.node for s in steps if s.kind == "extern" and s.writes == [s.node]
              and owns_buffer(by_name[s.node])}
-    chosen: dict[str, str] = {}
     for i, step in enumerate(steps):
         if step.kind != "kernel":
             continue

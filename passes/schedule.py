@@ -29,6 +29,8 @@ from fusec import ops
 from fusec.ir import Layout, TensorMeta, contiguous_strides
 from fusec.record import Step, format_schedule, record_of
 
+from .grouping import indexed_write
+
 # Step and format_schedule live in fusec/record.py, the memory plan in passes/memory.py; they are
 # named here too because this is where a reader of the schedule looks for them.
 __all__ = ["schedule", "Step", "format_schedule"]
@@ -48,6 +50,13 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
         elif node.op == "call_module":
             steps.append(Step("kernel", node.target, node.name))
+        elif node.op == "call_function" and node.target.__name__ == "getitem" \
+                and node.args[0].op == "call_module" and _written_buffer(gm, node) is not None:
+            # an indexed write (`cache[:, :, pos] = k` in a kernel): its output is the buffer
+            buffer = _written_buffer(gm, node)
+            fake_of[node] = fake_of[buffer]
+            node.meta["fusec_layout"] = buffer.meta["fusec_layout"]
+            steps[-1].writes.append(buffer.meta["fusec_layout"].root)
         elif node.op == "call_function" and node.target.__name__ == "getitem" \
                 and node.args[0].op == "call_module":
             # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
@@ -122,6 +131,19 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 step.shapes[name] = str(m)
     record_of(gm).schedule = steps
     return gm
+
+
+def _written_buffer(gm: fx.GraphModule, item: fx.Node) -> fx.Node | None:
+    """For a kernel output that is an indexed write of an input buffer (passes/grouping.py,
+    `indexed_write`), the buffer's node in this graph; else None."""
+    call = item.args[0]
+    sub = gm.get_submodule(call.target)
+    out = sub.graph.output_node().args[0][item.args[1]]
+    write = indexed_write(out)
+    if write is None:
+        return None
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return call.args[placeholders.index(write[0])]
 
 
 def _dense(m: TensorMeta) -> bool:

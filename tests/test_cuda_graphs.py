@@ -164,3 +164,32 @@ def test_big_memory_bound_program_runs_step_by_step_and_says_why():
         torch.testing.assert_close(cf(x), g(x))
     assert cf.last.runner is None
     assert "hide behind the GPU" in cf.last.graph_blocker, cf.last.graph_blocker
+
+
+def test_sliced_and_expanded_inputs_keep_their_strides_in_the_graph():
+    """The graph's own copy of an input has the input's strides: the program was compiled for
+    them. A slice (`kv[..., 64:]`, gaps between rows) once came back contiguous from `clone()`,
+    and every replay read the wrong elements; an expanded input keeps its broadcast dim."""
+    kv = torch.randn(32, 256, device="cuda")
+    b = torch.randn(1, 128, device="cuda")
+    fn = lambda x, y: (torch.sin(x) * y + 1.0) @ x.t()  # noqa: E731
+    graphed = fusec.compile(fn)
+    for step in range(4):
+        kv.mul_(1.5)
+        x, y = kv[:, 128:], b.expand(32, 128)  # a slice of kv, read with kv's row stride
+        # (the kernel's multiply-add is one FMA on the GPU: a few ulp from eager's two roundings;
+        # reading the wrong elements was off by the values themselves)
+        torch.testing.assert_close(graphed(x, y), fn(x, y), rtol=1e-4, atol=1e-4)
+    assert graphed.last.runner is not None, graphed.last.graph_blocker
+
+
+def test_static_copy_keeps_strides():
+    from fusec.runtime.cuda_graphs import copy_into, static_copy
+    t = torch.randn(2, 12, device="cuda")[:, 6:]
+    s = static_copy(t)
+    assert s.stride() == t.stride() and torch.equal(s, t)
+    e = torch.randn(1, 3, device="cuda").expand(4, 3)
+    s = static_copy(e)
+    assert s.stride() == (0, 1) and torch.equal(s, e)
+    new = torch.randn(3, device="cuda").expand(4, 3)
+    assert torch.equal(copy_into(s, new), new)

@@ -59,6 +59,10 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
         if isinstance(step, ExternStep) and getattr(step.target, "_schema", None) is not None \
                 and step.target._schema.is_mutable and not _writes_only(step, static):
             return f"{step.name} writes into a tensor in place"
+        if isinstance(step, KernelStep) and any(w.inplace in set(program.input_slots) - static
+                                                for w in step.writes):
+            # (a kernel writing one position of a caller's tensor: the graph would write its copy)
+            return f"{step.name} writes into a tensor in place"
         if isinstance(step, ViewStep) and step.root in inputs and step.out_slot in program.output_slots:
             return "an output is a view of an input"
     if any(s in inputs for s in program.output_slots):
@@ -162,8 +166,10 @@ def _written_refs(step: ExternStep) -> list:
 def written_inputs(program: Program) -> list[int]:
     """The positions, among the program's inputs, of those its steps write in place."""
     where = {slot: i for i, slot in enumerate(program.input_slots)}
-    return sorted({where[r.slot] for step in program.steps if isinstance(step, ExternStep)
-                   for r in _written_refs(step) if getattr(r, "slot", None) in where})
+    kernels = {where[w.inplace] for step in program.steps if isinstance(step, KernelStep)
+               for w in step.writes if w.inplace in where}  # indexed writes (a KV cache)
+    return sorted(kernels | {where[r.slot] for step in program.steps if isinstance(step, ExternStep)
+                             for r in _written_refs(step) if getattr(r, "slot", None) in where})
 
 
 def _bytes(node: fx.Node) -> int:
@@ -208,6 +214,23 @@ def capture_stream(device: torch.device) -> "torch.cuda.Stream":
     return _CAPTURE_STREAMS[key]
 
 
+def static_copy(t: torch.Tensor) -> torch.Tensor:
+    """A buffer the graph owns for input `t`, with `t`'s strides: the program was compiled for
+    them, and reads its inputs through them. (`t.clone()` keeps the strides of a dense tensor
+    only: a slice such as `kv[..., 6:]` came back contiguous, and the kernels, which step over
+    the slice's gaps, read the wrong elements of it from the second call on.)"""
+    return copy_into(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), t)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst[...] = src for two tensors of the same strides. Along a broadcast dim (stride 0: an
+    expanded input) every element is one in memory, so only its first slice is copied."""
+    along = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                  for st, n in zip(src.stride(), src.shape))
+    dst[along].copy_(src[along])
+    return dst
+
+
 class CudaGraphRunner:
     """Replays a Program as one CUDA graph: one launch instead of one per step.
 
@@ -219,7 +242,7 @@ class CudaGraphRunner:
 
     def __init__(self, program: Program, inputs: list[torch.Tensor], n_static: int):
         self.program, self.n_static = program, n_static
-        self.static = [t if i < n_static else t.clone() for i, t in enumerate(inputs)]
+        self.static = [t if i < n_static else static_copy(t) for i, t in enumerate(inputs)]
         self.static_ptrs = [t.data_ptr() for t in self.static[:n_static]]
         side = capture_stream(next((t.device for t in inputs), torch.device("cuda")))
         side.wait_stream(torch.cuda.current_stream())
@@ -244,6 +267,6 @@ class CudaGraphRunner:
                 return None
         for dst, src in zip(self.static[self.n_static:], inputs[self.n_static:]):
             if dst.data_ptr() != src.data_ptr():
-                dst.copy_(src)
+                copy_into(dst, src)
         self.graph.replay()
         return [o.clone() for o in self.outputs]
