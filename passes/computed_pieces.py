@@ -37,7 +37,7 @@ from fusec import ops
 from fusec.ir import TensorMeta
 from fusec.record import Decision
 
-from .grouping import is_cat, new_node, record_decisions, val
+from .grouping import constant_node, is_cat, new_node, record_decisions, val
 
 aten = torch.ops.aten
 
@@ -68,7 +68,7 @@ def _chain(piece: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     chain = []
     node = piece
     while (node.op == "call_function" and ops.normalize(node) is not None and len(node.users) == 1
-           and len([a for a in node.all_input_nodes]) == 1):
+           and len(node.all_input_nodes) == 1):
         chain.append(node)
         node = node.all_input_nodes[0]
     return node, chain[::-1]
@@ -131,9 +131,7 @@ def _rewrite(gm: fx.GraphModule, cat: fx.Node, chains) -> None:
             mask = torch.zeros(out.shape[dim], dtype=torch.bool)
             mask[lo:hi] = True
             mask = mask.view(-1, *([1] * (rank - 1 - dim))).to(out.device)
-            name = _free_name(gm, f"_piece_mask_{cat.name}")
-            gm.register_buffer(name, mask, persistent=False)  # a graph constant
-            attr = graph.get_attr(name)
+            attr = constant_node(gm, f"_piece_mask_{cat.name}", mask)
             attr.meta["val"] = c_val.new_empty(mask.shape, dtype=torch.bool)
             attr.meta["fusec"] = TensorMeta.of(mask)
             branch = apply(chain)
@@ -141,11 +139,3 @@ def _rewrite(gm: fx.GraphModule, cat: fx.Node, chains) -> None:
                          aten.where.self(attr.meta["val"], val(branch), val(result)), f"{cat.name}_pick")
     cat.replace_all_uses_with(result)
     graph.erase_node(cat)
-
-
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    name, k = base, 0
-    while hasattr(gm, name):
-        k += 1
-        name = f"{base}_{k}"
-    return name

@@ -46,6 +46,8 @@ import torch.fx as fx
 from fusec import ops
 from fusec.record import Folded, record_of
 
+from .grouping import constant_node
+
 MAX_ELEMENTS = 1 << 20  # at most 4 MB of float32 kept per folded value
 
 # Uninitialized memory: its values are whatever the allocator hands out, not a constant.
@@ -108,14 +110,12 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         kept = torch.empty_strided(tuple(meta.shape), tuple(meta.stride), dtype=value.dtype,
                                    device=value.device).copy_(value)
-        name = _free_name(gm, f"_folded_{node.name}")
-        gm.register_buffer(name, kept, persistent=False)  # a graph constant, as fx expects one
         with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(name)
+            attr = constant_node(gm, f"_folded_{node.name}", kept)
         attr.meta.update(node.meta)
         node.replace_all_uses_with(attr)
         dtype = str(value.dtype).replace("torch.", "")
-        folded.append(Folded(node.name, name, tuple(value.shape), dtype))
+        folded.append(Folded(node.name, attr.target, tuple(value.shape), dtype))
     record_of(gm).fold_constants = folded
     gm.recompile()  # the nodes that computed the folded values are dead now: dce removes them
     return gm
@@ -151,8 +151,3 @@ def _attribute(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    name, n = base, 1
-    while hasattr(gm, name):
-        name, n = f"{base}_{n}", n + 1
-    return name

@@ -322,6 +322,16 @@ def new_node(graph: fx.Graph, target, args: tuple, value, like: fx.Node, name: s
     return new
 
 
+def constant_node(gm: fx.GraphModule, base: str, tensor: torch.Tensor) -> fx.Node:
+    """A `get_attr` of `tensor`, kept on gm as a graph constant under a free name starting with
+    `base`, inserted at the graph's insertion point."""
+    name, n = base, 1
+    while hasattr(gm, name):
+        name, n = f"{base}_{n}", n + 1
+    gm.register_buffer(name, tensor, persistent=False)  # a graph constant, as fx expects one
+    return gm.graph.get_attr(name)
+
+
 def record_decisions(gm: fx.GraphModule, pass_name: str, decisions: list) -> fx.GraphModule:
     """Keep a rewriting pass's decisions in the graph's record; if it rewrote anything, drop the
     nodes it left without users and regenerate the module's code."""
