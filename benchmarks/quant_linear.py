@@ -9,9 +9,10 @@ and through fusec. Each row gives the median time and the weight bytes per secon
 packed int4 bytes plus their scales, which is what the layer has to read). `--sweep` also times
 the fusec GEMV kernel with other block sizes (codegen/triton_gemv.py, gemv_blocks) and with the GEMV
 forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
-Packed int4 at small M is read as 32-bit words (codegen/triton_gemv_int4.py); `--int4-paths`
-adds a row with that path switched off (FUSEC_INT4_WORDS=0: the byte-per-lane GEMV), so that
-both are timed in one run. Each fusec row names its kernels and which int4 path it took.
+Packed int4 at small M is read as 32-bit words: at M = 1 dequantized once per group
+(codegen/triton_gemv_int4_groups.py), else per weight (codegen/triton_gemv_int4.py).
+`--int4-paths` adds rows with those paths switched off (FUSEC_INT4_GROUPS=0: the per-weight word
+kernel; FUSEC_INT4_WORDS=0: the byte-per-lane GEMV), so that all are timed in one run. Each fusec row names its kernels and which int4 path it took.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--int4-paths", action="store_true",
-                   help="also time int4 with the word path off (FUSEC_INT4_WORDS=0)")
+                   help="also time int4's other GEMVs (FUSEC_INT4_GROUPS=0, FUSEC_INT4_WORDS=0)")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,21 +68,20 @@ def main() -> None:
             row(f"{fmt} eager", m, nb, layer, x)
             if not args.no_compile:
                 row(f"{fmt} torch.compile", m, nb, torch.compile(layer), x)
-            paths = ["1", "0"] if fmt == "int4" and args.int4_paths else [None]
-            for words in paths:
-                label = {None: "", "1": " (words)", "0": " (bytes: FUSEC_INT4_WORDS=0)"}[words]
-                before = os.environ.get("FUSEC_INT4_WORDS")
-                if words is not None:  # read when the kernel is rendered, in fusec.compile's run
-                    os.environ["FUSEC_INT4_WORDS"] = words
+            paths = PATHS if fmt == "int4" and args.int4_paths else [("", {})]
+            for label, env in paths:
+                before = {key: os.environ.get(key) for key in env}
+                os.environ.update(env)  # read when the kernel is rendered, in fusec.compile's run
                 try:
                     cf = fusec.compile(layer)
                     row(f"{fmt} fusec{label}", m, nb, cf, x)
                     for kk in cf.kernels:  # rendered now, under this path's setting (check reads it)
                         kk.source
                 finally:
-                    os.environ.pop("FUSEC_INT4_WORDS", None)
-                    if before is not None:
-                        os.environ["FUSEC_INT4_WORDS"] = before
+                    for key, value in before.items():
+                        os.environ.pop(key, None)
+                        if value is not None:
+                            os.environ[key] = value
                 check(rows, cf, layer, fmt, x)
         if args.sweep and device == "cuda":
             sweep(rows, layers, x, m, row)
@@ -92,6 +92,11 @@ def main() -> None:
                            torch=torch.__version__, rows=rows), f, indent=1)
 
 
+# the int4 GEMV paths --int4-paths times: as chosen, the word kernel, the byte-per-lane kernel
+PATHS = [("", {}), (" (words: FUSEC_INT4_GROUPS=0)", {"FUSEC_INT4_GROUPS": "0"}),
+         (" (bytes: FUSEC_INT4_WORDS=0)", {"FUSEC_INT4_WORDS": "0"})]
+
+
 def check(rows, cf, layer, fmt, x):
     """The last row's kernels, which int4 path they took, and fusec's and eager's error
     against a float64 product of the dequantized weight."""
@@ -99,12 +104,13 @@ def check(rows, cf, layer, fmt, x):
         ref = F.linear(x.double(), _dequant(layer, fmt).double())
         err_f = (cf(x).double() - ref).abs().max().item()
         err_e = (layer(x).double() - ref).abs().max().item()
-    words = any("triton_gemv_int4" in kk.source for kk in cf.kernels)
-    rows[-1].update(kernels=[kk.name for kk in cf.kernels], int4_words=words, err_fusec=err_f,
-                    err_eager=err_e)
+    groups = any("triton_gemv_int4_groups" in kk.source for kk in cf.kernels)
+    words = any("triton_gemv_int4.py" in kk.source for kk in cf.kernels)
+    rows[-1].update(kernels=[kk.name for kk in cf.kernels], int4_words=words or groups,
+                    int4_groups=groups, err_fusec=err_f, err_eager=err_e)
     triton = any(kk.backend == "triton" for kk in cf.kernels)
-    path = (" (read as 32-bit words)" if words else " (byte per lane)") \
-        if fmt == "int4" and triton else ""
+    path = (" (32-bit words, dequantized per group)" if groups else " (32-bit words)" if words
+            else " (byte per lane)") if fmt == "int4" and triton else ""
     print(f"{'':34s} kernels {[kk.name for kk in cf.kernels]}{path}  |err| fusec {err_f:.3g} "
           f"eager {err_e:.3g}", flush=True)
 

@@ -72,7 +72,44 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def render_gemv_words(kernel, words: Int4Words, arch: int | None = None) -> str:
+def needs_int64(kernel) -> bool:
+    """Whether an address of the kernel can pass 2^31 - 1 elements (then pid * BLOCK is int64)."""
+    return max([kernel.numel * 2] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                     for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+
+
+def row_code(kernel, r, rows, address) -> tuple[list[str], list[str], list[str], set]:
+    """(row lines, epilogue, stores, helpers) of an int4 GEMV: the values computed per output
+    column before the K loop, everything after the sum, and the stores; the generic GEMV's
+    lines, with a kernel's own `rows(index)` -> (terms, masks) and `address(offset, terms)`."""
+    producers = {l.var.name: l for l in kernel.loads}
+    producers.update((item.var.name, item) for item in kernel.body)
+    helpers: set = set()
+
+    def mask(masks: list[str]) -> str:
+        return f", mask={' & '.join(masks)}" if masks else ""
+
+    def lines(name: str) -> list[str]:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            return [_stmt(item, helpers, block="[1, 1, 1]")]
+        terms, masks = rows(item.index)
+        if not terms:
+            terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
+        value = f"tl.load({item.param}_ptr + {address(item.index.offset, terms)}{mask(masks)})"
+        return [f"{name} = {convert(value, item.dtype, item.var.dtype)}"]
+
+    _, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
+    stores = []
+    for s in kernel.stores:
+        terms, masks = rows(s.index)
+        stores.append(f"tl.store({s.param}_ptr + {address(s.index.offset, terms)}, "
+                      f"{convert(s.var.name, s.var.dtype, s.dtype)}{mask(masks)})")
+    return row_lines, epilogue, stores, helpers
+
+
+def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
+                      why_words: str = "") -> str:
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     two = len(kernel.row_shape) == 2
     m, n = kernel.row_shape if two else (1, kernel.row_shape[0])
@@ -162,30 +199,8 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None) -> str:
         x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
             "" if even else f", mask=({wv} < n_words)[:, None]")
 
-    # row values before the loop, and the epilogue after it: the generic GEMV's lines
-    producers = {l.var.name: l for l in kernel.loads}
-    producers.update((item.var.name, item) for item in kernel.body)
-    helpers: set = set()
-
-    def lines(name: str) -> list[str]:
-        item = producers[name]
-        if isinstance(item, Stmt):
-            return [_stmt(item, helpers, block="[1, 1, 1]")]
-        terms, masks = rows(item.index)
-        if not terms:
-            terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
-        value = f"tl.load({item.param}_ptr + {address(item.index.offset, terms)}{mask(masks)})"
-        return [f"{name} = {convert(value, item.dtype, item.var.dtype)}"]
-
-    _, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
-    stores = []
-    for s in kernel.stores:
-        terms, masks = rows(s.index)
-        stores.append(f"tl.store({s.param}_ptr + {address(s.index.offset, terms)}, "
-                      f"{convert(s.var.name, s.var.dtype, s.dtype)}{mask(masks)})")
-
-    big = max([kernel.numel * 2] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
-                                    for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    row_lines, epilogue, stores, helpers = row_code(kernel, r, rows, address)
+    big = needs_int64(kernel)
     helpers |= _helpers_in(row_lines + before + loop + epilogue + stores)
     helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
     return render_template(
@@ -198,4 +213,5 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None) -> str:
         row_lines=row_lines, before_loop=before, loop_lines=loop, word=word,
         word_mask=word_mask, word_mask_next=word_mask_next, masked=bool(lanes), wrap=wrap,
         x_flat=x_flat, x_load=x_load,
-        x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores)
+        x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores,
+        why_words=why_words)

@@ -19,6 +19,7 @@ from .int4_words import match_int4_words
 from .render import render_template
 from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
+from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, literal
 
 
@@ -69,7 +70,11 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
 def render_reduction(kernel, arch: int | None = None) -> str:
     if gemv_fits(kernel):
         words, _ = match_int4_words(kernel)  # (why not: in the byte kernel's docstring)
-        return render_gemv_words(kernel, words, arch) if words else render_gemv(kernel)
+        if words is None:
+            return render_gemv(kernel)
+        fits, why = groups_fit(kernel, words)
+        return render_gemv_groups(kernel, words, arch) if fits else \
+            render_gemv_words(kernel, words, arch, why)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)

@@ -1,4 +1,7 @@
-"""codegen/int4_words.py + codegen/triton_gemv_int4.py: the packed-int4 GEMV read as 32-bit words.
+"""codegen/int4_words.py + codegen/triton_gemv_int4.py and triton_gemv_int4_groups.py: the
+packed-int4 GEMVs that read the weight as 32-bit words. With one activation row (M = 1) the group
+kernel takes it (zero point and scale once per group, exact up to float32 rounding); with 2-4 rows
+the word kernel (each weight dequantized and rounded to bf16 as eager does).
 
 Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU), checks
 which kernel was generated (the word kernel says so in its source), and compares with eager
@@ -23,6 +26,7 @@ int4_linear = importlib.import_module("fusec.examples.int4_linear")
 BF16 = torch.bfloat16
 DEV = TRITON_DEVICE
 WORDS = "codegen/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
+GROUPS = "codegen/templates/triton_gemv_int4_groups.py.j2"  # in the group kernel's
 BYTES = "codegen/templates/triton_gemv.py.j2"
 
 
@@ -103,19 +107,19 @@ def gemv(cf):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_reads_words(m, group):
     layer = Int4(37, 256, group)  # odd N: a masked last block of columns
-    cf = check(layer, rand(m, 256, seed=m))
+    cf = check(layer, rand(m, 256, seed=m), path=GROUPS if m == 1 else WORDS)
     assert "eight per 32-bit word" in cf.kernels[0].source
 
 
 def test_the_example_layer_reads_words():
     ex = int4_linear.example(m=1, k=256, n=48, group=64, device=DEV)
-    check(ex.fn, *ex.inputs)
+    check(ex.fn, *ex.inputs, path=GROUPS)
 
 
 @pytest.mark.parametrize("zero", ["const", "none"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_constant_or_absent_zero_point(zero, m):
-    cf = check(Int4(24, 128, 32, zero=zero), rand(m, 128, seed=5))
+    cf = check(Int4(24, 128, 32, zero=zero), rand(m, 128, seed=5), path=GROUPS if m == 1 else WORDS)
     assert "zneg2 = tl.full(" in cf.kernels[0].source
 
 
@@ -128,12 +132,18 @@ def test_k_tail_and_groups_across_chunks():
     # 40 words per row in chunks of 64: a masked tail; a group of 96 weights is 12 words, which
     # no chunk holds whole: each word loads its group's values
     check(Int4(16, 320, 64), rand(2, 320, seed=4))
-    cf = check(Int4(16, 384, 96), rand(1, 384, seed=6))
+    cf = check(Int4(16, 384, 96), rand(2, 384, seed=6))
     assert "(ws // 12)" in cf.kernels[0].source
+    # one row: the group kernel, whose lanes take 4 words each (12 = 3 lanes per group), and
+    # whose last chunk is partly past the end of a row (48 words in chunks of 64)
+    check(Int4(16, 320, 64), rand(1, 320, seed=4), path=GROUPS)
+    cf = check(Int4(16, 384, 96), rand(1, 384, seed=6), path=GROUPS)
+    assert "// 12  # the lanes' groups" in cf.kernels[0].source and "WPL=4" in cf.kernels[0].source
 
 
 def test_several_chunks_with_prefetch():
-    check(Int4(8, 4096, 128), rand(1, 4096, seed=7))
+    check(Int4(8, 4096, 128), rand(1, 4096, seed=7), path=GROUPS)
+    check(Int4(8, 4096, 128), rand(2, 4096, seed=7))
 
 
 def test_non_contiguous_activations():
@@ -142,6 +152,8 @@ def test_non_contiguous_activations():
     check(layer, wide[:, ::2])  # stride 2 along K
     check(layer, rand(128, 3, seed=9).t())  # (3, 128) with strides (1, 3)
     check(layer, wide[:, 64:192])  # a window of a longer row
+    check(layer, wide[:1, ::2], path=GROUPS)  # one row: the group kernel
+    check(layer, wide[1:, 64:192], path=GROUPS)
 
 
 def test_nan_and_inf_in_the_activations():
@@ -149,6 +161,56 @@ def test_nan_and_inf_in_the_activations():
     x[0, 5] = float("nan")
     x[2, 17] = float("inf")
     check(Int4(16, 128, 32), x)
+
+
+@pytest.mark.parametrize("zero", ["tensor", "const", "none"])
+@pytest.mark.parametrize("where", ["inf", "-inf and inf", "nan", "overflow"])
+def test_one_row_with_infinities_or_overflow_takes_the_exact_way(where, zero):
+    """The group kernel's fast form subtracts (128 + zero) * sum(x) at the end: an infinity in
+    x would make it inf - inf = NaN where eager has an infinity, and x near the float32 limit
+    overflows (128 + q) * x where eager's (q - zero) * scale * x does not. Such a program
+    computes its rows again with eager's arithmetic: infinities, NaNs and values as eager's."""
+    layer = Int4(24, 256, 32, zero=zero, seed=12)
+    x = rand(1, 256, seed=13)
+    if where == "inf":
+        x[0, 5] = float("inf")
+    elif where == "-inf and inf":
+        x[0, 9], x[0, 10] = float("-inf"), float("inf")
+    elif where == "nan":
+        x[0, 7] = float("nan")
+    else:
+        x = (x * 2e36).to(BF16)
+        x[0, 3] = 3e38  # (128 + q) * x overflows float32
+    cf = fusec.compile(layer, backend="triton")
+    with torch.no_grad():
+        got, want = cf(x), layer(x)
+    assert GROUPS in cf.kernels[0].source
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isinf()], want[want.isinf()])
+    fin = want.isfinite()
+    if fin.any():  # the exact way: eager's own arithmetic, so its values up to the sum's order
+        ref = F.linear(x.double(), layer.weight(BF16).double())[fin]
+        err = (got[fin].double() - ref).abs().max().item()
+        assert err <= (want[fin].double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
+
+
+def test_one_row_is_closer_to_float64_than_eager():
+    """The group kernel does not round each dequantized weight to bf16: against a float64
+    product of the exact dequantization (q - zero) * scale its error is only the output's
+    bf16 rounding, smaller than eager's (which rounds every weight first)."""
+    layer = Int4(64, 1024, 128, seed=14)
+    x = rand(1, 1024, seed=15)
+    cf = fusec.compile(layer, backend="triton")
+    p = layer.packed.view(64, 8, 64).double()
+    q = torch.stack([p.remainder(16), p.div(16, rounding_mode="floor")], -1).view(64, 8, 128)
+    w = ((q - layer.zero.double()[..., None]) * layer.scale.double()[..., None]).view(64, 1024)
+    with torch.no_grad():
+        got, want = cf(x), layer(x)
+    assert GROUPS in cf.kernels[0].source
+    exact = x.double() @ w.t()
+    rounding = (exact.to(BF16).double() - exact).abs()  # the output's own rounding
+    assert ((got.double() - exact).abs() <= rounding * 1.01 + 1e-30).float().mean() > 0.99
+    assert (got.double() - exact).abs().sum() < (want.double() - exact).abs().sum()
 
 
 @pytest.mark.parametrize("zero", ["tensor", "const", "none"])
@@ -179,6 +241,20 @@ def test_packed_weight_at_any_offset(offset):
     with torch.no_grad():
         assert torch.equal(cf(rand(2, 128)), layer(rand(2, 128)))
     assert len(cf.kernels) == 1 and WORDS in cf.kernels[0].source
+    with torch.no_grad():  # one row: the group kernel, with the same byte-joining loads
+        assert torch.equal(cf(rand(1, 128)).isnan(), layer(rand(1, 128)).isnan())
+        check(layer, rand(1, 128, seed=16), path=GROUPS)
+
+
+def test_group_kernel_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSEC_INT4_GROUPS", "0")
+    cf = check(Int4(24, 128, 32), rand(1, 128))  # the word kernel, and it says why
+    assert "FUSEC_INT4_GROUPS=0: the group kernel is switched off" in cf.kernels[0].source
+
+
+def test_word_kernel_says_why_not_the_group_kernel():
+    cf = check(Int4(24, 128, 32), rand(3, 128))
+    assert "Not the group kernel" in cf.kernels[0].source and "M = 3" in cf.kernels[0].source
 
 
 # ---- what falls back to the byte-per-lane GEMV -----------------------------------------------
@@ -237,13 +313,14 @@ def test_a_zero_point_computed_by_another_kernel_is_read_from_its_buffer():
                 return super().weight(dtype)
             finally:
                 self.zero = z
-    check(F32Zero(24, 128, 32), rand(1, 128), kernels=2)
+    check(F32Zero(24, 128, 32), rand(1, 128), kernels=2, path=GROUPS)
+    check(F32Zero(24, 128, 32), rand(2, 128), kernels=2)
 
 
 def test_the_match_checks_every_rounding_step():
     """The word kernel's arithmetic is eager's only for bf16 rounding after the subtraction and
     after the multiplication: the same kernel IR with either rounding taken out is declined."""
-    cf = check(Int4(24, 128, 32), rand(1, 128))
+    cf = check(Int4(24, 128, 32), rand(1, 128), path=GROUPS)
     ir = gemv(cf).ir
     assert match_int4_words(ir)[0] is not None
     for op in ("sub", "mul"):

@@ -1,0 +1,154 @@
+"""Triton GEMV for one activation row times a packed-int4 weight, dequantized once per group.
+
+codegen/triton_gemv_int4.py's word kernel dequantizes every weight, `(q - zero) * scale` rounded
+to bf16 as eager does, in three packed bf16 steps and a widening per pair of nibbles: about six
+instructions per weight in its K loop, which on an H100/H200 is bound by the instructions it
+issues (1.3-1.4 TB/s of packed bytes at K = N = 8192; docs/gpu.md). This kernel takes the sum
+apart instead (templates/triton_gemv_int4_groups.py.j2 shows the algebra): per weight half an
+unpacking step, one widening and one FMA, and the zero point and scale once per group. It is
+closer to a float64 product than eager's kernel, not equal to it bit for bit, and it computes a
+program's rows again the exact way when a sum is not finite (an infinity or NaN among the
+activations, or an overflow of the fast form), so infinities and NaNs come where eager's do.
+
+Its tile is [LANES, WPL, ROWS] (benchmarks/diagnostics/int4_offset.py, where it was measured):
+a lane holds WPL neighbouring words of ROWS rows, and the activations of those words, widened
+once for every row. One warp per program. It is used at M = 1 when a lane's WPL words fit in one
+group; everything else keeps the word kernel (`groups_fit` says why).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from fusec.ir import Load, Reduce
+
+from .int4_words import Int4Words
+from .render import render_template
+from .triton_gemv_int4 import _int32, needs_int64, pair_math, row_code
+from .triton_text import _helpers_in, _summary
+
+# Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
+# LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,
+# 8 x 32 x 1 x 4 1.56, 2 x 32 x 1 x 4 1.47, 8 x 64 x 4 x 4 1.36; the word kernel 1.29-1.33.
+ROWS = 4
+LANES = 32
+WPL = 4
+
+
+def groups_enabled() -> bool:
+    return os.environ.get("FUSEC_INT4_GROUPS", "1") != "0"
+
+
+def groups_fit(kernel, words: Int4Words) -> tuple[bool, str]:
+    """(fits, why): whether this int4 GEMV takes the group kernel, or why it keeps the word one."""
+    if not groups_enabled():
+        return False, "FUSEC_INT4_GROUPS=0: the group kernel is switched off"
+    m = kernel.row_shape[0] if len(kernel.row_shape) == 2 else 1
+    if m != 1:
+        return False, (f"M = {m}: the group kernel multiplies one activation row (each row would "
+                       "need its own sums of activations)")
+    return True, "one activation row: zero point and scale applied once per group"
+
+
+def group_blocks(words: int, group_words: int) -> tuple[int, int, int]:
+    """(ROWS, LANES, WPL): WPL words per lane, as many as divide a group's words (up to 4, so
+    that a lane's words share one zero point and scale); LANES at most 32, fewer when a row has
+    fewer words (small layers under the interpreter)."""
+    wpl = math.gcd(WPL, group_words)
+    lanes = min(LANES, 1 << max(-(-words // wpl) - 1, 0).bit_length())
+    return ROWS, lanes, wpl
+
+
+def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str:
+    (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
+    two = len(kernel.row_shape) == 2
+    n = kernel.row_shape[-1]
+    n_rows = len(kernel.row_shape)
+    wpg = words.group // 8  # words per group
+    rows, lanes, wpl = group_blocks(words.words, wpg)
+    even = words.words % (lanes * wpl) == 0
+    overhang = n % rows != 0
+    asm, pair_note = pair_math(arch)
+
+    def n_term(idx, name: str) -> list[str]:
+        st = idx.strides[n_rows - 1]
+        return [] if not st else [name if st == 1 else f"{name} * {st}"]
+
+    def address(offset: int, terms: list[str]) -> str:
+        return " + ".join(([str(offset)] if offset else []) + terms) or "0"
+
+    def joined(masks: list[str]) -> str:
+        return " & ".join(masks) or "0"  # ("0": MASKED is off, the mask is not read)
+
+    # the packed weight as word indices (int4_words checked that its rows are whole words)
+    p = words.packed.index
+    word = address(p.offset // 4, [f"n3 * {p.strides[n_rows - 1] // 4}", "ws"])
+    n_masks = ["(n3 < N)"] if overhang else []
+    word_mask = joined(n_masks + ([] if even else ["(ws < n_words)"]))
+    wrap = even and not overhang
+    word_mask_next = joined(n_masks + ["(ws + w_start + BLOCK_W < n_words)"])
+    word_mask_at = joined(n_masks + ([] if even else ["(ws + w_start < n_words)"]))
+
+    def group_load(g: Load, tile: str) -> str:
+        """One group value per lane and row: [LANES, ROWS] ("2") or [LANES, 1, ROWS] ("3")."""
+        cols, lane = ("n2", "g") if tile == "2" else ("n3", "g[:, :, None]")
+        st = g.index.strides[n_rows]
+        terms = n_term(g.index, cols) + [lane if st == 1 else f"{lane} * {st}"]
+        masks = ([f"({cols} < N)"] if overhang else []) + (
+            [] if even else ["lane_mask" if tile == "2" else "lane_mask[:, :, None]"])
+        other = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
+        return f"tl.load({g.param}_ptr + {address(g.index.offset, terms)}{other})"
+
+    group = f"g = (w_start + lane_w) // {wpg}  # the lanes' groups, [LANES, 1]"
+    lane_mask = [] if even else ["lane_mask = w_start + lane_w < n_words"]
+    fast = [group] + lane_mask
+    exact = [group] + lane_mask
+    if isinstance(words.zero, Load):
+        fast.append(f"z = fusec_bf16_to_f32({group_load(words.zero, '2')})")
+        exact.append(f"zneg2 = bf16x2({group_load(words.zero, '3')}, True)")
+    else:
+        fast.append(f"z = {float(words.zero)!r}  # the zero point is a constant")
+        bits = _bf16_bits(-words.zero)
+        exact.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)  "
+                     f"# -{words.zero} as bf16 bits, twice")
+    fast.append(f"s = fusec_bf16_to_f32({group_load(words.scale, '2')})")
+    exact.append(f"s2 = bf16x2({group_load(words.scale, '3')}, False)")
+
+    # the activations of a lane's words: x[8w + t] at x's stride along K
+    x = words.x_lo.index
+    step = words.x_step
+    lanes8 = (f"((w_start + w) * {8 * step})[:, :, None] + (tl.arange(0, 8) * {step})"
+              "[None, None, :]") if step != 1 else \
+        "((w_start + w) * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]"
+    x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
+        "" if even else ", mask=lane_mask[:, :, None], other=0.0")
+
+    def rows_of(idx):
+        terms, masks = [], []
+        for axis, st in zip(["m", "n"] if two else ["n"], idx.strides[:n_rows]):
+            if st:
+                terms.append(axis if st == 1 else f"{axis} * {st}")
+                masks += ["n_mask"] if axis == "n" and overhang else []
+        return terms, masks
+
+    row_lines, epilogue, stores, helpers = row_code(kernel, r, rows_of, address)
+    big = needs_int64(kernel)
+    helpers |= _helpers_in(row_lines + fast + exact + epilogue + stores)
+    helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
+    return render_template(
+        "triton_gemv_int4_groups.py.j2", name=kernel.name, summary=_summary(kernel), n=n,
+        k=2 * kernel.k, group=words.group, words=words.words, rows=rows, lanes=lanes, wpl=wpl,
+        programs=-(-n // rows), asm=asm, pair_note=pair_note, helpers=sorted(helpers),
+        packed=words.packed.param, params=[f"{q.name}_ptr" for q in kernel.params],
+        args=[q.name for q in kernel.params],
+        n_start="pid.to(tl.int64) * ROWS" if big else "pid * ROWS", even=even,
+        row_lines=row_lines, before_loop=[], group_lines=fast, exact_group_lines=exact,
+        word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
+        masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
+        stores=stores)
+
+
+def _bf16_bits(value: float) -> int:
+    return torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
