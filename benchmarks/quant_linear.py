@@ -75,14 +75,14 @@ def main() -> None:
                 try:
                     cf = fusec.compile(layer)
                     row(f"{fmt} fusec{label}", m, nb, cf, x)
-                    for kk in cf.kernels:  # rendered now, under this path's setting (check reads it)
-                        kk.source
+                    # rendered now, under this path's setting (a kernel renders its source when first read)
+                    sources = [kk.source for kk in cf.kernels]
                 finally:
                     for key, value in before.items():
                         os.environ.pop(key, None)
                         if value is not None:
                             os.environ[key] = value
-                check(rows, cf, layer, fmt, x)
+                check(rows, cf, layer, fmt, x, sources)
         if args.sweep and device == "cuda":
             sweep(rows, layers, x, m, row)
 
@@ -97,15 +97,16 @@ PATHS = [("", {}), (" (words: FUSEC_INT4_GROUPS=0)", {"FUSEC_INT4_GROUPS": "0"})
          (" (bytes: FUSEC_INT4_WORDS=0)", {"FUSEC_INT4_WORDS": "0"})]
 
 
-def check(rows, cf, layer, fmt, x):
-    """The last row's kernels, which int4 path they took, and fusec's and eager's error
-    against a float64 product of the dequantized weight."""
+def check(rows, cf, layer, fmt, x, sources):
+    """The last row's kernels, which int4 path they took (their `sources`), and fusec's and
+    eager's error against a float64 product of the exactly dequantized weight (eager's error
+    includes its rounding of every weight to bf16 before the product)."""
     with torch.no_grad():
         ref = F.linear(x.double(), _dequant(layer, fmt).double())
         err_f = (cf(x).double() - ref).abs().max().item()
         err_e = (layer(x).double() - ref).abs().max().item()
-    groups = any("triton_gemv_int4_groups" in kk.source for kk in cf.kernels)
-    words = any("triton_gemv_int4.py" in kk.source for kk in cf.kernels)
+    groups = any("triton_gemv_int4_groups" in text for text in sources)
+    words = any("triton_gemv_int4.py" in text for text in sources)
     rows[-1].update(kernels=[kk.name for kk in cf.kernels], int4_words=words or groups,
                     int4_groups=groups, err_fusec=err_f, err_eager=err_e)
     triton = any(kk.backend == "triton" for kk in cf.kernels)
@@ -116,9 +117,14 @@ def check(rows, cf, layer, fmt, x):
 
 
 def _dequant(layer, fmt):
+    """The weight the quantized layer stands for, in float64: q * scale, (q - zero) * scale."""
     if fmt == "int8":
-        return layer.q.to(torch.bfloat16) * layer.scale[:, None]
-    return layer.weight(torch.bfloat16)
+        return layer.q.double() * layer.scale.double()[:, None]
+    p = layer.packed.view(layer.n, layer.k // layer.group, layer.group // 2).double()
+    q = torch.stack([p.remainder(16), p.div(16, rounding_mode="floor")], -1)
+    q = q.view(layer.n, layer.k // layer.group, layer.group)
+    return ((q - layer.zero.double()[..., None]) * layer.scale.double()[..., None]).view(
+        layer.n, layer.k)
 
 
 def sweep(rows, layers, x, m, row):

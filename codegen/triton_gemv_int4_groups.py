@@ -26,17 +26,20 @@ from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
+from .triton_gemv import SMS
 from .triton_gemv_int4 import _int32, needs_int64, pair_math, row_code
 from .triton_text import _helpers_in, _summary
 
 # Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
 # LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,
 # 8 x 32 x 1 x 4 1.56, 2 x 32 x 1 x 4 1.47, 8 x 64 x 4 x 4 1.36; the word kernel 1.29-1.33.
-ROWS = 4
+# Other widths want other ROWS (the generated kernel, docs/gpu.md): N = 4096 2 rows (K = 11008:
+# 1.27-1.30 TB/s against 1.17 with 4), N = 11008 8 rows (1.40 against 1.32). At about 96
+# registers an SM holds 16 of these one-warp programs, so ROWS is the fewest rows (at least 2)
+# that keep the grid within one wave of 16 programs per SM.
 LANES = 32
 WPL = 4
-
-
+PROGRAMS_PER_SM = 16
 def groups_enabled() -> bool:
     return os.environ.get("FUSEC_INT4_GROUPS", "1") != "0"
 
@@ -52,13 +55,16 @@ def groups_fit(kernel, words: Int4Words) -> tuple[bool, str]:
     return True, "one activation row: zero point and scale applied once per group"
 
 
-def group_blocks(words: int, group_words: int) -> tuple[int, int, int]:
-    """(ROWS, LANES, WPL): WPL words per lane, as many as divide a group's words (up to 4, so
+def group_blocks(n: int, words: int, group_words: int) -> tuple[int, int, int]:
+    """(ROWS, LANES, WPL): ROWS columns per program, 2 to 8, the fewest that keep N / ROWS
+    programs within one wave; WPL words per lane, as many as divide a group's words (up to 4, so
     that a lane's words share one zero point and scale); LANES at most 32, fewer when a row has
     fewer words (small layers under the interpreter)."""
+    wave = PROGRAMS_PER_SM * SMS
+    rows = min(8, max(2, 1 << max(-(-n // wave) - 1, 0).bit_length()))
     wpl = math.gcd(WPL, group_words)
     lanes = min(LANES, 1 << max(-(-words // wpl) - 1, 0).bit_length())
-    return ROWS, lanes, wpl
+    return rows, lanes, wpl
 
 
 def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str:
@@ -67,7 +73,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
     n = kernel.row_shape[-1]
     n_rows = len(kernel.row_shape)
     wpg = words.group // 8  # words per group
-    rows, lanes, wpl = group_blocks(words.words, wpg)
+    rows, lanes, wpl = group_blocks(n, words.words, wpg)
     even = words.words % (lanes * wpl) == 0
     overhang = n % rows != 0
     asm, pair_note = pair_math(arch)
