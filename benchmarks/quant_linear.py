@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import fusec
 from fusec.examples.int4_linear import Int4Linear
 from fusec.examples.int8_linear import Int8Linear
+from fusec.runtime.build import codegen
 from fusec.timing import median_ms
 
 
@@ -75,8 +76,8 @@ def main() -> None:
                 try:
                     cf = fusec.compile(layer)
                     row(f"{fmt} fusec{label}", m, nb, cf, x)
-                    # rendered now, under this path's setting (a kernel renders its source when first read)
-                    sources = [kk.source for kk in cf.kernels]
+                    # each kernel rendered again here, under this path's setting
+                    sources = [codegen(kk.backend).render(kk.ir) for kk in cf.kernels]
                 finally:
                     for key, value in before.items():
                         os.environ.pop(key, None)
