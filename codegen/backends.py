@@ -99,6 +99,11 @@ def get(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def runs_on_gpus(name: str) -> bool:
+    """Whether backend `name` (a named one: "auto" is not) runs on CUDA tensors."""
+    return name in BACKENDS and "cuda" in BACKENDS[name].devices
+
+
 def cpu_only(name: str) -> bool:
     """Whether backend `name` ("auto" included: it may pick Triton) runs on CPU tensors only."""
     return name in BACKENDS and BACKENDS[name].devices == ("cpu",)

@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("example", help="a file defining example(), or a name from examples/")
         p.add_argument("--backend", default="auto", choices=["auto", "cpp", "llvm", "triton"])
-        p.add_argument("--device", default="cpu" if name != "profile" else "auto",
+        p.add_argument("--device", default=None if name != "profile" else "auto",
                        choices=["auto", "cpu", "cuda"],
-                       help="where the example's inputs live (auto: a GPU if there is one)")
+                       help="where the example's inputs live (auto: a GPU if there is one; "
+                            "default: the CPU, or for --backend triton a GPU if there is one)")
         p.add_argument("--small", action="store_true",
                        help="use the example's SMALL sizes (its SMALL dict of example() kwargs)")
         p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -117,7 +118,9 @@ def _run(args) -> int:
     return 0
 
 
-def _example(module, device: str, small: bool = False, backend: str = "auto"):
+def _example(module, device: str | None, small: bool = False, backend: str = "auto"):
+    if device is None:  # a GPU backend named on a GPU machine: its tensors on the GPU
+        device = default_device() if backends.runs_on_gpus(backend) else "cpu"
     if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
         device = "cpu" if backends.cpu_only(backend) else default_device()
     if device == "cuda" and not torch.cuda.is_available():
