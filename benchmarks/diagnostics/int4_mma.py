@@ -19,6 +19,10 @@ share a row block, each writes its float32 partial sums, and the last to finish 
 counter per row block) adds them up in a fixed order and stores the bf16 result, then resets
 the counter for the next call.
 
+A config ending in `g` uses the group form instead (int4_offset.py's algebra, here on tensor
+cores): a chunk within one group multiplies `q - zero` (eager's first rounding: two bf16x2 FMAs
+per pair, no scale), and the scale is applied once per row and chunk to the float32 sums.
+
 With a GPU each config (BLOCK_N x BLOCK_W x WARPS x SPLIT) is timed beside fusec's kernel and
 checked against eager's output; without one, each is compiled for sm_90 and its registers and loop
 instructions are printed.
@@ -74,10 +78,20 @@ def dequant(pair, zneg, s):
 
 
 @triton.jit
+def minus_zero(pair, zneg):
+    # q - zero on bf16 pairs: (128 + q) - 128 = q exactly, then + (-zero) rounded as eager's
+    return tl.inline_asm_elementwise(
+        "{\n .reg .b32 r_one, r_m128, r_q;\n mov.b32 r_one, 0x3F803F80;\n"
+        " mov.b32 r_m128, 0xC300C300;\n"
+        " fma.rn.bf16x2 r_q, $1, r_one, r_m128;\n fma.rn.bf16x2 $0, r_q, r_one, $2;\n}",
+        "=r,r,r", [pair, zneg], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit
 def int4_mma_gemv(p_ptr, z_ptr, s_ptr, x_ptr, out_ptr, part_ptr, count_ptr, M,
                   N: tl.constexpr, n_words: tl.constexpr, GROUP_W: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  SPLIT: tl.constexpr, GROUPS: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     K: tl.constexpr = 8 * n_words
@@ -89,14 +103,26 @@ def int4_mma_gemv(p_ptr, z_ptr, s_ptr, x_ptr, out_ptr, part_ptr, count_ptr, M,
     wp = p_ptr.to(tl.pointer_type(tl.int32))
     for w0 in range(pid_k * PER_SPLIT, (pid_k + 1) * PER_SPLIT, BLOCK_W):
         words = tl.load(wp + n * n_words + w0 + w, eviction_policy="evict_first")
-        g = (w0 + w) // GROUP_W
-        zneg = -tl.load(z_ptr + n * (n_words // GROUP_W) + g)
-        s = tl.load(s_ptr + n * (n_words // GROUP_W) + g)
         kk = 8 * (w0 + tl.arange(0, BLOCK_W))[:, None]
-        for t in tl.static_range(8):
-            wt = dequant(pair_nibbles(words, t), zneg, s)
-            xt = tl.load(x_ptr + mm * K + kk + t, mask=mm < M, other=0.0)
-            acc = tl.dot(wt, xt, acc)
+        if GROUPS:
+            # the chunk lies in one group: its weights' q - zero (eager's first rounding) on the
+            # tensor cores, and the scale once per row and chunk, in float32
+            g1 = w0 // GROUP_W
+            zneg1 = -tl.load(z_ptr + n * (n_words // GROUP_W) + g1)  # [BLOCK_N, 1]
+            sf = tl.load(s_ptr + n * (n_words // GROUP_W) + g1).to(tl.float32)
+            d = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for t in tl.static_range(8):
+                xt = tl.load(x_ptr + mm * K + kk + t, mask=mm < M, other=0.0)
+                d = tl.dot(minus_zero(pair_nibbles(words, t), zneg1), xt, d)
+            acc += sf * d
+        else:
+            g = (w0 + w) // GROUP_W
+            zneg = -tl.load(z_ptr + n * (n_words // GROUP_W) + g)
+            s = tl.load(s_ptr + n * (n_words // GROUP_W) + g)
+            for t in tl.static_range(8):
+                wt = dequant(pair_nibbles(words, t), zneg, s)
+                xt = tl.load(x_ptr + mm * K + kk + t, mask=mm < M, other=0.0)
+                acc = tl.dot(wt, xt, acc)
     if SPLIT == 1:
         tl.store(out_ptr + mm * N + n, acc.to(tl.bfloat16), mask=mm < M)
     else:
@@ -112,13 +138,14 @@ def int4_mma_gemv(p_ptr, z_ptr, s_ptr, x_ptr, out_ptr, part_ptr, count_ptr, M,
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-def module_text(m, n_words, group_w, n, bn, bw, warps, split) -> str:
+def module_text(m, n_words, group_w, n, bn, bw, warps, split, groups=False) -> str:
     here = inspect.getsource(sys.modules[__name__])
     kernels = here[here.index("@triton.jit\ndef pair_nibbles"):here.index("\ndef module_text")]
     return ("import triton\nimport triton.language as tl\n\n\n" + kernels +
             f"\ndef launch(p, z, s, x, out, part, count):\n"
             f"    return int4_mma_gemv[({n // bn}, {split})](p, z, s, x, out, part, count, {m}, {n}, "
-            f"{n_words}, {group_w}, {bn}, {bw}, 16, {split}, num_warps={warps}, num_stages=1)\n")
+            f"{n_words}, {group_w}, {bn}, {bw}, 16, {split}, {groups}, num_warps={warps}, "
+            "num_stages=1)\n")
 
 
 def main() -> None:
@@ -129,7 +156,8 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--configs", default="64x16x4x4,64x16x4x8,64x32x4x4,64x32x4x8,128x16x8x4,"
                    "128x16x8x8,128x32x8x8,128x16x4x8,64x16x4x16,128x16x8x16",
-                   help="BLOCK_NxBLOCK_WxWARPSxSPLIT,...")
+                   help="BLOCK_NxBLOCK_WxWARPSxSPLIT[g],...; g: the group form (int4_offset.py's "
+                        "algebra: no per-weight dequantization, BLOCK_W within a group)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -152,20 +180,23 @@ def main() -> None:
                   f"|err| fusec {(got - ref).abs().max().item():.3g} eager "
                   f"{(want - ref).abs().max().item():.3g}", flush=True)
         for spec in args.configs.split(","):
-            bn, bw, warps, split = (int(v) for v in spec.split("x"))
-            if n_words % (bw * split) or args.n % bn or group_w % bw and bw % group_w:
+            groups = spec.endswith("g")
+            bn, bw, warps, split = (int(v) for v in spec.rstrip("g").split("x"))
+            if n_words % (bw * split) or args.n % bn or group_w % bw and bw % group_w or \
+                    groups and group_w % bw:
                 print(f"{spec}: does not tile K = {args.k}, N = {args.n}, group {args.group}")
                 continue
             if not gpu:
                 done = triton_target.compile_for(
-                    module_text(m, n_words, group_w, args.n, bn, bw, warps, split), "int4_mma_gemv",
+                    module_text(m, n_words, group_w, args.n, bn, bw, warps, split, groups),
+                    "int4_mma_gemv",
                     ["uint8", "bfloat16", "bfloat16", "bfloat16", "bfloat16", "float32", "int32"], 90)
                 print(f"{spec}: {loop_summary(done, bn * bw * 8 / (32 * warps))}", flush=True)
                 continue
             part = torch.empty(split, m, args.n, dtype=torch.float32, device=dev)
             call = lambda: int4_mma_gemv[(args.n // bn, split)](  # noqa: E731
                 layer.packed, layer.zero, layer.scale, x, out, part, count, m, args.n, n_words,
-                group_w, bn, bw, 16, split, num_warps=warps, num_stages=1)
+                group_w, bn, bw, 16, split, groups, num_warps=warps, num_stages=1)
             try:
                 call()
                 torch.cuda.synchronize()
