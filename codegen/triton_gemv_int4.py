@@ -67,6 +67,11 @@ def pair_math(arch: int | None = None) -> tuple[bool, str]:
     return True, "three packed bf16 FMAs, PTX fma.rn.bf16x2"
 
 
+def bf16_bits(value: float) -> int:
+    """The 16 bits of `value` as a bf16 number."""
+    return torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+
 def _int32(value: int) -> int:
     """A 32-bit pattern as the signed int32 Triton reads a literal as."""
     return value - (1 << 32) if value >= 1 << 31 else value
@@ -176,7 +181,7 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
     if isinstance(words.zero, Load):
         loop += group_lines(words.zero, "zneg2", True)
     else:
-        bits = torch.tensor(-words.zero, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+        bits = bf16_bits(-words.zero)
         before.append(f"# the zero point is the constant {words.zero}: -zero as bf16 bits, twice")
         before.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)")
     loop += group_lines(words.scale, "s2", False)

@@ -20,14 +20,12 @@ from __future__ import annotations
 import math
 import os
 
-import torch
-
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
 from .triton_gemv import SMS
-from .triton_gemv_int4 import _int32, needs_int64, pair_math, row_code
+from .triton_gemv_int4 import _int32, bf16_bits, needs_int64, pair_math, row_code
 from .triton_text import _helpers_in, _summary
 
 # Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
@@ -116,7 +114,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         exact.append(f"zneg2 = bf16x2({group_load(words.zero, '3')}, True)")
     else:
         fast.append(f"z = {float(words.zero)!r}  # the zero point is a constant")
-        bits = _bf16_bits(-words.zero)
+        bits = bf16_bits(-words.zero)
         exact.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)  "
                      f"# -{words.zero} as bf16 bits, twice")
     fast.append(f"s = fusec_bf16_to_f32({group_load(words.scale, '2')})")
@@ -155,6 +153,3 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
         stores=stores)
 
-
-def _bf16_bits(value: float) -> int:
-    return torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
