@@ -148,7 +148,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         packed=words.packed.param, params=[f"{q.name}_ptr" for q in kernel.params],
         args=[q.name for q in kernel.params],
         n_start="pid.to(tl.int64) * ROWS" if big else "pid * ROWS", even=even,
-        row_lines=row_lines, before_loop=[], group_lines=fast, exact_group_lines=exact,
+        row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
         stores=stores)
