@@ -67,13 +67,15 @@ def words_enabled() -> bool:
     return os.environ.get("FUSEC_INT4_WORDS", "1") != "0"
 
 
-def match_int4_words(kernel) -> tuple[Int4Words | None, str]:
-    """(pattern, why): the packed-int4 form of a GEMV reduction, or None and the reason."""
+def match_int4_words(kernel, max_m: int = INT4_WORDS_MAX_M) -> tuple[Int4Words | None, str]:
+    """(pattern, why): the packed-int4 form of a GEMV reduction, or None and the reason. `max_m`:
+    the most activation rows the caller's kernels multiply (the Triton backend's tensor-core
+    kernel takes up to 16, codegen/triton_gemv_int4_mma.py)."""
     if not words_enabled():
         return None, "FUSEC_INT4_WORDS=0: the word path is switched off"
     m = kernel.row_shape[0] if len(kernel.row_shape) == 2 else 1
-    if m > INT4_WORDS_MAX_M:
-        return None, (f"M = {m} rows > {INT4_WORDS_MAX_M}: the rows are multiplied by "
+    if m > max_m:
+        return None, (f"M = {m} rows > {max_m}: the rows are multiplied by "
                       "tensor-core dots instead")
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if len(reds) != 1:

@@ -52,16 +52,24 @@ def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
     return block_m, block_n, max(block_w, 1), 8 if block_n * block_w >= 2048 else 4
 
 
+def current_arch() -> int | None:
+    """The sm_<arch> number of the NVIDIA GPU this process compiles for; None under the
+    interpreter, without a CUDA GPU, or on another vendor's."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() \
+            or torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
 def pair_math(arch: int | None = None) -> tuple[bool, str]:
     """(asm, why): whether dequant_pairs is the PTX bf16x2 version, decided at render time for
     the GPU this process compiles for, or for sm_<arch> when given (codegen/triton_target.py)."""
+    arch = current_arch() if arch is None else arch
     if arch is None:
         if os.environ.get("TRITON_INTERPRET") == "1":
             return False, "in float32: the interpreter runs no PTX"
-        if not torch.cuda.is_available() or torch.version.hip:
-            return False, "in float32: no CUDA GPU for PTX bf16x2 FMAs"
-        major, minor = torch.cuda.get_device_capability()
-        arch = 10 * major + minor
+        return False, "in float32: no CUDA GPU for PTX bf16x2 FMAs"
     if arch < 80:
         return False, f"in float32: sm_{arch} has no bf16x2 FMA (sm_80 and newer do)"
     return True, "three packed bf16 FMAs, PTX fma.rn.bf16x2"

@@ -85,6 +85,18 @@ def fusec_dot_bf16(x, w):
 
 
 @triton.jit
+def fusec_dot_bf16_acc(a, b, acc):
+    # acc + a @ b on tensor cores, for bf16 tiles a [P, K] and b [K, Q] and a float32 acc. The
+    # interpreter's tl.dot does not read bf16 tiles as numbers (see fusec_dot_bf16), so there the
+    # tiles are widened to float32 first: the same exact products.
+    if NATIVE_CASTS:
+        out = tl.dot(a, b, acc)
+    else:
+        out = tl.dot(fusec_bf16_to_f32(a), fusec_bf16_to_f32(b), acc, input_precision="ieee")
+    return out
+
+
+@triton.jit
 def fusec_maximum(a, b):
     # torch.maximum propagates NaN from either side; tl.maximum does not by default.
     return tl.where((a > b) | (a != a), a, b)

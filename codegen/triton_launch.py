@@ -47,6 +47,8 @@ class TritonLauncher:
             self.module.launch(*tensors)
             return
         compiled = self.module.launch(*tensors)
-        if compiled is not None and hasattr(compiled, "run") and hasattr(self.module, "bind"):
+        # (a module that launches two kernels returns both, and binds both)
+        if compiled is not None and hasattr(self.module, "bind") and all(
+                hasattr(c, "run") for c in (compiled if isinstance(compiled, tuple) else [compiled])):
             self.aligned = tuple(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
             self.fast = self.module.bind(compiled)

@@ -20,6 +20,7 @@ from .render import render_template
 from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
+from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, literal
 
 
@@ -67,14 +68,27 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
     return persistent, xblock, rblock, num_warps
 
 
+def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
+    """A GEMV: a packed-int4 weight read as words goes to the group kernel (M = 1), the
+    tensor-core kernel (M = 2-16) or the word kernel (M <= 4), each told why not the one before;
+    everything else to the byte-per-lane GEMV (whose docstring says why not words)."""
+    words, _ = match_int4_words(kernel, MMA_MAX_M)
+    if words is None:
+        return render_gemv(kernel)
+    fits, why = groups_fit(kernel, words)
+    if fits:
+        return render_gemv_groups(kernel, words, arch)
+    fits, why_not = mma_fit(kernel, words, arch)
+    if fits:
+        return render_gemv_mma(kernel, words, arch, why_not)
+    if match_int4_words(kernel)[0] is not None:  # M <= INT4_WORDS_MAX_M
+        return render_gemv_words(kernel, words, arch, f"{why}; {why_not}")
+    return render_gemv(kernel)
+
+
 def render_reduction(kernel, arch: int | None = None) -> str:
     if gemv_fits(kernel):
-        words, _ = match_int4_words(kernel)  # (why not: in the byte kernel's docstring)
-        if words is None:
-            return render_gemv(kernel)
-        fits, why = groups_fit(kernel, words)
-        return render_gemv_groups(kernel, words, arch) if fits else \
-            render_gemv_words(kernel, words, arch, why)
+        return render_int4_or_gemv(kernel, arch)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)

@@ -1,7 +1,8 @@
 """codegen/int4_words.py + codegen/triton_gemv_int4.py and triton_gemv_int4_groups.py: the
 packed-int4 GEMVs that read the weight as 32-bit words. With one activation row (M = 1) the group
 kernel takes it (zero point and scale once per group, exact up to float32 rounding); with 2-4 rows
-the word kernel (each weight dequantized and rounded to bf16 as eager does).
+in groups smaller than 128 weights the word kernel (each weight dequantized and rounded to bf16 as
+eager does); 2-16 rows in groups of 128 or more go to tensor cores (tests/test_int4_mma.py).
 
 Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU), checks
 which kernel was generated (the word kernel says so in its source), and compares with eager
@@ -27,6 +28,7 @@ BF16 = torch.bfloat16
 DEV = TRITON_DEVICE
 WORDS = "codegen/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
 GROUPS = "codegen/templates/triton_gemv_int4_groups.py.j2"  # in the group kernel's
+MMA = "codegen/templates/triton_gemv_int4_mma.py.j2"  # the tensor-core kernel's (M = 2-16)
 BYTES = "codegen/templates/triton_gemv.py.j2"
 
 
@@ -107,8 +109,10 @@ def gemv(cf):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_reads_words(m, group):
     layer = Int4(37, 256, group)  # odd N: a masked last block of columns
-    cf = check(layer, rand(m, 256, seed=m), path=GROUPS if m == 1 else WORDS)
-    assert "eight per 32-bit word" in cf.kernels[0].source
+    # 2-4 rows in groups of 128: the tensor-core kernel (tests/test_int4_mma.py)
+    path = GROUPS if m == 1 else MMA if group >= 128 else WORDS
+    cf = check(layer, rand(m, 256, seed=m), path=path)
+    assert "eight per 32-bit word" in cf.kernels[0].source or path == MMA
 
 
 def test_the_example_layer_reads_words():
@@ -141,8 +145,10 @@ def test_k_tail_and_groups_across_chunks():
     assert "// 12  # the lanes' groups" in cf.kernels[0].source and "WPL=4" in cf.kernels[0].source
 
 
-def test_several_chunks_with_prefetch():
+def test_several_chunks_with_prefetch(monkeypatch):
     check(Int4(8, 4096, 128), rand(1, 4096, seed=7), path=GROUPS)
+    check(Int4(8, 4096, 128), rand(2, 4096, seed=7), path=MMA)
+    monkeypatch.setenv("FUSEC_INT4_MMA", "0")  # the word kernel's chunks
     check(Int4(8, 4096, 128), rand(2, 4096, seed=7))
 
 
@@ -165,26 +171,35 @@ def test_nan_and_inf_in_the_activations():
 
 @pytest.mark.parametrize("zero", ["tensor", "const", "none"])
 @pytest.mark.parametrize("where", ["inf", "-inf and inf", "nan", "overflow"])
-def test_one_row_with_infinities_or_overflow_takes_the_exact_way(where, zero):
-    """The group kernel's fast form subtracts (128 + zero) * sum(x) at the end: an infinity in
-    x would make it inf - inf = NaN where eager has an infinity, and x near the float32 limit
-    overflows (128 + q) * x where eager's (q - zero) * scale * x does not. Such a program
-    computes its rows again with eager's arithmetic: infinities, NaNs and values as eager's."""
-    layer = Int4(24, 256, 32, zero=zero, seed=12)
-    x = rand(1, 256, seed=13)
+@pytest.mark.parametrize("path", [GROUPS, MMA])
+def test_infinities_or_overflow_take_the_exact_way(where, zero, path):
+    """The kernels that do not round each weight as eager does can make a sum that is not finite
+    where eager's is, or a NaN where eager has an infinity. The group kernel (one row) subtracts
+    (128 + zero) * sum(x) at the end: an infinity in x makes it inf - inf = NaN, and x near the
+    float32 limit overflows (128 + q) * x. The tensor-core kernel (2-16 rows) multiplies the scale
+    into the sums: with a tiny scale, sum x (q - zero) overflows where eager's sum of
+    x * ((q - zero) * scale) does not. Such a program computes its rows again with eager's
+    arithmetic: infinities, NaNs and values as eager's."""
+    rows, k, group = (1, 256, 32) if path == GROUPS else (4, 512, 128)
+    layer = Int4(24, k, group, zero=zero, seed=12)
+    x = rand(rows, k, seed=13)
     if where == "inf":
-        x[0, 5] = float("inf")
+        x[rows - 1, 5] = float("inf")
     elif where == "-inf and inf":
         x[0, 9], x[0, 10] = float("-inf"), float("inf")
     elif where == "nan":
         x[0, 7] = float("nan")
-    else:
+    elif path == GROUPS:
         x = (x * 2e36).to(BF16)
         x[0, 3] = 3e38  # (128 + q) * x overflows float32
+    else:
+        layer.scale.fill_(1e-30)
+        x = (x * 1e36).to(BF16)
+        x[rows - 1, 3] = 3e38  # sum x (q - zero) passes the float32 limit; times 1e-30 it would not
     cf = fusec.compile(layer, backend="triton")
     with torch.no_grad():
         got, want = cf(x), layer(x)
-    assert GROUPS in cf.kernels[0].source
+    assert path in cf.kernels[0].source
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got[got.isinf()], want[want.isinf()])
     fin = want.isfinite()
@@ -214,35 +229,39 @@ def test_one_row_is_closer_to_float64_than_eager():
 
 
 @pytest.mark.parametrize("zero", ["tensor", "const", "none"])
-def test_dequantized_weights_are_eagers_bit_for_bit(zero):
+@pytest.mark.parametrize("path, k, group, rows", [(WORDS, 64, 16, 4), (MMA, 256, 128, 8)])
+def test_dequantized_weights_are_eagers_bit_for_bit(zero, path, k, group, rows):
     """One-hot activations: out[m, n] = W[n, k] exactly (one bf16 product, float32 sum of
-    zeros, rounded to bf16 once), for every K position: every nibble of every word and group."""
-    k, n = 64, 24
-    layer = Int4(n, k, 16, zero=zero, seed=11)
+    zeros, rounded to bf16 once), for every K position: every nibble of every word and group.
+    The tensor-core kernel applies the scale to the float32 sum, rounded once at the store:
+    round(scale * round(q - zero)), which is eager's two roundings."""
+    n = 24
+    layer = Int4(n, k, group, zero=zero, seed=11)
     layer.scale[0, 0] = 3e-39  # a subnormal scale: its products round as eager's
     layer.zero[1, 1] = -0.0
     cf = fusec.compile(layer, backend="triton")
     eye = torch.eye(k, dtype=BF16, device=DEV)
     with torch.no_grad():
         want = layer.weight(BF16).t()
-        got = torch.cat([cf(eye[i:i + 4]) for i in range(0, k, 4)])
-    assert WORDS in cf.kernels[0].source
+        got = torch.cat([cf(eye[i:i + rows]) for i in range(0, k, rows)])
+    assert path in cf.kernels[0].source
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("offset", [1, 4, 16])
-def test_packed_weight_at_any_offset(offset):
-    """A packed weight that starts inside a larger buffer: word loads only where aligned."""
-    layer = Int4(16, 128, 32)
+@pytest.mark.parametrize("path, k, group, rows", [(WORDS, 128, 32, 2), (MMA, 256, 128, 3)])
+def test_packed_weight_at_any_offset(offset, path, k, group, rows):
+    """A packed weight that starts inside a larger buffer: word loads only where aligned, else
+    each word joined from its bytes."""
+    layer = Int4(16, k, group)
     big = torch.zeros(layer.packed.numel() + 16, dtype=torch.uint8, device=DEV)
     big[offset:offset + layer.packed.numel()] = layer.packed.flatten()
-    layer.packed = big[offset:offset + layer.packed.numel()].view(16, 64)
-    cf = fusec.compile(layer, backend="triton")
-    with torch.no_grad():
-        assert torch.equal(cf(rand(2, 128)), layer(rand(2, 128)))
-    assert len(cf.kernels) == 1 and WORDS in cf.kernels[0].source
-    with torch.no_grad():  # one row: the group kernel, with the same byte-joining loads
-        assert torch.equal(cf(rand(1, 128)).isnan(), layer(rand(1, 128)).isnan())
+    layer.packed = big[offset:offset + layer.packed.numel()].view(16, k // 2)
+    cf = check(layer, rand(rows, k, seed=16), path=path)
+    if path == WORDS:
+        with torch.no_grad():  # the word kernel is eager's arithmetic: equal
+            assert torch.equal(cf(rand(2, 128)), layer(rand(2, 128)))
+        # one row: the group kernel, with the same byte-joining loads
         check(layer, rand(1, 128, seed=16), path=GROUPS)
 
 

@@ -107,3 +107,21 @@ def test_the_dequantization_is_chosen_for_the_target_not_this_machine():
     assert not asm and "sm_75 has no bf16x2 FMA" in why
     if not torch.cuda.is_available():
         assert not pair_math()[0]  # this machine: no GPU, the float32 version
+
+
+@needs_tools
+@pytest.mark.parametrize("target", ["sm_80", "sm_90"])
+def test_the_int4_tensor_core_gemv_compiles_for_the_gpu(target):
+    """M = 4 rows of a packed int4 linear: both kernels of the tensor-core GEMV (the shares of K,
+    and the one that adds them up) compile for the target, tensor-core instructions (HMMA on
+    sm_80, HMMA or wgmma's HGMMA on sm_90) and packed bf16 FMAs in the first."""
+    from fusec.examples.int4_linear import Int4Linear
+    layer = Int4Linear(torch.randn(256, 1024, dtype=torch.bfloat16) / 32, 128).to(TRITON_DEVICE)
+    x = torch.randn(4, 1024, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    [k] = fusec.explain(layer, x, backend="triton").kernels
+    assert "triton_gemv_int4_mma.py.j2" in k.source
+    sass = triton_target.assembly(k.ir, k.name, target)
+    assert "0 bytes spilled" in sass.splitlines()[0], sass.splitlines()[0]
+    assert "HFMA2" in sass and ("HMMA" in sass or "HGMMA" in sass)
+    finish = triton_target.assembly(k.ir, f"{k.name}_finish", target)
+    assert f"Function : {k.name}_finish" in finish and "0 bytes spilled" in finish.splitlines()[0]

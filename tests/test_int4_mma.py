@@ -1,0 +1,92 @@
+"""codegen/triton_gemv_int4_mma.py: the packed-int4 GEMV for 2 to 16 activation rows on tensor
+cores, K split over several programs and their float32 partial sums added by a second kernel.
+
+Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU, where
+tl.dot runs in float32 on the same exact bf16 values), checks that the tensor-core kernel was
+generated, and compares with eager against a float64 product (tests/test_int4_words.py's
+`check`: the fused error may not exceed eager's by more than a bf16 rounding). The scale is
+applied to float32 sums, not rounded into each weight, so one-hot activations still read every
+weight back exactly as eager has it. Those tests, and infinities and overflow, are in
+test_int4_words.py, parametrized over the kernels (test_dequantized_weights_are_eagers_bit_for_bit,
+test_packed_weight_at_any_offset, test_infinities_or_overflow_take_the_exact_way).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+from conftest import TRITON_DEVICE
+from fusec.codegen import triton_gemv_int4_mma as mma
+from test_int4_words import BYTES, MMA, WORDS, Int4, check, rand
+
+BF16 = torch.bfloat16
+DEV = TRITON_DEVICE
+
+
+@pytest.mark.parametrize("m", [2, 5, 8])
+@pytest.mark.parametrize("group", [128, 256])
+def test_int4_linear_on_tensor_cores(m, group):
+    cf = check(Int4(37, 512, group), rand(m, 512, seed=m), path=MMA)  # odd N: masked columns
+    source = cf.kernels[0].source
+    assert "_finish" in source and "fusec_dot_bf16_acc" in source
+    assert f"M = {m} rows" in source
+
+
+@pytest.mark.parametrize("zero", ["const", "none"])
+def test_constant_or_absent_zero_point(zero):
+    cf = check(Int4(24, 256, 128, zero=zero), rand(3, 256, seed=5), path=MMA)
+    assert "zneg2 = tl.full(" in cf.kernels[0].source
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_bias_and_activation_epilogue(act):
+    check(Int4(40, 256, 128, bias=True, act=act), rand(4, 256, seed=3), path=MMA)
+
+
+def test_uneven_shares_of_k(monkeypatch):
+    """8 chunks of 128 weights in 3 shares (3 + 3 + 2): the last program's loop is shorter,
+    and the finishing kernel adds three partial sums per output."""
+    monkeypatch.setattr(mma, "TARGET_PROGRAMS", 3)
+    cf = check(Int4(16, 1024, 128), rand(6, 1024, seed=4), path=MMA)
+    assert "SPLIT = 3 shares of K (3 chunk(s)" in cf.kernels[0].source
+
+
+def test_one_share_when_there_are_programs_enough(monkeypatch):
+    monkeypatch.setattr(mma, "TARGET_PROGRAMS", 1)
+    cf = check(Int4(48, 512, 128), rand(2, 512, seed=7), path=MMA)
+    assert "SPLIT = 1 shares of K (4 chunk(s)" in cf.kernels[0].source
+
+
+def test_non_contiguous_activations():
+    layer = Int4(24, 256, 128)
+    wide = rand(3, 512, seed=8)
+    check(layer, wide[:, ::2], path=MMA)  # stride 2 along K
+    check(layer, rand(256, 3, seed=9).t(), path=MMA)  # (3, 256) with strides (1, 3)
+    check(layer, wide[:, 128:384], path=MMA)  # a window of a longer row
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSEC_INT4_MMA", "0")
+    cf = check(Int4(24, 256, 128), rand(3, 256))  # up to 4 rows: the word kernel, and why
+    assert "FUSEC_INT4_MMA=0: the tensor-core kernel is switched off" in cf.kernels[0].source
+    check(Int4(24, 256, 128), rand(6, 256), path=BYTES)  # more: the byte kernel
+
+
+def test_small_groups_keep_the_word_kernel_and_say_why():
+    cf = check(Int4(24, 256, 64), rand(3, 256), path=WORDS)
+    assert "groups of 64 weights: the tensor-core kernel needs chunks of 128" in cf.kernels[0].source
+    check(Int4(24, 256, 64), rand(6, 256), path=BYTES)
+
+
+def test_older_gpus_keep_the_word_kernel():
+    ok, why = mma.tensor_core_arch(75)
+    assert not ok and "sm_75 has no bf16 tensor cores" in why
+    assert mma.tensor_core_arch(80)[0] and mma.tensor_core_arch(90)[0]
+
+
+def test_blocks_cover_k_and_n():
+    for n, words in [(8192, 1024), (4096, 1376), (11008, 512), (37, 64), (16, 16)]:
+        block_n, warps, split, per, stages = mma.mma_blocks(16, n, words)
+        chunks = words // mma.CHUNK_WORDS
+        assert (split - 1) * per < chunks <= split * per  # every chunk in one share, none empty
+        assert warps * 16 == block_n or block_n == 16
