@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from conftest import TRITON_DEVICE
+from conftest import GPU, TRITON_DEVICE
 from fusec.codegen import triton_gemv_int4_mma as mma
 from test_int4_words import BYTES, MMA, WORDS, Int4, check, rand
 
@@ -90,3 +90,23 @@ def test_blocks_cover_k_and_n():
         chunks = words // mma.CHUNK_WORDS
         assert (split - 1) * per < chunks <= split * per  # every chunk in one share, none empty
         assert warps * 16 == block_n or block_n == 16
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs and the launcher's fast path need a GPU (and "
+                                      "real Triton: not TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_two_kernels_under_a_cuda_graph_and_the_fast_launch(graphs):
+    """On a GPU the launch takes its partial sums from PyTorch's allocator and starts two
+    kernels: captured in a CUDA graph (the buffer recorded with it), or launched call after call
+    through the bound fast path. New activations in the same buffer give new results."""
+    layer = Int4(4096, 4096, 128, bias=True, act="relu")
+    x = rand(16, 4096, seed=21)
+    cf = fusec.compile(layer, cuda_graphs=graphs)
+    with torch.no_grad():
+        for seed in (21, 22, 23):
+            x.copy_(rand(16, 4096, seed=seed))
+            got, want = cf(x), layer(x)
+            ref = torch.relu(F.linear(x.double(), layer.weight(BF16).double(), layer.bias.double()))
+            err = (got.double() - ref).abs().max().item()
+            assert err <= (want.double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
+    assert MMA in cf.kernels[0].source
