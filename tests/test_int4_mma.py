@@ -19,6 +19,7 @@ from conftest import GPU, TRITON_DEVICE
 from fusec.codegen import triton_gemv_int4_mma as mma
 from test_int4_words import BYTES, MMA, WORDS, Int4, check, rand
 
+pytestmark = pytest.mark.triton  # (all of them: selected by gpu_session.sh's -k triton)
 BF16 = torch.bfloat16
 DEV = TRITON_DEVICE
 

@@ -24,6 +24,7 @@ from fusec.codegen.int4_words import match_int4_words
 
 int4_linear = importlib.import_module("fusec.examples.int4_linear")
 
+pytestmark = pytest.mark.triton  # (all of them: selected by gpu_session.sh's -k triton)
 BF16 = torch.bfloat16
 DEV = TRITON_DEVICE
 WORDS = "codegen/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
