@@ -1,13 +1,17 @@
 """LLM decoding, one token at a time: tokens/s for bf16, int8 and int4 weights, side by side.
 
     python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
-                                [--systems eager,torch.compile,reduce-overhead,fusec] [--json out.json]
+                                [--systems eager,torch.compile,reduce-overhead,fusec] [--batch 1]
+                                [--json out.json]
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). For each weight format it runs the same prompt and 64
 greedy steps through each system and reports tokens/s and whether the generated tokens equal
 eager's. The next token stays on the device (argmax, no host sync between steps), so the loop
-measures what the GPU and the launches cost.
+measures what the GPU and the launches cost. `--batch B` decodes B sequences together (each
+prompt token shifted by 7 per sequence, so that they differ): every linear then multiplies B
+activation rows, the case of a server batching requests (at B = 16 a packed-int4 linear runs on
+tensor cores, codegen/triton_gemv_int4_mma.py); tokens/s counts the tokens of all B sequences.
 
 Systems: eager; torch.compile (default); torch.compile(mode="reduce-overhead") (CUDA graphs);
 fusec, whose step is captured as one CUDA graph by this script: the model writes its KV cache in
@@ -29,9 +33,9 @@ from fusec.examples.llama_decode import REAL, TINY, Llama
 PROMPT = [1, 5, 9, 14, 2, 7, 3, 11]
 
 
-def graphed(fn, device):
+def graphed(fn, device, batch: int = 1):
     """fn(tok, pos) captured once as a CUDA graph over static input buffers."""
-    tok = torch.zeros(1, dtype=torch.long, device=device)
+    tok = torch.zeros(batch, dtype=torch.long, device=device)
     pos = torch.zeros(1, dtype=torch.long, device=device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -51,11 +55,12 @@ def graphed(fn, device):
     return step
 
 
-def decode(step, model, steps: int, device) -> tuple[list[int], float]:
-    """Prompt, then `steps` greedy tokens; returns (tokens, seconds for the generated part)."""
+def decode(step, model, steps: int, device, batch: int = 1) -> tuple[list, float]:
+    """Prompt, then `steps` greedy tokens; returns (tokens, seconds for the generated part). With
+    `batch` sequences each step's token is a list of `batch` tokens."""
     model.reset()
     positions = [torch.tensor([i], device=device) for i in range(len(PROMPT) + steps)]
-    prompt = [torch.tensor([t], device=device) for t in PROMPT]
+    prompt = [torch.tensor([t + 7 * b for b in range(batch)], device=device) for t in PROMPT]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():
         for i, t in enumerate(prompt):
@@ -69,10 +74,11 @@ def decode(step, model, steps: int, device) -> tuple[list[int], float]:
             out.append(tok)
         sync()
         seconds = time.perf_counter() - t0
-    return [int(t) for t in torch.cat(out).tolist()], seconds
+    tokens = torch.stack(out).tolist()  # [steps][batch]
+    return [t[0] if batch == 1 else t for t in tokens], seconds
 
 
-def make(system: str, model, device):
+def make(system: str, model, device, batch: int = 1):
     if system == "eager":
         return model
     if system == "torch.compile":
@@ -81,7 +87,7 @@ def make(system: str, model, device):
         return torch.compile(model, mode="reduce-overhead")
     if system == "fusec":
         cf = fusec.compile(model, cuda_graphs=False)
-        return graphed(cf, device) if device == "cuda" else cf
+        return graphed(cf, device, batch) if device == "cuda" else cf
     raise ValueError(system)
 
 
@@ -92,6 +98,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--formats", default="bf16,int8,int4")
     p.add_argument("--systems", default="eager,torch.compile,reduce-overhead,fusec")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,6 +107,7 @@ def main() -> None:
     if args.layers:
         cfg["layers"] = args.layers
     cfg["max_seq"] = max(cfg["max_seq"], len(PROMPT) + args.steps)
+    cfg["batch"] = args.batch
     results = []
     print(f"{'format':6s} {'system':16s} {'tokens/s':>10s} {'ms/token':>9s}  same tokens as eager",
           flush=True)
@@ -108,13 +116,13 @@ def main() -> None:
         reference = None
         for system in args.systems.split(","):
             t0 = time.perf_counter()
-            step = make(system, model, device)
-            decode(step, model, 4, device)  # warm up (compiles)
+            step = make(system, model, device, args.batch)
+            decode(step, model, 4, device, args.batch)  # warm up (compiles)
             warm = time.perf_counter() - t0
-            tokens, seconds = decode(step, model, args.steps, device)
+            tokens, seconds = decode(step, model, args.steps, device, args.batch)
             if system == "eager":
                 reference = tokens
-            tps = (args.steps - 1) / seconds
+            tps = args.batch * (args.steps - 1) / seconds
             same = None if reference is None else tokens == reference
             first_diff = None if not reference or same else \
                 next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)

@@ -111,3 +111,21 @@ def test_two_kernels_under_a_cuda_graph_and_the_fast_launch(graphs):
             err = (got.double() - ref).abs().max().item()
             assert err <= (want.double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
     assert MMA in cf.kernels[0].source
+
+
+def test_a_batched_decode_step_of_the_llama_example():
+    """Four sequences of the Llama example's int4 decode step (benchmarks/decode.py --batch):
+    every linear multiplies 4 activation rows, in groups of 128, so each is the tensor-core
+    kernel; the logits are eager's up to rounding, and the greedy tokens of a few steps are."""
+    import importlib
+    llama = importlib.import_module("fusec.examples.llama_decode")
+    cfg = dict(llama.TINY, dim=256, hidden=256, heads=4, kv_heads=2, layers=1, group=128, batch=4)
+    model = llama.Llama(cfg, "int4", device=DEV).eval()
+    tok, pos = torch.tensor([3, 10, 17, 24], device=DEV), torch.tensor([0], device=DEV)
+    cf = fusec.compile(model, backend="triton")
+    with torch.no_grad():
+        got, want = cf(tok, pos), model(tok, pos)
+    gemvs = [k for k in cf.kernels if "gemv" in k.name]
+    assert gemvs and all(MMA in k.source for k in gemvs), [k.name for k in cf.kernels]
+    torch.testing.assert_close(got, want, rtol=0, atol=2 ** -6 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
