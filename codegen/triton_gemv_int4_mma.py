@@ -73,7 +73,8 @@ def mma_fit(kernel, words: Int4Words, arch: int | None = None) -> tuple[bool, st
     ok, why = tensor_core_arch(arch)
     if not ok:
         return False, why
-    return True, f"M = {m} rows: tensor-core dots, K split over {TARGET_PROGRAMS}+ programs"
+    return True, (f"M = {m} rows ({MMA_MIN_M} to {MMA_MAX_M}): too many products per weight for "
+                  "CUDA cores, so tensor-core dots, in groups of whole 128-weight chunks")
 
 
 def mma_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int, int]:
