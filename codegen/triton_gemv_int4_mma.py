@@ -41,6 +41,9 @@ CHUNK_WORDS = 16  # words per row per dot chunk: 128 weights, tl.dot's K = 16 pe
 # splits (512 programs) 0.0409 ms, 64 x 4 warps x 4 splits 0.0476, no split 0.095 and slower.
 TARGET_PROGRAMS = 3 * SMS
 FINISH_BLOCK_N = 64  # output columns per program of the kernel that adds the partial sums
+# Not done: loading chunk i + 1's words by hand before multiplying chunk i (as the M = 1 kernels
+# do) made it slower on an H100, 0.0427 -> 0.0559 ms at M = 16, and so did Triton's own
+# pipelining, num_stages 2-3 (docs/gpu.md).
 
 
 def mma_enabled() -> bool:
