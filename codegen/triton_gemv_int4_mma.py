@@ -36,10 +36,14 @@ from .triton_text import _helpers_in, _summary
 MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
 CHUNK_WORDS = 16  # words per row per dot chunk: 128 weights, tl.dot's K = 16 per nibble
-# Programs to aim for when splitting K: at least 3 per SM. Measured on an H100 at M = 16,
-# K = N = 8192 (benchmarks/diagnostics/int4_mma.py, docs/gpu.md): 128 columns x 8 warps x 8
-# splits (512 programs) 0.0409 ms, 64 x 4 warps x 4 splits 0.0476, no split 0.095 and slower.
+# Programs to aim for when splitting K: about 3 per SM of 128 columns, or with up to 8 rows 8 per
+# SM of 64 columns. Measured on an H100 (benchmarks/diagnostics/int4_mma_blocks.py, docs/gpu.md,
+# 2026-11-26): at M = 16, K = N = 8192, 128 x 8 warps x 396 programs 0.0424-0.0428 ms, 64 x 4 x
+# 1056 0.0459-0.0463, no split (the hand-written int4_mma.py) 0.095 and slower; at M = 2-8 64 x 4
+# x 1056 was 1-10% faster than 128 x 8 x 396 at each of 8192 x 8192, 4096 x 11008, 11008 x 4096
+# and 4096 x 4096, and at M = 16 1-8% slower.
 TARGET_PROGRAMS = 3 * SMS
+FEW_ROWS, FEW_ROWS_TARGET = 8, 8 * SMS
 FINISH_BLOCK_N = 64  # output columns per program of the kernel that adds the partial sums
 # Not done: loading chunk i + 1's words by hand before multiplying chunk i (as the M = 1 kernels
 # do) made it slower on an H100, 0.0427 -> 0.0559 ms at M = 16, and so did Triton's own
@@ -82,12 +86,14 @@ def mma_fit(kernel, words: Int4Words, arch: int | None = None) -> tuple[bool, st
 
 def mma_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, num_warps, SPLIT, chunks per split, num_stages): 128 columns per program for
-    wide layers (a warp per 16 columns), fewer for narrow ones; K split into SPLIT shares of
-    whole chunks so that there are about TARGET_PROGRAMS programs."""
-    block_n = 128 if n >= 4096 else 64 if n >= 1024 else 32 if n >= 64 else 16
+    wide layers (a warp per 16 columns), fewer for narrow ones, and 64 for up to FEW_ROWS rows;
+    K split into SPLIT shares of whole chunks so that there are about TARGET_PROGRAMS programs
+    (FEW_ROWS_TARGET for few rows)."""
+    few = m <= FEW_ROWS
+    block_n = 128 if n >= 4096 and not few else 64 if n >= 1024 else 32 if n >= 64 else 16
     chunks = words // CHUNK_WORDS
     programs = -(-n // block_n)
-    split = max(1, min(chunks, -(-TARGET_PROGRAMS // programs)))
+    split = max(1, min(chunks, -(-(FEW_ROWS_TARGET if few else TARGET_PROGRAMS) // programs)))
     per = -(-chunks // split)
     return block_n, max(1, block_n // 16), -(-chunks // per), per, 1
 

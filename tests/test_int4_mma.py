@@ -10,6 +10,8 @@ weight back exactly as eager has it. Those tests, and infinities and overflow, a
 test_int4_words.py, parametrized over the kernels (test_dequantized_weights_are_eagers_bit_for_bit,
 test_packed_weight_at_any_offset, test_infinities_or_overflow_take_the_exact_way).
 """
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,14 +49,14 @@ def test_bias_and_activation_epilogue(act):
 def test_uneven_shares_of_k(monkeypatch):
     """8 chunks of 128 weights in 3 shares (3 + 3 + 2): the last program's loop is shorter,
     and the finishing kernel adds three partial sums per output."""
-    monkeypatch.setattr(mma, "TARGET_PROGRAMS", 3)
+    monkeypatch.setattr(mma, "FEW_ROWS_TARGET", 3)  # (6 rows: few, up to FEW_ROWS)
     cf = check(Int4(16, 1024, 128), rand(6, 1024, seed=4), path=MMA)
     assert "SPLIT = 3 shares of K (3 chunk(s)" in cf.kernels[0].source
 
 
 def test_one_share_when_there_are_programs_enough(monkeypatch):
-    monkeypatch.setattr(mma, "TARGET_PROGRAMS", 1)
-    cf = check(Int4(48, 512, 128), rand(2, 512, seed=7), path=MMA)
+    monkeypatch.setattr(mma, "FEW_ROWS_TARGET", 1)
+    cf = check(Int4(48, 512, 128), rand(5, 512, seed=7), path=MMA)
     assert "SPLIT = 1 shares of K (4 chunk(s)" in cf.kernels[0].source
 
 
@@ -86,8 +88,10 @@ def test_older_gpus_keep_the_word_kernel():
 
 
 def test_blocks_cover_k_and_n():
-    for n, words in [(8192, 1024), (4096, 1376), (11008, 512), (37, 64), (16, 16)]:
-        block_n, warps, split, per, stages = mma.mma_blocks(16, n, words)
+    for (n, words), m in itertools.product(
+            [(8192, 1024), (4096, 1376), (11008, 512), (37, 64), (16, 16)], [2, 8, 9, 16]):
+        block_n, warps, split, per, stages = mma.mma_blocks(m, n, words)
+        assert block_n == (64 if m <= mma.FEW_ROWS else 128) or n < 4096
         chunks = words // mma.CHUNK_WORDS
         assert (split - 1) * per < chunks <= split * per  # every chunk in one share, none empty
         assert warps * 16 == block_n or block_n == 16
