@@ -272,13 +272,17 @@ def test_stored_bf16_weight_at_one_row_is_a_gemv_where_measured_faster(monkeypat
 
 
 def test_explain_states_the_decision_and_the_kernel_reads_like_a_gemv():
-    ex = int4_linear.example(m=1, k=64, n=16, group=32)
+    # (the Triton kernel on the device Triton runs on here: a GPU, or the CPU under the interpreter)
+    ex = int4_linear.example(m=1, k=64, n=16, group=32, device=TRITON_DEVICE)
     with torch.no_grad():
         text = str(fusec.explain(ex.fn, *ex.inputs, backend="triton"))
     assert "graph after small_matmul" in text
-    assert "mm: GEMV: M = 1 <= 8" in text and "packed nibbles unpacked" in text
+    sm = importlib.import_module("fusec.passes.small_matmul")
+    small = sm.SMALL_M_GPU if TRITON_DEVICE == "cuda" else sm.SMALL_M  # (16 on a GPU, 8 on CPUs)
+    assert f"mm: GEMV: M = 1 <= {small}" in text and "packed nibbles unpacked" in text
     assert "This is a GEMV" in text
     assert "this is where the int4 nibbles are unpacked" in text
+    ex = int4_linear.example(m=1, k=64, n=16, group=32)
     x = torch.randn(64, 64, dtype=BF16)
     with torch.no_grad():
         text = str(fusec.explain(ex.fn, x, backend="cpp"))
