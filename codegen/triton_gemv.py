@@ -178,7 +178,7 @@ def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
     return [f"k{d}" if st == 1 else f"k{d} * {st}" for d, st in enumerate(strides) if st]
 
 
-def render_gemv(kernel) -> str:
+def render_gemv(kernel, why_not_words: str = "") -> str:  # (why no int4 word kernel took it)
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     two = len(kernel.row_shape) == 2
     m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
@@ -390,7 +390,7 @@ def render_gemv(kernel) -> str:
         num_stages=num_stages, dot_lines=dot_lines,
         weight_dtypes=", ".join(weights) or "as stored",
         unpack_note=(" (unpacking the int4 nibbles byte by byte, not as 32-bit words: "
-                     f"{match_int4_words(kernel)[1]})") if unpack else "",
+                     f"{why_not_words or match_int4_words(kernel)[1]})") if unpack else "",
         acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],
         n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],

@@ -83,7 +83,7 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
         return render_gemv_mma(kernel, words, arch, why_not)
     if match_int4_words(kernel)[0] is not None:  # M <= INT4_WORDS_MAX_M
         return render_gemv_words(kernel, words, arch, f"{why}; {why_not}")
-    return render_gemv(kernel)
+    return render_gemv(kernel, f"{match_int4_words(kernel)[1]}; {why_not}")
 
 
 def render_reduction(kernel, arch: int | None = None) -> str:

@@ -78,7 +78,8 @@ def test_switched_off_by_the_environment(monkeypatch):
 def test_small_groups_keep_the_word_kernel_and_say_why():
     cf = check(Int4(24, 256, 64), rand(3, 256), path=WORDS)
     assert "groups of 64 weights: the tensor-core kernel needs chunks of 128" in cf.kernels[0].source
-    check(Int4(24, 256, 64), rand(6, 256), path=BYTES)
+    cf = check(Int4(24, 256, 64), rand(6, 256), path=BYTES)  # more rows: the byte kernel, and why
+    assert "M = 6 rows > 4" in cf.kernels[0].source and "groups of 64 weights" in cf.kernels[0].source
 
 
 def test_older_gpus_keep_the_word_kernel():
