@@ -161,7 +161,7 @@ def render_gemv_mma(kernel, words: Int4Words, arch: int | None = None, why: str 
     helpers |= {"fusec_bf16_to_f32", "fusec_dot_bf16_acc"} | \
         (set() if asm else {"fusec_f32_to_bf16"})
     return render_template(
-        "triton_gemv_int4_mma.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n,
+        "triton_gemv_int4_mma.py.j2", words_3d=False, name=kernel.name, summary=_summary(kernel), m=m, n=n,
         k=2 * kernel.k, group=words.group, words=words.words, block_n=block_n,
         num_warps=num_warps, split=split, per=per, stages=stages, chunk=CHUNK_WORDS,
         finish_n=FINISH_BLOCK_N, programs=-(-n // block_n) * split, asm=asm, pair_note=pair_note,
