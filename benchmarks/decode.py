@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
                                 [--systems eager,torch.compile,reduce-overhead,fusec] [--batch 1]
-                                [--json out.json]
+                                [--fit] [--json out.json]
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). For each weight format it runs the same prompt and 64
@@ -13,6 +13,13 @@ prompt token shifted by 7 per sequence, so that they differ): every linear then 
 activation rows, the case of a server batching requests (at B = 16 a packed-int4 linear runs on
 tensor cores, codegen/triton_gemv_int4_mma.py); tokens/s counts the tokens of all B sequences.
 
+With random weights the best two logits are often nearly equal, so a compiler that rounds
+differently from eager may pick the other token and go on from there (examples/llama_fit.py
+explains why). `--fit` first trains the bf16 weights on a passage (examples/llama_fit.py), until
+each next token wins by a margin as a trained model's does, then quantizes them per format; the
+prompt is the passage's first 8 tokens, and "same tokens as eager" then asks whether each system
+decodes what eager decodes (and the last column whether eager decodes the rest of the passage).
+
 Systems: eager; torch.compile (default); torch.compile(mode="reduce-overhead") (CUDA graphs);
 fusec, whose step is captured as one CUDA graph by this script: the model writes its KV cache in
 place, and fusec's own CUDA-graph runner launches such programs step by step
@@ -22,6 +29,7 @@ under torch.cuda.graph and replayed. On a CPU the same loop runs without graphs.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -29,6 +37,7 @@ import torch
 
 import fusec
 from fusec.examples.llama_decode import REAL, TINY, Llama
+from fusec.examples.llama_fit import PASSAGE, encode, fitted, with_format
 
 PROMPT = [1, 5, 9, 14, 2, 7, 3, 11]
 
@@ -55,12 +64,12 @@ def graphed(fn, device, batch: int = 1):
     return step
 
 
-def decode(step, model, steps: int, device, batch: int = 1) -> tuple[list, float]:
+def decode(step, model, steps: int, device, batch: int = 1, prompt_ids=PROMPT) -> tuple[list, float]:
     """Prompt, then `steps` greedy tokens; returns (tokens, seconds for the generated part). With
     `batch` sequences each step's token is a list of `batch` tokens."""
     model.reset()
-    positions = [torch.tensor([i], device=device) for i in range(len(PROMPT) + steps)]
-    prompt = [torch.tensor([t + 7 * b for b in range(batch)], device=device) for t in PROMPT]
+    positions = [torch.tensor([i], device=device) for i in range(len(prompt_ids) + steps)]
+    prompt = [torch.tensor([t + 7 * b for b in range(batch)], device=device) for t in prompt_ids]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with torch.no_grad():
         for i, t in enumerate(prompt):
@@ -69,7 +78,7 @@ def decode(step, model, steps: int, device, batch: int = 1) -> tuple[list, float
         out = [tok]
         sync()
         t0 = time.perf_counter()
-        for i in range(len(PROMPT), len(PROMPT) + steps - 1):
+        for i in range(len(prompt_ids), len(prompt_ids) + steps - 1):
             tok = step(tok, positions[i]).argmax(-1)
             out.append(tok)
         sync()
@@ -99,6 +108,8 @@ def main() -> None:
     p.add_argument("--formats", default="bf16,int8,int4")
     p.add_argument("--systems", default="eager,torch.compile,reduce-overhead,fusec")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--fit", action="store_true",
+                   help="fit the weights to a passage first (examples/llama_fit.py)")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,20 +119,35 @@ def main() -> None:
         cfg["layers"] = args.layers
     cfg["max_seq"] = max(cfg["max_seq"], len(PROMPT) + args.steps)
     cfg["batch"] = args.batch
+    prompt, passage, base, fit = PROMPT, None, None, None
+    if args.fit:
+        passage = encode(PASSAGE)[:len(PROMPT) + args.steps]
+        if len(passage) < len(PROMPT) + args.steps:
+            raise SystemExit(f"--fit: the passage has {len(passage)} tokens, fewer than "
+                             f"{len(PROMPT)} + --steps {args.steps}")
+        t0 = time.perf_counter()
+        base, fit = fitted(cfg, "bf16", device=device, text=PASSAGE[:len(passage)])
+        prompt = passage[:len(PROMPT)]
+        print(f"fitted to the passage in {fit['steps']} Adam steps ({time.perf_counter() - t0:.1f} s): "
+              f"loss {fit['loss']:.2g}, smallest margin of a next token {fit['margin']:.2f}", flush=True)
     results = []
     print(f"{'format':6s} {'system':16s} {'tokens/s':>10s} {'ms/token':>9s}  same tokens as eager",
           flush=True)
     for fmt in args.formats.split(","):
-        model = Llama(cfg, fmt, device=device).eval()
+        model = Llama(cfg, fmt, device=device).eval() if base is None else \
+            with_format(copy.deepcopy(base), fmt)
         reference = None
         for system in args.systems.split(","):
             t0 = time.perf_counter()
             step = make(system, model, device, args.batch)
-            decode(step, model, 4, device, args.batch)  # warm up (compiles)
+            decode(step, model, 4, device, args.batch, prompt)  # warm up (compiles)
             warm = time.perf_counter() - t0
-            tokens, seconds = decode(step, model, args.steps, device, args.batch)
+            tokens, seconds = decode(step, model, args.steps, device, args.batch, prompt)
             if system == "eager":
                 reference = tokens
+                if passage is not None and args.batch == 1:
+                    print(f"{fmt:6s} eager continues the passage: "
+                          f"{tokens == passage[len(prompt):]}", flush=True)
             tps = args.batch * (args.steps - 1) / seconds
             same = None if reference is None else tokens == reference
             first_diff = None if not reference or same else \
@@ -135,7 +161,7 @@ def main() -> None:
             torch._dynamo.reset()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cfg=cfg, device=torch.cuda.get_device_name() if device == "cuda"
+            json.dump(dict(cfg=cfg, fit=fit, device=torch.cuda.get_device_name() if device == "cuda"
                            else "cpu", torch=torch.__version__, results=results), f, indent=1)
     print("\nformat  " + "  ".join(f"{s:>16s}" for s in args.systems.split(",")))
     for fmt in args.formats.split(","):
