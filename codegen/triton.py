@@ -29,6 +29,7 @@ from fusec.ir import Index, PointwiseKernel
 from . import triton_keys
 from .render import render_template
 from .triton_launch import TritonLauncher
+from .triton_pdl import pdl
 from .triton_reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .triton_reduction import render_reduction
 from .triton_text import _helpers_in, _max_address, _stmt, _summary, block_size, convert, piece_mask
@@ -41,7 +42,7 @@ def render(kernel, arch: int | None = None) -> str:
         return render_reduction(kernel, arch)
     tiles = tiling(kernel)
     if tiles is not None:
-        return render_tiled(kernel, *tiles)
+        return render_tiled(kernel, *tiles, arch)
     shape = kernel.shape
     numel = kernel.numel
     block, num_warps = block_size(numel)
@@ -73,7 +74,7 @@ def render(kernel, arch: int | None = None) -> str:
         num_warps=num_warps, helpers=sorted(helpers),
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
         block_start="pid.to(tl.int64) * BLOCK_SIZE" if big else "pid * BLOCK_SIZE",
-        coords=coords, loads=loads, body=body, stores=stores)
+        coords=coords, loads=loads, body=body, stores=stores, pdl=pdl(arch))
 
 
 # Note (tiled pointwise kernels): a 1-D block of consecutive positions suits tensors that are
@@ -108,7 +109,7 @@ def tiling(kernel: PointwiseKernel) -> tuple[int, int] | None:
     return ydim, xdim
 
 
-def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
+def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None = None) -> str:
     shape = kernel.shape
     ysize, xsize = shape[ydim], shape[xdim]
     yblock = min(64, 1 << (ysize - 1).bit_length())
@@ -143,7 +144,8 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int) -> str:
         programs=y_tiles * x_tiles * math.prod(shape[d] for d in others),
         pid="tl.program_id(axis=0).to(tl.int64)" if big else "tl.program_id(axis=0)",
         rest=rest, why=why, num_warps=4, helpers=sorted(_helpers_in(loads + body + stores)),
-        params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores)
+        params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores,
+        pdl=pdl(arch))
 
 
 def _reach(access) -> int:

@@ -14,6 +14,7 @@ from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 
 from .int4_words import match_int4_words
 from .render import render_template
+from .triton_pdl import pdl
 from .triton_text import (TL, _helpers_in, _max_address, _stmt, _summary, convert, piece_mask,
                           rows_and_epilogue)
 
@@ -178,7 +179,7 @@ def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
     return [f"k{d}" if st == 1 else f"k{d} * {st}" for d, st in enumerate(strides) if st]
 
 
-def render_gemv(kernel, why_not_words: str = "") -> str:  # (why no int4 word kernel took it)
+def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str:  # (why not words)
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     two = len(kernel.row_shape) == 2
     m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
@@ -396,4 +397,4 @@ def render_gemv(kernel, why_not_words: str = "") -> str:  # (why no int4 word ke
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], row_lines=row_lines,
         loop_lines=loop_lines, first_lines=first, rotate_lines=rotate, even_k=even_k,
-        operand=operand, epilogue=epilogue, stores=stores)
+        operand=operand, epilogue=epilogue, stores=stores, pdl=pdl(arch))

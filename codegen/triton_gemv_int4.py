@@ -28,8 +28,10 @@ from fusec.ir import Index, Load, Reduce, Stmt
 
 from .int4_words import Int4Words
 from .render import render_template
+from .triton_pdl import pdl
 from .triton_gemv import SMS
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert, rows_and_epilogue
+from .triton_text import (_helpers_in, _max_address, _stmt, _summary, convert, current_arch,
+                          rows_and_epilogue)
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
 # best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).
@@ -50,16 +52,6 @@ def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
     block_w = min(WORD_CHUNK, WORD_TILE // block_n, WORD_ACC // (block_m * block_n),
                   1 << max(words - 1, 0).bit_length())
     return block_m, block_n, max(block_w, 1), 8 if block_n * block_w >= 2048 else 4
-
-
-def current_arch() -> int | None:
-    """The sm_<arch> number of the NVIDIA GPU this process compiles for; None under the
-    interpreter, without a CUDA GPU, or on another vendor's."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() \
-            or torch.version.hip:
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return 10 * major + minor
 
 
 def pair_math(arch: int | None = None) -> tuple[bool, str]:
@@ -227,4 +219,4 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
         word_mask=word_mask, word_mask_next=word_mask_next, masked=bool(lanes), wrap=wrap,
         x_flat=x_flat, x_load=x_load,
         x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores,
-        why_words=why_words)
+        why_words=why_words, pdl=pdl(arch))

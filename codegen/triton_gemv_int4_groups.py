@@ -24,6 +24,7 @@ from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
+from .triton_pdl import pdl
 from .triton_gemv import SMS
 from .triton_gemv_int4 import _int32, bf16_bits, needs_int64, pair_math, row_code
 from .triton_text import _helpers_in, _summary
@@ -151,5 +152,5 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
-        stores=stores)
+        stores=stores, pdl=pdl(arch))
 

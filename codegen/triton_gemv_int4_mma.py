@@ -30,8 +30,9 @@ from fusec.ir import Load, Reduce
 from .int4_words import Int4Words
 from .render import render_template
 from .triton_gemv import SMS
-from .triton_gemv_int4 import _int32, bf16_bits, current_arch, needs_int64, pair_math, row_code
-from .triton_text import _helpers_in, _summary
+from .triton_gemv_int4 import _int32, bf16_bits, needs_int64, pair_math, row_code
+from .triton_pdl import pdl
+from .triton_text import _helpers_in, _summary, current_arch
 
 MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
@@ -171,4 +172,4 @@ def render_gemv_mma(kernel, words: Int4Words, arch: int | None = None, why: str 
         row_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact, word=word,
         n_mask=n_mask, masked=overhang, x_lo=x_load("t"), x_hi=x_load("t + 4"), epilogue=epilogue, stores=stores,
-        why=why)
+        why=why, pdl=pdl(arch))

@@ -17,6 +17,7 @@ from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
 from .int4_words import match_int4_words
 from .render import render_template
+from .triton_pdl import pdl
 from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
@@ -74,7 +75,7 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
     everything else to the byte-per-lane GEMV (whose docstring says why not words)."""
     words, _ = match_int4_words(kernel, MMA_MAX_M)
     if words is None:
-        return render_gemv(kernel)
+        return render_gemv(kernel, arch=arch)
     fits, why = groups_fit(kernel, words)
     if fits:
         return render_gemv_groups(kernel, words, arch)
@@ -83,7 +84,7 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
         return render_gemv_mma(kernel, words, arch, why_not)
     if match_int4_words(kernel)[0] is not None:  # M <= INT4_WORDS_MAX_M
         return render_gemv_words(kernel, words, arch, f"{why}; {why_not}")
-    return render_gemv(kernel, f"{match_int4_words(kernel)[1]}; {why_not}")
+    return render_gemv(kernel, f"{match_int4_words(kernel)[1]}; {why_not}", arch)
 
 
 def render_reduction(kernel, arch: int | None = None) -> str:
@@ -194,7 +195,7 @@ def render_reduction(kernel, arch: int | None = None) -> str:
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], passes=note,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
-        row_lines=row_lines, sections=loops)
+        row_lines=row_lines, sections=loops, pdl=pdl(arch))
 
 
 def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:

@@ -101,7 +101,7 @@ def _signature(fn, args, kwargs) -> tuple[dict, dict, dict, list]:
     """Triton's (signature, constexprs, options, pointer positions) for the launch recorded."""
     import torch
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg",
-                                          "enable_fp_fusion") if k in kwargs}
+                                          "enable_fp_fusion", "launch_pdl") if k in kwargs}
     given = dict(zip([p.name for p in fn.params], args)) | kwargs
     signature, constants, pointers = {}, {}, []
     for i, p in enumerate(fn.params):

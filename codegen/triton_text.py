@@ -6,6 +6,7 @@ triton_reduction.py, triton_gemv.py) write through these.
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import torch
@@ -13,6 +14,15 @@ import torch
 from fusec import ops
 from fusec.ir import Const, Index, PointwiseKernel, Stmt
 
+
+def current_arch() -> int | None:
+    """The sm_<arch> number of the NVIDIA GPU this process compiles for; None under the
+    interpreter, without a CUDA GPU, or on another vendor's."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() \
+            or torch.version.hip:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
 
 
 TL = {
