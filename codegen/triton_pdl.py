@@ -32,13 +32,18 @@ with bf16 weights, 1903 to 1986 with int8 and 2569 to 2677 with int4.
 
 The choice is made when a kernel is rendered, for the GPU this process compiles for (or the
 `arch` named, codegen/triton_target.py): on sm_90 and newer, not under the interpreter (which runs
-no PTX), and not with `FUSEC_PDL=0`.
+no PTX), not with a CUDA driver older than 12.3 (the first to keep the programmatic order inside
+CUDA graphs), and not with `FUSEC_PDL=0`.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 from .triton_text import current_arch
+
+GRAPH_DRIVER = 12030  # CUDA 12.3: programmatic edges in captured graphs
 
 
 def pdl_enabled() -> bool:
@@ -50,12 +55,30 @@ def pdl_fit(arch: int | None = None) -> tuple[bool, str]:
     programmatic dependent launch, and why not when they do not."""
     if not pdl_enabled():
         return False, "FUSEC_PDL=0: programmatic dependent launch is switched off"
-    arch = current_arch() if arch is None else arch
+    here = arch is None
+    arch = current_arch() if here else arch
     if arch is None:
         return False, "no CUDA GPU to launch on (or the interpreter)"
     if arch < 90:
         return False, f"sm_{arch}: programmatic dependent launch needs sm_90 or newer"
+    driver = driver_version() if here else None
+    if driver is not None and driver < GRAPH_DRIVER:
+        return False, (f"CUDA driver {driver // 1000}.{driver % 1000 // 10}: programmatic "
+                       "dependent launch inside CUDA graphs needs 12.3 or newer")
     return True, f"sm_{arch}: each kernel waits for the one before, then lets the next one launch"
+
+
+@functools.lru_cache(maxsize=None)
+def driver_version() -> int | None:
+    """The CUDA driver's version as cuDriverGetVersion gives it (12030 for 12.3); None when
+    libcuda cannot be asked (then the launch itself would report a problem)."""
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return version.value
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def pdl(arch: int | None = None) -> bool:

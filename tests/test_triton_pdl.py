@@ -88,3 +88,15 @@ def test_cuda_chained_kernels_match_eager(cuda_graphs):
         torch.testing.assert_close(cf(x), chain(x), rtol=1e-4, atol=1e-4)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert len(cf.kernels) >= CHAIN_STEPS and all("gdc_wait()" in k.source for k in cf.kernels)
+
+
+def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
+    """A GPU whose CUDA driver predates 12.3 could not keep the order inside a CUDA graph."""
+    from fusec.codegen import triton_pdl
+    monkeypatch.setattr(triton_pdl, "current_arch", lambda: 90)
+    monkeypatch.setattr(triton_pdl, "driver_version", lambda: 12020)
+    on, why = triton_pdl.pdl_fit()
+    assert not on and "CUDA driver 12.2" in why
+    monkeypatch.setattr(triton_pdl, "driver_version", lambda: 13000)
+    assert triton_pdl.pdl_fit()[0]
+    assert triton_pdl.pdl_fit(90)[0]  # rendering for a named target does not ask this machine
