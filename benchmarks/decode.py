@@ -163,10 +163,15 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(dict(cfg=cfg, fit=fit, device=torch.cuda.get_device_name() if device == "cuda"
                            else "cpu", torch=torch.__version__, results=results), f, indent=1)
-    print("\nformat  " + "  ".join(f"{s:>16s}" for s in args.systems.split(",")))
+    systems = args.systems.split(",")
+    ratio = "fusec" in systems and "reduce-overhead" in systems  # issue 15's comparison
+    print("\nformat  " + "  ".join(f"{s:>16s}" for s in systems)
+          + ("  fusec / reduce-overhead" if ratio else ""))
     for fmt in args.formats.split(","):
         cells = {r["system"]: r for r in results if r["format"] == fmt}
-        print(f"{fmt:6s}  " + "  ".join(f"{cells[s]['tokens_per_s']:16.1f}" for s in args.systems.split(",")))
+        print(f"{fmt:6s}  " + "  ".join(f"{cells[s]['tokens_per_s']:16.1f}" for s in systems)
+              + (f"  {cells['fusec']['tokens_per_s'] / cells['reduce-overhead']['tokens_per_s']:23.2f}x"
+                 if ratio else ""))
 
 
 if __name__ == "__main__":
