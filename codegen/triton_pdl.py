@@ -32,8 +32,9 @@ with bf16 weights, 1903 to 1986 with int8 and 2569 to 2677 with int4.
 
 The choice is made when a kernel is rendered, for the GPU this process compiles for (or the
 `arch` named, codegen/triton_target.py): on sm_90 and newer, not under the interpreter (which runs
-no PTX), not with a CUDA driver older than 12.3 (the first to keep the programmatic order inside
-CUDA graphs), and not with `FUSEC_PDL=0`.
+no PTX), not with a Triton that lacks `gdc_wait` and `launch_pdl` (Triton 3.6 has both), not with
+a CUDA driver older than 12.3 (the first to keep the programmatic order inside CUDA graphs), and
+not with `FUSEC_PDL=0`.
 """
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def pdl_fit(arch: int | None = None) -> tuple[bool, str]:
     programmatic dependent launch, and why not when they do not."""
     if not pdl_enabled():
         return False, "FUSEC_PDL=0: programmatic dependent launch is switched off"
+    if not triton_has_pdl():
+        import triton
+        return False, (f"Triton {triton.__version__} has no grid dependency control "
+                       "(gdc_wait, launch_pdl)")
     here = arch is None
     arch = current_arch() if here else arch
     if arch is None:
@@ -66,6 +71,17 @@ def pdl_fit(arch: int | None = None) -> tuple[bool, str]:
         return False, (f"CUDA driver {driver // 1000}.{driver % 1000 // 10}: programmatic "
                        "dependent launch inside CUDA graphs needs 12.3 or newer")
     return True, f"sm_{arch}: each kernel waits for the one before, then lets the next one launch"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_has_pdl() -> bool:
+    """Whether this Triton has the two instructions and the launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+        return "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except Exception:  # noqa: BLE001 (an older Triton, or one without the NVIDIA backend)
+        return False
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,3 +100,10 @@ def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
     monkeypatch.setattr(triton_pdl, "driver_version", lambda: 13000)
     assert triton_pdl.pdl_fit()[0]
     assert triton_pdl.pdl_fit(90)[0]  # rendering for a named target does not ask this machine
+
+
+def test_a_triton_without_grid_dependency_control_keeps_kernels_without_pdl(monkeypatch):
+    from fusec.codegen import triton_pdl
+    monkeypatch.setattr(triton_pdl, "triton_has_pdl", lambda: False)
+    on, why = triton_pdl.pdl_fit(90)
+    assert not on and "no grid dependency control" in why
