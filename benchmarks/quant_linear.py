@@ -12,7 +12,8 @@ forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind bot
 Packed int4 at small M is read as 32-bit words: at M = 1 dequantized once per group
 (codegen/triton_gemv_int4_groups.py), at M = 2-16 multiplied on tensor cores with K split
 (codegen/triton_gemv_int4_mma.py), else per weight (codegen/triton_gemv_int4.py, M <= 4).
-`--int4-paths` adds rows with those paths switched off (FUSEC_INT4_GROUPS=0 FUSEC_INT4_MMA=0: the
+`--int4-paths` adds rows with those paths switched off (FUSEC_INT4_PAIRED=0: the group kernel with
+the high nibbles masked; FUSEC_INT4_GROUPS=0 FUSEC_INT4_MMA=0: the
 per-weight word kernel up to M = 4; FUSEC_INT4_WORDS=0: the byte-per-lane GEMV), so that all are
 timed in one run. Each fusec row names its kernels and which int4 path it took.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
@@ -97,7 +98,8 @@ def main() -> None:
 
 
 # the int4 GEMV paths --int4-paths times: as chosen, the word kernel, the byte-per-lane kernel
-PATHS = [("", {}), (" (words: GROUPS=0 MMA=0)", {"FUSEC_INT4_GROUPS": "0", "FUSEC_INT4_MMA": "0"}),
+PATHS = [("", {}), (" (unpaired: FUSEC_INT4_PAIRED=0)", {"FUSEC_INT4_PAIRED": "0"}),
+         (" (words: GROUPS=0 MMA=0)", {"FUSEC_INT4_GROUPS": "0", "FUSEC_INT4_MMA": "0"}),
          (" (bytes: FUSEC_INT4_WORDS=0)", {"FUSEC_INT4_WORDS": "0"})]
 
 

@@ -39,8 +39,24 @@ from .triton_text import _helpers_in, _summary
 LANES = 32
 WPL = 4
 PROGRAMS_PER_SM = 16
+
+
 def groups_enabled() -> bool:
     return os.environ.get("FUSEC_INT4_GROUPS", "1") != "0"
+
+
+# The paired form (the template's steps 2-4) saves a mask per pair of weights and row, and costs
+# four FMAs and four adds per word of activations, shared by the ROWS rows: a gain from 4 rows on.
+# Measured side by side on an H200 at M = 1 (quant_linear.py --int4-paths, TB/s, paired / masked):
+# K = N = 8192 (4 rows) 1.845 / 1.673; K = 4096, N = 11008 (8 rows) 1.547 / 1.518; N = 4096
+# (2 rows): K = 4096 0.834 / 0.836, K = 11008 1.202 / 1.291.
+PAIRED_FROM_ROWS = 4
+
+
+def paired_form(rows: int) -> bool:
+    """Whether the group kernel reads the high nibble of each pair without its mask: with at
+    least PAIRED_FROM_ROWS rows per program, unless FUSEC_INT4_PAIRED=0."""
+    return rows >= PAIRED_FROM_ROWS and os.environ.get("FUSEC_INT4_PAIRED", "1") != "0"
 
 
 def groups_fit(kernel, words: Int4Words) -> tuple[bool, str]:
@@ -152,5 +168,5 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
-        stores=stores, pdl=pdl(arch))
+        stores=stores, pdl=pdl(arch), paired=paired_form(rows))
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
+from fusec.codegen import triton_gemv_int4_groups as int4_groups
 from conftest import TRITON_DEVICE
 from fusec.codegen.int4_words import match_int4_words
 
@@ -180,9 +181,26 @@ def test_infinities_or_overflow_take_the_exact_way(where, zero, path):
     float32 limit overflows (128 + q) * x. The tensor-core kernel (2-16 rows) multiplies the scale
     into the sums: with a tiny scale, sum x (q - zero) overflows where eager's sum of
     x * ((q - zero) * scale) does not. Such a program computes its rows again with eager's
-    arithmetic: infinities, NaNs and values as eager's."""
+    arithmetic: infinities, NaNs and values as eager's. (24 columns: the group kernel's masked
+    form; test_the_paired_form_takes_the_exact_way_too checks the other.)"""
+    check_exact_way(where, zero, path, 24)
+
+
+@pytest.mark.parametrize("zero", ["tensor", "none"])
+@pytest.mark.parametrize("where", ["inf", "-inf and inf", "nan", "overflow"])
+def test_the_paired_form_takes_the_exact_way_too(where, zero, monkeypatch):
+    """The paired form (the high nibbles read unmasked, from 4 rows per program on: N > 4224)
+    carries a constant times the activations in its sums besides: the same non-finite cases.
+    Here switched on from 2 rows, so that 24 columns take it (saved programs off: their
+    fingerprint does not see a module constant)."""
+    monkeypatch.setattr(int4_groups, "PAIRED_FROM_ROWS", 2)
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    check_exact_way(where, zero, GROUPS, 24, paired=True)
+
+
+def check_exact_way(where, zero, path, n, paired=False):
     rows, k, group = (1, 256, 32) if path == GROUPS else (4, 512, 128)
-    layer = Int4(24, k, group, zero=zero, seed=12)
+    layer = Int4(n, k, group, zero=zero, seed=12)
     x = rand(rows, k, seed=13)
     if where == "inf":
         x[rows - 1, 5] = float("inf")
@@ -201,6 +219,7 @@ def test_infinities_or_overflow_take_the_exact_way(where, zero, path):
     with torch.no_grad():
         got, want = cf(x), layer(x)
     assert path in cf.kernels[0].source
+    assert ("x4 * (1.0 / 65536)" in cf.kernels[0].source) == paired
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got[got.isinf()], want[want.isinf()])
     fin = want.isfinite()
@@ -210,19 +229,22 @@ def test_infinities_or_overflow_take_the_exact_way(where, zero, path):
         assert err <= (want[fin].double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
 
 
-def test_one_row_is_closer_to_float64_than_eager():
+@pytest.mark.parametrize("n, k, paired", [(64, 1024, False), (4352, 512, True)])
+def test_one_row_is_closer_to_float64_than_eager(n, k, paired):
     """The group kernel does not round each dequantized weight to bf16: against a float64
     product of the exact dequantization (q - zero) * scale its error is only the output's
-    bf16 rounding, smaller than eager's (which rounds every weight first)."""
-    layer = Int4(64, 1024, 128, seed=14)
-    x = rand(1, 1024, seed=15)
+    bf16 rounding, smaller than eager's (which rounds every weight first). Both forms: the high
+    nibbles masked (2 rows per program) and read unmasked (4 rows, N > 4224)."""
+    layer = Int4(n, k, 128, seed=14)
+    x = rand(1, k, seed=15)
     cf = fusec.compile(layer, backend="triton")
-    p = layer.packed.view(64, 8, 64).double()
-    q = torch.stack([p.remainder(16), p.div(16, rounding_mode="floor")], -1).view(64, 8, 128)
-    w = ((q - layer.zero.double()[..., None]) * layer.scale.double()[..., None]).view(64, 1024)
+    p = layer.packed.view(n, k // 128, 64).double()
+    q = torch.stack([p.remainder(16), p.div(16, rounding_mode="floor")], -1).view(n, k // 128, 128)
+    w = ((q - layer.zero.double()[..., None]) * layer.scale.double()[..., None]).view(n, k)
     with torch.no_grad():
         got, want = cf(x), layer(x)
     assert GROUPS in cf.kernels[0].source
+    assert ("x4 * (1.0 / 65536)" in cf.kernels[0].source) == paired
     exact = x.double() @ w.t()
     rounding = (exact.to(BF16).double() - exact).abs()  # the output's own rounding
     assert ((got.double() - exact).abs() <= rounding * 1.01 + 1e-30).float().mean() > 0.99
@@ -270,6 +292,12 @@ def test_group_kernel_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEC_INT4_GROUPS", "0")
     cf = check(Int4(24, 128, 32), rand(1, 128))  # the word kernel, and it says why
     assert "FUSEC_INT4_GROUPS=0: the group kernel is switched off" in cf.kernels[0].source
+
+
+def test_paired_form_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")  # 4 rows per program, yet the masked form
+    cf = check(Int4(4352, 128, 32), rand(1, 128), path=GROUPS)
+    assert "x4 * (1.0 / 65536)" not in cf.kernels[0].source
 
 
 def test_word_kernel_says_why_not_the_group_kernel():

@@ -66,9 +66,12 @@ def nibble_pairs(w, ASM: tl.constexpr):
 def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: tl.constexpr,
                 GROUP_W: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                 WPL: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr,
-                PREFETCH: tl.constexpr, UNROLL: tl.constexpr):
+                PREFETCH: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr = 1):
     BLOCK_W: tl.constexpr = WPL * LANES  # words per chunk of each row
     pid = tl.program_id(axis=0)
+    # SPLIT > 1 (timing only): program (pid, k) adds up the k-th of SPLIT slices of K, and every
+    # slice stores its partial sums to the same place (not combined: the traffic, not the result)
+    k_first = tl.program_id(axis=1) * (n_words // SPLIT)
     n = pid * ROWS + tl.arange(0, ROWS)[None, None, :]
     w4 = WPL * tl.arange(0, LANES)[:, None] + tl.arange(0, WPL)[None, :]  # [LANES, WPL] words
     ws = w4[:, :, None]
@@ -78,14 +81,17 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
     rows = pid * ROWS + tl.arange(0, ROWS)[None, :]
     lane_w = WPL * tl.arange(0, LANES)[:, None]
     x_lanes = (w4 * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]
+    ws = ws + k_first
+    lane_w = lane_w + k_first
+    x_lanes = x_lanes + k_first * 8
     words_next = tl.load(wp + n * n_words + ws, eviction_policy="evict_first")
     if PREFETCH:  # the next chunk's zero points, scales and activations too
         z_next = tl.load(p_zero_ptr + rows * n_groups + lane_w // GROUP_W)
         s_next = tl.load(p_scale_ptr + rows * n_groups + lane_w // GROUP_W)
         x_next = tl.load(x_ptr + x_lanes)
-    for w_start in tl.range(0, n_words, BLOCK_W, loop_unroll_factor=UNROLL):
+    for w_start in tl.range(0, n_words // SPLIT, BLOCK_W, loop_unroll_factor=UNROLL):
         words = words_next  # the next chunk's words are in flight while this one is multiplied
-        w_next = tl.where(w_start + BLOCK_W < n_words, w_start + BLOCK_W, 0)
+        w_next = tl.where(w_start + BLOCK_W < n_words // SPLIT, w_start + BLOCK_W, 0)
         words_next = tl.load(wp + n * n_words + ws + w_next, eviction_policy="evict_first")
         # a lane's WPL words lie in one group: its zero point and scale per row
         if PREFETCH:
@@ -157,15 +163,15 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
 
 
 def module_text(n_words: int, group_w: int, n: int, rows: int, lanes: int, warps: int,
-                wpl: int, paired: bool, prefetch: bool, unroll: int) -> str:
+                wpl: int, paired: bool, prefetch: bool, unroll: int, split: int = 1) -> str:
     """This file's kernels with a launch() for one config, as a module triton_target compiles."""
     here = inspect.getsource(sys.modules[__name__])
     kernels = here[here.index("@triton.jit\ndef nibble_pairs"):here.index("\ndef module_text")]
     return ("import triton\nimport triton.language as tl\nfrom fusec.codegen.triton_helpers "
             "import fusec_bf16_to_f32, fusec_f32_to_bf16\n\n\n" + kernels +
             f"\ndef launch(p_packed, p_zero, p_scale, x, out):\n"
-            f"    return offset_gemv[({n // rows},)](p_packed, p_zero, p_scale, x, out, "
-            f"{n_words}, {group_w}, {rows}, {lanes}, {wpl}, True, {paired}, {prefetch}, {unroll}, num_warps={warps}, "
+            f"    return offset_gemv[({n // rows}, {split})](p_packed, p_zero, p_scale, x, out, "
+            f"{n_words}, {group_w}, {rows}, {lanes}, {wpl}, True, {paired}, {prefetch}, {unroll}, {split}, num_warps={warps}, "
             "enable_fp_fusion=True)\n")
 
 
@@ -207,15 +213,17 @@ def main() -> None:
         print(f"fusec's kernel            {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s  "
               f"|out - exact| {e:.3g} (eager {eager_e:.3g})", flush=True)
     for spec in args.configs.split(","):
+        spec, _, split = spec.partition("s")
+        split = int(split or 1)
         paired, prefetch = "p" in spec.split("x")[3], "f" in spec.split("x")[3]
         unroll = int(spec.split("u")[1]) if "u" in spec else 1
         rows, lanes, warps, wpl = (int(v.rstrip("pf")) for v in spec.split("u")[0].split("x"))
-        if n_words % (wpl * lanes) or group_w % wpl or n % rows:
+        if n_words % (wpl * lanes * split) or group_w % wpl or n % rows:
             print(f"{spec}: does not tile K = {k}, N = {n}, group {args.group}")
             continue
-        call = lambda: offset_gemv[(n // rows,)](  # noqa: E731
+        call = lambda: offset_gemv[(n // rows, split)](  # noqa: E731
             layer.packed, layer.zero, layer.scale, x, out, n_words, group_w, rows, lanes, wpl, gpu, paired, prefetch, unroll,
-            num_warps=warps, enable_fp_fusion=True)
+            split, num_warps=warps, enable_fp_fusion=True)
         try:
             call()
             ms = median_ms(call, device=dev) if gpu else float("nan")
@@ -223,11 +231,12 @@ def main() -> None:
             print(f"{spec}: failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
             continue
         e, eager_e = errors(layer, x, out)
+        spec += f"s{split}" if split > 1 else ""
         line = f"{spec:14s}  {ms:.4f} ms {nbytes / ms / 1e9:.3f} TB/s  |out - exact| {e:.3g} " \
                f"(eager {eager_e:.3g})"
         if not gpu:
             done = triton_target.compile_for(
-                module_text(args.k // 8, group_w, args.n, rows, lanes, warps, wpl, paired, prefetch, unroll), "offset_gemv",
+                module_text(args.k // 8, group_w, args.n, rows, lanes, warps, wpl, paired, prefetch, unroll, split), "offset_gemv",
                 ["uint8", "bfloat16", "bfloat16", "bfloat16", "bfloat16"], 90)
             line += "\n    " + loop_summary(done, rows * wpl * lanes * 8 / (32 * warps), top=10)
         print(line, flush=True)
