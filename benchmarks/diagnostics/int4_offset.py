@@ -66,7 +66,8 @@ def nibble_pairs(w, ASM: tl.constexpr):
 def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: tl.constexpr,
                 GROUP_W: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                 WPL: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr,
-                PREFETCH: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr = 1):
+                PREFETCH: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr = 1,
+                DEEP: tl.constexpr = False):
     BLOCK_W: tl.constexpr = WPL * LANES  # words per chunk of each row
     pid = tl.program_id(axis=0)
     # SPLIT > 1 (timing only): program (pid, k) adds up the k-th of SPLIT slices of K, and every
@@ -85,6 +86,9 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
     lane_w = lane_w + k_first
     x_lanes = x_lanes + k_first * 8
     words_next = tl.load(wp + n * n_words + ws, eviction_policy="evict_first")
+    if DEEP:  # two chunks ahead: the one after next in flight too
+        words_after = tl.load(wp + n * n_words + ws + tl.where(BLOCK_W < n_words // SPLIT, BLOCK_W, 0),
+                              eviction_policy="evict_first")
     if PREFETCH:  # the next chunk's zero points, scales and activations too
         z_next = tl.load(p_zero_ptr + rows * n_groups + lane_w // GROUP_W)
         s_next = tl.load(p_scale_ptr + rows * n_groups + lane_w // GROUP_W)
@@ -92,7 +96,12 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
     for w_start in tl.range(0, n_words // SPLIT, BLOCK_W, loop_unroll_factor=UNROLL):
         words = words_next  # the next chunk's words are in flight while this one is multiplied
         w_next = tl.where(w_start + BLOCK_W < n_words // SPLIT, w_start + BLOCK_W, 0)
-        words_next = tl.load(wp + n * n_words + ws + w_next, eviction_policy="evict_first")
+        if DEEP:
+            w_after = tl.where(w_start + 2 * BLOCK_W < n_words // SPLIT, w_start + 2 * BLOCK_W, 0)
+            words_next = words_after
+            words_after = tl.load(wp + n * n_words + ws + w_after, eviction_policy="evict_first")
+        else:
+            words_next = tl.load(wp + n * n_words + ws + w_next, eviction_policy="evict_first")
         # a lane's WPL words lie in one group: its zero point and scale per row
         if PREFETCH:
             z = fusec_bf16_to_f32(z_next)
@@ -163,7 +172,8 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
 
 
 def module_text(n_words: int, group_w: int, n: int, rows: int, lanes: int, warps: int,
-                wpl: int, paired: bool, prefetch: bool, unroll: int, split: int = 1) -> str:
+                wpl: int, paired: bool, prefetch: bool, unroll: int, split: int = 1,
+                deep: bool = False) -> str:
     """This file's kernels with a launch() for one config, as a module triton_target compiles."""
     here = inspect.getsource(sys.modules[__name__])
     kernels = here[here.index("@triton.jit\ndef nibble_pairs"):here.index("\ndef module_text")]
@@ -171,7 +181,7 @@ def module_text(n_words: int, group_w: int, n: int, rows: int, lanes: int, warps
             "import fusec_bf16_to_f32, fusec_f32_to_bf16\n\n\n" + kernels +
             f"\ndef launch(p_packed, p_zero, p_scale, x, out):\n"
             f"    return offset_gemv[({n // rows}, {split})](p_packed, p_zero, p_scale, x, out, "
-            f"{n_words}, {group_w}, {rows}, {lanes}, {wpl}, True, {paired}, {prefetch}, {unroll}, {split}, num_warps={warps}, "
+            f"{n_words}, {group_w}, {rows}, {lanes}, {wpl}, True, {paired}, {prefetch}, {unroll}, {split}, {deep}, num_warps={warps}, "
             "enable_fp_fusion=True)\n")
 
 
@@ -193,7 +203,8 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--configs", default="4x128x4x4,2x128x4x4,4x64x2x4,8x64x4x4,4x128x4x2,"
-                   "4x256x8x2,8x128x8x2,2x256x4x4", help="ROWSxLANESxWARPSxWPL[p][f][uU],...; p: the paired form, f: prefetch, uU: unroll U")
+                   "4x256x8x2,8x128x8x2,2x256x4x4", help="ROWSxLANESxWARPSxWPL[p][f][d][uU][sS],...; p: the paired form, f: prefetch, "
+                        "d: words two chunks ahead, uU: unroll U, sS: split K in S (timing only)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -216,14 +227,15 @@ def main() -> None:
         spec, _, split = spec.partition("s")
         split = int(split or 1)
         paired, prefetch = "p" in spec.split("x")[3], "f" in spec.split("x")[3]
+        deep = "d" in spec.split("x")[3]
         unroll = int(spec.split("u")[1]) if "u" in spec else 1
-        rows, lanes, warps, wpl = (int(v.rstrip("pf")) for v in spec.split("u")[0].split("x"))
+        rows, lanes, warps, wpl = (int(v.rstrip("pfd")) for v in spec.split("u")[0].split("x"))
         if n_words % (wpl * lanes * split) or group_w % wpl or n % rows:
             print(f"{spec}: does not tile K = {k}, N = {n}, group {args.group}")
             continue
         call = lambda: offset_gemv[(n // rows, split)](  # noqa: E731
             layer.packed, layer.zero, layer.scale, x, out, n_words, group_w, rows, lanes, wpl, gpu, paired, prefetch, unroll,
-            split, num_warps=warps, enable_fp_fusion=True)
+            split, deep, num_warps=warps, enable_fp_fusion=True)
         try:
             call()
             ms = median_ms(call, device=dev) if gpu else float("nan")
@@ -236,7 +248,7 @@ def main() -> None:
                f"(eager {eager_e:.3g})"
         if not gpu:
             done = triton_target.compile_for(
-                module_text(args.k // 8, group_w, args.n, rows, lanes, warps, wpl, paired, prefetch, unroll, split), "offset_gemv",
+                module_text(args.k // 8, group_w, args.n, rows, lanes, warps, wpl, paired, prefetch, unroll, split, deep), "offset_gemv",
                 ["uint8", "bfloat16", "bfloat16", "bfloat16", "bfloat16"], 90)
             line += "\n    " + loop_summary(done, rows * wpl * lanes * 8 / (32 * warps), top=10)
         print(line, flush=True)
