@@ -16,6 +16,9 @@ Packed int4 at small M is read as 32-bit words: at M = 1 dequantized once per gr
 the high nibbles masked; FUSEC_INT4_GROUPS=0 FUSEC_INT4_MMA=0: the
 per-weight word kernel up to M = 4; FUSEC_INT4_WORDS=0: the byte-per-lane GEMV), so that all are
 timed in one run. Each fusec row names its kernels and which int4 path it took.
+On CUDA each layer (cuBLAS's, and fusec's as chosen) is followed by a kernel that only reads the same
+bytes, timed the same way (benchmarks/speed_of_light.py): at decode sizes a few microseconds of
+each call are fixed, so that read, not the memory's peak, is how fast the layer could be.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
 from __future__ import annotations
@@ -58,6 +61,16 @@ def main() -> None:
     layers = {"int8": Int8Linear(w).to(device), "int4": Int4Linear(w, args.group).to(device)}
     rows = []
 
+    def floor(name, m, nbytes):
+        """A kernel that only reads the same bytes, timed the same way (benchmarks/speed_of_light.py),
+        and the row just above as a fraction of its speed."""
+        from speed_of_light import read_floor_ms  # CUDA only
+        ms = read_floor_ms(nbytes, device)
+        above = rows[-1]
+        rows.append(dict(name=name, m=m, ms=ms, bytes=nbytes, tbps=nbytes / ms / 1e9))
+        print(f"{name:34s} M={m:<3d} {ms:9.4f} ms {nbytes / ms / 1e9:7.3f} TB/s   "
+              f"({above['name']}: {ms / above['ms']:.0%} of this speed)", flush=True)
+
     def row(name, m, nbytes, fn, x):
         with torch.no_grad():
             fn(x)
@@ -68,6 +81,8 @@ def main() -> None:
     for m in [int(v) for v in args.m.split(",")]:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         row("bf16 F.linear (cuBLAS/eager)", m, w.numel() * 2, lambda x: F.linear(x, w), x)
+        if device == "cuda":
+            floor("  bf16 bytes, read only", m, w.numel() * 2)
         for fmt, layer in layers.items():
             nb = weight_bytes(layer)
             row(f"{fmt} eager", m, nb, layer, x)
@@ -88,6 +103,8 @@ def main() -> None:
                         if value is not None:
                             os.environ[key] = value
                 check(rows, cf, layer, fmt, x, sources)
+                if device == "cuda" and not label:
+                    floor(f"  {fmt} bytes, read only", m, nb)
         if args.sweep and device == "cuda":
             sweep(rows, layers, x, m, row)
 

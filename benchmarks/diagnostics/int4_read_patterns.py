@@ -26,7 +26,9 @@ import triton.language as tl
 from fusec.timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from int4_linear import Int4Linear  # noqa: E402
+from speed_of_light import read_ms  # noqa: E402
 
 
 @triton.jit
@@ -57,20 +59,6 @@ def pattern_read(p_packed_ptr, out_ptr, n_words: tl.constexpr, ROWS: tl.constexp
     tl.store(out_ptr + pid * T * 4 + t[:, None] * 4 + tl.arange(0, 4)[None, :], acc)
 
 
-@triton.jit
-def read_only(p_ptr, out_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    # the speed of light: read the packed weight's words once, as fast as they come; each program
-    # reads STEPS blocks of BLOCK words and keeps a sum so that the loads are not dropped
-    pid = tl.program_id(axis=0)
-    wp = p_ptr.to(tl.pointer_type(tl.int32))
-    offs = pid * BLOCK * STEPS + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for i in tl.static_range(STEPS):
-        acc += tl.load(wp + offs + i * BLOCK, mask=offs + i * BLOCK < n_words, other=0,
-                       eviction_policy="evict_first")
-    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--k", type=int, default=8192)
@@ -89,18 +77,12 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     big = layer.weight(torch.bfloat16).view(torch.int32).view(-1)  # 134 MB at 8192 x 8192
     for size in (big.numel() // 4, big.numel() // 2, big.numel()):
-        sink = torch.empty(triton.cdiv(size, 4096), dtype=torch.int32, device=dev)
-        ms = median_ms(lambda: read_only[(sink.numel(),)](big, sink, size, 4096, 1, num_warps=8),
-                       device=dev)
+        ms = read_ms(big[:size])
         print(f"read only {size * 4 / 1e6:.0f} MB: {ms:.4f} ms {size * 4 / ms / 1e9:.3f} TB/s",
               flush=True)
-    words = layer.packed.numel() // 4
     for block, steps, warps in [(1024, 1, 4), (2048, 1, 4), (4096, 1, 8), (2048, 2, 4),
                                 (4096, 2, 8), (8192, 1, 8), (1024, 4, 4), (512, 1, 2)]:
-        sink = torch.empty(triton.cdiv(words, block * steps), dtype=torch.int32, device=dev)
-        call = lambda: read_only[(sink.numel(),)](  # noqa: E731
-            layer.packed, sink, words, block, steps, num_warps=warps)
-        ms = median_ms(call, device=dev)
+        ms = read_ms(layer.packed, block, steps, warps)
         print(f"read only {block}x{steps} words, {warps} warps: {ms:.4f} ms "
               f"{layer.packed.numel() / ms / 1e9:.3f} TB/s (packed bytes only)", flush=True)
     for rows, warps, run, xx in [(16, 4, 16, False), (16, 4, 16, True), (16, 4, 32, False), (16, 4, 32, True),
