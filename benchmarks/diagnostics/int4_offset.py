@@ -63,11 +63,29 @@ def nibble_pairs(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def load_w(ptrs, CG: tl.constexpr):
+    # the streamed weight words: evict_first, or with CG past L1 (".cg": cached in L2 only)
+    if CG:
+        return tl.load(ptrs, cache_modifier=".cg")  # (ptxas refuses .cg with an eviction hint)
+    else:
+        return tl.load(ptrs, eviction_policy="evict_first")
+
+
+@triton.jit
+def load_x(ptrs, XL: tl.constexpr):
+    # the activations, read by every program: with XL kept (evict_last)
+    if XL:
+        return tl.load(ptrs, eviction_policy="evict_last")
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: tl.constexpr,
                 GROUP_W: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr,
                 WPL: tl.constexpr, ASM: tl.constexpr, PAIRED: tl.constexpr,
                 PREFETCH: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr = 1,
-                DEEP: tl.constexpr = False):
+                DEEP: tl.constexpr = False, CG: tl.constexpr = False, XL: tl.constexpr = False):
     BLOCK_W: tl.constexpr = WPL * LANES  # words per chunk of each row
     pid = tl.program_id(axis=0)
     # SPLIT > 1 (timing only): program (pid, k) adds up the k-th of SPLIT slices of K, and every
@@ -85,7 +103,7 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
     ws = ws + k_first
     lane_w = lane_w + k_first
     x_lanes = x_lanes + k_first * 8
-    words_next = tl.load(wp + n * n_words + ws, eviction_policy="evict_first")
+    words_next = load_w(wp + n * n_words + ws, CG)
     if DEEP:  # two chunks ahead: the one after next in flight too
         words_after = tl.load(wp + n * n_words + ws + tl.where(BLOCK_W < n_words // SPLIT, BLOCK_W, 0),
                               eviction_policy="evict_first")
@@ -101,7 +119,7 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
             words_next = words_after
             words_after = tl.load(wp + n * n_words + ws + w_after, eviction_policy="evict_first")
         else:
-            words_next = tl.load(wp + n * n_words + ws + w_next, eviction_policy="evict_first")
+            words_next = load_w(wp + n * n_words + ws + w_next, CG)
         # a lane's WPL words lie in one group: its zero point and scale per row
         if PREFETCH:
             z = fusec_bf16_to_f32(z_next)
@@ -115,7 +133,7 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
             g = (w_start + lane_w) // GROUP_W
             z = fusec_bf16_to_f32(tl.load(p_zero_ptr + rows * n_groups + g))
             s = fusec_bf16_to_f32(tl.load(p_scale_ptr + rows * n_groups + g))
-            x8 = fusec_bf16_to_f32(tl.load(x_ptr + x_lanes + w_start * 8))
+            x8 = fusec_bf16_to_f32(load_x(x_ptr + x_lanes + w_start * 8, XL))
         xsum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [LANES]: the lane's activations, added
         x8 = tl.reshape(x8, [LANES, WPL, 2, 2, 2])  # x8[..., a, b, c]: x[8w + 4a + 2b + c]
         x_even, x_odd = tl.split(x8)
@@ -204,7 +222,8 @@ def main() -> None:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--configs", default="4x128x4x4,2x128x4x4,4x64x2x4,8x64x4x4,4x128x4x2,"
                    "4x256x8x2,8x128x8x2,2x256x4x4", help="ROWSxLANESxWARPSxWPL[p][f][d][uU][sS],...; p: the paired form, f: prefetch, "
-                        "d: words two chunks ahead, uU: unroll U, sS: split K in S (timing only)")
+                        "d: words two chunks ahead, c: words past L1 (.cg), l: activations evict_last, "
+                        "uU: unroll U, sS: split K in S (timing only)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     dev = "cuda" if gpu else "cpu"
@@ -228,14 +247,15 @@ def main() -> None:
         split = int(split or 1)
         paired, prefetch = "p" in spec.split("x")[3], "f" in spec.split("x")[3]
         deep = "d" in spec.split("x")[3]
+        cg, xl = "c" in spec.split("x")[3], "l" in spec.split("x")[3]
         unroll = int(spec.split("u")[1]) if "u" in spec else 1
-        rows, lanes, warps, wpl = (int(v.rstrip("pfd")) for v in spec.split("u")[0].split("x"))
+        rows, lanes, warps, wpl = (int(v.rstrip("pfdcl")) for v in spec.split("u")[0].split("x"))
         if n_words % (wpl * lanes * split) or group_w % wpl or n % rows:
             print(f"{spec}: does not tile K = {k}, N = {n}, group {args.group}")
             continue
         call = lambda: offset_gemv[(n // rows, split)](  # noqa: E731
             layer.packed, layer.zero, layer.scale, x, out, n_words, group_w, rows, lanes, wpl, gpu, paired, prefetch, unroll,
-            split, deep, num_warps=warps, enable_fp_fusion=True)
+            split, deep, cg, xl, num_warps=warps, enable_fp_fusion=True)
         try:
             call()
             ms = median_ms(call, device=dev) if gpu else float("nan")
