@@ -53,10 +53,15 @@ def groups_enabled() -> bool:
 PAIRED_FROM_ROWS = 4
 
 
-def paired_form(rows: int) -> bool:
-    """Whether the group kernel reads the high nibble of each pair without its mask: with at
-    least PAIRED_FROM_ROWS rows per program, unless FUSEC_INT4_PAIRED=0."""
-    return rows >= PAIRED_FROM_ROWS and os.environ.get("FUSEC_INT4_PAIRED", "1") != "0"
+def paired_form(rows: int) -> tuple[bool, str]:
+    """(paired, why not): whether the group kernel reads the high nibble of each pair without its
+    mask, with at least PAIRED_FROM_ROWS rows per program, unless FUSEC_INT4_PAIRED=0."""
+    if os.environ.get("FUSEC_INT4_PAIRED", "1") == "0":
+        return False, "FUSEC_INT4_PAIRED=0 switches the unmasked (paired) form off"
+    if rows < PAIRED_FROM_ROWS:
+        return False, (f"{rows} rows per program; the unmasked (paired) form pays from "
+                       f"{PAIRED_FROM_ROWS} on")
+    return True, ""
 
 
 def groups_fit(kernel, words: Int4Words) -> tuple[bool, str]:
@@ -92,6 +97,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
     even = words.words % (lanes * wpl) == 0
     overhang = n % rows != 0
     asm, pair_note = pair_math(arch)
+    paired, masked_why = paired_form(rows)
 
     def n_term(idx, name: str) -> list[str]:
         st = idx.strides[n_rows - 1]
@@ -168,5 +174,5 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
-        stores=stores, pdl=pdl(arch), paired=paired_form(rows))
+        stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why)
 

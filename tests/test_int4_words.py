@@ -245,6 +245,9 @@ def test_one_row_is_closer_to_float64_than_eager(n, k, paired):
         got, want = cf(x), layer(x)
     assert GROUPS in cf.kernels[0].source
     assert ("x4 * (1.0 / 65536)" in cf.kernels[0].source) == paired
+    # the masked form says why: a refusal has a reason
+    assert ("2 rows per program; the unmasked (paired) form pays from 4 on" in
+            cf.kernels[0].source) == (not paired)
     exact = x.double() @ w.t()
     rounding = (exact.to(BF16).double() - exact).abs()  # the output's own rounding
     assert ((got.double() - exact).abs() <= rounding * 1.01 + 1e-30).float().mean() > 0.99
@@ -298,6 +301,7 @@ def test_paired_form_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")  # 4 rows per program, yet the masked form
     cf = check(Int4(4352, 128, 32), rand(1, 128), path=GROUPS)
     assert "x4 * (1.0 / 65536)" not in cf.kernels[0].source
+    assert "FUSEC_INT4_PAIRED=0 switches the unmasked (paired) form off" in cf.kernels[0].source
 
 
 def test_word_kernel_says_why_not_the_group_kernel():
