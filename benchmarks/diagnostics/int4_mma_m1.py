@@ -210,12 +210,7 @@ def mma_gemv_shfl(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words
     pid = tl.program_id(axis=0)
     n_groups: tl.constexpr = n_words // GROUP_W
     per_warp: tl.constexpr = n_words // WARPS
-    t = tl.arange(0, T)
-    warp = t // 32
-    lane = t % 32
-    g = lane // 4
-    c = lane % 4
-    row = pid * 16 + g  # the mma rows g and g + 8 of this lane
+    t, warp, lane, g, c, row = thread_roles(pid, WARPS)  # row: the mma rows g and g + 8
     hi = (g >= 4).to(tl.int32)
     start = warp * per_warp
     # the loads: instruction i, lane l: row 4i + l // 8, words 4 (l % 8) .. + 3 of the trip
@@ -258,6 +253,17 @@ def word_mma(wa, wa8, x0, x1, x2, x3):
     # of row g + 8, sum x, %tid.x), each as int32 bits
     return tl.inline_asm_elementwise(ASM1, CON1, [wa, wa8, x0, x1, x2, x3],
                                      dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def thread_roles(pid, WARPS: tl.constexpr):
+    # a program's threads as [32 * WARPS] tensors, element t on thread t: its warp and lane, the
+    # lane's row group g and k-slot group c (lane = 4g + c), and g's weight row in this program
+    t = tl.arange(0, 32 * WARPS)
+    warp = t // 32
+    lane = t % 32
+    g = lane // 4
+    return t, warp, lane, g, lane % 4, pid * 16 + g
 
 
 @triton.jit
@@ -310,12 +316,7 @@ def mma_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: tl.
     # warp v adds up its own slice of K (per_warp words), or with ILV takes every WARPS-th trip
     per_warp: tl.constexpr = n_words if ILV else n_words // WARPS
     STEP: tl.constexpr = 16 * S * WARPS if ILV else 16 * S
-    t = tl.arange(0, T)  # the program's threads: element t is thread t
-    warp = t // 32
-    lane = t % 32
-    g = lane // 4
-    c = lane % 4
-    row = pid * 16 + g  # rows g and g + 8
+    t, warp, lane, g, c, row = thread_roles(pid, WARPS)  # row: the mma rows g and g + 8
     start = warp * 16 * S if ILV else warp * per_warp  # [T]: the warp's first word
     first = start + 4 * c  # [T]: lane c's first word
     at = (row * n_words + first)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]
@@ -396,12 +397,7 @@ def mma_gemv_deep(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words
     pid = tl.program_id(axis=0)
     n_groups: tl.constexpr = n_words // GROUP_W
     per_warp: tl.constexpr = n_words // WARPS
-    t = tl.arange(0, T)
-    warp = t // 32
-    lane = t % 32
-    g = lane // 4
-    c = lane % 4
-    row = pid * 16 + g
+    t, warp, lane, g, c, row = thread_roles(pid, WARPS)  # row: the mma rows g and g + 8
     start = warp * per_warp
     first = start + 4 * c
     at = (row * n_words + first)[:, None] + tl.arange(0, 4)[None, :]  # [T, 4]
