@@ -52,6 +52,13 @@ def groups_enabled() -> bool:
 # (2 rows): K = 4096 0.834 / 0.836, K = 11008 1.202 / 1.291.
 PAIRED_FROM_ROWS = 4
 
+# Programs start at their own chunk of K (the template's `first`) where a row has at least this
+# many chunks. Measured on an H200 at M = 1, 4 rows per program, TB/s staggered / not
+# (docs/gpu.md, 2026-11-27): K = 28672, N = 8192 (28 chunks) 2.445 / 1.906; K = 8192 (8 chunks):
+# N = 8192 1.749 / 1.892, N = 28672 2.422 / 2.454; K = 4096 and 11008, N = 4096-14336, from 8%
+# worse to 7% better.
+STAGGER_FROM_CHUNKS = 16
+
 
 def paired_form(rows: int) -> tuple[bool, str]:
     """(paired, why not): whether the group kernel reads the high nibble of each pair without its
@@ -77,11 +84,14 @@ def groups_fit(kernel, words: Int4Words) -> tuple[bool, str]:
 
 def group_blocks(n: int, words: int, group_words: int) -> tuple[int, int, int]:
     """(ROWS, LANES, WPL): ROWS columns per program, 2 to 8, the fewest that keep N / ROWS
-    programs within one wave; WPL words per lane, as many as divide a group's words (up to 4, so
-    that a lane's words share one zero point and scale); LANES at most 32, fewer when a row has
-    fewer words (small layers under the interpreter)."""
+    programs within one wave, or 4 where even 8 would not (N > 8 waves of programs); WPL words per
+    lane, as many as divide a group's words (up to 4, so that a lane's words share one zero point
+    and scale); LANES at most 32, fewer when a row has fewer words (small layers under the
+    interpreter)."""
     wave = PROGRAMS_PER_SM * SMS
     rows = min(8, max(2, 1 << max(-(-n // wave) - 1, 0).bit_length()))
+    if n > 8 * wave:
+        rows = 4
     wpl = math.gcd(WPL, group_words)
     lanes = min(LANES, 1 << max(-(-words // wpl) - 1, 0).bit_length())
     return rows, lanes, wpl
@@ -151,6 +161,12 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         "((w_start + w) * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]"
     x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
         "" if even else ", mask=lane_mask[:, :, None], other=0.0")
+    # ... or, where x is contiguous along K and starts on an even element, as 32-bit words that
+    # each hold two activations (X_PAIRS, when x's pointer is 16-byte aligned at the launch)
+    x_pairs = step == 1 and x.offset % 2 == 0
+    lanes4 = "((w_start + w) * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]"
+    x_pair_load = f"{words.x_lo.param}_ptr.to(tl.pointer_type(tl.int32)) + " \
+        f"{address(x.offset // 2, [lanes4])}" + ("" if even else ", mask=lane_mask[:, :, None], other=0")
 
     def rows_of(idx):
         terms, masks = [], []
@@ -174,5 +190,27 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
-        stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why)
+        stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why,
+        stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl, row_bytes=p.strides[n_rows - 1],
+        x_pairs=x_pairs, x_pair_load=x_pair_load, x_param=words.x_lo.param,
+        words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl),
+        x_apart=[line for t in range(4, 8) for line in by_word(f"x{t}", f"x{t}_{{}}", "[LANES]", wpl)]
+        + [line for t in range(4) for line in by_word(f"y{t}" if paired else f"x{t}", f"y{t}_{{}}" if paired else f"x{t}_{{}}", "[LANES]", wpl)])
+
+
+def by_word(tile: str, name: str, shape: str, wpl: int) -> list[str]:
+    """Lines that take `tile`, whose last dimension is a lane's WPL words, apart into one tensor
+    per word, `name`.format(j), of `shape`: the K loop then adds a row's products up word after
+    word in one sum, instead of a sum per word added up at the end (WPL - 1 additions fewer per
+    row). tl.split halves a last dimension of 2, so 4 words take a reshape and three splits;
+    all of it stays in each lane's registers."""
+    if wpl == 1:
+        return [f"{name.format(0)} = tl.reshape({tile}, {shape})"]
+    if wpl == 2:
+        return [f"{name.format(0)}, {name.format(1)} = tl.split({tile})"]
+    assert wpl == 4, wpl
+    two = shape[:-1] + ", 2, 2]"
+    return [f"{name.format('02')}, {name.format('13')} = tl.split(tl.reshape({tile}, {two}))",
+            f"{name.format(0)}, {name.format(2)} = tl.split({name.format('02')})",
+            f"{name.format(1)}, {name.format(3)} = tl.split({name.format('13')})"]
 

@@ -291,6 +291,49 @@ def test_packed_weight_at_any_offset(offset, path, k, group, rows):
         check(layer, rand(1, 128, seed=16), path=GROUPS)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 8])
+def test_group_kernel_activations_at_any_offset(offset):
+    """The group kernel reads x two bf16 numbers to a 32-bit word where x is contiguous along K
+    and its pointer is 16-byte aligned (offsets 0 and 8 here), else one number at a time (1 and
+    2: the launch looks at the pointer and picks that kernel). All four agree with eager."""
+    layer = Int4(24, 256, 32)
+    wide = rand(1, 512, seed=21)
+    x = wide[:, offset:offset + 256]
+    cf = check(layer, x, path=GROUPS)
+    assert "if X_PAIRS:" in cf.kernels[0].source
+    with torch.no_grad():  # a second call at another alignment goes back through the JIT
+        other = wide[:, offset + 2:offset + 258]
+        want = layer(other)
+        ref = F.linear(other.double(), layer.weight(BF16).double())
+        err = (cf(other).double() - ref).abs().max().item()
+    assert err <= (want.double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
+
+
+def test_group_kernel_rows_per_program():
+    """Fewest rows that keep the grid in one wave of 16 one-warp programs per SM (2112 on 132
+    SMs), 4 where even 8 would not (Llama-70B's 28672 columns), and the widest lanes that a
+    group's words allow."""
+    assert int4_groups.group_blocks(4096, 512, 16) == (2, 32, 4)
+    assert int4_groups.group_blocks(8192, 1024, 16) == (4, 32, 4)
+    assert int4_groups.group_blocks(11008, 512, 16) == (8, 32, 4)
+    assert int4_groups.group_blocks(28672, 1024, 16) == (4, 32, 4)
+    assert int4_groups.group_blocks(4096, 16, 2) == (2, 8, 2)  # groups of 16, 128 weights a row
+
+
+@pytest.mark.parametrize("n", [8, 24])
+def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
+    """Rows of many chunks (16 and more; here from 1, saved programs off) are walked from a chunk
+    of each program's own, round to the one before it: every chunk is still added once."""
+    monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 1)
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    layer = Int4(n, 4096, 128, seed=22)  # 512 words a row: 4 chunks of 128
+    cf = check(layer, rand(1, 4096, seed=23), path=GROUPS)
+    assert "first = (pid % (n_words // BLOCK_W)) * BLOCK_W" in cf.kernels[0].source
+    monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 16)
+    cf = check(layer, rand(1, 4096, seed=23), path=GROUPS)
+    assert "first = 0" in cf.kernels[0].source
+
+
 def test_group_kernel_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEC_INT4_GROUPS", "0")
     cf = check(Int4(24, 128, 32), rand(1, 128))  # the word kernel, and it says why
