@@ -54,10 +54,12 @@ PAIRED_FROM_ROWS = 4
 
 # Programs start at their own chunk of K (the template's `first`) where a row has at least this
 # many chunks. Measured on an H200 at M = 1, 4 rows per program, TB/s staggered / not
-# (docs/gpu.md, 2026-11-27): K = 28672, N = 8192 (28 chunks) 2.445 / 1.906; K = 8192 (8 chunks):
-# N = 8192 1.749 / 1.892, N = 28672 2.422 / 2.454; K = 4096 and 11008, N = 4096-14336, from 8%
-# worse to 7% better.
-STAGGER_FROM_CHUNKS = 16
+# (docs/gpu.md, 2026-11-27): K = 28672, N = 8192 (28 chunks, Llama-70B's down projection) 2.451 /
+# 1.904; but K = 16384 (16 chunks) 2.029 / 2.283, K = 8192 (8) 1.749 / 1.892, K = 11008 1.386 /
+# 1.448, K = 14336 (N = 4096, 2 rows) 1.577 / 1.567. Why the longest rows gain and the others lose
+# is the memory's channel mapping, which is not documented: the threshold is a measurement, to be
+# measured again on another GPU.
+STAGGER_FROM_CHUNKS = 24
 
 
 def paired_form(rows: int) -> tuple[bool, str]:

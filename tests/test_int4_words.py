@@ -322,14 +322,14 @@ def test_group_kernel_rows_per_program():
 
 @pytest.mark.parametrize("n", [8, 24])
 def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
-    """Rows of many chunks (16 and more; here from 1, saved programs off) are walked from a chunk
+    """Rows of many chunks (24 and more; here from 1, saved programs off) are walked from a chunk
     of each program's own, round to the one before it: every chunk is still added once."""
     monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 1)
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
     layer = Int4(n, 4096, 128, seed=22)  # 512 words a row: 4 chunks of 128
     cf = check(layer, rand(1, 4096, seed=23), path=GROUPS)
     assert "first = (pid % (n_words // BLOCK_W)) * BLOCK_W" in cf.kernels[0].source
-    monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 16)
+    monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 24)
     cf = check(layer, rand(1, 4096, seed=23), path=GROUPS)
     assert "first = 0" in cf.kernels[0].source
 
