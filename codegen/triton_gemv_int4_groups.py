@@ -53,8 +53,8 @@ def groups_enabled() -> bool:
 PAIRED_FROM_ROWS = 4
 
 # Programs start at their own chunk of K (the template's `first`) where a row has at least this
-# many chunks. Measured on an H200 at M = 1, 4 rows per program, TB/s staggered / not
-# (docs/gpu.md, 2026-11-27): K = 28672, N = 8192 (28 chunks, Llama-70B's down projection) 2.451 /
+# many chunks. Measured on an H200 at M = 1, 4 rows per program, TB/s staggered / not (docs/gpu.md,
+# 2026-11-26, last session): K = 28672, N = 8192 (28 chunks, Llama-70B's down projection) 2.451 /
 # 1.904; but K = 16384 (16 chunks) 2.029 / 2.283, K = 8192 (8) 1.749 / 1.892, K = 11008 1.386 /
 # 1.448, K = 14336 (N = 4096, 2 rows) 1.577 / 1.567. Why the longest rows gain and the others lose
 # is the memory's channel mapping, which is not documented: the threshold is a measurement, to be
