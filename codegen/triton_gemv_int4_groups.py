@@ -168,7 +168,13 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
     x_pairs = step == 1 and x.offset % 2 == 0
     lanes4 = "((w_start + w) * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]"
     x_pair_load = f"{words.x_lo.param}_ptr.to(tl.pointer_type(tl.int32)) + " \
-        f"{address(x.offset // 2, [lanes4])}" + ("" if even else ", mask=lane_mask[:, :, None], other=0")
+        f"{address(x.offset // 2, [lanes4])}" + (
+            "" if even else ", mask=lane_mask[:, :, None], other=0")
+    # each word of a lane apart, and its activations: the low nibbles' are adjusted (y) when paired
+    low = "y" if paired else "x"
+    apart = [line for t in range(4, 8) for line in by_word(f"x{t}", f"x{t}_{{}}", "[LANES]", wpl)]
+    apart += [line for t in range(4)
+              for line in by_word(f"{low}{t}", f"{low}{t}_{{}}", "[LANES]", wpl)]
 
     def rows_of(idx):
         terms, masks = [], []
@@ -193,11 +199,10 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
         stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why,
-        stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl, row_bytes=p.strides[n_rows - 1],
-        x_pairs=x_pairs, x_pair_load=x_pair_load, x_param=words.x_lo.param,
-        words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl),
-        x_apart=[line for t in range(4, 8) for line in by_word(f"x{t}", f"x{t}_{{}}", "[LANES]", wpl)]
-        + [line for t in range(4) for line in by_word(f"y{t}" if paired else f"x{t}", f"y{t}_{{}}" if paired else f"x{t}_{{}}", "[LANES]", wpl)])
+        stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl,
+        row_bytes=p.strides[n_rows - 1], x_pairs=x_pairs, x_pair_load=x_pair_load,
+        x_param=words.x_lo.param, x_apart=apart,
+        words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl))
 
 
 def by_word(tile: str, name: str, shape: str, wpl: int) -> list[str]:

@@ -320,6 +320,14 @@ def test_group_kernel_rows_per_program():
     assert int4_groups.group_blocks(4096, 16, 2) == (2, 8, 2)  # groups of 16, 128 weights a row
 
 
+@pytest.mark.parametrize("group", [8, 16])
+def test_group_kernel_with_one_or_two_words_a_group(group):
+    """Groups of 8 and 16 weights are 1 and 2 words: a lane holds that many words of a row (WPL),
+    and the K loop takes them apart one, two or four at a time (`by_word`)."""
+    cf = check(Int4(24, 256, group, seed=24), rand(1, 256, seed=25), path=GROUPS)
+    assert f"WPL={group // 8}" in cf.kernels[0].source
+
+
 @pytest.mark.parametrize("n", [8, 24])
 def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
     """Rows of many chunks (24 and more; here from 1, saved programs off) are walked from a chunk
