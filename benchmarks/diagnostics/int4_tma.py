@@ -1,4 +1,4 @@
-"""The packed-int4 group GEMV with its weight words brought in by the TMA: a hand-written experiment.
+"""The packed-int4 group GEMV with its words brought in by the TMA: a hand-written experiment.
 
     python benchmarks/diagnostics/int4_tma.py [--k 8192] [--n 8192] [--configs 4x1x3,...]
 
@@ -125,7 +125,8 @@ def offline(n_words: int, group_w: int, rows: int, warps: int, stages: int) -> s
     Path("/tmp/int4_tma.ptx").write_text(c.asm["ptx"])
     return (f"registers {regs}, shared {c.metadata.shared} B, "
             f"TMA copies {ttgir.count('async_tma_copy_global_to_local')}, "
-            f"barrier waits {ttgir.count('wait_barrier')}, layout changes {ttgir.count('convert_layout')}")
+            f"barrier waits {ttgir.count('wait_barrier')}, "
+            f"layout changes {ttgir.count('convert_layout')}")
 
 
 def main() -> None:
@@ -143,7 +144,6 @@ def main() -> None:
             rows, warps, stages = (int(v) for v in spec.removeprefix("read").split("x"))
             print(f"{spec:10s} sm_90: {offline(n_words, group_w, rows, warps, stages)}", flush=True)
         return
-    from triton.runtime import _allocation  # noqa: F401 (descriptors made on the host need none)
     torch.manual_seed(0)
     k, n = args.k, args.n
     layer = Int4Linear(torch.randn(n, k, dtype=torch.bfloat16) / 64, args.group).cuda()
