@@ -25,6 +25,7 @@ from fusec import events
 from fusec.capture.frontend import Captured
 from fusec.codegen.lower import lower_pointwise
 from fusec.codegen.lower_reduction import lower_reduction
+from fusec.ir import canonical
 from fusec.passes import run_pipeline
 from fusec.passes.memory import plan_inplace, plan_memory
 from fusec.record import Compilation, group_info, layout_of, owns_buffer, record_of
@@ -58,9 +59,22 @@ class Kernel:
 
     def __getattr__(self, attr: str):
         if attr == "source":  # (only reached while the instance has no `source` yet)
-            self.source = codegen(self.backend).render(self.ir)
+            self.source = self._render()
             return self.source
         raise AttributeError(attr)
+
+    def _render(self) -> str:
+        """The source, rendered now from `ir`. The generator reads switches (FUSEC_* variables)
+        and rules as they are when it runs, so a source rendered after one of them changed can
+        differ from the text that was built: then the built text is what is shown, with generic
+        names and a first line that says why. A source must be the kernel that runs."""
+        gen = codegen(self.backend)
+        text = gen.render(self.ir)
+        if self.built is not None and gen.render(canonical(self.ir)) != self.built.source:
+            return ("# fusec: the generator renders this kernel differently now than when it was "
+                    "built (a FUSEC_* switch or a rule changed since); this is the text that was "
+                    "built and runs, with generic names\n" + self.built.source)
+        return text
 
     @property
     def canonical(self) -> str:

@@ -342,6 +342,23 @@ def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
     assert "first = 0" in cf.kernels[0].source
 
 
+def test_source_is_the_kernel_that_runs_after_a_switch_changes(monkeypatch):
+    """A kernel's source is rendered when first read, by a generator that reads FUSEC_*
+    switches then: switching the paired form off after the build must not show a kernel that
+    does not run. The built text is shown instead, and says why."""
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    cf = check(Int4(4352, 128, 32), rand(1, 128), path=GROUPS)  # (reads cf.kernels[0].source)
+    same = fusec.compile(Int4(4352, 128, 32), backend="triton")
+    with torch.no_grad():
+        same(rand(1, 128))
+    monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")
+    shown = same.kernels[0].source  # first read: after the switch
+    assert shown.startswith("# fusec: the generator renders this kernel differently now")
+    assert "x4 * (1.0 / 65536)" in shown  # the paired form, which is what runs
+    assert shown.split("\n", 1)[1] == same.kernels[0].canonical
+    assert cf.kernels[0].source.startswith('"""')  # read before the switch: its own names
+
+
 def test_group_kernel_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEC_INT4_GROUPS", "0")
     cf = check(Int4(24, 128, 32), rand(1, 128))  # the word kernel, and it says why
