@@ -63,6 +63,20 @@ def nibble_pairs(w, ASM: tl.constexpr):
 
 
 @triton.jit
+def eight(x8):
+    # x8[..., a, b, c] = x[8w + 4a + 2b + c] taken apart in registers, x_t = x[8w + t]: each
+    # tl.split halves the last dimension (of size 2)
+    x_even, x_odd = tl.split(x8)
+    x_even0, x_even1 = tl.split(x_even)
+    x_odd0, x_odd1 = tl.split(x_odd)
+    x0, x4 = tl.split(x_even0)
+    x2, x6 = tl.split(x_even1)
+    x1, x5 = tl.split(x_odd0)
+    x3, x7 = tl.split(x_odd1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def load_w(ptrs, CG: tl.constexpr):
     # the streamed weight words: evict_first, or with CG past L1 (".cg": cached in L2 only)
     if CG:
@@ -136,13 +150,7 @@ def offset_gemv(p_packed_ptr, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: 
             x8 = fusec_bf16_to_f32(load_x(x_ptr + x_lanes + w_start * 8, XL))
         xsum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [LANES]: the lane's activations, added
         x8 = tl.reshape(x8, [LANES, WPL, 2, 2, 2])  # x8[..., a, b, c]: x[8w + 4a + 2b + c]
-        x_even, x_odd = tl.split(x8)
-        x_even0, x_even1 = tl.split(x_even)
-        x_odd0, x_odd1 = tl.split(x_odd)
-        x0, x4 = tl.split(x_even0)
-        x2, x6 = tl.split(x_even1)
-        x1, x5 = tl.split(x_odd0)
-        x3, x7 = tl.split(x_odd1)
+        x0, x1, x2, x3, x4, x5, x6, x7 = eight(x8)
         if PAIRED:
             # the high half's float carries the low half below its last bf16 bit: as a float32,
             # pair = 128 + q_hi + (0x4300 + q_lo) / 65536. Multiplying the low nibble's

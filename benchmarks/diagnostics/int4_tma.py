@@ -35,7 +35,7 @@ from fusec.timing import median_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from int4_linear import Int4Linear  # noqa: E402
-from int4_offset import errors, nibble_pairs  # noqa: E402 (nibble_pairs: the same unpacking)
+from int4_offset import eight, errors, nibble_pairs  # noqa: E402 (the same unpacking)
 
 LANES, WPL = 32, 4
 
@@ -61,13 +61,7 @@ def tma_gemv(w_desc, p_zero_ptr, p_scale_ptr, x_ptr, out_ptr, n_words: tl.conste
         x8 = fusec_bf16_to_f32(tl.load(x_ptr + x_lanes + w_start * 8))  # [1, LANES, WPL, 8]
         xsum = tl.sum(tl.sum(x8, axis=3), axis=2)  # [1, LANES]
         x8 = tl.reshape(x8, [1, LANES, WPL, 2, 2, 2])  # x8[..., a, b, c]: x[8w + 4a + 2b + c]
-        x_even, x_odd = tl.split(x8)
-        x_even0, x_even1 = tl.split(x_even)
-        x_odd0, x_odd1 = tl.split(x_odd)
-        x0, x4 = tl.split(x_even0)
-        x2, x6 = tl.split(x_even1)
-        x1, x5 = tl.split(x_odd0)
-        x3, x7 = tl.split(x_odd1)
+        x0, x1, x2, x3, x4, x5, x6, x7 = eight(x8)
         # the paired form (templates/triton_gemv_int4_groups.py.j2, steps 2-4)
         pair = nibble_pairs(words, ASM)
         part = pair.to(tl.float32, bitcast=True) * x4
