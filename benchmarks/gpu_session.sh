@@ -31,5 +31,5 @@ rm -f "$OUT/install.log"
 [ -n "${SKIP_MODELS:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python benchmarks/models.py --json "$OUT/models.json" 2>&1 | tail -12
 [ -n "${SKIP_GRAPHS:-}" ] || timeout "${GRAPHS_TIMEOUT:-300}" python benchmarks/cuda_graphs.py --json "$OUT/cuda_graphs.json" > "$OUT/cuda_graphs.txt" 2>&1; tail -17 "$OUT/cuda_graphs.txt"
 [ -n "${PROFILE:-}" ] && timeout 150 python -m fusec.cli profile gpt2_block --device cuda --iters 5 > "$OUT/profile_gpt2.txt" 2>&1
-[ -n "${SKIP_QUANT:-}" ] || timeout "${QUANT_TIMEOUT:-240}" python benchmarks/quant_linear.py --sweep --int4-paths --json "$OUT/quant_linear.json" 2>&1 | grep -v -i warn | tail -40
+[ -n "${SKIP_QUANT:-}" ] || timeout "${QUANT_TIMEOUT:-240}" python benchmarks/quant_linear.py --sweep --int4-paths --in-a-row 8 --json "$OUT/quant_linear.json" 2>&1 | grep -v -i warn | tail -40
 [ -n "${SKIP_DECODE:-}" ] || timeout "${DECODE_TIMEOUT:-400}" python benchmarks/decode.py --layers 2 --json "$OUT/decode.json" 2>&1 | tail -18

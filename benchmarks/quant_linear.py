@@ -1,7 +1,7 @@
 """Quantized linear layers at decode sizes: weight bytes streamed per second, side by side.
 
     python benchmarks/quant_linear.py [--k 8192] [--n 8192] [--m 1,4,8,16] [--sweep] [--int4-paths]
-                                      [--json out.json]
+                                      [--in-a-row 8] [--json out.json]
 
 For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A16 and W4A16
 layers of examples/int8_linear.py and examples/int4_linear.py run eagerly, through torch.compile
@@ -19,6 +19,13 @@ timed in one run. Each fusec row names its kernels and which int4 path it took.
 On CUDA each layer (cuBLAS's, and fusec's as chosen) is followed by a kernel that only reads the same
 bytes, timed the same way (benchmarks/speed_of_light.py): at decode sizes a few microseconds of
 each call are fixed, so that read, not the memory's peak, is how fast the layer could be.
+`--in-a-row L` (K = N) also times L different layers of each kind applied one after another,
+each to the last one's output, as a decoding model runs its layers, and reports the time per
+layer. A single layer's do_bench time carries its L2 flush's cost: the flush writes zeros over
+256 MB and leaves the L2 full of dirty lines, whose write-back shares the memory with the layer's
+reads (on an H100, a bare read of the int4 layer's 35.7 MB runs 14% faster after a flush that only
+reads; docs/gpu.md). In a row, the flush comes once per L layers and every layer still finds its
+weight cold, as in decoding; a bare read of L buffers in a row is its floor.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """
 from __future__ import annotations
@@ -52,6 +59,8 @@ def main() -> None:
     p.add_argument("--int4-paths", action="store_true",
                    help="also time int4's other GEMVs (FUSEC_INT4_GROUPS=0 FUSEC_INT4_MMA=0, "
                         "FUSEC_INT4_WORDS=0)")
+    p.add_argument("--in-a-row", type=int, default=0, metavar="L",
+                   help="also time L distinct layers applied one after another (K = N)")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,10 +80,11 @@ def main() -> None:
         print(f"{name:34s} M={m:<3d} {ms:9.4f} ms {nbytes / ms / 1e9:7.3f} TB/s   "
               f"({above['name']}: {ms / above['ms']:.0%} of this speed)", flush=True)
 
-    def row(name, m, nbytes, fn, x):
+    def row(name, m, nbytes, fn, x, calls=1):
+        """fn(x)'s median time; `calls` layers in it: the time per layer."""
         with torch.no_grad():
             fn(x)
-            ms = median_ms(fn, x, device=device)
+            ms = median_ms(fn, x, device=device) / calls
         rows.append(dict(name=name, m=m, ms=ms, bytes=nbytes, tbps=nbytes / ms / 1e9))
         print(f"{name:34s} M={m:<3d} {ms:9.4f} ms {nbytes / ms / 1e9:7.3f} TB/s", flush=True)
 
@@ -107,11 +117,95 @@ def main() -> None:
                     floor(f"  {fmt} bytes, read only", m, nb)
         if args.sweep and device == "cuda":
             sweep(rows, layers, x, m, row)
+        if args.in_a_row:
+            in_a_row(rows, args, w, x, m, row)
 
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            torch=torch.__version__, rows=rows), f, indent=1)
+
+
+class InARow(torch.nn.Module):
+    """Layers applied one after another, each to the last one's output."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Bf16Linear(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.register_buffer("w", w)
+
+    def forward(self, x):
+        return F.linear(x, self.w)
+
+
+def in_a_row(rows, args, w, x, m, row):
+    """`--in-a-row L`: L layers of each kind, each with its own weight (w plus noise, so that
+    none is in the L2 when its turn comes), applied one after another; each row gives the time
+    per layer and one layer's bytes. fusec compiles the whole row: one GEMV kernel per layer."""
+    L = args.in_a_row
+    if args.k != args.n:
+        print(f"--in-a-row: skipped, K = {args.k} != N = {args.n} (a layer's output is the "
+              "next one's input)")
+        return
+    weights = [(w.float() + torch.randn_like(w, dtype=torch.float32) / args.k ** 0.5 / 4)
+               .to(torch.bfloat16) for _ in range(L)]
+    stacks = {"bf16": InARow([Bf16Linear(v) for v in weights]),
+              "int8": InARow([Int8Linear(v) for v in weights]).to(w.device),
+              "int4": InARow([Int4Linear(v, args.group) for v in weights]).to(w.device)}
+    for fmt, stack in stacks.items():
+        nb = weight_bytes(stack.layers[0])
+        runs = {"bf16": [("F.linear (cuBLAS)", stack, {})]}.get(fmt) or (
+            [] if args.no_compile else [("torch.compile", torch.compile(stack), {})])
+        if fmt != "bf16":
+            cf = fusec.compile(stack)
+            with torch.no_grad():
+                got, ref = cf(x).double(), stack(x).double()
+            rel = ((got - ref).norm() / ref.norm()).item()
+            print(f"{fmt} fusec, {L} in a row: {len(cf.kernels)} kernels; the last layer's "
+                  f"output against eager's: relative error {rel:.2g}", flush=True)
+            runs.append(("fusec", cf, dict(kernels=len(cf.kernels), rel_err=rel)))
+        for label, fn, facts in runs:
+            row(f"{fmt} {label}, {L} in a row", m, nb, fn, x, calls=L)
+            rows[-1].update(facts, in_a_row=L)
+            if w.device.type == "cuda":  # and replayed as one CUDA graph, as a decode step is
+                try:
+                    replay = graphed(fn, x)
+                except RuntimeError as e:
+                    print(f"{fmt} {label}, {L} in a row: not captured as a graph ({e})")
+                    continue
+                row(f"{fmt} {label}, {L} in a row, graph", m, nb, replay, x, calls=L)
+                rows[-1].update(facts, in_a_row=L)
+        if w.device.type != "cuda":
+            continue
+        bufs = [torch.empty(nb // 4, dtype=torch.int32, device=w.device) for _ in range(L)]
+        from speed_of_light import read_row_ms  # CUDA only
+        ms = read_row_ms(bufs) / L
+        rows.append(dict(name=f"  {fmt} bytes, read only, {L} in a row", m=m, ms=ms, bytes=nb,
+                         tbps=nb / ms / 1e9, in_a_row=L))
+        print(f"{rows[-1]['name']:34s} M={m:<3d} {ms:9.4f} ms {nb / ms / 1e9:7.3f} TB/s   "
+              f"({rows[-2]['name']}: {ms / rows[-2]['ms']:.0%} of this speed)", flush=True)
+
+
+def graphed(fn, x):
+    """fn(x) captured once as a CUDA graph: a callable that replays it (x stays the same)."""
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)  # compiled, and past fusec's first calls (the second call captures its own graph)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(x)
+    return lambda _x: graph.replay()
 
 
 # the int4 GEMV paths --int4-paths times: as chosen, the word kernel, the byte-per-lane kernel

@@ -39,6 +39,27 @@ def read_ms(buffer: torch.Tensor, block: int = 4096, steps: int = 1, warps: int 
                                                          num_warps=warps), device="cuda")
 
 
+def read_row_ms(buffers: list[torch.Tensor], block: int = 4096, warps: int = 8) -> float:
+    """do_bench's median for reading `buffers` one after another, one kernel each (the floor
+    under layers run in a row, benchmarks/quant_linear.py --in-a-row). The reads are replayed
+    as one CUDA graph, so that no launch waits for the CPU."""
+    launches = []
+    for b in buffers:
+        words = b.numel() * b.element_size() // 4
+        sink = torch.empty(triton.cdiv(words, block), dtype=torch.int32, device=b.device)
+        launches.append((sink.numel(), b, sink, words))
+
+    def read_all():
+        for grid, b, sink, words in launches:
+            read_only[(grid,)](b, sink, words, block, 1, num_warps=warps)
+    read_all()  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        read_all()
+    return median_ms(graph.replay, device="cuda")
+
+
 def read_floor_ms(nbytes: int, device: str = "cuda") -> float:
     """The time a kernel that only reads `nbytes` takes on `device` (a CUDA device)."""
     return read_ms(torch.empty(max(nbytes // 4, 1), dtype=torch.int32, device=device))
