@@ -8,7 +8,8 @@ graph does not pay). For every problem (benchmarks/problems/, "gpu" scale) this 
 model's numbers (launches, bytes copied, the floor under the GPU time), what it chose, and the
 measured time per call both ways: do_bench (GPU time between events, launches mostly hidden) and
 wall clock (back-to-back calls, what a loop of calls sees). A row whose faster way (by wall clock)
-is not the one chosen is marked `<-- wrong`.
+is not the one chosen is marked `<-- wrong`. `steps CPU us` is what the model estimates: the CPU
+time of one call step by step, measured by queueing a few calls without waiting for the GPU.
 """
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ def forced_graph(model, inputs):
     return cf, last
 
 
+def queued_cpu_us(fn, inputs, launches: int) -> float:
+    """CPU microseconds per call of `fn`, calls queued back to back without waiting for the GPU
+    (few enough that the launch queue does not fill up and make the CPU wait)."""
+    import time
+    calls = max(3, min(20, 400 // max(launches, 1)))
+    for _ in range(3):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(*inputs)
+    cpu = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return cpu * 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("problems", nargs="*")
@@ -55,8 +72,9 @@ def main() -> None:
     numbers = args.problems or sorted((f.name.split("_")[0] for f in PROBLEMS.glob("[0-9]*_*.py")),
                                       key=int)
     dtype = getattr(torch, args.dtype)
-    print("problem | launches | copied MB | copy us | GPU floor us | chosen | "
-          "graph ms (bench) | steps ms (bench) | graph ms (wall) | steps ms (wall)")
+    print("problem | kernels | ATen calls | model CPU us | steps CPU us | copied MB | copy us | "
+          "GPU floor us | chosen | graph ms (bench) | steps ms (bench) | graph ms (wall) | "
+          "steps ms (wall)")
     for number in numbers:
         name, build = load(number)
         torch.manual_seed(0)
@@ -70,17 +88,20 @@ def main() -> None:
             blocker = chosen.graph_blocker
             graph, last = forced_graph(model, inputs)
             program = last.program
-            launches = sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps)
+            kernels = sum(isinstance(s, KernelStep) for s in program.steps)
+            externs = sum(isinstance(s, ExternStep) for s in program.steps)
             copied = sum(t.numel() * t.element_size() for t in inputs) + sum(
                 _bytes(n) for n in last.gm.graph.output_node().all_input_nodes)
             getattr(steps, "_compiled", steps).cuda_graphs = False  # step by step, always
+            cpu_us = queued_cpu_us(steps, inputs, kernels + externs)
             times = []
             for timer in (median_ms, wall_ms):
                 for fn in (graph, steps):
                     times.append(timer(fn, *inputs, device="cuda") if fn is not None else float("nan"))
         way = "graph" if blocker is None else "steps"
         best = "graph" if times[2] < times[3] else "steps"
-        print(f"{name} | {launches} | {copied / 1e6:.1f} | {copied / COPY_BYTES_PER_US:.0f} | "
+        model_cpu = kernels * LAUNCH_US + externs * EXTERN_US
+        print(f"{name} | {kernels} | {externs} | {model_cpu:.0f} | {cpu_us:.0f} | {copied / 1e6:.1f} | {copied / COPY_BYTES_PER_US:.0f} | "
               f"{gpu_floor_us(program, last.gm):.0f} | {way} | "
               + " | ".join(f"{t:.3f}" for t in times)
               + (" <-- wrong" if graph is not None and way != best else ""), flush=True)
