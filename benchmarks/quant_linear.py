@@ -149,9 +149,10 @@ class Bf16Linear(torch.nn.Module):
 
 
 def in_a_row(rows, args, w, x, m, row):
-    """`--in-a-row L`: L layers of each kind, each with its own weight (w plus noise, so that
-    none is in the L2 when its turn comes), applied one after another; each row gives the time
-    per layer and one layer's bytes. fusec compiles the whole row: one GEMV kernel per layer."""
+    """`--in-a-row L`: L layers of each kind, each with its own weight in its own memory (w plus
+    noise), so that every layer reads its bytes cold, applied one after another; each row gives
+    the time per layer and one layer's bytes. fusec compiles the whole row: one GEMV kernel per
+    layer."""
     L = args.in_a_row
     if args.k != args.n:
         print(f"--in-a-row: skipped, K = {args.k} != N = {args.n} (a layer's output is the "
