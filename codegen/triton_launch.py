@@ -34,6 +34,9 @@ class TritonLauncher:
         self.lib, self.name, self.n_params = path, name, n_params  # for the printed wrapper
         self.fast = None
         self.aligned: tuple[bool, ...] = ()
+        # the CPU work of one call, in launches: more than one where the module launches several
+        # kernels or allocates (fusec/runtime/cuda_graphs.py, graph_blocker)
+        self.cpu_launches = getattr(module, "CPU_LAUNCHES", 1)
 
     def __call__(self, *tensors) -> None:
         fast = self.fast

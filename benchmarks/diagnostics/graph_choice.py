@@ -21,8 +21,7 @@ import torch
 import fusec
 from fusec import api
 from fusec.runtime import COPY_BYTES_PER_US, EXTERN_US, LAUNCH_US
-from fusec.runtime.cuda_graphs import _bytes, gpu_floor_us
-from fusec.runtime.steps import ExternStep, KernelStep
+from fusec.runtime.cuda_graphs import _bytes, cpu_estimate, gpu_floor_us
 from fusec.timing import median_ms, wall_ms
 from problem_profile import load  # benchmarks/diagnostics/: a problem by its number
 
@@ -72,7 +71,7 @@ def main() -> None:
     numbers = args.problems or sorted((f.name.split("_")[0] for f in PROBLEMS.glob("[0-9]*_*.py")),
                                       key=int)
     dtype = getattr(torch, args.dtype)
-    print("problem | kernels | ATen calls | model CPU us | steps CPU us | copied MB | copy us | "
+    print("problem | launches | ATen calls | model CPU us | steps CPU us | copied MB | copy us | "
           "GPU floor us | chosen | graph ms (bench) | steps ms (bench) | graph ms (wall) | "
           "steps ms (wall)")
     for number in numbers:
@@ -88,8 +87,7 @@ def main() -> None:
             blocker = chosen.graph_blocker
             graph, last = forced_graph(model, inputs)
             program = last.program
-            kernels = sum(isinstance(s, KernelStep) for s in program.steps)
-            externs = sum(isinstance(s, ExternStep) for s in program.steps)
+            kernels, externs, model_cpu = cpu_estimate(program)
             copied = sum(t.numel() * t.element_size() for t in inputs) + sum(
                 _bytes(n) for n in last.gm.graph.output_node().all_input_nodes)
             getattr(steps, "_compiled", steps).cuda_graphs = False  # step by step, always
@@ -100,7 +98,6 @@ def main() -> None:
                     times.append(timer(fn, *inputs, device="cuda") if fn is not None else float("nan"))
         way = "graph" if blocker is None else "steps"
         best = "graph" if times[2] < times[3] else "steps"
-        model_cpu = kernels * LAUNCH_US + externs * EXTERN_US
         print(f"{name} | {kernels} | {externs} | {model_cpu:.0f} | {cpu_us:.0f} | {copied / 1e6:.1f} | {copied / COPY_BYTES_PER_US:.0f} | "
               f"{gpu_floor_us(program, last.gm):.0f} | {way} | "
               + " | ".join(f"{t:.3f}" for t in times)

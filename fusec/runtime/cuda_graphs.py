@@ -22,7 +22,8 @@ from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 # launch after launch while the GPU works, so a program takes about max(steps' CPU time, GPU
 # time). As one graph it takes the GPU time plus a copy of every user input into the graph's
 # buffers and of every output out of them. So a graph pays only where
-#     kernels * LAUNCH_US + extern calls * EXTERN_US  >  GPU time + copy time.
+#     launches * LAUNCH_US + extern calls * EXTERN_US  >  GPU time + copy time
+# (`cpu_estimate`: a step whose module launches two kernels and allocates counts as three).
 # The GPU time is estimated from below (`gpu_floor_us`): every byte each step reads and writes at
 # HBM_BYTES_PER_US, or a matmul's, convolution's or attention's multiply-adds at the tensor cores'
 # peak, whichever is longer. Measured on an H100 (benchmarks/diagnostics/graph_choice.py,
@@ -30,6 +31,12 @@ from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 # faster step by step, by 2-35% (7_conv2d_instancenorm_divide spent 0.098 ms of its 0.656 in the
 # copies of a 67 MB input and a 134 MB output); torchvision's ViT-B/16 (138 steps) ran 1.8x
 # faster as a graph, HF BERT 1.5x: an ATen call through the runtime costs tens of microseconds.
+# Measured again on an H100 (2026-11-27, the CPU time of queued calls): 1.0-3.1x this estimate
+# (a fit over the 55 programs: 14.6 us per launch, 66 per ATen call), while the GPU floor is low
+# too; the rule still chose the faster way for all 55, and raising LAUNCH_US to 15 sends one of
+# them the wrong way. So the constants stay; the int4 tensor-core GEMV's three launches' worth of
+# CPU work per step is counted (eight such layers at M = 16: 0.0390 ms a layer as one graph,
+# 0.0452 step by step).
 LAUNCH_US = 5.0  # CPU time of one Triton launch through its bound launcher
 EXTERN_US = 40.0  # CPU time of one ATen call (dispatch, allocation, settling the strides)
 COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
@@ -70,20 +77,29 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
     for step in program.steps:
         if draws_random_numbers(step):
             return f"{step.name} draws random numbers (a replay would not follow torch.manual_seed)"
-    kernels = sum(isinstance(s, KernelStep) for s in program.steps)
-    externs = sum(isinstance(s, ExternStep) for s in program.steps)
-    if kernels + externs < 2:
+    if sum(isinstance(s, (KernelStep, ExternStep)) for s in program.steps) < 2:
         return "a single launch: a graph would only add the copy of the inputs"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     copied = sum(_bytes(n) for n in placeholders[n_static:]) \
         + sum(_bytes(n) for n in gm.graph.output_node().all_input_nodes)
     copy_us, gpu_us = copied / COPY_BYTES_PER_US, gpu_floor_us(program, gm)
-    cpu_us = kernels * LAUNCH_US + externs * EXTERN_US
+    kernels, externs, cpu_us = cpu_estimate(program)
     if cpu_us <= gpu_us + copy_us:
         return (f"its {kernels} launches and {externs} ATen calls (~{cpu_us:.0f} us of CPU) hide "
                 f"behind the GPU's own ~{gpu_us:.0f} us or more, and a graph would add "
                 f"~{copy_us:.0f} us copying {copied / 1e6:.1f} MB of inputs and outputs")
     return None
+
+
+def cpu_estimate(program: Program) -> tuple[int, int, float]:
+    """(launches, ATen calls, microseconds): the CPU work of one run of `program` step by step,
+    LAUNCH_US per Triton launch and EXTERN_US per ATen call. A kernel step whose module launches
+    more than one kernel or allocates (the int4 tensor-core GEMV: two kernels and its partial
+    sums) says how many launches its CPU work is worth (its launcher's `cpu_launches`)."""
+    launches = sum(getattr(s.launcher, "cpu_launches", 1) for s in program.steps
+                   if isinstance(s, KernelStep))
+    externs = sum(isinstance(s, ExternStep) for s in program.steps)
+    return launches, externs, launches * LAUNCH_US + externs * EXTERN_US
 
 
 def gpu_floor_us(program: Program, gm: fx.GraphModule) -> float:
