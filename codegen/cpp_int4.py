@@ -13,6 +13,8 @@ But a nibble has only sixteen values, and a group shares its zero point and scal
     float lut[16];   // lut[q] = (q - zero) * scale, each step rounded to bf16, as eager rounds it
     for (int q = 0; q < 16; ++q) lut[q] = fusec_round_bf16(fusec_round_bf16(q - zero) * scale);
 
+(with gcc the sixteen entries as one vector, rounded all at once: fusec_round_bf16_v16)
+
 then looks the group's weights up, `lut[p & 15]` and `lut[p >> 4]` for each byte p, into two
 small arrays (with gcc sixteen at a time: `__builtin_shuffle` of the table as one vector, a
 `vpermps` on AVX-512), and takes one dot product per activation row from them. The weights are the generic
@@ -92,7 +94,7 @@ def render(kernel, words: Int4Words, row_lines: list, k_coords: list, lines: dic
 
 
 def table_lines(words: Int4Words, kernel) -> list[str]:
-    """The group's zero point and scale, and its table lut[16] (declared by the template)."""
+    """The group's zero point and scale (the template computes its table lut[16] from them)."""
     half = kernel.k_shape[1]  # packed bytes per group
     n_rows = len(kernel.row_shape)
 
@@ -110,7 +112,4 @@ def table_lines(words: Int4Words, kernel) -> list[str]:
     else:
         out.append(f"const float lut_zero = {literal(words.zero, torch.float32)};")
     out.append(group_value(words.scale, "lut_scale"))
-    out.append("for (int q = 0; q < 16; ++q)  // its 16 weights, rounded as eager rounds each step")
-    out.append("    lut[q] = fusec_round_bf16(fusec_round_bf16(static_cast<float>(q) - lut_zero) "
-               "* lut_scale);")
     return out

@@ -95,3 +95,28 @@ def test_rows_of_a_batch_and_activations_read_with_strides(shape):
     assert len(cf.kernels) == 1 and TABLE in cf.kernels[0].source
     ref = F.linear(x.double(), layer.weight(BF16).double())
     assert (got.double() - ref).abs().max() <= (want.double() - ref).abs().max() + 2 ** -8 * ref.abs().max()
+
+
+def test_tables_for_scales_and_zero_points_from_all_over_the_range():
+    """The table's two roundings are done on all sixteen entries at once (fusec_round_bf16_v16,
+    cpp_prelude.h). Random bf16 bit patterns as scales and zero points (NaN, infinities,
+    subnormals, products that overflow), read back by one-hot activations: NaN where eager's
+    product has NaN (a row with an infinite weight is NaN everywhere, 0 * inf, in both), and
+    elsewhere each weight as eager dequantizes it, bit for bit. (Eager's bf16 matmul itself
+    flushes subnormal results to zero; the weights are compared with eager's dequantization.)"""
+    k, n = 64, 256
+    layer = cpu_layer(n, k, 32, seed=13)
+    g = torch.Generator().manual_seed(14)
+    for t in (layer.scale, layer.zero):
+        t.copy_(torch.randint(-2 ** 15, 2 ** 15, t.shape, generator=g, dtype=torch.int32)
+                .to(torch.int16).view(BF16))
+    cf = fusec.compile(layer, backend="cpp")
+    eye = torch.eye(k, dtype=BF16)
+    with torch.no_grad():
+        got = torch.cat([cf(eye[i:i + 4]) for i in range(0, k, 4)])
+        nan = torch.isnan(torch.cat([layer(eye[i:i + 4]) for i in range(0, k, 4)]))
+        weights = layer.weight(BF16).t()
+    assert TABLE in cf.kernels[0].source and "fusec_round_bf16_v16" in cf.kernels[0].source
+    assert torch.equal(torch.isnan(got), nan)
+    assert nan.float().mean() < 0.5  # most rows are finite, and compared value for value
+    assert torch.equal(got[~nan].float(), weights[~nan].float())  # (but for the sign of a zero)
