@@ -62,6 +62,21 @@ PAIRED_FROM_ROWS = 4
 STAGGER_FROM_CHUNKS = 24
 
 
+# Registers per thread. An SM has 65536, so PROGRAMS_PER_SM one-warp programs fit at 128 each.
+# With the zero point applied last (the template's step 4), ptxas gives the 4-row tile 168 and
+# only 12 fit: N = 8192 (2048 programs) no longer runs in one wave. Capped at 128 (Triton's
+# `maxnreg`) it needs no spills (tests/test_triton_target.py checks for sm_90). Measured side by
+# side on an H200 at M = 1 (docs/gpu.md, 2026-11-27, second session), TB/s one layer / 8 layers in
+# a row as one CUDA graph: K = N = 8192, zero point first (as before) 1.83-1.90 / 2.28-2.30,
+# last 1.51-1.55 / 1.84, last and capped 1.93-2.07 / 2.49-2.51; K = 8192, N = 28672 2.45-2.47,
+# 2.32, 2.63-2.68. The other tiles keep ptxas's choice: the 2-row tile takes 80-96 registers
+# anyway (a cap makes ptxas use all 128: K = 14336, N = 4096 1.61 uncapped, 1.43-1.45 capped),
+# and the 8-row tile spills at 128.
+def max_registers(rows: int, wpl: int) -> int | None:
+    """Triton's maxnreg for the group kernel's tile, or None to leave it to ptxas."""
+    return 65536 // (32 * PROGRAMS_PER_SM) if (rows, wpl) == (4, 4) else None
+
+
 def paired_form(rows: int) -> tuple[bool, str]:
     """(paired, why not): whether the group kernel reads the high nibble of each pair without its
     mask, with at least PAIRED_FROM_ROWS rows per program, unless FUSEC_INT4_PAIRED=0."""
@@ -201,7 +216,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why,
         stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl,
         row_bytes=p.strides[n_rows - 1], x_pairs=x_pairs, x_pair_load=x_pair_load,
-        x_param=words.x_lo.param, x_apart=apart,
+        x_param=words.x_lo.param, x_apart=apart, max_registers=max_registers(rows, wpl),
         words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl))
 
 

@@ -125,3 +125,30 @@ def test_the_int4_tensor_core_gemv_compiles_for_the_gpu(target):
     assert "HFMA2" in sass and ("HMMA" in sass or "HGMMA" in sass)
     finish = triton_target.assembly(k.ir, f"{k.name}_finish", target)
     assert f"Function : {k.name}_finish" in finish and "0 bytes spilled" in finish.splitlines()[0]
+
+
+@needs_tools
+def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
+    """The M = 1 group kernel's 4-row tile (N = 4352: 1088 programs) is capped at 128 registers
+    (Triton's maxnreg), so that 16 one-warp programs fit in an SM's 65536; ptxas would take 168
+    (codegen/triton_gemv_int4_groups.py, max_registers). With Triton 3.6, the GPU machine's,
+    the cap costs no spills. The 2-row tile (N = 1024) is left to ptxas."""
+    import re
+
+    import triton
+
+    from fusec.examples.int4_linear import Int4Linear
+    x = torch.randn(1, 1024, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    sources = {}
+    for n in (4352, 1024):
+        layer = Int4Linear(torch.randn(n, 1024, dtype=torch.bfloat16) / 32, 128).to(TRITON_DEVICE)
+        [k] = fusec.explain(layer, x, backend="triton").kernels
+        assert "triton_gemv_int4_groups.py.j2" in k.source
+        sources[n] = k
+    assert "ROWS=4" in sources[4352].source and "maxnreg=128" in sources[4352].source
+    assert "ROWS=2" in sources[1024].source and "maxnreg" not in sources[1024].source
+    k = sources[4352]
+    head = triton_target.assembly(k.ir, k.name, "sm_90").splitlines()[0]
+    assert int(re.search(r"(\d+) registers per thread", head).group(1)) <= 128, head
+    if triton.__version__.startswith("3.6."):
+        assert "0 bytes spilled" in head, head
