@@ -215,6 +215,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
         stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why,
         stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl,
+        n_chunks=max(words.words // (lanes * wpl), 1),
         row_bytes=p.strides[n_rows - 1], x_pairs=x_pairs, x_pair_load=x_pair_load,
         x_param=words.x_lo.param, x_apart=apart, max_registers=max_registers(rows, wpl),
         words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl))

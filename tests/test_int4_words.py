@@ -13,6 +13,7 @@ Cases the word kernel does not cover must fall back to the byte-per-lane GEMV, a
 """
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import fusec
 from fusec.codegen import triton_gemv_int4_groups as int4_groups
-from conftest import TRITON_DEVICE
+from conftest import GPU, TRITON_DEVICE
 from fusec.codegen.int4_words import match_int4_words
 
 int4_linear = importlib.import_module("fusec.examples.int4_linear")
@@ -340,6 +341,61 @@ def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
     monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 24)
     cf = check(layer, rand(1, 4096, seed=23), path=GROUPS)
     assert "first = 0" in cf.kernels[0].source
+
+
+def words_read(layer, x, monkeypatch, path):
+    """How many times the kernel loads each 32-bit word of the packed weight, [N, K / 8] (and
+    the kernel's source), seen
+    through the interpreter's loads (every tl.load comes to InterpreterBuilder.create_masked_load
+    with its addresses and mask)."""
+    from triton.runtime import interpreter
+
+    seen = []
+    load = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self, ptrs, mask, *args):
+        seen.append(ptrs.data[mask.data].astype("int64").ravel())
+        return load(self, ptrs, mask, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    source = gemv(check(layer, x, path=path)).source
+    start, n_words = layer.packed.data_ptr(), layer.packed.numel() // 4
+    counts = torch.zeros(n_words, dtype=torch.int64)
+    for a in seen:
+        a = torch.from_numpy(a)
+        a = (a[(a >= start) & (a < start + 4 * n_words)] - start) // 4
+        counts += torch.bincount(a, minlength=n_words)
+    return counts.view(layer.n, -1), source
+
+
+@pytest.mark.skipif(GPU, reason="counts the interpreter's loads; on a GPU the kernels are the "
+                    "same, and the question is how many bytes they read, which Nsight Compute answers")
+@pytest.mark.parametrize("path, stagger", [(GROUPS, False), (GROUPS, True), (WORDS, False)])
+def test_each_word_of_the_weight_is_read_once(path, stagger, monkeypatch):
+    """The K loop loads the next chunk's words without a mask. On the last trip there is no next
+    chunk: the loop then loads the chunk it has just multiplied again (in the L2 cache), not the
+    row's first one, which is long evicted and would come from memory a second time (1/chunks of
+    the weight read twice: a few percent of the int4 GEMV's time on an H200). So each word is read
+    once, and a program's last chunk of each row twice."""
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    monkeypatch.setattr(int4_groups, "STAGGER_FROM_CHUNKS", 1 if stagger else 24)
+    if path == WORDS:
+        monkeypatch.setenv("FUSEC_INT4_GROUPS", "0")
+    layer = Int4(8, 4096, 128, seed=26)  # 512 words a row: 4 chunks of 128 in the group kernel
+    counts, source = words_read(layer, rand(1, 4096, seed=27), monkeypatch, path)
+    assert counts.min() == 1 and counts.max() == 2, counts
+    twice = counts == 2
+    chunk = int(twice[0].sum())  # one chunk of the row: its words, in a run
+    assert 0 < chunk < counts.shape[1] // 2 and (twice.sum(dim=1) == chunk).all(), counts
+    chunks = counts.shape[1] // chunk
+    rows = int(re.search(r"(?:ROWS|BLOCK_N)=(\d+)", source).group(1))  # a program's rows
+    for r, row in enumerate(twice):
+        (at,) = torch.nonzero(row)[:1, 0].tolist()
+        assert at % chunk == 0 and row[at:at + chunk].all(), row
+        # the program's last chunk: the row's last, or where staggered (program pid starts at
+        # chunk pid % chunks and goes round), the one before its first
+        last = (r // rows - 1) % chunks if stagger else chunks - 1
+        assert at == last * chunk, (r, at, last)
 
 
 def test_source_is_the_kernel_that_runs_after_a_switch_changes(monkeypatch):
