@@ -157,7 +157,9 @@ def render_reduction(kernel) -> str:
         # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
         # added up in double, so the error grows like sqrt(K) ulps of a block sum.
         blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
-        kblock = cpp_sum_block(kernel.k) if blocked else 0
+        narrowest = min((l.dtype.itemsize for l in kernel.loads if any(l.index.strides[n_rows:])),
+                        default=4)  # bytes of the narrowest value the k loop reads
+        kblock = cpp_sum_block(kernel.k, narrowest) if blocked else 0
         block_before, block_after = [], []
         if kblock:
             for r in blocked:

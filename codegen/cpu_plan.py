@@ -70,9 +70,17 @@ def sum_block(k: int) -> int:
 # int8 GEMV took 0.16 ms, float sums over rows of 1024-4096 gained 5-10%. Each lane still adds
 # at most CPP_SUM_BLOCK_MIN / 4 values per block (SSE's four float lanes; 64 on AVX-512), and the
 # blocks are added in double. LLVM adds its lanes up as a tree, so its kernels keep sum_block.
+# gcc's lanes come from the loop's narrowest type: a loop that reads int8 has four times a float
+# loop's lanes (16 with SSE, 64 with AVX-512), one that reads bf16 twice. At four (two) times the
+# block length each of their lanes adds as many values per block as a float loop's, so their
+# blocks are at least that long, and the lanes' last step comes a quarter (half) as often: the
+# int8 GEMV at K = N = 4096, M = 1 took 1.16 ms on one thread with blocks of 1024 (four a row),
+# 0.80 with one loop over the row (docs/backends/cpp.md).
 CPP_SUM_BLOCK_MIN = 1024
 
 
-def cpp_sum_block(k: int) -> int:
-    """The C++ kernels' block for a float sum over k values (see the note above; 0: none)."""
-    return 0 if k <= CPP_SUM_BLOCK_MIN else max(sum_block(k), CPP_SUM_BLOCK_MIN)
+def cpp_sum_block(k: int, narrowest: int = 4) -> int:
+    """The C++ kernels' block for a float sum over k values, in a loop whose narrowest load is
+    `narrowest` bytes wide (see the note above; 0: none)."""
+    least = CPP_SUM_BLOCK_MIN * max(1, 4 // narrowest)
+    return 0 if k <= least else max(sum_block(k), least)

@@ -129,6 +129,29 @@ def test_int4_linear_is_one_kernel(target, m):
     assert cf.kernels[0].name.startswith("fused_dequant_gemv")
 
 
+def block_of(cf) -> int:
+    """The block length of the C++ kernel's float sum (0: one loop over the row)."""
+    found = re.search(r"k_block \+= (\d+)", cf.kernels[0].source)
+    return int(found.group(1)) if found else 0
+
+
+@pytest.mark.parametrize("k", [3000, 5000, 20000])
+def test_cpp_int8_gemv_sums_in_blocks_four_times_a_float_sums(k):
+    """codegen/cpu_plan.py: gcc gives a loop that reads int8 four times a float loop's lanes, so
+    the C++ int8 GEMV sums in blocks four times as long (each lane still adds as many values a
+    block) and adds its lanes up a quarter as often; a bf16 sum's blocks are twice as long. All of
+    them stay as accurate as eager against float64 (assert_matches), blocked or not."""
+    x = rand(1, k, seed=4)
+    w = int8_weight(37, k, "cpu", seed=5)
+    s = rand(37, seed=6, scale=0.02).abs()
+    cf = assert_matches(w8_scale, x, w, s, backend="cpp", kernels=1)
+    assert "gemv" in cf.kernels[0].name
+    assert block_of(cf) == (0 if k <= 4096 else 4096)
+    v = rand(3, k, dtype=torch.float32, seed=7)
+    assert block_of(assert_matches(lambda t: t.sum(-1), v, backend="cpp")) == 1024
+    assert block_of(assert_matches(lambda t: t.sum(-1), v.to(BF16), backend="cpp")) == 2048
+
+
 def test_int4_pack_unpack_round_trip():
     g = torch.Generator().manual_seed(0)
     a = torch.randint(0, 16, (5, 7), generator=g, dtype=torch.uint8)
