@@ -74,8 +74,8 @@ def sum_block(k: int) -> int:
 # loop's lanes (16 with SSE, 64 with AVX-512), one that reads bf16 twice. At four (two) times the
 # block length each of their lanes adds as many values per block as a float loop's, so their
 # blocks are at least that long, and the lanes' last step comes a quarter (half) as often: the
-# int8 GEMV at K = N = 4096, M = 1 took 1.16 ms on one thread with blocks of 1024 (four a row),
-# 0.80 with one loop over the row (docs/backends/cpp.md).
+# int8 GEMV at K = N = 4096, M = 1 took 1.19 ms on one thread with blocks of 1024 (four a row),
+# 0.82 with one loop over the row, as now (docs/backends/cpp.md).
 CPP_SUM_BLOCK_MIN = 1024
 
 

@@ -344,10 +344,9 @@ def test_staggered_start_goes_round_every_chunk(n, monkeypatch):
 
 
 def words_read(layer, x, monkeypatch, path):
-    """How many times the kernel loads each 32-bit word of the packed weight, [N, K / 8] (and
-    the kernel's source), seen
-    through the interpreter's loads (every tl.load comes to InterpreterBuilder.create_masked_load
-    with its addresses and mask)."""
+    """How many times the kernel loads each 32-bit word of the packed weight, [N, K / 8], and the
+    kernel's source. The loads are seen through the interpreter: every tl.load comes to
+    InterpreterBuilder.create_masked_load with its addresses and mask."""
     from triton.runtime import interpreter
 
     seen = []
