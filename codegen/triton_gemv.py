@@ -1,7 +1,11 @@
 """Triton GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) as one
-kernel that streams the weight once: the block sizes (`gemv_blocks`, `gemv_dot_blocks`), when
-tensor-core dots of bf16 tiles are exact (`dot_terms`), and the renderer (`render_gemv`,
-templates/triton_gemv.py.j2). triton_reduction.py hands a reduction here when `gemv_fits`.
+kernel that streams the weight once: the block sizes (`gemv_blocks`, `gemv_blocks_n_major`,
+`gemv_dot_blocks`), when tensor-core dots of bf16 tiles are exact (`dot_terms`), and the
+renderer (`render_gemv`, templates/triton_gemv.py.j2). triton_reduction.py hands a reduction
+here when `gemv_fits`.
+
+Why this file is long: each of the three tile shapes (K lanes, N-major, tensor-core dots) keeps
+the measurements that chose it beside its code, and the renderer needs all three.
 """
 from __future__ import annotations
 
@@ -74,6 +78,46 @@ def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int
         block_n, block_k = 1, min(4096, max(16, 1 << max(k - 1, 0).bit_length()))
         num_warps = max(1, min(8, block_k // 512))
     return block_m, block_n, block_k, num_warps
+
+
+def n_contiguous(idx: Index, n_rows: int) -> bool:
+    """Whether a weight load's neighbouring columns (n) lie closer in memory than its neighbouring
+    K elements: x @ W with W stored (K, N), or GPTQ's qweight (K/8, N) (passes/refine_views.py)."""
+    st_n = abs(idx.strides[n_rows - 1])
+    st_k = [abs(s) for s in idx.strides[n_rows:] if s]
+    return bool(st_n) and bool(st_k) and st_n < min(st_k)
+
+
+# A weight stored N-contiguous (gemv_blocks_n_major): bytes of each K row of the tile, and bytes
+# of weight loaded per tile
+N_MAJOR_LINE = 64
+N_MAJOR_TILE_BYTES = 8192
+
+
+def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a weight stored with N contiguous. The tile is
+    turned round: many columns per program, N_MAJOR_LINE bytes of each K row (16 columns of int32
+    words, 64 of int8), at most N / SMS of them so that the grid still covers the GPU, and
+    N_MAJOR_TILE_BYTES of weight per iteration (also within the partial-sum budget).
+
+    Measured on an H200 at K = N = 8192, M = 1 (TB/s of weight bytes; docs/gpu.md): GPTQ's
+    packed (K/8, N) int32 words (passes/refine_views.py) 0.59 with 16 x 128 against 0.42-0.49
+    with 32 x 64-128 and 0.012 with 32 x 256 (spilled); an int8 (K, N) weight 1.59 with 32 x 256
+    against 0.82 with 32 x 64 (torch.compile: 0.35 and 0.69). At M > 1 (the partial sums then
+    cap BLOCK_K), twice the columns: GPTQ's words at M = 4 0.101 ms with 32 x 64 against 0.124
+    with 16 x 128 (torch.compile 0.099). The blocks of `gemv_blocks`
+    (8 x 512) read 8 neighbouring elements of each of 512 rows, a quarter line each: 0.016 TB/s
+    for GPTQ's words. At M > 1 a plain (K, N) weight keeps the tensor-core dots (int8 at M = 4:
+    0.75 TB/s against 0.47 with these blocks), but one whose K is cut in several dims (GPTQ's,
+    passes/refine_views.py) takes these blocks: its dots' operand tiles asked Triton for more
+    shared memory than an SM has (313 KB at M = 4, K = N = 8192), and the launch failed."""
+    block_m = 1 << max(m - 1, 0).bit_length()
+    spread = 1 << max(n // SMS, 1).bit_length() - 1
+    line = N_MAJOR_LINE * (2 if block_m > 1 else 1)  # M > 1: each tile serves M rows, take more columns
+    block_n = max(2, min(max(1, line // weight_bytes), spread, 1 << max(n - 1, 0).bit_length()))
+    block_k = min(max(16, N_MAJOR_TILE_BYTES // (weight_bytes * block_n)),
+                  max(16, GEMV_TILE // (block_m * block_n)), max(16, 1 << max(k - 1, 0).bit_length()))
+    return block_m, block_n, block_k, 4
 
 
 def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, int, int, int]:
@@ -192,10 +236,16 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         return (l.var.name in kernel.varying and bool(l.index.strides[n_rows - 1])
                 and not (two and l.index.strides[0]))
     weight_bytes = {l.dtype.itemsize for l in kernel.loads if is_weight(l)}
+    n_major = any(is_weight(l) and n_contiguous(l.index, n_rows) for l in kernel.loads)
     # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
-    dot = dot_terms(kernel, r.operand.name, producers, 2) if two and m >= GEMV_DOT_MIN_M else None
+    # (not for a weight stored N-contiguous with K cut in several dims: see gemv_blocks_n_major)
+    dot = dot_terms(kernel, r.operand.name, producers, 2) \
+        if two and m >= GEMV_DOT_MIN_M and not (n_major and len(kernel.k_shape) > 1) else None
     if dot:
         block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
+    elif n_major:
+        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks_n_major(
+            m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
     else:
         (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
             m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES

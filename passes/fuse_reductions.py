@@ -174,7 +174,8 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
     if not str(meta(node).device).startswith(FEW_ROWS_DEVICES):
         return None
     rows, k, per_program, programs = programs_of(node, red)
-    if programs < FEW_PROGRAMS and per_program * k >= LONG_PROGRAM:
+    if programs < FEW_PROGRAMS and per_program * k >= LONG_PROGRAM and \
+            not spread_gemv(node, rows, per_program):
         what = (f"{rows} row(s) of {k} elements" if per_program == 1 else
                 f"{rows} rows of {k} elements, {per_program} adjacent rows per program (a column "
                 f"reduction)")
@@ -182,6 +183,15 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
                 f"{FEW_PROGRAMS} SMs; torch's reduction splits each row across blocks (kept as an "
                 f"extern: split_reductions could not split it)")
     return None
+
+
+def spread_gemv(node: fx.Node, rows: int, per_program: int) -> bool:
+    """A GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column reduction
+    to `programs_of`: its kernel takes only as many neighbouring columns per program as keep every
+    SM busy (codegen/triton_gemv.py, gemv_blocks_n_major), so it has no few long rows once there
+    are 2 * FEW_PROGRAMS columns. (GPTQ's int4 weight at K = N = 8192, M = 1 on an H200: 0.185 ms
+    split in two reductions, the product stored whole first as an extern's operand before.)"""
+    return bool(node.meta.get("fusec_gemv")) and per_program > 1 and rows >= 2 * FEW_PROGRAMS
 
 
 def reduction_key(node: fx.Node, red: ops.ReductionCall) -> tuple:

@@ -55,6 +55,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.record import Decision
 
+from . import refine_views
 from .grouping import new_node, record_decisions, val
 
 aten = torch.ops.aten
@@ -136,6 +137,9 @@ def _plan(node: fx.Node):
                       "GPU: fusec's GEMV streams it faster than the library's (3.24 against "
                       "3.0 TB/s on an H200, K = N = 8192), and what follows becomes its epilogue")
     what = "packed nibbles unpacked, " if plan["parts"] and len(plan["parts"]) > 1 else ""
+    if plan["refined"]:
+        what = (f"its reshapes undone by computing it as {tuple(plan['inner'])} x {n} "
+                "(passes/refine_views.py), ")
     return plan, (f"M = {m} <= {small} and the weight is computed ({what}dequantized from "
                   f"{_roots(weight)}): a GEMV reduction over K = {k} that reads the quantized "
                   "weight once, with the dequantization as its prologue and what follows as "
@@ -185,14 +189,16 @@ def _roots(n: fx.Node) -> str:
 
 def _layout_plan(x: fx.Node, b: fx.Node):
     """How the product lines up: {"mode": "nk", "inner": dims of K, "parts": weight values} or
-    {"mode": "kn", "weight": b}. "nk": b is W.t() for a weight W (N, K) (nn.Linear), possibly a
-    view of W3 (N, *inner) or of a stack of parts (N, *inner[:-1]) along a last dim; the sum runs
-    over the inner dims. "kn": b (K, N) itself (x @ W)."""
+    {"mode": "kn", "inner": dims of K, "weight": value}. "nk": b is W.t() for a weight W (N, K)
+    (nn.Linear), possibly a view of W3 (N, *inner) or of a stack of parts (N, *inner[:-1]) along
+    a last dim; the sum runs over the inner dims. "kn": b (K, N) itself (x @ W), or a view of
+    W3 (*inner, N). A weight whose dequantization reshapes computed tensors on the way is first
+    computed in the shape that refines all of them (passes/refine_views.py); "refined" says so."""
     bv = val(b)
     k, n = bv.shape
     if b.op == "call_function" and b.target in _TRANSPOSES and _is_transpose(b):
         w = b.args[0]
-        inner, parts = (k,), [w]
+        inner, parts, refined = (k,), [w], False
         if w.op == "call_function" and w.target in _RESHAPES:
             src = w.args[0]
             sv = val(src)
@@ -201,13 +207,31 @@ def _layout_plan(x: fx.Node, b: fx.Node):
                     != ops.VIEW and src.op == "call_function":
                 stacked = _stack_parts(src)
                 inner, parts = tuple(sv.shape[1:]), ([src] if stacked is None else stacked)
-        xv = val(x)
-        try:  # x as (M, 1, *inner): a view of x, which costs nothing
-            xv.view(xv.shape[0], 1, *inner)
-        except RuntimeError:
+        if any(refine_views.needs_refining(p) for p in parts):
+            dims = refine_views.refined_dims(w, n_first=True)
+            if dims is not None and _views_as(x, [1, *dims]):
+                parts, inner = [refine_views.refine_weight(b.graph, w, n_first=True)], tuple(dims)
+                refined = True
+        if not _views_as(x, [1, *inner]):
             return None
-        return {"mode": "nk", "inner": inner, "parts": parts}
-    return {"mode": "kn", "weight": b, "parts": None}
+        return {"mode": "nk", "inner": inner, "parts": parts, "refined": refined}
+    weight, inner = b, (k,)
+    dims = refine_views.refined_dims(b, n_first=False) if refine_views.needs_refining(b) else None
+    if dims is not None and _views_as(x, [*dims, 1]):
+        weight, inner = refine_views.refine_weight(b.graph, b, n_first=False), tuple(dims)
+    if not _views_as(x, [*inner, 1]):
+        return None
+    return {"mode": "kn", "weight": weight, "inner": inner, "parts": None, "refined": weight is not b}
+
+
+def _views_as(x: fx.Node, dims: list[int]) -> bool:
+    """Whether x (M, K) can be viewed as (M, *dims), which costs nothing."""
+    xv = val(x)
+    try:
+        xv.view(xv.shape[0], *dims)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _reshape_adding_rows(node: fx.Node):
@@ -259,7 +283,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
         after = None  # a full (M, N) bias lines up with (M, N), not with (B, T, N)
     lead = list(val(after).shape[:-1]) if after is not None else [m]
     try:
-        val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [-1, 1]))
+        val(x).view(*lead, *([1, *plan["inner"]] if plan["mode"] == "nk" else [*plan["inner"], 1]))
     except RuntimeError:  # x's rows cannot be split that way: stay in (M, N), view after
         after, lead = None, [m]
     with graph.inserting_before(node):
@@ -276,10 +300,11 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
             for t in terms[1:]:
                 total = add(aten.add.Tensor, (total, t), name="prods")
             dims = list(range(len(lead) + 1, val(total).dim()))
-        else:  # (..., K, 1) times b (K, N)
-            x3 = add(aten.view.default, (x, [*lead, val(x).shape[1], 1]), name="x")
+        else:  # (..., *inner, 1) times b (*inner, N): inner is (K,) unless refined
+            inner = plan["inner"]
+            x3 = add(aten.view.default, (x, [*lead, *inner, 1]), name="x")
             total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
-            dims = [len(lead)]
+            dims = list(range(len(lead), len(lead) + len(inner)))
         k = val(x).shape[1]
         n = out.shape[1]
         info = {"m": m, "n": n, "k": k, "dtype": dtype}

@@ -31,6 +31,9 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 
 * only on GPU devices (SPLIT_DEVICES): a CPU thread walks rows one by one and every thread is
   busy once there are as many rows as threads;
+* not a GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column
+  reduction to the rule below: its kernel takes many neighbouring columns per program and still
+  has programs for every SM once there are 2 * FEW_PROGRAMS columns;
 * only reductions whose partial results combine with the same reduction: sum, amax, amin (an
   argmax's partial results would need their positions carried along);
 * only when the kernel would have fewer programs than the GPU has SMs (FEW_PROGRAMS), each with
@@ -57,7 +60,7 @@ from fusec.record import Decision, record_of
 
 from .fuse_reductions import FEW_PROGRAMS as _FEW_PROGRAMS
 from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
-from .fuse_reductions import programs_of
+from .fuse_reductions import programs_of, spread_gemv
 from .grouping import meta
 from .schedule import _fake_mode
 from .unflatten import Unflattener
@@ -87,6 +90,11 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         rows, k, per_program, programs = programs_of(node, red)
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
+            continue
+        if spread_gemv(node, rows, per_program):
+            decisions.append(Decision(node.name, False, f"a GEMV (passes/small_matmul.py) of {rows} "
+                                      "columns stored side by side: its kernel spreads them over "
+                                      "the GPU itself (codegen/triton_gemv.py, gemv_blocks_n_major)"))
             continue
         if red.op.name not in SPLITTABLE:
             decisions.append(Decision(node.name, False, f"{red.op.name}: its partial results "

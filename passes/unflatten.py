@@ -14,7 +14,9 @@ through pointwise ops whose inputs broadcast to their shape, gives each input th
 input that broadcasts along the cut dim gets a 1 for each part instead; one that does not reach
 it from the left stays as it is), and ends at anything else with a plain `view`. A view that is
 itself such a cut of a pointwise value (group norm's `(N, C, ...) -> (N, G, C/G, ...)`) is
-pushed up the same way first. The original ops stay for their other readers; `finish` removes
+pushed up the same way first, and so is a reshape of a pointwise value whose dims the new shape
+only cuts further (`regroups`: GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N),
+becomes cuts of the (K/8, 8, N) value). The original ops stay for their other readers; `finish` removes
 what nothing reads any more.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .grouping import meta
 from .layout import _run_fake, _set_meta
 
 aten = torch.ops.aten
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 class Unflattener:
@@ -63,6 +66,14 @@ class Unflattener:
         if key in self.memo:
             return self.memo[key]
         shape = list(meta(value).shape)
+        new_shape = shape[:dim] + list(parts) + shape[dim + 1:]
+        cuts = regroups(value, new_shape)
+        if cuts is not None:  # a reshape of a pointwise value: cut that value's dims instead
+            new = value.args[0]
+            for d, run in reversed(cuts):
+                new = self(new, d, run)
+            self.memo[key] = new
+            return new
         cut = unflattens(value)
         if cut is not None and pushable(value.args[0]):
             value = self(value.args[0], *cut)  # the same values, now computed by a pointwise op
@@ -71,7 +82,6 @@ class Unflattener:
             new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
                            name=f"{value.name}_cut")
         else:
-            new_shape = shape[:dim] + list(parts) + shape[dim + 1:]
             new = self.views.get((value, tuple(new_shape)))
             if new is None or getattr(new, "_erased", False):
                 new = self.add(aten.view.default, (value, new_shape), like=value,
@@ -154,6 +164,29 @@ def pushable(value: fx.Node) -> bool:
     shape = tuple(meta(value).shape)
     return all(isinstance(a.meta.get("fusec"), TensorMeta)
                and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
+
+
+def regroups(value: fx.Node, new_shape: list[int]) -> list[tuple[int, tuple]] | None:
+    """[(dim, parts), ...] when `value` is a reshape of a pointwise value whose dims, each cut in
+    its parts, give `new_shape`: then `new_shape` is reached by cutting the pointwise value and
+    the reshape disappears (GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N):
+    passes/refine_views.py). Shapes with 1s are left to the plain view."""
+    if value.op != "call_function" or value.target not in _RESHAPES or \
+            not pushable(value.args[0]) or 1 in new_shape:
+        return None
+    base = list(meta(value.args[0]).shape)
+    if 1 in base:
+        return None
+    cuts, rest = [], list(new_shape)
+    for d in reversed(range(len(base))):
+        run = []
+        while rest and math.prod(run) < base[d]:
+            run.insert(0, rest.pop())
+        if math.prod(run) != base[d]:
+            return None
+        if len(run) > 1:
+            cuts.insert(0, (d, tuple(run)))
+    return None if rest else cuts
 
 
 def unflattens(value: fx.Node) -> tuple[int, tuple] | None:
