@@ -1,7 +1,8 @@
 """Reshapes inside a dequantization, moved out of the way: the weight computed in its finest shape.
 
 Quantized checkpoints pack their weights in many ways, and the code that unpacks them reshapes
-as it goes. GPTQ's plain-torch path, for instance, keeps eight 4-bit values along K in each int32:
+as it goes. GPTQ's packing, for instance, keeps eight 4-bit values along K in each int32, and
+unpacking it in plain torch reads:
 
     w   = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 15     # (K/8, 8, N)
     w   = w.reshape(K / G, G, N)                                   # (groups, G, N): per-group scales

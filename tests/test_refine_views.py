@@ -30,7 +30,8 @@ def group_params(groups, n, seed=1):
 
 
 def gptq(x, qweight, qzeros, scales, shifts):
-    """AutoGPTQ's plain-torch dequantization (no act-order): zero points packed along N too."""
+    """GPTQ's packing unpacked in plain torch, as AutoGPTQ's torch path does but without its
+    g_idx gather (`scales[g_idx]`, which fusec leaves to eager): zero points packed along N too."""
     k, n, groups = qweight.shape[0] * 8, qweight.shape[1], scales.shape[0]
     w = torch.bitwise_and(torch.bitwise_right_shift(qweight.unsqueeze(1), shifts[None, :, None]), 15)
     w = w.reshape(groups, k // groups, n)
