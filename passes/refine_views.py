@@ -50,19 +50,16 @@ from .grouping import val
 from .schedule import _fake_mode
 from .unflatten import _RESHAPES, Unflattener, pushable
 
-aten = torch.ops.aten
-
-
 def needs_refining(top: fx.Node) -> bool:
     """Whether the weight `top` is computed through a reshape of a computed tensor."""
-    return isinstance(val(top), torch.Tensor) and _chain(top, val(top).numel())[2]
+    return isinstance(val(top), torch.Tensor) and _chain(top, val(top).numel())[1]
 
 
 def refined_dims(top: fx.Node, n_first: bool):
     """The dims K is split into when the weight `top`, (N, K) if n_first else (K, N), is
     computed in the shape that refines every shape of its chain; None if the shapes do not nest
     or would split N (the GEMV's output columns stay one dim)."""
-    fine = _fine_shape(_chain(top, val(top).numel())[1])
+    fine = _fine_shape(_chain(top, val(top).numel())[0])
     if fine is None:
         return None
     n, k = val(top).shape if n_first else val(top).shape[::-1]
@@ -78,7 +75,8 @@ def refine_weight(graph: fx.Graph, top: fx.Node, n_first: bool) -> fx.Node:
     and reshapes to the inputs (passes/unflatten.py), so that no reshape of a computed tensor is
     left. The old chain is left to dead-code elimination."""
     k_dims = refined_dims(top, n_first)
-    cut = Unflattener(graph, _first_user(top), _fake_mode(graph.owning_module))
+    # the new nodes go right after `top`: what they read comes before it, what reads it after
+    cut = Unflattener(graph, top.next, _fake_mode(graph.owning_module))
     return cut(top, 1 if n_first else 0, tuple(k_dims))
 
 
@@ -103,24 +101,23 @@ def _cuts(shape) -> set[int]:
 
 
 def _chain(top: fx.Node, size: int):
-    """The full-size nodes computed element-wise or by a reshape (the ones to rebuild), the cuts
-    of every full-size shape met, and whether some reshape of a computed tensor is among them."""
-    chain, cuts, found, stack = set(), set(), False, [top]
+    """The cuts of every full-size shape met walking up from `top` through element-wise ops and
+    reshapes, and whether some reshape of a computed tensor is among them."""
+    seen, cuts, found, stack = set(), set(), False, [top]
     while stack:
         a = stack.pop()
-        if a in chain or not isinstance(val(a), torch.Tensor) or val(a).numel() != size:
+        if a in seen or not isinstance(val(a), torch.Tensor) or val(a).numel() != size:
             continue
+        seen.add(a)
         cuts |= _cuts(val(a).shape)
         if a.op != "call_function" or _leafish(a):
             continue
         if a.target in _RESHAPES:
             found |= _reshape_of_computed(a)
-            chain.add(a)
             stack.append(a.args[0])
         elif pushable(a):
-            chain.add(a)
             stack += [t for t in a.args if isinstance(t, fx.Node)]
-    return chain, cuts, found
+    return cuts, found
 
 
 def _fine_shape(cuts: set[int]):
@@ -132,15 +129,3 @@ def _fine_shape(cuts: set[int]):
         fine.append(c // last)
         last = c
     return fine[::-1]
-
-
-def _first_user(top: fx.Node) -> fx.Node:
-    """Where the rebuilt chain goes: before the first node that uses `top`."""
-    return min(top.users, key=lambda u: _position(u))
-
-
-def _position(node: fx.Node) -> int:
-    for i, n in enumerate(node.graph.nodes):
-        if n is node:
-            return i
-    return -1
