@@ -86,6 +86,15 @@ def programs():
     from fusec.examples.int8_linear import example as int8_example
     ex = int8_example(m=4, k=192, n=24)
     out.append(("int8_linear_m4", ex.fn, ex.inputs))
+    # GPTQ's int32 words unpacked in plain torch: the GEMV over K cut in three dims
+    # (passes/refine_views.py), its shifts and masks on int32 words; one and four rows
+    from test_refine_views import SHIFTS, gptq, group_params, packed_along_k
+    _, qweight = packed_along_k(256, 32)
+    scales, zeros = group_params(2, 32)
+    qzeros = (zeros.view(2, 4, 8) << SHIFTS[None, None, :]).sum(2, dtype=torch.int32)
+    for m in (1, 4):
+        out.append((f"gptq_m{m}", gptq, (randf((m, 256), F32, "cpu").to(torch.bfloat16), qweight,
+                                         qzeros, scales, SHIFTS)))
     for src in ALL:
         out += [(f"casts_from_{src}", _casts, (_source_values(src, "cpu"),)),
                 (f"fills_{src}", _fills, (randf(SHAPE, F32, "cpu").to(src),))]
@@ -126,11 +135,13 @@ def test_kernels_cover_every_row_and_cast(by_program, kernels):
 
 
 def test_the_special_gemv_kernels_are_among_those_compiled(by_program):
-    """The int4 table kernel and the unrolled GEMV are compiled for every target below."""
+    """The int4 table kernel, the unrolled GEMV and GPTQ's refined GEMV are compiled for every
+    target below."""
     sources = {label: [cpp.render(ir) for ir in by_program[label]]
                for label in ("int4_linear_g32_m1", "int4_linear_g16_m4", "int8_linear_m4")}
     assert all("cpp_gemv_int4.cpp.j2" in s for s in sources["int4_linear_g32_m1"])
     assert all("codegen/unroll_rows.py" in s for s in sources["int8_linear_m4"])
+    assert any("gemv" in ir.name for ir in by_program["gptq_m1"])
 
 
 # the type names, outside comments (a value may be called %half.x)
