@@ -151,7 +151,8 @@ def render(kernel) -> str:
     inner = shape[-1]
     chunk = inner if rows >= 64 or inner <= CHUNK else CHUNK
     outer_dims = len(shape) - 1
-    strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE})
+    strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE
+                      and l.gather is None})
     row_tile = 1
     pieces = any(l.valid for l in kernel.loads)  # a cat's loads are conditional: no tiles
     if strided and rows >= 2 and inner >= 2 and not pieces:
@@ -181,8 +182,13 @@ def render(kernel) -> str:
     body: list[str] = []
     gathers: list[str] = []
     for load in kernel.loads:
-        ptr = f"{load.param}_ptr[{index(load.index, load.var.name)}]"
-        if row_tile > 1 and load.param in strided:
+        at = index(load.index, load.var.name)
+        ptr = f"{load.param}_ptr[{at}]"
+        if load.gather is not None:  # a gathered read: the row its index value names
+            row, line = gather_row(load)
+            body.append(line)
+            ptr = f"{load.param}_ptr[{at} + {row}]"
+        elif row_tile > 1 and load.param in strided:
             # gcc will not vectorize a loop with a load this strided: copy the tile's part of
             # the row into a small contiguous array first, then the main loop reads that
             tile = f"{load.var.name}_tile"
@@ -212,6 +218,16 @@ def render(kernel) -> str:
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params, row_setup=row_setup, gathers=gathers, body=body)
+
+
+def gather_row(load) -> tuple[str, str]:
+    """(the offset of a gathered read's row, the line computing the row): the index value,
+    counted from the end where negative and kept inside the source (fusec_row, cpp_prelude.h;
+    passes/check_gathers.py reports a value out of range), times the row's stride."""
+    pos, stride, size = load.gather
+    row = f"{load.var.name}_row"
+    line = f"const int64_t {row} = fusec_row({pos}, {size});  // the row of {load.param} {pos} names"
+    return (row if stride == 1 else f"{row} * {stride}"), line
 
 
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:

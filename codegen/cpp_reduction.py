@@ -74,8 +74,13 @@ def render_reduction(kernel) -> str:
 
     lines: dict[str, str] = {}
     for l in kernel.loads:
-        ptr = f"{l.param}_ptr[{index(l.index, l.var.name)}]"
-        if strided_k(l.index):
+        at = index(l.index, l.var.name)
+        ptr = f"{l.param}_ptr[{at}]"
+        if l.gather is not None:  # a gathered read: the row its index value names
+            pos, stride, size = l.gather
+            row = f"fusec_row({pos}, {size})" + ("" if stride == 1 else f" * {stride}")
+            ptr = f"{l.param}_ptr[{at} + {row}]"
+        elif strided_k(l.index):
             tile = f"{l.var.name}_tile"
             row_lines.append(f"{CTYPE[l.dtype]} {tile}[K];  // {l.param}'s row, gathered")
             row_lines.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {tile}[k] = {ptr}; }}")

@@ -37,7 +37,8 @@ def short_rows(kernel: PointwiseKernel) -> int:
         return 0
     flat = contiguous_strides(shape)
     for load in kernel.loads:
-        if load.valid is not None or (load.index.strides != flat and any(load.index.strides[:-1])):
+        if load.valid is not None or load.gather is not None \
+                or (load.index.strides != flat and any(load.index.strides[:-1])):
             return 0
     if any(store.index.strides != flat for store in kernel.stores):
         return 0

@@ -77,6 +77,8 @@ def match_int4_words(kernel, max_m: int = INT4_WORDS_MAX_M) -> tuple[Int4Words |
     if m > max_m:
         return None, (f"M = {m} rows > {max_m}: the rows are multiplied by "
                       "tensor-core dots instead")
+    if any(l.gather is not None for l in kernel.loads):
+        return None, "a gathered read (its rows picked by index values) in the dequantization"
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if len(reds) != 1:
         return None, f"{len(reds)} reductions, not one sum"

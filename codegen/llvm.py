@@ -55,7 +55,7 @@ from fusec.ir import Index, PointwiseKernel
 
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, summary
 from .llvm_build import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
-from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt,
+from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
 from .llvm_ir import vector_isa, vector_isas  # noqa: F401 (the backend's views, read as llvm.X)
 from .llvm_jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
@@ -94,8 +94,12 @@ def render(kernel, target: Target | None = None) -> str:
             return b
         return body.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
 
+    dtypes = {l.var.name: l.var.dtype for l in kernel.loads}
     for load in kernel.loads:
         at = index(load.index, load.var.name)
+        if load.gather is not None:  # a gathered read: the row its index value names
+            row = gather_row(body, load, dtypes[load.gather[0]], values)
+            at = body.emit(f"add nsw i64 {at}, {row}", load.var.name + ".at")
         if load.valid is None:
             emit_load(body, load.param, load.dtype, at, load.var, values)
         else:

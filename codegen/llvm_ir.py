@@ -219,6 +219,25 @@ def emit_load(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var
     values[var.name] = convert(e, raw, storage, var.dtype, var.name)
 
 
+def gather_row(e: Emitter, load, position_dtype: torch.dtype, values: dict[str, str]) -> str:
+    """The element offset of a gathered read's row (fusec.ir.Load's `gather`), as an i64: the
+    index value, counted from the end where negative, kept inside [0, size) (no read leaves the
+    source; passes/check_gathers.py reports a value out of range), times the row's stride."""
+    pos, stride, size = load.gather
+    name = load.var.name + ".row"
+    at = values[pos]
+    if position_dtype != torch.int64:
+        at = e.emit(f"sext {TYPE[position_dtype]} {at} to i64", name)
+    negative = e.emit(f"icmp slt i64 {at}, 0", name)
+    wrapped = e.emit(f"add nsw i64 {at}, {size}", name)
+    at = e.emit(f"select i1 {negative}, i64 {wrapped}, i64 {at}", name)
+    below = e.emit(f"icmp slt i64 {at}, 0", name)
+    at = e.emit(f"select i1 {below}, i64 0, i64 {at}", name)
+    above = e.emit(f"icmp sgt i64 {at}, {size - 1}", name)
+    at = e.emit(f"select i1 {above}, i64 {size - 1}, i64 {at}", name)
+    return at if stride == 1 else e.emit(f"mul nsw i64 {at}, {stride}", name)
+
+
 def emit_store(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var,
                values: dict[str, str]) -> None:
     value = convert(e, values[var.name], var.dtype, storage, var.name)

@@ -18,7 +18,7 @@ from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
 from .unroll_rows import unrolled_or_same
 
-from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load,
+from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load, gather_row,
                       emit_stmt, emit_store, index_sum, is_float, kind,
                       literal, round_half)
 
@@ -186,7 +186,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
                 b = base(item.index, name)
                 kidx = index_sum(e, list(zip(q, item.index.strides[n_rows:])), 0, name + ".k")
                 idx = kidx if b == "0" else (b if kidx == "0" else e.emit(f"add nsw i64 {b}, {kidx}", name + ".idx"))
-                emit_load(e, item.param, item.dtype, idx, item.var, local)
+                emit_load(e, item.param, item.dtype, gathered(e, item, idx, local), item.var, local)
         return q
 
     def row_value(e: Emitter, name: str) -> None:
@@ -194,7 +194,16 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         if isinstance(item, Stmt):
             emit_stmt(e, item, values)
         else:  # a load that does not vary along k (a per-row scale, say)
-            emit_load(e, item.param, item.dtype, base(item.index, name), item.var, values)
+            emit_load(e, item.param, item.dtype, gathered(e, item, base(item.index, name), values),
+                      item.var, values)
+
+    def gathered(e: Emitter, load, idx: str, local: dict[str, str]) -> str:
+        """idx, plus the row a gathered read's index value names (fusec.ir.Load's `gather`)."""
+        if load.gather is None:
+            return idx
+        pos = load.gather[0]
+        row = gather_row(e, load, producers[pos].var.dtype, {**values, **local})
+        return e.emit(f"add nsw i64 {idx}, {row}", load.var.name + ".at")
 
     for name in plan.before:  # row values needing no reduction: once per row, before the loops
         row_value(top, name)

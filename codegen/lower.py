@@ -47,10 +47,17 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                     if all(ops.indexed_write(u) is not None and u.args[0] is w[0] for u in w[0].users)}
     out_layouts = [Layout(l.root, tuple(shape[len(shape) - len(l.shape):]), l.stride, l.offset)
                    if k in writes else l for k, l in enumerate(out_layouts)]
+    # A gathered read (`scales[g_idx]`, fusec.ops.gathered_read): its index is read at each
+    # position, and its source at the row the index names (Load's `gather`). Both are indexed
+    # over the read's output, laid into the space; read only that way, they get no plain load.
+    gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
+               if (g := ops.gathered_read(n)) is not None]
+    only_pieces |= only_gathered(placeholders)
     tensors = [_broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
                for i, l in enumerate(in_layouts)] + \
               [_broadcast_strides(l, shape) for l in out_layouts] + \
-              [p.strides for p in pieces] + [p.sentinel for p in pieces]
+              [p.strides for p in pieces] + [p.sentinel for p in pieces] + \
+              [_broadcast_strides(l, shape) for _, _, src, idx, _ in gathers for l in (src, idx)]
     order = loop_order(tensors[len(in_layouts)] if out_layouts else tensors[0], shape)
     loop_shape, loop_strides = coalesce(tuple(shape[d] for d in order),
                                         [tuple(t[d] for d in order) for t in tensors])
@@ -64,7 +71,8 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     load_of: dict[tuple, Var] = {}
     n_out = len(out_layouts)
     piece_strides = loop_strides[n_in + n_out:n_in + n_out + len(pieces)]
-    sentinels = loop_strides[n_in + n_out + len(pieces):]
+    sentinels = loop_strides[n_in + n_out + len(pieces):n_in + n_out + 2 * len(pieces)]
+    gather_strides = loop_strides[n_in + n_out + 2 * len(pieces):]
     for cat in dict.fromkeys(p.cat for p in pieces):  # each piece read where it lies
         mine = [(p, st, se) for p, st, se in zip(pieces, piece_strides, sentinels) if p.cat is cat]
         other = None
@@ -91,12 +99,26 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             load_of[key] = var
         env[ph] = load_of[key]
 
+    for k, (node, gather, src, idx, row_stride) in enumerate(gathers):
+        index = Index(idx.offset, gather_strides[2 * k + 1])
+        key = (idx.root, index)
+        if key not in load_of:
+            storage = root_dtypes[idx.root]
+            load_of[key] = Var(f"v{len(loads)}_{_ident(gather.index.name)}",
+                               ops.register_dtype(storage))
+            loads.append(Load(load_of[key], param(idx.root, False), storage, index))
+        storage = root_dtypes[src.root]
+        env[node] = Var(f"v{len(loads)}_{_ident(node.name)}", ops.register_dtype(storage))
+        loads.append(Load(env[node], param(src.root, False), storage,
+                          Index(src.offset, gather_strides[2 * k]),
+                          gather=(load_of[key].name, row_stride, gather.size)))
+
     stmts: list[Stmt] = []
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
             continue
-        if node in env:  # a cat: its pieces' loads
+        if node in env:  # a cat (its pieces' loads) or a gathered read (its load)
             fused_ops.append(str(node.target))
             continue
         if ops.indexed_write(node) is not None:  # the store does it (below)
@@ -185,6 +207,34 @@ def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout]
                                 layout.offset - lo * strides[dim], sentinel))
             lo += size
     return pieces
+
+
+def gather_layouts(gather: ops.Gather, placeholders: list, in_layouts: list[Layout]):
+    """(source, index, row stride) of a gathered read: source and index as Layouts over the
+    read's output shape. The source's picked dim becomes the index's dims, at stride 0 (the load
+    adds the picked row times the row stride: Load's `gather`), and the index gets the source's
+    other dims, at stride 0.
+
+        scales (4, 96), g_idx (256,)  ->  source (1, 96) strides (0, 1), index (256, 1) strides (1, 0)
+    """
+    src = in_layouts[placeholders.index(gather.source)]
+    idx = in_layouts[placeholders.index(gather.index)]
+    d, n = gather.dim, len(idx.shape)
+    lead, tail = src.shape[:d], src.shape[d + 1:]
+    source = Layout(src.root, lead + (1,) * n + tail,
+                    src.stride[:d] + (0,) * n + src.stride[d + 1:], src.offset)
+    index = Layout(idx.root, (1,) * len(lead) + idx.shape + (1,) * len(tail),
+                   (0,) * len(lead) + idx.stride + (0,) * len(tail), idx.offset)
+    return source, index, src.stride[d]
+
+
+def only_gathered(placeholders: list) -> set[int]:
+    """The placeholders read only as a gathered read's source or index (no plain load)."""
+    def gathered(ph: fx.Node) -> bool:
+        return bool(ph.users) and all((g := ops.gathered_read(u)) is not None
+                                      and any(ph is x for x in (g.source, g.index))
+                                      for u in ph.users)
+    return {i for i, ph in enumerate(placeholders) if gathered(ph)}
 
 
 def _is_cat(node: fx.Node) -> bool:

@@ -22,7 +22,7 @@ from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineVariance
                       Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
 
 from .lower import (_broadcast_strides, _ident, _is_cat, _origin, _param_list, cat_pieces, coalesce,
-                    needs_rounding)
+                    gather_layouts, needs_rounding, only_gathered)
 from .lower_folds import online_softmax, online_variance
 
 
@@ -80,6 +80,14 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         spaces.append("rows")
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
                                                if any(not _is_cat(u) for u in ph.users)}
+    # A gathered read (`scales[g_idx]` in a GEMV's dequantization): its index and its source,
+    # indexed over the read's output (lower.py, `gather_layouts`), in the read's space.
+    gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
+               if (g := ops.gathered_read(n)) is not None]
+    for k, (node, _, src, idx, _) in enumerate(gathers):
+        tensors.append(("gsrc", k, space_of(node), strides_for(src, space_of(node))))
+        tensors.append(("gidx", k, space_of(node), strides_for(idx, space_of(node))))
+    only_pieces |= only_gathered(placeholders)
     for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
         if i in only_pieces:
             continue
@@ -100,7 +108,9 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         # only inside the (empty) loop over k, or under the k mask.
         k_strides = [(1,) if any(t[3][n_rows:]) else (0,) for t in tensors]
     offsets = [in_layouts[t[1]].offset if t[0] == "in" else out_layouts[t[1]].offset
-               if t[0] == "out" else pieces[t[1]].offset if t[0] == "piece" else 0 for t in tensors]
+               if t[0] == "out" else pieces[t[1]].offset if t[0] == "piece"
+               else gathers[t[1]][2].offset if t[0] == "gsrc"
+               else gathers[t[1]][3].offset if t[0] == "gidx" else 0 for t in tensors]
     index_of = {(t[0], t[1], t[2]): Index(layout_offset, rs + ks)
                 for t, rs, ks, layout_offset in zip(tensors, row_strides, k_strides, offsets)}
 
@@ -157,10 +167,30 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             other = var
         env[(cat, space_of(cat))] = other
 
+    def load(var: Var, root: str, index: Index, gather=None) -> None:
+        loads.append(Load(var, param(root, False), root_dtypes[root], index, gather=gather))
+        if any(index.strides[len(row_shape):]) or (gather and gather[0] in varying):
+            varying.add(var.name)
+        level[var.name] = 0
+
+    for k, (node, gather, src, idx, row_stride) in enumerate(gathers):
+        where = space_of(node)
+        index = index_of[("gidx", k, where)]
+        if (idx.root, index) not in load_of:
+            load_of[(idx.root, index)] = fresh(gather.index.name,
+                                               ops.register_dtype(root_dtypes[idx.root]))
+            load(load_of[(idx.root, index)], idx.root, index)
+        env[(node, where)] = fresh(node.name, ops.register_dtype(root_dtypes[src.root]))
+        load(env[(node, where)], src.root, index_of[("gsrc", k, where)],
+             (load_of[(idx.root, index)].name, row_stride, gather.size))
+
     body: list = []
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
+            continue
+        if ops.gathered_read(node) is not None:  # its load, above
+            fused_ops.append(str(node.target))
             continue
         if (node, space_of(node)) in env and _is_cat(node):  # a cat: its pieces' loads
             fused_ops.append(str(node.target))
@@ -205,9 +235,16 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
         var = env[(out, space_of(out))]
         index = index_of[("out", k, space_of(out))]
-        if any(index.strides[len(row_shape):]):
+        if any(index.strides[len(row_shape):]) and var.name not in varying:
             # stored at every k: computed inside the loop over k, even when nothing it reads
-            # varies along k (`zeros_like(x)` next to `x.sum()`: a constant, stored everywhere)
+            # varies along k (`zeros_like(x)` next to `x.sum()`: a constant, stored everywhere).
+            # If row values are computed from it too, they keep it: the loop takes a copy.
+            if any(var in getattr(item, "operands", (getattr(item, "operand", None),))
+                   for item in body):
+                copy = fresh(f"{out.name}_at_k", var.dtype)
+                body.append(Stmt(copy, "copy", (var,), (var.dtype,), var.dtype,
+                                 origin=f"{out.name}, stored at every k"))
+                level[copy.name], var = level[var.name], copy
             varying.add(var.name)
         stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root], index))
     gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)

@@ -32,7 +32,8 @@ from .triton_launch import TritonLauncher
 from .triton_pdl import pdl
 from .triton_reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .triton_reduction import render_reduction
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, block_size, convert, piece_mask
+from .triton_text import (_helpers_in, _max_address, _stmt, _summary, block_size, convert,
+                          gather_offset, piece_mask)
 
 
 def render(kernel, arch: int | None = None) -> str:
@@ -150,8 +151,8 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None
 
 def _reach(access) -> int:
     """How far past its index an indexed write may store (the last position along its dim)."""
-    scatter = getattr(access, "scatter", None)
-    return (scatter[2] - 1) * abs(scatter[1]) if scatter else 0
+    at = getattr(access, "scatter", None) or getattr(access, "gather", None)
+    return (at[2] - 1) * abs(at[1]) if at else 0
 
 
 def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, list, list]:
@@ -161,7 +162,11 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
     for l in kernel.loads:
         inside = piece_mask(l, kernel.shape)
         where = "mask" if inside is None else f"mask & {inside}"
-        value = f"tl.load({l.param}_ptr + {index(l.index)}, mask={where})"
+        addr = index(l.index)
+        if l.gather is not None:  # a gathered read: the row its index value names (fusec.ir.Load)
+            loads.append(f"# {l.var.name}: the row of {l.param} that {l.gather[0]} names")
+            addr = f"{addr} + {gather_offset(l)}"
+        value = f"tl.load({l.param}_ptr + {addr}, mask={where})"
         if ops.register_dtype(l.dtype) != l.dtype or l.dtype != l.var.dtype:
             value = convert(value, l.dtype, l.var.dtype)
         if l.other is not None:  # a piece of a cat: the next piece's value where this one ends

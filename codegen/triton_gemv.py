@@ -19,7 +19,8 @@ from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 from .int4_words import match_int4_words
 from .render import render_template
 from .triton_pdl import pdl
-from .triton_text import (TL, _helpers_in, _max_address, _stmt, _summary, convert, piece_mask,
+from .triton_text import (TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset,
+                          piece_mask,
                           rows_and_epilogue)
 
 
@@ -157,6 +158,7 @@ def paired_loads(loads, n_rows: int) -> dict[str, str]:
         for b in loads:
             ka = a.index.strides[n_rows:]
             if (a.param == b.param and a.dtype == b.dtype and a.index.strides == b.index.strides
+                    and a.gather is None and b.gather is None
                     and b.index.offset == a.index.offset + 1 and ka and ka[-1] == 2
                     and a.var.name not in pairs.values() and b.var.name not in pairs):
                 pairs[a.var.name] = b.var.name
@@ -180,6 +182,7 @@ def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[
                 st = item.index.strides
                 out = frozenset(ax for ax, s in zip("mn"[2 - n_rows:], st[:n_rows]) if s)
                 out |= {"k"} if any(st[n_rows:]) else frozenset()
+                out |= axes(item.gather[0]) if item.gather else frozenset()
             axes_of[name] = out
         return axes_of[name]
 
@@ -315,6 +318,8 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
         addr, mask = index(l.index, sfx)
+        if l.gather is not None:  # a gathered read: the row its index value names
+            addr = f"{addr} + {gather_offset(l)}"
         if l.other is not None:
             chain = [l]
             while chain[-1].other is not None:
@@ -398,7 +403,9 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
                        "4-bit weight of each byte, w >> 4 the high one)")
     compute += [t for n in stmts for t in lines(n)]
     # the weight's stored element size: a plain int8 weight streamed slower with the prefetch
-    prefetch = GEMV_PREFETCH and not dot and (unpack or min(weight_bytes, default=2) >= 2)
+    # (not with a gathered read: its row comes from a value loaded in the same chunk)
+    prefetch = GEMV_PREFETCH and not dot and (unpack or min(weight_bytes, default=2) >= 2) \
+        and not any(l.gather for l in kernel.loads)
     first, rotate = [], []
     if prefetch:
         # chunk 0 before the loop; in the loop, the next chunk's loads first, then this chunk's

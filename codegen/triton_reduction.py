@@ -22,7 +22,7 @@ from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
 from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
-from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, literal
+from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset, literal
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -115,6 +115,8 @@ def render_reduction(kernel, arch: int | None = None) -> str:
     load_lines = {}
     for l in kernel.loads:
         addr, mask = index(l.index)
+        if l.gather is not None:  # a gathered read: the row its index value names
+            addr = f"{addr} + {gather_offset(l)}"
         value = f"tl.load({l.param}_ptr + {addr}, mask={mask})"
         if l.dtype != l.var.dtype:
             value = convert(value, l.dtype, l.var.dtype)

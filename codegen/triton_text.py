@@ -132,3 +132,16 @@ def rows_and_epilogue(kernel, r, lines) -> tuple:
         value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
     epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
     return phase, row_lines, epilogue
+
+
+def gather_offset(load, position: str | None = None) -> str:
+    """The offset of a gathered read's row (fusec.ir.Load's `gather`), as one expression: the
+    index value `position` (default: the load's position var), counted from the end where
+    negative, kept inside the source (passes/check_gathers.py reports a value out of range),
+    times the row's stride, in 64 bits where the source is that large."""
+    pos, stride, size = load.gather
+    pos = position or pos
+    row = f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})"
+    if stride * size >= 2 ** 31:
+        row += ".to(tl.int64)"
+    return row if stride == 1 else f"{row} * {stride}"

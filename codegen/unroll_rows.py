@@ -58,8 +58,8 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if len(reds) != 1 or reds[0].op != "sum" or not reds[0].acc_dtype.is_floating_point:
         return None
-    if any(load.valid is not None for load in kernel.loads):
-        return None  # pieces of a cat: their validity is a loop dim, not kept apart here
+    if any(load.valid is not None or load.gather is not None for load in kernel.loads):
+        return None  # pieces of a cat (their validity is a loop dim) or gathered rows: not here
     m = kernel.row_shape[0]
     by_m = {l.var.name for l in kernel.loads if l.index.strides[0] != 0}  # depends on m
     for item in kernel.body:

@@ -1,5 +1,9 @@
 """Kernel IR: the fully decided description of one fused kernel, which templates only print.
 
+Why this file is long: it is the one kernel IR, the dataclasses every lowering builds and every
+backend reads, with their printed form and the canonical form the cache keys on; split, a reader
+would chase one kernel's description across files.
+
 A pointwise kernel walks a flat index over its iteration space (the shape of its outputs). For each
 position it loads its inputs, computes a few SSA statements and stores its outputs:
 
@@ -143,6 +147,12 @@ class Load:
     index: Index
     valid: tuple[int, int, int] | None = None  # (loop dim, lo, hi): read only where lo <= i < hi
     other: Var | None = None  # the value where it does not read (None: zero)
+    # a gathered read (fusec.ops.gathered_read, `scales[g_idx]`): (position var, stride, size).
+    # The address gets row * stride added, row being the position var's value (negative:
+    # counted from the end, as eager does), kept inside [0, size): a value out of range reads
+    # some row of the buffer, never past it, and the program's check (passes/check_gathers.py)
+    # raises the error eager would.
+    gather: tuple[str, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +214,9 @@ class PointwiseKernel:
 
 
 def _fmt_valid(load: Load) -> str:
+    if load.gather is not None:
+        pos, stride, size = load.gather
+        return f"  + row({pos} of {size}) * {stride}"
     if load.valid is None:
         return ""
     dim, lo, hi = load.valid
@@ -302,6 +315,8 @@ class ReductionKernel:
                 stack += [o.name for o in item.operands if isinstance(o, Var)]
             elif isinstance(item, Load) and item.other is not None:  # a cat's next piece
                 stack.append(item.other.name)
+            if isinstance(item, Load) and item.gather is not None:  # the row's index value
+                stack.append(item.gather[0])
         return [n for n in producers if n in need]
 
     @property
@@ -385,7 +400,8 @@ def canonical(kernel):
     common = dict(name=family(kernel.name),
                   params=[replace(p, name=params[p.name]) for p in kernel.params],
                   loads=[replace(l, var=var(l.var), param=params[l.param],
-                                 other=var(l.other) if l.other is not None else None)
+                                 other=var(l.other) if l.other is not None else None,
+                                 gather=l.gather and (names[l.gather[0]], *l.gather[1:]))
                          for l in kernel.loads],
                   stores=[replace(s, var=var(s.var), param=params[s.param],
                                   scatter=s.scatter and (names[s.scatter[0]], *s.scatter[1:]))

@@ -453,6 +453,68 @@ def indexed_write(node):
     return buffer, dim, pos, values
 
 
+@dataclass(frozen=True)
+class Gather:
+    """A gathered read, `out = source[..., index, ...]`: see `gathered_read`.
+
+    dim: the source dim the index values pick along; lowest: the smallest index value allowed
+    (-size where a negative value counts from the end, as `x[idx]` does; 0 for embedding and
+    index_select, which refuse negative values)."""
+
+    source: Any  # fx.Node
+    dim: int
+    index: Any  # fx.Node
+    lowest: int
+    size: int
+
+
+GATHER_TARGETS = (torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default,
+                  torch.ops.aten.index_select.default)
+
+
+def gathered_read(node) -> Gather | None:
+    """A Gather when `node` reads rows of a tensor picked by a tensor of integer positions:
+
+        scales[g_idx]                  index.Tensor(scales, [g_idx])       GPTQ's per-group scales
+        wte(input_ids)                 embedding(weight, input_ids)        a token embedding
+        x.index_select(1, idx)         index_select(x, 1, idx)
+        x[:, idx]                      index.Tensor(x, [None, idx])
+
+    The output is the source with its `dim` replaced by the index's shape. A kernel computes it
+    by reading the index value at each position and then the source at that row (codegen/lower.py,
+    fusec.ir.Load's `gather`), so the gathered rows are never stored. None for anything else
+    (several index tensors, boolean masks, a source with no rows ...)."""
+    if getattr(node, "op", None) != "call_function" or node.target not in GATHER_TARGETS:
+        return None
+    args = node.args
+    if node.target is torch.ops.aten.index.Tensor:
+        source, indices = args[0], list(args[1])
+        at = [d for d, i in enumerate(indices) if i is not None]
+        if len(at) != 1:
+            return None
+        dim, index, lowest = at[0], indices[at[0]], -1
+    elif node.target is torch.ops.aten.embedding.default:
+        source, index, dim, lowest = args[0], args[1], 0, 0
+    else:
+        source, dim, index, lowest = args[0], args[1], args[2], 0
+    if not (hasattr(source, "op") and hasattr(index, "op")):
+        return None
+    s, i, out = (getattr(n, "meta", {}).get("fusec") for n in (source, index, node))
+    if not all(hasattr(m, "shape") and hasattr(m, "device") for m in (s, i, out)):
+        return None
+    rank = len(s.shape)
+    if rank == 0 or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    if i.dtype not in (torch.int32, torch.int64) or s.shape[dim] == 0 or 0 in out.shape \
+            or s.device != i.device or out.dtype != s.dtype \
+            or (node.target is torch.ops.aten.embedding.default and rank != 2) \
+            or (node.target is torch.ops.aten.index_select.default and len(i.shape) != 1):
+        return None
+    size = s.shape[dim]
+    return Gather(source, dim, index, lowest * size, size)
+
+
 def is_multi_view(target) -> bool:
     """True for ATen ops returning a list of views of their input (split, unbind)."""
     schema = getattr(target, "_schema", None)

@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+    PIPELINE = [check_gathers, fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
                 small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fusec.graphmodule import copy_graph_module
 
+from .check_gathers import check_gathers
 from .computed_pieces import computed_pieces
 from .cse import cse
 from .dce import dce
@@ -34,7 +35,7 @@ from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+PIPELINE = [check_gathers, fold_constants, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
             small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

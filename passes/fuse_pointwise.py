@@ -38,14 +38,15 @@ from fusec.record import Refusal, record_of
 
 import operator
 
-from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, indexed_write, is_cat,
+from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, gathered_from, indexed_write, is_cat,
                        meta, numel_rank, outline)
 
 
 def is_pointwise(node: fx.Node) -> bool:
     """A node the op table can compile, producing one tensor."""
     return (node.op == "call_function" and isinstance(node.meta.get("fusec"), TensorMeta)
-            and (ops.normalize(node) is not None or is_cat(node) or indexed_write(node) is not None)
+            and (ops.normalize(node) is not None or is_cat(node) or indexed_write(node) is not None
+                 or ops.gathered_read(node) is not None)
             and not (node.target is torch.ops.aten._to_copy.default
                      and any(str(meta(a).device) != meta(node).device
                              for a in node.all_input_nodes)))
@@ -71,7 +72,7 @@ def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
             if a is b:
                 continue
             reason = (_reads_an_indexed_write(producer) or _piece_of_a_cat(a, b)
-                      or why_not_fuse(a, b, order, effects))
+                      or gathered_from(a, b) or why_not_fuse(a, b, order, effects))
             if reason:
                 refusals.append(Refusal(producer.name, node.name, reason))
                 continue
@@ -226,6 +227,8 @@ def _matching_perm(a: Group, a_view: fx.Node, b: Group, b_view: fx.Node) -> list
         return None
     if set(a.nodes) & {u for n in b.nodes for u in n.all_input_nodes}:
         return None
+    if any(ops.gathered_read(n) is not None for n in (*a.nodes, *b.nodes)):
+        return None  # (a gathered read's dims are the index's: not permuted here)
     sa, sb = meta(a_view).stride, meta(b_view).stride
     perm, used = [], set()
     for d, size in enumerate(a.shape):

@@ -47,7 +47,7 @@ from fusec import ops
 from fusec.codegen import backends
 from fusec.record import Refusal, record_of
 
-from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, indexed_write,
+from .grouping import (Group, gathered_from, broadcasts_to, creates_cycle, effect_edges, indexed_write,
                        inline_groups, is_cat, meta, op_name, outline)
 
 
@@ -241,6 +241,9 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
         return "one side is a horizontally fused kernel (several iteration orders in one loop)"
     if any(indexed_write(n) is not None for n in (*a.nodes, *b.nodes)):
         return "one side writes one position of a buffer (an indexed write): a pointwise kernel's"
+    gathered = gathered_from(a, b)
+    if gathered:
+        return gathered
     if any(is_cat(n) and not n.meta.get("fusec_pieces") for n in (*a.nodes, *b.nodes)):
         # (except sibling weights read by a GEMV along its rows: passes/sibling_gemvs.py)
         return "one side concatenates (torch.cat): only a pointwise kernel reads pieces"

@@ -289,6 +289,22 @@ def loop_shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(1 if d == dim else s for d, s in enumerate(meta(buffer).shape))
 
 
+def gathered_from(a: Group, b: Group) -> str | None:
+    """A gathered read (`scales[g_idx]`) reads its source at rows its index values pick, so the
+    source must be in memory; and its index values are read before the rows they pick, from
+    memory too (codegen/lower.py): neither is computed in the read's own loop."""
+    inside = set(a.nodes) | set(b.nodes)
+    for n in inside:
+        gather = ops.gathered_read(n)
+        if gather is not None and gather.source in inside:
+            return ("the source of a gathered read: its rows are read where index values "
+                    "point, so it is stored by its own kernel and loaded where it lies")
+        if gather is not None and gather.index in inside:
+            return ("the index of a gathered read: the kernel reads the index values before "
+                    "the rows they pick, so they are stored first")
+    return None
+
+
 def is_cat(node: fx.Node) -> bool:
     """A concatenation a pointwise kernel can do: each output element is one element of one
     piece, read where the piece lives (codegen/lower.py, `cat_loads`). Its pieces must have the

@@ -77,7 +77,10 @@ class Unflattener:
         cut = unflattens(value)
         if cut is not None and pushable(value.args[0]):
             value = self(value.args[0], *cut)  # the same values, now computed by a pointwise op
-        if pushable(value):
+        gathered = self._gather_cut(value, dim, tuple(parts))
+        if gathered is not None:
+            new = gathered
+        elif pushable(value):
             args = [self._arg(a, shape, dim, tuple(parts)) for a in value.args]
             new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
                            name=f"{value.name}_cut")
@@ -89,6 +92,29 @@ class Unflattener:
                 self.views[(value, tuple(new_shape))] = new
         self.memo[key] = new
         return new
+
+    def _gather_cut(self, value: fx.Node, dim: int, parts: tuple) -> fx.Node | None:
+        """A gathered read (`scales[g_idx]`, fusec.ops.gathered_read) cut along one of its
+        index's dims is the read of the index cut the same way: `scales[g_idx]` seen as
+        (K/8, 8, N) is `scales[g_idx.view(K/8, 8)]`. Along a source dim after the picked one
+        (x[idx] of a 3-D x), it is the read of the source cut. None otherwise (a plain view)."""
+        gather = ops.gathered_read(value)
+        if gather is None or value.target is aten.index_select.default:
+            return None
+        d, n = gather.dim, len(meta(gather.index).shape)
+        args = list(value.args)
+        if d <= dim < d + n:
+            index = self(gather.index, dim - d, parts)
+            if value.target is aten.index.Tensor:
+                args[1] = [index if i is gather.index else i for i in args[1]]
+            else:
+                args[1] = index
+        elif dim >= d + n and value.target is aten.index.Tensor:
+            args[0] = self(gather.source, dim - n + 1, parts)
+        else:
+            return None
+        return self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                        name=f"{value.name}_cut")
 
     def narrow(self, value: fx.Node, dim: int, length: int) -> fx.Node:
         """`value[..., :length, ...]` along `dim` (a slice, the other view pooling needs), moved

@@ -23,6 +23,14 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 #endif
 
 // bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
+// The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
+// eager, and the row is kept inside the source's n rows, so no read ever leaves the buffer (the
+// compiled program checks the index values and raises eager's error: passes/check_gathers.py).
+static inline int64_t fusec_row(int64_t index, int64_t n) {
+    const int64_t row = index < 0 ? index + n : index;
+    return row < 0 ? 0 : (row >= n ? n - 1 : row);
+}
+
 static inline float fusec_bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16; float f; std::memcpy(&f, &bits, 4); return f;
 }

@@ -17,6 +17,8 @@ from fusec.record import folded_view, record_of
 # Passes whose record is a list of Decision(node, taken, why): the summary when some were taken,
 # and the words for a taken and a refused candidate in the detail lines.
 DECISIONS = {
+    "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
+                      "dropped", "done", "kept"),
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
     "computed_pieces": ("{n} cat(s) of computed pieces computed over the cat", "rewritten", "kept"),
     "sibling_gemvs": ("{n} matmul(s) joined with siblings into one GEMV", "joined", "alone"),

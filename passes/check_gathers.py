@@ -1,0 +1,131 @@
+"""check_gathers: let kernels read rows picked by index values, and check the values once.
+
+A gathered read picks rows of a tensor by the values of another one (fusec.ops.gathered_read):
+a token embedding `wte(input_ids)`, GPTQ's per-group scales `scales[g_idx]`. Eager runs each one
+as an ATen call that writes the gathered rows to memory, and the next op reads them back: for
+GPTQ's scales and zero points that is two (K, N) tensors, as large as the unpacked weight, to
+multiply one vector. A fused kernel instead reads the index value at each position and then the
+source's row it names, so the gathered rows are never stored (codegen/lower.py, Load's `gather`).
+
+One thing eager does that a kernel cannot do well is refuse a bad index: `x[idx]` raises an
+IndexError when a value is out of range. A kernel only keeps its reads in bounds (a value out of
+range reads nothing), so this pass adds the check as ordinary graph ops, once per index tensor,
+next to the index:
+
+    before                                      after
+    g = _to_copy(g_idx, dtype=int64)            ok = all(logical_and(ge(g_idx, -4), lt(g_idx, 4)))
+    s = index(scales, [g])                      _assert_async(ok, "fusec: index out of range ...")
+                                                s = index(scales, [g_idx])
+
+The check is a small reduction kernel and an `_assert_async` call: on a CPU it raises at once,
+on a GPU it is a device-side assert, as eager's own index kernel has. The pass also drops a
+widening cast of the index (`g_idx.long()`: an int32 value is the same position as an int64 one),
+so the index is read where it lies rather than copied first. Each rewrite is a `Decision` in
+`record_of(gm).check_gathers`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fusec import ops
+from fusec.ir import meta_of
+from fusec.record import Decision, record_of
+
+from .grouping import meta
+from .layout import _run_fake, _set_meta
+from .schedule import _fake_mode
+
+aten = torch.ops.aten
+
+
+def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """Read each gathered read's index without a widening cast, and check its values once."""
+    graph, decisions, checked = gm.graph, [], set()
+    mode = None
+    for node in list(graph.nodes):
+        gather = ops.gathered_read(node)
+        if gather is None:
+            continue
+        mode = mode or _fake_mode(gm)
+        index = _uncast(gather.index)
+        if index is not gather.index:
+            _set_index(node, gather, index)
+            decisions.append(Decision(node.name, True, f"reads {index.name} as it is: its cast to "
+                                      f"{meta(gather.index).dtype} names the same rows"))
+        key = (index, gather.lowest, gather.size)
+        if key in checked:
+            continue
+        known = _constant(index)
+        if known is not None and gather.lowest <= known < gather.size:
+            checked.add(key)
+            decisions.append(Decision(node.name, False, f"{index.name} is the constant {known}: "
+                                      f"in [{gather.lowest}, {gather.size}), nothing to check"))
+            continue
+        checked.add(key)
+        _add_check(graph, mode, index, gather, node)
+        decisions.append(Decision(node.name, True, f"checks {index.name} once: every value in "
+                                  f"[{gather.lowest}, {gather.size})"))
+    record_of(gm).check_gathers = decisions
+    if decisions:
+        graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _uncast(index: fx.Node) -> fx.Node:
+    """`g_idx` for `g_idx.long()`: a cast between int32 and int64 that loses nothing."""
+    if index.op == "call_function" and index.target is aten._to_copy.default \
+            and set(index.kwargs) <= {"dtype"} and len(index.args) == 1 \
+            and isinstance(index.args[0], fx.Node) \
+            and isinstance(index.args[0].meta.get("fusec"), type(meta(index))) \
+            and meta(index.args[0]).dtype == torch.int32 and meta(index).dtype == torch.int64 \
+            and meta(index.args[0]).device == meta(index).device:
+        return index.args[0]
+    return index
+
+
+def _constant(index: fx.Node):
+    """The value of an index filled with one number (`torch.zeros_like(input_ids)`: BERT's
+    token types), else None."""
+    if index.op == "call_function" and index.target is aten.full.default \
+            and isinstance(index.args[1], int) and not isinstance(index.args[1], bool):
+        return index.args[1]
+    return None
+
+
+def _set_index(node: fx.Node, gather: ops.Gather, index: fx.Node) -> None:
+    args = list(node.args)
+    if node.target is aten.index.Tensor:
+        args[1] = [index if i is gather.index else i for i in args[1]]
+    elif node.target is aten.embedding.default:
+        args[1] = index
+    else:
+        args[2] = index
+    node.args = tuple(args)
+
+
+def _add_check(graph: fx.Graph, mode, index: fx.Node, gather: ops.Gather, like: fx.Node) -> None:
+    """ok = all(lowest <= index < size); _assert_async(ok, message), right after the index."""
+    source = gather.source.name
+    message = (f"fusec: index out of range in {like.name} (rows of {source} picked by "
+               f"{index.name}): every value of {index.name} must be in [{gather.lowest}, "
+               f"{gather.size}), the size of {source}'s dim {gather.dim}")
+    made = []
+
+    def add(target, args):
+        with graph.inserting_after(made[-1] if made else index):
+            new = graph.call_function(target, args)
+        if target is not aten._assert_async.msg:
+            _set_meta(new, _run_fake(mode, new), like)
+        else:
+            new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "fusec")})
+            new.meta["val"], new.meta["fusec"] = None, meta_of(None)
+        made.append(new)
+        return new
+
+    low = add(aten.ge.Scalar, (index, gather.lowest))
+    high = add(aten.lt.Scalar, (index, gather.size))
+    ok = add(aten.all.default, (add(aten.logical_and.default, (low, high)),))
+    add(aten._assert_async.msg, (ok, message))
