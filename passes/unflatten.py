@@ -171,7 +171,8 @@ def erase_dead(graph: fx.Graph, *nodes: fx.Node) -> None:
         n = todo.pop()
         if n.op == "call_function" and not n.users and not getattr(n, "_erased", False) \
                 and isinstance(n.target, torch._ops.OpOverload) \
-                and ops.classify(n.target) in (ops.POINTWISE, ops.VIEW):
+                and (ops.classify(n.target) in (ops.POINTWISE, ops.VIEW)
+                     or ops.gathered_read(n) is not None):
             inputs = n.all_input_nodes
             graph.erase_node(n)
             todo += inputs

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from conftest import assert_matches
+from conftest import GPU, assert_matches
 from fusec.record import record_of
 
 F16, BF16 = torch.float16, torch.bfloat16
@@ -102,7 +102,7 @@ def test_computed_source_and_index_are_stored_first_with_a_reason(target):
 
 # ---- out of range: eager's error, not a wrong number ------------------------------------------
 
-@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+@pytest.mark.parametrize("backend", ["cpp", "llvm"] + ([] if GPU else ["triton"]))
 def test_an_index_out_of_range_raises(backend):
     table = torch.randn(10, 8, generator=gen(12))
     cf = fusec.compile(lambda i, t: F.embedding(i, t) + 1, backend=backend)
@@ -115,6 +115,30 @@ def test_an_index_out_of_range_raises(backend):
     assert torch.equal(cf(x, torch.tensor([-4, 3])), x[torch.tensor([-4, 3])] * 2)
     with pytest.raises(RuntimeError, match=r"must be in \[-4, 4\)"):
         cf(x, torch.tensor([-5, 0]))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_an_index_out_of_range_is_a_device_side_assert_on_a_gpu(tmp_path):
+    """On a GPU eager's own index kernel stops the process with a device-side assert; the
+    compiled program's check does the same (torch._assert_async). The CUDA context is lost
+    after that, so it runs in a process of its own."""
+    import subprocess
+    import sys
+    script = tmp_path / "bad_index.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F, fusec\n"
+        "t = torch.randn(10, 8, device='cuda')\n"
+        "cf = fusec.compile(lambda i, t: F.embedding(i, t) + 1)\n"
+        "cf(torch.tensor([1, 9], device='cuda'), t)\n"
+        "torch.cuda.synchronize()\n"
+        "print('good index ok', flush=True)\n"
+        "cf(torch.tensor([1, 10], device='cuda'), t)\n"
+        "torch.cuda.synchronize()\n"
+        "print('bad index passed', flush=True)\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "good index ok" in run.stdout and "bad index passed" not in run.stdout, run.stderr
+    assert run.returncode != 0 and ("fusec: index out of range" in run.stderr
+                                    or "device-side assert" in run.stderr), run.stderr[-2000:]
 
 
 def test_explain_shows_the_check_and_the_fused_read():
@@ -170,9 +194,9 @@ def test_act_order_gptq_gathers_its_scales_inside_the_gemv(target, m):
     backend, device = target
     layer = ActOrderQuantLinear(256, 64, 32).to(device)
     x = torch.randn(m, 256, generator=gen(14)).to(F16).to(device)
-    want = (layer.scales[layer.g_idx.long()].float()
-            * (layer.q - layer.z[layer.g_idx.long()]).to(device).float())
-    assert torch.allclose(layer(x).float(), x.float() @ want, rtol=1e-2, atol=1e-2)
+    g = layer.g_idx.long().cpu()
+    want = layer.scales.cpu()[g].float() * (layer.q - layer.z[g]).float()
+    assert torch.allclose(layer(x).float().cpu(), x.float().cpu() @ want, rtol=1e-2, atol=1e-2)
     # three kernels: the check of g_idx, the zero points unpacked (groups x N, small), and the
     # GEMV, which reads the packed words and gathers scales and zero points itself: nothing
     # weight-sized is stored, and no gather runs in eager
@@ -181,3 +205,18 @@ def test_act_order_gptq_gathers_its_scales_inside_the_gemv(target, m):
     assert "qweight" in gemv.source and sum(o == "aten.index.Tensor" for o in gemv.ops) == 2
     text = str(fusec.explain(layer, x, backend=backend))
     assert "aten.index" not in text.split("extern (eager ATen) calls:")[1].splitlines()[0]
+
+
+def test_a_gathered_gemv_split_in_two_reductions(target, monkeypatch):
+    """A GEMV of few columns and a long K is split in two reductions on a GPU
+    (passes/split_reductions.py); the gathered reads are cut with K (the Unflattener's gather
+    case), and the reads they replace leave the graph."""
+    import importlib
+    backend, device = target
+    monkeypatch.setattr(importlib.import_module("fusec.passes.split_reductions"), "SPLIT_DEVICES",
+                        ("cpu", "cuda"))
+    layer = ActOrderQuantLinear(8192, 64, 128, seed=3).to(device)
+    x = torch.randn(1, 8192, generator=gen(15)).to(F16).to(device)
+    cf = assert_matches(layer, x, backend=backend)
+    last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
+    assert any(d.taken for d in record_of(last.gm).split_reductions)
