@@ -11,7 +11,7 @@ python -m pip install --no-deps --no-build-isolation -q -e . > "$OUT/install.log
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/versions.txt"
 export PYTHONUNBUFFERED=1
 groups=("tests/test_ops.py tests/test_small_matmul.py tests/test_layout.py tests/test_cat.py tests/test_sibling_gemvs.py tests/test_refine_views.py tests/test_computed_pieces.py tests/test_indexed_write.py tests/test_triton_pdl.py tests/test_llama_fit.py" "tests/test_reductions.py tests/test_online_softmax.py tests/test_build.py tests/test_split_reductions.py tests/test_pooling.py tests/test_known_results.py tests/test_saved_programs.py tests/test_cache.py tests/test_int4_words.py tests/test_int4_mma.py tests/test_triton_target.py"
-        "tests/test_graph_breaks.py tests/models tests/test_kernelbench.py tests/test_externs.py"
+        "tests/test_graph_breaks.py tests/models tests/test_kernelbench.py tests/test_externs.py tests/test_check_gathers.py"
         "tests/test_views.py tests/test_smoke.py tests/test_schedule.py tests/test_examples.py tests/test_triton_launch.py tests/test_tiled_pointwise.py tests/test_unfuse_bias.py tests/test_inplace.py"
         "tests/test_training.py tests/test_api.py tests/test_cuda_graphs.py tests/test_explain.py tests/test_profile.py tests/test_runtime_fastpath.py tests/test_wrapper.py tests/test_memory_plan.py"
         "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_cse.py tests/test_property.py tests/test_property_reductions.py tests/test_autograd_functions.py tests/test_opinfo.py")
