@@ -9,16 +9,17 @@ source's row it names, so the gathered rows are never stored (codegen/lower.py, 
 
 One thing eager does that a kernel cannot do well is refuse a bad index: `x[idx]` raises an
 IndexError when a value is out of range. A kernel only keeps its reads in bounds (a value out of
-range reads nothing), so this pass adds the check as ordinary graph ops, once per index tensor,
-next to the index:
+range reads some row of the source, never past it), so this pass adds the check as ordinary
+graph ops, once per index tensor, next to the index, and one `_assert_async` of all of them:
 
     before                                      after
     g = _to_copy(g_idx, dtype=int64)            ok = all(logical_and(ge(g_idx, -4), lt(g_idx, 4)))
     s = index(scales, [g])                      _assert_async(ok, "fusec: index out of range ...")
                                                 s = index(scales, [g_idx])
 
-The check is a small reduction kernel and an `_assert_async` call: on a CPU it raises at once,
-on a GPU it is a device-side assert, as eager's own index kernel has. The pass also drops a
+Each check is a small reduction kernel (the and-ing of several joins the last one's kernel), and
+the program makes one `_assert_async` call: on a CPU it raises at once, on a GPU it is a
+device-side assert, as eager's own index kernel has. The pass also drops a
 widening cast of the index (`g_idx.long()`: an int32 value is the same position as an int64 one),
 so the index is read where it lies rather than copied first. Each rewrite is a `Decision` in
 `record_of(gm).check_gathers`.
@@ -42,6 +43,7 @@ aten = torch.ops.aten
 def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Read each gathered read's index without a widening cast, and check its values once."""
     graph, decisions, checked = gm.graph, [], set()
+    checks: list[tuple[fx.Node, str]] = []  # (all values in range, what it checks)
     mode = None
     for node in list(graph.nodes):
         gather = ops.gathered_read(node)
@@ -63,9 +65,11 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
                                       f"in [{gather.lowest}, {gather.size}), nothing to check"))
             continue
         checked.add(key)
-        _add_check(graph, mode, index, gather, node)
+        checks.append(_add_check(graph, mode, index, gather, node))
         decisions.append(Decision(node.name, True, f"checks {index.name} once: every value in "
                                   f"[{gather.lowest}, {gather.size})"))
+    if checks:
+        _assert_all(graph, mode, checks)
     record_of(gm).check_gathers = decisions
     if decisions:
         graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
@@ -106,26 +110,39 @@ def _set_index(node: fx.Node, gather: ops.Gather, index: fx.Node) -> None:
     node.args = tuple(args)
 
 
-def _add_check(graph: fx.Graph, mode, index: fx.Node, gather: ops.Gather, like: fx.Node) -> None:
-    """ok = all(lowest <= index < size); _assert_async(ok, message), right after the index."""
+def _add_check(graph: fx.Graph, mode, index: fx.Node, gather: ops.Gather, like: fx.Node):
+    """(ok, what): ok = all(lowest <= index < size), computed right after the index."""
     source = gather.source.name
-    message = (f"fusec: index out of range in {like.name} (rows of {source} picked by "
-               f"{index.name}): every value of {index.name} must be in [{gather.lowest}, "
-               f"{gather.size}), the size of {source}'s dim {gather.dim}")
-    made = []
+    what = (f"{like.name} reads rows of {source} picked by {index.name}: every value of "
+            f"{index.name} must be in [{gather.lowest}, {gather.size}), the size of {source}'s "
+            f"dim {gather.dim}")
+    with graph.inserting_after(index):
+        low = _add(graph, mode, aten.ge.Scalar, (index, gather.lowest), like)
+    with graph.inserting_after(low):
+        high = _add(graph, mode, aten.lt.Scalar, (index, gather.size), like)
+    with graph.inserting_after(high):
+        both = _add(graph, mode, aten.logical_and.default, (low, high), like)
+    with graph.inserting_after(both):
+        return _add(graph, mode, aten.all.default, (both,), like), what
 
-    def add(target, args):
-        with graph.inserting_after(made[-1] if made else index):
-            new = graph.call_function(target, args)
-        if target is not aten._assert_async.msg:
-            _set_meta(new, _run_fake(mode, new), like)
-        else:
-            new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "fusec")})
-            new.meta["val"], new.meta["fusec"] = None, meta_of(None)
-        made.append(new)
-        return new
 
-    low = add(aten.ge.Scalar, (index, gather.lowest))
-    high = add(aten.lt.Scalar, (index, gather.size))
-    ok = add(aten.all.default, (add(aten.logical_and.default, (low, high)),))
-    add(aten._assert_async.msg, (ok, message))
+def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
+    """One `_assert_async` for the whole program, of all its checks and-ed together (one call
+    fewer per checked index: a decoding step checks its token and its position)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    checks = sorted(checks, key=lambda c: order[c[0]])
+    ok, last = checks[0][0], checks[0][0]
+    for other, _ in checks[1:]:
+        with graph.inserting_after(other):
+            ok = _add(graph, mode, aten.logical_and.default, (ok, other), other)
+    with graph.inserting_after(ok):
+        message = "fusec: index out of range: " + "; or ".join(what for _, what in checks)
+        new = graph.call_function(aten._assert_async.msg, (ok, message))
+    new.meta.update({k: v for k, v in last.meta.items() if k not in ("val", "fusec")})
+    new.meta["val"], new.meta["fusec"] = None, meta_of(None)
+
+
+def _add(graph: fx.Graph, mode, target, args, like: fx.Node) -> fx.Node:
+    new = graph.call_function(target, args)
+    _set_meta(new, _run_fake(mode, new), like)
+    return new
