@@ -38,6 +38,7 @@ from .layout import _run_fake, _set_meta
 from .schedule import _fake_mode
 
 aten = torch.ops.aten
+MESSAGE_MAX = 254  # characters: the most an _assert_async message may have on a GPU
 
 
 def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
@@ -113,9 +114,8 @@ def _set_index(node: fx.Node, gather: ops.Gather, index: fx.Node) -> None:
 def _add_check(graph: fx.Graph, mode, index: fx.Node, gather: ops.Gather, like: fx.Node):
     """(ok, what): ok = all(lowest <= index < size), computed right after the index."""
     source = gather.source.name
-    what = (f"{like.name} reads rows of {source} picked by {index.name}: every value of "
-            f"{index.name} must be in [{gather.lowest}, {gather.size}), the size of {source}'s "
-            f"dim {gather.dim}")
+    what = (f"every value of {index.name} must be in [{gather.lowest}, {gather.size}) "
+            f"({like.name} reads rows of {source})")
     with graph.inserting_after(index):
         low = _add(graph, mode, aten.ge.Scalar, (index, gather.lowest), like)
     with graph.inserting_after(low):
@@ -136,7 +136,9 @@ def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
         with graph.inserting_after(other):
             ok = _add(graph, mode, aten.logical_and.default, (ok, other), other)
     with graph.inserting_after(ok):
-        message = "fusec: index out of range: " + "; or ".join(what for _, what in checks)
+        message = "fusec: index out of range: " + "; ".join(what for _, what in checks)
+        if len(message) > MESSAGE_MAX:  # (CUDA's _assert_async takes at most 254 characters)
+            message = message[:MESSAGE_MAX - 4] + " ..."
         new = graph.call_function(aten._assert_async.msg, (ok, message))
     new.meta.update({k: v for k, v in last.meta.items() if k not in ("val", "fusec")})
     new.meta["val"], new.meta["fusec"] = None, meta_of(None)

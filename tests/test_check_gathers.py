@@ -113,7 +113,7 @@ def test_an_index_out_of_range_raises(backend):
     x = torch.randn(4, 3, generator=gen(13))
     cf = fusec.compile(lambda x, i: x[i] * 2, backend=backend)
     assert torch.equal(cf(x, torch.tensor([-4, 3])), x[torch.tensor([-4, 3])] * 2)
-    with pytest.raises(RuntimeError, match=r"must be in \[-4, 4\)"):
+    with pytest.raises(RuntimeError, match=r"every value of i must be in \[-4, 4\)"):
         cf(x, torch.tensor([-5, 0]))
 
 
@@ -139,6 +139,26 @@ def test_an_index_out_of_range_is_a_device_side_assert_on_a_gpu(tmp_path):
     assert "good index ok" in run.stdout and "bad index passed" not in run.stdout, run.stderr
     assert run.returncode != 0 and ("fusec: index out of range" in run.stderr
                                     or "device-side assert" in run.stderr), run.stderr[-2000:]
+
+
+def test_one_assert_for_all_checks_with_a_message_cuda_takes():
+    """Several index tensors: one _assert_async of all their checks, its message cut to the 254
+    characters CUDA's _assert_async accepts (it raises on a longer one)."""
+    tables = [torch.randn(40 + i, 4, generator=gen(20 + i)) for i in range(6)]
+
+    def f(a_rather_long_index_name_0, a_rather_long_index_name_1, a_rather_long_index_name_2,
+          a_rather_long_index_name_3, a_rather_long_index_name_4, a_rather_long_index_name_5,
+          *tables):
+        ids = (a_rather_long_index_name_0, a_rather_long_index_name_1, a_rather_long_index_name_2,
+               a_rather_long_index_name_3, a_rather_long_index_name_4, a_rather_long_index_name_5)
+        return sum(F.embedding(i, t) for i, t in zip(ids, tables))
+
+    ids = [torch.randint(0, 40, (3,), generator=gen(30 + i)) for i in range(6)]
+    cf = assert_matches(f, *ids, *tables, backend="cpp")
+    (check,) = [n for n in cf.last.gm.graph.nodes if n.target is torch.ops.aten._assert_async.msg]
+    assert len(check.args[1]) <= 254 and check.args[1].endswith(" ...")
+    with pytest.raises(RuntimeError, match="fusec: index out of range"):
+        cf(*ids[:5], torch.tensor([0, 45, 1]), *tables)
 
 
 def test_explain_shows_the_check_and_the_fused_read():
