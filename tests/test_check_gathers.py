@@ -223,6 +223,8 @@ def test_act_order_gptq_gathers_its_scales_inside_the_gemv(target, m):
     cf = assert_matches(layer, x, backend=backend, kernels=3)
     (gemv,) = [k for k in cf.kernels if "gemv" in k.name]
     assert "qweight" in gemv.source and sum(o == "aten.index.Tensor" for o in gemv.ops) == 2
+    if backend in ("cpp", "llvm") and m > 1:  # the rows unrolled: each weight element read once
+        assert f"_m{m - 1}" in gemv.source
     text = str(fusec.explain(layer, x, backend=backend))
     assert "aten.index" not in text.split("extern (eager ATen) calls:")[1].splitlines()[0]
 
@@ -240,3 +242,22 @@ def test_a_gathered_gemv_split_in_two_reductions(target, monkeypatch):
     cf = assert_matches(layer, x, backend=backend)
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
     assert any(d.taken for d in record_of(last.gm).split_reductions)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_gathered_activations_of_a_gemv(target, m):
+    """The GEMV's activation rows are gathered (an embedding, then an int8 linear). The GEMV
+    views its activations as (M, 1, K), a view that ends the embedding's kernel: the M rows are
+    stored (M x K, small), and the GEMV reads the int8 weight."""
+    backend, device = target
+    table = torch.randn(30, 64, generator=gen(40)).to(BF16)
+    w = torch.randint(-127, 128, (48, 64), generator=gen(41), dtype=torch.int8)
+    s = torch.rand(48, generator=gen(42)).to(BF16)
+    ids = torch.tensor([7, 0, 29][:m])
+
+    def f(ids, table, w, s):
+        return (F.embedding(ids, table) @ w.to(table.dtype).t()) * s
+
+    cf = assert_matches(f, *(t.to(device) for t in (ids, table, w, s)), backend=backend)
+    names = [k.name for k in cf.kernels]
+    assert "fused_embedding_1" in names and any("gemv" in n for n in names), names
