@@ -57,6 +57,10 @@ def _cats(x, y):
     return torch.cat([x, y[:, :3]], dim=1) * 2, torch.cat([y, x, y], dim=0).neg()
 
 
+def _gathers(table, ids, ids32):
+    return torch.nn.functional.embedding(ids.abs(), table) * 2 + table[ids32].sin()
+
+
 def programs():
     """(label, fn, inputs) for every program whose kernels the targets compile. Values do not
     matter (nothing runs); shapes and dtypes decide the code."""
@@ -95,6 +99,14 @@ def programs():
     for m in (1, 4):
         out.append((f"gptq_m{m}", gptq, (randf((m, 256), F32, "cpu").to(torch.bfloat16), qweight,
                                          qzeros, scales, SHIFTS)))
+    # gathered reads (passes/check_gathers.py): an embedding and x[idx] in a pointwise kernel, and
+    # act-order GPTQ's scales[g_idx] inside a GEMV, one and four rows (int32 and int64 indices)
+    from test_check_gathers import ActOrderQuantLinear
+    table, ids = randf((50, 16), F32, "cpu"), torch.tensor([[3, -1, 49], [0, 7, 7]])
+    out.append(("gathers", _gathers, (table, ids, ids.int())))
+    layer = ActOrderQuantLinear(256, 32, 64, dtype=torch.bfloat16)
+    for m in (1, 4):
+        out.append((f"act_order_gptq_m{m}", layer, (randf((m, 256), F32, "cpu").to(torch.bfloat16),)))
     for src in ALL:
         out += [(f"casts_from_{src}", _casts, (_source_values(src, "cpu"),)),
                 (f"fills_{src}", _fills, (randf(SHAPE, F32, "cpu").to(src),))]
@@ -142,6 +154,8 @@ def test_the_special_gemv_kernels_are_among_those_compiled(by_program):
     assert all("cpp_gemv_int4.cpp.j2" in s for s in sources["int4_linear_g32_m1"])
     assert all("codegen/unroll_rows.py" in s for s in sources["int8_linear_m4"])
     assert any("gemv" in ir.name for ir in by_program["gptq_m1"])
+    for label in ("act_order_gptq_m1", "act_order_gptq_m4", "gathers"):
+        assert any(ld.gather for ir in by_program[label] for ld in ir.loads), label
 
 
 # the type names, outside comments (a value may be called %half.x)
