@@ -62,9 +62,8 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
         return None  # pieces of a cat: their validity is a loop dim, not kept apart here
     m = kernel.row_shape[0]
     by_m = {l.var.name for l in kernel.loads if l.index.strides[0] != 0}  # depends on m
-    for load in kernel.loads:  # (a gathered read whose row depends on m: it does too)
-        if load.gather is not None and load.gather[0] in by_m:
-            by_m.add(load.var.name)
+    if any(load.gather is not None and load.gather[0] in by_m for load in kernel.loads):
+        return None  # a gathered read whose row depends on m: each row would need its own
     for item in kernel.body:
         operands = (item.operand,) if isinstance(item, Reduce) else item.operands
         if any(isinstance(o, Var) and o.name in by_m for o in operands):
@@ -82,10 +81,7 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     loads, body, stores = [], [], []
     for load in kernel.loads:
         copies = range(m) if load.var.name in by_m else (0,)
-        loads += [replace(load, var=var(load.var, i), index=at(load.index, i),
-                          gather=load.gather and (var(Var(load.gather[0], load.var.dtype), i).name,
-                                                  *load.gather[1:]))
-                  for i in copies]
+        loads += [replace(load, var=var(load.var, i), index=at(load.index, i)) for i in copies]
     for item in kernel.body:
         copies = range(m) if item.var.name in by_m else (None,)
         for i in copies:
