@@ -92,8 +92,8 @@ def _uncast(index: fx.Node) -> fx.Node:
 
 
 def _constant(index: fx.Node):
-    """The value of an index filled with one number (`torch.zeros_like(input_ids)`: BERT's
-    token types), else None."""
+    """The value of an index filled with one number (`torch.zeros(shape, dtype=torch.long)`:
+    the token types a model makes when none are given), else None."""
     if index.op == "call_function" and index.target is aten.full.default \
             and isinstance(index.args[1], int) and not isinstance(index.args[1], bool):
         return index.args[1]
