@@ -35,7 +35,8 @@ from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
 from .cpp_reduction import render_reduction
-from .cpp_text import CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, prelude
+from .cpp_text import (CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, gather_offset,
+                       prelude)
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, summary
 from .render import no_indexed_writes, render_template
 
@@ -185,9 +186,7 @@ def render(kernel) -> str:
         at = index(load.index, load.var.name)
         ptr = f"{load.param}_ptr[{at}]"
         if load.gather is not None:  # a gathered read: the row its index value names
-            row, line = gather_row(load)
-            body.append(line)
-            ptr = f"{load.param}_ptr[{at} + {row}]"
+            ptr = f"{load.param}_ptr[{at} + {gather_offset(load)}]"
         elif row_tile > 1 and load.param in strided:
             # gcc will not vectorize a loop with a load this strided: copy the tile's part of
             # the row into a small contiguous array first, then the main loop reads that
@@ -218,16 +217,6 @@ def render(kernel) -> str:
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params, row_setup=row_setup, gathers=gathers, body=body)
-
-
-def gather_row(load) -> tuple[str, str]:
-    """(the offset of a gathered read's row, the line computing the row): the index value,
-    counted from the end where negative and kept inside the source (fusec_row, cpp_prelude.h;
-    passes/check_gathers.py reports a value out of range), times the row's stride."""
-    pos, stride, size = load.gather
-    row = f"{load.var.name}_row"
-    line = f"const int64_t {row} = fusec_row({pos}, {size});  // the row of {load.param} {pos} names"
-    return (row if stride == 1 else f"{row} * {stride}"), line
 
 
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:

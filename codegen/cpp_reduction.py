@@ -17,7 +17,7 @@ from fusec import ops
 from fusec.ir import Index, Reduce
 
 from . import cpp_int4
-from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, literal
+from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, gather_offset, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
 from .render import render_template
 from .unroll_rows import unrolled_or_same
@@ -77,9 +77,7 @@ def render_reduction(kernel) -> str:
         at = index(l.index, l.var.name)
         ptr = f"{l.param}_ptr[{at}]"
         if l.gather is not None:  # a gathered read: the row its index value names
-            pos, stride, size = l.gather
-            row = f"fusec_row({pos}, {size})" + ("" if stride == 1 else f" * {stride}")
-            ptr = f"{l.param}_ptr[{at} + {row}]"
+            ptr = f"{l.param}_ptr[{at} + {gather_offset(l)}]"
         elif strided_k(l.index):
             tile = f"{l.var.name}_tile"
             row_lines.append(f"{CTYPE[l.dtype]} {tile}[K];  // {l.param}'s row, gathered")

@@ -26,6 +26,14 @@ CTYPE = {
 
 # ---- rendering ---------------------------------------------------------------------------------
 
+def gather_offset(load) -> str:
+    """The offset of a gathered read's row (fusec.ir.Load's `gather`): the index value, counted
+    from the end where negative and kept inside the source (fusec_row, cpp_prelude.h;
+    passes/check_gathers.py reports a value out of range), times the row's stride."""
+    pos, stride, size = load.gather
+    return f"fusec_row({pos}, {size})" + ("" if stride == 1 else f" * {stride}")
+
+
 def literal(value, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "true" if value else "false"

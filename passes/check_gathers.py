@@ -131,7 +131,7 @@ def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
     fewer per checked index: a decoding step checks its token and its position)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     checks = sorted(checks, key=lambda c: order[c[0]])
-    ok, last = checks[0][0], checks[0][0]
+    ok = checks[0][0]
     for other, _ in checks[1:]:
         with graph.inserting_after(other):
             ok = _add(graph, mode, aten.logical_and.default, (ok, other), other)
@@ -140,7 +140,7 @@ def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
         if len(message) > MESSAGE_MAX:  # (CUDA's _assert_async takes at most 254 characters)
             message = message[:MESSAGE_MAX - 4] + " ..."
         new = graph.call_function(aten._assert_async.msg, (ok, message))
-    new.meta.update({k: v for k, v in last.meta.items() if k not in ("val", "fusec")})
+    new.meta.update({k: v for k, v in ok.meta.items() if k not in ("val", "fusec")})
     new.meta["val"], new.meta["fusec"] = None, meta_of(None)
 
 
