@@ -73,6 +73,9 @@ def match_int4_words(kernel, max_m: int = INT4_WORDS_MAX_M) -> tuple[Int4Words |
     kernel takes up to 16, codegen/triton_gemv_int4_mma.py)."""
     if not words_enabled():
         return None, "FUSEC_INT4_WORDS=0: the word path is switched off"
+    if kernel.split_columns:
+        return None, ("the output columns are computed in parts (a weight packed along N): "
+                      "the word kernels pack along K")
     m = kernel.row_shape[0] if len(kernel.row_shape) == 2 else 1
     if m > max_m:
         return None, (f"M = {m} rows > {max_m}: the rows are multiplied by "

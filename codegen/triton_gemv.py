@@ -42,10 +42,14 @@ def gemv_fits(kernel) -> bool:
     """A GEMV-shaped reduction: one sum over K, rows (M, N) or (N,) with M small, no element
     values stored (those need the generic walk)."""
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
-    return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum"
-            and 1 <= len(kernel.row_shape) <= 2 and kernel.k > 0 and kernel.rows > 0
-            and (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)
-            and not kernel.plan.element_stores)
+    # rows (N,) or (M, N); or the output columns in several dims (kernel.gemv_rows: a weight
+    # packed along N), each column's coordinates then computed from its position n
+    rows_fit = (1 <= len(kernel.row_shape) <= 2 and
+                (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)) or \
+        (kernel.split_columns and kernel.gemv_rows[0] <= GEMV_MAX_M
+         and not any(l.other is not None for l in kernel.loads))
+    return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum" and rows_fit
+            and kernel.k > 0 and kernel.rows > 0 and not kernel.plan.element_stores)
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: the grid should cover each at least twice
@@ -81,10 +85,11 @@ def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int
     return block_m, block_n, block_k, num_warps
 
 
-def n_contiguous(idx: Index, n_rows: int) -> bool:
+def n_contiguous(idx: Index, n_rows: int, n_dims: int = 1) -> bool:
     """Whether a weight load's neighbouring columns (n) lie closer in memory than its neighbouring
-    K elements: x @ W with W stored (K, N), or GPTQ's qweight (K/8, N) (passes/refine_views.py)."""
-    st_n = abs(idx.strides[n_rows - 1])
+    K elements: x @ W with W stored (K, N), or GPTQ's qweight (K/8, N) (passes/refine_views.py).
+    With the columns in several dims (AWQ's words, (N/8, 8)), the closest of them counts."""
+    st_n = min([abs(s) for s in idx.strides[n_rows - n_dims:n_rows] if s], default=0)
     st_k = [abs(s) for s in idx.strides[n_rows:] if s]
     return bool(st_n) and bool(st_k) and st_n < min(st_k)
 
@@ -95,7 +100,7 @@ N_MAJOR_LINE = 64
 N_MAJOR_TILE_BYTES = 8192
 
 
-def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int, int, int]:
+def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: float = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a weight stored with N contiguous. The tile is
     turned round: many columns per program, N_MAJOR_LINE bytes of each K row (16 columns of int32
     words, 64 of int8), at most N / SMS of them so that the grid still covers the GPU, and
@@ -115,8 +120,8 @@ def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[
     block_m = 1 << max(m - 1, 0).bit_length()
     spread = 1 << max(n // SMS, 1).bit_length() - 1
     line = N_MAJOR_LINE * (2 if block_m > 1 else 1)  # M > 1: each tile serves M rows, take more columns
-    block_n = max(2, min(max(1, line // weight_bytes), spread, 1 << max(n - 1, 0).bit_length()))
-    block_k = min(max(16, N_MAJOR_TILE_BYTES // (weight_bytes * block_n)),
+    block_n = max(2, min(max(1, int(line // weight_bytes)), spread, 1 << max(n - 1, 0).bit_length()))
+    block_k = min(max(16, int(N_MAJOR_TILE_BYTES // (weight_bytes * block_n))),
                   max(16, GEMV_TILE // (block_m * block_n)), max(16, 1 << max(k - 1, 0).bit_length()))
     return block_m, block_n, block_k, 4
 
@@ -165,12 +170,14 @@ def paired_loads(loads, n_rows: int) -> dict[str, str]:
     return pairs
 
 
-def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[str, str]] | None:
+def dot_terms(kernel, operand: str, producers: dict, axes_of_rows: str) -> list[tuple[str, str]] | None:
     """The reduction's operand as a sum of products x * w, with x varying along (m, k) only and
     w along (n, k) only, both exactly bf16 numbers: then a tensor-core dot of bf16 tiles with a
     float32 accumulator computes exactly the products the lanes version adds (bf16 x bf16 fits
-    a float32 mantissa), in another order. None when the operand has another form."""
+    a float32 mantissa), in another order. None when the operand has another form.
+    `axes_of_rows`: the axis of each row dim, "mn", or "mnn" for columns in two dims."""
     axes_of: dict[str, frozenset] = {}
+    n_rows = len(axes_of_rows)
 
     def axes(name: str) -> frozenset:
         if name not in axes_of:
@@ -180,7 +187,7 @@ def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[
                                           if not isinstance(o, Const)])
             else:
                 st = item.index.strides
-                out = frozenset(ax for ax, s in zip("mn"[2 - n_rows:], st[:n_rows]) if s)
+                out = frozenset(ax for ax, s in zip(axes_of_rows, st[:n_rows]) if s)
                 out |= {"k"} if any(st[n_rows:]) else frozenset()
                 out |= axes(item.gather[0]) if item.gather else frozenset()
             axes_of[name] = out
@@ -205,7 +212,7 @@ def dot_terms(kernel, operand: str, producers: dict, n_rows: int) -> list[tuple[
         if item.op != "mul":
             return None
         a, b = (o.name for o in item.operands)
-        x_axes = frozenset("mk") if n_rows == 2 else frozenset("k")
+        x_axes = frozenset("mk") if "m" in axes_of_rows else frozenset("k")
         if axes(b) <= x_axes and "n" in axes(a):
             a, b = b, a
         if not (axes(a) <= x_axes and axes(b) <= frozenset("nk") and exact(a) and exact(b)):
@@ -226,23 +233,68 @@ def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
     return [f"k{d}" if st == 1 else f"k{d} * {st}" for d, st in enumerate(strides) if st]
 
 
+def big_addresses(kernel) -> bool:
+    """Whether some address of the kernel needs 64 bits."""
+    return max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+
+
+def column_coords(cols: tuple, block_n: int, words: bool, big: bool) -> list[str]:
+    """The lines that give each of a program's output columns its coordinates, when the columns
+    are several dims (a weight packed along N, `ReductionKernel.gemv_rows`): n0, n1, ...
+
+    AWQ's columns are (N/8, 8): the 8 columns of an int32 word share it. Loaded per column, every
+    word would be loaded 8 times (8 load instructions where one would do, and the GEMV was bound
+    by them: 0.40 TB/s at K = N = 8192 on an H200). With `words`, the program's BLOCK_N / 8 words
+    get coordinates of their own, `nw`: each is loaded once and repeated over its 8 columns in
+    registers (the `is_word` loads of render_gemv)."""
+    lines = [f"# the output columns as ({', '.join(map(str, cols))}): each column's coordinates"]
+    for d in range(len(cols)):
+        below = math.prod(cols[d + 1:])
+        lines.append(f"n{d} = " + (f"(n // {below})" if below > 1 else "n")
+                     + (f" % {cols[d]}" if d else ""))
+    if words:
+        pid = "pid.to(tl.int64)" if big else "pid"
+        lines += [f"# the words: each holds {cols[-1]} neighbouring columns, loaded once",
+                  f"nw = {pid} * (BLOCK_N // {cols[-1]}) + tl.arange(0, BLOCK_N // {cols[-1]})"
+                  "[None, :, None]", f"nw_mask = nw < {cols[0]}"]
+    return lines
+
+
 def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str:  # (why not words)
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
-    two = len(kernel.row_shape) == 2
-    m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
+    if kernel.split_columns:  # the output columns in several dims (a weight packed along N)
+        m, cols = kernel.gemv_rows
+        two, n = len(kernel.row_shape) > len(cols), math.prod(cols)
+    else:
+        two = len(kernel.row_shape) == 2
+        m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
+        cols = (n,)
     producers = {l.var.name: l for l in kernel.loads}
     producers.update((item.var.name, item) for item in kernel.body)
     n_rows = len(kernel.row_shape)
+    # the axis of each row dim: m, n, or the parts of n (n0 = n // 8, n1 = n % 8 for (N/8, 8))
+    n_axes = ["n"] if len(cols) == 1 else [f"n{d}" for d in range(len(cols))]
+    row_axes = (["m"] if two else []) + n_axes
+
+    def along_n(idx: Index) -> bool:
+        return any(idx.strides[n_rows - len(cols):n_rows])
 
     def is_weight(l) -> bool:
         """The streamed operand: it varies along n (and k) but not along m."""
-        return (l.var.name in kernel.varying and bool(l.index.strides[n_rows - 1])
+        return (l.var.name in kernel.varying and along_n(l.index)
                 and not (two and l.index.strides[0]))
-    weight_bytes = {l.dtype.itemsize for l in kernel.loads if is_weight(l)}
-    n_major = any(is_weight(l) and n_contiguous(l.index, n_rows) for l in kernel.loads)
+
+    def column_bytes(l) -> float:
+        """Bytes of the weight per output column: an int32 word holding eight columns' nibbles
+        is half a byte per column."""
+        st = l.index.strides[n_rows - len(cols):n_rows]
+        return l.dtype.itemsize * math.prod(c for c, s in zip(cols, st) if s) / n
+    weight_bytes = {column_bytes(l) for l in kernel.loads if is_weight(l)}
+    n_major = any(is_weight(l) and n_contiguous(l.index, n_rows, len(cols)) for l in kernel.loads)
     # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
     # (not for a weight stored N-contiguous with K cut in several dims: see gemv_blocks_n_major)
-    dot = dot_terms(kernel, r.operand.name, producers, 2) \
+    dot = dot_terms(kernel, r.operand.name, producers, "".join(a[0] for a in row_axes)) \
         if two and m >= GEMV_DOT_MIN_M and not (n_major and len(kernel.k_shape) > 1) else None
     if dot:
         block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
@@ -252,7 +304,6 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
     else:
         (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
             m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
-    row_axes = ["m", "n"] if two else ["n"]
     # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
     even_k = kernel.k % block_k == 0
 
@@ -264,14 +315,16 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
             out.append(f"k{d}{sfx} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
         return out
 
-    def index(idx: Index, sfx: str = "") -> tuple[str, list[str]]:
+    def index(idx: Index, sfx: str = "", axes=None) -> tuple[str, list[str]]:
         """The address and masks of a load or store; sfx "_next": the next chunk's (prefetch),
-        whose last mask is the scalar `has_next`."""
+        whose last mask is the scalar `has_next`. `axes`: other names for the row axes (a
+        word load's `nw`)."""
         terms, masks = [], []
-        for axis, st in zip(row_axes, idx.strides[:n_rows]):
+        for axis, st in zip(axes or row_axes, idx.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
-                masks.append(f"{axis}_mask")
+                mask = "nw_mask" if axis == "nw" else f"{axis[0]}_mask"
+                masks += [] if mask in masks else [mask]
         kterms = [re.sub(r"\b(ks|k\d+)\b", rf"\g<1>{sfx}", t)
                   for t in k_terms(idx.strides[n_rows:], kernel.k_shape)]
         if kterms and not even_k:
@@ -293,6 +346,12 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         return bool(group > 1 and len(ks_) == 2 and ks_[0] and not ks_[1]
                     and block_k % group == 0)
 
+    def is_word(l) -> bool:
+        """A load of words that each hold several neighbouring columns (AWQ's int32 of eight
+        nibbles): it varies along the outer column dim, not the inner one."""
+        return (len(cols) == 2 and block_n % cols[-1] == 0 and l.gather is None and l.other is None
+                and not l.index.strides[n_rows - 1] and bool(l.index.strides[n_rows - 2]))
+
     pairs = paired_loads(kernel.loads, n_rows)
     # Sibling weights (passes/sibling_gemvs.py) are pieces of a cat along n. The first piece's
     # load reads them all: each column's address is picked from the piece that holds it, so the
@@ -311,12 +370,23 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         if l.var.name in kernel.varying and per_group(l.index):
             addr, mask = group_address(l, sfx)
             lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
-                    "BLOCK_N" if l.index.strides[n_rows - 1] else "1"]
+                    "BLOCK_N" if along_n(l.index) else "1"]
             return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
                 f", mask={' & '.join(mask)})" if mask else ")"), lambda e: [
                 f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, :, None], "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
                 f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
+        if is_word(l):
+            # one load per word, repeated over the columns it holds in registers
+            addr, mask = index(l.index, sfx, axes=row_axes[:-2] + ["nw", "n1"])
+            lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
+                    "BLOCK_K" if any(l.index.strides[n_rows:]) else "1"]
+            hint = ', eviction_policy="evict_first"' if not dot and any(l.index.strides[n_rows:]) else ""
+            return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+                f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
+                f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, None, :], "
+                f"[{lead[0]}, BLOCK_N // {cols[-1]}, {cols[-1]}, {lead[1]}]), "
+                f"[{lead[0]}, BLOCK_N, {lead[1]}])"]
         addr, mask = index(l.index, sfx)
         if l.gather is not None:  # a gathered read: the row its index value names
             addr = f"{addr} + {gather_offset(l)}"
@@ -352,7 +422,7 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         for axis, st in zip(row_axes, l.index.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
-                masks.append(f"{axis}_mask")
+                masks += [] if f"{axis[0]}_mask" in masks else [f"{axis[0]}_mask"]
         if sfx:
             masks.append("has_next")
         st = l.index.strides[n_rows]
@@ -373,6 +443,9 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         return load_lines(item)
 
     phase, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
+    if len(cols) > 1:
+        row_lines = column_coords(cols, block_n, any(is_word(l) for l in kernel.loads),
+                                  big_addresses(kernel)) + row_lines
 
     # the tensor-core form multiplies the activation and the weight tiles itself: what they need
     needed = kernel.values_needed({name for pair in dot for name in pair}) if dot else phase.loop
@@ -438,8 +511,7 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
                       + (f", mask={' & '.join(mask)})" if mask else ")"))
     # the weight: what varies along n and k but not m
     weights = sorted({short(l.dtype) for l in kernel.loads if is_weight(l)})
-    big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
-                                for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    big = big_addresses(kernel)
     programs = -(-n // block_n)
     helpers |= _helpers_in(row_lines + first + loop_lines + epilogue + stores)
     return render_template(

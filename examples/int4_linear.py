@@ -15,7 +15,7 @@ bytes of a bf16 weight. `python examples/int4_linear.py` prints the bytes moved 
 import torch
 import torch.nn.functional as F
 
-from fusec.demo import Example, run_example
+from fusec.demo import Example
 
 
 def pack_uint4(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,13 +81,5 @@ SMALL = dict(k=256, n=192, group=32)
 
 
 if __name__ == "__main__":
-    from fusec.examples.int8_linear import bandwidth_table
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    size = 8192 if device == "cuda" else 2048
-    ex = example(k=size, n=size, device=device)
-    with torch.no_grad():
-        run_example(ex, show_source=False)
-        layer = ex.fn
-        nbytes = layer.packed.numel() + 2 * (layer.scale.numel() + layer.zero.numel())
-        bandwidth_table(ex, torch.randn(layer.n, layer.k, dtype=torch.bfloat16, device=device),
-                        nbytes)
+    from fusec.examples.int8_linear import main
+    main(example, lambda layer: layer.packed.numel() + 2 * (layer.scale.numel() + layer.zero.numel()))

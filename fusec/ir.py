@@ -293,6 +293,27 @@ class ReductionKernel:
         return prod(self.k_shape)
 
     @property
+    def gemv_rows(self) -> tuple[int, tuple[int, ...]] | None:
+        """A GEMV's rows as (M, the dims of N): rows (N,) are (1, (N,)), rows (M, N) are
+        (M, (N,)). A weight packed along N (AWQ's eight nibbles per int32 along N) is computed
+        with N cut in parts (passes/refine_views.py), and rows (N/8, 8) are (1, (N/8, 8)).
+        None when this is no GEMV, or its rows are something else."""
+        if self.gemv is None or not self.row_shape:
+            return None
+        n = self.gemv["n"]
+        for lead in (0, 1):
+            cols = self.row_shape[lead:]
+            if cols and prod(cols) == n and prod(self.row_shape[:lead]) == self.gemv["m"]:
+                return (self.row_shape[0] if lead else 1), tuple(cols)
+        return None
+
+    @property
+    def split_columns(self) -> bool:
+        """Whether a GEMV's output columns are computed in several dims (see gemv_rows)."""
+        rows = self.gemv_rows
+        return rows is not None and len(rows[1]) > 1
+
+    @property
     def numel(self) -> int:
         return self.rows * self.k
 

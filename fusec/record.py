@@ -164,6 +164,7 @@ class PassRecord:
     fold_constants: list[Folded] = field(default_factory=list)
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)
+    constant_gathers: list[Decision] = field(default_factory=list)  # gathers moved onto constants
     check_gathers: list[Decision] = field(default_factory=list)  # index checks, casts dropped
     simplify: list[Decision] = field(default_factory=list)
     computed_pieces: list[Decision] = field(default_factory=list)

@@ -59,11 +59,12 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         key = (index, gather.lowest, gather.size)
         if key in checked:
             continue
-        known = _constant(index)
-        if known is not None and gather.lowest <= known < gather.size:
+        known = _constant(gm, index)
+        if known is not None and gather.lowest <= known[0] and known[1] < gather.size:
             checked.add(key)
-            decisions.append(Decision(node.name, False, f"{index.name} is the constant {known}: "
-                                      f"in [{gather.lowest}, {gather.size}), nothing to check"))
+            decisions.append(Decision(node.name, False, f"{index.name} is a constant, "
+                                      f"{known[2]}: in [{gather.lowest}, {gather.size}), "
+                                      "nothing to check"))
             continue
         checked.add(key)
         checks.append(_add_check(graph, mode, index, gather, node))
@@ -91,12 +92,20 @@ def _uncast(index: fx.Node) -> fx.Node:
     return index
 
 
-def _constant(index: fx.Node):
-    """The value of an index filled with one number (`torch.zeros(shape, dtype=torch.long)`:
-    the token types a model makes when none are given), else None."""
+def _constant(gm: fx.GraphModule, index: fx.Node):
+    """(lowest, highest, what) of an index known while compiling, else None: one filled with one
+    number (`torch.zeros(shape, dtype=torch.long)`: the token types a model makes when none are
+    given), or a table folded by passes/fold_constants.py (not a tensor the caller hands in: it
+    may change between calls)."""
     if index.op == "call_function" and index.target is aten.full.default \
             and isinstance(index.args[1], int) and not isinstance(index.args[1], bool):
-        return index.args[1]
+        return index.args[1], index.args[1], f"every value {index.args[1]}"
+    folded = {f.attr for f in record_of(gm).fold_constants}
+    if index.op == "get_attr" and index.target in folded:
+        value = getattr(gm, index.target)
+        if value.numel():
+            lo, hi = int(value.min()), int(value.max())
+            return lo, hi, f"values {lo} to {hi}"
     return None
 
 

@@ -29,6 +29,8 @@ The nodes that computed it are left to `dce`.
 
 Only constants that cost an eager ATen call are folded. `full(...) > 0` inside a fused kernel is
 computed from each element's index for free, while a folded tensor would be read from memory.
+A literal is folded too: its copy would be a kernel of its own per call, and the folded value is
+read just as the literal would be.
 
 Parameters and buffers are *not* constants: they are the program's inputs (lifted by capture),
 and an optimizer or the user may change them between calls. A value that is a program output is
@@ -134,6 +136,8 @@ def _removes_an_extern(node: fx.Node, values: dict) -> bool:
         seen.add(n)
         if n.target is not operator.getitem and ops.classify(n.target) == ops.EXTERN:
             return True
+        if n.target is torch.ops.aten.lift_fresh_copy.default:
+            return True  # a literal's copy: folded, a kernel reads the literal's values as they are
         todo += [a for a in n.all_input_nodes if a in values]
     return False
 

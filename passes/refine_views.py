@@ -29,13 +29,18 @@ inputs *viewed* in it (splitting a dim is always a view, whatever the strides):
 and nothing is stored: the GEMV computes each weight in registers from the packed words.
 
 For the weight of a small-M matmul (passes/small_matmul.py asks), `refined_dims` walks the chain
-from the weight through element-wise ops and reshapes, collects the cuts and says how K is
-split; `refine_weight` then cuts the weight's K dim that way, and passes/unflatten.py moves the
-cut up through the ops (and through each reshape of an element-wise value, `regroups`) to the
-inputs. An operand that broadcasts (fewer elements, as scales and zero points) is viewed in the
-fine shape as it is, computed or not; a full-size tensor made by anything else (a `cat`, a
-gather) is computed as before and viewed. The N dim must stay whole (the GEMV's output
-columns), else nothing changes.
+from the weight through element-wise ops and reshapes, collects the cuts and says how K and N are
+split; `refine_weight` then cuts the weight's dims that way, all at once, and passes/unflatten.py
+(`Unflattener.refine`) moves the cuts up through the ops and through each reshape of an
+element-wise value to the inputs. An operand that broadcasts (fewer elements, as scales and zero
+points) is viewed in the fine shape as it is, computed or not; a full-size tensor made by
+anything else (a `cat`, a gather) is computed as before and viewed.
+
+N may be cut too. AWQ packs eight 4-bit weights along N in each int32, so its unpacking reshapes
+(K, N/8, 8) to (K, N), and with per-group scales the fine shape is (K/G, G, N/8, 8): the GEMV's
+output columns are then two dims, (N/8, 8), and each column's word and shift are addressed by
+its coordinates (codegen/triton_gemv.py; `ReductionKernel.gemv_rows`). With the weight stored
+(N, K) (an `F.linear`), N stays whole.
 """
 from __future__ import annotations
 
@@ -56,28 +61,33 @@ def needs_refining(top: fx.Node) -> bool:
 
 
 def refined_dims(top: fx.Node, n_first: bool):
-    """The dims K is split into when the weight `top`, (N, K) if n_first else (K, N), is
-    computed in the shape that refines every shape of its chain; None if the shapes do not nest
-    or would split N (the GEMV's output columns stay one dim)."""
+    """(K's dims, N's dims) when the weight `top`, (N, K) if n_first else (K, N), is computed
+    in the shape that refines every shape of its chain; None if the shapes do not nest, if no
+    cut falls between K and N, or if an (N, K) weight would split N."""
     fine = _fine_shape(_chain(top, val(top).numel())[0])
     if fine is None:
         return None
     n, k = val(top).shape if n_first else val(top).shape[::-1]
-    n_dim, k_dims = (fine[0], fine[1:]) if n_first else (fine[-1], fine[:-1])
-    if n_dim != n or math.prod(k_dims) != k:
+    cut = next((i for i in range(len(fine) + 1) if math.prod(fine[:i]) == (n if n_first else k)), None)
+    if cut is None:
         return None
-    return k_dims
+    head, tail = tuple(fine[:cut]), tuple(fine[cut:])
+    n_dims, k_dims = (head, tail) if n_first else (tail, head)
+    if len(n_dims) != 1 and n_first:
+        return None
+    return k_dims, n_dims
 
 
 def refine_weight(graph: fx.Graph, top: fx.Node, n_first: bool) -> fx.Node:
-    """The weight `top` computed in the fine shape, (N, *k_dims) or (*k_dims, N) (refined_dims
-    must have said yes): its K dim cut in k_dims, the cut moved up through the element-wise ops
-    and reshapes to the inputs (passes/unflatten.py), so that no reshape of a computed tensor is
-    left. The old chain is left to dead-code elimination."""
-    k_dims = refined_dims(top, n_first)
+    """The weight `top` computed in the fine shape, (N, *k_dims) or (*k_dims, *n_dims)
+    (refined_dims must have said yes): its dims cut, the cuts moved up through the element-wise
+    ops and reshapes to the inputs (passes/unflatten.py), so that no reshape of a computed tensor
+    is left. The old chain is left to dead-code elimination."""
+    k_dims, n_dims = refined_dims(top, n_first)
     # the new nodes go right after `top`: what they read comes before it, what reads it after
     cut = Unflattener(graph, top.next, _fake_mode(graph.owning_module))
-    return cut(top, 1 if n_first else 0, tuple(k_dims))
+    runs = [n_dims, k_dims] if n_first else [k_dims, n_dims]
+    return cut.refine(top, runs)
 
 
 def _reshape_of_computed(a: fx.Node) -> bool:

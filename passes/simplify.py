@@ -19,7 +19,24 @@ Above 20 both sides give 1.0 in float32 (and the clamp keeps n(n + 2) finite); N
 simplify.md has the measurement). Only float32 and float64: in half precision eager rounds
 after every op of the spelled-out form, and this pass would not. `F.mish` itself is decomposed
 the same way at capture (capture/decompositions.py, `mish`), for every float dtype, since eager's
-mish kernel rounds once. Each rewrite is a `Decision` in `record_of(gm).simplify`.
+mish kernel rounds once.
+
+The second rule narrows a shift. Unpacking 4-bit weights shifts int32 words by amounts that are
+int64 tensors (`qweight[:, :, None] >> torch.arange(0, 32, 4)`), so type promotion makes every
+shift a 64-bit one, and then the result is cast straight back to int8. A GPU does 64-bit integer
+math in several 32-bit instructions, once per weight in a GEMV's prologue. When every user of
+the shift keeps at most 32 bits of it, the same bits come from a 32-bit shift:
+
+    before                                          after
+    r = bitwise_right_shift(w_i32, s_i64)           s32 = _to_copy(clamp(s_i64, -1, 32), int32)
+    q = _to_copy(r, dtype=int8)                     r = bitwise_right_shift(w_i32, s32)
+                                                    q = _to_copy(r, dtype=int8)
+
+For an amount in [0, 32) the int64 result is the int32 one sign-extended; for any other amount
+both are the sign bits of w (an amount past the width, or negative, shifts a signed value to
+its sign; the clamp keeps a huge int64 amount from wrapping into range when narrowed). The
+amounts are usually a row value of the kernel (one per column), so the clamp costs nothing per
+weight. Each rewrite is a `Decision` in `record_of(gm).simplify`.
 """
 from __future__ import annotations
 
@@ -29,13 +46,16 @@ import torch.fx as fx
 from fusec.record import Decision, record_of
 
 from .grouping import meta
+from .layout import _run_fake, _set_meta
+from .schedule import _fake_mode
 from .unflatten import erase_dead
 
 aten = torch.ops.aten
 
 
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite tanh(softplus(x)) as one exp and a division (see the module docstring)."""
+    """Rewrite tanh(softplus(x)) as one exp and a division, and narrow 64-bit shifts whose
+    users keep 32 bits (see the module docstring)."""
     decisions = []
     graph = gm.graph
     for node in list(graph.nodes):
@@ -63,11 +83,46 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
         decisions.append(Decision(ratio.name, True, f"tanh(softplus({x.name})) as "
                                   "n(n + 2) / (n(n + 2) + 2), n = exp(x): one exp instead of "
                                   "exp, log1p and tanh"))
+    for node in list(graph.nodes):
+        if _narrowable_shift(node):
+            word, amount = node.args
+            with graph.inserting_before(node):
+                clamped = graph.call_function(aten.clamp.default, (amount, -1, 32))
+                narrow = graph.call_function(aten._to_copy.default, (clamped,),
+                                             {"dtype": torch.int32})
+                shift = graph.call_function(aten.bitwise_right_shift.Tensor, (word, narrow))
+            mode = _fake_mode(gm)
+            for new in (clamped, narrow, shift):
+                _set_meta(new, _run_fake(mode, new), node)
+            shift._rename(f"{node.name}_32")
+            node.replace_all_uses_with(shift)
+            graph.erase_node(node)
+            decisions.append(Decision(shift.name, True, f"{word.name} >> {amount.name} in 32 "
+                                      "bits: its users keep at most 32 bits of the int64 shift"))
     record_of(gm).simplify = decisions
     if any(t for _, t, _ in decisions):
         graph.lint()
         gm.recompile()
     return gm
+
+
+NARROW = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _narrowable_shift(node: fx.Node) -> bool:
+    """An int64 right shift of an int32 value by an int64 tensor, whose users all cast it to at
+    most 32 bits."""
+    if not (_is(node, aten.bitwise_right_shift.Tensor) or _is(node, aten.__rshift__.Tensor)) \
+            or len(node.args) != 2 or node.kwargs:
+        return False
+    word, amount = node.args
+    if not (isinstance(word, fx.Node) and isinstance(amount, fx.Node)) or not node.users:
+        return False
+    if (meta(word).dtype, meta(amount).dtype, meta(node).dtype) != (torch.int32, torch.int64,
+                                                                    torch.int64):
+        return False
+    return all(_is(u, aten._to_copy.default) and len(u.args) == 1 and set(u.kwargs) == {"dtype"}
+               and u.kwargs["dtype"] in NARROW for u in node.users)
 
 
 def _tanh_of_softplus(node: fx.Node) -> fx.Node | None:

@@ -73,6 +73,14 @@ SMALL_M_GPU = 16
 # 2.99-3.04 (benchmarks/diagnostics/gemv_variants.py, docs/gpu.md). On a CPU the library wins.
 STORED_GEMV_DEVICES = ("cuda",)
 
+# A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
+# (passes/refine_views.py). That GEMV beat torch.compile's dequantize-then-library plan at M = 1
+# and 4 on an H200 (8192 x 8192, M = 1: 0.086 against 0.166 ms; M = 4: 0.132 against 0.165), was
+# even at M = 8, and slower at M = 16 (0.264 against 0.166): so up to 4 rows
+# (benchmarks/quant_linear.py's awq rows, docs/gpu.md).
+SPLIT_COLUMNS_MAX_M = 4
+SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)
+
 _MATMULS = (aten.mm.default, aten.addmm.default)
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
@@ -84,10 +92,27 @@ def small_matmul(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
         plan, reason = _plan(node)
-        decisions.append(Decision(node.name, plan is not None, reason))
         if plan is not None:
             _rewrite(gm.graph, node, plan)
+        elif reason.startswith(SPLIT_DECLINED):
+            _dequantize_in_one_kernel(node)
+        decisions.append(Decision(node.name, plan is not None, reason))
+    if any(d.why.startswith(SPLIT_DECLINED) for d in decisions):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     return record_decisions(gm, "small_matmul", decisions)
+
+
+def _dequantize_in_one_kernel(node: fx.Node) -> None:
+    """For the library matmul: the weight packed along N computed in its fine shape
+    (passes/refine_views.py), then viewed as (K, N), so that one kernel writes it (its reshapes
+    would each store a copy, and repeat_interleave's scales and zero points a full-size one)."""
+    b = node.args[-1]
+    fine = refine_views.refine_weight(node.graph, b, n_first=False)
+    with node.graph.inserting_before(node):
+        view = node.graph.call_function(aten.view.default, (fine, list(val(b).shape)))
+    view.meta.update({k: b.meta[k] for k in ("val", "fusec") if k in b.meta})
+    node.replace_input_with(b, view)
 
 
 def _plan(node: fx.Node):
@@ -123,6 +148,10 @@ def _plan(node: fx.Node):
     if not stored and ops.classify(weight.target) != ops.POINTWISE and not _stacked(weight):
         return None, (f"M = {m}, but the weight comes from {weight.target} (not a "
                       "dequantization a kernel can compute): library matmul")
+    if _split_columns(b) and m > SPLIT_COLUMNS_MAX_M:
+        return None, (f"{SPLIT_DECLINED} (its columns in parts) at M = {m} > "
+                      f"{SPLIT_COLUMNS_MAX_M}: dequantized once by one kernel, then the library "
+                      "matmul, which measured faster from M = 8 on (see SPLIT_COLUMNS_MAX_M)")
     plan = _layout_plan(x, b)
     if plan is None:
         return None, (f"M = {m}, but x {tuple(xv.shape)} cannot be viewed in the weight's "
@@ -138,8 +167,9 @@ def _plan(node: fx.Node):
                       "3.0 TB/s on an H200, K = N = 8192), and what follows becomes its epilogue")
     what = "packed nibbles unpacked, " if plan["parts"] and len(plan["parts"]) > 1 else ""
     if plan["refined"]:
-        what = (f"its reshapes undone by computing it as {tuple(plan['inner'])} x {n} "
-                "(passes/refine_views.py), ")
+        cols = plan.get("outer", (n,))
+        what = (f"its reshapes undone by computing it as {tuple(plan['inner'])} x "
+                f"{cols[0] if len(cols) == 1 else tuple(cols)} (passes/refine_views.py), ")
     return plan, (f"M = {m} <= {small} and the weight is computed ({what}dequantized from "
                   f"{_roots(weight)}): a GEMV reduction over K = {k} that reads the quantized "
                   "weight once, with the dequantization as its prologue and what follows as "
@@ -192,8 +222,9 @@ def _layout_plan(x: fx.Node, b: fx.Node):
     {"mode": "kn", "inner": dims of K, "weight": value}. "nk": b is W.t() for a weight W (N, K)
     (nn.Linear), possibly a view of W3 (N, *inner) or of a stack of parts (N, *inner[:-1]) along
     a last dim; the sum runs over the inner dims. "kn": b (K, N) itself (x @ W), or a view of
-    W3 (*inner, N). A weight whose dequantization reshapes computed tensors on the way is first
-    computed in the shape that refines all of them (passes/refine_views.py); "refined" says so."""
+    W3 (*inner, *outer), with "outer" N's dims: (N,), or (N/8, 8) for a weight packed along N. A
+    weight whose dequantization reshapes computed tensors on the way is first computed in the
+    shape that refines all of them (passes/refine_views.py); "refined" says so."""
     bv = val(b)
     k, n = bv.shape
     if b.op == "call_function" and b.target in _TRANSPOSES and _is_transpose(b):
@@ -209,6 +240,7 @@ def _layout_plan(x: fx.Node, b: fx.Node):
                 inner, parts = tuple(sv.shape[1:]), ([src] if stacked is None else stacked)
         if any(refine_views.needs_refining(p) for p in parts):
             dims = refine_views.refined_dims(w, n_first=True)
+            dims = dims and dims[0]
             if dims is not None and _views_as(x, [1, *dims]):
                 parts, inner = [refine_views.refine_weight(b.graph, w, n_first=True)], tuple(dims)
                 refined = True
@@ -217,11 +249,21 @@ def _layout_plan(x: fx.Node, b: fx.Node):
         return {"mode": "nk", "inner": inner, "parts": parts, "refined": refined}
     weight, inner = b, (k,)
     dims = refine_views.refined_dims(b, n_first=False) if refine_views.needs_refining(b) else None
-    if dims is not None and _views_as(x, [*dims, 1]):
-        weight, inner = refine_views.refine_weight(b.graph, b, n_first=False), tuple(dims)
+    outer = (n,)
+    if dims is not None and _views_as(x, [*dims[0], 1]):
+        weight, inner, outer = refine_views.refine_weight(b.graph, b, n_first=False), *dims
     if not _views_as(x, [*inner, 1]):
         return None
-    return {"mode": "kn", "weight": weight, "inner": inner, "parts": None, "refined": weight is not b}
+    return {"mode": "kn", "weight": weight, "inner": inner, "outer": outer, "parts": None,
+            "refined": weight is not b}
+
+
+def _split_columns(b: fx.Node) -> bool:
+    """Whether the weight b (K, N) would be computed with N cut in parts (refine_views)."""
+    if not refine_views.needs_refining(b):
+        return False
+    dims = refine_views.refined_dims(b, n_first=False)
+    return dims is not None and len(dims[1]) > 1
 
 
 def _views_as(x: fx.Node, dims: list[int]) -> bool:
@@ -302,19 +344,25 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
             dims = list(range(len(lead) + 1, val(total).dim()))
         else:  # (..., *inner, 1) times b (*inner, N): inner is (K,) unless refined
             inner = plan["inner"]
-            x3 = add(aten.view.default, (x, [*lead, *inner, 1]), name="x")
+            x3 = add(aten.view.default, (x, [*lead, *inner, *[1] * len(plan["outer"])]), name="x")
             total = add(aten.mul.Tensor, (cast(x3, "xf"), cast(plan["weight"], "wf")), name="prod")
             dims = list(range(len(lead), len(lead) + len(inner)))
         k = val(x).shape[1]
         n = out.shape[1]
         info = {"m": m, "n": n, "k": k, "dtype": dtype}
         result = add(aten.sum.dim_IntList, (total, dims), gemv=info, name="gemv")
+        cols = list(plan.get("outer", (n,)))  # N computed in parts (a weight packed along N)
         if plan["bias"] is not None:
             # float32 + bfloat16 promotes to float32: the bias is added before the one rounding
             # (a cast node here would be a per-element value in the kernel, not a per-row one)
-            result = add(aten.add.Tensor, (result, plan["bias"]), name="bias")
+            bias = plan["bias"]
+            if len(cols) > 1:
+                bias = add(aten.view.default, (bias, [*val(bias).shape[:-1], *cols]), name="bias_cols")
+            result = add(aten.add.Tensor, (result, bias), name="bias")
         if dtype != acc:
             result = add(aten._to_copy.default, (result,), {"dtype": dtype}, name="out")
+        if len(cols) > 1:  # the columns as one dim again: a view of the stored result
+            result = add(aten.view.default, (result, [*lead, n]), name="cols")
     if after is not None:
         after.replace_all_uses_with(result)
         graph.erase_node(after)

@@ -93,6 +93,46 @@ class Unflattener:
         self.memo[key] = new
         return new
 
+    def refine(self, value: fx.Node, runs: list[tuple]) -> fx.Node:
+        """`value` with each dim d cut in `runs[d]` at once (a run of one part leaves the dim as
+        it is). One cut at a time can get stuck halfway: AWQ's weight, a (K, N/8, 8) value
+        reshaped to (K, N), cut first along K, is (K/G, G, N), which is no cut of (K, N/8, 8),
+        so the reshape would stay. Cut in both at once, (K/G, G, N/8, 8) cuts the value behind
+        the reshape, and the reshape disappears. Pointwise ops pass the runs on to their inputs
+        (a broadcast dim gets 1s); a reshape whose input the fine shape also cuts passes them
+        on to that input; anything else takes the cuts one dim at a time (`__call__`)."""
+        runs = [tuple(r) for r in runs]
+        key = (value, "refine", tuple(runs))
+        if key in self.memo:
+            return self.memo[key]
+        fine = [p for r in runs for p in r]
+        shape = list(meta(value).shape)
+        source = _runs_for(list(meta(value.args[0]).shape), fine) \
+            if value.op == "call_function" and value.target in _RESHAPES else None
+        if all(len(r) == 1 for r in runs):
+            new = value
+        elif source is not None and (pushable(value.args[0]) or value.args[0].target in _RESHAPES):
+            new = self.refine(value.args[0], source)
+        elif pushable(value):
+            args = []
+            for a in value.args:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta):
+                    lead = len(shape) - len(meta(a).shape)  # a's dims align with the right end
+                    a = self.refine(a, [r if s == shape[lead + p] else (1,) * len(r)
+                                        for p, (s, r) in enumerate(zip(meta(a).shape, runs[lead:]))])
+                args.append(a)
+            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                           name=f"{value.name}_cut")
+        else:
+            new = value
+            for d in reversed(range(len(runs))):  # the last dim first: earlier dims keep their place
+                if len(runs[d]) > 1 and 1 not in runs[d]:
+                    new = self(new, d, runs[d])
+            if list(meta(new).shape) != fine:  # (1s in the runs: a broadcast input's)
+                new = self.add(aten.view.default, (new, fine), like=value, name=f"{value.name}_cut")
+        self.memo[key] = new
+        return new
+
     def _gather_cut(self, value: fx.Node, dim: int, parts: tuple) -> fx.Node | None:
         """A gathered read (`scales[g_idx]`, fusec.ops.gathered_read) cut along one of its
         index's dims is the read of the index cut the same way: `scales[g_idx]` seen as
@@ -214,6 +254,22 @@ def regroups(value: fx.Node, new_shape: list[int]) -> list[tuple[int, tuple]] | 
         if len(run) > 1:
             cuts.insert(0, (d, tuple(run)))
     return None if rest else cuts
+
+
+def _runs_for(shape: list[int], fine: list[int]) -> list[tuple] | None:
+    """`fine` cut into consecutive runs, one per dim of `shape`, each multiplying to that dim;
+    None if there are none (or 1s make them ambiguous)."""
+    if 1 in shape or 1 in fine:
+        return None
+    runs, rest = [], list(fine)
+    for s in shape:
+        run = []
+        while rest and math.prod(run) < s:
+            run.append(rest.pop(0))
+        if math.prod(run) != s:
+            return None
+        runs.append(tuple(run))
+    return None if rest else runs
 
 
 def unflattens(value: fx.Node) -> tuple[int, tuple] | None:

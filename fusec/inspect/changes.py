@@ -17,6 +17,7 @@ from fusec.record import folded_view, record_of
 # Passes whose record is a list of Decision(node, taken, why): the summary when some were taken,
 # and the words for a taken and a refused candidate in the detail lines.
 DECISIONS = {
+    "constant_gathers": ("{n} gather(s) by a constant index moved onto constants", "moved", "kept"),
     "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
                       "dropped", "done", "kept"),
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
