@@ -28,6 +28,7 @@ kernel, 1.17, already computed each weight once).
 from __future__ import annotations
 
 from dataclasses import replace
+from math import prod
 
 from fusec.ir import Const, Index, Reduce, ReductionKernel, Store, Var
 
@@ -51,8 +52,11 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     """The kernel with its M (2..MAX_M) activation rows unrolled (see above), or None when it is
     not a GEMV-like sum whose loop computes something from the weight alone."""
     plan = kernel.plan
-    if len(kernel.row_shape) != 2 or not 2 <= kernel.row_shape[0] <= MAX_M or kernel.k < 1 \
-            or kernel.row_shape[1] < 2 or len(plan.phases) != 1 or plan.element_stores \
+    # rows (m, n), or (m, n0, n1) for a weight packed along N (ReductionKernel.gemv_rows)
+    split = kernel.split_columns and len(kernel.row_shape) == 1 + len(kernel.gemv_rows[1])
+    if not (len(kernel.row_shape) == 2 or split) or not 2 <= kernel.row_shape[0] <= MAX_M \
+            or kernel.k < 1 or prod(kernel.row_shape[1:]) < 2 or len(plan.phases) != 1 \
+            or plan.element_stores \
             or plan.keep or kernel.online or kernel.variances:
         return None
     reds = [i for i in kernel.body if isinstance(i, Reduce)]

@@ -76,9 +76,12 @@ STORED_GEMV_DEVICES = ("cuda",)
 # A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
 # (passes/refine_views.py). That GEMV beat torch.compile's dequantize-then-library plan at M = 1
 # and 4 on an H200 (8192 x 8192, M = 1: 0.086 against 0.166 ms; M = 4: 0.132 against 0.165), was
-# even at M = 8, and slower at M = 16 (0.264 against 0.166): so up to 4 rows
-# (benchmarks/quant_linear.py's awq rows, docs/gpu.md).
+# even at M = 8, and slower at M = 16 (0.264 against 0.166): so up to 4 rows on a GPU
+# (benchmarks/quant_linear.py's awq rows, docs/gpu.md). On a CPU the GEMV keeps all SMALL_M rows:
+# at 4096 x 4096, M = 8, dequantizing for the library took 766 ms (eager 835), the GEMV at M = 4
+# 77-138 ms.
 SPLIT_COLUMNS_MAX_M = 4
+SPLIT_COLUMNS_LIMITED = ("cuda",)  # the devices where that limit applies
 SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)
 
 _MATMULS = (aten.mm.default, aten.addmm.default)
@@ -148,10 +151,11 @@ def _plan(node: fx.Node):
     if not stored and ops.classify(weight.target) != ops.POINTWISE and not _stacked(weight):
         return None, (f"M = {m}, but the weight comes from {weight.target} (not a "
                       "dequantization a kernel can compute): library matmul")
-    if _split_columns(b) and m > SPLIT_COLUMNS_MAX_M:
+    if out.device.type in SPLIT_COLUMNS_LIMITED and m > SPLIT_COLUMNS_MAX_M and _split_columns(b):
         return None, (f"{SPLIT_DECLINED} (its columns in parts) at M = {m} > "
                       f"{SPLIT_COLUMNS_MAX_M}: dequantized once by one kernel, then the library "
-                      "matmul, which measured faster from M = 8 on (see SPLIT_COLUMNS_MAX_M)")
+                      "matmul, which measured faster on a GPU from M = 8 on "
+                      "(SPLIT_COLUMNS_MAX_M)")
     plan = _layout_plan(x, b)
     if plan is None:
         return None, (f"M = {m}, but x {tuple(xv.shape)} cannot be viewed in the weight's "

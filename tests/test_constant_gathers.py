@@ -12,6 +12,7 @@ from conftest import GPU, assert_matches
 from fusec.record import record_of
 
 awq = importlib.import_module("fusec.examples.awq_linear")
+small_matmul = importlib.import_module("fusec.passes.small_matmul")  # the module
 F16, BF16 = torch.float16, torch.bfloat16
 
 
@@ -48,6 +49,8 @@ def test_awq_linear_is_one_gemv_over_the_packed_words(target, m):
     assert (got - want).abs().max() <= (eager - want).abs().max() + 1e-3
     g = gemv(cf)
     assert "qweight" in g.source and not any("index" in o for k in cf.kernels for o in k.ops)
+    if backend in ("cpp", "llvm") and m > 1:  # the rows unrolled: each word unpacked once
+        assert f"_m{m - 1}" in g.source
     # nothing weight-sized is stored: only the GEMV reads qweight; the other two kernels unpack
     # the (K/G, N) zero points
     others = [k for k in cf.kernels if k is not g]
@@ -256,10 +259,12 @@ def test_a_shift_whose_int64_result_is_kept_stays_64_bit(target):
 
 # ---- more rows than the split-column GEMV takes --------------------------------------------------
 
-def test_awq_at_eight_rows_is_dequantized_once_for_the_library_matmul(target):
-    """M = 8 > SPLIT_COLUMNS_MAX_M: the weight is written once, by one kernel computing it in
-    the fine shape (no copies of repeated scales), and the library multiplies."""
+def test_awq_at_eight_rows_is_dequantized_once_for_the_library_matmul(target, monkeypatch):
+    """M = 8 > SPLIT_COLUMNS_MAX_M on a GPU (here made to apply to the CPU too): the weight is
+    written once, by one kernel computing it in the fine shape (no copies of repeated scales),
+    and the library multiplies."""
     backend, device = target
+    monkeypatch.setattr(small_matmul, "SPLIT_COLUMNS_LIMITED", ("cpu", "cuda"))
     ex = awq.example(m=8, k=128, n=64, group=32, device=device)
     with torch.no_grad():
         cf = assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=3)
@@ -267,3 +272,10 @@ def test_awq_at_eight_rows_is_dequantized_once_for_the_library_matmul(target):
     assert not d.taken and d.why.startswith("a weight packed along N") and "M = 8 > 4" in d.why
     assert sum("qweight" in k.source for k in cf.kernels) == 1
     assert not any(k.name.startswith("fused_copy") for k in cf.kernels)
+
+
+def test_awq_at_eight_rows_on_a_cpu_keeps_the_gemv():
+    ex = awq.example(m=8, k=128, n=64, group=32)
+    with torch.no_grad():
+        cf = assert_matches(ex.fn, *ex.inputs, backend="cpp", kernels=3)
+    assert gemv(cf) and record(cf).small_matmul[0].taken

@@ -107,6 +107,12 @@ def programs():
     layer = ActOrderQuantLinear(256, 32, 64, dtype=torch.bfloat16)
     for m in (1, 4):
         out.append((f"act_order_gptq_m{m}", layer, (randf((m, 256), F32, "cpu").to(torch.bfloat16),)))
+    # AWQ's weight packed along N (passes/constant_gathers.py, refine_views): a GEMV whose output
+    # columns are (N/8, 8), with 32-bit shifts (passes/simplify.py)
+    from fusec.examples.awq_linear import example as awq_example
+    for m in (1, 4):
+        ex = awq_example(m=m, k=128, n=64, group=32)
+        out.append((f"awq_m{m}", ex.fn, ex.inputs))
     for src in ALL:
         out += [(f"casts_from_{src}", _casts, (_source_values(src, "cpu"),)),
                 (f"fills_{src}", _fills, (randf(SHAPE, F32, "cpu").to(src),))]
