@@ -246,11 +246,13 @@ def _is_cat(node: fx.Node) -> bool:
 def needs_rounding(row: ops.Op, values: list, dtype: torch.dtype) -> bool:
     """Does a half-precision result need rounding (eager rounds every op's result)? Not a cast
     from a small integer: int8, uint8 and bool values are exact in float16 and bfloat16, so an
-    int8 weight's `.to(torch.bfloat16)` costs nothing in a dequantization prologue."""
+    int8 weight's `.to(torch.bfloat16)` costs nothing in a dequantization prologue. Nor a copy
+    of a value of the same dtype (`clone`, `repeat_interleave`'s copy of fp16 scales): every
+    half-precision value of a kernel is already rounded where it is made or loaded."""
     if dtype not in ops.FLOAT16_LIKE:
         return False
     return not (row.name in ("to", "copy") and isinstance(values[0], torch.Tensor)
-                and values[0].dtype in (torch.int8, torch.uint8, torch.bool))
+                and values[0].dtype in (torch.int8, torch.uint8, torch.bool, dtype))
 
 
 def _param_list(params: list[Param], root_dtypes: dict):

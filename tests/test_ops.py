@@ -394,6 +394,17 @@ def test_cast_rounds(target, half, request):
     assert torch.equal(got[3], x.to(half))
 
 
+@pytest.mark.parametrize("half", [F16, BF16], ids=_name)
+def test_a_copy_of_a_half_value_is_not_rounded_again(target, half):
+    """A copy (clone, a cast to its own dtype) of a half-precision value keeps it as it is: the
+    value was rounded where it was loaded or made (codegen/lower.py, needs_rounding)."""
+    x = randf((2, 33), F32, target[1], scale=10.0).to(half)
+    cf = run(target, lambda x: (x * 3).clone() + x.clone(), x, rows=["copy"], kernels=1)
+    copies = [s for s in cf.kernels[0].ir.stmts if s.op == "copy"]
+    assert copies and all(s.round_to is None for s in copies)
+    assert all(s.round_to == half for s in cf.kernels[0].ir.stmts if s.op in ("mul", "add"))
+
+
 def test_half_intermediates_are_rounded(target, request):
     # eager stores x16 * 2 as float16, so 65504 * 2 is inf before it is widened again
     x = torch.tensor([65504.0, 60000.0, 1.0, 1e-7], device=target[1])
