@@ -244,10 +244,11 @@ def column_coords(cols: tuple, block_n: int, words: bool, big: bool) -> list[str
     are several dims (a weight packed along N, `ReductionKernel.gemv_rows`): n0, n1, ...
 
     AWQ's columns are (N/8, 8): the 8 columns of an int32 word share it. Loaded per column, every
-    word would be loaded 8 times (8 load instructions where one would do, and the GEMV was bound
-    by them: 0.40 TB/s at K = N = 8192 on an H200). With `words`, the program's BLOCK_N / 8 words
-    get coordinates of their own, `nw`: each is loaded once and repeated over its 8 columns in
-    registers (the `is_word` loads of render_gemv)."""
+    word would be loaded 8 times, 8 load instructions where one does. With `words`, the program's
+    BLOCK_N / 8 words get coordinates of their own, `nw`: each is loaded once and repeated over
+    its 8 columns in registers (the `is_word` loads of render_gemv). On an H200 that, with the
+    32-bit shifts of passes/simplify.py, took the 4096 x 4096 layer at M = 1 from 0.036 to 0.027
+    ms and left 8192 x 8192 at 0.086 (docs/gpu.md): that kernel is bound by its arithmetic."""
     lines = [f"# the output columns as ({', '.join(map(str, cols))}): each column's coordinates"]
     for d in range(len(cols)):
         below = math.prod(cols[d + 1:])
@@ -472,8 +473,8 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
     unpack = any(producers[n].op in ("rshift", "bitwise_and") for n in stmts)
     compute = ["# prologue: dequantize the weight tile in registers, then multiply"]
     if unpack:
-        compute.append("# (this is where the int4 nibbles are unpacked: w & 0x0F is the low "
-                       "4-bit weight of each byte, w >> 4 the high one)")
+        compute.append("# (this is where the int4 nibbles are unpacked: a shift brings each "
+                       "4-bit weight to the bottom of its byte or word, & 0x0F keeps it)")
     compute += [t for n in stmts for t in lines(n)]
     # the weight's stored element size: a plain int8 weight streamed slower with the prefetch
     # (not with a gathered read: its row comes from a value loaded in the same chunk)
