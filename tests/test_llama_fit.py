@@ -47,8 +47,8 @@ def test_the_fitted_model_continues_the_passage(bf16_fit):
 
 
 @pytest.mark.parametrize("backend,fmt", [
-    ("cpp", "bf16"), ("cpp", "int8"), ("cpp", "int4"),
-    ("llvm", "bf16"), ("llvm", "int8"), ("llvm", "int4"),
+    ("cpp", "bf16"), ("cpp", "int8"), ("cpp", "int4"), ("cpp", "awq"),
+    ("llvm", "bf16"), ("llvm", "int8"), ("llvm", "int4"), ("llvm", "awq"),
     ("triton", "bf16")])  # (the interpreter takes minutes over 64 steps of int4 kernels)
 def test_fusec_decodes_eager_tokens_for_64_steps(backend, fmt):
     device = TRITON_DEVICE if backend == "triton" else "cpu"
