@@ -7,7 +7,8 @@ For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A
 layers of examples/int8_linear.py and examples/int4_linear.py, and AWQ's format
 (examples/awq_linear.py: eight nibbles along N per int32), run eagerly, through torch.compile
 and through fusec. Each row gives the median time and the weight bytes per second (the int8 or
-packed int4 bytes plus their scales, which is what the layer has to read). `--sweep` also times
+packed int4 bytes plus their scales, which is what the layer has to read); each fusec row also
+the quantized weight's bytes alone per second (issue 15's "TB/s of packed bytes"). `--sweep` also times
 the fusec GEMV kernel with other block sizes (codegen/triton_gemv.py, gemv_blocks) and with the GEMV
 forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
 Packed int4 at small M is read as 32-bit words: at M = 1 dequantized once per group
@@ -48,6 +49,13 @@ from fusec.timing import median_ms
 
 def weight_bytes(layer) -> int:
     return sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+
+
+def packed_bytes(layer) -> int:
+    """The quantized weight alone, without scales and zero points: issue 15 counts packed int4
+    in these bytes ("2.0 TB/s of packed bytes")."""
+    t = getattr(layer, "packed", getattr(layer, "qweight", getattr(layer, "q", None)))
+    return t.numel() * t.element_size()
 
 
 def main() -> None:
@@ -108,6 +116,10 @@ def main() -> None:
                 try:
                     cf = fusec.compile(layer)
                     row(f"{fmt} fusec{label}", m, nb, cf, x)
+                    pb = packed_bytes(layer)
+                    rows[-1]["tbps_packed"] = pb / rows[-1]["ms"] / 1e9
+                    print(f"{'':34s} the quantized weight alone ({pb / 1e6:.1f} MB): "
+                          f"{rows[-1]['tbps_packed']:.3f} TB/s", flush=True)
                     # each kernel rendered again here, under this path's setting
                     sources = [codegen(kk.backend).render(kk.ir) for kk in cf.kernels]
                 finally:
