@@ -16,8 +16,9 @@ it from the left stays as it is), and ends at anything else with a plain `view`.
 itself such a cut of a pointwise value (group norm's `(N, C, ...) -> (N, G, C/G, ...)`) is
 pushed up the same way first, and so is a reshape of a pointwise value whose dims the new shape
 only cuts further (`regroups`: GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N),
-becomes cuts of the (K/8, 8, N) value). The original ops stay for their other readers; `finish` removes
-what nothing reads any more.
+becomes cuts of the (K/8, 8, N) value). `refine(value, runs)` cuts every dim at once, which a
+reshape that merged several dims needs (AWQ's (K, N/8, 8) -> (K, N), cut to (K/G, G, N/8, 8)).
+The original ops stay for their other readers; `finish` removes what nothing reads any more.
 """
 from __future__ import annotations
 
