@@ -167,6 +167,7 @@ class PassRecord:
     constant_gathers: list[Decision] = field(default_factory=list)  # gathers moved onto constants
     check_gathers: list[Decision] = field(default_factory=list)  # index checks, casts dropped
     simplify: list[Decision] = field(default_factory=list)
+    filled_slices: list[Decision] = field(default_factory=list)  # slice writes that are a cat
     computed_pieces: list[Decision] = field(default_factory=list)
     reinplace: list[Reinplaced] = field(default_factory=list)
     unfuse_bias: list[Unfused] = field(default_factory=list)

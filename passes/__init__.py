@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
                 small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
@@ -21,6 +21,7 @@ from .computed_pieces import computed_pieces
 from .constant_gathers import constant_gathers
 from .cse import cse
 from .dce import dce
+from .filled_slices import filled_slices
 from .fold_constants import fold_constants
 from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
@@ -36,7 +37,7 @@ from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
             small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

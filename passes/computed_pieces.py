@@ -23,8 +23,9 @@ constant mask picks, at each position, the result of the piece that covers it:
 
 Everything after `c` is pointwise, so the cat, the negation, the pick and what follows (the
 rotary's multiplies and add) become one kernel. The ops compute on positions whose results are
-then dropped; float pointwise ops cannot fault, so only floating-point chains are rewritten (an
-integer division by zero would). Each value is the same op on the same input as in eager, so
+then dropped; float pointwise ops cannot fault, and neither can integer bitwise ops, shifts,
+additions and the like (`SAFE_INTEGER_OPS`), so only chains of those are rewritten (an integer
+division by zero would fault). Each value is the same op on the same input as in eager, so
 the results are bit for bit eager's. Each cat considered is a `Decision` in
 `record_of(gm).computed_pieces`.
 """
@@ -74,18 +75,27 @@ def _chain(piece: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return node, chain[::-1]
 
 
+# Integer ops that cannot fault on any value (no division, remainder or power): a chain of these
+# may run on positions whose results are dropped. HQQ's unpacking, `(w & 0xF0) >> 4` and
+# `w & 0x0F` written into the two halves of one tensor (passes/filled_slices.py), is such a cat.
+SAFE_INTEGER_OPS = {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "rshift", "lshift",
+                    "neg", "abs", "add", "sub", "mul", "to", "copy", "maximum", "minimum"}
+
+
 def _why_not(cat: fx.Node, chains) -> str | None:
     out = val(cat)
-    if not out.dtype.is_floating_point:
-        return f"a {out.dtype} cat: an integer op on positions it does not cover could fault"
+    for (_, chain), piece in zip(chains, cat.args[0]):
+        unsafe = [n for n in chain if not val(n).dtype.is_floating_point
+                  and ops.normalize(n)[0].name not in SAFE_INTEGER_OPS]
+        if unsafe:
+            return (f"{piece.name} computes {ops.normalize(unsafe[0])[0].name} in "
+                    f"{val(unsafe[0]).dtype}: on positions it does not cover it could fault")
     sources = [val(src) for src, _ in chains]
     if len({v.dtype for v in sources}) != 1:
         return "the pieces' inputs have different dtypes: their concatenation would promote"
     for (src, chain), piece in zip(chains, cat.args[0]):
         if tuple(val(src).shape) != tuple(val(piece).shape):
             return f"{piece.name}'s input {src.name} is broadcast: its concatenation is not the cat's shape"
-        if any(not val(n).dtype.is_floating_point for n in chain):
-            return f"{piece.name} computes in {val(chain[0]).dtype}"
         if any(ops.classify(n.target) != ops.POINTWISE for n in chain):
             return f"{piece.name} is not made of pointwise ops"
     return None

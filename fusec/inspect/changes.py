@@ -21,6 +21,7 @@ DECISIONS = {
     "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
                       "dropped", "done", "kept"),
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
+    "filled_slices": ("{n} tensor(s) filled slice by slice written as a cat", "cat", "kept"),
     "computed_pieces": ("{n} cat(s) of computed pieces computed over the cat", "rewritten", "kept"),
     "sibling_gemvs": ("{n} matmul(s) joined with siblings into one GEMV", "joined", "alone"),
     "small_matmul": ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul"),
