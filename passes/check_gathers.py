@@ -33,6 +33,7 @@ from fusec import ops
 from fusec.ir import meta_of
 from fusec.record import Decision, record_of
 
+from .fold_constants import known_value
 from .grouping import meta
 from .layout import _run_fake, _set_meta
 from .schedule import _fake_mode
@@ -100,12 +101,10 @@ def _constant(gm: fx.GraphModule, index: fx.Node):
     if index.op == "call_function" and index.target is aten.full.default \
             and isinstance(index.args[1], int) and not isinstance(index.args[1], bool):
         return index.args[1], index.args[1], f"every value {index.args[1]}"
-    folded = {f.attr for f in record_of(gm).fold_constants}
-    if index.op == "get_attr" and index.target in folded:
-        value = getattr(gm, index.target)
-        if value.numel():
-            lo, hi = int(value.min()), int(value.max())
-            return lo, hi, f"values {lo} to {hi}"
+    value = known_value(gm, index)
+    if value is not None and value.numel():
+        lo, hi = int(value.min()), int(value.max())
+        return lo, hi, f"values {lo} to {hi}"
     return None
 
 

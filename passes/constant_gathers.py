@@ -40,8 +40,9 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
-from fusec.record import Decision, record_of
+from fusec.record import Decision
 
+from .fold_constants import known_value
 from .grouping import constant_node, meta, record_decisions
 from .layout import _run_fake, _set_meta
 from .schedule import _fake_mode
@@ -51,13 +52,12 @@ aten = torch.ops.aten
 
 
 def constant_gathers(gm: fx.GraphModule) -> fx.GraphModule:
-    folded = {f.attr for f in record_of(gm).fold_constants}
     decisions: list[Decision] = []
     for node in list(gm.graph.nodes):
         gather = ops.gathered_read(node)
         if gather is None:
             continue
-        index = _value(gm, gather.index, folded)
+        index = known_value(gm, gather.index)
         if index is None or index.dim() != 1:
             continue  # an index the program computes, or one the caller could change
         size = gather.size
@@ -66,7 +66,7 @@ def constant_gathers(gm: fx.GraphModule) -> fx.GraphModule:
                                       f"than {size} values in [{gather.lowest}, {size}): kept"))
             continue
         index = index.long().cpu() % size  # (a table on the GPU: its pattern is read here)
-        new, why = _rewrite(gm, node, gather, index, folded)
+        new, why = _rewrite(gm, node, gather, index)
         if new is None:
             decisions.append(Decision(node.name, False, why))
             continue
@@ -75,7 +75,7 @@ def constant_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     return record_decisions(gm, "constant_gathers", decisions)
 
 
-def _rewrite(gm, node, gather, index, folded):
+def _rewrite(gm, node, gather, index):
     """(the gathered value computed without the gather, why) or (None, why not)."""
     source, dim, size = gather.source, gather.dim, gather.size
     for b in [b for b in range(2, size + 1) if size % b == 0]:
@@ -92,7 +92,7 @@ def _rewrite(gm, node, gather, index, folded):
             if inner is None or list(meta(inner).shape) != shape[:dim] + [size // b, b] + shape[dim + 1:]:
                 continue
             at, dim_at = inner, dim + 1
-        pusher = _Pusher(gm, node, folded)
+        pusher = _Pusher(gm, node)
         if not pusher.can(at, dim_at, len(perm)):
             continue
         new = pusher.push(at, dim_at, perm)
@@ -109,15 +109,15 @@ def _rewrite(gm, node, gather, index, folded):
 class _Pusher:
     """Moves a gather along one dim, by a constant permutation, up through element-wise ops."""
 
-    def __init__(self, gm: fx.GraphModule, before: fx.Node, folded: set):
-        self.gm, self.before, self.folded = gm, before, folded
+    def __init__(self, gm: fx.GraphModule, before: fx.Node):
+        self.gm, self.before = gm, before
         self.mode = _fake_mode(gm)
         self.constants: set[str] = set()
 
     def can(self, value, dim: int, n: int) -> bool:
         """Whether `value`, gathered along `dim` by n positions, reaches only constants and
         operands that broadcast along the dim."""
-        if _value(self.gm, value, self.folded) is not None:
+        if known_value(self.gm, value) is not None:
             return True
         if not pushable(value):
             return False
@@ -130,7 +130,7 @@ class _Pusher:
         return True
 
     def push(self, value, dim: int, perm: torch.Tensor) -> fx.Node:
-        known = _value(self.gm, value, self.folded)
+        known = known_value(self.gm, value)
         if known is not None:  # a constant: gathered now
             self.constants.add(value.name)
             picked = known.index_select(dim, perm.to(known.device)).contiguous()
@@ -156,19 +156,3 @@ class _Pusher:
             raise RuntimeError(f"fusec: {new.format_node()} does not run on its fake inputs")
         _set_meta(new, val, like=like)
         return new
-
-
-def _value(gm: fx.GraphModule, node, folded: set):
-    """The tensor `node` always is, if it is a constant folded while compiling or views of one
-    (a graph attribute the caller hands in is not: it may change between calls)."""
-    chain = []
-    while isinstance(node, fx.Node) and node.op == "call_function" \
-            and ops.classify(node.target) == ops.VIEW and not ops.is_multi_view(node.target):
-        chain.append(node)
-        node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.op == "get_attr" and node.target in folded):
-        return None
-    value = getattr(gm, node.target)
-    for view in reversed(chain):
-        value = view.target(value, *view.args[1:], **view.kwargs)
-    return value

@@ -155,3 +155,20 @@ def _attribute(gm: fx.GraphModule, target: str):
     return obj
 
 
+def known_value(gm: fx.GraphModule, node):
+    """The tensor `node` always is, if it is a value this pass folded (a `get_attr` it made) or
+    views of one; else None. Later passes read such values while compiling (constant_gathers,
+    check_gathers). A graph attribute the pass did not make is never read: it is a tensor the
+    caller hands in, which may change between calls."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function" \
+            and ops.classify(node.target) == ops.VIEW and not ops.is_multi_view(node.target):
+        chain.append(node)
+        node = node.args[0]
+    folded = {f.attr for f in record_of(gm).fold_constants}
+    if not (isinstance(node, fx.Node) and node.op == "get_attr" and node.target in folded):
+        return None
+    value = _attribute(gm, node.target)
+    for view in reversed(chain):
+        value = view.target(value, *view.args[1:], **view.kwargs)
+    return value
