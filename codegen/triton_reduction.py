@@ -15,11 +15,13 @@ import torch
 from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
+from .int4_columns import match_int4_columns
 from .int4_words import match_int4_words
 from .render import render_template
 from .triton_pdl import pdl
 from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
+from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
 from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset, literal
@@ -90,6 +92,9 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
 def render_reduction(kernel, arch: int | None = None) -> str:
     if gemv_fits(kernel):
         return render_int4_or_gemv(kernel, arch)
+    cols, _ = match_int4_columns(kernel)  # one chunk of an AWQ-style GEMV (int4_columns.py)
+    if cols is not None and columns_fit(kernel, cols)[0]:
+        return render_gemv_columns(kernel, cols, arch)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)

@@ -51,6 +51,7 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.fx as fx
@@ -87,6 +88,17 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         node = todo.pop()
         red = None if getattr(node, "_erased", False) else ops.reduction(node)
         if red is None or not str(meta(node).device).startswith(SPLIT_DEVICES):
+            continue
+        packed = packed_along_n(node, red)
+        if packed is not None:
+            d, chunks = packed
+            mode = mode or _fake_mode(gm)
+            k = math.prod(meta(red.operand).shape[r] for r in red.dims)
+            _split(gm, node, red, d, chunks, mode, views)
+            decisions.append(Decision(node.name, True, (
+                f"a GEMV of a weight packed along N at M = 1: K = {k} cut in {chunks} chunks of "
+                f"{k // chunks} (whole groups), each chunk's partial sums by one kernel "
+                "(codegen/triton_gemv_int4_columns.py), then added up")))
             continue
         rows, k, per_program, programs = programs_of(node, red)
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
@@ -131,6 +143,39 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+# A GEMV whose weight is packed along N (AWQ: eight 4-bit columns to an int32 word) at M = 1.
+# Its words are read along N, a warp's 32 lanes on 32 neighbouring words of a row of K (128
+# bytes), so a program that took all of K would own 256 columns: 32 programs for N = 8192. Cut
+# K instead, into chunks of whole groups of at least PACKED_CHUNK rows: K = N = 8192 with groups
+# of 128 is 64 chunks x 32 programs. The chunks' partial sums (64 x N floats, 6% of the packed
+# weight's bytes) are added up by a second, small kernel. Measured on an H200 (docs/gpu.md,
+# 2026-11-27 seventh session, the prototype of codegen/triton_gemv_int4_columns.py): chunks of 128
+# rows 27.4 us at K = N = 8192, of 256 34.1, of 512 51.5.
+PACKED_CHUNK = 128
+
+
+def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple[int, int] | None:
+    """(dim, chunks) for the sum of a GEMV (passes/small_matmul.py) of one activation row whose
+    output columns are computed in parts (a weight packed along N, passes/refine_views.py) and
+    whose K is cut in groups (the dim of the largest stride, K / G, and the group, G); None for
+    every other reduction."""
+    gemv = node.meta.get("fusec_gemv")
+    if not gemv or gemv["m"] != 1 or red.op.name != "sum" or len(red.dims) != 2 \
+            or os.environ.get("FUSEC_INT4_COLUMNS", "1") == "0":
+        return None
+    m = meta(red.operand)
+    kept = [size for d, size in enumerate(m.shape) if d not in red.dims and size > 1]
+    if len(kept) < 2 or math.prod(kept) != gemv["n"]:
+        return None
+    if gemv["n"] * gemv["k"] < int(os.environ.get("FUSEC_INT4_COLUMNS_MIN", "0")):
+        return None
+    d = max(red.dims, key=lambda d: (abs(m.stride[d]), -d))
+    groups, group = m.shape[d], math.prod(m.shape[r] for r in red.dims) // m.shape[d]
+    per_chunk = next((c for c in range(1, groups + 1)
+                      if groups % c == 0 and c * group >= PACKED_CHUNK), groups)
+    return None if groups // per_chunk < 2 else (d, groups // per_chunk)
 
 
 def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,

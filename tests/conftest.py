@@ -5,6 +5,7 @@ machine with a GPU, or ("triton", cpu) under Triton's interpreter otherwise (als
 machine when TRITON_INTERPRET=1 is set). TRITON_INTERPRET must be set before
 triton is imported, so it is set here, first thing, when there is no GPU.
 """
+import copy
 import os
 
 import torch
@@ -59,6 +60,8 @@ def assert_matches(fn, *inputs, backend: str, kernels: int | None = None, **kwar
 def _float64_reference(fn, inputs, i):
     wide = [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             for t in inputs]
+    if isinstance(fn, torch.nn.Module):  # its half-precision weights and scales too (exactly)
+        fn = copy.deepcopy(fn).double()
     try:
         with torch.no_grad():
             out = torch.utils._pytree.tree_leaves(fn(*wide))

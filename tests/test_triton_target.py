@@ -5,6 +5,7 @@ This is also how the suite checks the GPU-only code paths on a CPU: the int4 GEM
 dequantization (`fma.rn.bf16x2`, `lop3`) is rendered only for sm_80 and newer, and here ptxas
 must accept it, keep it out of local memory, and turn it into packed bf16 instructions.
 """
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -152,3 +153,22 @@ def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
     assert int(re.search(r"(\d+) registers per thread", head).group(1)) <= 128, head
     if triton.__version__.startswith("3.6."):
         assert "0 bytes spilled" in head, head
+
+
+@needs_tools
+def test_the_awq_column_kernel_compiles_for_sm_90_without_spills(monkeypatch):
+    """The chunk kernel of an AWQ GEMV at M = 1 (codegen/triton_gemv_int4_columns.py; the cut
+    along K is made on GPUs, here switched on for the CPU): its registers leave room for 16
+    one-warp programs an SM, and nothing goes to local memory."""
+    import re
+
+    from fusec.examples.awq_linear import AWQLinear
+    split = importlib.import_module("fusec.passes.split_reductions")
+    monkeypatch.setattr(split, "SPLIT_DEVICES", ("cpu", "cuda"))
+    layer = AWQLinear(torch.randn(1024, 512, dtype=torch.float16) / 32, 128).to(TRITON_DEVICE)
+    x = torch.randn(1, 1024, dtype=torch.float16, device=TRITON_DEVICE)
+    [k] = [k for k in fusec.explain(layer, x, backend="triton").kernels
+           if "triton_gemv_int4_columns.py.j2" in k.source]
+    head = triton_target.assembly(k.ir, k.name, "sm_90").splitlines()[0]
+    assert int(re.search(r"(\d+) registers per thread", head).group(1)) <= 128, head
+    assert "0 bytes spilled" in head, head
