@@ -190,8 +190,32 @@ class Unflattener:
             return a  # a broadcasts over the cut dim from the left: nothing changes
         if ashape[p] == shape[dim]:
             return self(a, p, parts)
-        return self.add(aten.view.default, (a, ashape[:p] + [1] * len(parts) + ashape[p + 1:]),
-                        like=a, name=f"{a.name}_unsqueezed")
+        return self.ones(a, p, len(parts))
+
+    def ones(self, value: fx.Node, dim: int, count: int) -> fx.Node:
+        """`value`, whose dim `dim` has size 1 (it broadcasts over the cut), with that dim
+        made `count` dims of size 1; moved up through pointwise ops to the values they read, as a
+        cut is, so that a computed value that broadcasts (AWQ's shift amounts, clamped and
+        narrowed from a constant) stays in the kernel that reads it instead of being stored."""
+        key = (value, dim, "ones", count)
+        if key in self.memo:
+            return self.memo[key]
+        shape = list(meta(value).shape)
+        if pushable(value):
+            args = []
+            for a in value.args:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta):
+                    p = dim - (len(shape) - len(meta(a).shape))
+                    if p >= 0:  # (p < 0: a broadcasts from the left and keeps its place)
+                        a = self.ones(a, p, count)
+                args.append(a)
+            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                           name=f"{value.name}_unsqueezed")
+        else:
+            new = self.add(aten.view.default, (value, shape[:dim] + [1] * count + shape[dim + 1:]),
+                           like=value, name=f"{value.name}_unsqueezed")
+        self.memo[key] = new
+        return new
 
     def finish(self, *originals: fx.Node) -> None:
         """Remove the nodes made here that nothing reads (steps of a view pushed further up),
