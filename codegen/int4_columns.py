@@ -202,8 +202,9 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
         made |= {o.name for o in d.operands if not isinstance(o, Const)}
     rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
     _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
-    _require(len(kernel.stores) == 1 and kernel.stores[0].var.name == r.var.name and kernel.stores[0].scatter is None
-             and kernel.stores[0].dtype == F32,
+    (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
+    _require(store is not None and store.var.name == r.var.name and store.scatter is None
+             and store.dtype == F32,
              "the chunk's sum is not stored alone, in float32")
     # the layouts: strides over (chunk, word, column of the word, [group,] row of the group);
     # with one group per chunk the group's stride is made up from the row's (G rows further on)
@@ -219,4 +220,5 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
         _require(st[3:][-1] == 0 and st[2] != 0 and st[1] == 8 * st[2] and per_group != 0
                  and st[0] == groups * per_group,
                  f"{g.var.name} is not one value per (group, column)")
-    return Int4Columns(words, shift_values, zero, scale, x_values, a, chunks, nw, groups, group, mul.round_to)
+    return Int4Columns(words, shift_values, zero, scale, x_values, a, chunks, nw, groups, group,
+                       mul.round_to)

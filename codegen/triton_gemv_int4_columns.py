@@ -41,7 +41,8 @@ def columns_fit(kernel, cols: Int4Columns) -> tuple[bool, str]:
     if max([_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1:
         return False, "addresses past 2^31 elements (the chunk kernel computes them in 32 bits)"
     if cols.group % 2:
-        return False, f"groups of {cols.group} rows: the kernel steps through a group 2 to 8 rows at a time"
+        return False, (f"groups of {cols.group} rows: the kernel steps through a group 2 to 8 "
+                       "rows at a time")
     return True, ""
 
 
@@ -79,17 +80,23 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
     def words_at(k: str) -> str:
         return f"{words.param}_ptr + {rows_of_k(k, words)} + j[None, :]"
 
+    def computed(names, block: str, coords: tuple) -> list[str]:
+        """Lines computing `names` (loads and statements) as `block` tiles, each load at the
+        coordinates `coords` (see `at`)."""
+        out = []
+        for name in names:
+            item = producers[name]
+            if isinstance(item, Stmt):
+                out.append(_stmt(item, helpers, block=block))
+            else:
+                value = convert(f"tl.load({at(item, *coords)})", item.dtype, item.var.dtype)
+                out.append(f"{name} = {value}")
+        return out
+
     # the activations of the step's R rows, [R, 1]: loaded, or computed from loads that are the
-    # same for every column (`kk`: the rows within the group)
-    x_lines = []
-    for name in cols.x:
-        item = producers[name]
-        if isinstance(item, Stmt):
-            x_lines.append(_stmt(item, helpers, block="[R, 1]"))
-        else:
-            where = at(item, "chunk", "0", "0", "gi", "(r + rows)[:, None]" if n_k == 2
-                       else f"(gi * {cols.group} + r + rows)[:, None]")
-            x_lines.append(f"{name} = {convert(f'tl.load({where})', item.dtype, item.var.dtype)}")
+    # same for every column (`r + rows`: the rows within the group)
+    x_lines = computed(cols.x, "[R, 1]", ("chunk", "0", "0", "gi", "(r + rows)[:, None]" if n_k == 2
+                                          else f"(gi * {cols.group} + r + rows)[:, None]"))
 
     def group_value(load: Load | int | None, i: int) -> str:
         if not isinstance(load, Load):
@@ -108,14 +115,7 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
     (store,) = kernel.stores
     store_at = at(store, "chunk", "j[:, None]", "t", "0", "0")
     # the shift amounts, once per program: an [8] tile of the column's amount
-    shift_lines = []
-    for name in cols.shifts:
-        item = producers[name]
-        if isinstance(item, Stmt):
-            shift_lines.append(_stmt(item, helpers, block="[8]"))
-        else:
-            value = f"tl.load({at(item, '0', '0', 't8', '0', '0')})"
-            shift_lines.append(f"{name} = {convert(value, item.dtype, item.var.dtype)}")
+    shift_lines = computed(cols.shifts, "[8]", ("0", "0", "t8", "0", "0"))
     lines = exact_loads + exact_lines + shift_lines + x_lines
     helpers |= _helpers_in(lines)
     params = [f"{q.name}_ptr" for q in kernel.params]
@@ -125,7 +125,8 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
         half=str(cols.half).replace("torch.", ""), half_max=HALF_MAX[cols.half],
         programs=-(-cols.nw // wj) * cols.chunks, pdl=pdl(arch), helpers=sorted(helpers),
         params=params, args_ptr=params, args=[q.name for q in kernel.params],
-        shift_lines=shift_lines, shift=cols.shifts[-1], words_at=words_at, word_mask=word_mask, x_lines=x_lines, x_var=cols.x_var,
+        shift_lines=shift_lines, shift=cols.shifts[-1], words_at=words_at, word_mask=word_mask,
+        x_lines=x_lines, x_var=cols.x_var,
         zero_at=lambda i: group_value(cols.zero, i), scale_at=lambda i: group_value(cols.scale, i),
         exact_loads=exact_loads, exact_lines=exact_lines, product=r.operand.name,
         store_at=store_at)

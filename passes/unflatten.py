@@ -165,21 +165,24 @@ class Unflattener:
             return self.memo[key]
         shape = list(meta(value).shape)
         if pushable(value):
-            args = []
-            for a in value.args:
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta):
-                    ashape = list(meta(a).shape)
-                    p = dim - (len(shape) - len(ashape))
-                    if p >= 0 and ashape[p] == shape[dim]:
-                        a = self.narrow(a, p, length)
-                args.append(a)
-            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
-                           name=f"{value.name}_narrowed")
+            new = self._rebuilt(value, dim, "narrowed", lambda a, p: self.narrow(a, p, length)
+                                if p >= 0 and meta(a).shape[p] == shape[dim] else a)
         else:
             new = self.add(aten.slice.Tensor, (value, dim, 0, length), like=value,
                            name=f"{value.name}_narrowed")
         self.memo[key] = new
         return new
+
+    def _rebuilt(self, value: fx.Node, dim: int, suffix: str, each) -> fx.Node:
+        """The pointwise op `value` computed again from its tensor inputs, each replaced by
+        `each(input, p)`: p is the input's dim that lines up with `dim` (inputs line up with the
+        right end), negative when the input broadcasts from the left of it."""
+        rank = len(meta(value).shape)
+        args = [each(a, dim - (rank - len(meta(a).shape)))
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta) else a
+                for a in value.args]
+        return self.add(value.target, tuple(args), dict(value.kwargs), like=value,
+                        name=f"{value.name}_{suffix}")
 
     def _arg(self, a, shape, dim, parts):
         if not isinstance(a, fx.Node) or not isinstance(a.meta.get("fusec"), TensorMeta):
@@ -201,16 +204,9 @@ class Unflattener:
         if key in self.memo:
             return self.memo[key]
         shape = list(meta(value).shape)
-        if pushable(value):
-            args = []
-            for a in value.args:
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta):
-                    p = dim - (len(shape) - len(meta(a).shape))
-                    if p >= 0:  # (p < 0: a broadcasts from the left and keeps its place)
-                        a = self.ones(a, p, count)
-                args.append(a)
-            new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
-                           name=f"{value.name}_unsqueezed")
+        if pushable(value):  # (an input that broadcasts from the left keeps its place)
+            new = self._rebuilt(value, dim, "unsqueezed",
+                                lambda a, p: self.ones(a, p, count) if p >= 0 else a)
         else:
             new = self.add(aten.view.default, (value, shape[:dim] + [1] * count + shape[dim + 1:]),
                            like=value, name=f"{value.name}_unsqueezed")

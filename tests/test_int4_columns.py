@@ -136,6 +136,19 @@ def test_a_computed_activation_is_computed_in_the_chunk_kernel():
     assert "h_ptr" in g.source and any("rsqrt" in o for o in g.ops)
 
 
+def test_a_constant_zero_point_and_a_bias():
+    """Eight nibbles a word in natural order, `(q & 15) - 8`, and addmm's bias: the bias is added
+    by the kernel that adds the chunks up."""
+    from test_constant_gathers import NPacked
+    layer = NPacked(512, 64, 64).to(DEV)  # 8 groups of 64: 4 chunks of 128 rows
+    x = torch.randn(1, 512, generator=gen(17)).to(F16).to(DEV)
+    with torch.no_grad():
+        cf = assert_matches(layer, x, backend="triton", kernels=2)
+    assert "the zero point is a constant" in chunk_kernel(cf).source
+    (combine,) = [k for k in cf.kernels if TEMPLATE not in k.source]
+    assert "p_bias" in combine.source
+
+
 # ---- the exact path ------------------------------------------------------------------------------
 
 class Unpacked(torch.nn.Module):
