@@ -92,9 +92,11 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
 def render_reduction(kernel, arch: int | None = None) -> str:
     if gemv_fits(kernel):
         return render_int4_or_gemv(kernel, arch)
-    cols, _ = match_int4_columns(kernel)  # one chunk of an AWQ-style GEMV (int4_columns.py)
-    if cols is not None and columns_fit(kernel, cols)[0]:
-        return render_gemv_columns(kernel, cols, arch)
+    cols, why_not_columns = match_int4_columns(kernel)  # one chunk of an AWQ-style GEMV
+    if cols is not None:
+        fits, why_not_columns = columns_fit(kernel, cols)
+        if fits:
+            return render_gemv_columns(kernel, cols, arch)
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)
@@ -191,6 +193,9 @@ def render_reduction(kernel, arch: int | None = None) -> str:
              if any(isinstance(o, OnlineVariance) for o in folded) else [])
         note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
                 + (" (" + "; ".join(shared) + ")." if shared else "."))
+    if len(kernel.row_shape) == 3 and kernel.row_shape[2] == 8:  # a chunk of a GEMV packed along N?
+        note = (note + "\n" if note else "") + \
+            f"Not the column-packed int4 kernel (codegen/int4_columns.py): {why_not_columns}."
     helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)

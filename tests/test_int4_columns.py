@@ -289,3 +289,6 @@ def test_a_form_the_column_kernel_does_not_know_is_cut_and_still_right():
     assert not any(TEMPLATE in k.source for k in cf.kernels)
     reasons = [match_int4_columns(k.ir)[1] for k in cf.kernels if "dequant_gemv" in k.name]
     assert reasons and all(re.search(r"int8|nibble", why) for why in reasons), reasons
+    # and the kernel that renders the chunk instead says why
+    assert any(f"Not the column-packed int4 kernel (codegen/int4_columns.py): {reasons[0]}"
+               in k.source for k in cf.kernels)
