@@ -51,7 +51,8 @@ def test_cache_update_is_written_in_place(target):
     done, targets = decisions(module, torch.randn(2, 3, 1, 4, device=device),
                               torch.tensor([5], device=device))
     assert [d[1] is not None for d in done] == [True], done
-    assert aten.index_put_.default in targets
+    if device == "cpu":  # on a GPU a kernel writes it (fusec.ops.indexed_write, test_indexed_write.py)
+        assert aten.index_put_.default in targets
     assert aten.index_put.default not in targets and aten.copy_.default not in targets
     import fusec
     run_steps(module, fusec.compile(module, backend=backend), device)
