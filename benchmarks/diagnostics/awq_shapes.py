@@ -11,6 +11,14 @@ median time (fusec.timing.median_ms: do_bench on CUDA) and the bytes the layer m
 words, zero points, scales) per second, with fusec's kernels and its largest error against
 eager. `--source DIR` writes the GEMV of the first shape, M = 1, to DIR. The numbers behind
 SPLIT_COLUMNS_MAX_M are this script's (docs/gpu.md, docs/passes/constant_gathers.md).
+
+At M = 1 on a GPU the GEMV is cut along K into chunks of whole groups (passes/split_reductions.py,
+codegen/triton_gemv_int4_columns.py). `--forms` also times the one-GEMV form
+(`FUSEC_INT4_COLUMNS=0`) in the same process, and `--graph` times both inside a CUDA graph: ten
+calls captured and replayed, per call, which leaves out the launches a single call pays for
+(a decode step is replayed that way). torch.compile is compiled once per shape and row count;
+from dynamo's ninth compile in a process (its recompile limit) it runs eagerly, so time many
+shapes with few `--m` values.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ def main() -> None:
     p.add_argument("--m", default="1,4,8,16")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--source")
+    p.add_argument("--forms", action="store_true", help="also the one-GEMV form (FUSEC_INT4_COLUMNS=0)")
+    p.add_argument("--graph", action="store_true", help="fusec's forms timed inside a CUDA graph")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for i, shape in enumerate(args.shapes.split(",")):
@@ -39,13 +49,19 @@ def main() -> None:
                           128).to(device)
         nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
         fused = fusec.compile(layer)
+        forms = {"fusec": (fused, fusec.compile(layer, cuda_graphs=False))}
+        if args.forms:
+            forms["one GEMV"] = (one_gemv(layer), one_gemv(layer, cuda_graphs=False))
         compiled = None if args.no_compile or device != "cuda" else torch.compile(layer)
         for m in [int(v) for v in args.m.split(",")]:
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             with torch.no_grad():
                 err = (fused(x).float() - layer(x).float()).abs().max().item()
-                times = {"eager": median_ms(layer, x, device=device),
-                         "fusec": median_ms(fused, x, device=device)}
+                times = {"eager": median_ms(layer, x, device=device)}
+                for name, (fn, graphable) in forms.items():
+                    times[name] = median_ms(fn, x, device=device)
+                    if args.graph and device == "cuda":  # (fusec's own graphs off inside ours)
+                        times[f"{name} in a graph"] = in_a_graph(graphable, x)
                 if compiled is not None:
                     compiled(x)
                     times["torch.compile"] = median_ms(compiled, x, device=device)
@@ -56,6 +72,48 @@ def main() -> None:
                 for kk in fused.kernels:
                     with open(os.path.join(args.source, f"{kk.name}.txt"), "w") as f:
                         f.write(kk.source)
+
+
+def one_gemv(layer, **kwargs):
+    """fusec's one-GEMV form of the layer: every call runs with the cut along K switched off, so
+    that each new input signature compiles that way."""
+    cf = fusec.compile(layer, **kwargs)
+
+    def call(x):
+        before = os.environ.get("FUSEC_INT4_COLUMNS")
+        os.environ["FUSEC_INT4_COLUMNS"] = "0"
+        try:
+            return cf(x)
+        finally:
+            if before is None:
+                os.environ.pop("FUSEC_INT4_COLUMNS")
+            else:
+                os.environ["FUSEC_INT4_COLUMNS"] = before
+    return call
+
+
+def in_a_graph(fn, x, calls: int = 10) -> float:
+    """Milliseconds per call of `fn(x)`, `calls` calls captured as one CUDA graph and replayed
+    (median of 20 replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
