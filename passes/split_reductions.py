@@ -31,6 +31,10 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 
 * only on GPU devices (SPLIT_DEVICES): a CPU thread walks rows one by one and every thread is
   busy once there are as many rows as threads;
+* a GEMV (passes/small_matmul.py) of one activation row whose weight is packed along N (AWQ's
+  eight 4-bit columns to an int32 word, `packed_along_n`): its K is cut into chunks of whole
+  groups whatever its rows, each chunk read by codegen/triton_gemv_int4_columns.py
+  (`FUSEC_INT4_COLUMNS=0` keeps one GEMV);
 * not a GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column
   reduction to the rule below: its kernel takes many neighbouring columns per program and still
   has programs for every SM once there are 2 * FEW_PROGRAMS columns;
@@ -168,8 +172,6 @@ def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple[int, int] | N
     m = meta(red.operand)
     kept = [size for d, size in enumerate(m.shape) if d not in red.dims and size > 1]
     if len(kept) < 2 or math.prod(kept) != gemv["n"]:
-        return None
-    if gemv["n"] * gemv["k"] < int(os.environ.get("FUSEC_INT4_COLUMNS_MIN", "0")):
         return None
     d = max(red.dims, key=lambda d: (abs(m.stride[d]), -d))
     groups, group = m.shape[d], math.prod(m.shape[r] for r in red.dims) // m.shape[d]
