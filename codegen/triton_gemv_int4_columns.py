@@ -32,7 +32,6 @@ from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
 
 WORD_COLUMNS = 32  # one word column per lane of the one-warp program
 ROWS_PER_STEP = 8  # rows of K loaded a step: 8 words a lane in flight, and 8 more prefetched
-HALF_MAX = {torch.float16: 65504.0, torch.bfloat16: 3.3895313892515355e38}
 
 
 def columns_fit(kernel, cols: Int4Columns) -> tuple[bool, str]:
@@ -122,7 +121,7 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
     return render_template(
         "triton_gemv_int4_columns.py.j2", name=kernel.name, summary=_summary(kernel),
         group=cols.group, groups=cols.groups, chunks=cols.chunks, nw=cols.nw, wj=wj, r=step,
-        half=str(cols.half).replace("torch.", ""), half_max=HALF_MAX[cols.half],
+        half=str(cols.half).replace("torch.", ""), half_max=torch.finfo(cols.half).max,
         programs=-(-cols.nw // wj) * cols.chunks, pdl=pdl(arch), helpers=sorted(helpers),
         params=params, args_ptr=params, args=[q.name for q in kernel.params],
         shift_lines=shift_lines, shift=cols.shifts[-1], words_at=words_at, word_mask=word_mask,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from unittest import mock
 
 import torch
 
@@ -80,15 +81,8 @@ def one_gemv(layer, **kwargs):
     cf = fusec.compile(layer, **kwargs)
 
     def call(x):
-        before = os.environ.get("FUSEC_INT4_COLUMNS")
-        os.environ["FUSEC_INT4_COLUMNS"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {"FUSEC_INT4_COLUMNS": "0"}):
             return cf(x)
-        finally:
-            if before is None:
-                os.environ.pop("FUSEC_INT4_COLUMNS")
-            else:
-                os.environ["FUSEC_INT4_COLUMNS"] = before
     return call
 
 
