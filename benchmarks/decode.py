@@ -1,4 +1,4 @@
-"""LLM decoding, one token at a time: tokens/s for bf16, int8 and int4 weights (and AWQ's), side by side.
+"""LLM decoding, one token at a time: tokens/s for bf16, int8 and int4 weights (and AWQ's, GPTQ's), side by side.
 
     python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
                                 [--systems eager,torch.compile,reduce-overhead,fusec] [--batch 1]
@@ -6,7 +6,8 @@
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). `--formats ...,awq` adds AWQ's packing (eight nibbles
-along N per int32, examples/awq_linear.py). For each weight format it runs the same prompt and 64
+along N per int32, examples/awq_linear.py), `gptq` GPTQ's (eight along K, examples/gptq_linear.py).
+For each weight format it runs the same prompt and 64
 greedy steps through each system and reports tokens/s and whether the generated tokens equal
 eager's. The next token stays on the device (argmax, no host sync between steps), so the loop
 measures what the GPU and the launches cost. `--batch B` decodes B sequences together (each

@@ -4,8 +4,9 @@
                                       [--in-a-row 8] [--json out.json]
 
 For each batch size M: a plain bf16 F.linear (cuBLAS: the baseline), and the W8A16 and W4A16
-layers of examples/int8_linear.py and examples/int4_linear.py, and AWQ's format
-(examples/awq_linear.py: eight nibbles along N per int32), run eagerly, through torch.compile
+layers of examples/int8_linear.py and examples/int4_linear.py, and AWQ's and GPTQ's formats
+(examples/awq_linear.py: eight nibbles along N per int32; examples/gptq_linear.py: eight along
+K, the words N-contiguous), run eagerly, through torch.compile
 and through fusec. Each row gives the median time and the weight bytes per second (the int8 or
 packed int4 bytes plus their scales, which is what the layer has to read); each fusec row also
 the quantized weight's bytes alone per second (issue 15's "TB/s of packed bytes"). `--sweep` also times
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 import fusec
 from fusec.examples.awq_linear import AWQLinear
+from fusec.examples.gptq_linear import GPTQLinear
 from fusec.examples.int4_linear import Int4Linear
 from fusec.examples.int8_linear import Int8Linear
 from fusec.runtime.build import codegen
@@ -78,7 +80,8 @@ def main() -> None:
     k, n = args.k, args.n
     w = (torch.randn(n, k, device=device) / k ** 0.5).to(torch.bfloat16)
     layers = {"int8": Int8Linear(w).to(device), "int4": Int4Linear(w, args.group).to(device),
-              "awq": AWQLinear(w.t().contiguous(), args.group).to(device)}
+              "awq": AWQLinear(w.t().contiguous(), args.group).to(device),
+              "gptq": GPTQLinear(w.t().contiguous(), args.group).to(device)}
     rows = []
 
     def floor(name, m, nbytes):
@@ -259,7 +262,7 @@ def _dequant(layer, fmt):
     """The weight the quantized layer stands for, in float64: q * scale, (q - zero) * scale."""
     if fmt == "int8":
         return layer.q.double() * layer.scale.double()[:, None]
-    if fmt == "awq":
+    if fmt in ("awq", "gptq"):
         return layer.dequantized().t()
     p = layer.packed.view(layer.n, layer.k // layer.group, layer.group // 2).double()
     q = torch.stack([p.remainder(16), p.div(16, rounding_mode="floor")], -1)
@@ -281,8 +284,8 @@ def sweep(rows, layers, x, m, row):
         dot_configs = [(16, 128, 4, 3), (16, 256, 4, 3), (16, 256, 4, 4), (32, 128, 4, 3),
                        (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3), (32, 256, 8, 4)]
         for fmt, layer in layers.items():
-            if fmt == "awq":
-                continue  # (its blocks are gemv_blocks_n_major's)
+            if fmt in ("awq", "gptq"):
+                continue  # (their blocks are gemv_blocks_n_major's)
             nb = weight_bytes(layer)
             if m > default_m:
                 row(f"{fmt} fusec GEMV forced", m, nb, fusec.compile(layer), x)

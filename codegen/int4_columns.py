@@ -59,7 +59,7 @@ class Int4Columns:
 
 
 class _NoMatch(Exception):
-    """Why the kernel is not the column-packed int4 form (the message is the reason shown)."""
+    """Why the kernel is not a packed-int4 chunk's form (the message is the reason shown)."""
 
 
 def _require(ok: bool, why: str) -> None:
@@ -73,6 +73,13 @@ def match_int4_columns(kernel) -> tuple[Int4Columns | None, str]:
         return None, "the rows are not (chunks, words, 8 columns of a word)"
     if len(kernel.k_shape) not in (1, 2):
         return None, "K is not (groups,) rows of one group"
+    return match_chunk(kernel, _match,
+                       "int4 words packed along N: one chunk of K, dequantized once per group")
+
+
+def match_chunk(kernel, match, found: str):
+    """(match(kernel, its sum, its producers), found), or (None, why not): the checks every
+    packed-int4 chunk matcher starts with (one float32 sum, no gathered reads)."""
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if len(reds) != 1 or reds[0].op != "sum" or reds[0].acc_dtype != F32:
         return None, "not one float32 sum"
@@ -81,10 +88,9 @@ def match_int4_columns(kernel) -> tuple[Int4Columns | None, str]:
     producers = {l.var.name: l for l in kernel.loads}
     producers.update((item.var.name, item) for item in kernel.body)
     try:
-        found = _match(kernel, reds[0], producers)
+        return match(kernel, reds[0], producers), found
     except _NoMatch as e:
         return None, str(e)
-    return found, "int4 words packed along N: one chunk of K, dequantized once per group"
 
 
 def _stmt(producers, name: str, ops: tuple) -> Stmt:
@@ -129,9 +135,30 @@ def _load(producers, name: str, dtypes: tuple, what: str) -> Load:
     return item
 
 
-def _match(kernel, r: Reduce, producers) -> Int4Columns:
-    chunks, nw, _ = kernel.row_shape
-    groups, group = (1, kernel.k_shape[0]) if len(kernel.k_shape) == 1 else kernel.k_shape
+@dataclass(frozen=True)
+class Chain:
+    """The dequantization under a GEMV's product, x * round_half((q - zero) * scale) with
+    q = narrow(word >> shift) & 15: the names and items the matchers read off it."""
+
+    x: str  # the activation's factor of the product
+    weight: str  # the rounded weight's factor (before widenings)
+    mul: Stmt  # (q - zero) * scale, rounded to half precision
+    scale: Load
+    d: Stmt  # q - zero (or q itself, with no zero point)
+    zero: Load | int | None
+    sub_dtype: torch.dtype | None  # the integer dtype of q - zero
+    mask: Stmt
+    narrow: Stmt | None  # the shifted word narrowed (AWQ's int8), or None
+    shift: Stmt
+    words: Load
+
+
+INTS = (torch.int8, torch.int16, torch.int32)
+
+
+def dequant_chain(r: Reduce, producers, narrow_to: tuple = INTS) -> Chain:
+    """Walk from the sum's product down to the packed words (see `Chain`); _NoMatch says where the
+    form differs. `narrow_to`: the integer dtypes q and q - zero may be computed in."""
     prod = _stmt(producers, r.operand.name, ("mul",))
     _require(prod.var.dtype == F32 and prod.round_to is None
              and not any(isinstance(o, Const) for o in prod.operands), "the product is not float32")
@@ -146,12 +173,14 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
     if isinstance(producers.get(_through(producers, d_name)), Load):
         d_name, s_name = s_name, d_name
     scale = _load(producers, _through(producers, s_name), (mul.round_to,), "the scale")
+    d_name = _widened(producers, d_name)
     d = _stmt(producers, d_name, ("sub", "bitwise_and"))
     zero = None
     if d.op == "sub":
         q, z = d.operands
-        _require(d.var.dtype == torch.int8 and not isinstance(q, Const),
-                 f"{d_name} does not subtract a zero point from the nibble in int8")
+        _require(d.var.dtype in narrow_to and not isinstance(q, Const),
+                 f"{d_name} does not subtract a zero point from the nibble in "
+                 f"{' or '.join(str(t).replace('torch.', '') for t in narrow_to)}")
         if isinstance(z, Const):
             _require(float(z.value) == int(z.value) and -112 <= int(z.value) <= 127,
                      f"the zero point {z.value} is not an int8 number of at least -112")
@@ -162,21 +191,60 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
             if isinstance(z_item, Stmt) and z_item.op == "copy" and not isinstance(
                     z_item.operands[0], Const):
                 z_name = z_item.operands[0].name
-            zero = _load(producers, z_name, (torch.int8,), "the zero point")
+            zero = _load(producers, z_name, narrow_to, "the zero point")
         mask = _stmt(producers, q.name, ("bitwise_and",))
     else:
         mask = d
-    _require(mask.var.dtype == torch.int8 and isinstance(mask.operands[1], Const)
+    _require(mask.var.dtype in narrow_to and isinstance(mask.operands[1], Const)
              and mask.operands[1].value == 15 and not isinstance(mask.operands[0], Const),
-             f"{mask.var.name} is not an int8 nibble & 15")
-    narrow = _stmt(producers, mask.operands[0].name, ("to",))
-    _require(narrow.var.dtype == torch.int8 and not isinstance(narrow.operands[0], Const),
-             f"{narrow.var.name} does not narrow the shifted word to int8")
-    shift = _stmt(producers, narrow.operands[0].name, ("rshift",))
+             f"{mask.var.name} is not a nibble & 15")
+    narrow = producers.get(mask.operands[0].name)
+    if isinstance(narrow, Stmt) and narrow.op == "to":
+        _require(narrow.var.dtype in narrow_to and not isinstance(narrow.operands[0], Const),
+                 f"{narrow.var.name} does not narrow the shifted word to an integer")
+        shift_name = narrow.operands[0].name
+    else:
+        narrow, shift_name = None, mask.operands[0].name
+    shift = _stmt(producers, shift_name, ("rshift",))
     _require(shift.var.dtype == torch.int32 and not any(isinstance(o, Const)
                                                         for o in shift.operands),
              f"{shift.var.name} is not an int32 word shifted by per-column amounts")
     words = _load(producers, shift.operands[0].name, (torch.int32,), "the packed weight")
+    return Chain(a, b, mul, scale, d, zero, d.var.dtype if d.op == "sub" else None, mask, narrow,
+                 shift, words)
+
+
+def _widened(producers, name: str) -> str:
+    """Past one conversion of an integer to float32 (`(q - zero).to(x.dtype)`): exact for the
+    values the kernels take the fast way (|q - zero| <= 127, checked when they run)."""
+    item = producers.get(name)
+    if isinstance(item, Stmt) and item.op == "to" and item.var.dtype == F32 \
+            and not isinstance(item.operands[0], Const) and item.operands[0].dtype in INTS:
+        return item.operands[0].name
+    return name
+
+
+def chain_values(kernel, c: Chain) -> set[str]:
+    """The names the chain computes (with the copies and widenings on its way)."""
+    producers = {l.var.name: l for l in kernel.loads}
+    producers.update((item.var.name, item) for item in kernel.body)
+    made = {c.weight, c.d.var.name, c.mask.var.name, c.shift.var.name, c.words.var.name,
+            c.scale.var.name} | ({c.narrow.var.name} if c.narrow is not None else set())
+    made |= {n for n in producers if isinstance(producers[n], Stmt) and producers[n].op in
+             ("to", "copy") and (_through(producers, n) in made or _widened(producers, n) in made)}
+    if isinstance(c.zero, Load):
+        made |= {c.zero.var.name}
+    if c.d.op == "sub":
+        made |= {o.name for o in c.d.operands if not isinstance(o, Const)}
+    return made
+
+
+def _match(kernel, r: Reduce, producers) -> Int4Columns:
+    chunks, nw, _ = kernel.row_shape
+    groups, group = (1, kernel.k_shape[0]) if len(kernel.k_shape) == 1 else kernel.k_shape
+    c = dequant_chain(r, producers, (torch.int8,))
+    _require(c.narrow is not None, f"{c.mask.var.name} is not an int8 nibble of a narrowed word")
+    a, words, scale, zero, shift = c.x, c.words, c.scale, c.zero, c.shift
     # the shift amounts: loaded, or computed from loads (a folded constant clamped and narrowed)
     shift_values = tuple(kernel.values_needed([shift.operands[1].name], only_varying=False))
     for name in shift_values:
@@ -192,14 +260,7 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
         _require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or (
             item.index.strides[1:3] == (0, 0))),
                  f"the activation ({a}) depends on the output column")
-    made = {r.operand.name, b, d_name, mask.var.name, narrow.var.name, shift.var.name,
-            words.var.name, scale.var.name, *shift_values, *x_values}
-    made |= {n for n in producers if isinstance(producers[n], Stmt) and producers[n].op in
-             ("to", "copy") and _through(producers, n) in made}
-    if isinstance(zero, Load):
-        made |= {zero.var.name}
-    if d.op == "sub":
-        made |= {o.name for o in d.operands if not isinstance(o, Const)}
+    made = chain_values(kernel, c) | {r.operand.name, *shift_values, *x_values}
     rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
     _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
     (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
@@ -221,4 +282,4 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
                  and st[0] == groups * per_group,
                  f"{g.var.name} is not one value per (group, column)")
     return Int4Columns(words, shift_values, zero, scale, x_values, a, chunks, nw, groups, group,
-                       mul.round_to)
+                       c.mul.round_to)

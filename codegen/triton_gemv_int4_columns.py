@@ -45,6 +45,31 @@ def columns_fit(kernel, cols: Int4Columns) -> tuple[bool, str]:
     return True, ""
 
 
+def strided(load, names: list[str]) -> str:
+    """`load`'s address from its strides, dim by dim, over the coordinates `names`
+    (expressions)."""
+    terms = [str(load.index.offset)] if load.index.offset else []
+    for name, st in zip(names, load.index.strides):
+        if st:
+            name = f"({name})" if " " in name else name
+            terms.append(name if st == 1 else f"{name} * {st}")
+    return f"{load.param}_ptr + " + (" + ".join(terms) or "0")
+
+
+def computed_lines(names, producers: dict, helpers: set, block: str, address) -> list[str]:
+    """Lines computing `names` (loads and statements, in order) as `block` tiles, each load at
+    `address(load)`."""
+    out = []
+    for name in names:
+        item = producers[name]
+        if isinstance(item, Stmt):
+            out.append(_stmt(item, helpers, block=block))
+        else:
+            value = convert(f"tl.load({address(item)})", item.dtype, item.var.dtype)
+            out.append(f"{name} = {value}")
+    return out
+
+
 def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> str:
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     step = math.gcd(ROWS_PER_STEP, cols.group)
@@ -55,13 +80,7 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
     def at(load, chunk: str, j: str, t: str, gi: str, kk: str) -> str:
         """`load`'s address from its strides over (chunk, word column, column of the word,
         [group of the chunk,] row of the group)."""
-        names = [chunk, j, t] + ([gi, kk] if n_k == 2 else [kk])
-        terms = [str(load.index.offset)] if load.index.offset else []
-        for name, st in zip(names, load.index.strides):
-            if st:
-                name = f"({name})" if " " in name else name
-                terms.append(name if st == 1 else f"{name} * {st}")
-        return f"{load.param}_ptr + " + (" + ".join(terms) or "0")
+        return strided(load, [chunk, j, t] + ([gi, kk] if n_k == 2 else [kk]))
 
     def rows_of_k(name: str, load: Load) -> str:
         """The address of `load` at rows `name + rows` of K (the chunk's offset is in `name`)."""
@@ -80,17 +99,7 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
         return f"{words.param}_ptr + {rows_of_k(k, words)} + j[None, :]"
 
     def computed(names, block: str, coords: tuple) -> list[str]:
-        """Lines computing `names` (loads and statements) as `block` tiles, each load at the
-        coordinates `coords` (see `at`)."""
-        out = []
-        for name in names:
-            item = producers[name]
-            if isinstance(item, Stmt):
-                out.append(_stmt(item, helpers, block=block))
-            else:
-                value = convert(f"tl.load({at(item, *coords)})", item.dtype, item.var.dtype)
-                out.append(f"{name} = {value}")
-        return out
+        return computed_lines(names, producers, helpers, block, lambda l: at(l, *coords))
 
     # the activations of the step's R rows, [R, 1]: loaded, or computed from loads that are the
     # same for every column (`r + rows`: the rows within the group)

@@ -16,12 +16,14 @@ from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
 from .int4_columns import match_int4_columns
+from .int4_k_words import chunk_of_k_words, match_int4_k_words
 from .int4_words import match_int4_words
 from .render import render_template
 from .triton_pdl import pdl
 from .triton_gemv import gemv_fits, render_gemv
 from .triton_gemv_int4 import render_gemv_words
 from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
+from .triton_gemv_int4_k_words import k_words_fit, render_gemv_k_words
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
 from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
 from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset, literal
@@ -90,7 +92,13 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
 
 
 def render_reduction(kernel, arch: int | None = None) -> str:
-    if gemv_fits(kernel):
+    k_words, why_not_k_words = match_int4_k_words(kernel)  # one chunk of a GPTQ-style GEMV
+    if k_words is not None:
+        fits, why_not_k_words = k_words_fit(kernel, k_words)
+        if fits:
+            return render_gemv_k_words(kernel, k_words, arch)
+    k_chunk = k_words is not None or chunk_of_k_words(kernel)  # declined: said below why
+    if gemv_fits(kernel) and not k_chunk:
         return render_int4_or_gemv(kernel, arch)
     cols, why_not_columns = match_int4_columns(kernel)  # one chunk of an AWQ-style GEMV
     if cols is not None:
@@ -196,6 +204,9 @@ def render_reduction(kernel, arch: int | None = None) -> str:
     if len(kernel.row_shape) == 3 and kernel.row_shape[2] == 8:  # a chunk of a GEMV packed along N?
         note = (note + "\n" if note else "") + \
             f"Not the column-packed int4 kernel (codegen/int4_columns.py): {why_not_columns}."
+    if k_chunk:
+        note = (note + "\n" if note else "") + \
+            f"Not the K-packed int4 kernel (codegen/int4_k_words.py): {why_not_k_words}."
     helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)

@@ -36,16 +36,24 @@ def pack_awq(q: torch.Tensor) -> torch.Tensor:
     return (cols << shifts).sum(-1, dtype=torch.int32)
 
 
-def quantize_awq(w: torch.Tensor, group: int):
-    """Asymmetric per-group quantization of w (K, N) along K: q = round(w / scale) + zero in 0..15.
-    Returns qweight (K, N / 8), qzeros (K / G, N / 8) int32 and scales (K / G, N)."""
+def quantize_along_k(w: torch.Tensor, group: int):
+    """Asymmetric per-group quantization of w (K, N) along K (rounding to nearest):
+    q = round(w / scale) + zero in 0..15. Returns q (K, N), zero (K / G, N) and scale (K / G, N)
+    in w's dtype."""
     k, n = w.shape
     g = w.float().view(k // group, group, n)
     lo, hi = g.amin(1), g.amax(1)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = (torch.round(g / scale[:, None]) + zero[:, None]).clamp(0, 15).view(k, n)
-    return pack_awq(q), pack_awq(zero), scale.to(w.dtype)
+    return q, zero, scale.to(w.dtype)
+
+
+def quantize_awq(w: torch.Tensor, group: int):
+    """quantize_along_k, packed as AWQ packs: qweight (K, N / 8), qzeros (K / G, N / 8) int32 and
+    scales (K / G, N)."""
+    q, zero, scale = quantize_along_k(w, group)
+    return pack_awq(q), pack_awq(zero), scale
 
 
 class AWQLinear(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""A small Llama-style model decoding one token at a time, with bf16, int8, packed int4 or AWQ weights.
+"""A small Llama-style model decoding one token at a time, with bf16, int8, packed int4, AWQ or GPTQ weights.
 
 Plain torch, random weights: RMSNorm, rotary position embeddings, grouped-query attention (fewer
 key/value heads than query heads) over a *static* KV cache (a buffer of max_seq positions written
@@ -7,7 +7,8 @@ every weight once for one token: its time is the weight bytes over the memory ba
 why int8 (examples/int8_linear.py) and int4 (examples/int4_linear.py) weights pay off here, if
 each quantized linear is one kernel that reads the quantized bytes (passes/small_matmul.py).
 "awq" stores each weight as AWQ checkpoints do (examples/awq_linear.py: eight nibbles along N per
-int32, unpacked in plain torch).
+int32, unpacked in plain torch), "gptq" as GPTQ checkpoints do (examples/gptq_linear.py: eight
+nibbles along K per int32, the words N-contiguous).
 
 `generate` runs a prompt and then greedy decoding, one compiled step per token;
 benchmarks/decode.py times it (tokens/s) against eager and torch.compile.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from fusec.demo import Example, run_example
 from fusec.examples.awq_linear import AWQLinear
+from fusec.examples.gptq_linear import GPTQLinear
 from fusec.examples.int4_linear import Int4Linear
 from fusec.examples.int8_linear import Int8Linear
 
@@ -45,7 +47,9 @@ def make_linear(weight: torch.Tensor, fmt: str, group: int) -> torch.nn.Module:
         return Int4Linear(weight, group)
     if fmt == "awq":  # AWQ's layout: eight nibbles along N per int32, x @ W with W (K, N)
         return AWQLinear(weight.t().contiguous(), group)
-    raise ValueError(f"weight format {fmt!r}: use 'bf16', 'int8', 'int4' or 'awq'")
+    if fmt == "gptq":  # GPTQ's layout: eight nibbles along K per int32, x @ W with W (K, N)
+        return GPTQLinear(weight.t().contiguous(), group)
+    raise ValueError(f"weight format {fmt!r}: use 'bf16', 'int8', 'int4', 'awq' or 'gptq'")
 
 
 class RMSNorm(torch.nn.Module):

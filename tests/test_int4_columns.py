@@ -40,8 +40,8 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def chunk_kernel(cf):
-    (k,) = [k for k in cf.kernels if TEMPLATE in k.source]
+def chunk_kernel(cf, template=TEMPLATE):
+    (k,) = [k for k in cf.kernels if template in k.source]
     return k
 
 
@@ -111,13 +111,13 @@ def test_one_token_of_one_sequence():
     closer_than_eager(got, eager, x.cpu().double() @ layer.dequantized().cpu())
 
 
-class NormThenAWQ(torch.nn.Module):
+class NormThen(torch.nn.Module):
     """An RMS norm whose output is the GEMV's activation: computed in the chunk kernel from the
     norm's loads (the activation side may be any values the same for every column)."""
 
-    def __init__(self, k, n, group):
+    def __init__(self, lin, k):
         super().__init__()
-        self.lin = awq_layer(k, n, group, BF16)
+        self.lin = lin
         self.w = torch.nn.Parameter(torch.rand(k, generator=gen(5)).to(BF16) + 0.5)
 
     def forward(self, h):
@@ -126,14 +126,19 @@ class NormThenAWQ(torch.nn.Module):
         return self.lin(x)
 
 
-def test_a_computed_activation_is_computed_in_the_chunk_kernel():
-    m = NormThenAWQ(256, 128, 64).to(DEV)
+def computed_activation(lin, template=TEMPLATE):
+    """NormThen's chunk kernel computes the norm's scaling, from h, per row (its sum of squares is
+    a kernel before)."""
+    m = NormThen(lin, 256).to(DEV)
     h = torch.randn(1, 256, generator=gen(6)).to(BF16).to(DEV)
     with torch.no_grad():
         cf = assert_matches(m, h, backend="triton")
-    g = chunk_kernel(cf)
-    # the norm's sum of squares is a kernel before; its scaling is done here, from h, per row
+    g = chunk_kernel(cf, template)
     assert "h_ptr" in g.source and any("rsqrt" in o for o in g.ops)
+
+
+def test_a_computed_activation_is_computed_in_the_chunk_kernel():
+    computed_activation(awq_layer(256, 128, 64, BF16))
 
 
 def test_a_constant_zero_point_and_a_bias():
@@ -180,11 +185,11 @@ class Unpacked(torch.nn.Module):
 NATURAL = [0, 4, 8, 12, 16, 20, 24, 28]
 
 
-def exact_against_eager(layer, x):
+def exact_against_eager(layer, x, template=TEMPLATE):
     """The exact path: as close as eager to x times eager's own weight (each step rounded as
     eager's ops round it) in float64."""
     cf, got, eager = run(layer, x)
-    chunk_kernel(cf)
+    chunk_kernel(cf, template)
     with torch.no_grad():
         w = layer.weight().cpu().double()
     assert compare(got.cpu(), eager.cpu(), x.cpu().double() @ w) is None
@@ -230,9 +235,8 @@ def test_a_scale_whose_fp16_weights_overflow_gives_eagers_infinities():
     closer_than_eager(got[:, finite], eager[:, finite], (x.cpu().double() @ w)[:, finite])
 
 
-@pytest.mark.parametrize("where", ["scale", "activation"])
-def test_nan_and_inf_come_out_where_eagers_do(where):
-    layer = awq_layer(256, 64, 64)
+def nan_and_inf(layer, where):
+    """A NaN scale or an infinite activation: NaN and inf come out where eager's do."""
     x = torch.randn(1, 256, generator=gen(12)).to(F16).to(DEV)
     if where == "scale":
         layer.scales[2, 9] = float("nan")
@@ -241,6 +245,11 @@ def test_nan_and_inf_come_out_where_eagers_do(where):
     cf, got, eager = run(layer, x)
     assert torch.equal(got.isnan(), eager.isnan()) and torch.equal(got.isinf(), eager.isinf())
     assert got.isnan().any() or got.isinf().any()
+
+
+@pytest.mark.parametrize("where", ["scale", "activation"])
+def test_nan_and_inf_come_out_where_eagers_do(where):
+    nan_and_inf(awq_layer(256, 64, 64), where)
 
 
 def test_check_true_accepts_the_fast_form():

@@ -156,19 +156,27 @@ def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
 
 
 @needs_tools
-def test_the_awq_column_kernel_compiles_for_sm_90_without_spills(monkeypatch):
-    """The chunk kernel of an AWQ GEMV at M = 1 (codegen/triton_gemv_int4_columns.py; the cut
-    along K is made on GPUs, here switched on for the CPU): its registers leave room for 16
-    one-warp programs an SM, and nothing goes to local memory."""
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_the_packed_int4_chunk_kernels_compile_for_sm_90_without_spills(monkeypatch, fmt):
+    """The chunk kernel of an AWQ or a GPTQ GEMV at M = 1 (codegen/triton_gemv_int4_columns.py,
+    codegen/triton_gemv_int4_k_words.py; the cut along K is made on GPUs, here switched on for
+    the CPU): its registers leave room for 16 one-warp programs an SM, and nothing goes to local
+    memory. GPTQ's makes its nibble pairs with one PTX lop3 (int4_helpers.j2) on a GPU."""
     import re
 
+    from fusec.codegen import triton as triton_codegen
     from fusec.examples.awq_linear import AWQLinear
+    from fusec.examples.gptq_linear import GPTQLinear
     split = importlib.import_module("fusec.passes.split_reductions")
     monkeypatch.setattr(split, "SPLIT_DEVICES", ("cpu", "cuda"))
-    layer = AWQLinear(torch.randn(1024, 512, dtype=torch.float16) / 32, 128).to(TRITON_DEVICE)
+    cls, template = {"awq": (AWQLinear, "triton_gemv_int4_columns.py.j2"),
+                     "gptq": (GPTQLinear, "triton_gemv_int4_k_words.py.j2")}[fmt]
+    layer = cls(torch.randn(1024, 512, dtype=torch.float16) / 32, 128).to(TRITON_DEVICE)
     x = torch.randn(1, 1024, dtype=torch.float16, device=TRITON_DEVICE)
-    [k] = [k for k in fusec.explain(layer, x, backend="triton").kernels
-           if "triton_gemv_int4_columns.py.j2" in k.source]
+    [k] = [k for k in fusec.explain(layer, x, backend="triton").kernels if template in k.source]
     head = triton_target.assembly(k.ir, k.name, "sm_90").splitlines()[0]
     assert int(re.search(r"(\d+) registers per thread", head).group(1)) <= 128, head
     assert "0 bytes spilled" in head, head
+    if fmt == "gptq":
+        assert "lop3.b32" in triton_codegen.render(k.ir, arch=90)
+        assert ("lop3" in k.source) == (TRITON_DEVICE == "cuda")  # (the interpreter runs no PTX)

@@ -1,7 +1,8 @@
 """AWQ's packed layer (examples/awq_linear.py) at decode shapes: eager, torch.compile and fusec.
 
     python benchmarks/diagnostics/awq_shapes.py [--shapes 8192x8192,...] [--m 1,4,8,16]
-                                                [--no-compile] [--source DIR]
+                                                [--no-compile] [--source DIR] [--format gptq]
+                                                [--forms] [--graph] [--one-graph]
 
 AWQ packs eight 4-bit weights along N in each int32; fusec compiles its plain-torch unpacking
 into one GEMV whose output columns are (N/8, 8) (passes/constant_gathers.py, refine_views.py),
@@ -30,6 +31,7 @@ import torch
 
 import fusec
 from fusec.examples.awq_linear import AWQLinear
+from fusec.examples.gptq_linear import GPTQLinear
 from fusec.timing import median_ms
 
 
@@ -41,13 +43,17 @@ def main() -> None:
     p.add_argument("--source")
     p.add_argument("--forms", action="store_true", help="also the one-GEMV form (FUSEC_INT4_COLUMNS=0)")
     p.add_argument("--graph", action="store_true", help="fusec's forms timed inside a CUDA graph")
+    p.add_argument("--one-graph", action="store_true",
+                   help="fusec's forms timed as one call captured in a CUDA graph (do_bench)")
+    p.add_argument("--format", choices=["awq", "gptq"], default="awq")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for i, shape in enumerate(args.shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         torch.manual_seed(0)
-        layer = AWQLinear(torch.randn(k, n, device=device, dtype=torch.float16) / k ** 0.5,
-                          128).to(device)
+        cls = AWQLinear if args.format == "awq" else GPTQLinear
+        layer = cls(torch.randn(k, n, device=device, dtype=torch.float16) / k ** 0.5,
+                    128).to(device)
         nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
         fused = fusec.compile(layer)
         forms = {"fusec": (fused, fusec.compile(layer, cuda_graphs=False))}
@@ -63,10 +69,13 @@ def main() -> None:
                     times[name] = median_ms(fn, x, device=device)
                     if args.graph and device == "cuda":  # (fusec's own graphs off inside ours)
                         times[f"{name} in a graph"] = in_a_graph(graphable, x)
+                    if args.one_graph and device == "cuda":
+                        times[f"{name} as one graph"] = in_a_graph(graphable, x, calls=1,
+                                                                  flushed=True)
                 if compiled is not None:
                     compiled(x)
                     times["torch.compile"] = median_ms(compiled, x, device=device)
-            print(f"awq {k}x{n} M={m:<2d} " + "  ".join(
+            print(f"{args.format} {k}x{n} M={m:<2d} " + "  ".join(
                 f"{name} {ms:.4f} ms ({nbytes / ms / 1e9:.2f} TB/s)" for name, ms in times.items())
                 + f"  |err| {err:.3g}  kernels {[kk.name for kk in fused.kernels]}", flush=True)
             if args.source and i == 0 and m == 1:
@@ -86,9 +95,9 @@ def one_gemv(layer, **kwargs):
     return call
 
 
-def in_a_graph(fn, x, calls: int = 10) -> float:
+def in_a_graph(fn, x, calls: int = 10, flushed: bool = False) -> float:
     """Milliseconds per call of `fn(x)`, `calls` calls captured as one CUDA graph and replayed
-    (median of 20 replays)."""
+    (median of 20 replays; with `flushed`, do_bench's median, the L2 flushed before each)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -99,6 +108,8 @@ def in_a_graph(fn, x, calls: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn(x)
+    if flushed:
+        return median_ms(graph.replay, device="cuda") / calls
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(20):
