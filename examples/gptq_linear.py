@@ -60,7 +60,7 @@ class GPTQLinear(torch.nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("qzeros", qzeros)
         self.register_buffer("scales", scales)
-        self.register_buffer("wf", SHIFTS.clone())
+        self.register_buffer("wf", SHIFTS.to(weight_kn.device))
 
     def forward(self, x):
         groups = self.k // self.group
