@@ -6,7 +6,8 @@
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). `--formats ...,awq` adds AWQ's packing (eight nibbles
-along N per int32, examples/awq_linear.py), `gptq` GPTQ's (eight along K, examples/gptq_linear.py).
+along N per int32, examples/awq_linear.py), `gptq` GPTQ's (eight along K, examples/gptq_linear.py;
+`gptq_g_idx`: zero points and scales read through g_idx, as AutoGPTQ's torch path reads them).
 For each weight format it runs the same prompt and 64
 greedy steps through each system and reports tokens/s and whether the generated tokens equal
 eager's. The next token stays on the device (argmax, no host sync between steps), so the loop

@@ -77,13 +77,14 @@ def match_int4_columns(kernel) -> tuple[Int4Columns | None, str]:
                        "int4 words packed along N: one chunk of K, dequantized once per group")
 
 
-def match_chunk(kernel, match, found: str):
+def match_chunk(kernel, match, found: str, gathers: bool = False):
     """(match(kernel, its sum, its producers), found), or (None, why not): the checks every
-    packed-int4 chunk matcher starts with (one float32 sum, no gathered reads)."""
+    packed-int4 chunk matcher starts with (one float32 sum, no piecewise reads, and no gathered
+    ones unless `gathers`)."""
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if len(reds) != 1 or reds[0].op != "sum" or reds[0].acc_dtype != F32:
         return None, "not one float32 sum"
-    if any(l.gather is not None or l.valid is not None for l in kernel.loads):
+    if any((l.gather is not None and not gathers) or l.valid is not None for l in kernel.loads):
         return None, "a gathered or piecewise read"
     producers = {l.var.name: l for l in kernel.loads}
     producers.update((item.var.name, item) for item in kernel.body)

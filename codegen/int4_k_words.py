@@ -56,6 +56,7 @@ class Int4KWords:
     groups: int  # C: groups per chunk
     group: int  # G: rows of K per group
     half: torch.dtype  # the dtype the dequantized weight is rounded to
+    g_idx: Load | None = None  # the group of each row of K, when zero and scale are read through it
 
 
 def match_int4_k_words(kernel) -> tuple[Int4KWords | None, str]:
@@ -65,7 +66,7 @@ def match_int4_k_words(kernel) -> tuple[Int4KWords | None, str]:
     if len(kernel.k_shape) not in (2, 3) or kernel.k_shape[-1] != 8:
         return None, "K is not (groups,) word rows x the 8 nibbles of a word"
     return match_chunk(kernel, _match, "int4 words packed along K, N contiguous: one chunk of K, "
-                       "dequantized once per group")
+                       "dequantized once per group", gathers=True)
 
 
 def chunk_of_k_words(kernel) -> bool:
@@ -81,12 +82,15 @@ def chunk_of_k_words(kernel) -> bool:
 
 def _match(kernel, r: Reduce, producers) -> Int4KWords:
     chunks, n = kernel.row_shape
+    c = dequant_chain(r, producers, INTS)
+    if c.scale.gather is not None:
+        return _match_through_g_idx(kernel, r, producers, c)
     if len(kernel.k_shape) == 2:
         groups, (rows, _) = 1, kernel.k_shape
     else:
         groups, rows, _ = kernel.k_shape
     group = 8 * rows
-    c = dequant_chain(r, producers, INTS)
+    _require(all(l.gather is None for l in kernel.loads), "a gathered read other than the scales'")
 
     def strides(l: Load) -> tuple[int, int, int, int, int]:
         """(chunk, column, group, word row, nibble); with one group per chunk the group's stride
@@ -94,6 +98,22 @@ def _match(kernel, r: Reduce, producers) -> Int4KWords:
         st = l.index.strides
         return (st[0], st[1], rows * st[2], st[2], st[3]) if groups == 1 else tuple(st)
 
+    shift_values, x_values = _checked_rest(kernel, r, producers, c, strides)
+    _require(strides(c.words) == (groups * group // 8 * n, 1, group // 8 * n, n, 0),
+             "the packed weight is not (K / 8, N) words, N contiguous")
+    for g in (c.scale,) + ((c.zero,) if isinstance(c.zero, Load) else ()):
+        st = strides(g)
+        per_group = st[0] if groups == 1 else st[2]
+        _require(st[1] != 0 and per_group != 0 and st[3:] == (0, 0) and st[0] == groups * per_group,
+                 f"{g.var.name} is not one value per (group, column)")
+    return Int4KWords(c.words, shift_values, c.zero, c.scale, x_values, c.x, chunks, n, groups,
+                      group, c.mul.round_to)
+
+
+def _checked_rest(kernel, r: Reduce, producers, c, strides) -> tuple[tuple, tuple]:
+    """(shift values, activation values): the names computing the shift amounts and the
+    activation, after checking that they vary as the kernel needs, that the kernel computes
+    nothing else, and that it stores the chunk's float32 sums alone."""
     # the shift amounts: loaded, or computed from loads, varying along the nibbles only
     shift_values = tuple(kernel.values_needed([c.shift.operands[1].name], only_varying=False))
     for name in shift_values:
@@ -114,12 +134,43 @@ def _match(kernel, r: Reduce, producers) -> Int4KWords:
     (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
     _require(store is not None and store.var.name == r.var.name and store.scatter is None
              and store.dtype == F32, "the chunk's sum is not stored alone, in float32")
-    _require(strides(c.words) == (groups * group // 8 * n, 1, group // 8 * n, n, 0),
+    return shift_values, x_values
+
+
+def _match_through_g_idx(kernel, r: Reduce, producers, c) -> Int4KWords:
+    """AutoGPTQ's torch path reads zero point and scale of row k through g_idx[k]
+    (`scales[g_idx]`): K is (word rows, 8 nibbles), and the groups are the tables' rows,
+    G = K / their number. The kernel assumes g_idx[k] = k // G (checkpoints quantized in order)
+    and checks it per group when it runs; a chunk where it does not hold (act order) takes the
+    exact path, which reads through g_idx as eager does."""
+    chunks, n = kernel.row_shape
+    _require(len(kernel.k_shape) == 2, "K is not (word rows, 8 nibbles) with groups read through an index")
+    words, _ = kernel.k_shape
+    pos, _, size = c.scale.gather
+    g_idx = producers.get(pos)
+    _require(isinstance(g_idx, Load) and g_idx.dtype in (torch.int32, torch.int64)
+             and g_idx.gather is None and tuple(g_idx.index.strides) == (8 * words, 0, 8, 1),
+             "the scales are not read through one loaded group index per row of K")
+    k = chunks * words * 8
+    group = k // size
+    _require(k % size == 0 and group % 8 == 0 and (8 * words) % group == 0
+             and (group // 8) & (group // 8 - 1) == 0,
+             f"{size} groups do not cut K = {k} into chunks of whole groups of a power of two "
+             "times 8 rows")
+
+    def strides(l: Load) -> tuple:
+        st = l.index.strides
+        return (st[0], st[1], group // 8 * st[2], st[2], st[3])
+
+    shift_values, x_values = _checked_rest(kernel, r, producers, c, strides)
+    _require(tuple(c.words.index.strides) == (words * n, 1, n, 0),
              "the packed weight is not (K / 8, N) words, N contiguous")
-    for g in (c.scale,) + ((c.zero,) if isinstance(c.zero, Load) else ()):
-        st = strides(g)
-        per_group = st[0] if groups == 1 else st[2]
-        _require(st[1] != 0 and per_group != 0 and st[3:] == (0, 0) and st[0] == groups * per_group,
-                 f"{g.var.name} is not one value per (group, column)")
-    return Int4KWords(c.words, shift_values, c.zero, c.scale, x_values, c.x, chunks, n, groups,
-                      group, c.mul.round_to)
+    tables = (c.scale,) + ((c.zero,) if isinstance(c.zero, Load) else ())
+    _require(all(l.gather is None or l in tables for l in kernel.loads),
+             "a gathered read other than the zero points' and the scales'")
+    for g in tables:
+        _require(g.gather is not None and g.gather[0] == pos and g.index.strides[0] == 0
+                 and g.index.strides[1] != 0 and tuple(g.index.strides[2:]) == (0, 0),
+                 f"{g.var.name} is not one value per (group, column) read through g_idx")
+    return Int4KWords(c.words, shift_values, c.zero, c.scale, x_values, c.x, chunks, n,
+                      8 * words // group, group, c.mul.round_to, g_idx)

@@ -22,7 +22,7 @@ from .render import render_template
 from .triton_gemv_int4 import pair_math
 from .triton_gemv_int4_columns import computed_lines, strided
 from .triton_pdl import pdl
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
+from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert, gather_offset
 
 COLUMNS_PER_LANE = 4  # neighbouring columns of a lane: one 16-byte load per word row
 ROWS_PER_STEP = 4  # word rows loaded a step (32 rows of K), and as many prefetched
@@ -63,7 +63,9 @@ def render_gemv_k_words(kernel, kw: Int4KWords, arch: int | None = None) -> str:
     def group_value(load: Load | int | None) -> str:
         if not isinstance(load, Load):
             return f"tl.full([WN], {float(load or 0)!r}, tl.float32)  # the zero point is a constant"
-        value = f"tl.load({at(load, 'chunk', 'n', 'gi', '0', '0')}, {n_mask}eviction_policy='evict_last')"
+        # (read through g_idx: the row of the group this is, which `grouped` checks)
+        row = f" + (chunk * {kw.groups} + gi) * {load.gather[1]}" if load.gather else ""
+        value = f"tl.load({at(load, 'chunk', 'n', 'gi', '0', '0')}{row}, {n_mask}eviction_policy='evict_last')"
         return convert(value, load.dtype, torch.float32)
 
     # the activations of nibble t of the step's word rows, [R, 1]: loaded, or computed from loads
@@ -71,12 +73,17 @@ def render_gemv_k_words(kernel, kw: Int4KWords, arch: int | None = None) -> str:
     x_lines = computed(kw.x, "[R, 1]", ("chunk", "0", "gi", "(kr + tl.arange(0, R))[:, None]", "t"))
     # the exact path: every load as a [WN] tile of one row of K, then the IR's statements
     exact_loads = []
-    for load in kernel.loads:
+    for load in sorted(kernel.loads, key=lambda l: l.gather is not None):  # (index values first)
         where = at(load, "chunk", "n", "gi", "kr", "t")
-        value = f"tl.load({where} + lane0, {n_mask.replace('other=0, ', 'other=0')})" if ragged \
+        if load.gather is not None:
+            where += f" + {gather_offset(load)}"
+        value = f"tl.load({where} + lane0, mask=nmask, other=0)" if ragged \
             else f"tl.load({where} + lane0)"
         exact_loads.append(f"{load.var.name} = {convert(value, load.dtype, load.var.dtype)}")
     exact_lines = [_stmt(s, helpers, block="[WN]") for s in kernel.body if isinstance(s, Stmt)]
+    # g_idx of the group's rows, [G / 8, 8], when zero point and scale are read through it
+    g_idx = kw.g_idx and "tl.load(%s)" % at(kw.g_idx, "chunk", "0", "gi", f"tl.arange(0, {rows})[:, None]",
+                                          "tl.arange(0, 8)[None, :]")
     (store,) = kernel.stores
     shift_lines = computed(kw.shifts, "[8]", ("0", "0", "0", "0", "t8"))
     lines = exact_loads + exact_lines + shift_lines + x_lines
@@ -95,4 +102,4 @@ def render_gemv_k_words(kernel, kw: Int4KWords, arch: int | None = None) -> str:
         words_mask=words_mask, n_mask=n_mask, x_lines=x_lines, x_var=kw.x_var,
         zero=group_value(kw.zero), scale=group_value(kw.scale),
         exact_loads=exact_loads, exact_lines=exact_lines, product=r.operand.name,
-        store_at=at(store, "chunk", "n", "0", "0", "0"))
+        store_at=at(store, "chunk", "n", "0", "0", "0"), g_idx=g_idx)

@@ -50,9 +50,14 @@ def quantize_gptq(w: torch.Tensor, group: int):
 
 
 class GPTQLinear(torch.nn.Module):
-    """y = x @ W with W (K, N) stored in GPTQ's packed format, dequantized in plain torch."""
+    """y = x @ W with W (K, N) stored in GPTQ's packed format, dequantized in plain torch.
 
-    def __init__(self, weight_kn: torch.Tensor, group: int = 128):
+    `g_idx=True` dequantizes as AutoGPTQ's current torch path does: each row k of the weight takes
+    the zero point and scale of group g_idx[k] (`scales[g_idx]`), which checkpoints store for act
+    order (rows quantized in another order); here g_idx[k] = k // G, a checkpoint quantized in
+    order. fusec reads both forms packed (its kernel checks g_idx per group when it runs)."""
+
+    def __init__(self, weight_kn: torch.Tensor, group: int = 128, g_idx: bool = False):
         super().__init__()
         self.k, self.n = weight_kn.shape
         self.group = group
@@ -61,16 +66,24 @@ class GPTQLinear(torch.nn.Module):
         self.register_buffer("qzeros", qzeros)
         self.register_buffer("scales", scales)
         self.register_buffer("wf", SHIFTS.to(weight_kn.device))
+        self.register_buffer("g_idx", (torch.arange(self.k, device=weight_kn.device) // group)
+                             .int() if g_idx else None)
 
     def forward(self, x):
         groups = self.k // self.group
         zeros = torch.bitwise_right_shift(self.qzeros.unsqueeze(2).expand(-1, -1, 8),
                                           self.wf.view(1, 1, 8)).to(torch.int8)
-        zeros = torch.bitwise_and(zeros, 15).reshape(groups, 1, self.n)
+        zeros = torch.bitwise_and(zeros, 15)
         weight = torch.bitwise_right_shift(self.qweight.unsqueeze(1).expand(-1, 8, -1),
                                            self.wf.view(1, 8, 1)).to(torch.int8)
-        weight = torch.bitwise_and(weight, 15).reshape(groups, self.group, self.n)
-        weight = self.scales.reshape(groups, 1, self.n) * (weight - zeros)
+        weight = torch.bitwise_and(weight, 15)
+        if self.g_idx is not None:
+            g = self.g_idx.long()
+            zeros = zeros.reshape(groups, self.n)
+            weight = self.scales[g] * (weight.reshape(self.k, self.n) - zeros[g])
+            return torch.matmul(x, weight)
+        weight = weight.reshape(groups, self.group, self.n)
+        weight = self.scales.reshape(groups, 1, self.n) * (weight - zeros.reshape(groups, 1, self.n))
         return torch.matmul(x, weight.reshape(self.k, self.n))
 
     def dequantized(self) -> torch.Tensor:

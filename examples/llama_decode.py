@@ -8,7 +8,8 @@ why int8 (examples/int8_linear.py) and int4 (examples/int4_linear.py) weights pa
 each quantized linear is one kernel that reads the quantized bytes (passes/small_matmul.py).
 "awq" stores each weight as AWQ checkpoints do (examples/awq_linear.py: eight nibbles along N per
 int32, unpacked in plain torch), "gptq" as GPTQ checkpoints do (examples/gptq_linear.py: eight
-nibbles along K per int32, the words N-contiguous).
+nibbles along K per int32, the words N-contiguous), "gptq_g_idx" the same read through g_idx as
+AutoGPTQ's torch path reads it.
 
 `generate` runs a prompt and then greedy decoding, one compiled step per token;
 benchmarks/decode.py times it (tokens/s) against eager and torch.compile.
@@ -47,9 +48,10 @@ def make_linear(weight: torch.Tensor, fmt: str, group: int) -> torch.nn.Module:
         return Int4Linear(weight, group)
     if fmt == "awq":  # AWQ's layout: eight nibbles along N per int32, x @ W with W (K, N)
         return AWQLinear(weight.t().contiguous(), group)
-    if fmt == "gptq":  # GPTQ's layout: eight nibbles along K per int32, x @ W with W (K, N)
-        return GPTQLinear(weight.t().contiguous(), group)
-    raise ValueError(f"weight format {fmt!r}: use 'bf16', 'int8', 'int4', 'awq' or 'gptq'")
+    if fmt in ("gptq", "gptq_g_idx"):  # GPTQ's layout: eight nibbles along K per int32, x @ W
+        # with W (K, N); gptq_g_idx reads zero points and scales through g_idx, as AutoGPTQ does
+        return GPTQLinear(weight.t().contiguous(), group, g_idx=fmt == "gptq_g_idx")
+    raise ValueError(f"weight format {fmt!r}: use 'bf16', 'int8', 'int4', 'awq', 'gptq' or 'gptq_g_idx'")
 
 
 class RMSNorm(torch.nn.Module):

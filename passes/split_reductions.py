@@ -35,7 +35,8 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
   eight 4-bit columns to an int32 word, `packed_along_n`): its K is cut into chunks of whole
   groups whatever its rows, each chunk read by codegen/triton_gemv_int4_columns.py
   (`FUSEC_INT4_COLUMNS=0` keeps one GEMV); the same for int4 words packed along K and stored
-  N-contiguous (GPTQ's, `packed_along_k`), each chunk read by codegen/triton_gemv_int4_k_words.py;
+  N-contiguous (GPTQ's, `packed_along_k`), each chunk read by codegen/triton_gemv_int4_k_words.py
+  (both rules in passes/packed_chunks.py);
 * not a GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column
   reduction to the rule below: its kernel takes many neighbouring columns per program and still
   has programs for every SM once there are 2 * FEW_PROGRAMS columns;
@@ -56,7 +57,6 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.fx as fx
@@ -68,6 +68,7 @@ from .fuse_reductions import FEW_PROGRAMS as _FEW_PROGRAMS
 from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
 from .fuse_reductions import programs_of, spread_gemv
 from .grouping import meta
+from .packed_chunks import packed_along_k, packed_along_n
 from .schedule import _fake_mode
 from .unflatten import Unflattener
 
@@ -148,94 +149,6 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
-
-
-# A GEMV whose weight is packed along N (AWQ: eight 4-bit columns to an int32 word) at M = 1.
-# Its words are read along N, a warp's 32 lanes on 32 neighbouring words of a row of K (128
-# bytes), so a program that took all of K would own 256 columns: 32 programs for N = 8192. Cut
-# K instead, into chunks of whole groups of at least PACKED_CHUNK rows: K = N = 8192 with groups
-# of 128 is 64 chunks x 32 programs. The chunks' partial sums (64 x N floats, 6% of the packed
-# weight's bytes) are added up by a second, small kernel. Measured on an H200 (docs/gpu.md,
-# 2026-11-27 seventh session, the prototype of codegen/triton_gemv_int4_columns.py): chunks of 128
-# rows 27.4 us at K = N = 8192, of 256 34.1, of 512 51.5.
-PACKED_CHUNK = 128
-
-
-def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
-    """(dim, chunks, layout, kernel) for the sum of a GEMV (passes/small_matmul.py) of one
-    activation row whose output columns are computed in parts (a weight packed along N,
-    passes/refine_views.py) and whose K is cut in groups (the dim of the largest stride, K / G,
-    and the group, G); None for every other reduction."""
-    gemv = node.meta.get("fusec_gemv")
-    if not _one_row_gemv(gemv, red) or len(red.dims) != 2:
-        return None
-    m = meta(red.operand)
-    kept = [size for d, size in enumerate(m.shape) if d not in red.dims and size > 1]
-    if len(kept) < 2 or math.prod(kept) != gemv["n"]:
-        return None
-    return _chunks_of_groups(red, PACKED_CHUNK, "a weight packed along N",
-                             "codegen/triton_gemv_int4_columns.py")
-
-
-# GPTQ's int4 words (K / 8, N) int32, packed along K, N contiguous, at M = 1: refine_views
-# computes the weight as (K / G, G / 8, 8, N), a sum over three dims. Read along N as well (a
-# program of 128 columns), so K is cut the same way (codegen/triton_gemv_int4_k_words.py). On an
-# H200 (docs/gpu.md, 2026-11-27 eighth session; one CUDA graph, do_bench), K = N = 8192:
-# chunks of 128 rows 22.9 us, of 256 24.3; the one GEMV 60.3.
-K_WORDS_CHUNK = 128
-
-
-def packed_along_k(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
-    """(dim, chunks, layout, kernel) for the sum of a GEMV of one activation row over int4
-    words packed along K and stored N-contiguous (see K_WORDS_CHUNK); None for every other
-    reduction."""
-    gemv = node.meta.get("fusec_gemv")
-    if not _one_row_gemv(gemv, red) or len(red.dims) != 3:
-        return None
-    m = meta(red.operand)
-    kept = [d for d, size in enumerate(m.shape) if d not in red.dims and size > 1]
-    nibble = max(red.dims)
-    if [m.shape[d] for d in kept] != [gemv["n"]] or m.shape[nibble] != 8 \
-            or not _words_along_k(red.operand, nibble - len(m.shape), kept[0] - len(m.shape)):
-        return None
-    return _chunks_of_groups(red, K_WORDS_CHUNK, "int4 words packed along K (N contiguous)",
-                             "codegen/triton_gemv_int4_k_words.py")
-
-
-def _one_row_gemv(gemv: dict | None, red: ops.ReductionCall) -> bool:
-    return bool(gemv) and gemv["m"] == 1 and red.op.name == "sum" \
-        and os.environ.get("FUSEC_INT4_COLUMNS", "1") != "0"
-
-
-def _words_along_k(value: fx.Node, nibble: int, n: int) -> bool:
-    """Whether `value` is computed (through pointwise ops) from int32 words shifted right, the
-    words the same for the eight positions of dim `nibble` and contiguous along dim `n` (both
-    counted from the end, as broadcasting aligns shapes)."""
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if not isinstance(v, fx.Node) or v in seen or v.op != "call_function" \
-                or ops.classify(v.target) != ops.POINTWISE:
-            continue
-        seen.add(v)
-        if v.target in (aten.bitwise_right_shift.Tensor, aten.__rshift__.Tensor) \
-                and isinstance(v.args[0], fx.Node) and meta(v.args[0]).dtype == torch.int32:
-            w = meta(v.args[0])
-            return len(w.shape) >= -min(nibble, n) and w.stride[n] == 1 \
-                and 0 in (w.shape[nibble] - 1, w.stride[nibble])
-        stack += [a for a in v.args if isinstance(a, fx.Node)]
-    return False
-
-
-def _chunks_of_groups(red: ops.ReductionCall, rows: int, layout: str, kernel: str) -> tuple | None:
-    """(dim, chunks, layout, kernel): K cut along its groups (the reduced dim of the largest
-    stride, K / G) in chunks of whole groups of at least `rows` rows; None if that leaves one."""
-    m = meta(red.operand)
-    d = max(red.dims, key=lambda d: (abs(m.stride[d]), -d))
-    groups, group = m.shape[d], math.prod(m.shape[r] for r in red.dims) // m.shape[d]
-    per_chunk = next((c for c in range(1, groups + 1)
-                      if groups % c == 0 and c * group >= rows), groups)
-    return None if groups // per_chunk < 2 else (d, groups // per_chunk, layout, kernel)
 
 
 def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,

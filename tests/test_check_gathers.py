@@ -219,9 +219,10 @@ def test_act_order_gptq_gathers_its_scales_inside_the_gemv(target, m):
     assert torch.allclose(layer(x).float().cpu(), x.float().cpu() @ want, rtol=1e-2, atol=1e-2)
     # three kernels: the check of g_idx, the zero points unpacked (groups x N, small), and the
     # GEMV, which reads the packed words and gathers scales and zero points itself: nothing
-    # weight-sized is stored, and no gather runs in eager
-    cf = assert_matches(layer, x, backend=backend, kernels=3)
-    (gemv,) = [k for k in cf.kernels if "gemv" in k.name]
+    # weight-sized is stored, and no gather runs in eager (at one row on a GPU the GEMV's K is
+    # cut in chunks, and a fourth kernel adds them up: tests/test_int4_k_words.py)
+    cf = assert_matches(layer, x, backend=backend, kernels=4 if device == "cuda" and m == 1 else 3)
+    (gemv,) = [k for k in cf.kernels if "p_qweight" in k.source]
     assert "qweight" in gemv.source and sum(o == "aten.index.Tensor" for o in gemv.ops) == 2
     if backend in ("cpp", "llvm") and m > 1:  # the rows unrolled: each weight element read once
         assert f"_m{m - 1}" in gemv.source

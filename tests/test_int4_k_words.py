@@ -1,5 +1,5 @@
 """GPTQ-style GEMVs at M = 1 (int4 words packed along K, N contiguous) cut along K
-(passes/split_reductions.py, packed_along_k) and each chunk read by the K-packed kernel
+(passes/split_reductions.py, passes/packed_chunks.py) and each chunk read by the K-packed kernel
 (codegen/int4_k_words.py, codegen/triton_gemv_int4_k_words.py).
 
 The cut is made on GPUs only (SPLIT_DEVICES); here it is switched on for the CPU too, so that the
@@ -17,6 +17,7 @@ import torch
 import fusec
 import test_int4_columns as columns
 from conftest import TRITON_DEVICE, assert_matches
+from fusec.check import compare
 from fusec.codegen.int4_k_words import match_int4_k_words
 from test_int4_columns import closer_than_eager, gen, record, run, split_here  # noqa: F401
 
@@ -50,7 +51,7 @@ def test_gptq_at_one_row_is_cut_along_k_and_read_by_the_k_words_kernel(dtype, gr
     cf, got, eager = run(layer, x)
     closer_than_eager(got, eager, reference(layer, x))
     g = chunk_kernel(cf)
-    chunks = k // max(group, split_module.K_WORDS_CHUNK)
+    chunks = k // max(group, importlib.import_module("fusec.passes.packed_chunks").K_WORDS_CHUNK)
     assert f"K is cut in {chunks} chunks of {k // chunks} rows" in g.source
     assert "this is where the int4 nibbles are unpacked" in g.source
     # the chunk kernel reads the words; the zero points are unpacked first; a second kernel adds
@@ -119,6 +120,65 @@ def test_check_true_accepts_the_fast_form():
     layer = gptq_layer(512, 128, 128)
     x = torch.randn(1, 512, generator=gen(13)).to(F16).to(DEV)
     run(layer, x, check=True)
+
+
+# ---- zero points and scales read through g_idx (AutoGPTQ's torch path) ---------------------------
+
+def g_idx_layer(k, n, group, in_order):
+    from test_check_gathers import ActOrderQuantLinear
+    layer = ActOrderQuantLinear(k, n, group)
+    if in_order:  # a checkpoint quantized in order: g_idx[k] = k // G
+        layer.g_idx = (torch.arange(k) // group).int()
+    return layer.to(DEV)
+
+
+def g_idx_reference(layer, x):
+    g = layer.g_idx.long().cpu()
+    return x.cpu().double() @ (layer.scales.cpu().double()[g] * (layer.q - layer.z[g]).double())
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_scales_read_through_g_idx_in_order_take_the_fast_form(group):
+    layer = g_idx_layer(1024, 192, group, in_order=True)
+    x = torch.randn(1, 1024, generator=gen(20)).to(F16).to(DEV)
+    cf, got, eager = run(layer, x)
+    assert "grouped" in chunk_kernel(cf).source
+    (d,) = [d for d in record(cf).split_reductions if d.taken]
+    assert "groups read through an index" in d.why
+    want = g_idx_reference(layer, x)
+    closer_than_eager(got, eager, want)
+    assert (got.cpu().double() - want).pow(2).mean() < (eager.cpu().double() - want).pow(2).mean()
+
+
+def test_the_example_read_through_g_idx_is_the_same_kernel():
+    torch.manual_seed(0)
+    layer = gptq.GPTQLinear(torch.randn(512, 128, dtype=BF16) / 23, 64, g_idx=True).to(DEV)
+    x = torch.randn(1, 1, 512, generator=gen(23)).to(BF16).to(DEV)
+    cf, got, eager = run(layer, x)
+    assert "grouped" in chunk_kernel(cf).source
+    closer_than_eager(got, eager, reference(layer, x))
+
+
+def test_scales_read_through_g_idx_in_act_order_take_the_exact_path():
+    """With act order every group's rows are spread over K: each chunk's check of g_idx fails
+    and it computes eager's weights, read through g_idx, weight by weight."""
+    layer = g_idx_layer(1024, 64, 128, in_order=False)
+    x = torch.randn(1, 1024, generator=gen(21)).to(F16).to(DEV)
+    cf, got, eager = run(layer, x)
+    chunk_kernel(cf)
+    g = layer.g_idx.long().cpu()
+    with torch.no_grad():
+        w = (layer.scales.cpu()[g] * (layer.q.to(torch.int8) - layer.z.to(torch.int8)[g])).double()
+    assert compare(got.cpu(), eager.cpu(), x.cpu().double() @ w) is None
+
+
+def test_one_group_out_of_order_takes_the_exact_path_in_its_chunk_alone():
+    layer = g_idx_layer(1024, 64, 128, in_order=True)
+    layer.g_idx[130], layer.g_idx[600] = layer.g_idx[600].clone(), layer.g_idx[130].clone()
+    x = torch.randn(1, 1024, generator=gen(22)).to(F16).to(DEV)
+    cf, got, eager = run(layer, x)
+    chunk_kernel(cf)
+    closer_than_eager(got, eager, g_idx_reference(layer, x))
 
 
 # ---- the exact path ------------------------------------------------------------------------------

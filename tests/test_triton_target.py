@@ -156,7 +156,7 @@ def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
 
 
 @needs_tools
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq through g_idx"])
 def test_the_packed_int4_chunk_kernels_compile_for_sm_90_without_spills(monkeypatch, fmt):
     """The chunk kernel of an AWQ or a GPTQ GEMV at M = 1 (codegen/triton_gemv_int4_columns.py,
     codegen/triton_gemv_int4_k_words.py; the cut along K is made on GPUs, here switched on for
@@ -169,14 +169,20 @@ def test_the_packed_int4_chunk_kernels_compile_for_sm_90_without_spills(monkeypa
     from fusec.examples.gptq_linear import GPTQLinear
     split = importlib.import_module("fusec.passes.split_reductions")
     monkeypatch.setattr(split, "SPLIT_DEVICES", ("cpu", "cuda"))
-    cls, template = {"awq": (AWQLinear, "triton_gemv_int4_columns.py.j2"),
-                     "gptq": (GPTQLinear, "triton_gemv_int4_k_words.py.j2")}[fmt]
-    layer = cls(torch.randn(1024, 512, dtype=torch.float16) / 32, 128).to(TRITON_DEVICE)
+    if fmt == "gptq through g_idx":  # AutoGPTQ's torch path: scales[g_idx], zeros[g_idx]
+        from test_check_gathers import ActOrderQuantLinear
+        layer = ActOrderQuantLinear(1024, 512, 128)
+        layer.g_idx = (torch.arange(1024) // 128).int()
+        layer, template = layer.to(TRITON_DEVICE), "triton_gemv_int4_k_words.py.j2"
+    else:
+        cls, template = {"awq": (AWQLinear, "triton_gemv_int4_columns.py.j2"),
+                         "gptq": (GPTQLinear, "triton_gemv_int4_k_words.py.j2")}[fmt]
+        layer = cls(torch.randn(1024, 512, dtype=torch.float16) / 32, 128).to(TRITON_DEVICE)
     x = torch.randn(1, 1024, dtype=torch.float16, device=TRITON_DEVICE)
     [k] = [k for k in fusec.explain(layer, x, backend="triton").kernels if template in k.source]
     head = triton_target.assembly(k.ir, k.name, "sm_90").splitlines()[0]
     assert int(re.search(r"(\d+) registers per thread", head).group(1)) <= 128, head
     assert "0 bytes spilled" in head, head
-    if fmt == "gptq":
+    if fmt != "awq":
         assert "lop3.b32" in triton_codegen.render(k.ir, arch=90)
         assert ("lop3" in k.source) == (TRITON_DEVICE == "cuda")  # (the interpreter runs no PTX)
