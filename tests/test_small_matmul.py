@@ -348,7 +348,7 @@ def test_empty_batch_keeps_the_library_matmul(target):
 
 
 @pytest.mark.parametrize("backend,fmt", [("cpp", "int8"), ("cpp", "int4"), ("llvm", "int4"),
-                                         ("cpp", "awq")])
+                                         ("cpp", "awq"), ("cpp", "gptq"), ("cpp", "gptq_g_idx")])
 def test_llama_decode_generates_eager_tokens(backend, fmt):
     llama = importlib.import_module("fusec.examples.llama_decode")
     cfg = dict(llama.TINY, layers=1, max_seq=16)
