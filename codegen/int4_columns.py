@@ -215,6 +215,17 @@ def dequant_chain(r: Reduce, producers, narrow_to: tuple = INTS) -> Chain:
                  shift, words)
 
 
+def only_the_product(kernel, r: Reduce, c: Chain, names: tuple) -> None:
+    """_NoMatch unless the kernel computes nothing but the chain, the sum's product and `names`
+    (shift amounts, activation), and stores the chunk's float32 sums alone."""
+    made = chain_values(kernel, c) | {r.operand.name, *names}
+    rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
+    _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
+    (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
+    _require(store is not None and store.var.name == r.var.name and store.scatter is None
+             and store.dtype == F32, "the chunk's sum is not stored alone, in float32")
+
+
 def _widened(producers, name: str) -> str:
     """Past one conversion of an integer to float32 (`(q - zero).to(x.dtype)`): exact for the
     values the kernels take the fast way (|q - zero| <= 127, checked when they run)."""
@@ -261,13 +272,7 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
         _require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or (
             item.index.strides[1:3] == (0, 0))),
                  f"the activation ({a}) depends on the output column")
-    made = chain_values(kernel, c) | {r.operand.name, *shift_values, *x_values}
-    rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
-    _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
-    (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
-    _require(store is not None and store.var.name == r.var.name and store.scatter is None
-             and store.dtype == F32,
-             "the chunk's sum is not stored alone, in float32")
+    only_the_product(kernel, r, c, shift_values + x_values)
     # the layouts: strides over (chunk, word, column of the word, [group,] row of the group);
     # with one group per chunk the group's stride is made up from the row's (G rows further on)
     def k_st(l: Load) -> tuple[int, int]:

@@ -34,7 +34,7 @@ import torch
 
 from fusec.ir import Load, Reduce, Stmt
 
-from .int4_columns import INTS, _require, chain_values, dequant_chain, match_chunk
+from .int4_columns import INTS, _require, dequant_chain, match_chunk, only_the_product
 
 F32 = torch.float32
 
@@ -128,12 +128,7 @@ def _checked_rest(kernel, r: Reduce, producers, c, strides) -> tuple[tuple, tupl
         item = producers[name]
         _require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or item.index.strides[1] == 0),
                  f"the activation ({c.x}) depends on the output column")
-    made = chain_values(kernel, c) | {r.operand.name, *shift_values, *x_values}
-    rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
-    _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
-    (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
-    _require(store is not None and store.var.name == r.var.name and store.scatter is None
-             and store.dtype == F32, "the chunk's sum is not stored alone, in float32")
+    only_the_product(kernel, r, c, shift_values + x_values)
     return shift_values, x_values
 
 

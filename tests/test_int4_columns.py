@@ -72,15 +72,19 @@ def test_awq_at_one_row_is_cut_along_k_and_read_by_the_column_kernel(dtype, grou
     cf, got, eager = run(layer, x)
     closer_than_eager(got, eager, x.cpu().double() @ layer.dequantized().cpu())
     g = chunk_kernel(cf)
-    chunks = k // max(group, 128)
-    assert f"K is cut in {chunks} chunks of {k // chunks} rows" in g.source
-    assert "this is where the int4 nibbles are unpacked" in g.source
     # the chunk kernel reads the words; a second kernel adds the chunks up
     assert sum("qweight" in kk.source for kk in cf.kernels) == 1
+    cut_as_said(cf, g, layer, x, k // max(group, 128), "a GEMV of a weight packed along N at M = 1")
+
+
+def cut_as_said(cf, g, layer, x, chunks, decision):
+    """The chunk kernel `g` and the split's decision (in `explain` too) say how K was cut."""
+    k = x.shape[-1]
+    assert f"K is cut in {chunks} chunks of {k // chunks} rows" in g.source
+    assert "this is where the int4 nibbles are unpacked" in g.source
     (d,) = [d for d in record(cf).split_reductions if d.taken]
     assert f"cut in {chunks} chunks of {k // chunks} (whole groups)" in d.why
-    text = str(fusec.explain(layer, x, backend="triton"))
-    assert "a GEMV of a weight packed along N at M = 1" in text
+    assert decision in str(fusec.explain(layer, x, backend="triton"))
 
 
 def test_the_fast_form_is_taken_and_closer_to_float64_than_eager():
