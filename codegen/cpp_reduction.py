@@ -16,7 +16,7 @@ import torch
 from fusec import ops
 from fusec.ir import Index, Reduce
 
-from . import cpp_int4
+from . import cpp_columns, cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, gather_offset, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
 from .render import render_template
@@ -61,14 +61,17 @@ def render_reduction(kernel) -> str:
         ks = [abs(s) for s in idx.strides[n_rows:] if s]
         return bool(ks) and min(ks) >= TILE_STRIDE
     lanes = lane_blocks(kernel, k_strided)
-    if lanes:
+    # rows side by side with their values far apart, beyond what lanes manage: the loops turned
+    # inside out (cpp_columns.py), the k loop outside and a block of rows in the SIMD lanes
+    columns = 0 if lanes or int4 is not None else cpp_columns.column_blocks(kernel)
+    if lanes or columns:
         # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
         # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
         row_lines = _coords("c", "outer", kernel.row_shape[:-1])
         row_lines.append(f"const int64_t c{n_rows - 1} = lane0 + lane;")
 
     def strided_k(idx: Index) -> bool:
-        return not lanes and k_strided(idx) and kernel.k <= REDUCTION_TILE_MAX
+        return not lanes and not columns and k_strided(idx) and kernel.k <= REDUCTION_TILE_MAX
     gather_k = " ".join(k_coords)
     scatters: list[str] = []
 
@@ -127,10 +130,18 @@ def render_reduction(kernel) -> str:
                 cmp = ">" if r.op == "argmax" else "<"
                 before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
                               f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
-                before.append(f"int64_t {acc}_at = 0; bool {acc}_seen = false;")
+                before.append(f"int64_t {acc}_at = 0;")
                 nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
-                body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || {nan})) "
-                            f"{{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
+                if columns:  # selects, not a branch, so the lane loop is vectorized
+                    take = f"take_{r.var.name}"
+                    body += [f"const bool {take} = !({acc} != {acc}) && "
+                             f"(k == 0 || {x} {cmp} {acc} || {nan});",
+                             f"{acc} = {take} ? {x} : {acc};",
+                             f"{acc}_at = {take} ? k : {acc}_at;"]
+                else:
+                    before.append(f"bool {acc}_seen = false;")
+                    body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || "
+                                f"{nan})) {{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
                 after.append(f"const int64_t {r.var.name} = {acc}_at;  // {r.origin}")
             elif maxmin:
                 # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
@@ -162,7 +173,8 @@ def render_reduction(kernel) -> str:
         blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
         narrowest = min((l.dtype.itemsize for l in kernel.loads if any(l.index.strides[n_rows:])),
                         default=4)  # bytes of the narrowest value the k loop reads
-        kblock = cpp_sum_block(kernel.k, narrowest) if blocked else 0
+        kblock = 0 if not blocked else cpp_columns.column_sum_block(kernel) if columns \
+            else cpp_sum_block(kernel.k, narrowest)
         block_before, block_after = [], []
         if kblock:
             for r in blocked:
@@ -189,7 +201,8 @@ def render_reduction(kernel) -> str:
         sections.append({"comment": f"phase {phase.number}: " + ", ".join(r.op for r in reds),
                          "before": before, "pragma": pragma, "body": body, "after": after,
                          "kblock": kblock, "block_before": block_before,
-                         "block_after": block_after})
+                         "block_after": block_after,
+                         "defines": cpp_columns.defines(phase, producers) if columns else []})
 
     last_stores = keep.stores if keep else plan.element_stores  # (the kept output is stored)
     elem_stores, row_stores = [], []
@@ -211,14 +224,27 @@ def render_reduction(kernel) -> str:
     int4 = None if lanes else int4
     if int4 is not None:
         return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
+    if columns:
+        arrays, sections, stores = cpp_columns.inside_out(kernel, row_lines, k_coords, sections,
+                                                          row_stores, producers)
+        return render_template(
+            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=summary(kernel),
+            source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+            k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
+            columns=columns, last=kernel.row_shape[-1], params=params(kernel), arrays=arrays,
+            sections=sections, stores=stores, unrolled=note)
     return render_template(
         "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
         k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=lanes,
         last=kernel.row_shape[-1] if kernel.row_shape else 1,
-        params=[f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
-                for p in kernel.params],
-        row_lines=row_lines, sections=sections, row_stores=row_stores + scatters, unrolled=note)
+        params=params(kernel), row_lines=row_lines, sections=sections,
+        row_stores=row_stores + scatters, unrolled=note)
+
+
+def params(kernel) -> list[str]:
+    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+            for p in kernel.params]
 
 
 

@@ -43,6 +43,10 @@ def _float_reductions(x):
             (x > 0).all(-1))
 
 
+def _column_reductions(x):
+    return (x.sum(0), torch.softmax(x, 0), x.argmax(0), x.var(0), x.amin(0))
+
+
 def _int_reductions(x):
     return (x.sum(-1), x.prod(-1), x.amax(-1), x.amin(0), x.argmax(-1), x.argmin(0),
             x.bool().any(-1), x.bool().all(-1))
@@ -74,6 +78,9 @@ def programs():
                 (f"cats_{dt}", _cats, (x, y))]
     # long rows: the reduction loops take the blocked, vectorized path
     out.append(("float_reductions_long", _float_reductions, (randf((3, 70000), F32, "cpu"),)))
+    # reductions across rows side by side: C++'s loops turned inside out (codegen/cpp_columns.py)
+    for dt in (F32, torch.bfloat16):
+        out.append((f"column_reductions_{dt}", _column_reductions, (randf((300, 24), dt, "cpu"),)))
     for dt in INTS:
         a = [randi(SHAPE, dt, "cpu", seed=s) for s in range(5)]
         out += [(f"int_ops_{dt}", _int_ops, tuple(a)), (f"int_reductions_{dt}", _int_reductions, (a[0],)),
@@ -159,6 +166,8 @@ def test_the_special_gemv_kernels_are_among_those_compiled(by_program):
                for label in ("int4_linear_g32_m1", "int4_linear_g16_m4", "int8_linear_m4")}
     assert all("cpp_gemv_int4.cpp.j2" in s for s in sources["int4_linear_g32_m1"])
     assert all("codegen/unroll_rows.py" in s for s in sources["int8_linear_m4"])
+    for dt in (F32, torch.bfloat16):
+        assert all("cpp_columns.py" in cpp.render(ir) for ir in by_program[f"column_reductions_{dt}"])
     assert any("gemv" in ir.name for ir in by_program["gptq_m1"])
     for label in ("act_order_gptq_m1", "act_order_gptq_m4", "gathers"):
         assert any(ld.gather for ir in by_program[label] for ld in ir.loads), label
