@@ -26,7 +26,9 @@ whole k loop inside a vectorized row loop, which gcc manages only for one short 
 every loop over k is an ordinary loop with a vectorized row loop inside it, so any number of
 phases, a last pass and blocked float sums are fine.
 
-What changes from the generic kernel's lines is mechanical, and this file does it:
+When to turn a kernel inside out is decided in cpu_plan.py (`column_blocks`), alike for the
+LLVM backend (llvm_columns.py). What changes from the generic kernel's lines is mechanical, and
+this file does it:
   * every accumulator (`acc_...`) is an array with one entry per lane (`acc_v2[lane]`);
   * a row value computed after one phase and read by a later one (softmax's max, then its sum)
     is kept in an array too (`v3_l[lane]`), and read back at the top of each later lane loop;
@@ -43,35 +45,10 @@ import re
 from fusec.ir import Reduce
 
 from .cpp_text import CTYPE
-
-COLUMNS = 64  # rows per block: 4-8 vectors of float accumulators, a few hundred bytes of arrays
-COLUMN_SUM_BLOCK = 64  # values one lane adds in float before its block sum goes into a double
-MIN_LAST = 8  # a last row dim shorter than this fills too few lanes to pay off
+from .cpu_plan import column_blocks, column_sum_block  # noqa: F401 (the decision, shared with LLVM)
 
 _DECLARATION = re.compile(r"^(?P<type>[\w:<> ]+?) (?P<name>acc_\w+) = (?P<init>.+);$")
 _ACCUMULATOR = re.compile(r"\b(acc_\w+)\b")
-
-
-def column_blocks(kernel) -> int:
-    """COLUMNS when the kernel's rows lie side by side (every access moves by 0 or 1 element
-    from a row to the next) and some read of a row's values moves along k too, so that the
-    values of one row lie at least a row of rows apart: the loops are best turned inside out
-    (module docstring). Else 0."""
-    if not kernel.row_shape or kernel.row_shape[-1] < MIN_LAST or not kernel.k:
-        return 0
-    n_rows = len(kernel.row_shape)
-    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
-    if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
-        return 0  # some access is not contiguous across neighbouring rows
-    if not any(l.index.strides[n_rows - 1] == 1 and any(l.index.strides[n_rows:])
-               for l in kernel.loads):
-        return 0  # no read moves both across rows and along k: nothing to gain
-    return COLUMNS
-
-
-def column_sum_block(kernel) -> int:
-    """Block length of a long float sum in this layout (module docstring)."""
-    return COLUMN_SUM_BLOCK if kernel.k > COLUMN_SUM_BLOCK else 0
 
 
 def lane_loop(lines: list[str], head: list[str]) -> list[str]:

@@ -85,3 +85,36 @@ def cpp_sum_block(k: int, narrowest: int = 4) -> int:
     `narrowest` bytes wide (see the note above; 0: none)."""
     least = CPP_SUM_BLOCK_MIN * max(1, 4 // narrowest)
     return 0 if k <= least else max(sum_block(k), least)
+
+
+# Note (rows side by side): a reduction whose neighbouring rows lie next to each other in memory
+# and whose row values lie far apart (`x.sum(0)`, softmax over NCHW channels) is best computed
+# with its loops turned inside out: the k loop outside, a block of COLUMNS rows in the SIMD
+# lanes inside, so each k step reads COLUMNS contiguous values (codegen/cpp_columns.py explains
+# it, llvm_columns.py spells it in LLVM IR). One lane adds a long float sum's values one after
+# another, so it adds COLUMN_SUM_BLOCK of them in float and each block's sum in double.
+COLUMNS = 64  # rows per block: 4-8 vectors of float accumulators, a few hundred bytes of arrays
+COLUMN_SUM_BLOCK = 64  # values one lane adds in float before its block sum goes into a double
+MIN_LAST = 8  # a last row dim shorter than this fills too few lanes to pay off
+
+
+def column_blocks(kernel) -> int:
+    """COLUMNS when the kernel's rows lie side by side (every access moves by 0 or 1 element
+    from a row to the next) and some read of a row's values moves along k too, so that the
+    values of one row lie at least a row of rows apart: the loops are best turned inside out
+    (Note: rows side by side). Else 0."""
+    if not kernel.row_shape or kernel.row_shape[-1] < MIN_LAST or not kernel.k:
+        return 0
+    n_rows = len(kernel.row_shape)
+    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
+    if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
+        return 0  # some access is not contiguous across neighbouring rows
+    if not any(l.index.strides[n_rows - 1] == 1 and any(l.index.strides[n_rows:])
+               for l in kernel.loads):
+        return 0  # no read moves both across rows and along k: nothing to gain
+    return COLUMNS
+
+
+def column_sum_block(kernel) -> int:
+    """Block length of a long float sum in this layout (Note: rows side by side)."""
+    return COLUMN_SUM_BLOCK if kernel.k > COLUMN_SUM_BLOCK else 0

@@ -30,13 +30,14 @@ resolve those names. Results stay within 4 ulp, like the C++ backend's.
 Threads
 -------
 A kernel takes, after its buffers, a range of work items `[first, last)`: tiles of rows for a
-pointwise kernel, rows for a reduction. LlvmLauncher cuts the work into one range per core and
+pointwise kernel, rows for a reduction (blocks of rows for one turned inside out). LlvmLauncher cuts the work into one range per core and
 runs them on a thread pool; ctypes releases the GIL while the machine code runs, so the threads
 really run in parallel, like the OpenMP loops of the C++ backend.
 
-The backend in four files: llvm_ir.py writes instructions, llvm_reduction.py renders reductions,
-llvm_jit.py drives llvmlite (optimize, compile, cache), and this file renders pointwise kernels,
-loads object files and launches them.
+The backend in five files: llvm_ir.py writes instructions, llvm_reduction.py renders reductions,
+llvm_columns.py those whose rows lie side by side (the loops turned inside out), llvm_jit.py
+drives llvmlite (optimize, compile, cache), and this file renders pointwise kernels, loads object
+files and launches them.
 """
 from __future__ import annotations
 
@@ -53,14 +54,16 @@ import torch
 from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
-from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, summary
+from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, column_blocks, summary
 from .llvm_build import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
 from .llvm_ir import vector_isa, vector_isas  # noqa: F401 (the backend's views, read as llvm.X)
 from .llvm_jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
                        object_code, optimized_ir, target_machine, triple_and_layout)
+from .llvm_columns import render_columns
 from .llvm_reduction import render_reduction
+from .unroll_rows import unrolled_or_same
 from .render import no_indexed_writes, render_template
 
 # ---- pointwise kernels -------------------------------------------------------------------------
@@ -69,6 +72,11 @@ def render(kernel, target: Target | None = None) -> str:
     """The kernel as LLVM IR text. `target` (default: this CPU) only decides which libmvec
     vector functions the IR declares; the rest is the same for every CPU."""
     if not isinstance(kernel, PointwiseKernel):
+        # rows side by side, their values far apart: the loops turned inside out (llvm_columns.py)
+        unrolled, note = unrolled_or_same(kernel)
+        columns = column_blocks(unrolled)
+        if columns:
+            return render_columns(unrolled, columns, note, target)
         return render_reduction(kernel, target)
     no_indexed_writes(kernel, "LLVM")
     counter = _counter()

@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.codegen import backends
+from fusec.codegen.cpu_plan import MIN_LAST
 from fusec.record import Refusal, record_of
 
 from .grouping import (Group, gathered_from, broadcasts_to, creates_cycle, effect_edges, indexed_write,
@@ -291,11 +292,29 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
 # NCHW tensor: thousands of short rows), that is thousands of scalar calls where eager, or a
 # pointwise kernel over the row results, runs the same math 8 lanes at a time. Such row math stays
 # out of the reduction kernel on the CPU and becomes its own (vectorized) kernel. Triton kernels
-# (on a GPU, or under the interpreter) compute a block of rows at once and are not affected.
+# (on a GPU, or under the interpreter) compute a block of rows at once and are not affected, and
+# neither are CPU kernels whose innermost dim is a row dim of at least MIN_LAST contiguous rows:
+# both CPU backends turn those loops inside out (codegen/cpu_plan.py, Note: rows side by side),
+# with the rows of a block in SIMD lanes, so their row math is vectorized too (log_softmax over
+# dim 0 of 1024 x 1024 floats: one kernel, not a reduction and a pointwise kernel after it).
 CHEAP_ROW_OPS = {"add", "sub", "mul", "neg", "abs", "relu", "maximum", "minimum", "clamp", "where",
                  "eq", "ne", "lt", "le", "gt", "ge", "copy", "to", "full", "truediv", "div",
                  "squeeze", "unsqueeze", "view", "expand", "permute"}
 SCALAR_ROWS_MIN = 256  # fewer rows than this: a separate kernel costs more than the scalar math
+
+
+def rows_side_by_side(operand, shape, dims) -> bool:
+    """Whether the row dims end in a run of at least MIN_LAST rows next to each other in memory
+    (strides 1, then the run's size so far, ...): the CPU kernel computes them in SIMD lanes."""
+    run, expected = 1, 1
+    for d in reversed([d for d in range(len(shape)) if d not in dims]):
+        if shape[d] == 1:
+            continue
+        if operand.stride[d] != expected:
+            break
+        run *= shape[d]
+        expected *= shape[d]
+    return run >= MIN_LAST
 
 
 def scalar_row_math(inside: set, key: tuple) -> str | None:
@@ -309,7 +328,7 @@ def scalar_row_math(inside: set, key: tuple) -> str | None:
     rows = 1
     for d, size in enumerate(shape):
         rows *= size if d not in dims else 1
-    if inner in dims or rows < SCALAR_ROWS_MIN:
+    if inner in dims or rows < SCALAR_ROWS_MIN or rows_side_by_side(operand, shape, dims):
         return None
     keep = keep_shape(key)
     for n in sorted(inside, key=lambda n: n.name):
