@@ -132,17 +132,24 @@ def render_reduction(kernel) -> str:
                               f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
                 before.append(f"int64_t {acc}_at = 0;")
                 nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
-                if columns:  # selects, not a branch, so the lane loop is vectorized
+                at = f"{acc}_at"
+                if columns:
+                    # selects, not a branch, so the lane loop is vectorized: the running best
+                    # moves only on a strictly better value (a tie keeps the first; a NaN never
+                    # enters it), and beside it the first NaN's position, which wins at the end
                     take = f"take_{r.var.name}"
-                    body += [f"const bool {take} = !({acc} != {acc}) && "
-                             f"(k == 0 || {x} {cmp} {acc} || {nan});",
+                    body += [f"const bool {take} = {x} {cmp} {acc};",
                              f"{acc} = {take} ? {x} : {acc};",
                              f"{acc}_at = {take} ? k : {acc}_at;"]
+                    if r.operand.dtype.is_floating_point:
+                        before.append(f"int64_t {acc}_nan_at = INT64_MAX;")
+                        body.append(f"{acc}_nan_at = ({nan} && k < {acc}_nan_at) ? k : {acc}_nan_at;")
+                        at = f"({acc}_nan_at != INT64_MAX ? {acc}_nan_at : {acc}_at)"
                 else:
                     before.append(f"bool {acc}_seen = false;")
                     body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || "
                                 f"{nan})) {{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
-                after.append(f"const int64_t {r.var.name} = {acc}_at;  // {r.origin}")
+                after.append(f"const int64_t {r.var.name} = {at};  // {r.origin}")
             elif maxmin:
                 # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
                 # amax propagates and a compare-and-select would skip)

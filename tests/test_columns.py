@@ -148,3 +148,23 @@ def test_gptq_words_read_in_columns(g_idx, backend):
     cf = assert_matches(layer, x, backend=backend)
     gemv = [k for k in cf.kernels if "gemv" in k.name]
     assert gemv and columns(cf) and all(k.backend == backend for k in cf.kernels)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+@pytest.mark.parametrize("op", [torch.argmax, torch.argmin], ids=["argmax", "argmin"])
+def test_index_reductions_pick_what_eager_picks(op, backend):
+    """Ties keep the first position, a NaN anywhere wins (its first position), a column of
+    infinities picks position 0: column by column, each case in its own lane."""
+    x = torch.randn(90, 24)
+    x[:, 0] = -float("inf")
+    x[:, 1] = float("inf")
+    x[10, 2] = x[50, 2] = 100.0       # a tie of maxima
+    x[10, 3] = x[50, 3] = -100.0      # ... and of minima
+    x[70, 4] = float("nan")           # a NaN after the extremes
+    x[0, 5] = float("nan")            # a NaN first
+    x[5, 6] = x[6, 6] = float("nan")  # two NaNs
+    x[:, 7] = 0.0                     # all equal
+    cf = assert_matches(lambda x: op(x, 0), x, backend=backend)
+    assert columns(cf)
+    ints = torch.randint(-3, 3, (300, 17), dtype=torch.int32)  # many ties
+    assert_matches(lambda x: op(x, 0), ints, backend=backend)
