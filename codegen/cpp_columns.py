@@ -34,9 +34,10 @@ this file does it:
     is kept in an array too (`v3_l[lane]`), and read back at the top of each later lane loop;
   * the row's coordinates and its values that need no reduction are recomputed at the top of
     each lane loop (a few integer operations, linear in the lane);
-  * a long float sum is blocked as before (Note: long float sums), with blocks of about
-    sqrt(K): each lane adds a block's values one after another, so short blocks keep its
-    rounding error near the vectorized kernel's, and ending a block costs one vector addition.
+  * a long float sum is blocked as before (Note: long float sums), with blocks of
+    COLUMN_SUM_BLOCK = 64 values (cpu_plan.py): each lane adds a block's values one after
+    another, so short blocks keep its rounding error near the vectorized kernel's (which adds
+    64-128 per lane and block), and ending a block costs one vector addition into doubles.
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ import re
 from fusec.ir import Reduce
 
 from .cpp_text import CTYPE
-from .cpu_plan import column_blocks, column_sum_block  # noqa: F401 (the decision, shared with LLVM)
 
 _DECLARATION = re.compile(r"^(?P<type>[\w:<> ]+?) (?P<name>acc_\w+) = (?P<init>.+);$")
 _ACCUMULATOR = re.compile(r"\b(acc_\w+)\b")

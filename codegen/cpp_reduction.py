@@ -18,7 +18,8 @@ from fusec.ir import Index, Reduce
 
 from . import cpp_columns, cpp_int4
 from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, gather_offset, literal
-from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, cpp_sum_block, sum_block, summary
+from .cpu_plan import (PARALLEL_THRESHOLD, TILE_STRIDE, column_blocks, column_sum_block,
+                       cpp_sum_block, sum_block, summary)
 from .render import render_template
 from .unroll_rows import unrolled_or_same
 
@@ -63,7 +64,7 @@ def render_reduction(kernel) -> str:
     lanes = lane_blocks(kernel, k_strided)
     # rows side by side with their values far apart, beyond what lanes manage: the loops turned
     # inside out (cpp_columns.py), the k loop outside and a block of rows in the SIMD lanes
-    columns = 0 if lanes or int4 is not None else cpp_columns.column_blocks(kernel)
+    columns = 0 if lanes or int4 is not None else column_blocks(kernel)
     if lanes or columns:
         # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
         # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
@@ -180,7 +181,7 @@ def render_reduction(kernel) -> str:
         blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
         narrowest = min((l.dtype.itemsize for l in kernel.loads if any(l.index.strides[n_rows:])),
                         default=4)  # bytes of the narrowest value the k loop reads
-        kblock = 0 if not blocked else cpp_columns.column_sum_block(kernel) if columns \
+        kblock = 0 if not blocked else column_sum_block(kernel) if columns \
             else cpp_sum_block(kernel.k, narrowest)
         block_before, block_after = [], []
         if kblock:
