@@ -267,7 +267,7 @@ def build(source: str, name: str) -> Path:
     src = lib.with_suffix(".cpp")
 
     def make(tmp: Path) -> None:
-        cmd = [compiler, *flags, f"-I{TEMPLATES}", str(src), "-o", str(tmp)]
+        cmd = [compiler, *flags, f"-I{TEMPLATES}", str(tmp.parent / src.name), "-o", str(tmp)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "

@@ -28,11 +28,11 @@ when a kernel is rendered), so that one run can time the byte path against it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from fusec import env
 from fusec.ir import Const, Load, Reduce, Stmt
 
 # Activation rows the word kernel multiplies lane by lane. Above this the tensor-core GEMV
@@ -64,7 +64,7 @@ class Int4Words:
 
 
 def words_enabled() -> bool:
-    return os.environ.get("FUSEC_INT4_WORDS", "1") != "0"
+    return env.flag("FUSEC_INT4_WORDS", True)
 
 
 def match_int4_words(kernel, max_m: int = INT4_WORDS_MAX_M) -> tuple[Int4Words | None, str]:

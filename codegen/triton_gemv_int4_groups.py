@@ -18,8 +18,8 @@ group; everything else keeps the word kernel (`groups_fit` says why).
 from __future__ import annotations
 
 import math
-import os
 
+from fusec import env
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
@@ -42,7 +42,7 @@ PROGRAMS_PER_SM = 16
 
 
 def groups_enabled() -> bool:
-    return os.environ.get("FUSEC_INT4_GROUPS", "1") != "0"
+    return env.flag("FUSEC_INT4_GROUPS", True)
 
 
 # The paired form (the template's steps 2-4) saves a mask per pair of weights and row, and costs
@@ -80,7 +80,7 @@ def max_registers(rows: int, wpl: int) -> int | None:
 def paired_form(rows: int) -> tuple[bool, str]:
     """(paired, why not): whether the group kernel reads the high nibble of each pair without its
     mask, with at least PAIRED_FROM_ROWS rows per program, unless FUSEC_INT4_PAIRED=0."""
-    if os.environ.get("FUSEC_INT4_PAIRED", "1") == "0":
+    if not env.flag("FUSEC_INT4_PAIRED", True):
         return False, "FUSEC_INT4_PAIRED=0 switches the unmasked (paired) form off"
     if rows < PAIRED_FROM_ROWS:
         return False, (f"{rows} rows per program; the unmasked (paired) form pays from "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+from fusec import env
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
@@ -52,7 +53,7 @@ FINISH_BLOCK_N = 64  # output columns per program of the kernel that adds the pa
 
 
 def mma_enabled() -> bool:
-    return os.environ.get("FUSEC_INT4_MMA", "1") != "0"
+    return env.flag("FUSEC_INT4_MMA", True)
 
 
 def tensor_core_arch(arch: int | None) -> tuple[bool, str]:

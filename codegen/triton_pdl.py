@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+
+from fusec import env
 
 from .triton_text import current_arch
 
@@ -48,7 +49,7 @@ GRAPH_DRIVER = 12030  # CUDA 12.3: programmatic edges in captured graphs
 
 
 def pdl_enabled() -> bool:
-    return os.environ.get("FUSEC_PDL", "1") != "0"
+    return env.flag("FUSEC_PDL", True)
 
 
 def pdl_fit(arch: int | None = None) -> tuple[bool, str]:

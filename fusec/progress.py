@@ -16,10 +16,11 @@ while it works, and it imports nothing of fusec.
 """
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator
+
+from fusec import env
 
 MIN_KERNELS = 4
 _active = None  # the open rich Progress, if any
@@ -27,15 +28,13 @@ _active = None  # the open rich Progress, if any
 
 def forced() -> bool:
     """FUSEC_PROGRESS=1 (or --progress): draw bars even when stderr is not a terminal."""
-    return os.environ.get("FUSEC_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.flag("FUSEC_PROGRESS", None) is True
 
 
 def enabled() -> bool:
-    flag = os.environ.get("FUSEC_PROGRESS", "").strip().lower()
-    if forced():
-        return True
-    if flag in ("0", "false", "no", "off"):
-        return False
+    flag = env.flag("FUSEC_PROGRESS", None)  # None: unset, then the terminal decides
+    if flag is not None:
+        return flag
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):

@@ -44,12 +44,11 @@ backend flag (torch.backends.cudnn.allow_tf32 and friends stay as the user set t
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.fx as fx
 
-from fusec import ops
+from fusec import env, ops
 from fusec.graphmodule import copy_graph_module
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
@@ -80,7 +79,8 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
     if not convs:
         record_of(gm).layout = LayoutPlan("unchanged", "no convolution")
         return gm
-    forced = os.environ.get("FUSEC_LAYOUT", "auto").strip().lower()
+    forced = env.choice("FUSEC_LAYOUT", "auto",
+                        ("auto", "channels_last", "contiguous", "off", "0", "nchw"))
     choices = [_price_conv(n) for n in convs]
     if forced in ("contiguous", "off", "0", "nchw"):
         record_of(gm).layout = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)

@@ -18,12 +18,11 @@ they run what the graph cannot promise (the shift amounts, the zero points' rang
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.fx as fx
 
-from fusec import ops
+from fusec import env, ops
 
 from .grouping import meta
 
@@ -112,7 +111,7 @@ def _gathers(value: fx.Node) -> list:
 
 def _one_row_gemv(gemv: dict | None, red: ops.ReductionCall) -> bool:
     return bool(gemv) and gemv["m"] == 1 and red.op.name == "sum" \
-        and os.environ.get("FUSEC_INT4_COLUMNS", "1") != "0"
+        and env.flag("FUSEC_INT4_COLUMNS", True)
 
 
 def _words_along_k(value: fx.Node, nibble: int, n: int) -> bool:

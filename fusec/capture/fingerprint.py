@@ -190,7 +190,7 @@ def _name(func) -> str:
 _ENV_PREFIXES = ("FUSEC_", "TRITON_", "OMP_", "CUDA_VISIBLE")
 # where caches and logs go, whether programs are saved, how the build is run change no program
 _ENV_IGNORED = {"FUSEC_CACHE_DIR", "FUSEC_LOG", "FUSEC_DEBUG_DIR", "FUSEC_SAVED_PROGRAMS",
-                "FUSEC_COMPILE_JOBS", "FUSEC_PROGRESS",  # how many builds at once; progress bars
+                "FUSEC_COMPILE_JOBS", "FUSEC_PROGRESS", "FUSEC_CACHE_MAX_MB",  # builds at once; bars
                 "TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR"}
 
 
@@ -272,7 +272,7 @@ def _defaults() -> dict[str, tuple[dict, list, dict]]:
     path = cache.cache_dir("programs") / f"defaults-{source_hash()}.json"
     try:
         return {name: (constants, functions, {k: tuple(v) for k, v in imported.items()})
-                for name, (constants, functions, imported) in json.loads(path.read_text()).items()}
+                for name, (constants, functions, imported) in json.loads(cache.read_bytes(path)).items()}
     except (OSError, ValueError, TypeError, AttributeError):
         found = _read_defaults()
         cache.atomic_write(path, json.dumps(found))

@@ -120,7 +120,7 @@ def _replay(entry):
 
 def _read(path) -> dict:
     try:
-        table = json.loads(path.read_text())
+        table = json.loads(cache.read_bytes(path))  # (this user's file only)
     except (OSError, ValueError):
         return {}
     return table if isinstance(table, dict) else {}

@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from fusec import events
+from fusec import env, events
 from fusec.codegen import backends
 from fusec.inspect.changes import pass_changes
 from fusec.inspect.explain import Explanation
@@ -62,7 +62,7 @@ def log(topic: str, text: str) -> None:
 
 
 def debug_dir() -> Path | None:
-    value = os.environ.get("FUSEC_DEBUG_DIR")
+    value = env.path("FUSEC_DEBUG_DIR")  # (`~` expanded)
     return Path(value) if value else None
 
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from fusec import cache, progress
+from fusec import cache, env, progress
 from fusec.codegen import backends
-from fusec.errors import CompileError, FusecError
+from fusec.errors import CompileError
 from fusec.ir import canonical
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
@@ -67,13 +67,9 @@ SLOW_LOAD_S = 0.05
 def jobs() -> int:
     """How many kernels build at once: $FUSEC_COMPILE_JOBS, else one per core this process may
     use (a build is one compiler process, which keeps one core busy)."""
-    wanted = os.environ.get("FUSEC_COMPILE_JOBS", "").strip()
-    if wanted:
-        try:
-            return max(int(wanted), 1)
-        except ValueError:
-            raise FusecError(f"fusec: FUSEC_COMPILE_JOBS={wanted!r} is not a number of jobs") \
-                from None
+    wanted = env.integer("FUSEC_COMPILE_JOBS", None, minimum=0)  # (0: one job)
+    if wanted is not None:
+        return max(wanted, 1)
     try:
         return max(len(os.sched_getaffinity(0)), 1)
     except AttributeError:  # not Linux

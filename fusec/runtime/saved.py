@@ -8,7 +8,8 @@ is written to the cache under the call's fingerprint (fusec/capture/fingerprint.
     ~/.cache/fusec/programs/<fingerprint>.pkl     kernel IRs and their rendered sources, the
                                                    program's steps, the memory plan, what the
                                                    caller's outputs look like
-    ~/.cache/fusec/programs/<fingerprint>.json    its sha256, written last (fusec/cache.py)
+    ~/.cache/fusec/programs/<fingerprint>.json    its sha256 and an HMAC of it, signed with
+                                                   this user's key, written last (fusec/cache.py)
 
 and a later process whose call has the same fingerprint loads it: each kernel's binary comes
 from the kernel cache as on any warm start (fusec/runtime/build.py), the steps are bound to those
@@ -18,12 +19,18 @@ What is not saved is what only the inspection tools read: the captured graph, th
 passes and their records. A loaded program makes them on first use (`cf.source()`, `cf.schedule`)
 by compiling the call again, from tensors of the same shapes. The saved program is only used where
 nobody watches: `explain`, `profile`, `FUSEC_LOG` and `check=True` compile as usual.
-`FUSEC_SAVED_PROGRAMS=0` turns saving and loading off.
+`FUSEC_SAVED_PROGRAMS=0` (or false, off, no) turns saving and loading off.
+
+Note: a saved program is a pickle, and unpickling can run any code, so a program file is only
+unpickled once its bytes are known to be this user's own: the file must belong to this user and be
+writable by nobody else, and its sha256 must match a manifest signed with the user's secret key
+(`cache.read_verified`, checked before `pickle.loads`). A file another user planted, or one whose
+manifest is missing, forged or unsigned, is a miss: the call compiles as usual, and
+`FUSEC_LOG=cache` says why.
 """
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import time
 import warnings
@@ -32,9 +39,10 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from fusec import cache
+from fusec import cache, env
 from fusec.capture.frontend import Captured
 from fusec.driver import CompiledGraph, Kernel
+from fusec.errors import FusecError
 from fusec.runtime.build import build_all
 from fusec.runtime.steps import KernelStep
 
@@ -42,7 +50,7 @@ FORMAT = 2  # bumped when what is saved changes shape
 
 
 def enabled() -> bool:
-    return os.environ.get("FUSEC_SAVED_PROGRAMS", "1") != "0"
+    return env.flag("FUSEC_SAVED_PROGRAMS", True)
 
 
 def _path(key: str):
@@ -76,9 +84,11 @@ def save(key: str, compiled) -> bool:
     except Exception as err:  # noqa: BLE001 (an output spec holding fake tensors, say)
         cache.log(f"program {key} not saved ({type(err).__name__}): compiled every time")
         return False
-    path = _path(key)
-    cache.atomic_write(path, payload)
-    cache.write_manifest(path)
+    try:
+        path = cache.store(_path(key), payload)  # the pickle, then its signed manifest
+    except (OSError, FusecError) as err:  # (no room left even in a private cache)
+        cache.log(f"program {key} not saved ({err}): compiled every time")
+        return False
     cache.log(f"saved program {path.name}")
     return True
 
@@ -89,12 +99,13 @@ def load(key: str, recompile: Callable[[], Any]):
     someone reads what was not saved (the graphs)."""
     path = _path(key)
     start = time.perf_counter()
-    if not cache.verified(path):
+    data = cache.read_verified(path)  # this user's, intact and signed: only then unpickled
+    if data is None:
         return None
     try:
         with warnings.catch_warnings():  # (torch 2.13 warns about its own pytree specs' pickles)
             warnings.simplefilter("ignore", FutureWarning)
-            payload = pickle.loads(path.read_bytes())
+            payload = pickle.loads(data)
     except Exception as err:  # noqa: BLE001 (written by another version of a library: a miss)
         cache.log(f"program {path.name} unreadable ({type(err).__name__}): compiling")
         return None
