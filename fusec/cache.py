@@ -337,7 +337,7 @@ def read_verified(artifact: Path, touch: bool = True) -> bytes | None:
         log(f"corrupt cache entry {artifact.name}: rebuilding")
         return None
     try:
-        good = isinstance(mac, str) and hmac.compare_digest(mac, _sign(artifact.name, digest))
+        good = isinstance(mac, str) and hmac.compare_digest(mac, _sign(artifact, digest))
     except (OSError, FusecError):
         good = False  # no key to check it with: a miss
     if not good:
@@ -367,14 +367,21 @@ def content_hash(*parts: str) -> str:
 
 # ---- the key ------------------------------------------------------------------------------------
 
-def _sign(name: str, digest: str) -> str:
-    return hmac.new(key(), f"fusec 1\0{name}\0{digest}".encode(), hashlib.sha256).hexdigest()
+def _sign(artifact: Path, digest: str) -> str:
+    """The HMAC of an artifact's name and hash, with the key of the cache it is in."""
+    base = artifact.parent.parent  # <root>/<kind>/<name>
+    if base != root() and not os.path.lexists(base / KEY):
+        base = root()  # (a file outside any cache: this process's key)
+    return hmac.new(key(base), f"fusec 1\0{artifact.name}\0{digest}".encode(),
+                    hashlib.sha256).hexdigest()
 
 
-def key() -> bytes:
+def key(base: Path | None = None) -> bytes:
     """This user's secret key, kept in the cache's root (mode 0600), made on first use. A key
-    file that is not this user's alone is replaced (and everything it signed is built again)."""
-    base = root()
+    file that is not this user's alone is replaced (and everything it signed is built again).
+    `base`: another cache's root, whose key is read but never made or replaced."""
+    ours = root()
+    base = ours if base is None else base
     path = base / KEY
     try:
         st = os.stat(path)
@@ -396,6 +403,8 @@ def key() -> bytes:
                 problem = None
             except Untrusted as err:
                 problem = err.strerror
+            if base != ours:
+                raise FusecError(f"fusec: no key of this user's in {base} ({problem or 'none'})")
             if problem is not None:
                 log(f"replacing the key {path}: {problem}")
                 try:
@@ -459,7 +468,7 @@ def write_manifest(artifact: Path, data: bytes | None = None) -> None:
     """Write `artifact`'s signed manifest (of `data`, its bytes, if the caller has them)."""
     digest = hashlib.sha256(artifact.read_bytes() if data is None else data).hexdigest()
     _write(artifact.with_suffix(".json"),
-           json.dumps({"sha256": digest, "hmac": _sign(artifact.name, digest)}))
+           json.dumps({"sha256": digest, "hmac": _sign(artifact, digest)}))
 
 
 def store(path: Path, data: bytes) -> Path:
