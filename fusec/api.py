@@ -12,15 +12,17 @@ are handed `part_compiler(...)`, the one way a piece of a program is compiled.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import warnings
+from collections import OrderedDict
 from typing import Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from fusec import check as _check
-from fusec import events
+from fusec import env, events
 from fusec.capture import calls, frontend, tracing
 from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.fingerprint import fingerprint
@@ -31,7 +33,7 @@ from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast_path,  # noqa: F401
-                            _packer, _signature)
+                            _packer, _signature, input_overlaps, mutated_inputs)
 from fusec.runtime import saved
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 
@@ -87,7 +89,11 @@ class CompiledFunction:
         self.check = check
         self.fullgraph = fullgraph
         self.breaks = None  # a capture.regions.GraphBroken once the program proved not one graph
-        self.compiled: dict[tuple, CompiledGraph] = {}
+        # signature -> its program, least recently called first (see "Note: limits")
+        self.compiled: OrderedDict[tuple, CompiledGraph] = OrderedDict()
+        self.compiles = 0  # programs compiled (or loaded) so far, against the recompile limit
+        self._lock = threading.RLock()  # one compile at a time (see `_compile_new`)
+        self._said: set = set()  # warnings given once per function
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         # where each parameter and buffer lives, so a call reads them without walking the module
@@ -164,14 +170,18 @@ class CompiledFunction:
                          module.training if module is not None else False) + structure
         compiled = self.compiled.get(key)
         if compiled is None:
-            try:
-                compiled = self._compile(args, kwargs, leaves)
-            except GraphBreakError as err:
-                return self._graph_breaks(err, args, kwargs)
-            self.compiled[key] = compiled
+            compiled = self._compile_new(key, args, kwargs, leaves)
+            if not isinstance(compiled, CompiledGraph):
+                return compiled.result(args, kwargs)  # graph breaks, or eager past the limit
+        else:
+            self._touch(key)
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
-        flat_out = _complete(compiled, self._run(compiled, tensors, len(lifted)), tensors)
+        aliased = _alias_check(compiled, tensors)  # None unless the program writes into inputs
+        if aliased is not None:
+            return self._aliased_call(aliased, key, args, kwargs, leaves, tensors, len(lifted))
+        run = _one_at_a_time(self._run, compiled)
+        flat_out = _complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out)
         elif plain and all(type(a) is torch.Tensor for a in args):
@@ -191,9 +201,124 @@ class CompiledFunction:
                 return pack(_complete(compiled, self._run(compiled, tensors, n_static), tensors))
         else:  # steps run directly: the straight-line function returns the user's outputs itself
             run = _direct_runner(compiled.program, captured)
-        self._fast_paths[key] = fast = _guarded(run, tensors, n_static, self._state_refs,
-                                                self._module)
+        self._fast_paths[key] = fast = _guarded(_one_at_a_time(run, compiled), tensors, n_static,
+                                                self._state_refs, self._module,
+                                                mutated_inputs(compiled.program))
         return fast
+
+    # -- new signatures: one compile at a time, a limit, a bounded memory ----------------------
+    # Note: limits. Every new signature compiles a program, and a program holds kernels, a pool
+    # and a fast path. A function called with a new batch size on every call would compile
+    # forever and keep every program (500 sizes: 500 compiles, +189 MiB). So, as torch.compile's
+    # `recompile_limit` does, a compiled function compiles at most FUSEC_RECOMPILE_LIMIT
+    # programs (default 8); past that, each call with a new signature runs eagerly, and one
+    # warning says what changed. The programs kept in memory are at most that many as well,
+    # least recently called dropped first (with their fast paths): that matters when the limit
+    # is lowered while a function runs. FUSEC_LOG=recompiles prints every recompile's reason.
+    def _compile_new(self, key: tuple, args: tuple, kwargs: dict, leaves: list,
+                     same: dict | None = None):
+        """The program for a signature not compiled yet, or an `_Instead` (graph breaks, or past
+        the recompile limit: eager). One compile at a time per function: a thread that waited
+        here finds the program the other thread compiled. (`same`: see `_aliased_call`.)"""
+        with self._lock:
+            compiled = self.compiled.get(key)
+            if compiled is not None:
+                return compiled
+            limit = recompile_limit()
+            if self.compiles >= limit:
+                self._limit_reached(key, limit, args, kwargs)
+                return _Instead(self._eager)
+            if self.compiles:
+                events.publish("recompiled", _label(self.fn), self._changed(key, args, kwargs))
+            try:
+                compiled = self._compile(args, kwargs, leaves, same)
+            except GraphBreakError as err:
+                out = self._graph_breaks(err, args, kwargs)
+                return _Instead(lambda *_: out)
+            self.compiles += 1
+            compiled.program.prepare()  # its pool bound now, before two threads can run it
+            self.compiled[key] = compiled
+            while len(self.compiled) > limit:  # least recently called first
+                old, _ = self.compiled.popitem(last=False)
+                if self._fast_paths.pop(old, None) is self._fast:
+                    self._fast = _no_fast_path
+            return compiled
+
+    def _touch(self, key: tuple) -> None:
+        """`key`'s program was just called: the last to be dropped."""
+        try:
+            self.compiled.move_to_end(key)
+        except KeyError:  # (another thread dropped it meanwhile)
+            pass
+
+    def _eager(self, args: tuple, kwargs: dict):
+        return self.fn(*args, **kwargs)
+
+    def _names(self, args: tuple, kwargs: dict) -> list[str]:
+        """Every input's name, in signature order: parameters and buffers, then arguments."""
+        return [ref.name for ref in self._state_refs] + calls.flatten_call(self.fn, args, kwargs)[1]
+
+    def _changed(self, key: tuple, args: tuple, kwargs: dict) -> str:
+        """What makes `key` a new signature, compared with the signature called most recently."""
+        last = next((k for k in reversed(self.compiled) if k[:1] != ("train",)), None)
+        return _what_changed(last, key, self._names(args, kwargs))
+
+    def _limit_reached(self, key: tuple, limit: int, args: tuple, kwargs: dict) -> None:
+        if "limit" in self._said:
+            return
+        self._said.add("limit")
+        warnings.warn(f"fusec: {_label(self.fn)} reached its recompile limit ({self.compiles} "
+                      f"programs compiled, FUSEC_RECOMPILE_LIMIT={limit}) and this call needs "
+                      f"another ({self._changed(key, args, kwargs)}); calls with signatures not "
+                      "compiled yet run eagerly from now on (the compiled ones keep their "
+                      "programs). Raise FUSEC_RECOMPILE_LIMIT to compile more", stacklevel=4)
+
+    def _aliased_call(self, aliased: tuple, key: tuple, args: tuple, kwargs: dict, leaves: list,
+                      tensors: list, n_static: int):
+        """This call's inputs share memory, and its program writes into one of them (see "Note
+        (aliased inputs)" in fusec/fastpath.py). Inputs that are the very same tensor: a program
+        of their own, traced with one tensor in both places. Any other overlap: eager, said
+        once. Neither takes the fast path."""
+        kind, detail = aliased
+        if kind == "partial":
+            if "partial" not in self._said:
+                self._said.add("partial")
+                names = self._names(args, kwargs)
+                warnings.warn(f"fusec: {_label(self.fn)}'s inputs {names[detail[0]]} and "
+                              f"{names[detail[1]]} overlap in memory without being the same "
+                              "tensor, and the program writes into one of them: calls like this "
+                              "run eagerly (a compiled program cannot keep eager's order of reads "
+                              "and writes through two views of one memory)", stacklevel=4)
+            return self.fn(*args, **kwargs)
+        key = key + (("same", tuple(sorted(detail.items()))),)
+        compiled = self.compiled.get(key)
+        if compiled is None and ("ran eagerly", key) not in self._said:
+            # the first call like this runs eagerly: eager may refuse it (`x[1:] = y[:-1]` with
+            # y being x raises), and a program must not answer where eager raises
+            out = self.fn(*args, **kwargs)
+            self._said.add(("ran eagerly", key))
+            return out
+        if compiled is None:
+            compiled = self._compile_new(key, args, kwargs, leaves, same=detail)
+            if not isinstance(compiled, CompiledGraph):
+                return compiled.result(args, kwargs)
+        else:
+            self._touch(key)
+        self.last = compiled
+        run = _one_at_a_time(self._run, compiled)
+        flat_out = _complete(compiled, run(compiled, tensors, n_static), tensors)
+        return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
+
+    # -- pickling ---------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """A pickle (or a deep copy) keeps what `fusec.compile` was given, not the programs (they
+        hold built kernels, locks and memory): the copy compiles, or loads the programs saved on
+        disk (fusec/runtime/saved.py), on its first call."""
+        return {"fn": self.fn, "options": dict(backend=self.backend, cuda_graphs=self.cuda_graphs,
+                                               check=self.check, fullgraph=self.fullgraph)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fn"], **state["options"])
 
     def _run(self, compiled: "CompiledGraph", tensors: list, n_static: int) -> list:
         """Run step by step, or, on CUDA, replay the whole program as one CUDA graph: the first
@@ -215,7 +340,7 @@ class CompiledFunction:
         """The module's parameters and buffers now (an optimizer may have replaced them)."""
         return [ref.get() for ref in self._state_refs]
 
-    def _compile(self, args, kwargs, leaves) -> CompiledGraph:
+    def _compile(self, args, kwargs, leaves, same: dict | None = None) -> CompiledGraph:
         """Compile the program for this call, or load the one a process before compiled for a
         call just like it (fusec/runtime/saved.py, keyed by fusec/capture/fingerprint.py)."""
         tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
@@ -228,7 +353,7 @@ class CompiledFunction:
         # a saved program has no graphs to show a watcher, and check=True compares with them;
         # the pieces of training and graph breaks (GraphModules) are compiled as they come
         if backend is not None and not detail and not self.check and saved.enabled() \
-                and not isinstance(self.fn, torch.fx.GraphModule):
+                and not isinstance(self.fn, torch.fx.GraphModule) and not same:
             start = time.perf_counter()
             backends.get(backend).module  # imported now, so that its settings count every time
             with gc_paused():
@@ -242,17 +367,22 @@ class CompiledFunction:
                     loaded.times["capture"] += seconds  # the fingerprint stood in for capture
                     events.publish("compiled", loaded, _label(self.fn))
                     return loaded
-        compiled = self._capture_and_compile(args, kwargs, backend, detail, bool(real), tensors)
+        compiled = self._capture_and_compile(args, kwargs, backend, detail, bool(real), tensors,
+                                             same)
         if key is not None:
             compiled.times["capture"] += seconds
             saved.save(key, compiled)
         return compiled
 
     def _capture_and_compile(self, args, kwargs, backend: str | None, detail: bool = False,
-                             has_real: bool = True, tensors: list | None = None) -> CompiledGraph:
+                             has_real: bool = True, tensors: list | None = None,
+                             same: dict | None = None) -> CompiledGraph:
+        if _share_memory(args, kwargs, self._state()):  # traced as distinct tensors (unless
+            args, kwargs = saved.placeholders(args, kwargs)()  # `same` says otherwise): the
+            # signature, and so the program, is for any tensors like these, aliased or not
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():  # (inputs on two devices: capture says if an op mixes them)
-                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail)
+                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail, same=same)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
@@ -333,6 +463,75 @@ class CompiledModule(torch.nn.Module):
     @property
     def schedule(self) -> str:
         return self._compiled.schedule
+
+
+class _Instead:
+    """What `_compile_new` returns when a call takes another path than a new program:
+    `result(args, kwargs)` gives the call's outputs."""
+
+    def __init__(self, result: Callable):
+        self.result = result
+
+
+def recompile_limit() -> int:
+    """FUSEC_RECOMPILE_LIMIT: how many programs one compiled function compiles (default 8, as
+    torch.compile's `recompile_limit`); see "Note: limits" in CompiledFunction."""
+    return env.integer("FUSEC_RECOMPILE_LIMIT", 8, minimum=1)
+
+
+_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad")
+
+
+def _what_changed(old: tuple | None, new: tuple, names: list[str]) -> str:
+    """What differs between two signatures (fastpath._signature, plus the call's structure), in
+    words: `x: shape (4, 64) -> (5, 64)`."""
+    if old is None:
+        return "no program kept to compare with"
+    said = [] if old[0] == new[0] else [f"module.training {old[0]} -> {new[0]}"]
+    n = len(names)
+    if len(old) != len(new):
+        said.append("the number of arguments")
+    for name, a, b in zip(names, old[1:1 + n], new[1:1 + n]):
+        if a == b:
+            continue
+        if len(a) == len(b) == len(_FIELDS):  # a tensor's
+            said += [f"{name}: {field} {x} -> {y}" for field, x, y in zip(_FIELDS, a, b) if x != y]
+        else:
+            said.append(f"{name}: {a[-1]!r} -> {b[-1]!r}")
+    if len(old) == len(new) and old[1 + n:] != new[1 + n:]:
+        said.append("the arguments' structure, or which inputs are the same tensor")
+    return "; ".join(said) or "the signature"
+
+
+def _alias_check(compiled: CompiledGraph, tensors: list) -> tuple | None:
+    """None, unless the program writes into an input that shares memory with another input
+    (fastpath.input_overlaps says how). Free for a program that writes into no input."""
+    mutated = mutated_inputs(compiled.program)
+    return input_overlaps(tensors, mutated) if mutated else None
+
+
+def _share_memory(args: tuple, kwargs: dict, lifted: list) -> bool:
+    """Do two of these tensors share memory (one tensor passed twice, a view of another)?"""
+    tensors = [*lifted, *(t for t in pytree.tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor))]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    return len(storages) < len(tensors)
+
+
+def _one_at_a_time(run: Callable, compiled: CompiledGraph) -> Callable:
+    """`run`, made to hold the program's lock while it runs, if the program keeps intermediate
+    buffers in a pool: two threads running it at once would write each other's intermediates.
+    (A program without a pool, such as one kernel, runs in several threads at once.)"""
+    program = compiled.program
+    memory = getattr(program, "memory", None)
+    if not (memory is not None and getattr(memory, "pool_bytes", 0)):
+        return run
+    lock = vars(program).setdefault("_run_lock", threading.Lock())
+
+    def run_alone(*args):
+        with lock:
+            return run(*args)
+    return run_alone
 
 
 def _label(fn) -> str:

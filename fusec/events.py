@@ -24,6 +24,7 @@ The events, in pipeline order, with what they carry:
     kernel_built(kernel)                       one fusec.Kernel, built and loaded
     compiled(compiled_graph, label)            the finished CompiledGraph, its stage times included
     cache(message)                             a disk-cache hit, miss, compile or corrupt entry
+    recompiled(label, reason)                  a compiled function compiles another program, and why
 
 One question goes the other way: `wants_detail()` is True when some watcher will read the
 user's source line of every node and the graph after every pass. Recording them costs ~15% of

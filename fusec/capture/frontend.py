@@ -42,6 +42,7 @@ import torch._inductor  # noqa: E402,F401
 
 from fusec import graphmodule
 from fusec.capture import decompositions as ours
+from fusec.capture import guards
 from fusec.capture import outputs
 # (`module_state`, `program_device`, `compiling`, ... are also importable from here, where they
 # lived before calls.py and tracing.py existed)
@@ -90,32 +91,44 @@ def decompositions() -> dict:
 
 
 def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: list[int],
-                  lifted_names: list[str]) -> Callable:
+                  lifted_names: list[str], reached: list = ()) -> Callable:
     """fn as a function of flat tensors: the lifted parameters and buffers first, then the
     caller's tensors (other arguments stay as the caller gave them). Recurrent layers inside
-    run as one op each (capture/rnn.py)."""
+    run as one op each (capture/rnn.py).
+
+    The last `len(reached)` lifted names are state the program reaches through globals and
+    closures (capture/guards.py: a closure's `lin`'s weight, a global tensor that needs grad):
+    while fn runs, each of those holds its traced tensor where the program finds it."""
     module = fn if isinstance(fn, torch.nn.Module) else None
     n_lifted = len(lifted_names)
+    n_own = n_lifted - len(reached)
 
     def call(*tensors):
         new_leaves = list(leaves)
         for pos, t in zip(tensor_pos, tensors[n_lifted:]):
             new_leaves[pos] = t
         call_args, call_kwargs = rebuild(new_leaves)
-        with RecurrentAsExtern():
+        with RecurrentAsExtern(), guards.substituted(reached, tensors[n_own:n_lifted]):
             if module is not None:
-                params = dict(zip(lifted_names, tensors[:n_lifted]))
+                params = dict(zip(lifted_names[:n_own], tensors[:n_own]))
                 return torch.func.functional_call(module, params, call_args, call_kwargs)
             return fn(*call_args, **call_kwargs)
     return call
 
 
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
-            stack_traces: bool = False) -> Captured:
+            stack_traces: bool = False, same: dict | None = None,
+            reached: list = ()) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
 
     stack_traces: also record, on every node, the user's source line that produced it
     (`node.meta["stack_trace"]`; explain and profile show it). Off by default: it costs time.
+    same: {i: j} when flat input i (lifted state first, then the caller's tensors) is the very
+    tensor j < i, for a program that writes into its inputs (fusec/api.py, "Note: aliased
+    inputs"): both positions then trace as one tensor, so functionalization sees a write through
+    one as a change of the other, as eager does; input i's placeholder goes unread.
+    reached: state the program reaches through globals and closures, lifted after the module's
+    own (capture/guards.py: `Guards.reached`).
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
@@ -123,7 +136,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     _check_arguments(leaves, names)
-    state = module_state(module) if module is not None else []
+    state = (module_state(module) if module is not None else []) + list(reached)
     lifted_names = [ref.name for ref in state]
     lifted = [ref.get() for ref in state]
     user_tensors = [leaves[i] for i in tensor_pos]
@@ -135,9 +148,11 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     constants: dict[int, Any] = {}
 
     call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
-                         lifted_names)
+                         lifted_names, reached)
 
     def flat_fn(*tensors):
+        if same:  # input i *is* input same[i] (the caller passed one tensor twice): so here too
+            tensors = tuple(tensors[same.get(i, i)] for i in range(len(tensors)))
         flat_out, spec = outputs.flatten(call(*tensors))  # ModelOutput, caches ...: outputs.py
         out_spec_box[:] = [spec]
         aliases.clear()

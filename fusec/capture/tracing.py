@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 import sysconfig
+import threading
 import traceback
 
 import torch
@@ -203,12 +204,13 @@ def autograd_functions_inlined():
     nothing. The ops inside it are then traced like any others, and fused.
     The training path (capture/training.py, AOT autograd) does not use this; it traces the
     Function's own backward.
-    Note: like the other patches here, it is process-wide while a capture runs."""
+    Note: the patch is process-wide while a capture runs, but acts only in the thread that
+    traces (see the note on tracing and threads below)."""
     from torch.autograd.function import Function, _SingleLevelFunction
     real = Function.__dict__["apply"]  # the classmethod object itself, restored as is
 
     def apply(cls, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not _tracing_here():  # (another thread's call: as it was)
             return real.__func__(cls, *args, **kwargs)
         if cls.setup_context == _SingleLevelFunction.setup_context:  # forward(ctx, ...)
             return cls.forward(_ForwardOnlyContext(len(args)), *args, **kwargs)
@@ -221,6 +223,25 @@ def autograd_functions_inlined():
         Function.apply = real
 
 
+# Note (tracing and threads). torch's tracers are not thread-safe: make_fx keeps the tracer
+# that patches functions in a global (torch.fx's `CURRENT_PATCHER`), and two threads tracing at
+# once failed with "CURRENT_PATCHER is None in finally block". So every trace in the process
+# runs under one lock, `CAPTURE_LOCK`, taken by `python_at_trace_time_refused`, which every
+# capture enters (frontend.py, fingerprint.py, training's first call). The lock is re-entrant:
+# AOT Autograd, tracing the training path, compiles its forward graph with a capture of its own.
+# What the context replaces (`print`, `Tensor.numpy`, jiterator's launcher) is put in place by
+# the outermost capture and put back, exactly as it was, when that capture ends; and the
+# replacement `print` refuses only in the thread that traces (`_TRACING.depth`): another
+# thread's `print`, while a capture runs, prints.
+CAPTURE_LOCK = threading.RLock()
+_TRACING = threading.local()  # .depth: how many captures this thread is inside
+
+
+def _tracing_here() -> bool:
+    """Is this thread inside a capture?"""
+    return getattr(_TRACING, "depth", 0) > 0
+
+
 @contextlib.contextmanager
 def python_at_trace_time_refused():
     """While tracing, refuse the Python that a graph cannot hold and that would otherwise run
@@ -228,13 +249,28 @@ def python_at_trace_time_refused():
     `.numpy()` / `np.asarray` of a traced tensor (it would read memory that holds no data and
     bake it into the graph as a constant: a wrong result). Both raise a GraphBreakError, which
     with fullgraph=False sends the program to the graph-break path, where they run every call.
-    Note: the patch is process-wide while a capture runs (capture is not thread-safe anyway)."""
+    It also holds `CAPTURE_LOCK`: one trace at a time in the process (see the note above)."""
+    with CAPTURE_LOCK:
+        depth = getattr(_TRACING, "depth", 0)
+        restore = _refuse_python() if depth == 0 else None
+        _TRACING.depth = depth + 1
+        try:
+            yield
+        finally:
+            _TRACING.depth = depth
+            if restore is not None:
+                restore()
+
+
+def _refuse_python():
+    """Put the refusing `print`, `Tensor.numpy` and jiterator launcher in place; returns the
+    function that puts the originals back."""
     real_print = builtins.print
     had_numpy = "numpy" in vars(torch.Tensor)
     real_numpy = torch.Tensor.numpy
 
     def print_(*args, **kwargs):
-        if _is_user_file(sys._getframe(1).f_code.co_filename):
+        if _tracing_here() and _is_user_file(sys._getframe(1).f_code.co_filename):
             raise _runs_python("print(...)", "Python that runs on every call, but a captured graph "
                                "would run it once, while tracing; move it outside the compiled "
                                "function", sys._getframe(1))
@@ -254,15 +290,16 @@ def python_at_trace_time_refused():
     real_jiterator = getattr(torch._C, "_cuda_jiterator_compile_and_launch_kernel", None)
 
     def jiterator_(*args, **kwargs):
+        if not _tracing_here():
+            return real_jiterator(*args, **kwargs)
         raise _runs_python("a jiterator kernel (torch.cuda.jiterator)", "it runs its own CUDA "
                            "code on the tensors, which hold no data while tracing", _user_caller())
 
     builtins.print, torch.Tensor.numpy = print_, numpy_
     if real_jiterator is not None:
         torch._C._cuda_jiterator_compile_and_launch_kernel = jiterator_
-    try:
-        yield
-    finally:
+
+    def restore():
         builtins.print = real_print
         if real_jiterator is not None:
             torch._C._cuda_jiterator_compile_and_launch_kernel = real_jiterator
@@ -270,3 +307,4 @@ def python_at_trace_time_refused():
             torch.Tensor.numpy = real_numpy
         else:
             del torch.Tensor.numpy
+    return restore

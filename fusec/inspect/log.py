@@ -15,6 +15,8 @@ Topics, in pipeline order:
     schedule     the ordered list of kernel launches and extern calls
     cache        disk-cache hits, misses, compiles and corrupt entries (fusec/cache.py)
     compile      where each program's compile time went: capture, passes, codegen, build, load
+    recompiles   each program a compiled function compiles after its first, and why (what
+                 changed in the call: `x: shape (4, 64) -> (5, 64)`)
 
 Every message goes through `log(topic, text)`; its first line is prefixed `[fusec TOPIC]` so a
 reader can grep for one stage. The driver does not call this file: it publishes each stage
@@ -37,7 +39,7 @@ from fusec.inspect.listing import graph_listing
 from fusec.inspect.graphviz import render_svg
 from fusec.record import format_schedule, record_of
 
-TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile")
+TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile", "recompiles")
 
 
 def topics() -> set[str]:
@@ -70,7 +72,7 @@ def wants_stack_traces() -> bool:
     """Record the user's source line of every ATen node while tracing, and the graph after every
     pass? (Costs ~15% of capture time and ~20% of a warm start, so only when someone will read
     them: explain, profile, FUSEC_LOG or FUSEC_DEBUG_DIR.)"""
-    return bool(topics() - {"compile", "cache"} or debug_dir())  # timing must not change what it times
+    return bool(topics() - {"compile", "cache", "recompiles"} or debug_dir())  # timing must not change what it times
 
 
 # ---- what the driver published (fusec/driver.py compile_graph), printed ----------------------------
@@ -211,6 +213,9 @@ class Printer:
 
     def cache(self, message: str) -> None:
         log("cache", message)
+
+    def recompiled(self, label: str, reason: str) -> None:
+        log("recompiles", f"{label}: compiling a new program ({reason})")
 
 
 PRINTER = events.watch(Printer())
