@@ -89,7 +89,7 @@ _KEYS: dict[Path, tuple] = {}  # cache root -> ((inode, mtime) of its key file, 
 _LOCK = threading.RLock()
 _BUILDING: dict[Path, threading.Lock] = {}  # artifact -> the lock a thread builds it under
 _EVICTING = threading.Lock()
-_written = 0  # bytes written since the cache's size was last checked
+_written: int | None = None  # bytes written since the cache's size was last checked (None: not yet)
 
 
 # ---- where the cache is, and whether it can be trusted ------------------------------------------
@@ -138,13 +138,12 @@ def _choose(wanted: Path) -> Path:
         problem = untrusted_path(wanted)  # before making anything in a folder we cannot trust
         if problem is None:
             wanted.mkdir(parents=True, exist_ok=True, mode=0o700)
-            problem = untrusted_path(wanted) or _own_dir(wanted) or _probe(wanted)
+            problem = untrusted_path(wanted) or _own_dir(wanted)
     except OSError as err:
         problem = describe(err)
     if problem is not None:
         return _fallback(wanted, problem)
-    _evict_if_over(wanted)  # once per process, at the start
-    return wanted
+    return wanted  # (a cache that cannot be written is found at the first write: `_relocated`)
 
 
 def untrusted_path(path: Path) -> str | None:
@@ -193,13 +192,6 @@ def _own_dir(path: Path) -> str | None:
         return f"{path} belongs to another user (uid {st.st_uid})"
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)  # our own folder, left open: anything in it is checked file by file
-    return None
-
-
-def _probe(path: Path) -> str | None:
-    """Write and remove a small file: a read-only or full cache is found now, not mid-build."""
-    _write(path / "probe", b"fusec", count=False)
-    os.unlink(path / "probe")
     return None
 
 
@@ -428,7 +420,7 @@ def key(base: Path | None = None) -> bytes:
 
 # ---- writing ------------------------------------------------------------------------------------
 
-def _write(path: Path, data: bytes | str, count: bool = True) -> None:
+def _write(path: Path, data: bytes | str) -> None:
     """Write `data` to a unique temporary file next to `path` (mode 0600; mkstemp's name is random
     and made with O_EXCL, so threads and processes never share one), then rename it into place.
     The temporary file is removed whatever happens."""
@@ -446,8 +438,7 @@ def _write(path: Path, data: bytes | str, count: bool = True) -> None:
             os.close(fd)
         if tmp is not None:
             _unlink(tmp)
-    if count:
-        _wrote(len(data))
+    _wrote(len(data))
 
 
 def atomic_write(path: Path, data: bytes | str) -> Path:
@@ -551,10 +542,13 @@ def max_bytes() -> int:
 
 
 def _wrote(n: int) -> None:
-    """Count bytes written; past an eighth of the cap since the last look, check the size."""
+    """Count bytes written; at a process's first write, and past an eighth of the cap since the
+    last look, check the size. (A process that only loads never scans the cache: warm starts
+    stay quick; one that compiles pays a few milliseconds for it.)"""
     global _written
-    _written += n
-    if _written >= max_bytes() // 8:
+    first = _written is None
+    _written = (_written or 0) + n
+    if first or _written >= max_bytes() // 8:
         _written = 0
         _evict_if_over(root())
 

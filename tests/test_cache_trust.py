@@ -290,20 +290,23 @@ def test_unusable_cache_warns_and_falls_back(tmp_path, monkeypatch, kind, reason
 
 
 @pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
-def test_full_disk_mid_use_falls_back(fresh, monkeypatch, backend):
-    """The disk fills up after the cache was checked: the write fails with ENOSPC (simulated for
-    files under the cache only); one warning, the kernel is built in the private cache, no
-    temporary file is left behind."""
+@pytest.mark.parametrize("code, reason", [(errno.ENOSPC, "disk is full"),
+                                          (errno.EROFS, "read-only file system")])
+def test_unwritable_cache_mid_use_falls_back(fresh, monkeypatch, backend, code, reason):
+    """The disk fills up (or is remounted read-only) after the cache was checked: each write
+    there fails with ENOSPC or EROFS (simulated, for files under the cache only; root ignores
+    permission bits); one warning, the kernel is built in the private cache, no temporary file
+    is left behind."""
     cache.cache_dir(backend)  # checked and in use
     real_write = os.write
 
     def write(fd, data):
         if os.readlink(f"/proc/self/fd/{fd}").startswith(str(fresh)):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(code, os.strerror(code))
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", write)
-    with pytest.warns(cache.CacheWarning, match="disk is full.*FUSEC_CACHE_DIR"):
+    with pytest.warns(cache.CacheWarning, match=f"{reason}.*FUSEC_CACHE_DIR"):
         run(backend)
     assert cache.root() != fresh
     assert not [p for p in fresh.rglob("*") if p.is_file() and p.name != cache.KEY]
