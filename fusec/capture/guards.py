@@ -1,0 +1,602 @@
+"""Guards: the Python state a capture read, written down and checked on every call.
+
+A captured graph is Python run once. Whatever Python values that run read are frozen into it:
+`x * self.scale` becomes `mul(x, 2.0)`, `if USE_GELU:` keeps one branch, a closure's mask becomes
+a constant tensor. Eager reads them again on every call, so after `m.scale = 5.0` it answers
+differently. fusec keeps eager's answer the way TorchDynamo does: it writes down what a capture
+read (a *guard* per value), checks those values on every call, and compiles again when one
+changed, saying which (`FUSEC_LOG=recompiles`: "self.scale changed: 2.0 -> 5.0").
+
+What is read, and how fusec finds out:
+
+    module attributes   `self.scale`, `self.use_gelu`, `self.act = F.gelu`, a submodule's
+                        `training`, Dropout's `p`: while capture runs, every module of the
+                        program wears a subclass of its class whose `__getattribute__` writes
+                        down each plain attribute read (this thread only; the class is put back
+                        in `finally`). Exact: only what was read is guarded.
+    globals, closures   `SCALE`, `USE_GELU`, a closure's `scale`: found before capture by reading
+                        the bytecode (`dis`) of the compiled function, of the Python functions
+                        it reaches through globals and closures, and of the methods of its
+                        modules' classes (user code only: not torch's, fusec's, the standard
+                        library's or installed packages'). `LOAD_GLOBAL` and `LOAD_DEREF` name
+                        what each can read; a name on a branch not taken is guarded too.
+
+Each value is checked by its kind, in a few nanoseconds:
+
+    a constant          (None, bool, int, float, str, a dtype, a tuple of these ...)
+                        its type and `==`:          type(self.scale) is float and self.scale == 2.0
+    a function, class,  identity:                   ACT is gelu
+    a module
+    a tensor baked      identity, `_version` (an in-place update bumps it) and requires_grad
+    into the graph
+
+Tensors reached through globals and closures that need gradients (a `Parameter`, `requires_grad`),
+and the parameters and buffers of modules reached that way (`lin = nn.Linear(...)` used by
+`f = lambda x: lin(x)`), are not baked: they are *lifted*, graph inputs read where they live on
+every call like the compiled module's own parameters (`refs`: calls.StateRef, GlobalRef, CellRef,
+AttrRef). So autograd sees them, and an optimizer's update or replacement is seen next call.
+
+How a call uses this (fusec/api.py): a program is kept under its input signature *plus* the
+values of every guard (`Guards.key()`), so a flag that goes back and forth finds both programs;
+the fast path (fusec/fastpath.py) checks the same values inline (`Guards.fast_lines`); a miss
+whose signature is known names what changed (`Guards.reason`). A program that reads no Python
+state has no guard and pays nothing.
+
+Not guarded (state a captured graph still freezes): what lives inside other objects (a config
+object's attributes, a dict's or list's items), modules and tensors reached only through such
+containers, and functions reached other than through globals, closures and module attributes.
+While capture runs, a lifted global or closure tensor holds the traced value (as functional_call
+does to a module's parameters): another thread that reads that same global meanwhile sees it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dis
+import enum
+import functools
+import os
+import sysconfig
+import threading
+import types
+from typing import Any, Callable
+
+import torch
+
+from fusec.capture.calls import StateRef, module_state
+
+_LOCAL = threading.local()  # .recording: the Recording of this thread's capture, or None
+_MISSING = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
+
+# nn.Module's own bookkeeping (hooks, `_parameters` ...): not state a program reads
+_MODULE_INTERNALS = frozenset({*vars(torch.nn.Module()), *vars(torch.nn.Module)}) - {"training"}
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                   torch.layout, torch.memory_format, enum.Enum)
+
+
+# ---- where a value lives ------------------------------------------------------------------------
+
+class Source:
+    """Where a guarded value lives: a global (`owner` is the globals dict), a closure's cell, or
+    a module attribute. `label` is what a reader calls it ("global SCALE", "self.scale")."""
+
+    __slots__ = ("kind", "owner", "name", "label")
+
+    def __init__(self, kind: str, owner, name: str, label: str):
+        self.kind, self.owner, self.name, self.label = kind, owner, name, label
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, id(self.owner), self.name)
+
+    def read(self):
+        """The value now (`_MISSING` if it is gone)."""
+        try:
+            if self.kind == "global":
+                return self.owner[self.name]
+            if self.kind == "cell":
+                return self.owner.cell_contents
+            return getattr(self.owner, self.name)
+        except (KeyError, ValueError, AttributeError):
+            return _MISSING
+
+    def expression(self, var: str) -> str:
+        """Python that reads the value, with the owner in variable `var`."""
+        if self.kind == "global":
+            return f"{var}[{self.name!r}]"
+        if self.kind == "cell":
+            return f"{var}.cell_contents"
+        return f"{var}.{self.name}" if self.name.isidentifier() else f"getattr({var}, {self.name!r})"
+
+
+class GlobalRef:
+    """A lifted tensor that a global holds: read as `owner[name]` (owner: the globals dict)."""
+
+    is_param = False
+
+    def __init__(self, name: str, owner: dict, attr: str):
+        self.name, self.owner, self.attr = name, owner, attr
+
+    def get(self):
+        return self.owner[self.attr]
+
+    def set(self, value) -> None:
+        self.owner[self.attr] = value
+
+    def expression(self, var: str) -> str:
+        return f"{var}[{self.attr!r}]"
+
+
+class CellRef:
+    """A lifted tensor that a closure's cell holds."""
+
+    is_param = False
+
+    def __init__(self, name: str, owner):
+        self.name, self.owner, self.attr = name, owner, "cell_contents"
+
+    def get(self):
+        return self.owner.cell_contents
+
+    def set(self, value) -> None:
+        self.owner.cell_contents = value
+
+    def expression(self, var: str) -> str:
+        return f"{var}.cell_contents"
+
+
+class AttrRef:
+    """A lifted tensor held as a plain module attribute (not a parameter nor a buffer)."""
+
+    is_param = False
+
+    def __init__(self, name: str, owner: torch.nn.Module, attr: str):
+        self.name, self.owner, self.attr = name, owner, attr
+
+    def get(self):
+        return vars(self.owner)[self.attr]
+
+    def set(self, value) -> None:
+        vars(self.owner)[self.attr] = value
+
+    def expression(self, var: str) -> str:
+        return f"{var}.__dict__[{self.attr!r}]"
+
+
+@contextlib.contextmanager
+def substituted(refs: list, tensors) -> Any:
+    """While tracing: each lifted state `ref` holds its traced tensor, so the program's reads of
+    the global, closure or module reach the graph input; the real tensors are put back after."""
+    if not refs:
+        yield
+        return
+    old = [ref.get() for ref in refs]
+    try:
+        for ref, t in zip(refs, tensors):
+            ref.set(t)
+        yield
+    finally:
+        for ref, t in zip(reversed(refs), reversed(old)):
+            ref.set(t)
+
+
+# ---- what a value's guard checks ----------------------------------------------------------------
+
+def _is_constant(value) -> bool:
+    if type(value) in (tuple, frozenset):
+        return all(_is_constant(v) for v in value)
+    return isinstance(value, _CONSTANT_TYPES)
+
+
+def _kind(value) -> str | None:
+    """How a value is guarded: "value", "identity", "tensor" (baked), or None (not guarded)."""
+    if isinstance(value, torch.Tensor):
+        return None if _is_traced(value) else "tensor"
+    if _is_constant(value):
+        return "value"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
+                          functools.partial, torch.nn.Module, torch._ops.OpOverloadPacket,
+                          torch._ops.OpOverload)):
+        return "identity"
+    return None
+
+
+def _is_traced(t) -> bool:
+    from fusec.capture.tracing import _is_traced as traced
+    return traced(t)
+
+
+def _encode(kind: str, value, keep: dict):
+    """The value as it enters a program's key (hashable, cheap to compare)."""
+    if value is _MISSING:
+        return _MISSING
+    if kind == "value":
+        return (type(value), value)
+    keep[id(value)] = value  # (kept alive: its id must stay its own while a key holds it)
+    if kind == "tensor":
+        return (id(value), value._version, value.requires_grad) \
+            if isinstance(value, torch.Tensor) else (id(value), None, None)
+    return id(value)
+
+
+class Values(tuple):
+    """The guards' part of a program's key: one entry per guard, in order."""
+
+
+# ---- finding what a program can read, before capture ------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+@functools.lru_cache(maxsize=1024)
+def _user_code(filename: str) -> bool:
+    """The user's own code (a script, a notebook cell, a package being developed): not torch,
+    fusec, the standard library, an installed package, nor generated code (fx, fast paths)."""
+    if filename.startswith("<"):
+        return filename in ("<stdin>", "<string>") or filename.startswith("<ipython-input")
+    path = os.path.abspath(filename)
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_FUSEC_DIR)
+                or path.startswith(_STDLIB_DIR) or os.sep + "site-packages" + os.sep in path
+                or os.sep + "dist-packages" + os.sep in path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(globals, closure variables) that `code` and the functions defined in it can read."""
+    names, cells = [], []
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            names.append(ins.argval)
+        elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in code.co_freevars:
+            cells.append(ins.argval)
+    for const in code.co_consts:  # a lambda or inner function: its globals are ours; its free
+        if isinstance(const, types.CodeType):  # variables are ours when they pass through us
+            inner_names, inner_cells = _reads(const)
+            names += inner_names
+            cells += [c for c in inner_cells if c in code.co_freevars]
+    return tuple(dict.fromkeys(names)), tuple(dict.fromkeys(cells))
+
+
+class Discovery:
+    """What a program can reach from Python, found without running it (see the module docstring):
+    `static` guards (globals and closure values: (source, kind, value)), `reached` state to lift
+    (refs), and every module the program can run (`labels`: id -> (module, "self.block"))."""
+
+    def __init__(self, fn: Callable):
+        self.static: list[tuple] = []
+        self.reached: list = []
+        self.labels: dict[int, tuple] = {}
+        self._lifted: set[int] = set()
+        self._code: set = set()
+        self._static_keys: set = set()
+        self._classes: set = set()
+        if isinstance(fn, torch.nn.Module):
+            self._lifted.update(id(ref.get()) for ref in module_state(fn))
+            self.module(fn, "self", own=True)
+        elif isinstance(fn, types.MethodType):
+            if isinstance(fn.__self__, torch.nn.Module):
+                self.module(fn.__self__, "self", own=False)
+            self.function(fn.__func__)
+        elif isinstance(fn, functools.partial):
+            self.function(fn.func)
+        else:
+            self.function(fn)
+
+    def module(self, module: torch.nn.Module, label: str, own: bool) -> None:
+        """A module the program runs: its attributes are recorded while capture runs, its classes'
+        methods are read for globals, and (when reached, not compiled) its state is lifted."""
+        if id(module) in self.labels:
+            return
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            if id(sub) in self.labels:
+                continue
+            name = f"{label}.{prefix}" if prefix else label
+            self.labels[id(sub)] = (sub, name)
+            for attr, value in vars(sub).items():  # plain tensor attributes that need grad
+                if isinstance(value, torch.Tensor) and value.requires_grad \
+                        and id(value) not in self._lifted:
+                    self._lifted.add(id(value))
+                    self.reached.append(AttrRef(f"{name}.{attr}", sub, attr))
+            for klass in type(sub).__mro__:
+                if klass in self._classes or klass is torch.nn.Module or klass is object:
+                    continue
+                self._classes.add(klass)
+                for member in vars(klass).values():
+                    member = getattr(member, "__func__", getattr(member, "fget", member))
+                    if isinstance(member, types.FunctionType):
+                        self.function(member)
+        if not own:
+            for ref in module_state(module):
+                if id(ref.get()) not in self._lifted:
+                    self._lifted.add(id(ref.get()))
+                    self.reached.append(StateRef(f"{label}.{ref.name}", ref.owner, ref.attr,
+                                                 ref.is_param))
+
+    def function(self, fn) -> None:
+        """A Python function the program can call: what its bytecode can read."""
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType) or code in self._code \
+                or not _user_code(code.co_filename):
+            return
+        self._code.add(code)
+        names, cells = _reads(code)
+        space = fn.__globals__
+        for name in names:
+            if name in space:
+                self.value(Source("global", space, name, f"global {name}"), space[name], name)
+        closure = fn.__closure__ or ()
+        for name in cells:
+            cell = closure[code.co_freevars.index(name)]
+            try:
+                value = cell.cell_contents
+            except ValueError:  # not assigned yet
+                continue
+            self.value(Source("cell", cell, name, f"closure variable {name}"), value, name)
+
+    def value(self, source: Source, value, name: str) -> None:
+        """A global's or closure's value: lifted, guarded, followed, or none of these."""
+        if isinstance(value, types.ModuleType):
+            return  # `torch`, `F`, `math`
+        if isinstance(value, torch.Tensor) and (isinstance(value, torch.nn.Parameter)
+                                                or value.requires_grad):
+            if id(value) not in self._lifted:
+                self._lifted.add(id(value))
+                self.reached.append(GlobalRef(name, source.owner, name) if source.kind == "global"
+                                    else CellRef(name, source.owner))
+            return
+        kind = _kind(value)
+        if kind is not None and source.key not in self._static_keys:
+            self._static_keys.add(source.key)
+            self.static.append((source, kind, value))
+        if isinstance(value, torch.nn.Module):
+            self.module(value, name, own=False)
+        elif isinstance(value, types.FunctionType):
+            self.function(value)
+
+
+# ---- recording module attributes while capture runs -------------------------------------------
+
+class Recording:
+    """What one capture read: source key -> (source, kind, value), first read wins."""
+
+    def __init__(self, guards: "Guards"):
+        self.guards = guards
+        self.seen: dict[tuple, tuple] = {}
+        self.key: tuple = ()  # the guards' part of the program's key, once capture is done
+
+    def add(self, source: Source, kind: str, value) -> None:
+        if source.key not in self.seen:
+            self.seen[source.key] = (source, kind, value)
+
+    def attribute(self, module, name: str, value) -> None:
+        """`module.name` was read (by the program, or by torch's module code it runs)."""
+        if name in _MODULE_INTERNALS or name.startswith("__") or \
+                (name == "training" and module is self.guards.module):  # (in the signature)
+            return
+        if name not in object.__getattribute__(module, "__dict__"):
+            for klass in type(module).__mro__:  # a class attribute, or computed (property,
+                if name in vars(klass):         # method: what it reads is recorded itself)
+                    if hasattr(type(vars(klass)[name]), "__get__"):
+                        return
+                    break
+            else:
+                return
+        kind = _kind(value)
+        if kind is None:
+            return
+        labels = self.guards.discovery.labels
+        owner = labels[id(module)][1] if id(module) in labels else type(module).__name__
+        self.add(Source("attr", module, name, f"{owner}.{name}"), kind, value)
+
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """cls with a `__getattribute__` that tells this thread's Recording about each read."""
+    sub = _RECORDING_CLASSES.get(cls)
+    if sub is None:
+        base = cls.__getattribute__
+
+        def __getattribute__(self, name):
+            value = base(self, name)
+            recording = getattr(_LOCAL, "recording", None)
+            if recording is not None:
+                recording.attribute(self, name, value)
+            return value
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__,
+                                          "_fusec_recording": True})
+        _RECORDING_CLASSES[cls] = sub
+    return sub
+
+
+# ---- the guards of one compiled function ----------------------------------------------------------
+
+class Guards:
+    """Every guard a CompiledFunction's captures needed (their union, in the order found), and
+    the state it lifts. Inert for fusec's own pieces (a GraphModule: training's and Dynamo's)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.module = fn if isinstance(fn, torch.nn.Module) else None
+        self.active = not isinstance(fn, torch.fx.GraphModule)
+        self.entries: list[tuple[Source, str]] = []  # (source, kind)
+        self._index: dict[tuple, int] = {}
+        self._keep: dict[int, Any] = {}  # objects whose ids sit in keys
+        self._last: dict[tuple, Values] = {}  # a signature -> the guard values it last compiled
+        self._rekeyed: dict[tuple, tuple] = {}  # a key before its compile -> the key after
+        self._values: Callable[[], Values] = lambda: Values()
+        self.discovery = Discovery(fn) if self.active else None
+        own = module_state(fn) if self.module is not None else []
+        self.reached = list(self.discovery.reached) if self.active else []
+        self.refs = own + self.reached  # what the program lifts: own state, then reached state
+
+    def key(self) -> tuple:
+        """The guards' part of a program's key: `()` when there is no guard, else the values now."""
+        return (self._values(),) if self.entries else ()
+
+    def moved(self) -> bool:
+        """Look again (before compiling): do globals and closures now reach other state to lift
+        (`lin` rebound to another module)? Then `refs` changes and the caller starts again."""
+        if not self.active:
+            return False
+        self.discovery = Discovery(self.fn)
+        reached = self.discovery.reached
+        if [(type(r), id(r.owner), r.attr) for r in reached] == \
+                [(type(r), id(r.owner), r.attr) for r in self.reached]:
+            return False
+        self.reached = list(reached)
+        self.refs = (module_state(self.module) if self.module is not None else []) + self.reached
+        return True
+
+    def rekeyed(self, key: tuple) -> tuple:
+        """The key a program compiled under `key` is kept under (see `recording`)."""
+        return self._rekeyed.get(key, key)
+
+    @contextlib.contextmanager
+    def recording(self, key: tuple):
+        """Around one compile for `key` (a signature and the guard values known before it):
+        write down what it reads. Afterwards `recording.key` is the key to keep the program
+        under: the guards' part holds the values it was compiled for, of every guard so far."""
+        recording = Recording(self)
+        recording.key = key
+        if not self.active:
+            yield recording
+            return
+        discovery = self.discovery = Discovery(self.fn)  # (a global may hold a new function)
+        for source, kind, _ in discovery.static:
+            value = source.read()  # now, as the capture will see it
+            if value is not _MISSING:
+                recording.add(source, kind, value)
+        swapped = []
+        for module, _ in discovery.labels.values():
+            cls = type(module)
+            if getattr(cls, "_fusec_recording", False):
+                continue  # (a capture inside a capture: already recording)
+            try:
+                module.__class__ = _recording_class(cls)
+            except TypeError:  # (a class whose layout forbids it: its attributes go unguarded)
+                continue
+            swapped.append((module, cls))
+        outer = getattr(_LOCAL, "recording", None)
+        _LOCAL.recording = recording
+        try:
+            yield recording
+        finally:
+            _LOCAL.recording = outer
+            for module, cls in reversed(swapped):
+                module.__class__ = cls
+        for source, kind, value in recording.seen.values():
+            if source.key not in self._index:
+                self._index[source.key] = len(self.entries)
+                self.entries.append((source, kind))
+            if kind != "value":
+                self._keep[id(value)] = value
+        self._values = self._make_values()
+        now = self._values() if self.entries else Values()
+        values = Values(_encode(kind, recording.seen[source.key][2], self._keep)
+                        if source.key in recording.seen else now[i]
+                        for i, (source, kind) in enumerate(self.entries))
+        signature = tuple(k for k in key if type(k) is not Values)
+        if not self.entries:
+            recording.key = signature
+        elif any(type(k) is Values for k in key):
+            recording.key = tuple(values if type(k) is Values else k for k in key)
+        else:
+            recording.key = key + (values,)
+        self._last[signature] = values
+        if len(self._rekeyed) > 64:
+            self._rekeyed.clear()
+        self._rekeyed[key] = recording.key
+
+    def _make_values(self) -> Callable[[], Values]:
+        """`values()`: every guarded value now, encoded, as straight-line Python."""
+        glob = {"Values": Values, "slow": self._slow_values, "_id": id}
+        reads, parts = [], []
+        for i, (source, kind) in enumerate(self.entries):
+            glob[f"s{i}"] = source.owner
+            reads.append(f"v{i} = {source.expression(f's{i}')}")
+            parts.append({"value": f"(type(v{i}), v{i})", "identity": f"_id(v{i})",
+                          "tensor": f"(_id(v{i}), v{i}._version, v{i}.requires_grad)"}[kind])
+        body = "".join(f"        {r}\n" for r in reads)
+        source = (f"def values():\n    try:\n{body}"
+                  f"        return Values(({', '.join(parts)}{',' if len(parts) == 1 else ''}))\n"
+                  "    except Exception:\n        return slow()\n")
+        exec(compile(source, "<fusec guard values>", "exec"), glob)
+        return glob["values"]
+
+    def _slow_values(self) -> Values:
+        """values(), one guard at a time (some value is gone, or is not what it was)."""
+        out = []
+        for source, kind in self.entries:
+            value = source.read()
+            try:
+                out.append(_encode(kind, value, {}) if value is not _MISSING else _MISSING)
+            except Exception:  # noqa: BLE001 (a tensor where a number was: it changed)
+                out.append(_MISSING)
+        return Values(out)
+
+    def fast_lines(self, key: tuple) -> tuple[list[str], dict]:
+        """(lines, their globals) for the fast path of the program kept under `key`
+        (fusec/fastpath.py): each guard's value now against the one the program was compiled
+        for; any difference, or a value that is gone, returns MISS. No line when the program
+        has no guard."""
+        values = next((k for k in key if type(k) is Values), None)
+        glob: dict = {}
+        if not values:
+            return [], glob
+        lines = ["try:"]
+        for i, ((source, kind), value) in enumerate(zip(self.entries, values)):
+            glob[f"g_s{i}"] = source.owner
+            read = source.expression(f"g_s{i}")
+            if value is _MISSING:
+                return ["return MISS"], glob  # (compiled while it was missing: general path)
+            if kind == "value":
+                typ, const = value
+                glob[f"g_c{i}"], glob[f"g_t{i}"] = const, typ
+                if const is None or typ is bool:
+                    test = f"{read} is not g_c{i}"
+                elif isinstance(const, torch.dtype):
+                    test = f"{read} is not g_c{i}"
+                else:
+                    test = f"type(g_v{i} := {read}) is not g_t{i} or g_v{i} != g_c{i}"
+            elif kind == "identity":
+                glob[f"g_o{i}"] = self._keep[value]
+                test = f"{read} is not g_o{i}"
+            else:
+                ident, version, grad = value
+                glob[f"g_o{i}"] = self._keep[ident]
+                test = (f"(g_v{i} := {read}) is not g_o{i} or g_v{i}._version != {version} "
+                        f"or {'not ' if grad else ''}g_v{i}.requires_grad")
+            lines += [f"    if {test}:", "        return MISS"]
+        return lines + ["except Exception:", "    return MISS"], glob
+
+    def reason(self, key: tuple) -> str | None:
+        """Why a program is compiled for `key`, when the one compiled for its signature read a
+        guard whose value has changed since: "self.scale changed: 2.0 -> 5.0" (else None)."""
+        new = next((k for k in key if type(k) is Values), None)
+        old = self._last.get(tuple(k for k in key if type(k) is not Values))
+        if old is None or new is None:
+            return None
+        said = [f"{source.label} changed: {_describe(kind, a, self._keep)} -> "
+                f"{_describe(kind, b, self._keep, source.read())}"
+                for (source, kind), a, b in zip(self.entries, old, new) if a != b]
+        return "; ".join(said) or None
+
+
+def _describe(kind: str, value, keep: dict, now=_MISSING) -> str:
+    """A guard's encoded value in words (`now`: the object itself, when it is the current one)."""
+    if value is _MISSING:
+        return "<missing>"
+    if kind == "value":
+        return repr(value[1])
+    if kind == "tensor":
+        ident, version, grad = value
+        return f"tensor {ident:#x} version {version}" + (" requires_grad" if grad else "")
+    obj = keep.get(value, now)
+    if obj is _MISSING:
+        return "another object"
+    return getattr(obj, "__qualname__", None) or f"{type(obj).__name__} at {value:#x}"

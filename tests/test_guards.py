@@ -1,0 +1,247 @@
+"""Guards on the Python state a capture read (fusec/capture/guards.py), and autograd through
+modules and tensors a program reaches through closures and globals.
+
+Every case: the first call compiles, a repeated call with nothing changed compiles nothing, a
+change gives eager's new answer through a new program (with the reason in the `recompiled`
+event), and going back to an old value finds the old program again.
+"""
+import pytest
+import torch
+from torch import nn
+
+import fusec
+from fusec import events
+
+SCALE = 2.0
+USE_SIN = True
+W = torch.linspace(-1, 1, 8)
+GLOBAL_LIN = nn.Linear(8, 4)
+
+
+class Reasons:
+    """Watches fusec's events: the reason of every recompile."""
+
+    def __init__(self):
+        self.said = []
+
+    def recompiled(self, label, reason):
+        self.said.append(reason)
+
+
+@pytest.fixture
+def reasons():
+    watcher = events.watch(Reasons())
+    yield watcher.said
+    events.unwatch(watcher)
+
+
+def same(cf, fn, x):
+    """cf(x) equals eager fn(x); returns how many programs cf compiled so far."""
+    torch.testing.assert_close(cf(x), fn(x))
+    cf = getattr(cf, "_compiled", cf)
+    return cf.compiles
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+        self.use_sin = True
+
+    def forward(self, x):
+        y = x * self.scale
+        return y.sin() if self.use_sin else y.cos()
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Scaled()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+def test_module_attributes(target, reasons):
+    backend, device = target
+    m = Scaled()
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(16, device=device)
+    assert same(cm, m, x) == 1
+    assert same(cm, m, x) == 1  # nothing changed: the fast path, no compile
+    m.scale = 5.0
+    assert same(cm, m, x) == 2
+    assert reasons[-1] == "self.scale changed: 2.0 -> 5.0"
+    m.use_sin = False  # a flag that picks the branch
+    assert same(cm, m, x) == 3
+    assert reasons[-1] == "self.use_sin changed: True -> False"
+    m.scale, m.use_sin = 2.0, True  # back: the first program again
+    assert same(cm, m, x) == 3
+    m.scale = 2  # an int is not the float it equals: eager's int scalar keeps x's dtype alike,
+    assert same(cm, m, x) == 4  # but the guard checks the type (as Dynamo's does)
+
+
+def test_submodule_attribute_and_training(target, reasons):
+    backend, device = target
+    m = Outer()
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(16, device=device)
+    assert same(cm, m, x) == 1
+    m.inner.scale = -3.0
+    assert same(cm, m, x) == 2
+    assert reasons[-1] == "self.inner.scale changed: 2.0 -> -3.0"
+    m.eval()  # `training` is part of the signature
+    assert same(cm, m, x) == 3
+    m.train()
+    assert same(cm, m, x) == 3
+
+
+def global_helper(x):
+    return x.sin() if USE_SIN else x.cos()
+
+
+def reads_globals(x):
+    return global_helper(x * SCALE) + W
+
+
+def test_globals_and_a_helper_function(target, reasons):
+    global SCALE, USE_SIN, W
+    backend, device = target
+    if device != "cpu":
+        pytest.skip("W is a CPU tensor")
+    saved = SCALE, USE_SIN, W
+    cf = fusec.compile(reads_globals, backend=backend)
+    x = torch.randn(8)
+    try:
+        assert same(cf, reads_globals, x) == 1
+        assert same(cf, reads_globals, x) == 1
+        SCALE = 4.0
+        assert same(cf, reads_globals, x) == 2
+        assert reasons[-1] == "global SCALE changed: 2.0 -> 4.0"
+        USE_SIN = False  # read by the helper the function calls
+        assert same(cf, reads_globals, x) == 3
+        assert reasons[-1] == "global USE_SIN changed: True -> False"
+        W = torch.ones(8)  # another tensor (baked into the program: guarded by identity)
+        assert same(cf, reads_globals, x) == 4
+        assert "global W changed" in reasons[-1]
+        W.mul_(3)  # the same tensor, written in place (its version moves)
+        assert same(cf, reads_globals, x) == 5
+        assert same(cf, reads_globals, x) == 5
+    finally:
+        SCALE, USE_SIN, W = saved
+
+
+def closure(scale, mask):
+    def f(x):
+        return (x * scale + mask).relu()
+
+    def set(new_scale=None, new_mask=None):
+        nonlocal scale, mask
+        if new_scale is not None:
+            scale = new_scale
+        if new_mask is not None:
+            mask = new_mask
+    return f, set
+
+
+def test_closure_values(target, reasons):
+    backend, device = target
+    f, set_ = closure(1.5, torch.zeros(8, device=device))
+    cf = fusec.compile(f, backend=backend)
+    x = torch.randn(8, device=device)
+    assert same(cf, f, x) == 1
+    assert same(cf, f, x) == 1
+    set_(new_scale=-1.0)
+    assert same(cf, f, x) == 2
+    assert reasons[-1] == "closure variable scale changed: 1.5 -> -1.0"
+    set_(new_mask=torch.full((8,), 0.5, device=device))
+    assert same(cf, f, x) == 3
+    assert "closure variable mask changed" in reasons[-1]
+
+
+def test_a_value_that_changes_every_call_reaches_the_limit(monkeypatch):
+    monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", "3")
+    m = Scaled()
+    cm = fusec.compile(m, backend="cpp")
+    x = torch.randn(8)
+    with pytest.warns(UserWarning, match="recompile limit"):
+        for step in range(6):
+            m.scale = float(step)
+            torch.testing.assert_close(cm(x), m(x))
+    assert cm._compiled.compiles == 3
+
+
+def test_no_python_state_no_guard():
+    """A program that reads no Python state has no guard line in its fast path."""
+    x = torch.randn(8)
+    cf = fusec.compile(lambda x: torch.sin(x) * 2, backend="cpp")
+    cf(x)
+    assert "try:" not in cf._fast.source
+    lin = nn.Linear(8, 4)
+    cm = fusec.compile(lin, backend="cpp")
+    with torch.no_grad():
+        cm(x)
+    assert "try:" not in cm._compiled._fast.source
+
+
+# ---- autograd through closures and globals ------------------------------------------------------
+
+def lin_closure():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    return lin, (lambda x: torch.tanh(lin(x)).sum())
+
+
+def global_lin(x):
+    return torch.tanh(GLOBAL_LIN(x)).sum()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("where", ["closure", "global"])
+def test_gradients_of_a_reached_module(target, fullgraph, where):
+    backend, device = target
+    if where == "closure":
+        lin, f = lin_closure()
+    else:
+        lin, f = GLOBAL_LIN, global_lin
+    saved = [p.detach().clone() for p in lin.parameters()]
+    lin.to(device)
+    try:
+        cf = fusec.compile(f, backend=backend, fullgraph=fullgraph)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        x = torch.randn(3, 8, device=device)
+        for step in range(2):  # the second call runs with the optimizer's new weights
+            loss = cf(x)
+            assert loss.requires_grad
+            want = f(x)
+            torch.testing.assert_close(loss, want)
+            (want_w, want_b) = torch.autograd.grad(want, [lin.weight, lin.bias])
+            opt.zero_grad()
+            loss.backward()
+            torch.testing.assert_close(lin.weight.grad, want_w)
+            torch.testing.assert_close(lin.bias.grad, want_b)
+            opt.step()
+        assert [k[0] for k in cf.compiled] == ["train"]  # one forward-backward pair, kept
+    finally:
+        with torch.no_grad():
+            for p, s in zip(lin.parameters(), saved):
+                p.copy_(s)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_gradients_of_a_closure_tensor(target, fullgraph):
+    backend, device = target
+    w = torch.randn(8, device=device, requires_grad=True)
+
+    def f(x):
+        return (x * w).sin().sum()
+    cf = fusec.compile(f, backend=backend, fullgraph=fullgraph)
+    x = torch.randn(4, 8, device=device)
+    loss = cf(x)
+    assert loss.requires_grad
+    loss.backward()
+    want = torch.autograd.grad(f(x), w)[0]
+    torch.testing.assert_close(w.grad, want)
+    with torch.no_grad():  # an in-place update, as an optimizer's: the next call sees it
+        w.sub_(0.5 * w.grad)
+    torch.testing.assert_close(cf(x), f(x))
