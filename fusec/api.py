@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from fusec import check as _check
 from fusec import env, events
-from fusec.capture import calls, frontend, tracing
+from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.fingerprint import fingerprint
 from fusec.capture.torch_level import torch_level
@@ -97,7 +97,10 @@ class CompiledFunction:
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         # where each parameter and buffer lives, so a call reads them without walking the module
-        self._state_refs = calls.module_state(fn) if isinstance(fn, torch.nn.Module) else []
+        # and the Python state its captures read, guarded on every call (capture/guards.py); the
+        # refs include what it reaches through globals and closures (a closure's module's weights)
+        self._guards = guards.Guards(fn)
+        self._state_refs = self._guards.refs
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._fast: Callable = _no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
@@ -168,11 +171,15 @@ class CompiledFunction:
             return self._train(args, kwargs)
         key = _signature([*lifted, *leaves],
                          module.training if module is not None else False) + structure
+        key += self._guards.key()  # the values of the Python state its program read
         compiled = self.compiled.get(key)
         if compiled is None:
+            if self._state_moved():
+                return self._call(args, kwargs)
             compiled = self._compile_new(key, args, kwargs, leaves)
             if not isinstance(compiled, CompiledGraph):
                 return compiled.result(args, kwargs)  # graph breaks, or eager past the limit
+            key = self._guards.rekeyed(key)
         else:
             self._touch(key)
         self.last = compiled
@@ -203,7 +210,8 @@ class CompiledFunction:
             run = _direct_runner(compiled.program, captured)
         self._fast_paths[key] = fast = _guarded(_one_at_a_time(run, compiled), tensors, n_static,
                                                 self._state_refs, self._module,
-                                                mutated_inputs(compiled.program))
+                                                mutated_inputs(compiled.program),
+                                                self._guards.fast_lines(key))
         return fast
 
     # -- new signatures: one compile at a time, a limit, a bounded memory ----------------------
@@ -231,7 +239,7 @@ class CompiledFunction:
             if self.compiles:
                 events.publish("recompiled", _label(self.fn), self._changed(key, args, kwargs))
             try:
-                compiled = self._compile(args, kwargs, leaves, same)
+                compiled, key = self._compile_recorded(key, args, kwargs, leaves, same)
             except GraphBreakError as err:
                 out = self._graph_breaks(err, args, kwargs)
                 return _Instead(lambda *_: out)
@@ -261,7 +269,7 @@ class CompiledFunction:
     def _changed(self, key: tuple, args: tuple, kwargs: dict) -> str:
         """What makes `key` a new signature, compared with the signature called most recently."""
         last = next((k for k in reversed(self.compiled) if k[:1] != ("train",)), None)
-        return _what_changed(last, key, self._names(args, kwargs))
+        return self._guards.reason(key) or _what_changed(last, key, self._names(args, kwargs))
 
     def _limit_reached(self, key: tuple, limit: int, args: tuple, kwargs: dict) -> None:
         if "limit" in self._said:
@@ -340,6 +348,22 @@ class CompiledFunction:
         """The module's parameters and buffers now (an optimizer may have replaced them)."""
         return [ref.get() for ref in self._state_refs]
 
+    def _state_moved(self) -> bool:
+        """Before compiling: do its globals and closures now reach other state to lift (`lin`
+        rebound to another module)? Then the lifted refs change, and the call starts again."""
+        if not self._guards.moved():
+            return False
+        self._state_refs = self._guards.refs
+        self._fast = _no_fast_path
+        return True
+
+    def _compile_recorded(self, key: tuple, args, kwargs, leaves, same: dict | None = None):
+        """`_compile`, writing down the Python state it read (capture/guards.py). Returns the
+        program and its key, whose guards' part holds the values the program was compiled for."""
+        with self._guards.recording(key) as recorded:
+            compiled = self._compile(args, kwargs, leaves, same)
+        return compiled, recorded.key
+
     def _compile(self, args, kwargs, leaves, same: dict | None = None) -> CompiledGraph:
         """Compile the program for this call, or load the one a process before compiled for a
         call just like it (fusec/runtime/saved.py, keyed by fusec/capture/fingerprint.py)."""
@@ -382,7 +406,8 @@ class CompiledFunction:
             # signature, and so the program, is for any tensors like these, aliased or not
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():  # (inputs on two devices: capture says if an op mixes them)
-                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail, same=same)
+                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail, same=same,
+                                            reached=self._guards.reached)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
@@ -415,17 +440,22 @@ class CompiledFunction:
         leaves, _, _ = calls.flatten_call(self.fn, args, kwargs)
         lifted = self._state()
         key = ("train",) + _signature([*lifted, *leaves], module.training if module is not None else False)
+        key += self._guards.key()  # the values of the Python state its program read
         entry = self.compiled.get(key)
         if entry is None:
+            if self._state_moved():
+                return self._call(args, kwargs)
             names = [ref.name for ref in self._state_refs]
             device = calls.program_device([*lifted, *tensor_args(args, kwargs, self.fn)])
             backend = resolve_backend(self.backend, device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names,
-                                part_compiler(backend, self.check))
+                                part_compiler(backend, self.check), self._guards.reached)
             try:  # AOT Autograd traces on the first call
-                with tracing.python_at_trace_time_refused(), tracing.compiling(), \
+                with self._guards.recording(key) as recorded, \
+                        tracing.python_at_trace_time_refused(), tracing.compiling(), \
                         tracing.dense_attention_masks(), torch_level():
                     out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
+                key = recorded.key
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)
             except Exception as err:

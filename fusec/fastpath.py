@@ -35,7 +35,7 @@ def _no_fast_path(args: tuple) -> _Miss:
 
 
 def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, module,
-             mutated: tuple = ()) -> Callable:
+             mutated: tuple = (), python_state: tuple = ((), {})) -> Callable:
     """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
 
     A guard in the sense of TorchDynamo's, written out as straight-line Python and compiled, so
@@ -56,7 +56,9 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
     program is an inference one: it runs only while grad mode is off. A program that writes
     into inputs (`mutated`: their positions in `tensors`) also checks that none of them shares
     memory with another input (see the note on aliased inputs below); one that writes none
-    checks nothing more.
+    checks nothing more. `python_state`: (lines, their globals) that check the Python state
+    the program read (`m.scale`, a global flag: fusec/capture/guards.py `Guards.fast_lines`);
+    none for a program that read none.
     """
     glob = {"MISS": _MISS, "Tensor": torch.Tensor, "run": run,
             "is_grad_enabled": torch.is_grad_enabled}
@@ -71,8 +73,7 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
     state = [f"p{i}" for i in range(n_static)]
     for i, ref in enumerate(state_refs):
         glob[f"owner{i}"] = ref.owner
-        table = "_parameters" if ref.is_param else "_buffers"
-        lines.append(f"p{i} = owner{i}.{table}[{ref.attr!r}]")
+        lines.append(f"p{i} = {ref.expression(f'owner{i}')}")  # (`owner0._parameters['weight']`)
     for var, t in zip(state + args, tensors):
         dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
         glob[dtype], glob[device] = t.dtype, t.device
@@ -90,6 +91,8 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
                   "    return MISS"]
     if mutated:
         lines += _overlap_lines(state + args, tensors, mutated)
+    lines += python_state[0]
+    glob.update(python_state[1])
     everything = "args" if not state else f"[{', '.join(state + args)}]"
     lines.append(f"return run({everything})")
     source = "def fast(args):\n" + "".join(f"    {line}\n" for line in lines)

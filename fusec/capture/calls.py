@@ -31,6 +31,15 @@ class StateRef:
     def get(self) -> torch.Tensor:
         return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
 
+    def set(self, value: torch.Tensor) -> None:
+        """Put `value` where the tensor lives (while tracing a module the program reaches
+        through a global or a closure: capture/guards.py `substituted`)."""
+        (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr] = value
+
+    def expression(self, var: str) -> str:
+        """Python that reads the tensor, with the owner in variable `var` (the fast path's)."""
+        return f"{var}.{'_parameters' if self.is_param else '_buffers'}[{self.attr!r}]"
+
 
 def module_state(module: torch.nn.Module) -> list[StateRef]:
     """The module's parameters, then its buffers, each tensor once: the order capture lifts them.

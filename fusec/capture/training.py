@@ -64,15 +64,17 @@ def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
 
 
 def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,
-                compile_fn: Callable):
-    """Compile fn for training with its (lifted) parameters as explicit inputs.
+                compile_fn: Callable, reached: list = ()):
+    """Compile fn for training with its (lifted) parameters as explicit inputs. The last
+    `len(reached)` of them are state fn reaches through globals and closures (a closure's
+    module's weights: capture/guards.py), which autograd differentiates like its own.
 
     Returns (call, parts): call(*lifted, *tensor_args) runs forward (backward runs on
     .backward()); parts lists the CompiledFunctions made for the forward and backward graphs.
     """
     leaves, _, rebuild = calls.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names)
+    call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names, reached)
 
     spec: list = []  # (the structure of fn's result, its leaves that are not tensors)
 
