@@ -1,5 +1,9 @@
 """On-disk cache of generated sources and built kernels, keyed by content hash.
 
+Why this file is long: what the cache trusts (the path, each file, each signature) and how it
+writes (unique temporary names, the private fallback, the size cap) are one contract, read
+together: every write has to leave what the reads check, so they stay in one file.
+
 Layout (one directory per user, mode 0700):
 
     ~/.cache/fusec/                   or $FUSEC_CACHE_DIR (`~` expanded), or $XDG_CACHE_HOME/fusec
@@ -185,7 +189,9 @@ def _own_dir(path: Path) -> str | None:
     """None if `path` is a folder of this user's, made private (0700) if it was not."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        st = os.stat(path)  # (the root may be a link of ours: `untrusted_path` checked its target)
+        if st.st_uid != os.getuid():
+            return f"{path} is a symbolic link owned by user {st.st_uid}"
+        st = os.stat(path)  # (a link of ours: the folder it points to must be ours too)
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a folder"
     if st.st_uid != os.getuid():

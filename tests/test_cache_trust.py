@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fusec
-from fusec import cache, env
+from fusec import cache
 from fusec.errors import CompileError, FusecError
 
 OTHER = 12345  # the uid of "another user"
@@ -235,6 +235,7 @@ def test_world_writable_parent_with_sticky_bit_is_accepted(tmp_path, monkeypatch
     ("symbolic link owned by another user", "symbolic link owned by user"),
     ("cache folder owned by another user", "belongs to another user"),
     ("kind folder owned by another user", "belongs to another user"),
+    ("kind folder is another user's symbolic link", "symbolic link owned by user"),
 ])
 def test_foreign_folders_on_the_path_are_refused(tmp_path, monkeypatch, setup, reason):
     parent = tmp_path / "parent"
@@ -249,9 +250,14 @@ def test_foreign_folders_on_the_path_are_refused(tmp_path, monkeypatch, setup, r
     elif setup == "cache folder owned by another user":
         wanted.mkdir(mode=0o700)
         os.chown(wanted, OTHER, OTHER)
-    else:
+    elif setup == "kind folder owned by another user":
         (wanted / "cpp").mkdir(parents=True, mode=0o700)
         os.chown(wanted / "cpp", OTHER, OTHER)
+    else:  # planted while the cache was open, pointing at a folder of ours
+        wanted.mkdir(mode=0o700)
+        (tmp_path / "ours").mkdir(mode=0o700)
+        (wanted / "cpp").symlink_to(tmp_path / "ours")
+        os.lchown(wanted / "cpp", OTHER, OTHER)
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(wanted))
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
     with pytest.warns(cache.CacheWarning, match=reason):
@@ -344,7 +350,8 @@ def test_flag_spellings(monkeypatch, value, want):
     ("FUSEC_COMPILE_JOBS", "-2", lambda: __import__("fusec.runtime.build").runtime.build.jobs()),
     ("FUSEC_CACHE_MAX_MB", "1e3", cache.max_bytes),
     ("FUSEC_CACHE_MAX_MB", "0", cache.max_bytes),
-    ("FUSEC_LAYOUT", "sideways", lambda: env.choice("FUSEC_LAYOUT", "auto", ("auto",))),
+    ("FUSEC_LAYOUT", "sideways", lambda: fusec.compile(torch.nn.Conv2d(2, 2, 3), backend="cpp")(
+        torch.randn(1, 2, 5, 5))),
     ("FUSEC_INT4_MMA", "nope", lambda: __import__("fusec.codegen.triton_gemv_int4_mma")
      .codegen.triton_gemv_int4_mma.mma_enabled()),
 ])
