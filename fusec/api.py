@@ -36,6 +36,7 @@ from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast
                             _packer, _signature, input_overlaps, mutated_inputs)
 from fusec.runtime import saved
 from fusec.runtime.cuda_graphs import CudaGraphRunner
+from fusec.runtime.steps import KernelStep
 
 BACKENDS = ("auto", *backends.BACKENDS)  # the `backend=` option's values
 
@@ -220,9 +221,10 @@ class CompiledFunction:
     # forever and keep every program (500 sizes: 500 compiles, +189 MiB). So, as torch.compile's
     # `recompile_limit` does, a compiled function compiles at most FUSEC_RECOMPILE_LIMIT
     # programs (default 8); past that, each call with a new signature runs eagerly, and one
-    # warning says what changed. The programs kept in memory are at most that many as well,
-    # least recently called dropped first (with their fast paths): that matters when the limit
-    # is lowered while a function runs. FUSEC_LOG=recompiles prints every recompile's reason.
+    # warning says what changed. The programs kept in memory are at most that many as well:
+    # when the limit is lowered while a function runs, its next new signature drops the least
+    # recently called programs (with their fast paths) down to the new limit.
+    # FUSEC_LOG=recompiles prints every recompile's reason.
     def _compile_new(self, key: tuple, args: tuple, kwargs: dict, leaves: list,
                      same: dict | None = None):
         """The program for a signature not compiled yet, or an `_Instead` (graph breaks, or past
@@ -233,6 +235,7 @@ class CompiledFunction:
             if compiled is not None:
                 return compiled
             limit = recompile_limit()
+            self._trim(limit)
             if self.compiles >= limit:
                 self._limit_reached(key, limit, args, kwargs)
                 return _Instead(self._eager)
@@ -246,11 +249,16 @@ class CompiledFunction:
             self.compiles += 1
             compiled.program.prepare()  # its pool bound now, before two threads can run it
             self.compiled[key] = compiled
-            while len(self.compiled) > limit:  # least recently called first
-                old, _ = self.compiled.popitem(last=False)
-                if self._fast_paths.pop(old, None) is self._fast:
-                    self._fast = _no_fast_path
             return compiled
+
+    def _trim(self, limit: int) -> None:
+        """Keep at most `limit` programs, dropping the least recently called first, with their
+        fast paths. (Compiles stop at the limit, so this drops programs only when the limit was
+        lowered since they were compiled: FUSEC_RECOMPILE_LIMIT is read on every new signature.)"""
+        while len(self.compiled) > limit:
+            old, _ = self.compiled.popitem(last=False)
+            if self._fast_paths.pop(old, None) is self._fast:
+                self._fast = _no_fast_path
 
     def _touch(self, key: tuple) -> None:
         """`key`'s program was just called: the last to be dropped."""
@@ -495,6 +503,9 @@ class CompiledModule(torch.nn.Module):
         return self._compiled.schedule
 
 
+_INTERPRETER_LOCK = threading.Lock()  # see `_one_at_a_time`
+
+
 class _Instead:
     """What `_compile_new` returns when a call takes another path than a new program:
     `result(args, kwargs)` gives the call's outputs."""
@@ -551,12 +562,18 @@ def _share_memory(args: tuple, kwargs: dict, lifted: list) -> bool:
 def _one_at_a_time(run: Callable, compiled: CompiledGraph) -> Callable:
     """`run`, made to hold the program's lock while it runs, if the program keeps intermediate
     buffers in a pool: two threads running it at once would write each other's intermediates.
+    Triton kernels on CPU tensors run in Triton's interpreter, which swaps triton.language's
+    functions while it runs a kernel: those programs run one at a time in the process.
     (A program without a pool, such as one kernel, runs in several threads at once.)"""
     program = compiled.program
     memory = getattr(program, "memory", None)
-    if not (memory is not None and getattr(memory, "pool_bytes", 0)):
+    if compiled.backend == "triton" and any(isinstance(s, KernelStep) and s.device.type == "cpu"
+                                            for s in getattr(program, "steps", ())):
+        lock = _INTERPRETER_LOCK
+    elif memory is not None and getattr(memory, "pool_bytes", 0):
+        lock = vars(program).setdefault("_run_lock", threading.Lock())
+    else:
         return run
-    lock = vars(program).setdefault("_run_lock", threading.Lock())
 
     def run_alone(*args):
         with lock:

@@ -1,0 +1,154 @@
+"""Compiling and calling from several threads at once (a web server's workers): no failure,
+eager's answers, one compile per signature, and `print` left as it was.
+
+Capture runs one at a time in the process (fusec/capture/tracing.py, "Note (tracing and
+threads)"), a compiled function compiles one signature at a time (CompiledFunction._compile_new),
+and a program whose intermediates live in a pool runs in one thread at a time (api.py,
+`_one_at_a_time`).
+"""
+from __future__ import annotations
+
+import builtins
+import threading
+
+import pytest
+import torch
+
+import fusec
+from fusec.errors import GraphBreakError
+
+BACKENDS = ["cpp", "llvm", "triton"]
+N_THREADS = 8
+
+
+def softmaxish(x):
+    return torch.softmax(x * 2, -1) + x.sum(-1, keepdim=True)
+
+
+def mlp(x, w):  # two intermediates in the program's pool (memory plan: 512 bytes)
+    h = torch.relu(x @ w)
+    return (h @ w).sigmoid() @ w
+
+
+def _in_threads(work) -> list:
+    """Run work(i) in N_THREADS threads that start together; returns the errors raised."""
+    start = threading.Barrier(N_THREADS)
+    errors = []
+
+    def body(i):
+        try:
+            start.wait()
+            work(i)
+        except BaseException as err:  # noqa: BLE001 (every failure is reported by the test)
+            errors.append(err)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    return errors
+
+
+@pytest.fixture(autouse=True)
+def _print_untouched(monkeypatch):
+    monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", "16")  # 8 shapes per function here
+    real = builtins.print
+    yield
+    assert builtins.print is real
+    print("print still prints")  # (raised GraphBreakError for the rest of the process)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_shared_function_same_shape(backend):
+    cf = fusec.compile(softmaxish, backend=backend)
+    xs = [torch.randn(4, 8) for _ in range(N_THREADS)]
+    results = {}
+
+    def work(i):
+        for _ in range(3):
+            results[i] = cf(xs[i])
+
+    assert _in_threads(work) == []
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(results[i], softmaxish(x))
+    assert cf.compiles == 1 and len(cf.compiled) == 1  # the others waited for that compile
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_shared_function_different_shapes(backend):
+    cf = fusec.compile(softmaxish, backend=backend)
+    xs = [torch.randn(i + 1, 8) for i in range(N_THREADS)]
+    results = {}
+
+    def work(i):
+        for _ in range(2):
+            results[i] = cf(xs[i])
+
+    assert _in_threads(work) == []
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(results[i], softmaxish(x))
+    assert cf.compiles == N_THREADS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_separate_functions(backend):
+    fns = [fusec.compile(softmaxish, backend=backend) for _ in range(N_THREADS)]
+    xs = [torch.randn(2 + i % 3, 8) for i in range(N_THREADS)]
+    results = {}
+
+    def work(i):
+        for _ in range(2):
+            results[i] = fns[i](xs[i])
+
+    assert _in_threads(work) == []
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(results[i], softmaxish(x))
+
+
+def test_a_program_with_a_pool_runs_in_many_threads():
+    """Two threads running one program at once would share its pool of intermediates."""
+    cf = fusec.compile(mlp, backend="cpp")
+    w = torch.randn(16, 16) / 4
+    xs = [torch.randn(8, 16) for _ in range(N_THREADS)]
+    cf(xs[0], w)
+    assert cf.last.program.memory.pool_bytes > 0
+    bad = []
+
+    def work(i):
+        want = mlp(xs[i], w)
+        for _ in range(200):
+            if not torch.allclose(cf(xs[i], w), want, rtol=1e-4, atol=1e-5):
+                bad.append(i)
+
+    assert _in_threads(work) == []
+    assert bad == []
+
+
+def test_print_in_other_threads_while_one_captures(capsys):
+    """A capture refuses `print` in the program it traces, not in the threads beside it."""
+    def noisy(x):
+        print("traced")
+        return x + 1
+
+    stop = threading.Event()
+    refused = []
+
+    def capture_again_and_again():
+        while not stop.is_set():
+            try:
+                fusec.compile(noisy, backend="cpp", fullgraph=True)(torch.ones(2))
+            except GraphBreakError:
+                refused.append(1)
+
+    t = threading.Thread(target=capture_again_and_again)
+    t.start()
+    try:
+        for _ in range(300):
+            print("main thread")  # would raise GraphBreakError while the other thread traces
+    finally:
+        stop.set()
+        t.join(timeout=120)
+    assert refused  # the traced program's print was refused every time
+    assert capsys.readouterr().out.count("main thread") == 300
