@@ -318,6 +318,24 @@ def test_unwritable_cache_mid_use_falls_back(fresh, monkeypatch, backend, code, 
     assert not [p for p in fresh.rglob("*") if p.is_file() and p.name != cache.KEY]
 
 
+def test_compiler_out_of_space_falls_back(fresh, monkeypatch, tmp_path):
+    """g++ itself finds the disk full while writing the library (a g++ wrapper that says so for
+    outputs under the cache): the build moves to the private cache, with one warning."""
+    from fusec.codegen import cpp
+    wrapper = tmp_path / "g++"
+    wrapper.write_text(f"""#!/bin/sh
+for a in "$@"; do case "$a" in {fresh}/*.tmp)
+  echo "/usr/bin/ld: final link failed: No space left on device" >&2; exit 1;; esac; done
+exec g++ "$@"
+""")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(cpp, "find_compiler", lambda: str(wrapper))
+    with pytest.warns(cache.CacheWarning, match="disk is full.*FUSEC_CACHE_DIR"):
+        run("cpp")
+    assert cache.root() != fresh and list((cache.root() / "cpp").glob("*.so"))
+    assert not list(fresh.rglob("*.tmp"))
+
+
 def test_tilde_and_relative_paths_are_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("FUSEC_CACHE_DIR", "~/fc")
