@@ -182,6 +182,19 @@ def test_planted_program_pickle_is_never_unpickled(tmp_path, monkeypatch, how):
     assert cache.STATS["programs loaded"] == before + 1
 
 
+@pytest.mark.parametrize("backend, suffix", [("cpp", ".so"), ("llvm", ".o"), ("triton", ".py")])
+def test_shown_program_loads_only_this_users_kernels(fresh, backend, suffix):
+    """`cf.source()` loads its kernels with `load_launcher(path)`: the path is checked too."""
+    from fusec.runtime import load_launcher
+    cf = run(backend)
+    path = entry(fresh, backend, suffix)
+    k = cf.kernels[0]
+    assert load_launcher(str(path), k.built.ir.name, len(k.ir.params)) is not None
+    os.chown(path, OTHER, OTHER)
+    with pytest.raises(FusecError, match="not loading.*another user"):
+        load_launcher(str(path), k.built.ir.name, len(k.ir.params))
+
+
 def test_manifest_signed_with_another_key_is_refused(fresh):
     """A cache copied from another user (their key, their signatures) is rebuilt, not trusted."""
     run("cpp")
