@@ -227,3 +227,36 @@ def test_a_pure_program_with_an_extern_leaves_aliased_inputs_alone(backend):
         torch.testing.assert_close(cf(a, a), f(before, before))
         torch.testing.assert_close(cf(a, a.t()), f(before, before.t()))
         assert torch.equal(a, before)
+
+
+class WithWeight(torch.nn.Module):
+    def __init__(self, writes: bool, kind: str):
+        super().__init__()
+        w = torch.arange(16.0).reshape(4, 4) / 10
+        if kind == "parameter":
+            self.w = torch.nn.Parameter(w)
+        else:
+            self.register_buffer("w", w)
+        self.writes = writes
+
+    def forward(self, x):
+        if self.writes:
+            x.mul_(2)
+        return x @ self.w.t() + self.w.sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+@pytest.mark.parametrize("writes", [True, False], ids=["writes", "pure"])
+def test_the_module_state_passed_as_the_input(writes, kind, backend):
+    """`m(m.w)` (under no_grad): the lifted tensor and the argument are one tensor. Capture
+    traced them as one fake tensor before, and a buffer's program (the same signature as any
+    (4, 4) input's) then served `m(x)` as `x @ x.t() + x.sum()`."""
+    eager, fused = WithWeight(writes, kind), WithWeight(writes, kind)
+    cm = fusec.compile(fused, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(cm(fused.w), eager(eager.w))
+            torch.testing.assert_close(fused.w, eager.w)
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(cm(x.clone()), eager(x.clone()))
