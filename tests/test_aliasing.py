@@ -260,3 +260,12 @@ def test_the_module_state_passed_as_the_input(writes, kind, backend):
             torch.testing.assert_close(fused.w, eager.w)
             x = torch.randn(4, 4)
             torch.testing.assert_close(cm(x.clone()), eager(x.clone()))
+
+
+def test_torch_compile_with_the_fusec_backend_gives_eager_s_answer_too():
+    """Through torch.compile, AOT Autograd handles the aliasing before fusec sees a graph."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    opt = torch.compile(mul_add, backend="fusec")
+    a = torch.ones(4)
+    assert opt(a, a).tolist() == [4.0] * 4 and a.tolist() == [4.0] * 4
