@@ -269,3 +269,37 @@ def test_torch_compile_with_the_fusec_backend_gives_eager_s_answer_too():
     opt = torch.compile(mul_add, backend="fusec")
     a = torch.ones(4)
     assert opt(a, a).tolist() == [4.0] * 4 and a.tolist() == [4.0] * 4
+
+
+class KVCache(torch.nn.Module):
+    """A static KV cache's update (tests/test_indexed_write.py): with indexed writes on, the
+    kernel that computes k stores it straight into the cache buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.arange(96.0).reshape(1, 2, 8, 6))
+
+    def forward(self, k, pos):
+        self.cache.index_copy_(2, pos, k * 2)
+        return self.cache.sum(-1)
+
+
+def test_a_kernel_that_writes_into_a_buffer_is_seen_writing(monkeypatch):
+    """`mutated_inputs` reads the program's steps: an indexed write done by a kernel (its
+    output *is* the buffer) counts, so `k` cut from the cache itself is caught."""
+    from fusec import ops
+    from fusec.fastpath import mutated_inputs
+    monkeypatch.setattr(ops, "INDEXED_WRITE_DEVICES", ("cuda", "cpu"))
+    eager, fused = KVCache(), KVCache()
+    cm = fusec.compile(fused, backend="triton")
+    pos = torch.tensor([5])
+    torch.testing.assert_close(cm(torch.ones(1, 2, 1, 6), pos), eager(torch.ones(1, 2, 1, 6), pos))
+    program = cm._compiled.last.program
+    assert any(k.ops.count("aten.index_put_.default") for k in cm.kernels)  # written by a kernel
+    assert mutated_inputs(program) == (0,)  # the cache (lifted first)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = cm(fused.cache[:, :, 2:3], pos)  # k is a slice of the cache: eager
+        torch.testing.assert_close(got, eager(eager.cache[:, :, 2:3], pos))
+        torch.testing.assert_close(fused.cache, eager.cache)
