@@ -168,8 +168,9 @@ class CompiledFunction:
         lifted = self._state()
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
-        if needs_grad:
-            return self._train(args, kwargs)
+        if needs_grad:  # (one thread at a time: its first call compiles, as `_compile_new`)
+            with self._lock:
+                return self._train(args, kwargs)
         key = _signature([*lifted, *leaves],
                          module.training if module is not None else False) + structure
         key += self._guards.key()  # the values of the Python state its program read

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fusec
+from fusec import events
 from fusec.errors import GraphBreakError
 
 BACKENDS = ["cpp", "llvm", "triton"]
@@ -152,3 +153,32 @@ def test_print_in_other_threads_while_one_captures(capsys):
         t.join(timeout=120)
     assert refused  # the traced program's print was refused every time
     assert capsys.readouterr().out.count("main thread") == 300
+
+
+def test_training_calls_from_many_threads():
+    """Gradients needed: AOT Autograd compiles forward and backward on the first call, once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    cm = fusec.compile(model, backend="cpp")
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(N_THREADS)]
+    grads = {}
+
+    class Count:
+        programs = 0
+
+        def compiled(self, compiled_graph, label):
+            Count.programs += 1
+
+    events.watch(count := Count())
+
+    def work(i):
+        out = cm(xs[i]).square().sum()
+        grads[i] = torch.autograd.grad(out, xs[i])[0]
+
+    assert _in_threads(work) == []
+    for i, x in enumerate(xs):
+        want = torch.autograd.grad(model(x).square().sum(), x)[0]
+        torch.testing.assert_close(grads[i], want, rtol=1e-4, atol=1e-5)
+    events.unwatch(count)
+    assert len([k for k in cm._compiled.compiled if k[0] == "train"]) == 1
+    assert Count.programs == 2  # one forward, one backward
