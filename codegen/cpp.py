@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from fusec import cache, ops
 from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
+from . import elf, tools
 from .cpp_reduction import render_reduction
 from .cpp_text import (CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, gather_offset,
                        prelude)
@@ -90,10 +90,12 @@ def find_compiler() -> str:
 
 @functools.lru_cache(maxsize=None)
 def compiler_id(path: str) -> str:
+    """The first line of `path --version` (part of every library's cache key), or the path
+    itself when the compiler does not answer in time (codegen/tools.py kills it then)."""
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        out = tools.run([path, "--version"], "printing its version", min(30, tools.timeout()))
         return out.stdout.splitlines()[0] if out.stdout else path
-    except (OSError, subprocess.SubprocessError):
+    except CompileError:
         return path
 
 
@@ -268,10 +270,11 @@ def build(source: str, name: str) -> Path:
 
     def make(tmp: Path) -> None:
         cmd = [compiler, *flags, f"-I{TEMPLATES}", str(tmp.parent / src.name), "-o", str(tmp)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = tools.run(cmd, f"compiling kernel {name} ({src})")  # (time limit: tools.py)
         if result.returncode != 0:
             raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "
-                               f"{name} ({src}):\n{result.stderr[-4000:]}")
+                               f"{name} ({src}), exit status {result.returncode}:\n"
+                               f"{result.stderr[-4000:]}")
     return cache.build_once(lib, source, ".cpp", make)
 
 
@@ -286,7 +289,7 @@ def compile_object(source: str, name: str, arch: list[str], out: Path,
     src = out.with_suffix(".cpp")
     src.write_text(source)
     cmd = [compiler or find_compiler(), *flags, *arch, *defines, f"-I{TEMPLATES}", "-c", str(src), "-o", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = tools.run(cmd, f"compiling {name} for {' '.join(arch)}")
     if result.returncode != 0:
         raise CompileError(f"fusec: {os.path.basename(cmd[0])} {' '.join(arch)} failed to compile "
                            f"{name} ({src}):\n{result.stderr[-4000:]}")
@@ -297,12 +300,25 @@ def _load_library(lib: Path) -> ctypes.CDLL:
     not the one inside torch's wheel: two thread pools then share the cores, and a pool whose
     idle threads spin after a parallel loop starves the other (measured on 2 cores: a small MLP
     call went from 0.1 ms to 2 ms). Unless the user chose a wait policy, our threads sleep at
-    once when idle (libgomp reads GOMP_SPINCOUNT when it loads)."""
+    once when idle (libgomp reads GOMP_SPINCOUNT when it loads).
+
+    The file is checked first (codegen/elf.py): dlopen maps a library cut short past its end,
+    and the first touch of the missing pages is SIGBUS. A library that fails the check or that
+    dlopen refuses is a CompileError: fusec/runtime/build.py deletes it and builds it again."""
+    try:
+        with open(lib, "rb") as f:
+            wrong = elf.problem(f.read(), "shared")
+    except OSError as err:
+        wrong = f"cannot be read ({err.strerror})"
+    if wrong:
+        raise CompileError(f"fusec: {lib} is not a loadable shared library: {wrong}")
     chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
     if not chosen:
         os.environ["GOMP_SPINCOUNT"] = "0"
     try:
         return ctypes.CDLL(str(lib))
+    except OSError as err:  # ("invalid ELF header", a missing dependency, ...)
+        raise CompileError(f"fusec: the loader refused {lib}: {err}") from None
     finally:
         if not chosen:
             del os.environ["GOMP_SPINCOUNT"]
@@ -319,7 +335,10 @@ class CppLauncher:
 
     def __init__(self, lib: Path, name: str, n_params: int):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
-        self.fn = getattr(_load_library(lib), name)
+        try:
+            self.fn = getattr(_load_library(lib), name)
+        except AttributeError:
+            raise CompileError(f"fusec: kernel {name} is missing from {lib}") from None
         self.fn.argtypes = [ctypes.c_void_p] * n_params
         self.fn.restype = None
         self.pointer_entry = self.fn  # fn(*data_ptrs): what a prepared call site uses

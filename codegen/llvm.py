@@ -54,6 +54,7 @@ import torch
 from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
+from . import elf
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, column_blocks, summary
 from .llvm_build import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt, gather_row,
@@ -210,11 +211,17 @@ class LlvmLauncher:
         tm = target_machine()  # an execution engine owns (and frees) its target machine
         empty = llvm.parse_assembly("")
         empty.triple = triple_and_layout()[0]
-        data = lib.read_bytes()
+        data = lib.read_bytes()  # checked, then linked: these bytes, not the file again
+        wrong = elf.problem(data, "relocatable")  # (MCJIT trusts its input: a bad one can crash it)
+        if wrong:
+            raise CompileError(f"fusec: {lib} is not a loadable object file: {wrong}")
         check_symbols(data, name)
         self.engine = llvm.create_mcjit_compiler(empty, tm)  # keeps the code alive
-        self.engine.add_object_file(llvm.ObjectFileRef.from_data(data))
-        self.engine.finalize_object()
+        try:
+            self.engine.add_object_file(llvm.ObjectFileRef.from_data(data))
+            self.engine.finalize_object()
+        except RuntimeError as err:  # (llvmlite's form of an LLVM error)
+            raise CompileError(f"fusec: MCJIT could not load {lib}: {err}") from None
         address = self.engine.get_function_address(name)
         if not address:
             raise CompileError(f"fusec: kernel {name} is missing from {lib}")
@@ -223,9 +230,12 @@ class LlvmLauncher:
         self.fn = proto(address)
         self.frame_type = ctypes.c_int64 * (4 + n_params)
         self.address = address
-        self.work = ctypes.c_int64.from_address(self.engine.get_global_value_address(f"{name}.tiles")).value
-        self.parallel = ctypes.c_bool.from_address(
-            self.engine.get_global_value_address(f"{name}.parallel")).value
+        tiles, parallel = (self.engine.get_global_value_address(f"{name}.{g}")
+                           for g in ("tiles", "parallel"))
+        if not (tiles and parallel):  # (read at address 0: a crash, not an error)
+            raise CompileError(f"fusec: kernel {name}'s globals are missing from {lib}")
+        self.work = ctypes.c_int64.from_address(tiles).value
+        self.parallel = ctypes.c_bool.from_address(parallel).value
 
     def parts(self) -> int:
         """How many threads this launch uses: torch's intra-op thread count (torch.set_num_threads

@@ -36,11 +36,13 @@ import functools
 import os
 import pickle
 import platform
+import select
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import astuple, dataclass
 
 
@@ -211,6 +213,42 @@ class WorkerDied(BuildError):
     """The compiler process died while compiling (an LLVM assertion or a crash)."""
 
 
+def _wait(fd: int, writing: bool, deadline: float | None) -> None:
+    """Wait until `fd` can be read (or written), or raise TimeoutError at `deadline`."""
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    ready = select.select([], [fd], [], left)[1] if writing else select.select([fd], [], [], left)[0]
+    if not ready:
+        raise TimeoutError
+
+
+def _send(fd: int, data: bytes, deadline: float | None) -> None:
+    """Write all of `data` to the pipe `fd` by `deadline`. A request can be larger than the pipe
+    holds, so a worker that stopped reading would block a plain write forever: the pipe is
+    written without blocking, a piece at a time, as it has room."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        _wait(fd, True, deadline)
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            continue
+
+
+def _receive(fd: int, n: int, deadline: float | None) -> bytes:
+    """Read `n` bytes from the pipe `fd` by `deadline`; fewer only at end of file (it died).
+    (Read from the file descriptor itself: a buffered reader could hold bytes select() misses.)"""
+    chunks, got = [], 0
+    while got < n:
+        _wait(fd, False, deadline)
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 class Worker:
     """One compiler process, started on first use and restarted after a crash. Requests are
     answered one at a time (a lock), in the order they come. `command` starts the process (the
@@ -227,7 +265,7 @@ class Worker:
         self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.stderr)
 
-    def _died(self, name: str, target: Target) -> WorkerDied:
+    def _died(self, name: str, target: Target, why: str = "") -> WorkerDied:
         code = self.proc.wait()
         self.stderr.seek(0)
         tail = self.stderr.read().decode(errors="replace").strip().splitlines()[-12:]
@@ -238,12 +276,20 @@ class Worker:
                 pass
         self.proc = None
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        if why:
+            return WorkerDied(f"LLVM's compiler process {why}, compiling {name} for {target}")
         return WorkerDied(f"LLVM's compiler process died ({how}) compiling {name} for {target}"
                           + ("; it printed:\n    " + "\n    ".join(tail) if tail else ""))
 
-    def compile(self, source: str, target: Target, what: str, name: str):
+    def compile(self, source: str, target: Target, what: str, name: str,
+                timeout: float | None = None):
+        """Send one request and wait for its answer, at most `timeout` seconds (None: forever).
+        A worker that does not answer in time (stopped, stuck, swapped out) is killed and the
+        request is a WorkerDied that says so; the next request starts a fresh worker."""
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None or self.pid != os.getpid():
+            if self.proc is not None and self.pid == os.getpid() and self.proc.poll() is not None:
+                self._died(name, target)  # (killed while idle: its pipes closed, then restarted)
+            if self.proc is None or self.pid != os.getpid():
                 try:  # first use, after a crash, or in a forked child (own pipes)
                     self._start()
                 except OSError as exc:  # no usable Python executable (an embedded interpreter)
@@ -253,15 +299,20 @@ class Worker:
                                      f"({' '.join(self.command[:2])}): {exc}") from None
             data = pickle.dumps((source, astuple(target), what))  # plain data: the worker
             # imports no fusec module, so it could not unpickle a Target by its class
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                self.proc.stdin.write(struct.pack("<Q", len(data)) + data)
-                self.proc.stdin.flush()
-                head = self.proc.stdout.read(8)
+                _send(self.proc.stdin.fileno(), struct.pack("<Q", len(data)) + data, deadline)
+                head = _receive(self.proc.stdout.fileno(), 8, deadline)
                 if len(head) < 8:
                     raise self._died(name, target)
-                status, result = pickle.loads(self.proc.stdout.read(struct.unpack("<Q", head)[0]))
+                answer = _receive(self.proc.stdout.fileno(), struct.unpack("<Q", head)[0], deadline)
+                status, result = pickle.loads(answer)
             except (BrokenPipeError, EOFError, pickle.UnpicklingError):
                 raise self._died(name, target) from None
+            except TimeoutError:  # the watchdog: no answer in time
+                self.proc.kill()  # (SIGKILL also ends a stopped process)
+                raise self._died(name, target, f"did not answer within {timeout:g} s "
+                                                 "(FUSEC_BUILD_TIMEOUT) and was killed") from None
         if status != "ok":
             raise BuildError(result)
         return result
@@ -294,7 +345,8 @@ class WorkerPool:
         self.idle: list[Worker] = []
         self.lock = threading.Lock()
 
-    def compile(self, source: str, target: Target, what: str, name: str):
+    def compile(self, source: str, target: Target, what: str, name: str,
+                timeout: float | None = None):
         with self.lock:
             if self.idle:
                 worker = self.idle.pop()
@@ -302,7 +354,7 @@ class WorkerPool:
                 worker = self.make()
                 self.workers.append(worker)
         try:
-            return worker.compile(source, target, what, name)
+            return worker.compile(source, target, what, name, timeout)
         finally:
             with self.lock:
                 self.idle.append(worker)
@@ -316,10 +368,11 @@ _WORKERS = WorkerPool()
 atexit.register(_WORKERS.close)
 
 
-def guarded(source: str, target: Target, what: str = "object", name: str = "kernel"):
-    """compile_ir(source, target, what) in a compiler process: a crash there raises
-    WorkerDied here instead of ending this process."""
-    return _WORKERS.compile(source, target, what, name)
+def guarded(source: str, target: Target, what: str = "object", name: str = "kernel",
+            timeout: float | None = None):
+    """compile_ir(source, target, what) in a compiler process: a crash there, or no answer
+    within `timeout` seconds, raises WorkerDied here instead of ending or hanging this process."""
+    return _WORKERS.compile(source, target, what, name, timeout)
 
 
 # ---- what an object file needs from the process that loads it ----------------------------------
@@ -342,7 +395,8 @@ def undefined_symbols(obj: bytes) -> list[str]:
             name_at, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, at)
             if shndx == 0 and info >> 4 in (1, 2):  # undefined, global or weak binding
                 end = obj.index(b"\0", strtab + name_at)
-                names.append(obj[strtab + name_at:end].decode())
+                names.append(obj[strtab + name_at:end].decode(errors="replace"))  # (damaged:
+                # a name no process has, so the object is refused: fusec/runtime/build.py)
     return names
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from fusec import cache
 from fusec.errors import CompileError
 
-from . import llvm_build
+from . import llvm_build, tools
 from .llvm_build import Target, host
 from .llvm_ir import has_symbol
 
@@ -52,9 +52,10 @@ def host_id(target: Target | None = None) -> str:
 
 
 def _compile(source: str, what: str, name: str, target: Target | None = None):
-    """LLVM's optimizer (and code generator) in the guarded compiler process."""
+    """LLVM's optimizer (and code generator) in the guarded compiler process, which has
+    FUSEC_BUILD_TIMEOUT seconds to answer (codegen/tools.py) before it is killed."""
     try:
-        return llvm_build.guarded(source, target or host(), what, name)
+        return llvm_build.guarded(source, target or host(), what, name, tools.timeout())
     except llvm_build.BuildError as exc:
         raise CompileError(f"fusec: LLVM could not compile kernel {name}: {exc}") from None
 

@@ -20,6 +20,15 @@ strides can start anywhere in its storage. So TritonLauncher
 
 Under TRITON_INTERPRET=1 there is no compiled kernel (launch returns None) and every call takes
 the JIT path, which is how the tests on a CPU run.
+
+A kernel Triton cannot compile. Triton compiles a kernel at its first launch (or ahead of it,
+fusec/runtime/build.py's `_compile_ahead`, which leaves a failure to the first launch), and
+Triton's compiler can fail on a kernel it should take (`PassManager::run failed`, "operand #1
+does not dominate this use"). So the first launch is the one place where a failure is caught:
+if it raises, the launcher asks `fallback` (set by fusec/driver.py) for the group's ATen ops
+(fusec/runtime/eager.py), which warns once, and from then on runs those through the fast path.
+A launch that fails after one succeeded is a real run-time error and is raised. The check costs
+nothing on the fast path: it sits where the JIT is called anyway.
 """
 from __future__ import annotations
 
@@ -37,6 +46,10 @@ class TritonLauncher:
         # the CPU work of one call, in launches: more than one where the module launches several
         # kernels or allocates (fusec/runtime/cuda_graphs.py, graph_blocker)
         self.cpu_launches = getattr(module, "CPU_LAUNCHES", 1)
+        # what to run instead if the kernel fails to compile at its first launch: fallback(error)
+        # returns a launcher of the group's ATen ops (fusec/driver.py sets it; runtime/eager.py)
+        self.fallback = None
+        self.launched = False
 
     def __call__(self, *tensors) -> None:
         fast = self.fast
@@ -49,7 +62,16 @@ class TritonLauncher:
                 return
             self.module.launch(*tensors)
             return
-        compiled = self.module.launch(*tensors)
+        try:
+            compiled = self.module.launch(*tensors)
+        except Exception as err:  # noqa: BLE001 - see "A kernel Triton cannot compile" above
+            if self.launched or self.fallback is None:
+                raise
+            # the group's ATen ops from now on, through the fast path (no alignment to check)
+            self.fast, self.aligned = self.fallback(err), ()
+            self.fast(*tensors)
+            return
+        self.launched = True
         # (a module that launches two kernels returns both, and binds both)
         if compiled is not None and hasattr(self.module, "bind") and all(
                 hasattr(c, "run") for c in (compiled if isinstance(compiled, tuple) else [compiled])):

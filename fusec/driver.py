@@ -29,6 +29,7 @@ from fusec.ir import canonical
 from fusec.passes import run_pipeline
 from fusec.passes.memory import plan_inplace, plan_memory
 from fusec.record import Compilation, group_info, layout_of, owns_buffer, record_of
+from fusec.runtime import eager
 from fusec.runtime.build import build_all, codegen
 from fusec.runtime.cuda_graphs import graph_blocker
 from fusec.runtime.program import build_program
@@ -170,8 +171,9 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     kernels: dict[str, Kernel] = {}
     device = group_info(groups[0]).device if groups else None
     for node, ir, built in zip(groups, irs, build_all(irs, backend, times, device)):
+        launcher = eager_instead(gm, node, ir, built)
         kernels[node.target] = kernel = Kernel(ir.name, built.backend, None, list(ir.ops), ir,
-                                               built.launcher, built)
+                                               launcher, built)
         events.publish("kernel_built", kernel)
     start = time.perf_counter()
     program = build_program(gm, kernels, memory, inplace)
@@ -183,6 +185,28 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     compiled.times = times
     events.publish("compiled", compiled, label)
     return compiled
+
+
+def eager_instead(gm: fx.GraphModule, node: fx.Node, ir, built):
+    """The launcher for group `node`: its built kernel's, or, where no backend could build it,
+    its ATen ops run eagerly (fusec/runtime/eager.py), warned once per distinct kernel. A Triton
+    launcher is also told how to do that should the kernel fail to compile at its first launch
+    (Triton compiles lazily): the first group that uses it says how, for every group sharing it
+    (they share it because their canonical kernels are the same, so they compute the same)."""
+    sub = getattr(gm, node.target)
+    ins = [layout_of(a) for a in node.args]
+    outs = [layout_of(u) for u in sorted(node.users, key=lambda u: u.args[1])]
+
+    def instead(error: BaseException, warn: bool = True):
+        return eager.fall_back(ir.name, sub, ir.params, ins, outs, error, built.source, warn)
+
+    if built.failed:
+        group = instead(built.error, warn=not built.warned)
+        built.warned = True
+        return group
+    if getattr(built.launcher, "fallback", False) is None:
+        built.launcher.fallback = instead
+    return built.launcher
 
 
 def lower_groups(gm: fx.GraphModule) -> tuple[list[fx.Node], list]:

@@ -45,7 +45,8 @@ import torch
 
 from fusec import cache, env, progress
 from fusec.codegen import backends
-from fusec.errors import CompileError
+from fusec.codegen import tools
+from fusec.errors import CompileError, CompilerNotFoundError, UnsupportedError
 from fusec.ir import canonical
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
@@ -87,6 +88,8 @@ class Built:
     path: Any = None  # the binary on disk (a .so, an .o or a Triton module)
     launcher: Any = None
     error: CompileError | None = None
+    failed: bool = False  # no backend could build it: its group runs eagerly (runtime/eager.py)
+    warned: bool = False  # (and that was said, once)
 
 
 def codegen(backend: str):
@@ -103,6 +106,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     (canonical IR, source) from an earlier render by this same fusec (a saved program,
     fusec/runtime/saved.py), or None for a kernel to render here."""
     times = {} if times is None else times
+    tools.timeout()  # a bad FUSEC_BUILD_TIMEOUT is the user's error to fix, not a failed build
     start = time.perf_counter()
     distinct: dict[str, Built] = {}
     mine: list[Built] = []
@@ -125,7 +129,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
                 built = Built(canon, backend, source, key)
             distinct[(source, signature)] = built
         mine.append(built)
-    todo = [b for b in distinct.values() if b.launcher is None]
+    todo = [b for b in distinct.values() if b.launcher is None and not b.failed]
     cache.log(f"{len(irs)} kernels, {len(distinct)} distinct, {len(todo)} not loaded yet")
     built_at = time.perf_counter()
     _build_parallel(todo)
@@ -133,7 +137,8 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     for built in todo:
         _load(built)
     compiled_at = time.perf_counter()
-    _compile_ahead([b for b in todo if backends.get(b.backend).compiles_ahead], device)
+    _compile_ahead([b for b in todo if backends.get(b.backend).compiles_ahead and not b.failed],
+                   device)
     end = time.perf_counter()
     for stage, seconds in (("codegen", built_at - start),
                            ("build", loaded_at - built_at + end - compiled_at),
@@ -161,8 +166,10 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
     would compile its kernels one after another. Instead each distinct kernel's module compiles
     it now (`compile_ahead`: Triton's `warmup`, which compiles for the argument types without
     launching), `jobs()` at a time in threads, into Triton's own cache, where the first launch
-    finds it. A kernel that fails here is left to its first launch, which reports the error
-    where it always did. Under TRITON_INTERPRET=1 nothing is compiled at all."""
+    finds it. A kernel that fails here is left to its first launch, which compiles it again and,
+    failing again, runs the group's ATen ops instead (TritonLauncher's `fallback`, set by the
+    driver: fusec/runtime/eager.py). Under TRITON_INTERPRET=1 nothing is compiled at all.
+    Triton compiles in this process, so no time limit applies here (docs/backends/triton.md)."""
     n = min(jobs(), len(todo))
     if n <= 1 or device is None or torch.device(device).type != "cuda" \
             or os.environ.get("TRITON_INTERPRET") == "1":
@@ -214,21 +221,29 @@ def one_by_one(found: list, compile_one) -> list:
 
 
 def _build(built: Built) -> None:
-    """Render was done; build the binary (or find it in the cache). A CompileError is kept on
-    `built` so that `_load` can fall back in the main thread."""
+    """Render was done; build the binary (or find it in the cache). A CompileError (a compiler
+    that failed, timed out or is missing) is kept on `built` so that `_load` can fall back in
+    the main thread."""
     try:
         built.path = codegen(built.backend).build(built.source, built.ir.name)
-    except CompileError as err:
+    except CANNOT_BUILD as err:
         built.error = err
 
 
+# What makes a backend unable to build a kernel: the compiler's refusal, a time-out, a binary
+# that does not load (CompileError), no compiler at all, a kernel form it does not render.
+CANNOT_BUILD = (CompileError, CompilerNotFoundError, UnsupportedError)
+
+
 def _load(built: Built) -> None:
-    """Load the built binary (or fall back to the other CPU backend), and remember it."""
+    """Load the built binary (or fall back to the other CPU backend), and remember it. When no
+    backend can build it, `built.failed` is set (the error on `built.error`): the driver runs
+    the group's ATen ops instead (fusec/runtime/eager.py)."""
     if built.error is None:
         try:
-            built.launcher = codegen(built.backend).launcher(built.path, built.ir.name,
-                                                             len(built.ir.params))
-        except CompileError as err:  # loading refused it (LLVM: a symbol this process lacks)
+            built.launcher, built.path = load_or_rebuild(built.backend, built.source, built.ir,
+                                                         built.path)
+        except CANNOT_BUILD as err:  # loading refused it (LLVM: a symbol this process lacks)
             built.error = err
     if built.error is not None:
         _fall_back(built)
@@ -236,19 +251,56 @@ def _load(built: Built) -> None:
         _LOADED[built.key] = built
 
 
+def load_or_rebuild(backend: str, source: str, ir, path) -> tuple[Any, Any]:
+    """`backend`'s launcher for the binary at `path`, and its path. A binary that does not load
+    (damaged on disk, cut short, garbage from a broken compiler: the backends check it before
+    the loader sees it, codegen/elf.py) is deleted with its manifest and built again, once; if
+    that one does not load either, it is deleted too (the next process builds it afresh: a bad
+    file never stays under a key) and the error is a CompileError."""
+    module = codegen(backend)
+    try:
+        return module.launcher(path, ir.name, len(ir.params)), path
+    except (CompileError, OSError) as err:
+        cache.log(f"{os.path.basename(str(path))} did not load ({err}): building it again")
+        discard(path)
+    path = module.build(source, ir.name)
+    try:
+        return module.launcher(path, ir.name, len(ir.params)), path
+    except (CompileError, OSError) as err:
+        discard(path)
+        raise CompileError(f"fusec: kernel {ir.name} was built again and still does not load: "
+                           f"{err}") from None
+
+
+def discard(path) -> None:
+    """Delete a built file and its manifest (fusec/cache.py: `<artifact>.json`)."""
+    for p in (path, path.with_suffix(".json")):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            cache.log(f"could not delete {p}: {err}")
+
+
 def _fall_back(built: Built) -> None:
+    """The other CPU backend builds the kernel (warned once per backend); where there is none,
+    or it fails too, `built.failed` is set and the error kept, for the eager fallback."""
     first, backend = built.error, built.backend
     other = backends.get(backend).fallback
     if other is None or not codegen(other).available():
-        raise first
+        built.failed = True
+        return
     module = codegen(other)
-    source = module.render(built.ir)
     try:
+        source = module.render(built.ir)
         path = module.build(source, built.ir.name)
-        launcher = module.launcher(path, built.ir.name, len(built.ir.params))
-    except CompileError as second:
-        raise CompileError(f"{first}\nand the {other} backend could not build it either:\n"
-                           f"{second}") from None
+        launcher, path = load_or_rebuild(other, source, built.ir, path)
+    except CANNOT_BUILD as second:
+        built.error = CompileError(f"{first}\nand the {other} backend could not build it "
+                                   f"either:\n{second}")
+        built.failed = True
+        return
     if backend not in _FELL_BACK:
         _FELL_BACK.add(backend)
         warnings.warn(f"{first}\nfusec: the {other} backend builds {built.ir.name} instead (and "

@@ -64,6 +64,8 @@ def save(key: str, compiled) -> bool:
     program = compiled.program
     if program.pool is not None or program.run is not None:
         return False  # saved before its first run only: a run binds buffers we must not write
+    if any(k.built is not None and k.built.failed for k in compiled.kernels):
+        return False  # a group runs eagerly (fusec/runtime/eager.py): compiled, and said, each time
     launchers = {id(k.launcher): i for i, k in enumerate(compiled.kernels)}
     kernels = {id(k): i for i, k in enumerate(compiled.kernels)}
     try:
@@ -114,6 +116,8 @@ def load(key: str, recompile: Callable[[], Any]):
     times = {"capture": 0.0, "passes": 0.0, "load": 0.0}
     irs = [ir for _, _, _, ir in payload["kernels"]]
     built = build_all(irs, payload["backend"], times, payload["device"], payload["rendered"])
+    if any(b.failed for b in built):  # no backend builds one now: compile, and fall back there
+        return None
     kernels = [Kernel(name, b.backend, None, list(ops), ir, b.launcher, b)
                for (name, _, ops, ir), b in zip(payload["kernels"], built)]
     program = _Loader(io.BytesIO(payload["program"]), kernels).load()
