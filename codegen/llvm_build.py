@@ -216,23 +216,21 @@ class WorkerDied(BuildError):
 def _wait(fd: int, writing: bool, deadline: float | None) -> None:
     """Wait until `fd` can be read (or written), or raise TimeoutError at `deadline`."""
     left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-    ready = select.select([], [fd], [], left)[1] if writing else select.select([fd], [], [], left)[0]
-    if not ready:
+    if not any(select.select(*(([], [fd]) if writing else ([fd], [])), [], left)):
         raise TimeoutError
 
 
 def _send(fd: int, data: bytes, deadline: float | None) -> None:
-    """Write all of `data` to the pipe `fd` by `deadline`. A request can be larger than the pipe
-    holds, so a worker that stopped reading would block a plain write forever: the pipe is
-    written without blocking, a piece at a time, as it has room."""
+    """Write all of `data` to the pipe `fd` by `deadline`, a piece at a time as it has room (a
+    request can be larger than a pipe holds: a worker that stopped reading would block a write)."""
     os.set_blocking(fd, False)
     view = memoryview(data)
     while view:
         _wait(fd, True, deadline)
         try:
             view = view[os.write(fd, view):]
-        except BlockingIOError:
-            continue
+        except BlockingIOError:  # (room for less than a page: wait again)
+            pass
 
 
 def _receive(fd: int, n: int, deadline: float | None) -> bytes:
@@ -275,10 +273,8 @@ class Worker:
             except OSError:  # its pipe is broken: nothing left to flush
                 pass
         self.proc = None
-        how = f"signal {-code}" if code < 0 else f"exit status {code}"
-        if why:
-            return WorkerDied(f"LLVM's compiler process {why}, compiling {name} for {target}")
-        return WorkerDied(f"LLVM's compiler process died ({how}) compiling {name} for {target}"
+        how = why or f"died ({f'signal {-code}' if code < 0 else f'exit status {code}'})"
+        return WorkerDied(f"LLVM's compiler process {how} compiling {name} for {target}"
                           + ("; it printed:\n    " + "\n    ".join(tail) if tail else ""))
 
     def compile(self, source: str, target: Target, what: str, name: str,
@@ -312,7 +308,7 @@ class Worker:
             except TimeoutError:  # the watchdog: no answer in time
                 self.proc.kill()  # (SIGKILL also ends a stopped process)
                 raise self._died(name, target, f"did not answer within {timeout:g} s "
-                                                 "(FUSEC_BUILD_TIMEOUT) and was killed") from None
+                                                 "(FUSEC_BUILD_TIMEOUT) and was killed,") from None
         if status != "ok":
             raise BuildError(result)
         return result
@@ -395,8 +391,7 @@ def undefined_symbols(obj: bytes) -> list[str]:
             name_at, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, at)
             if shndx == 0 and info >> 4 in (1, 2):  # undefined, global or weak binding
                 end = obj.index(b"\0", strtab + name_at)
-                names.append(obj[strtab + name_at:end].decode(errors="replace"))  # (damaged:
-                # a name no process has, so the object is refused: fusec/runtime/build.py)
+                names.append(obj[strtab + name_at:end].decode(errors="replace"))  # (damaged: refused)
     return names
 
 
