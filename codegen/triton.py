@@ -46,7 +46,8 @@ def render(kernel, arch: int | None = None) -> str:
         return render_tiled(kernel, *tiles, arch)
     shape = kernel.shape
     numel = kernel.numel
-    block, num_warps = block_size(numel)
+    widths = tuple(a.dtype.itemsize for a in [*kernel.loads, *kernel.stores])
+    block, num_warps = block_size(numel, widths)
     flat = [l.index.is_flat(shape) for l in kernel.loads] + \
            [s.index.is_flat(shape) for s in kernel.stores]
     coords = []

@@ -33,10 +33,23 @@ TL = {
 MAX_BLOCK = 1024
 
 
-def block_size(numel: int) -> tuple[int, int]:
-    """(BLOCK_SIZE, num_warps): 1024 lanes and 4 warps for large tensors (8 elements per thread,
-    wide vector loads), smaller for tiny ones so most lanes do useful work."""
+def block_size(numel: int, itemsizes: tuple[int, ...] = ()) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps): 1024 lanes for large tensors, fewer for tiny ones so most lanes
+    do useful work. Each thread takes 8 consecutive elements (4 warps for 1024 lanes: wide
+    vector loads), unless the kernel's loads and stores have elements of different widths
+    (`itemsizes`, in bytes): then each thread takes one 16-byte vector of the widest (4 float32
+    beside bfloat16: 8 warps for 1024 lanes).
+
+    Note: one layout for mixed widths. Triton lays out each load and store by its own width, so
+    a kernel that reads bfloat16 and writes float32 holds its values in two layouts and converts
+    between them. Triton 3.6 fails to compile some such kernels on sm_90 ("operand #1 does not
+    dominate this use", `PassManager::run failed`): GPT-2's gelu_new in a bf16 training step,
+    one bfloat16 input and five outputs, four of them float32. With each thread holding one
+    vector of the widest type, every access fits one layout, and there is nothing to convert."""
     block = min(MAX_BLOCK, max(128, 1 << max(numel - 1, 0).bit_length()))
+    if len(set(itemsizes)) > 1:
+        per_thread = max(16 // max(itemsizes), 1)
+        return block, min(max(block // (32 * per_thread), 1), 8)
     return block, 4 if block >= 512 else (2 if block >= 256 else 1)
 
 

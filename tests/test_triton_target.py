@@ -186,3 +186,35 @@ def test_the_packed_int4_chunk_kernels_compile_for_sm_90_without_spills(monkeypa
     if fmt != "awq":
         assert "lop3.b32" in triton_codegen.render(k.ir, arch=90)
         assert ("lop3" in k.source) == (TRITON_DEVICE == "cuda")  # (the interpreter runs no PTX)
+
+
+def _gelu_new_training_forward(x):
+    """GPT-2's gelu_new as CUDA autocast runs it: `pow` in float32 (autocast's fp32 list), so
+    the kernel reads bfloat16 and writes bfloat16 and float32 values it saves for backward."""
+    cubed = torch.pow(x.float(), 3.0)
+    inner = 0.7978845608028654 * (x + 0.044715 * cubed)
+    return 0.5 * x * (1.0 + torch.tanh(inner)), x.float(), cubed
+
+
+def test_a_kernel_of_mixed_widths_gives_every_thread_one_vector_of_the_widest():
+    """Note "one layout for mixed widths" (codegen/triton_text.py `block_size`): a kernel that
+    reads bfloat16 and writes float32 gives each thread 4 elements (16 bytes of float32), not 8,
+    so Triton needs no layout conversion between its loads and stores; Triton 3.6 could not
+    compile GPT-2's training gelu_new with the conversions. One width keeps 8 per thread."""
+    x = torch.randn(8, 64, 96, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    cf = fusec.compile(_gelu_new_training_forward, backend="triton")
+    for got, want in zip(cf(x), _gelu_new_training_forward(x)):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    (mixed,) = [k for k in cf.kernels if "aten.tanh.default" in k.ops]
+    assert "BLOCK_SIZE=1024, num_warps=8" in mixed.source  # 1024 lanes / (32 x 4 per thread)
+    same = fusec.compile(lambda x: torch.tanh(x * 2) + 1, backend="triton")
+    same(x)
+    assert "BLOCK_SIZE=1024, num_warps=4" in same.kernels[0].source  # 8 bfloat16 per thread
+
+
+@needs_tools
+def test_the_mixed_width_kernel_compiles_for_sm_90():
+    x = torch.randn(8, 64, 96, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    e = fusec.explain(_gelu_new_training_forward, x, backend="triton")
+    names = [k.name for k in e.compiled.kernels if "aten.tanh.default" in k.ops]
+    assert names and "registers per thread" in e.assembly(names[0], "sm_90")
