@@ -334,6 +334,31 @@ def test_a_triton_kernel_that_fails_at_first_launch_runs_eagerly(fresh, monkeypa
 
 
 @pytest.mark.triton
+def test_a_saved_triton_program_whose_kernel_fails_runs_eagerly(fresh, monkeypatch):
+    """A program loaded from the saved-program cache (fusec/runtime/saved.py) holds no ATen
+    graphs: its kernel's failure at the first launch compiles it for real, then falls back."""
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "1")
+    x = X.to(TRITON_DEVICE)
+    first = fusec.compile(softmax, backend="triton")
+    torch.testing.assert_close(first(x), softmax(x))  # compiled, and saved
+    module = first.kernels[0].launcher.module  # (imported once per process: sys.modules)
+    del first
+    gc.collect()  # (its kernel no longer loaded in this process)
+
+    def launch(*args):
+        raise RuntimeError("pretend: no compile")
+    # (the kernel's module, not a fusec function: a patched fusec function changes the saved
+    # programs' key, capture/fingerprint.py `settings`)
+    monkeypatch.setattr(module, "launch", launch)
+    loaded = cache.STATS["programs loaded"]
+    cf = fusec.compile(softmax, backend="triton")
+    got, said = caught(cf, x)
+    assert cache.STATS["programs loaded"] == loaded + 1
+    torch.testing.assert_close(got, softmax(x))
+    assert len(said) == 1 and "pretend: no compile" in said[0], said
+
+
+@pytest.mark.triton
 def test_a_triton_kernel_that_cannot_be_written_runs_eagerly(fresh, monkeypatch):
     monkeypatch.setattr(triton_codegen, "build", _refuse)
     x = X.to(TRITON_DEVICE)

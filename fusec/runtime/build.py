@@ -25,6 +25,15 @@ binary at a time: it takes milliseconds, and ctypes and llvmlite are not meant t
 from several threads at once. A kernel whose backend cannot build it is built by the other CPU
 backend (its `fallback` in codegen/backends.py), said once per backend.
 
+Note (builds that fail). "Cannot build" covers more than a compiler's refusal: a compiler that
+is missing, or that runs past FUSEC_BUILD_TIMEOUT (codegen/tools.py kills it), the LLVM helper
+dying or not answering in time, and a binary that does not load. The backends check a binary
+before the loader maps it (codegen/elf.py: a library cut short would be SIGBUS, not an error);
+`load_or_rebuild` deletes one that fails and builds it once more, so no bad file stays under a
+key. When the other backend cannot build the kernel either, `Built.failed` is set and the driver
+runs the group's ATen ops in its place (fusec/runtime/eager.py), with one warning and a repro
+file. The program always runs, and gives eager's answer.
+
 The disk cache (fusec/cache.py) is unchanged: a file is named after the kernel family and the
 hash of the canonical source, written under a temporary name and renamed into place, and
 verified before it is loaded. Several processes building into one cold cache each build the

@@ -128,12 +128,32 @@ def load(key: str, recompile: Callable[[], Any]):
     del compiled.gm  # made on first use (see _SavedGraph)
     captured._owner = compiled
     compiled._recompile = recompile
+    _eager_on_failure(compiled)
     compiled.graph_blocker = payload["graph_blocker"]
     times["load"] += time.perf_counter() - start - sum(times.values())
     compiled.times = times
     cache.STATS["programs loaded"] += 1
     cache.log(f"loaded program {path.name}: {len(kernels)} kernels, nothing captured")
     return compiled
+
+
+def _eager_on_failure(compiled) -> None:
+    """A loaded program does not hold its groups' ATen graphs, which a Triton kernel that fails
+    to compile at its first launch runs instead (codegen/triton_launch.py, fusec/runtime/eager.py).
+    Should that happen, the program is compiled for real first: its driver tells the launcher
+    (the same one: fusec/runtime/build.py shares it) which ATen ops to run."""
+    for kernel in compiled.kernels:
+        launcher = kernel.launcher
+        if getattr(launcher, "fallback", False) is not None:
+            continue
+
+        def instead(error, warn=True, launcher=launcher):
+            launcher.fallback = None
+            _recompiled(compiled)
+            if launcher.fallback is None:  # (the real compile did not use this launcher)
+                raise error
+            return launcher.fallback(error, warn)
+        launcher.fallback = instead
 
 
 def _rendered(kernel, backend: str):
