@@ -86,6 +86,7 @@ def write_repro(name: str, sub: fx.GraphModule, error: BaseException, source: st
     text = (f"# fusec could not build kernel {name}; its ATen ops ran eagerly instead.\n"
             f"# ---- the error ----\n{_commented(f'{type(error).__name__}: {error}')}\n"
             f"# ---- the group's graph (ATen) ----\n{_commented(sub.graph.python_code('self').src)}\n"
+            f"# inputs: {_inputs(sub)}\n"
             f"# ---- the kernel's source ----\n{source or '# (not rendered)'}\n")
     try:
         path = cache.atomic_write(cache.cache_dir("failed") / f"{name}-{cache.content_hash(text)}.txt",
@@ -97,6 +98,18 @@ def write_repro(name: str, sub: fx.GraphModule, error: BaseException, source: st
 
 def _ops(sub: fx.GraphModule) -> list[str]:
     return [str(n.target).replace("aten.", "") for n in sub.graph.nodes if n.op == "call_function"]
+
+
+def _inputs(sub: fx.GraphModule) -> str:
+    """Each input's shape, strides and dtype, as the group saw it."""
+    said = []
+    for n in sub.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):
+            said.append(f"{n.name} {tuple(val.shape)} stride {val.stride()} {val.dtype}")
+        elif n.op == "placeholder":
+            said.append(n.name)
+    return "; ".join(said)
 
 
 def _commented(text: str) -> str:
