@@ -114,8 +114,15 @@ def vector_flags() -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def math_flags() -> list[str]:
-    """Link glibc's vector math library where it exists (see cpp_prelude.h), else nothing."""
-    return ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
+    """Link glibc's vector math library where it exists, and torch's own SLEEF (eager's float32
+    vector math, exported by libtorch_cpu) where torch has it (see cpp_prelude.h), else nothing."""
+    flags = ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
+    from .llvm_ir import sleef_symbols_in
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    if sleef_symbols_in(os.path.join(torch_lib, "libtorch_cpu.so")):
+        flags += ["-DFUSEC_SLEEF", f"-L{torch_lib}", "-Wl,--push-state,--no-as-needed",
+                  "-ltorch_cpu", "-Wl,--pop-state", f"-Wl,-rpath,{torch_lib}"]
+    return flags
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +281,7 @@ def build(source: str, name: str) -> Path:
         if result.returncode != 0:
             raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "
                                f"{name} ({src}), exit status {result.returncode}:\n"
-                               f"{result.stderr[-4000:]}")
+                               f"{(result.stderr.strip() or result.stdout)[-4000:]}")
     return cache.build_once(lib, source, ".cpp", make)
 
 
