@@ -11,6 +11,7 @@ Killing a compiler means killing everything it started: `g++` is a driver that r
 in front of it. `run` starts the command in a process group of its own and kills the whole
 group, so no grandchild keeps the output pipes open (`subprocess.run(..., timeout=)` kills only
 the direct child, then waits for the pipes to close: with a grandchild still running, forever).
+A tool that timed out GIVE_UP_AFTER times in a row is not run again in this process.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def run(cmd: list[str], what: str, limit: float | None = None) -> subprocess.Com
     that its whole process group is killed and a CompileError says that `what` timed out.
     A command that cannot start is a CompileError too."""
     limit = timeout() if limit is None else limit
+    tool = os.path.basename(cmd[0])
+    if _TIMED_OUT.get(cmd[0], 0) >= GIVE_UP_AFTER:
+        raise CompileError(f"fusec: {tool} ran past FUSEC_BUILD_TIMEOUT {GIVE_UP_AFTER} times in "
+                           f"a row in this process; it is not run again here ({what})")
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace",
@@ -46,14 +51,22 @@ def run(cmd: list[str], what: str, limit: float | None = None) -> subprocess.Com
     except subprocess.TimeoutExpired:
         kill_group(proc)
         out, err = proc.communicate()  # (the whole group is gone: the pipes are closed)
-        raise CompileError(f"fusec: {os.path.basename(cmd[0])} did not finish {what} within "
+        _TIMED_OUT[cmd[0]] = _TIMED_OUT.get(cmd[0], 0) + 1
+        raise CompileError(f"fusec: {tool} did not finish {what} within "
                            f"{limit:g} s (FUSEC_BUILD_TIMEOUT) and was killed"
                            + (f"; it printed:\n{err[-2000:]}" if err.strip() else "")) from None
     except BaseException:  # (KeyboardInterrupt: do not leave the compiler running)
         kill_group(proc)
         proc.wait()
         raise
+    _TIMED_OUT.pop(cmd[0], None)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# A tool that hangs on every call would make each of a model's kernels wait out the limit: after
+# GIVE_UP_AFTER time-outs in a row, its calls fail at once (the other backend builds instead).
+GIVE_UP_AFTER = 3
+_TIMED_OUT: dict[str, int] = {}  # tool path -> time-outs in a row
 
 
 def kill_group(proc: subprocess.Popen) -> None:

@@ -104,6 +104,27 @@ def test_a_hanging_compiler_times_out_and_llvm_builds(fresh, monkeypatch):
     assert processes_running(script) == []  # the compiler and its children were killed
 
 
+def test_a_tool_that_always_hangs_is_given_up_on(tmp_path, monkeypatch):
+    """Each of a model's kernels would wait out the limit: after a few time-outs in a row the
+    tool's calls fail at once (and a finished call resets the count)."""
+    monkeypatch.setattr(tools, "_TIMED_OUT", {})
+    script = tmp_path / "hangs"
+    script.write_text("#!/bin/sh\n[ \"$1\" = quick ] && exit 0\nsleep 600\n")
+    script.chmod(0o755)
+    for _ in range(tools.GIVE_UP_AFTER - 1):
+        with pytest.raises(CompileError, match="did not finish"):
+            tools.run([str(script)], "hanging", 0.5)
+    assert tools.run([str(script), "quick"], "answering", 5).returncode == 0  # (resets)
+    for _ in range(tools.GIVE_UP_AFTER):
+        with pytest.raises(CompileError, match="did not finish"):
+            tools.run([str(script)], "hanging", 0.5)
+    start = time.monotonic()
+    with pytest.raises(CompileError, match="not run again"):
+        tools.run([str(script), "quick"], "answering", 5)
+    assert time.monotonic() - start < 0.5
+    assert processes_running(str(script)) == []
+
+
 def test_a_bad_timeout_setting_names_the_variable(fresh, monkeypatch):
     monkeypatch.setenv("FUSEC_BUILD_TIMEOUT", "soon")
     with pytest.raises(fusec.FusecError, match="FUSEC_BUILD_TIMEOUT"):
