@@ -5,9 +5,12 @@ declarations (libm, libmvec's vector variants) and prelude of helpers a module n
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
+import os
+import platform
 import re
 import struct
 
@@ -274,6 +277,17 @@ def coords(e: Emitter, flat: str, shape: tuple[int, ...], prefix: str) -> list[s
 # ---- declarations and the prelude ----------------------------------------------------------------
 
 LIBM = {"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "erf", "pow"}
+
+# Note (eager's vector math): for float32, eager's CPU kernels compute exp, expm1, log, log2 and
+# log1p with SLEEF's 1.0-ulp functions (`Sleef_expf16_u10`), which torch links into libtorch_cpu
+# and exports under the same vector ABI names as libmvec (`_ZGVeN16v_Sleef_expf_u10`). libmvec's
+# are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range: tests/test_math_accuracy.py,
+# docs/ops.md), and in a long chain those errors add up to several times eager's. So a vectorized
+# float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
+# same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
+# sin, cos, tan, tanh and erf stay on libmvec: eager gets those from MKL (1-ulp and fast), and
+# SLEEF's 1-ulp versions took 2-7x libmvec's time (docs/ops.md), which no accuracy is worth here.
+SLEEF = {"exp", "expm1", "log", "log2", "log1p"}
 _CALL = re.compile(r"call (\S+) @([\w.]+)\(([^)]*)\)")
 
 
@@ -286,8 +300,45 @@ def vector_isas(target: Target | None = None) -> tuple[tuple[str, int], ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def sleef_symbols_in(path: str) -> bool:
+    """True when the library at `path` (libtorch_cpu) exports SLEEF's float32 functions under
+    their vector ABI names, 8 and 16 lanes (x86-64 builds of torch do; others may not)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists(path):
+        return False
+    try:
+        lib = ctypes.CDLL(path)  # already in the process: this only finds it
+    except OSError:
+        return False
+    return all(hasattr(lib, f"_ZGV{v}_Sleef_{f}f_u10") for f in SLEEF for v in ("dN8v", "eN16v"))
+
+
+@functools.lru_cache(maxsize=None)
+def sleef_library() -> str | None:
+    """libtorch_cpu's path, loaded into the JIT's symbol search (it is in the process already, but
+    loaded privately), or None where it does not export SLEEF's vector functions."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not sleef_symbols_in(path):
+        return None
+    llvm_build.binding().load_library_permanently(path)
+    return path
+
+
+def vector_variant(letter: str, lanes: int, params: str, name: str, ret: str) -> str:
+    """The vector function a call to C library function `name` becomes, `lanes` at a time:
+    SLEEF's 1-ulp version for float32 (Note: eager's vector math), else libmvec's."""
+    if ret == "float" and name[:-1] in SLEEF and sleef_library():
+        sleef = f"_ZGV{letter}N{lanes}{params}_Sleef_{name}_u10"
+        if has_symbol(sleef):
+            return sleef
+    return f"_ZGV{letter}N{lanes}{params}_{name}"
+
+
+@functools.lru_cache(maxsize=None)
 def has_symbol(name: str) -> bool:
-    """True when the JIT can resolve `name` in this process (libmvec is loaded by then)."""
+    """True when the JIT can resolve `name` in this process (libmvec is loaded by then; torch's
+    SLEEF is loaded here, for a kernel loaded from the disk cache before any was rendered)."""
+    if "_Sleef_" in name and not sleef_library():
+        return False
     return bool(llvm_build.binding().address_of_symbol(name))
 
 
@@ -316,12 +367,14 @@ def declarations(lines: list[str], defined: set[str], target: Target | None = No
             variants = []
             for letter, floats in vector_isas(target):
                 lanes = floats if ret == "float" else floats // 2
-                variant = f"_ZGV{letter}N{lanes}{params}_{name}"
+                variant = vector_variant(letter, lanes, params, name, ret)
                 if not has_symbol(variant):  # older glibc: no vector erf, say
                     continue
+                if variants and "_Sleef_" in variants[0] and "_Sleef_" not in variant:
+                    continue  # no narrower libmvec lanes next to SLEEF's: the remainder is libm's
                 vec = f"<{lanes} x {ret}>"
                 out.append(f"declare {vec} @{variant}({', '.join([vec] * len(params))})")
-                variants.append(f"{variant}({variant})")
+                variants.append(f"_ZGV{letter}N{lanes}{params}_{name}({variant})")
                 used.append(variant)
             out.append(f"declare {signature} #{n + 1}")
             abi = f' "vector-function-abi-variant"="{",".join(variants)}"' if variants else ""

@@ -22,6 +22,43 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 #undef FUSEC_SIMD_MATH
 #endif
 
+// Eager's float32 math: eager's CPU kernels compute exp, expm1, log, log2 and log1p with SLEEF's
+// 1-ulp vector functions, which torch links into libtorch_cpu and exports under the vector ABI
+// names gcc calls (`_ZGVeN16v_Sleef_expf_u10`: 16 exps at once with AVX-512, `_ZGVdN8v_...` 8 with
+// AVX2). libmvec's float versions are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range:
+// tests/test_math_accuracy.py, docs/ops.md), and in a long chain those errors add up to several
+// times eager's. So where fusec links torch's library (FUSEC_SLEEF, codegen/cpp.py math_flags)
+// and the target has AVX2, fusec_exp(float) is SLEEF's expf: declared `omp declare simd`, a
+// vectorized loop calls the vector versions, and the scalar symbol (which torch does not export)
+// is defined here as one lane of the 8-wide call, so a loop's remainder gets the same answers as
+// its vector body. Doubles, the other targets, and sin/cos/tan/tanh/erf (eager has those from MKL;
+// SLEEF's 1-ulp versions took 2-7x libmvec's time: docs/ops.md) use the C library (libmvec where
+// it is linked).
+#if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
+#include <immintrin.h>
+#define FUSEC_SLEEF_MATH(name) \
+    extern "C" { \
+    _Pragma("omp declare simd notinbranch") float Sleef_##name##f_u10(float); \
+    __m256 _ZGVdN8v_Sleef_##name##f_u10(__m256); \
+    __attribute__((visibility("hidden"))) float fusec_sleef1_##name(float) \
+        __asm__("Sleef_" #name "f_u10"); \
+    float fusec_sleef1_##name(float x) { \
+        return _mm256_cvtss_f32(_ZGVdN8v_Sleef_##name##f_u10(_mm256_set1_ps(x))); } \
+    } \
+    static inline float fusec_##name(float x) { return Sleef_##name##f_u10(x); } \
+    static inline double fusec_##name(double x) { return std::name(x); }
+#else
+#define FUSEC_SLEEF_MATH(name) FUSEC_LIBM_MATH(name)
+#endif
+#define FUSEC_LIBM_MATH(name) \
+    static inline float fusec_##name(float x) { return std::name(x); } \
+    static inline double fusec_##name(double x) { return std::name(x); }
+FUSEC_SLEEF_MATH(exp) FUSEC_SLEEF_MATH(expm1) FUSEC_SLEEF_MATH(log) FUSEC_SLEEF_MATH(log2)
+FUSEC_SLEEF_MATH(log1p) FUSEC_LIBM_MATH(sin) FUSEC_LIBM_MATH(cos) FUSEC_LIBM_MATH(tan)
+FUSEC_LIBM_MATH(tanh) FUSEC_LIBM_MATH(erf)
+#undef FUSEC_SLEEF_MATH
+#undef FUSEC_LIBM_MATH
+
 // bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
 // The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
 // eager, and the row is kept inside the source's n rows, so no read ever leaves the buffer (the
@@ -160,7 +197,7 @@ template <typename T> static inline T fusec_maximum(T a, T b) { return (a != a |
 template <typename T> static inline T fusec_minimum(T a, T b) { return (a != a || a < b) ? a : b; }
 template <typename T> static inline T fusec_relu(T x) { return x < 0 ? T(0) : x; }
 
-template <typename T> static inline T fusec_sigmoid(T x) { return T(1) / (T(1) + std::exp(-x)); }
+template <typename T> static inline T fusec_sigmoid(T x) { return T(1) / (T(1) + fusec_exp(-x)); }
 template <typename T> static inline T fusec_rsqrt(T x) { return T(1) / std::sqrt(x); }
 template <typename T> static inline T fusec_gelu(T x) {
     return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
@@ -174,11 +211,15 @@ template <> inline float fusec_gelu<float>(float x) {
     const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t
                         + 0.254829592f) * t;
     const float erf_z = 1.0f - poly * std::exp(-z * z);
-    return 0.5f * x * (1.0f + std::copysign(erf_z, x));
+    // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
+    // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
+    const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
+    return x == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN()
+                                                        : gelu;
 }
 template <typename T> static inline T fusec_gelu_tanh(T x) {
     const T k = T(0.79788456080286535588);  // sqrt(2 / pi)
-    return T(0.5) * x * (T(1) + std::tanh(k * (x + T(0.044715) * x * x * x)));
+    return T(0.5) * x * (T(1) + fusec_tanh(k * (x + T(0.044715) * x * x * x)));
 }
 template <typename T> static inline T fusec_floor(T x) {
     if constexpr (std::is_floating_point_v<T>) return std::floor(x); else return x;

@@ -63,10 +63,21 @@ def _count(x, dims) -> int:
     return math.prod(x.shape[d] for d in dims) if x.dim() else 1
 
 
+# the names eager's messages give dtypes (c10::ScalarType's)
+_C10_NAMES = {torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short", torch.int32: "Int",
+              torch.int64: "Long", torch.bool: "Bool"}
+
+
 @register(aten.mean.dim)
 def mean_dim(x, dim, keepdim=False, *, dtype=None):
     dims = _dims(x, dim)
     out_dtype = dtype or x.dtype
+    if not (out_dtype.is_floating_point or out_dtype.is_complex):
+        # eager refuses to average integers (and bools) unless dtype= says what to average in;
+        # a kernel would happily divide the integer sum, so refuse here with eager's words
+        raise RuntimeError("mean(): could not infer output dtype. Input dtype must be either a "
+                           "floating point or complex dtype. Got: " + _C10_NAMES.get(out_dtype,
+                                                                                    str(out_dtype)))
     if out_dtype in (torch.float16, torch.bfloat16):  # like eager: sum and divide in float32
         total = aten.sum.dim_IntList(x, dims, keepdim, dtype=torch.float32)
         return aten._to_copy.default(aten.div.Tensor(total, _count(x, dims)), dtype=out_dtype)
