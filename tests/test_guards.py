@@ -124,9 +124,8 @@ def test_globals_and_a_helper_function(target, reasons):
         W = torch.ones(8)  # another tensor (baked into the program: guarded by identity)
         assert same(cf, reads_globals, x) == 4
         assert "global W changed" in reasons[-1]
-        W.mul_(3)  # the same tensor, written in place (its version moves)
-        assert same(cf, reads_globals, x) == 5
-        assert same(cf, reads_globals, x) == 5
+        W.mul_(3)  # the same tensor, written in place: the program reads it where it lives
+        assert same(cf, reads_globals, x) == 4
     finally:
         SCALE, USE_SIN, W = saved
 
@@ -157,6 +156,9 @@ def test_closure_values(target, reasons):
     set_(new_mask=torch.full((8,), 0.5, device=device))
     assert same(cf, f, x) == 3
     assert "closure variable mask changed" in reasons[-1]
+    f.__closure__[0].cell_contents.add_(2.0)  # the mask, in place: no compile needed
+    assert f.__code__.co_freevars[0] == "mask"
+    assert same(cf, f, x) == 3
 
 
 def test_a_value_that_changes_every_call_reaches_the_limit(monkeypatch):
@@ -245,3 +247,62 @@ def test_gradients_of_a_closure_tensor(target, fullgraph):
     with torch.no_grad():  # an in-place update, as an optimizer's: the next call sees it
         w.sub_(0.5 * w.grad)
     torch.testing.assert_close(cf(x), f(x))
+
+
+def test_a_global_rebound_to_another_module(target):
+    """`GLOBAL_LIN = nn.Linear(...)` again: its new weights are lifted, not the old ones."""
+    global GLOBAL_LIN
+    backend, device = target
+    old = GLOBAL_LIN
+    try:
+        GLOBAL_LIN = nn.Linear(8, 4).to(device)
+        cf = fusec.compile(global_lin, backend=backend)
+        x = torch.randn(3, 8, device=device)
+        with torch.no_grad():
+            assert same(cf, global_lin, x) == 1
+            GLOBAL_LIN = nn.Linear(8, 4).to(device)
+            assert same(cf, global_lin, x) == 2
+            assert cf._state()[0] is GLOBAL_LIN.weight
+    finally:
+        GLOBAL_LIN = old
+
+
+def test_gradients_of_a_plain_tensor_attribute(target):
+    """A module attribute that is a tensor needing grad (not registered as a parameter)."""
+    backend, device = target
+
+    class Gain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.__dict__["gain"] = torch.full((8,), 1.5, device=device, requires_grad=True)
+
+        def forward(self, x):
+            return (x * self.gain).tanh().sum()
+    m = Gain()
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(4, 8, device=device)
+    loss = cm(x)
+    loss.backward()
+    want = torch.autograd.grad(m(x), m.gain)[0]
+    torch.testing.assert_close(m.gain.grad, want)
+
+
+def test_saved_programs_follow_the_state(tmp_path, monkeypatch):
+    """A program saved for one value of an attribute is not loaded for another (the fingerprint
+    writes down the values the torch calls get), and a loaded program is guarded like any."""
+    from fusec import cache
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FUSEC_SAVED_PROGRAMS", raising=False)
+    x = torch.randn(16)
+    m = Scaled()
+    assert same(fusec.compile(m, backend="cpp"), m, x) == 1  # compiled and saved
+    loaded = cache.STATS["programs loaded"]
+    m.scale = 5.0  # "a later process" with another scale: its own program
+    assert same(fusec.compile(m, backend="cpp"), m, x) == 1
+    assert cache.STATS["programs loaded"] == loaded
+    m.scale = 2.0  # the first state again: loaded from disk, and guarded
+    cm = fusec.compile(m, backend="cpp")
+    assert same(cm, m, x) == 1
+    assert cache.STATS["programs loaded"] == loaded + 1
+    m.scale = -1.0
+    assert same(cm, m, x) == 2

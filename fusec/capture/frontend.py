@@ -10,8 +10,12 @@ The graph's inputs are the module's parameters and buffers (lifted: `p_fc_weight
 tensor the caller passed, named after the function's arguments (`x`, `xs_0`, ...). A tensor the
 module holds under two names (GPT-2's `lm_head.weight` *is* `transformer.wte.weight`) is lifted
 once, under its first name. Python values that are not tensors (ints, floats, flags) are baked
-into the graph as constants; the compiled program recompiles when they change. So are tensors
-the program reaches without being given them (a closure's mask, a plain tensor attribute).
+into the graph as constants: arguments are part of a program's signature, and the module
+attributes, globals and closure values that capture read are guarded (guards.py), so the compiled
+program recompiles when they change. Tensors the program reaches without being given them (a
+closure's mask, a plain tensor attribute) become graph attributes that the program reads where
+they live; those that need gradients, and the parameters and buffers of modules reached through
+globals and closures, are lifted after the module's own (`reached`, found by guards.py).
 
 The program may return anything torch's pytree can flatten, and objects holding tensors that it
 cannot (capture/outputs.py): the graph returns the flat tensors, the caller gets eager's types back.

@@ -7,6 +7,9 @@ differently. fusec keeps eager's answer the way TorchDynamo does: it writes down
 read (a *guard* per value), checks those values on every call, and compiles again when one
 changed, saying which (`FUSEC_LOG=recompiles`: "self.scale changed: 2.0 -> 5.0").
 
+Why this file is long: finding what a program reads (bytecode and modules), recording it while
+capture runs, and writing the checks out as Python are one mechanism, read in that order.
+
 What is read, and how fusec finds out:
 
     module attributes   `self.scale`, `self.use_gelu`, `self.act = F.gelu`, a submodule's
@@ -27,8 +30,9 @@ Each value is checked by its kind, in a few nanoseconds:
                         its type and `==`:          type(self.scale) is float and self.scale == 2.0
     a function, class,  identity:                   ACT is gelu
     a module
-    a tensor baked      identity, `_version` (an in-place update bumps it) and requires_grad
-    into the graph
+    a tensor the graph  identity, shape and requires_grad. Not its values: the program reads
+    reads as it is      such a tensor (a graph attribute) where it lives on every call, so an
+                        in-place update (`mask.add_(1)`) is seen without compiling again
 
 Tensors reached through globals and closures that need gradients (a `Parameter`, `requires_grad`),
 and the parameters and buffers of modules reached that way (`lin = nn.Linear(...)` used by
@@ -213,7 +217,7 @@ def _encode(kind: str, value, keep: dict):
         return (type(value), value)
     keep[id(value)] = value  # (kept alive: its id must stay its own while a key holds it)
     if kind == "tensor":
-        return (id(value), value._version, value.requires_grad) \
+        return (id(value), tuple(value.shape), value.requires_grad) \
             if isinstance(value, torch.Tensor) else (id(value), None, None)
     return id(value)
 
@@ -248,7 +252,8 @@ def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
     for ins in dis.get_instructions(code):
         if ins.opname == "LOAD_GLOBAL":
             names.append(ins.argval)
-        elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in code.co_freevars:
+        elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in code.co_freevars \
+                and ins.argval != "__class__":  # (zero-argument `super()`'s)
             cells.append(ins.argval)
     for const in code.co_consts:  # a lambda or inner function: its globals are ours; its free
         if isinstance(const, types.CodeType):  # variables are ours when they pass through us
@@ -302,7 +307,9 @@ class Discovery:
                 if klass in self._classes or klass is torch.nn.Module or klass is object:
                     continue
                 self._classes.add(klass)
-                for member in vars(klass).values():
+                for attr, member in vars(klass).items():
+                    if attr.startswith("__") and attr != "__call__":
+                        continue  # (`__init__` runs once, not on each call)
                     member = getattr(member, "__func__", getattr(member, "fget", member))
                     if isinstance(member, types.FunctionType):
                         self.function(member)
@@ -520,7 +527,7 @@ class Guards:
             glob[f"s{i}"] = source.owner
             reads.append(f"v{i} = {source.expression(f's{i}')}")
             parts.append({"value": f"(type(v{i}), v{i})", "identity": f"_id(v{i})",
-                          "tensor": f"(_id(v{i}), v{i}._version, v{i}.requires_grad)"}[kind])
+                          "tensor": f"(_id(v{i}), tuple(v{i}.shape), v{i}.requires_grad)"}[kind])
         body = "".join(f"        {r}\n" for r in reads)
         source = (f"def values():\n    try:\n{body}"
                   f"        return Values(({', '.join(parts)}{',' if len(parts) == 1 else ''}))\n"
@@ -567,9 +574,9 @@ class Guards:
                 glob[f"g_o{i}"] = self._keep[value]
                 test = f"{read} is not g_o{i}"
             else:
-                ident, version, grad = value
+                ident, shape, grad = value
                 glob[f"g_o{i}"] = self._keep[ident]
-                test = (f"(g_v{i} := {read}) is not g_o{i} or g_v{i}._version != {version} "
+                test = (f"(g_v{i} := {read}) is not g_o{i} or g_v{i}.shape != {shape} "
                         f"or {'not ' if grad else ''}g_v{i}.requires_grad")
             lines += [f"    if {test}:", "        return MISS"]
         return lines + ["except Exception:", "    return MISS"], glob
@@ -594,8 +601,8 @@ def _describe(kind: str, value, keep: dict, now=_MISSING) -> str:
     if kind == "value":
         return repr(value[1])
     if kind == "tensor":
-        ident, version, grad = value
-        return f"tensor {ident:#x} version {version}" + (" requires_grad" if grad else "")
+        ident, shape, grad = value
+        return f"tensor {ident:#x} of shape {shape}" + (" requires_grad" if grad else "")
     obj = keep.get(value, now)
     if obj is _MISSING:
         return "another object"
