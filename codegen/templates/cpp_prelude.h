@@ -36,7 +36,7 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 // it is linked).
 #if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
 #include <immintrin.h>
-#define FUSEC_SLEEF_MATH(name) \
+#define FUSEC_SLEEF_DECLARE(name) \
     extern "C" { \
     _Pragma("omp declare simd notinbranch") float Sleef_##name##f_u10(float); \
     __m256 _ZGVdN8v_Sleef_##name##f_u10(__m256); \
@@ -44,20 +44,30 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
         __asm__("Sleef_" #name "f_u10"); \
     float fusec_sleef1_##name(float x) { \
         return _mm256_cvtss_f32(_ZGVdN8v_Sleef_##name##f_u10(_mm256_set1_ps(x))); } \
-    } \
-    static inline float fusec_##name(float x) { return Sleef_##name##f_u10(x); } \
-    static inline double fusec_##name(double x) { return std::name(x); }
+    }
+FUSEC_SLEEF_DECLARE(exp) FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
+FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p)
+#undef FUSEC_SLEEF_DECLARE
+#define FUSEC_FLOAT_MATH(name, x) Sleef_##name##f_u10(x)
 #else
-#define FUSEC_SLEEF_MATH(name) FUSEC_LIBM_MATH(name)
+#define FUSEC_FLOAT_MATH(name, x) std::name(x)
 #endif
-#define FUSEC_LIBM_MATH(name) \
-    static inline float fusec_##name(float x) { return std::name(x); } \
-    static inline double fusec_##name(double x) { return std::name(x); }
-FUSEC_SLEEF_MATH(exp) FUSEC_SLEEF_MATH(expm1) FUSEC_SLEEF_MATH(log) FUSEC_SLEEF_MATH(log2)
-FUSEC_SLEEF_MATH(log1p) FUSEC_LIBM_MATH(sin) FUSEC_LIBM_MATH(cos) FUSEC_LIBM_MATH(tan)
-FUSEC_LIBM_MATH(tanh) FUSEC_LIBM_MATH(erf)
-#undef FUSEC_SLEEF_MATH
-#undef FUSEC_LIBM_MATH
+static inline float fusec_exp(float x) { return FUSEC_FLOAT_MATH(exp, x); }
+static inline double fusec_exp(double x) { return std::exp(x); }
+static inline float fusec_expm1(float x) { return FUSEC_FLOAT_MATH(expm1, x); }
+static inline double fusec_expm1(double x) { return std::expm1(x); }
+static inline float fusec_log(float x) { return FUSEC_FLOAT_MATH(log, x); }
+static inline double fusec_log(double x) { return std::log(x); }
+static inline float fusec_log2(float x) { return FUSEC_FLOAT_MATH(log2, x); }
+static inline double fusec_log2(double x) { return std::log2(x); }
+static inline float fusec_log1p(float x) { return FUSEC_FLOAT_MATH(log1p, x); }
+static inline double fusec_log1p(double x) { return std::log1p(x); }
+#undef FUSEC_FLOAT_MATH
+template <typename T> static inline T fusec_sin(T x) { return std::sin(x); }
+template <typename T> static inline T fusec_cos(T x) { return std::cos(x); }
+template <typename T> static inline T fusec_tan(T x) { return std::tan(x); }
+template <typename T> static inline T fusec_tanh(T x) { return std::tanh(x); }
+template <typename T> static inline T fusec_erf(T x) { return std::erf(x); }
 
 // bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
 // The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
