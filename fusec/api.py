@@ -232,7 +232,7 @@ class CompiledFunction:
         the recompile limit: eager). One compile at a time per function: a thread that waited
         here finds the program the other thread compiled. (`same`: see `_aliased_call`.)"""
         with self._lock:
-            compiled = self.compiled.get(key)
+            compiled = self.compiled.get(self._guards.compiled_meanwhile(key))
             if compiled is not None:
                 return compiled
             limit = recompile_limit()

@@ -306,3 +306,26 @@ def test_saved_programs_follow_the_state(tmp_path, monkeypatch):
     assert cache.STATS["programs loaded"] == loaded + 1
     m.scale = -1.0
     assert same(cm, m, x) == 2
+
+
+def test_first_calls_from_several_threads_compile_once():
+    """Threads that waited for another's compile find its program, though their keys were made
+    before that capture found the guards."""
+    import threading
+    m = Scaled()
+    cm = fusec.compile(m, backend="cpp")
+    x = torch.randn(16)
+    results, start = [], threading.Barrier(4)
+
+    def call():
+        start.wait()
+        results.append(cm(x))
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    for r in results:
+        torch.testing.assert_close(r, m(x))
+    assert cm._compiled.compiles == 1

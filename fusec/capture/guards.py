@@ -463,6 +463,16 @@ class Guards:
         """The key a program compiled under `key` is kept under (see `recording`)."""
         return self._rekeyed.get(key, key)
 
+    def compiled_meanwhile(self, key: tuple) -> tuple:
+        """`key`, or the key of the program another thread compiled for it while this one
+        waited (its capture found guards that `key`, made before, lacks), if the state still
+        has the values that program was compiled for."""
+        new = self._rekeyed.get(key)
+        if new is None or new == key:
+            return key
+        values = next((k for k in new if type(k) is Values), None)
+        return new if values is not None and values == self._values() else key
+
     @contextlib.contextmanager
     def recording(self, key: tuple):
         """Around one compile for `key` (a signature and the guard values known before it):
