@@ -24,7 +24,8 @@ What is read, and how fusec finds out:
                         library's or installed packages'). `LOAD_GLOBAL` and `LOAD_DEREF` name
                         what each can read; a name on a branch not taken is guarded too.
 
-Each value is checked by its kind, in a few nanoseconds:
+Each value is checked by its kind, in under 0.1 us on a CPU (56 guards of a 2-layer GPT-2 add
+~5 us to a 115 us call; a program that read no state adds nothing):
 
     a constant          (None, bool, int, float, str, a dtype, a tuple of these ...)
                         its type and `==`:          type(self.scale) is float and self.scale == 2.0
