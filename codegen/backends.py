@@ -11,6 +11,7 @@ facts the rest of fusec decides by:
     backends.get("triton").views           ("gpu_assembly",): SASS for a named GPU (triton_target.py)
     backends.get("cpp").rows_one_by_one     True: fuse_reductions keeps row math out of the rows
     backends.get(name).takes(device)        whether its kernels take tensors on `device`
+    backends.get(name).threadsafe_on(device)  whether they may run in several threads at once
 
 Adding a backend: its module (with those functions), its column in the op table (fusec/ops.py)
 and one `Backend(...)` row below.
@@ -59,6 +60,11 @@ class Backend:
 
     def takes(self, device: torch.device | str) -> bool:
         return torch.device(device).type in self.devices
+
+    def threadsafe_on(self, device: torch.device) -> bool:
+        """Whether its kernels on `device` may run in several threads at once (Triton's
+        interpreter swaps triton.language's functions while it runs a kernel: it may not)."""
+        return device.type not in self.interpreted_on
 
     def prepare(self, device: torch.device) -> None:
         """Anything the backend needs before it compiles for `device` (Triton on a CPU: its

@@ -8,6 +8,14 @@ the values of non-tensor arguments). A call with a known signature goes straight
 (capture/training.py: AOT Autograd's forward and backward, each compiled like any program) and
 graph breaks (capture/regions.py: TorchDynamo's regions, each compiled like any program); both
 are handed `part_compiler(...)`, the one way a piece of a program is compiled.
+
+What a call must get right besides that lives in its own module, which this file calls: inputs
+that share memory (aliasing.py), the Python state a capture read (capture/guards.py), how many
+programs a function compiles and keeps (limits.py), threads (runtime/threads.py).
+
+Why this file is long: `CompiledFunction` is the one object every call goes through, and its
+paths (the fast path, the general path, a new signature, aliased inputs, training, graph
+breaks) read best top to bottom in one class; the mechanisms they use live in the modules above.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fusec import check as _check
-from fusec import env, events
+from fusec import events
+from fusec.aliasing import AliasedCalls, alias_check, share_memory
 from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.fingerprint import fingerprint
@@ -32,11 +41,12 @@ from fusec.capture.training import aot_compile, tensor_args
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
-from fusec.fastpath import (_MISS, _complete, _direct_runner, _guarded, _no_fast_path,  # noqa: F401
-                            _packer, _signature, input_overlaps, mutated_inputs)
+from fusec.fastpath import _MISS, _complete, _guarded, _no_fast_path, _signature  # noqa: F401
+from fusec.fastpath import make_fast_path
+from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
 from fusec.runtime import saved
 from fusec.runtime.cuda_graphs import CudaGraphRunner
-from fusec.runtime.steps import KernelStep
+from fusec.runtime.threads import one_at_a_time
 
 BACKENDS = ("auto", *backends.BACKENDS)  # the `backend=` option's values
 
@@ -90,11 +100,13 @@ class CompiledFunction:
         self.check = check
         self.fullgraph = fullgraph
         self.breaks = None  # a capture.regions.GraphBroken once the program proved not one graph
-        # signature -> its program, least recently called first (see "Note: limits")
+        # signature -> its program, least recently called first ("Note: limits", fusec/limits.py)
         self.compiled: OrderedDict[tuple, CompiledGraph] = OrderedDict()
         self.compiles = 0  # programs compiled (or loaded) so far, against the recompile limit
+        self.recompiles: list[str] = []  # why it compiled again, the last few (fusec.explain)
         self._lock = threading.RLock()  # one compile at a time (see `_compile_new`)
-        self._said: set = set()  # warnings given once per function
+        self._said_limit = False  # the recompile limit's warning is given once
+        self._aliased = AliasedCalls()  # calls whose inputs overlap (fusec/aliasing.py)
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         # where each parameter and buffer lives, so a call reads them without walking the module
@@ -183,13 +195,13 @@ class CompiledFunction:
                 return compiled.result(args, kwargs)  # graph breaks, or eager past the limit
             key = self._guards.rekeyed(key)
         else:
-            self._touch(key)
+            touch(self.compiled, key)
         self.last = compiled
         tensors = [*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
-        aliased = _alias_check(compiled, tensors)  # None unless the program writes into inputs
+        aliased = alias_check(compiled.program, tensors)  # None unless it writes into inputs
         if aliased is not None:
             return self._aliased_call(aliased, key, args, kwargs, leaves, tensors, len(lifted))
-        run = _one_at_a_time(self._run, compiled)
+        run = one_at_a_time(self._run, compiled)  # (fusec/runtime/threads.py)
         flat_out = _complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out)
@@ -199,49 +211,39 @@ class CompiledFunction:
 
     def _fast_path(self, key: tuple, compiled: "CompiledGraph", tensors: list,
                    n_args: int) -> Callable:
-        """The fast path for calls like this one (`n_args` positional plain tensors after the
-        module's state, all as in `tensors`): a guard, written out as Python, then the run."""
-        captured, n_static = compiled.captured, len(tensors) - n_args
-        if compiled.graph_blocker is None:  # CUDA graphs may replay it: the same `_run` as `_call`
-            pack = _packer(captured.out_spec)
-
-            def run(tensors):
-                tensors = list(tensors)
-                return pack(_complete(compiled, self._run(compiled, tensors, n_static), tensors))
-        else:  # steps run directly: the straight-line function returns the user's outputs itself
-            run = _direct_runner(compiled.program, captured)
-        self._fast_paths[key] = fast = _guarded(_one_at_a_time(run, compiled), tensors, n_static,
-                                                self._state_refs, self._module,
-                                                mutated_inputs(compiled.program),
-                                                self._guards.fast_lines(key))
+        """The fast path for calls like this one (fusec/fastpath.py), kept for its signature."""
+        self._fast_paths[key] = fast = make_fast_path(compiled, tensors, n_args, self,
+                                                      self._state_refs, self._module,
+                                                      self._guards.fast_lines(key))
         return fast
 
     # -- new signatures: one compile at a time, a limit, a bounded memory ----------------------
-    # Note: limits. Every new signature compiles a program, and a program holds kernels, a pool
-    # and a fast path. A function called with a new batch size on every call would compile
-    # forever and keep every program (500 sizes: 500 compiles, +189 MiB). So, as torch.compile's
-    # `recompile_limit` does, a compiled function compiles at most FUSEC_RECOMPILE_LIMIT
-    # programs (default 8); past that, each call with a new signature runs eagerly, and one
-    # warning says what changed. The programs kept in memory are at most that many as well:
-    # when the limit is lowered while a function runs, its next new signature drops the least
-    # recently called programs (with their fast paths) down to the new limit.
-    # FUSEC_LOG=recompiles prints every recompile's reason.
     def _compile_new(self, key: tuple, args: tuple, kwargs: dict, leaves: list,
                      same: dict | None = None):
         """The program for a signature not compiled yet, or an `_Instead` (graph breaks, or past
-        the recompile limit: eager). One compile at a time per function: a thread that waited
-        here finds the program the other thread compiled. (`same`: see `_aliased_call`.)"""
+        the recompile limit: eager; "Note: limits" in fusec/limits.py). One compile at a time per
+        function: a thread that waited here finds the program the other thread compiled.
+        (`same`: which inputs are the very same tensor, fusec/aliasing.py.)"""
         with self._lock:
             compiled = self.compiled.get(self._guards.compiled_meanwhile(key))
             if compiled is not None:
                 return compiled
             limit = recompile_limit()
-            self._trim(limit)
+            for old in trim(self.compiled, limit):  # (only when the limit was lowered)
+                if self._fast_paths.pop(old, None) is self._fast:
+                    self._fast = _no_fast_path
             if self.compiles >= limit:
-                self._limit_reached(key, limit, args, kwargs)
+                if not self._said_limit:
+                    self._said_limit = True
+                    changed = self._changed(key, args, kwargs)
+                    remember(self.recompiles, f"past the recompile limit ({limit}), ran "
+                                              f"eagerly: {changed}")
+                    warn_limit_reached(_label(self.fn), self.compiles, limit, changed)
                 return _Instead(self._eager)
             if self.compiles:
-                events.publish("recompiled", _label(self.fn), self._changed(key, args, kwargs))
+                changed = self._changed(key, args, kwargs)
+                remember(self.recompiles, changed)
+                events.publish("recompiled", _label(self.fn), changed)
             try:
                 compiled, key = self._compile_recorded(key, args, kwargs, leaves, same)
             except GraphBreakError as err:
@@ -251,22 +253,6 @@ class CompiledFunction:
             compiled.program.prepare()  # its pool bound now, before two threads can run it
             self.compiled[key] = compiled
             return compiled
-
-    def _trim(self, limit: int) -> None:
-        """Keep at most `limit` programs, dropping the least recently called first, with their
-        fast paths. (Compiles stop at the limit, so this drops programs only when the limit was
-        lowered since they were compiled: FUSEC_RECOMPILE_LIMIT is read on every new signature.)"""
-        while len(self.compiled) > limit:
-            old, _ = self.compiled.popitem(last=False)
-            if self._fast_paths.pop(old, None) is self._fast:
-                self._fast = _no_fast_path
-
-    def _touch(self, key: tuple) -> None:
-        """`key`'s program was just called: the last to be dropped."""
-        try:
-            self.compiled.move_to_end(key)
-        except KeyError:  # (another thread dropped it meanwhile)
-            pass
 
     def _eager(self, args: tuple, kwargs: dict):
         return self.fn(*args, **kwargs)
@@ -278,51 +264,28 @@ class CompiledFunction:
     def _changed(self, key: tuple, args: tuple, kwargs: dict) -> str:
         """What makes `key` a new signature, compared with the signature called most recently."""
         last = next((k for k in reversed(self.compiled) if k[:1] != ("train",)), None)
-        return self._guards.reason(key) or _what_changed(last, key, self._names(args, kwargs))
-
-    def _limit_reached(self, key: tuple, limit: int, args: tuple, kwargs: dict) -> None:
-        if "limit" in self._said:
-            return
-        self._said.add("limit")
-        warnings.warn(f"fusec: {_label(self.fn)} reached its recompile limit ({self.compiles} "
-                      f"programs compiled, FUSEC_RECOMPILE_LIMIT={limit}) and this call needs "
-                      f"another ({self._changed(key, args, kwargs)}); calls with signatures not "
-                      "compiled yet run eagerly from now on (the compiled ones keep their "
-                      "programs). Raise FUSEC_RECOMPILE_LIMIT to compile more", stacklevel=4)
+        return self._guards.reason(key) or what_changed(last, key, self._names(args, kwargs))
 
     def _aliased_call(self, aliased: tuple, key: tuple, args: tuple, kwargs: dict, leaves: list,
                       tensors: list, n_static: int):
         """This call's inputs share memory, and its program writes into one of them (see "Note
-        (aliased inputs)" in fusec/fastpath.py). Inputs that are the very same tensor: a program
-        of their own, traced with one tensor in both places. Any other overlap: eager, said
-        once. Neither takes the fast path."""
-        kind, detail = aliased
-        if kind == "partial":
-            if "partial" not in self._said:
-                self._said.add("partial")
-                names = self._names(args, kwargs)
-                warnings.warn(f"fusec: {_label(self.fn)}'s inputs {names[detail[0]]} and "
-                              f"{names[detail[1]]} overlap in memory without being the same "
-                              "tensor, and the program writes into one of them: calls like this "
-                              "run eagerly (a compiled program cannot keep eager's order of reads "
-                              "and writes through two views of one memory)", stacklevel=4)
-            return self.fn(*args, **kwargs)
-        key = key + (("same", tuple(sorted(detail.items()))),)
-        compiled = self.compiled.get(key)
-        if compiled is None and ("ran eagerly", key) not in self._said:
-            # the first call like this runs eagerly: eager may refuse it (`x[1:] = y[:-1]` with
-            # y being x raises), and a program must not answer where eager raises
+        (aliased inputs)" in fusec/aliasing.py, which decides): a program of its own for inputs
+        that are the very same tensor (after one eager call), else eager. No fast path."""
+        key = self._aliased.program_key(aliased, key, _label(self.fn),
+                                        lambda: self._names(args, kwargs))
+        compiled = self.compiled.get(key) if key is not None else None
+        if compiled is None and self._aliased.runs_eagerly(key):
             out = self.fn(*args, **kwargs)
-            self._said.add(("ran eagerly", key))
+            self._aliased.ran(key)
             return out
         if compiled is None:
-            compiled = self._compile_new(key, args, kwargs, leaves, same=detail)
+            compiled = self._compile_new(key, args, kwargs, leaves, same=aliased[1])
             if not isinstance(compiled, CompiledGraph):
                 return compiled.result(args, kwargs)
         else:
-            self._touch(key)
+            touch(self.compiled, key)
         self.last = compiled
-        run = _one_at_a_time(self._run, compiled)
+        run = one_at_a_time(self._run, compiled)
         flat_out = _complete(compiled, run(compiled, tensors, n_static), tensors)
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
@@ -410,7 +373,7 @@ class CompiledFunction:
     def _capture_and_compile(self, args, kwargs, backend: str | None, detail: bool = False,
                              has_real: bool = True, tensors: list | None = None,
                              same: dict | None = None) -> CompiledGraph:
-        if _share_memory(args, kwargs, self._state()):  # traced as distinct tensors (unless
+        if share_memory(args, kwargs, self._state()):  # traced as distinct tensors (unless
             args, kwargs = saved.placeholders(args, kwargs)()  # `same` says otherwise): the
             # signature, and so the program, is for any tensors like these, aliased or not
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
@@ -504,82 +467,12 @@ class CompiledModule(torch.nn.Module):
         return self._compiled.schedule
 
 
-_INTERPRETER_LOCK = threading.Lock()  # see `_one_at_a_time`
-
-
 class _Instead:
     """What `_compile_new` returns when a call takes another path than a new program:
     `result(args, kwargs)` gives the call's outputs."""
 
     def __init__(self, result: Callable):
         self.result = result
-
-
-def recompile_limit() -> int:
-    """FUSEC_RECOMPILE_LIMIT: how many programs one compiled function compiles (default 8, as
-    torch.compile's `recompile_limit`); see "Note: limits" in CompiledFunction."""
-    return env.integer("FUSEC_RECOMPILE_LIMIT", 8, minimum=1)
-
-
-_FIELDS = ("shape", "strides", "dtype", "device", "requires_grad")
-
-
-def _what_changed(old: tuple | None, new: tuple, names: list[str]) -> str:
-    """What differs between two signatures (fastpath._signature, plus the call's structure), in
-    words: `x: shape (4, 64) -> (5, 64)`."""
-    if old is None:
-        return "no program kept to compare with"
-    said = [] if old[0] == new[0] else [f"module.training {old[0]} -> {new[0]}"]
-    n = len(names)
-    if len(old) != len(new):
-        said.append("the number of arguments")
-    for name, a, b in zip(names, old[1:1 + n], new[1:1 + n]):
-        if a == b:
-            continue
-        if len(a) == len(b) == len(_FIELDS):  # a tensor's
-            said += [f"{name}: {field} {x} -> {y}" for field, x, y in zip(_FIELDS, a, b) if x != y]
-        else:
-            said.append(f"{name}: {a[-1]!r} -> {b[-1]!r}")
-    if len(old) == len(new) and old[1 + n:] != new[1 + n:]:
-        said.append("the arguments' structure, or which inputs are the same tensor")
-    return "; ".join(said) or "the signature"
-
-
-def _alias_check(compiled: CompiledGraph, tensors: list) -> tuple | None:
-    """None, unless the program writes into an input that shares memory with another input
-    (fastpath.input_overlaps says how). Free for a program that writes into no input."""
-    mutated = mutated_inputs(compiled.program)
-    return input_overlaps(tensors, mutated) if mutated else None
-
-
-def _share_memory(args: tuple, kwargs: dict, lifted: list) -> bool:
-    """Do two of these tensors share memory (one tensor passed twice, a view of another)?"""
-    tensors = [*lifted, *(t for t in pytree.tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor))]
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    return len(storages) < len(tensors)
-
-
-def _one_at_a_time(run: Callable, compiled: CompiledGraph) -> Callable:
-    """`run`, made to hold the program's lock while it runs, if the program keeps intermediate
-    buffers in a pool: two threads running it at once would write each other's intermediates.
-    Triton kernels on CPU tensors run in Triton's interpreter, which swaps triton.language's
-    functions while it runs a kernel: those programs run one at a time in the process.
-    (A program without a pool, such as one kernel, runs in several threads at once.)"""
-    program = compiled.program
-    memory = getattr(program, "memory", None)
-    if compiled.backend == "triton" and any(isinstance(s, KernelStep) and s.device.type == "cpu"
-                                            for s in getattr(program, "steps", ())):
-        lock = _INTERPRETER_LOCK
-    elif memory is not None and getattr(memory, "pool_bytes", 0):
-        lock = vars(program).setdefault("_run_lock", threading.Lock())
-    else:
-        return run
-
-    def run_alone(*args):
-        with lock:
-            return run(*args)
-    return run_alone
 
 
 def _label(fn) -> str:

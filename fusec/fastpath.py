@@ -1,11 +1,12 @@
 """The fast path: a call that looks like the last one runs its program with almost no Python.
 
 `CompiledFunction.__call__` (fusec/api.py) first tries `self._fast(args)`: a guard written out
-as straight-line Python for the last signature (`_guarded`), which returns `MISS` when the
-arguments differ and otherwise runs the program and returns the user's outputs in the user's
-structure (`_direct_runner`, `_packer`). `_signature` is the key every compiled program is kept
-under; `_complete` puts back the outputs a program does not compute (constants, inputs returned
-as they are).
+as straight-line Python for the last signature (`_guarded`; `make_fast_path` makes one for a
+program), which returns `MISS` when the arguments differ and otherwise runs the program and
+returns the user's outputs in the user's structure (`_direct_runner`, `_packer`). `_signature`
+is the key every compiled program is kept under; `_complete` puts back the outputs a program
+does not compute (constants, inputs returned as they are). Whether inputs share memory is
+aliasing.py's question; the fast path spells its check out (`_overlap_lines`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from fusec.aliasing import input_overlaps, mutated_inputs, span  # noqa: F401 (importable here)
 from fusec.capture.frontend import Captured
+from fusec.runtime.threads import one_at_a_time
 
 
 class _Miss:
@@ -55,8 +58,8 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
     and checked the same way, and so is `module.training`. When some tensor requires grad, the
     program is an inference one: it runs only while grad mode is off. A program that writes
     into inputs (`mutated`: their positions in `tensors`) also checks that none of them shares
-    memory with another input (see the note on aliased inputs below); one that writes none
-    checks nothing more. `python_state`: (lines, their globals) that check the Python state
+    memory with another input ("Note (aliased inputs)" in fusec/aliasing.py); one that writes
+    none checks nothing more. `python_state`: (lines, their globals) that check the Python state
     the program read (`m.scale`, a global flag: fusec/capture/guards.py `Guards.fast_lines`);
     none for a program that read none.
     """
@@ -100,6 +103,26 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
     fast = glob["fast"]
     fast.source, fast.run = source, run
     return fast
+
+
+def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
+                   state_refs: list, module, python_state: tuple) -> Callable:
+    """The fast path for calls like this one (`n_args` positional plain tensors after the
+    module's state, all as in `tensors`): a guard, written out as Python (`_guarded`), then the
+    run. A program CUDA graphs may replay runs as the general path runs it: through its
+    CompiledFunction's (`owner`'s) `_run`, which decides between a plain run, a capture and a
+    replay (looked up on every call, as in the general path)."""
+    captured, n_static = compiled.captured, len(tensors) - n_args
+    if compiled.graph_blocker is None:  # CUDA graphs may replay it: the general path's run
+        pack = _packer(captured.out_spec)
+
+        def run(tensors):
+            tensors = list(tensors)
+            return pack(_complete(compiled, owner._run(compiled, tensors, n_static), tensors))
+    else:  # steps run directly: the straight-line function returns the user's outputs itself
+        run = _direct_runner(compiled.program, captured)
+    return _guarded(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
+                    mutated_inputs(compiled.program), python_state)
 
 
 def _complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
@@ -155,102 +178,18 @@ def _signature(leaves: list, grad: bool) -> tuple:
     return tuple(key)
 
 
-# ---- inputs that share memory ----------------------------------------------------------------
-#
-# Note (aliased inputs). A program that writes into its inputs (`x.mul_(2); x.add_(y)`: capture
-# functionalizes the writes into one `copy_` into x at the end) was traced with x and y as two
-# tensors. Called with y *being* x, eager's second line reads the x its first line wrote; the
-# program reads the old x. So a program that writes into an input checks, on every call, that no
-# input it writes shares memory with another input (`input_overlaps`; the fast path spells the
-# check out with the data pointers: `_overlap_lines`). A program that writes into no input
-# checks nothing: two inputs that share memory are only read. When they do overlap (api.py):
-# - inputs that are the very same tensor (same memory, shape, strides, dtype) get a program of
-#   their own, traced with one tensor in both places (frontend.capture's `same`), which is
-#   what AOT Autograd does with duplicated inputs;
-# - any other overlap (a slice of the other, two overlapping slices) runs eagerly, with one
-#   warning: no static program keeps eager's order of reads and writes through two views.
-
-def mutated_inputs(program) -> tuple[int, ...]:
-    """The positions, in the program's input list, of the inputs it writes into (an extern
-    `copy_`/`index_put_` into an input or a view of one, a kernel written over an input).
-    Computed once per program, from its steps (a program loaded from disk has no graph)."""
-    found = getattr(program, "_mutated_inputs", None)
-    if found is None:
-        found = program._mutated_inputs = _writes_into_inputs(program)
-    return found
-
-
-def _writes_into_inputs(program) -> tuple[int, ...]:
-    from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, SlotRef, ViewStep
-    root = {slot: i for i, slot in enumerate(program.input_slots)}  # slot -> the input it views
-    written = set()
-    for step in program.steps:
-        if isinstance(step, ViewStep):
-            if step.root in root:
-                root[step.out_slot] = root[step.root]
-        elif isinstance(step, GetItemStep):
-            if step.src in root:  # a piece of a split of an input
-                root[step.out_slot] = root[step.src]
-        elif isinstance(step, ExternStep):
-            schema = getattr(step.target, "_schema", None)
-            for arg, spec in zip(step.args, schema.arguments if schema is not None else ()):
-                if spec.alias_info is None or not isinstance(arg, SlotRef) or arg.slot not in root:
-                    continue
-                if spec.alias_info.is_write:
-                    written.add(root[arg.slot])
-                else:  # a view of the input (aten.view as an extern): writing it writes the input
-                    root[step.out_slot] = root[arg.slot]
-        elif isinstance(step, KernelStep):
-            written.update(root[w.inplace] for w in step.writes if w.inplace in root)
-    return tuple(sorted(written))
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from t's first element to just past its last (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def input_overlaps(tensors: list, mutated: tuple) -> tuple | None:
-    """None when no input in `mutated` shares memory with another input; else ("same", {i: j})
-    when every such overlap is an input that is the very tensor j < i (same memory, shape,
-    strides, dtype), or ("partial", (i, j)) naming one overlap that is not."""
-    spans = [(t.device, t.data_ptr(), _span(t)) for t in tensors]
-    hit = None
-    for m in mutated:
-        dev, start, span = spans[m]
-        for o, (dev_o, start_o, span_o) in enumerate(spans):
-            if o != m and dev == dev_o and span and span_o and start < start_o + span_o \
-                    and start_o < start + span:
-                if not _same_view(tensors[m], tensors[o]):
-                    return ("partial", (min(m, o), max(m, o)))
-                hit = True
-    if hit is None:
-        return None
-    same = {}
-    for i, t in enumerate(tensors):
-        j = next((j for j in range(i) if j not in same and _same_view(tensors[j], t)), None)
-        if j is not None:
-            same[i] = j
-    return ("same", same)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
-
+# ---- inputs that share memory: see "Note (aliased inputs)" in fusec/aliasing.py ------------
 
 def _overlap_lines(names: list[str], tensors: list, mutated: tuple) -> list[str]:
     """The fast path's check that no input the program writes shares memory with another
-    (see the note on aliased inputs): one data pointer read per input involved, and two
+    (aliasing.input_overlaps, spelled out): one data pointer read per input involved, and two
     comparisons per pair. (Shapes, strides and devices are guarded already: spans are constants.)"""
     pairs = [(m, o) for m in mutated for o in range(len(tensors))
-             if o != m and (o not in mutated or o > m) and _span(tensors[m]) and _span(tensors[o])
+             if o != m and (o not in mutated or o > m) and span(tensors[m]) and span(tensors[o])
              and tensors[m].device == tensors[o].device]
     used = sorted({i for pair in pairs for i in pair})
     lines = [f"d{i} = {names[i]}.data_ptr()" for i in used]
     for m, o in pairs:
-        lines += [f"if d{m} < d{o} + {_span(tensors[o])} and d{o} < d{m} + {_span(tensors[m])}:",
+        lines += [f"if d{m} < d{o} + {span(tensors[o])} and d{o} < d{m} + {span(tensors[m])}:",
                   "    return MISS  # an input the program writes shares memory with another"]
     return lines

@@ -75,6 +75,7 @@ def test_module_attributes(target, reasons):
     m.use_sin = False  # a flag that picks the branch
     assert same(cm, m, x) == 3
     assert reasons[-1] == "self.use_sin changed: True -> False"
+    assert cm._compiled.recompiles == reasons[-2:]  # what fusec.explain(cm, x) shows
     m.scale, m.use_sin = 2.0, True  # back: the first program again
     assert same(cm, m, x) == 3
     m.scale = 2  # an int is not the float it equals: eager's int scalar keeps x's dtype alike,

@@ -1,6 +1,6 @@
 """Limits and copies of a compiled function: the recompile limit (FUSEC_RECOMPILE_LIMIT), the
-programs kept in memory, FUSEC_LOG=recompiles, and pickling / deep-copying what
-`fusec.compile` returns (fusec/api.py, "Note: limits").
+programs kept in memory, FUSEC_LOG=recompiles and the recompiles fusec.explain shows
+(fusec/limits.py, "Note: limits"), and pickling / deep-copying what `fusec.compile` returns.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import fusec
 from fusec.errors import FusecError
 from fusec.fastpath import _MISS
+from fusec.limits import KEPT_REASONS, remember
 
 
 def softmax(x):
@@ -59,6 +60,8 @@ def test_500_batch_sizes_stop_compiling_at_the_limit():
     assert "x: shape (8, 64) -> (9, 64)" in text and "FUSEC_RECOMPILE_LIMIT=8" in text
     assert "run eagerly" in text
     assert cf.compiles == 8 and len(cf.compiled) == 8
+    assert cf.recompiles[-1] == \
+        "past the recompile limit (8), ran eagerly: x: shape (8, 64) -> (9, 64)"
     print(f"RSS grew {grown / 2**20:.1f} MiB over 500 sizes")
     assert grown < 50 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB"
     # the compiled signatures keep their programs (and fast paths)
@@ -125,6 +128,42 @@ def test_recompiles_are_logged_with_their_reason(monkeypatch, capsys):
            "x: strides (1,) -> (1,)" not in err  # (strides equal: not named)
     assert "[fusec recompiles] scaled: compiling a new program (x: shape (3,) -> (5,))" in err
     assert err.count("[fusec recompiles]") == 1  # the first compile is no recompile
+
+
+class Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+
+    def forward(self, x):
+        return torch.sin(x) * self.scale
+
+
+def test_explain_shows_why_a_compiled_function_recompiled():
+    """`cf.recompiles` keeps why it compiled again (what FUSEC_LOG=recompiles prints: a new
+    signature, a changed attribute), and fusec.explain(cm, x) prints it before the graph."""
+    m = Scale()
+    cm = fusec.compile(m, backend="cpp")
+    x = torch.randn(5)
+    cm(torch.randn(3))
+    cm(x)
+    m.scale = 5.0
+    torch.testing.assert_close(cm(x), m(x))
+    assert cm._compiled.recompiles == ["x: shape (3,) -> (5,)", "self.scale changed: 2.0 -> 5.0"]
+    e = fusec.explain(cm, x)
+    assert e.recompiles == cm._compiled.recompiles == e.to_dict()["recompiles"]
+    assert "=== recompiles: why it compiled another program (newest last) ===\n" \
+           "  1. x: shape (3,) -> (5,)\n  2. self.scale changed: 2.0 -> 5.0\n" in str(e)
+    plain = fusec.explain(m, x)  # not a fusec.compile'd module: no history to show
+    assert plain.recompiles == [] and "=== recompiles" not in str(plain)
+
+
+def test_the_recompile_history_is_bounded():
+    """A function that recompiles on every call keeps its last KEPT_REASONS reasons only."""
+    history: list[str] = []
+    for i in range(3 * KEPT_REASONS):
+        remember(history, f"reason {i}")
+    assert history == [f"reason {i}" for i in range(2 * KEPT_REASONS, 3 * KEPT_REASONS)]
 
 
 # ---- pickling and copying --------------------------------------------------------------------

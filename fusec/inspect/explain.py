@@ -16,6 +16,10 @@
 4. every extern step (an eager ATen call between kernels) with the reason it is not a kernel;
 5. the schedule, and each kernel's source.
 
+Given a function or module that `fusec.compile` wrapped, and that compiled more than one program
+(new input sizes, a changed `self.scale`: fusec/limits.py), `str(e)` first lists why, the last
+few reasons (`cf.recompiles`).
+
 Nothing is run on the inputs' data: the program is captured and compiled exactly as
 `fusec.compile` would (the kernels are built, so their sources are the real ones).
 
@@ -32,7 +36,7 @@ regions afresh; `fusec.explain(opt)` with no inputs explains the regions it alre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +60,8 @@ from fusec.record import format_schedule
 @dataclass
 class Explanation:
     compiled: CompiledGraph
+    # why the fusec.compile'd function explained compiled again, the last few (fusec/limits.py)
+    recompiles: list[str] = field(default_factory=list)
 
     @property
     def kernels(self) -> list:
@@ -141,6 +147,7 @@ class Explanation:
             "schedule": format_schedule(cg.schedule),
             "layout": cg.passes.layout.to_dict() if cg.passes.layout is not None else None,
             "dot": {"before": self.dot("before"), "after": self.dot("after")},
+            "recompiles": list(self.recompiles),
         }
 
     def __str__(self) -> str:
@@ -148,6 +155,9 @@ class Explanation:
         gm = cg.gm
         out = [f"fusec explain ({cg.backend} backend): {len(cg.kernels)} kernel(s), "
                f"{len(self.fallbacks())} extern call(s)"]
+        if self.recompiles:  # a fusec.compile'd function that compiled more than one program
+            out.append("\n=== recompiles: why it compiled another program (newest last) ===")
+            out += [f"  {i}. {reason}" for i, reason in enumerate(self.recompiles, 1)]
         out.append("\n=== captured ATen graph ===\n" + self.graph())
         changes = pass_changes(cg.captured.gm, gm, cg.stages())
         fuse_stages = [c["after"] for c in changes if c["after"].startswith("fuse")]
@@ -199,6 +209,8 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
         backend = collected.backend if backend == "auto" else backend
         return explain_regions(torch_compiled, inputs, kwargs, backend)
     fullgraph = getattr(getattr(model, "_compiled", model), "fullgraph", False)
+    wrapped = getattr(model, "_compiled", model)  # a fusec.compile'd one: why it recompiled
+    recompiles = list(wrapped.recompiles) if isinstance(wrapped, CompiledFunction) else []
     model, backend = unwrap(model, backend)
     try:
         captured, chosen = capture_for(model, inputs, kwargs, backend)
@@ -206,7 +218,8 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
         if fullgraph:
             raise
         return explain_regions(model, inputs, kwargs, backend, cause)
-    return Explanation(compile_graph(captured, chosen, record=True, label=_label(model)))
+    return Explanation(compile_graph(captured, chosen, record=True, label=_label(model)),
+                       recompiles)
 
 
 def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
