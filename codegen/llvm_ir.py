@@ -1,7 +1,11 @@
 """LLVM IR text: the pieces both LLVM renderers (llvm.py for pointwise kernels, llvm_reduction.py)
 write with. Types and literals, an `Emitter` of SSA instructions, conversions as torch does them,
 each op's spelling from the op table's `llvm` column, loads, stores and index arithmetic, and the
-declarations (libm, libmvec's vector variants) and prelude of helpers a module needs.
+declarations (libm, libmvec's vector variants, torch's SLEEF) and prelude of helpers a module needs.
+
+Why this file is long: it is the LLVM backend's whole spelling of values, the counterpart of the
+C++ backend's cpp_text.py plus cpp_prelude.h; the vector-math section (which library a math call
+goes to, and at what vector width) is the part that could stand alone next.
 """
 from __future__ import annotations
 
