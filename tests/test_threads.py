@@ -4,7 +4,7 @@ eager's answers, one compile per signature, and `print` left as it was.
 Capture runs one at a time in the process (fusec/capture/tracing.py, "Note (tracing and
 threads)"), a compiled function compiles one signature at a time (CompiledFunction._compile_new),
 and a program whose intermediates live in a pool runs in one thread at a time (api.py,
-`_one_at_a_time`).
+`one_at_a_time`).
 """
 from __future__ import annotations
 
