@@ -154,6 +154,8 @@ def no_cxx(monkeypatch, tmp_path):
     """$CXX names a compiler that does not exist; a fresh cache, so nothing can be reused."""
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "fusec-missing-g++")
+    from fusec.runtime import build
+    monkeypatch.setattr(build, "_FELL_BACK", set())  # the fallback is said once per process
     find_compiler.cache_clear()
     yield "fusec-missing-g++"
     monkeypatch.undo()

@@ -31,7 +31,8 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 // and the target has AVX2, fusec_exp(float) is SLEEF's expf: declared `omp declare simd`, a
 // vectorized loop calls the vector versions, and the scalar symbol (which torch does not export)
 // is defined here as one lane of the 8-wide call, so a loop's remainder gets the same answers as
-// its vector body. Doubles, the other targets, and sin/cos/tan/tanh/erf (eager has those from MKL;
+// its vector body. A short loop may be vectorized 4 lanes at a time (the SSE variant,
+// `_ZGVbN4v_...`), which torch does not export either: it is half of the 8-wide call. Doubles, the other targets, and sin/cos/tan/tanh/erf (eager has those from MKL;
 // SLEEF's 1-ulp versions took 2-7x libmvec's time: docs/ops.md) use the C library (libmvec where
 // it is linked).
 #if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
@@ -44,6 +45,11 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
         __asm__("Sleef_" #name "f_u10"); \
     float fusec_sleef1_##name(float x) { \
         return _mm256_cvtss_f32(_ZGVdN8v_Sleef_##name##f_u10(_mm256_set1_ps(x))); } \
+    __attribute__((visibility("hidden"))) __m128 fusec_sleef4_##name(__m128) \
+        __asm__("_ZGVbN4v_Sleef_" #name "f_u10"); \
+    __m128 fusec_sleef4_##name(__m128 x) { \
+        return _mm256_castps256_ps128(_ZGVdN8v_Sleef_##name##f_u10( \
+            _mm256_insertf128_ps(_mm256_setzero_ps(), x, 0))); } \
     }
 FUSEC_SLEEF_DECLARE(exp) FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
 FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p)
