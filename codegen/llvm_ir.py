@@ -14,6 +14,7 @@ import functools
 import itertools
 import math
 import os
+import pathlib
 import platform
 import re
 import struct
@@ -289,9 +290,10 @@ LIBM = {"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log1p", "ta
 # docs/ops.md), and in a long chain those errors add up to several times eager's. So a vectorized
 # float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
 # same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
-# sin, cos, tan, tanh and erf stay on libmvec: eager gets those from MKL (1-ulp and fast), and
-# SLEEF's 1-ulp versions took 2-7x libmvec's time (docs/ops.md), which no accuracy is worth here.
-SLEEF = {"exp", "expm1", "log", "log2", "log1p"}
+# sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
+# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in double
+# (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
+SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}
 _CALL = re.compile(r"call (\S+) @([\w.]+)\(([^)]*)\)")
 
 
@@ -400,20 +402,46 @@ HELPERS = re.compile(r"@(fusec_\w+)\.(\w+)\(")
 
 def prelude(lines: list[str]) -> tuple[str, set[str]]:
     """The helper functions (llvm_prelude.ll.j2) this kernel calls, rendered for the types it
-    calls them with, and the set of names they define."""
-    wanted = sorted({(name, short) for line in lines for name, short in HELPERS.findall(line)})
+    calls them with, and the set of names they define. A helper may call another (tanh-GELU calls
+    `fusec_tanh`): those are added until nothing new is called."""
+    wanted = {(name, short) for line in lines for name, short in HELPERS.findall(line)}
     if not wanted:
         return "", set()
     by_short = {v: k for k, v in SHORT.items()}
-    helpers = []
-    for name, short in wanted:
-        dtype = by_short[short]
-        helpers.append(dict(name=name, D=short, T=TYPE[dtype], S=SUFFIX[dtype], kind=kind(dtype),
-                            c=_helper_constants(dtype) if is_float(dtype) else {}))
-    text = render_template("llvm_prelude.ll.j2", helpers=helpers)
+    while True:
+        helpers = []
+        for name, short in sorted(wanted):
+            dtype = by_short[short]
+            helpers.append(dict(name=name, D=short, T=TYPE[dtype], S=SUFFIX[dtype],
+                                kind=kind(dtype),
+                                c=_helper_constants(dtype) if is_float(dtype) else {}))
+        text = render_template("llvm_prelude.ll.j2", helpers=helpers, tables=prelude_tables())
+        called = wanted | set(HELPERS.findall(text))
+        if called == wanted:
+            break
+        wanted = called
     defined = {f"{h['name']}.{h['D']}" for h in helpers}
     # the helpers call intrinsics too: declare those along with the kernel's
     return text, defined
+
+
+@functools.lru_cache(maxsize=None)
+def prelude_tables() -> dict[str, list[str]]:
+    """The polynomial coefficients of the C++ prelude's double-precision helpers (fusec_exp_f64,
+    fusec_erf: `static constexpr double P[] = {...}`), as LLVM double constants, read from
+    cpp_prelude.h so that both backends compute with the same numbers: {"fusec_erf.S": [...]}."""
+    text = (pathlib.Path(__file__).parent / "templates" / "cpp_prelude.h").read_text()
+    tables, function = {}, None
+    for line_no, line in enumerate(text.splitlines()):
+        head = re.match(r"static inline \w+ (\w+)\(", line)
+        function = head.group(1) if head else function
+        table = re.match(r"\s*static constexpr double (\w+)\[\] = \{", line)
+        if table:
+            body = text.split("\n", line_no)[-1]
+            numbers = body[body.index("{") + 1:body.index("}")]
+            tables[f"{function}.{table.group(1)}"] = [
+                literal(float.fromhex(v.strip()), torch.float64) for v in numbers.split(",")]
+    return tables
 
 
 def _helper_constants(dtype) -> dict:

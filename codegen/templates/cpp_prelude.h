@@ -22,19 +22,19 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 #undef FUSEC_SIMD_MATH
 #endif
 
-// Eager's float32 math: eager's CPU kernels compute exp, expm1, log, log2 and log1p with SLEEF's
-// 1-ulp vector functions, which torch links into libtorch_cpu and exports under the vector ABI
-// names gcc calls (`_ZGVeN16v_Sleef_expf_u10`: 16 exps at once with AVX-512, `_ZGVdN8v_...` 8 with
-// AVX2). libmvec's float versions are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range:
-// tests/test_math_accuracy.py, docs/ops.md), and in a long chain those errors add up to several
-// times eager's. So where fusec links torch's library (FUSEC_SLEEF, codegen/cpp.py math_flags)
-// and the target has AVX2, fusec_exp(float) is SLEEF's expf: declared `omp declare simd`, a
-// vectorized loop calls the vector versions, and the scalar symbol (which torch does not export)
-// is defined here as one lane of the 8-wide call, so a loop's remainder gets the same answers as
-// its vector body. A short loop may be vectorized 4 lanes at a time (the SSE variant,
-// `_ZGVbN4v_...`), which torch does not export either: it is half of the 8-wide call. Doubles, the other targets, and sin/cos/tan/tanh/erf (eager has those from MKL;
-// SLEEF's 1-ulp versions took 2-7x libmvec's time: docs/ops.md) use the C library (libmvec where
-// it is linked).
+// Eager's float32 math: eager's CPU kernels compute exp, expm1, log, log2, log1p, sin, cos and
+// tan within 1 ulp (SLEEF's 1-ulp vector functions or MKL's), and libmvec's float versions are up
+// to 4 ulp off (expf 2.5, logf 3.8, tanf 2.9 over the float32 range: tests/test_math_accuracy.py,
+// docs/ops.md); in a long chain those errors add up to several times eager's. torch links SLEEF
+// into libtorch_cpu and exports it under the vector ABI names gcc calls
+// (`_ZGVeN16v_Sleef_expf_u10`: 16 exps at once with AVX-512, `_ZGVdN8v_...` 8 with AVX2). So
+// where fusec links torch's library (FUSEC_SLEEF, codegen/cpp.py math_flags) and the target has
+// AVX2, fusec_exp(float) and the others are SLEEF's: declared `omp declare simd`, a vectorized
+// loop calls the vector versions, and the scalar symbol (which torch does not export) is defined
+// here as one lane of the 8-wide call, so a loop's remainder gets the same answers as its vector
+// body. A short loop may be vectorized 4 lanes at a time (the SSE variant, `_ZGVbN4v_...`),
+// which torch does not export either: it is half of the 8-wide call. Doubles and the other
+// targets use the C library (libmvec where it is linked). tanh and erf are fusec's own (below).
 #if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
 #include <immintrin.h>
 #define FUSEC_SLEEF_DECLARE(name) \
@@ -52,7 +52,8 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
             _mm256_insertf128_ps(_mm256_setzero_ps(), x, 0))); } \
     }
 FUSEC_SLEEF_DECLARE(exp) FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
-FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p)
+FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p) FUSEC_SLEEF_DECLARE(sin)
+FUSEC_SLEEF_DECLARE(cos) FUSEC_SLEEF_DECLARE(tan)
 #undef FUSEC_SLEEF_DECLARE
 #define FUSEC_FLOAT_MATH(name, x) Sleef_##name##f_u10(x)
 #else
@@ -68,12 +69,87 @@ static inline float fusec_log2(float x) { return FUSEC_FLOAT_MATH(log2, x); }
 static inline double fusec_log2(double x) { return std::log2(x); }
 static inline float fusec_log1p(float x) { return FUSEC_FLOAT_MATH(log1p, x); }
 static inline double fusec_log1p(double x) { return std::log1p(x); }
+static inline float fusec_sin(float x) { return FUSEC_FLOAT_MATH(sin, x); }
+static inline double fusec_sin(double x) { return std::sin(x); }
+static inline float fusec_cos(float x) { return FUSEC_FLOAT_MATH(cos, x); }
+static inline double fusec_cos(double x) { return std::cos(x); }
+static inline float fusec_tan(float x) { return FUSEC_FLOAT_MATH(tan, x); }
+static inline double fusec_tan(double x) { return std::tan(x); }
 #undef FUSEC_FLOAT_MATH
-template <typename T> static inline T fusec_sin(T x) { return std::sin(x); }
-template <typename T> static inline T fusec_cos(T x) { return std::cos(x); }
-template <typename T> static inline T fusec_tan(T x) { return std::tan(x); }
-template <typename T> static inline T fusec_tanh(T x) { return std::tanh(x); }
-template <typename T> static inline T fusec_erf(T x) { return std::erf(x); }
+
+// float32 tanh and erf, computed in double: every step below is plain arithmetic (no library
+// call), so a vectorized loop runs it in vector registers on any x86-64 level, and the double
+// steps carry errors near 1e-11, far below float's 6e-8, so the one rounding to float at the end
+// is the only error that shows: 0.5 ulp and a hair (tests/test_math_accuracy.py measures it).
+// eager gets these from MKL within 1 ulp; libmvec's float versions are 1.4 (tanh) and 4 (erf)
+// ulp off, and SLEEF's 1-ulp erf took 10x eager's time. The polynomials were fitted at Chebyshev
+// nodes against 40-digit references (mpmath); each comment gives the fit's largest relative error.
+
+// FUSEC_FMA(a, b, c) = a * b + c, in one rounding where the CPU has fused multiply-add (fewer
+// instructions; the digits it saves are far below float's), else two.
+#ifdef __FMA__
+#define FUSEC_FMA(a, b, c) __builtin_fma(a, b, c)
+#else
+#define FUSEC_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+// c[0] x^(N-1) + ... + c[N-1], by Horner's rule (unrolled: a loop inside a vectorized loop would not be)
+template <int N> static inline double fusec_horner(double x, const double (&c)[N]) {
+    double p = c[0];
+#pragma GCC unroll 16
+    for (int i = 1; i < N; ++i) p = FUSEC_FMA(p, x, c[i]);
+    return p;
+}
+
+// e^y for |y| <= 32: y = k ln2 + r with |r| <= ln2/2 (Cody and Waite's two-part ln2 keeps
+// k ln2 exact), e^r by a degree-8 polynomial (1.1e-12), 2^k made from its bits.
+static inline double fusec_exp_f64(double y) {
+    static constexpr double P[] = {0x1.a17da35733787p-16, 0x1.a1aa80ce31c9ap-13,
+        0x1.6c162bfd07340p-10, 0x1.111080ac9c3f6p-7, 0x1.5555558893547p-5, 0x1.555555a26f236p-3,
+        0x1.ffffffffe7631p-2, 0x1.ffffffffd38acp-1, 0x1.000000000003cp+0};
+    const double shift = 0x1.8p52;  // adding it rounds to an integer, kept in the low bits
+    const double s = y * 0x1.71547652b82fep0 + shift;
+    const double k = s - shift;
+    const double r = (y - k * 0x1.62e42feep-1) - k * 0x1.a39ef35793c76p-33;
+    int64_t bits; std::memcpy(&bits, &s, 8);
+    const int64_t scale_bits = (bits - 0x4338000000000000LL + 1023) << 52;  // 2^k
+    double scale; std::memcpy(&scale, &scale_bits, 8);
+    return fusec_horner(r, P) * scale;
+}
+
+// tanh(x) = (e^2|x| - 1) / (e^2|x| + 1) with x's sign; below 2^-11 (where e - 1 would lose
+// digits) its series x - x^3/3 + 2x^5/15; from 9.5 on, tanh rounds to 1.
+static inline float fusec_tanh(float x) {
+    double d = std::fabs((double)x);
+    d = d > 9.5 ? 9.5 : d;
+    const double e = fusec_exp_f64(2.0 * d), t = d * d;
+    const bool small = d < 0x1p-11;
+    // the division's operands are selected, not its result: both sides are computed (a select,
+    // not a branch, so the loop vectorizes) and the division never sees a value it must not
+    const double num = small ? d * FUSEC_FMA(t, FUSEC_FMA(t, 2.0 / 15.0, -1.0 / 3.0), 1.0) : e - 1.0;
+    const double y = num / (small ? 1.0 : e + 1.0);
+    return x != x ? x : std::copysign((float)y, x);
+}
+static inline double fusec_tanh(double x) { return std::tanh(x); }
+
+// erf(x) below 1: x S(x^2), S of degree 7 (3.7e-11); from 1 to 4: 1 - e^-x^2 R(x), where
+// R(x) = erfc(x) e^(x^2) is smooth, of degree 12 (7.6e-9, times erfc <= 0.16); from 4 on, erf
+// rounds to 1.
+static inline float fusec_erf(float x) {
+    static constexpr double S[] = {-0x1.4497835c23f09p-17, 0x1.d89ff48674902p-14,
+        -0x1.bcd3a4940f634p-11, 0x1.562abda877a54p-8, -0x1.b829d0bbef567p-6, 0x1.ce2f0955e8b56p-4,
+        -0x1.81274666d37fbp-2, 0x1.20dd750405437p+0};
+    static constexpr double R[] = {0x1.c97357cddbfd8p-24, -0x1.e62976f0629e2p-19,
+        0x1.db085c677112cp-15, -0x1.1b59a708b9dbcp-11, 0x1.ce7e6ce0348bep-9, -0x1.127c959b01c07p-6,
+        0x1.ec5cf382218c0p-5, -0x1.56cbf83e1cb2ep-3, 0x1.7a699e30a8bfap-2, -0x1.50baf2f59cfc7p-1,
+        0x1.e7b16260e7940p-1, -0x1.1d1de6c8746fep+0, 0x1.feef405f4fab4p-1};
+    const double d = std::fabs((double)x);
+    const double c = d > 4.0 ? 4.0 : (d < 1.0 ? 1.0 : d);  // where the tail's formula holds
+    const double small = d * fusec_horner(d * d, S);  // d * d is exact: a float's square fits
+    const double tail = 1.0 - fusec_exp_f64(-c * c) * fusec_horner(c, R);
+    const float y = (float)(d < 1.0 ? small : (d >= 4.0 ? 1.0 : tail));
+    return x != x ? x : std::copysign(y, x);
+}
+static inline double fusec_erf(double x) { return std::erf(x); }
 
 // bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
 // The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
