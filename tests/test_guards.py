@@ -5,6 +5,10 @@ Every case: the first call compiles, a repeated call with nothing changed compil
 change gives eager's new answer through a new program (with the reason in the `recompiled`
 event), and going back to an old value finds the old program again.
 """
+import argparse
+import dataclasses
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -160,6 +164,113 @@ def test_closure_values(target, reasons):
     f.__closure__[0].cell_contents.add_(2.0)  # the mask, in place: no compile needed
     assert f.__code__.co_freevars[0] == "mask"
     assert same(cf, f, x) == 3
+
+
+class Config:
+    """A config object as models keep one (HF's PretrainedConfig is one of these)."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float = 2.0
+    act: str = "relu"
+
+
+class Configured(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.opts = {"shift": 1.0, "sizes": [1, 2]}
+        self.weights = [0.5, 0.25]
+
+    def forward(self, x):
+        y = x * self.config.scale + self.opts["shift"] * self.weights[0]
+        y = y + self.config.norm.eps
+        return y.relu() if self.config.act == "relu" else y.sigmoid()
+
+
+def test_config_objects_dicts_and_lists(target, reasons):
+    """State inside a config object (and the config inside it), a dict and a list attribute."""
+    backend, device = target
+    m = Configured(Config(scale=2.0, act="relu", norm=Config(eps=0.5)))
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(16, device=device)
+    assert same(cm, m, x) == 1
+    assert same(cm, m, x) == 1
+    assert type(m.config) is Config and type(m.config.norm) is Config  # classes put back
+    m.config.scale = 3.0
+    assert same(cm, m, x) == 2
+    assert reasons[-1] == "self.config.scale changed: 2.0 -> 3.0"
+    m.config.norm.eps = -4.0  # a config inside the config
+    assert same(cm, m, x) == 3
+    assert reasons[-1] == "self.config.norm.eps changed: 0.5 -> -4.0"
+    m.config.act = "sigmoid"
+    assert same(cm, m, x) == 4
+    m.opts["shift"] = 7.0  # an item of a dict, changed in place
+    assert same(cm, m, x) == 5
+    assert reasons[-1].startswith("self.opts changed: {'shift': 1.0")
+    m.weights[0] = -1.0  # an item of a list
+    assert same(cm, m, x) == 6
+    assert reasons[-1] == "self.weights changed: [0.5, 0.25] -> [-1.0, 0.25]"
+    m.config = Config(scale=2.0, act="relu", norm=Config(eps=0.5))  # another config object
+    assert same(cm, m, x) == 7
+    m.config.scale = 9.0
+    assert same(cm, m, x) == 8
+
+
+SETTINGS = Settings()
+TABLE = {"scale": 3.0}
+NAMESPACE = types.SimpleNamespace(scale=2.0)
+ARGS = argparse.Namespace(scale=2.0)
+
+
+def reads_config_globals(x):
+    y = x * SETTINGS.scale * TABLE["scale"] * NAMESPACE.scale * ARGS.scale
+    return y.relu() if SETTINGS.act == "relu" else y.tanh()
+
+
+def test_config_globals(target, reasons):
+    """A global dataclass, dict, SimpleNamespace (a C type: its whole __dict__ is guarded) and
+    argparse.Namespace, each changed in place."""
+    backend, device = target
+    cf = fusec.compile(reads_config_globals, backend=backend)
+    x = torch.randn(8, device=device)
+    saved = dataclasses.replace(SETTINGS), dict(TABLE), vars(NAMESPACE).copy(), vars(ARGS).copy()
+    try:
+        assert same(cf, reads_config_globals, x) == 1
+        SETTINGS.act = "tanh"
+        assert same(cf, reads_config_globals, x) == 2
+        assert reasons[-1] == "SETTINGS.act changed: 'relu' -> 'tanh'"
+        TABLE["scale"] = -1.0
+        assert same(cf, reads_config_globals, x) == 3
+        assert reasons[-1] == "global TABLE changed: {'scale': 3.0} -> {'scale': -1.0}"
+        NAMESPACE.scale = 0.5
+        assert same(cf, reads_config_globals, x) == 4
+        assert reasons[-1] == "vars(NAMESPACE) changed: {'scale': 2.0} -> {'scale': 0.5}"
+        ARGS.scale = 4.0
+        assert same(cf, reads_config_globals, x) == 5
+        assert reasons[-1] == "ARGS.scale changed: 2.0 -> 4.0"
+        SETTINGS.act = "relu"  # back to the first values: no compile
+        TABLE["scale"], NAMESPACE.scale, ARGS.scale = 3.0, 2.0, 2.0
+        assert same(cf, reads_config_globals, x) == 5
+    finally:
+        SETTINGS.scale, SETTINGS.act = saved[0].scale, saved[0].act
+        TABLE.clear(), TABLE.update(saved[1])
+        vars(NAMESPACE).update(saved[2]), vars(ARGS).update(saved[3])
+
+
+def test_a_container_of_objects_is_not_guarded_by_contents():
+    """A list of modules (or anything but constants) has no contents guard: its items are not
+    values the graph froze, they are followed where the program reads them as modules."""
+    from fusec.capture import guards
+    assert guards._kind([nn.ReLU()]) is None
+    assert guards._kind(list(range(guards.CONTAINER_LIMIT + 1))) is None
+    assert guards._kind({"a": (1, 2.0, "x"), "b": [None, True]}) == "container"
+    frozen = guards.freeze({"a": [1, {2: 3.0}]})
+    assert guards._thaw(frozen) == {"a": [1, {2: 3.0}]} and hash(frozen)
 
 
 def test_a_value_that_changes_every_call_reaches_the_limit(monkeypatch):

@@ -24,13 +24,25 @@ What is read, and how fusec finds out:
                         library's or installed packages'). `LOAD_GLOBAL` and `LOAD_DEREF` name
                         what each can read; a name on a branch not taken is guarded too.
 
+    config objects      `self.config.scale`, `CFG.use_gelu`, `cfg.sub.eps`: a plain object (an
+                        instance with a `__dict__` that is not a module, tensor, function or
+                        class: a config, a dataclass, a namespace) reached by any read above
+                        wears a recording subclass too while capture runs, so its attribute
+                        reads are written down the same way, and so on into the objects they
+                        hold. The object itself is guarded by identity.
+    dicts, lists, sets  `self.opts["scale"]`, `SIZES[0]`: a container of constants (up to 64
+                        items, nested ones included) is guarded by its contents, since its
+                        item reads cannot be seen: any change to it compiles again.
+
 Each value is checked by its kind, in under 0.1 us on a CPU (56 guards of a 2-layer GPT-2 add
 ~5 us to a 115 us call; a program that read no state adds nothing):
 
     a constant          (None, bool, int, float, str, a dtype, a tuple of these ...)
                         its type and `==`:          type(self.scale) is float and self.scale == 2.0
+    a container         its type and `==` against   type(self.opts) is dict and
+    of constants        a copy taken at capture:    self.opts == {'scale': 2.0}
     a function, class,  identity:                   ACT is gelu
-    a module
+    a module, a config
     a tensor the graph  identity, shape and requires_grad. Not its values: the program reads
     reads as it is      such a tensor (a graph attribute) where it lives on every call, so an
                         in-place update (`mask.add_(1)`) is seen without compiling again
@@ -47,19 +59,23 @@ the fast path (fusec/fastpath.py) checks the same values inline (`Guards.fast_li
 whose signature is known names what changed (`Guards.reason`). A program that reads no Python
 state has no guard and pays nothing.
 
-Not guarded (state a captured graph still freezes): what lives inside other objects (a config
-object's attributes, a dict's or list's items), modules and tensors reached only through such
-containers, and functions reached other than through globals, closures and module attributes.
+Not guarded (state a captured graph still freezes): the items of a container that holds more
+than 64 items or anything but constants (a dict of modules, a list of tensors), modules and
+tensors reached only through such containers, attributes of objects whose class cannot be
+swapped (`__slots__`, C types), and functions reached other than through globals, closures and
+attributes.
 While capture runs, a lifted global or closure tensor holds the traced value (as functional_call
 does to a module's parameters): another thread that reads that same global meanwhile sees it.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dis
 import enum
 import functools
 import os
+import sys
 import sysconfig
 import threading
 import types
@@ -192,15 +208,68 @@ def _is_constant(value) -> bool:
     return isinstance(value, _CONSTANT_TYPES)
 
 
+CONTAINER_LIMIT = 64  # items (nested ones counted) up to which a container is guarded by contents
+
+
+def _freeze(value, budget: list):
+    """A container of constants as nested tuples (hashable, for the program's key), or raise
+    TypeError when it holds something else or more than CONTAINER_LIMIT items."""
+    if type(value) in (list, tuple, dict, set, frozenset):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            raise TypeError("too many items")
+        if type(value) is dict:
+            return (dict, tuple((_freeze(k, budget), _freeze(v, budget)) for k, v in value.items()))
+        if type(value) in (set, frozenset):
+            return (type(value), frozenset(_freeze(v, budget) for v in value))
+        return (type(value), tuple(_freeze(v, budget) for v in value))
+    if _is_constant(value):
+        return value
+    raise TypeError(f"holds a {type(value).__name__}")
+
+
+def freeze(value):
+    """A container's contents as a key part (see _freeze)."""
+    return _freeze(value, [CONTAINER_LIMIT])
+
+
+_FOREIGN_MODULES = ("torch", "fusec", "builtins", "triton", "numpy", "typing", "types", "enum")
+
+
+def _is_plain_object(value) -> bool:
+    """A config-like object whose attribute reads can be recorded: an instance with its own
+    `__dict__`, of a class that is not a module, tensor, function, class or container, and is
+    not torch's, fusec's or the standard library's own."""
+    cls = type(value)
+    if isinstance(value, (torch.Tensor, torch.nn.Module, type, types.ModuleType, types.FunctionType,
+                          types.MethodType, types.BuiltinFunctionType, functools.partial,
+                          list, tuple, dict, set, frozenset)) or _is_constant(value):
+        return False
+    module = (getattr(cls, "__module__", None) or "builtins").split(".")[0]
+    if module in _FOREIGN_MODULES or module in sys.stdlib_module_names and module != "__main__":
+        return cls is types.SimpleNamespace or cls is argparse.Namespace
+    try:
+        return isinstance(object.__getattribute__(value, "__dict__"), dict)
+    except AttributeError:
+        return False
+
+
 def _kind(value) -> str | None:
-    """How a value is guarded: "value", "identity", "tensor" (baked), or None (not guarded)."""
+    """How a value is guarded: "value", "container", "identity", "tensor" (baked), or None
+    (not guarded)."""
     if isinstance(value, torch.Tensor):
         return None if _is_traced(value) else "tensor"
     if _is_constant(value):
         return "value"
+    if type(value) in (list, dict, set, tuple):
+        try:
+            freeze(value)
+            return "container"
+        except TypeError:
+            return None
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
                           functools.partial, torch.nn.Module, torch._ops.OpOverloadPacket,
-                          torch._ops.OpOverload)):
+                          torch._ops.OpOverload)) or _is_plain_object(value):
         return "identity"
     return None
 
@@ -216,6 +285,8 @@ def _encode(kind: str, value, keep: dict):
         return _MISSING
     if kind == "value":
         return (type(value), value)
+    if kind == "container":
+        return freeze(value)
     keep[id(value)] = value  # (kept alive: its id must stay its own while a key holds it)
     if kind == "tensor":
         return (id(value), tuple(value.shape), value.requires_grad) \
@@ -372,15 +443,38 @@ class Recording:
         self.guards = guards
         self.seen: dict[tuple, tuple] = {}
         self.key: tuple = ()  # the guards' part of the program's key, once capture is done
+        self.swapped: list[tuple] = []  # (object, its own class): put back when capture ends
+        self.objects: dict[int, str] = {}  # id of a config-like object watched -> its label
 
     def add(self, source: Source, kind: str, value) -> None:
         if source.key not in self.seen:
             self.seen[source.key] = (source, kind, value)
+        if kind == "identity" and _is_plain_object(value):
+            self.watch(value, source.label.split(" ")[-1])
+
+    def watch(self, obj, label: str) -> None:
+        """Record `obj`'s attribute reads from now on (it wears a recording subclass until the
+        capture ends)."""
+        if id(obj) in self.objects:
+            return
+        self.objects[id(obj)] = label
+        cls = type(obj)
+        if getattr(cls, "_fusec_recording", False):
+            return  # (a capture inside a capture: already recording)
+        try:
+            obj.__class__ = _recording_class(cls)
+        except TypeError:  # a C type (SimpleNamespace): all its attributes are guarded instead
+            if _kind(vars(obj)) == "container":
+                self.add(Source("attr", obj, "__dict__", f"vars({label})"), "container", vars(obj))
+            return
+        self.swapped.append((obj, cls))
 
     def attribute(self, module, name: str, value) -> None:
-        """`module.name` was read (by the program, or by torch's module code it runs)."""
-        if name in _MODULE_INTERNALS or name.startswith("__") or \
-                (name == "training" and module is self.guards.module):  # (in the signature)
+        """`module.name` was read (by the program, or by torch's module code it runs); `module`
+        may also be a config-like object (see `watch`)."""
+        if name.startswith("__") or isinstance(module, torch.nn.Module) and (
+                name in _MODULE_INTERNALS or  # (training: in the signature)
+                (name == "training" and module is self.guards.module)):
             return
         if name not in object.__getattribute__(module, "__dict__"):
             for klass in type(module).__mro__:  # a class attribute, or computed (property,
@@ -394,7 +488,8 @@ class Recording:
         if kind is None:
             return
         labels = self.guards.discovery.labels
-        owner = labels[id(module)][1] if id(module) in labels else type(module).__name__
+        owner = labels[id(module)][1] if id(module) in labels else \
+            self.objects.get(id(module), type(module).__name__)
         self.add(Source("attr", module, name, f"{owner}.{name}"), kind, value)
 
 
@@ -489,7 +584,6 @@ class Guards:
             value = source.read()  # now, as the capture will see it
             if value is not _MISSING:
                 recording.add(source, kind, value)
-        swapped = []
         for module, _ in discovery.labels.values():
             cls = type(module)
             if getattr(cls, "_fusec_recording", False):
@@ -498,15 +592,15 @@ class Guards:
                 module.__class__ = _recording_class(cls)
             except TypeError:  # (a class whose layout forbids it: its attributes go unguarded)
                 continue
-            swapped.append((module, cls))
+            recording.swapped.append((module, cls))
         outer = getattr(_LOCAL, "recording", None)
         _LOCAL.recording = recording
         try:
             yield recording
         finally:
             _LOCAL.recording = outer
-            for module, cls in reversed(swapped):
-                module.__class__ = cls
+            for obj, cls in reversed(recording.swapped):
+                obj.__class__ = cls
         for source, kind, value in recording.seen.values():
             if source.key not in self._index:
                 self._index[source.key] = len(self.entries)
@@ -532,12 +626,13 @@ class Guards:
 
     def _make_values(self) -> Callable[[], Values]:
         """`values()`: every guarded value now, encoded, as straight-line Python."""
-        glob = {"Values": Values, "slow": self._slow_values, "_id": id}
+        glob = {"Values": Values, "slow": self._slow_values, "_id": id, "_freeze": freeze}
         reads, parts = [], []
         for i, (source, kind) in enumerate(self.entries):
             glob[f"s{i}"] = source.owner
             reads.append(f"v{i} = {source.expression(f's{i}')}")
             parts.append({"value": f"(type(v{i}), v{i})", "identity": f"_id(v{i})",
+                          "container": f"_freeze(v{i})",
                           "tensor": f"(_id(v{i}), tuple(v{i}.shape), v{i}.requires_grad)"}[kind])
         body = "".join(f"        {r}\n" for r in reads)
         source = (f"def values():\n    try:\n{body}"
@@ -581,6 +676,9 @@ class Guards:
                     test = f"{read} is not g_c{i}"
                 else:
                     test = f"type(g_v{i} := {read}) is not g_t{i} or g_v{i} != g_c{i}"
+            elif kind == "container":  # (== on the live container against a copy made now)
+                glob[f"g_c{i}"], glob[f"g_t{i}"] = _thaw(value), value[0]
+                test = f"type(g_v{i} := {read}) is not g_t{i} or g_v{i} != g_c{i}"
             elif kind == "identity":
                 glob[f"g_o{i}"] = self._keep[value]
                 test = f"{read} is not g_o{i}"
@@ -605,12 +703,26 @@ class Guards:
         return "; ".join(said) or None
 
 
+def _thaw(frozen):
+    """A frozen container (`freeze`) as the container again: equal to the one frozen."""
+    if type(frozen) is not tuple or len(frozen) != 2 or \
+            frozen[0] not in (list, tuple, dict, set, frozenset):
+        return frozen
+    kind, items = frozen
+    if kind is dict:
+        return {_thaw(k): _thaw(v) for k, v in items}
+    return kind(_thaw(v) for v in items)
+
+
 def _describe(kind: str, value, keep: dict, now=_MISSING) -> str:
     """A guard's encoded value in words (`now`: the object itself, when it is the current one)."""
     if value is _MISSING:
         return "<missing>"
     if kind == "value":
         return repr(value[1])
+    if kind == "container":
+        text = repr(_thaw(value))
+        return text if len(text) <= 60 else text[:57] + "..."
     if kind == "tensor":
         ident, shape, grad = value
         return f"tensor {ident:#x} of shape {shape}" + (" requires_grad" if grad else "")
