@@ -20,8 +20,9 @@ import sys as _sys
 from fusec import device as _device  # first: it switches Triton's interpreter on without a GPU
 from fusec.api import CompiledFunction, CompiledModule, Kernel, compile, regions
 from fusec.capture.regions import Regions
-from fusec.errors import (CompileError, CompilerNotFoundError, DeviceError, FusecError,
-                          GraphBreakError, GraphBreakWarning, MismatchError, UnsupportedError)
+from fusec.errors import (CompileError, CompilerNotFoundError, DeviceError, FallbackWarning,
+                          FusecError, FusecWarning, GraphBreakError, GraphBreakWarning,
+                          MismatchError, UnsupportedError)
 from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR printer (events.py)
 from fusec.inspect.explain import explain
 from fusec.inspect.profile import profile
@@ -32,7 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "compile", "explain", "profile", "regions", "Kernel", "CompiledFunction", "CompiledModule",
     "Regions", "FusecError", "UnsupportedError", "GraphBreakError", "GraphBreakWarning",
-    "DeviceError", "CompilerNotFoundError", "CompileError", "MismatchError",
+    "DeviceError", "CompilerNotFoundError", "CompileError", "MismatchError", "FusecWarning",
+    "FallbackWarning",
 ]
 
 # ---- where modules used to be ---------------------------------------------------------------------

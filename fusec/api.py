@@ -202,9 +202,10 @@ class CompiledFunction:
         if aliased is not None:
             return self._aliased_call(aliased, key, args, kwargs, leaves, tensors, len(lifted))
         run = one_at_a_time(self._run, compiled)  # (fusec/runtime/threads.py)
+        rng = _check.rng_state(compiled) if self.check else None  # (random ops: eager's too)
         flat_out = _complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
-            _check.check_outputs(self, compiled, args, kwargs, flat_out)
+            _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
         elif plain and all(type(a) is torch.Tensor for a in args):
             self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)

@@ -12,16 +12,25 @@ element; the same rule is then applied to the whole tensor: the root-mean-square
 error may not exceed eager's by more than the tolerance.
 
 Integer and boolean results must match eager exactly, and NaNs must appear in the same places.
+A result that is not a tensor (a number, a string, None, a torch.Size) must equal eager's.
+
+Random numbers: eager is run from the random-number state the compiled call started from, so a
+program that draws them the way eager does (dropout's `bernoulli`, `rand_like`, kept as ATen calls)
+is compared like any other. An output that still differs and depends on a random op (a kernel
+that draws its own numbers) is not judged: a FusecWarning names the output and the op, and says
+it was not compared; the other outputs are. Afterwards the generators are where the compiled call
+left them, as if check=True had not run eager at all.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
 
 from fusec.capture.outputs import leaves
-from fusec.errors import MismatchError
+from fusec.errors import FusecWarning, MismatchError
 from fusec.graphmodule import copy_graph_module
 
 TOLERANCE = {  # (rtol, atol) per dtype: about two units in the last place for half types
@@ -85,19 +94,95 @@ def compare(fused: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor | None) 
     return None
 
 
-def check_outputs(compiled_fn, compiled, args, kwargs, flat_out) -> None:
+def compare_leaf(fused, eager, ref) -> str | None:
+    """`compare` for tensors; any other result (a number, a string, None) must equal eager's."""
+    if isinstance(fused, torch.Tensor) and isinstance(eager, torch.Tensor):
+        return compare(fused, eager, ref if isinstance(ref, torch.Tensor) else None)
+    if isinstance(fused, torch.Tensor) or isinstance(eager, torch.Tensor):
+        return f"a {type(fused).__name__} where eager returns a {type(eager).__name__}"
+    if type(fused) is float and type(eager) is float and math.isnan(fused) and math.isnan(eager):
+        return None
+    try:
+        same = type(fused) is type(eager) and bool(fused == eager)
+    except Exception:  # noqa: BLE001 (a value that cannot say whether it equals another)
+        same = fused is eager
+    return None if same else f"{fused!r} where eager returns {eager!r}"
+
+
+def random_ops(gm) -> dict[int, str]:
+    """{output index: the random op it depends on} for the graph's outputs computed from random
+    numbers (ops tagged `nondeterministic_seeded`: bernoulli, rand, randn_like, native_dropout)."""
+    tainted: dict = {}
+    for node in gm.graph.nodes:
+        tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
+        if torch.Tag.nondeterministic_seeded in tags:
+            tainted[node] = str(node.target)
+        else:
+            found = next((tainted[a] for a in node.all_input_nodes if a in tainted), None)
+            if found is not None:
+                tainted[node] = found
+        if node.op == "output":
+            return {i: tainted[a] for i, a in enumerate(pytree.tree_leaves(node.args[0]))
+                    if isinstance(a, torch.fx.Node) and a in tainted}
+    return {}
+
+
+def rng_state(compiled) -> tuple | None:
+    """The random-number state before a run of `compiled`, where its graph draws random numbers
+    (else None): CPU's and, where CUDA is in use, every CUDA device's."""
+    if not random_ops(compiled.captured.gm):
+        return None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def check_outputs(compiled_fn, compiled, args, kwargs, flat_out, rng: tuple | None = None) -> None:
     """Raise MismatchError, naming the kernel, when an output of `compiled` (a CompiledGraph run
-    by `compiled_fn`) is further from the float64 reference than eager's (see `compare`)."""
-    with torch.no_grad():
-        eager = leaves(compiled_fn.fn(*args, **kwargs))
+    by `compiled_fn`) is further from the float64 reference than eager's (see `compare`).
+    `rng`: the random-number state the compiled run started from (`rng_state`), or None."""
+    if rng is not None:
+        after = rng_state(compiled)
+        _set_rng_state(rng)
+    try:
+        with torch.no_grad():
+            eager = leaves(compiled_fn.fn(*args, **kwargs))
+    finally:
+        if rng is not None:
+            _set_rng_state(after)
     inputs = [*compiled.captured.lifted,
               *(l for l in pytree.tree_leaves((args, kwargs)) if isinstance(l, torch.Tensor))]
-    ref = float64_reference(compiled.captured.gm, inputs)
+    ref = float64_reference(compiled.captured.gm, inputs) if rng is None else None
+    # the graph's outputs are the flat outputs less the constants the program returns as they are
+    graph_index = {k: j for j, k in enumerate(
+        k for k in range(len(flat_out)) if k not in compiled.captured.output_constants)}
+    if ref is not None and len(ref) != len(graph_index):
+        ref = None  # (judged against eager alone)
+    random = random_ops(compiled.captured.gm) if rng is not None else {}
+    if len(eager) != len(flat_out):
+        raise MismatchError(f"fusec: the compiled function returned {len(flat_out)} value(s) "
+                            f"where eager returns {len(eager)}")
     for i, (f, e) in enumerate(zip(flat_out, eager)):
-        problem = compare(f, e, ref[i] if ref is not None and i < len(ref) else None)
+        j = graph_index.get(i)
+        problem = compare_leaf(f, e, ref[j] if ref is not None and j is not None else None)
+        if problem and j in random:
+            warnings.warn(f"fusec: check=True did not compare output {i} with eager: it depends "
+                          f"on random numbers ({random[j]}) that this program draws differently "
+                          f"from eager, so the two cannot agree ({problem}). The other outputs "
+                          "were compared.", FusecWarning, stacklevel=4)
+            continue
         if problem:
-            producer = compiled.program.producers.get(compiled.program.output_slots[i])
-            if hasattr(producer, "name"):
+            producer = None if j is None or j >= len(compiled.program.output_slots) else \
+                compiled.program.producers.get(compiled.program.output_slots[j])
+            if j is None:
+                who = "a value the program returns as it was captured"
+            elif hasattr(producer, "name"):
                 who = f"kernel {producer.name} (fusing {', '.join(producer.ops)})"
             else:
                 who = f"step {producer}" if producer else "an input passed through"

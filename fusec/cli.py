@@ -12,18 +12,27 @@
                 [--html report.html] [--traces DIR] [--iters N] [--device cpu|cuda]
 
     common options: --backend auto|cpp|llvm|triton, --small (the file's SMALL sizes),
+                    --inputs "randn(8, 64), randint(0, 10, (8,))" (the program's inputs),
                     --progress / --no-progress (default: a progress bar when stderr is a terminal)
+
+Any program, not only the examples (fusec/load.py):
+
+    fusec explain my_model.py:Net --inputs "randn(8, 64)"     a class, function or module object
+    fusec kernels my_kernelbench_problem.py                   Model + get_inputs(), KernelBench's
+    fusec profile mypackage.layers:attention                  importable: package.module:name
 
 An example file defines `example(device="cpu") -> fusec.demo.Example` (the function, its inputs
 and a sentence about it); every file in examples/ does, the training scripts included (their
 model's forward on one batch). It may define `SMALL`, a dict of example() keyword arguments that
-`--small` passes (small sizes, for a quick look). A file without example() is a one-line error.
+`--small` passes (small sizes, for a quick look). Other files give their inputs with --inputs,
+`example_inputs()` or `get_inputs()`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,10 +41,11 @@ import torch
 import fusec
 from fusec import progress as bars
 from fusec.codegen import backends
-from fusec.demo import load_example, run_demo, run_example
+from fusec.demo import run_demo, run_example
 from fusec.device import default_device
 from fusec.errors import FusecError
 from fusec.inspect.report import STAGES
+from fusec.load import load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +60,12 @@ def main(argv: list[str] | None = None) -> int:
              "profile": "profile one example eagerly and fused, side by side"}
     for name, text in helps.items():
         p = sub.add_parser(name, help=text)
-        p.add_argument("example", help="a file defining example(), or a name from examples/")
+        p.add_argument("example", metavar="program",
+                       help="an example's name (sin4), a file (model.py, model.py:Net), or "
+                            "package.module:name")
+        p.add_argument("--inputs", metavar="EXPR",
+                       help='the inputs, as torch calls: "randn(8, 64), randint(0, 10, (8,))" '
+                            "(default: the file's example(), example_inputs() or get_inputs())")
         p.add_argument("--backend", default="auto", choices=["auto", "cpp", "llvm", "triton"])
         p.add_argument("--device", default=None if name != "profile" else "auto",
                        choices=["auto", "cpu", "cuda"],
@@ -79,7 +94,15 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--traces", metavar="DIR", help="also write eager/fused Chrome traces")
             p.add_argument("--iters", type=int, default=10, help="profiled iterations (default 10)")
     args = parser.parse_args(argv)
+    try:
+        return _with_progress_flag(args)
+    except BrokenPipeError:  # `fusec kernels sin4 | head`: the reader left; so do we, quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (Python would complain again at exit)
+        return 0
 
+
+def _with_progress_flag(args) -> int:
     flag = getattr(args, "progress", None)
     if flag is None:
         return _run(args)
@@ -99,7 +122,7 @@ def _run(args) -> int:
         if args.command == "demo":
             run_demo(args.backend)
             return 0
-        ex = _example(load_example(args.example), args.device, args.small, args.backend)
+        ex = _example(args.example, args.device, args.small, args.backend, args.inputs)
         if args.command == "run":
             run_example(ex, args.backend)
         elif args.command == "explain":
@@ -118,14 +141,15 @@ def _run(args) -> int:
     return 0
 
 
-def _example(module, device: str | None, small: bool = False, backend: str = "auto"):
+def _example(spec: str, device: str | None, small: bool = False, backend: str = "auto",
+             inputs: str | None = None):
     if device is None:  # a GPU backend named on a GPU machine: its tensors on the GPU
         device = default_device() if backends.runs_on_gpus(backend) else "cpu"
     if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
         device = "cpu" if backends.cpu_only(backend) else default_device()
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusec: --device cuda, but torch sees no GPU on this machine")
-    return module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))
+    return load(spec, device=device, inputs=inputs, small=small)
 
 
 def _explain(ex, args) -> None:
@@ -133,12 +157,19 @@ def _explain(ex, args) -> None:
     if args.dot:
         out = Path(args.dot)
         out.mkdir(parents=True, exist_ok=True)
+        written = []
         for stage in ("before", "after"):
             (out / f"graph_{stage}_fusion.dot").write_text(e.dot(stage))
+            written.append(f"graph_{stage}_fusion.dot")
             svg = e.svg(stage)
             if svg:
                 (out / f"graph_{stage}_fusion.svg").write_text(svg)
-        print(f"fusec: wrote the graph pictures to {out}", file=sys.stderr)
+                written.append(f"graph_{stage}_fusion.svg")
+        said = f"fusec: wrote {', '.join(written)} to {out}"
+        if shutil.which("dot") is None:
+            said += (" (no .svg pictures: Graphviz's `dot` is not installed; install graphviz, "
+                     "or paste a .dot file into any Graphviz viewer)")
+        print(said, file=sys.stderr)
     print(json.dumps(e.to_dict(), indent=1) if args.json else e)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import fusec
 from fusec import ops
 from fusec.codegen import backends
 from fusec.device import default_device
-from fusec.timing import median_ms
+from fusec.timing import Timing, doubts, interpreted, measure
 
 SEED_EXAMPLES = ["sin4", "add_mul", "maximum_neg_uint8", "strided"]
 
@@ -41,10 +42,13 @@ class Result:
     kernels: int
     externs: int
     max_error: float
-    eager_ms: float
+    eager_ms: float  # nan when not timed (Triton's interpreter)
     fused_ms: float
     source: str
     kernel_name: str
+    eager_time: Timing | None = None  # the rounds behind the medians (fusec/timing.py)
+    fused_time: Timing | None = None
+    doubts: tuple = ()  # why the times should not be trusted, in sentences
 
 
 def eager_op_count(captured_gm) -> int:
@@ -65,14 +69,19 @@ def evaluate(ex: Example, backend: str = "auto") -> Result:
               for g, w in zip(got_l, want_l))
     device = str(ex.inputs[0].device)
     last = getattr(compiled, "_compiled", compiled).last  # a CompiledModule wraps one
-    with torch.no_grad():
-        eager_ms = median_ms(ex.fn, *ex.inputs, device=device)
-        fused_ms = median_ms(compiled, *ex.inputs, device=device)
+    eager_t = fused_t = None
+    if not interpreted(last.backend, device):
+        with torch.no_grad():
+            eager_t = measure(ex.fn, *ex.inputs, device=device)
+            fused_t = measure(compiled, *ex.inputs, device=device)
     steps = last.schedule
     k = compiled.kernels[0] if compiled.kernels else None
     return Result(ex.name, last.backend, eager_op_count(last.captured.gm), len(compiled.kernels),
-                  sum(1 for s in steps if s.kind == "extern"), err, eager_ms, fused_ms,
-                  k.source if k else "", k.name if k else "")
+                  sum(1 for s in steps if s.kind == "extern"), err,
+                  eager_t.median_ms if eager_t else math.nan,
+                  fused_t.median_ms if fused_t else math.nan,
+                  k.source if k else "", k.name if k else "", eager_t, fused_t,
+                  tuple(doubts(eager_t, fused_t, device=device)) if eager_t else ())
 
 
 def run_example(ex: Example, backend: str = "auto", show_source: bool = True) -> Result:
@@ -81,8 +90,15 @@ def run_example(ex: Example, backend: str = "auto", show_source: bool = True) ->
     print(f"   eager: {r.eager_ops} ATen op(s)   fused: {r.kernels} kernel(s)"
           + (f" + {r.externs} extern call(s)" if r.externs else "") + f"   [{r.backend}]")
     print(f"   max |fused - eager| = {r.max_error:.3g}")
-    print(f"   time: eager {r.eager_ms:.3f} ms, fused {r.fused_ms:.3f} ms "
-          f"({r.eager_ms / r.fused_ms:.2f}x)")
+    if r.eager_time is None:
+        print("   time: not timed (Triton's interpreter runs the kernels as Python on this CPU, "
+              "so a speedup would mean nothing; on a GPU they are timed)")
+    else:
+        print(f"   time: eager {r.eager_time}, fused {r.fused_time}: "
+              f"{r.eager_ms / r.fused_ms:.2f}x (median of {r.eager_time.rounds} rounds, "
+              "± half their range)")
+        for doubt in r.doubts:
+            print(f"   warning: {doubt}")
     if show_source and r.source:
         print(f"   --- {r.kernel_name} ---")
         print("\n".join("   | " + line for line in r.source.rstrip().splitlines()))
@@ -128,6 +144,18 @@ def _summary(results: list[Result]) -> None:
                 "speedup"):
         table.add_column(col, justify="right" if col != "example" else "left")
     for r in results:
-        table.add_row(r.name, str(r.eager_ops), str(r.kernels), f"{r.max_error:.2g}",
-                      f"{r.eager_ms:.3f}", f"{r.fused_ms:.3f}", f"{r.eager_ms / r.fused_ms:.2f}x")
+        if r.eager_time is None:  # Triton's interpreter
+            times = ("not timed", "not timed", "-")
+        else:
+            times = (_cell(r.eager_time), _cell(r.fused_time), f"{r.eager_ms / r.fused_ms:.2f}x"
+                     + (" (?)" if r.doubts else ""))
+        table.add_row(r.name, str(r.eager_ops), str(r.kernels), f"{r.max_error:.2g}", *times)
     Console(file=sys.stdout).print(table)
+    if any(r.doubts for r in results):
+        print("(?): the rounds of that row's times disagree, or the CPU is shared with other "
+              "work: see the warnings above each example")
+
+
+def _cell(t: Timing) -> str:
+    """A median with its rounds' spread, as a table cell: `0.012 ±3%`."""
+    return f"{t.median_ms:.3f} ±{50 * t.spread:.0f}%"

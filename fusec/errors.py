@@ -39,6 +39,16 @@ class MismatchError(FusecError):
     """`check=True` found a fused result further from the float64 reference than eager's."""
 
 
-class GraphBreakWarning(UserWarning):
+class FusecWarning(UserWarning):
+    """The base of fusec's warnings: `warnings.simplefilter("error", fusec.FusecWarning)` turns
+    every one of them into an error, `"ignore"` silences them."""
+
+
+class FallbackWarning(FusecWarning):
+    """A kernel no backend could build runs its group's ATen ops eagerly (said once per kernel;
+    fusec/runtime/eager.py)."""
+
+
+class GraphBreakWarning(FusecWarning):
     """fusec.compile could not capture the program as one graph and compiles it in regions,
     with graph breaks between them (fusec/capture/regions.py). Said once per compiled program."""

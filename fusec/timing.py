@@ -1,14 +1,90 @@
-"""Honest timing: warm up, repeat, report the median.
+"""Honest timing: warm up, repeat, report the median, and say when it cannot be trusted.
 
 On CUDA this uses `triton.testing.do_bench` (device events, cache flushed between runs); on the
 CPU it times repeated calls with `time.perf_counter` until `budget_s` is spent.
+
+A number alone hides how much it moved. `measure` times several rounds and keeps the fastest
+and slowest round's median beside the overall one, so a report can say "±40%" and warn
+(`doubts`) when the rounds disagree by more than NOISY, when torch's threads outnumber the cores
+that other processes leave free, or when there is nothing worth timing: kernels run by Triton's
+interpreter on a CPU are Python, and a "speedup" over eager would mean nothing.
 """
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
+
+NOISY = 0.25  # rounds whose medians differ by more than this fraction of the median: a warning
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A time per call: the median over all rounds, and the fastest and slowest round's median."""
+
+    median_ms: float
+    low_ms: float
+    high_ms: float
+    rounds: int
+
+    @property
+    def spread(self) -> float:
+        """(slowest - fastest round) / median: 0.1 means the rounds agree within 10%."""
+        return (self.high_ms - self.low_ms) / self.median_ms if self.median_ms > 0 else 0.0
+
+    def __str__(self) -> str:
+        if self.spread > NOISY:
+            return f"{self.median_ms:.3f} ms (rounds {self.low_ms:.3g}-{self.high_ms:.3g} ms)"
+        return f"{self.median_ms:.3f} ms (±{50 * self.spread:.0f}%)"
+
+
+def measure(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: int = 3,
+            rounds: int = 5) -> Timing:
+    """`rounds` medians of `median_ms`, each on its share of the budget."""
+    for _ in range(warmup):
+        fn(*args)
+    medians = [median_ms(fn, *args, device=device, budget_s=budget_s / rounds, warmup=0)
+               for _ in range(rounds)]
+    return Timing(statistics.median(medians), min(medians), max(medians), rounds)
+
+
+def busy_cores() -> str | None:
+    """A sentence when torch's CPU threads outnumber the cores other work leaves free (the
+    1-minute load average, less the one this process is), else None."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    cores = os.cpu_count() or 1
+    free = cores - max(0.0, os.getloadavg()[0] - 1.0)
+    threads = torch.get_num_threads()
+    if threads <= math.ceil(free):
+        return None
+    return (f"torch uses {threads} threads but only about {max(free, 0):.1f} of this machine's "
+            f"{cores} cores are free (load average {os.getloadavg()[0]:.1f}): CPU times are "
+            "inflated and swing between runs")
+
+
+def interpreted(backend: str, device: str) -> bool:
+    """Kernels run by Triton's interpreter (the triton backend on a CPU): Python, not timed."""
+    return backend == "triton" and torch.device(device).type == "cpu"
+
+
+def doubts(*timings: Timing, device: str = "cpu") -> list[str]:
+    """Why the times of one comparison should not be trusted (empty when nothing is wrong)."""
+    said = []
+    worst = max((t.spread for t in timings), default=0.0)
+    if worst > NOISY:
+        said.append(f"the timing rounds disagree by up to {100 * worst:.0f}% of their median: "
+                    "the machine is busy or the program is too short to time; rerun, and trust "
+                    "kernel counts and bytes over these times")
+    if torch.device(device).type == "cpu":
+        busy = busy_cores()
+        if busy:
+            said.append(busy)
+    return said
 
 
 def median_ms(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: int = 3) -> float:

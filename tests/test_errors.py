@@ -204,3 +204,20 @@ def test_missing_compiler_is_not_sticky(no_cxx, monkeypatch):
     cf = fusec.compile(sin4, backend="cpp")  # a new function: g++ builds it again
     torch.testing.assert_close(cf(x.reshape(10, 10)), sin4(x.reshape(10, 10)))
     assert [k.backend for k in cf.kernels] == ["cpp"]
+
+
+def broadcast_error(x, y):
+    return torch.sin(x.t()) * y + 1.0
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_failed_capture_says_one_thing(debug, caplog, monkeypatch):
+    """The tutorial's shape error: fusec's one-line message, without torch's fake-tensor
+    traceback logged before it (60 lines); FUSEC_LOG=debug keeps torch's logs."""
+    if debug:
+        monkeypatch.setenv("FUSEC_LOG", "debug")
+    with caplog.at_level("ERROR"):
+        with pytest.raises(fusec.UnsupportedError, match="Attempting to broadcast"):
+            fusec.compile(broadcast_error, backend="cpp")(torch.randn(64, 32), torch.randn(32))
+    torch_records = [r for r in caplog.records if r.name.startswith("torch")]
+    assert bool(torch_records) == debug

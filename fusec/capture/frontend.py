@@ -40,9 +40,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 # make_fx imports torch._dynamo and torch._inductor the first time it traces (~2 s on a 2-core
-# CPU). Importing them with fusec makes that a fixed cost of `import fusec`, so the first compile
-# of a program costs what compiling it costs.
-import torch._inductor  # noqa: E402,F401
+# CPU): the first compile in a process pays that, not `import fusec` (a script that only imports
+# fusec, `fusec --help`, starts in about torch's own import time). compile_time.md counts it.
 
 from fusec import graphmodule
 from fusec.capture import decompositions as ours

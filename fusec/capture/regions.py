@@ -22,8 +22,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.eval_frame import innermost_backend
 
 from fusec.capture.breaks import Break, Frame, dynamo_compile, innermost
 from fusec.capture.frontend import decompositions
@@ -170,6 +168,7 @@ class Regions:
         compile_part = graph_compiler(self.compile_fn, region.parts)
         if self.keep_inputs:
             compile_part = _keeping_inputs(compile_part, region)
+        from torch._dynamo.backends.common import aot_autograd  # (Dynamo: imported when used)
         compiled = aot_autograd(fw_compiler=compile_part, bw_compiler=compile_part,
                                 decompositions=decompositions())(gm, example_inputs)
         clock = self._clock
@@ -341,6 +340,7 @@ def dynamo_regions(compiled) -> Regions | None:
                 break
     if callback is None:
         return None
+    from torch._dynamo.eval_frame import innermost_backend
     backend = innermost_backend(callback)
     found = getattr(backend, "_fusec_regions", None)
     if found is None and isinstance(backend, Regions):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import logging
 import os
 import sys
 import sysconfig
@@ -114,14 +115,44 @@ def _is_traced(t) -> bool:
         torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+_QUIET = threading.local()  # .on: this thread is capturing, and torch's own error logs are noise
+
+
+class _CaptureNoise(logging.Filter):
+    """Drops what torch logs while a capture in this thread fails: a shape error inside the trace
+    makes torch's fake-tensor code log a 60-line traceback at ERROR level, before fusec raises
+    its own one-line message at the user's line. `FUSEC_LOG=debug` keeps them. (Other threads'
+    logs pass: the filter asks a thread-local flag.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_QUIET, "on", False)
+
+
+_FILTER = _CaptureNoise()
+for _name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.proxy_tensor",
+              "torch.fx.experimental.symbolic_shapes"):
+    logging.getLogger(_name).addFilter(_FILTER)
+
+
+def _debug_logs() -> bool:
+    topics = {t.strip() for t in os.environ.get("FUSEC_LOG", "").split(",")}
+    return "debug" in topics or "all" in topics
+
+
 @contextlib.contextmanager
 def compiling():
     """While tracing, `torch.compiler.is_compiling()` is True, as it is inside torch.compile and
     torch.export: fusec's capture is a compile. Libraries ask it to choose their traceable path;
     transformers, for one, then stops checking whether an attention mask is all ones
-    (`mask.all()`, a Python branch on tensor data) and keeps the mask in the graph."""
+    (`mask.all()`, a Python branch on tensor data) and keeps the mask in the graph. torch's own
+    error logs are held back meanwhile (`_CaptureNoise`)."""
+    quiet = getattr(_QUIET, "on", False)
+    _QUIET.on = not _debug_logs()
     if not hasattr(tc, "_is_compiling_flag"):  # an older torch: nothing to say it with
-        yield
+        try:
+            yield
+        finally:
+            _QUIET.on = quiet
         return
     before = tc._is_compiling_flag
     tc._is_compiling_flag = True
@@ -129,6 +160,7 @@ def compiling():
         yield
     finally:
         tc._is_compiling_flag = before
+        _QUIET.on = quiet
 
 
 class _DenseAttentionMasks(torch.overrides.TorchFunctionMode):

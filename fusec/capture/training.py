@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch._functorch.aot_autograd import aot_function
 from torch.fx import traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
@@ -85,6 +84,7 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
 
     parts: list = []
     compiler = graph_compiler(compile_fn, parts)
+    from torch._functorch.aot_autograd import aot_function  # (imported when first used)
     compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
                             decompositions=frontend.decompositions())
 

@@ -17,6 +17,8 @@ Topics, in pipeline order:
     compile      where each program's compile time went: capture, passes, codegen, build, load
     recompiles   each program a compiled function compiles after its first, and why (what
                  changed in the call: `x: shape (4, 64) -> (5, 64)`)
+    debug        torch's own log messages during a capture, kept (by default a capture that
+                 fails shows fusec's one-line message only, not torch's fake-tensor traceback)
 
 Every message goes through `log(topic, text)`; its first line is prefixed `[fusec TOPIC]` so a
 reader can grep for one stage. The driver does not call this file: it publishes each stage
@@ -39,7 +41,8 @@ from fusec.inspect.listing import graph_listing
 from fusec.inspect.graphviz import render_svg
 from fusec.record import format_schedule, record_of
 
-TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile", "recompiles")
+TOPICS = ("graph", "passes", "fusion", "output_code", "schedule", "cache", "compile", "recompiles",
+          "debug")
 
 
 def topics() -> set[str]:

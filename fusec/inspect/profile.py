@@ -55,7 +55,7 @@ from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import GraphBreakError
 from fusec.inspect.explain import Explanation, RegionsExplanation, capture_for, unwrap
 from fusec.inspect.groups import fmt_bytes
-from fusec.timing import median_ms
+from fusec.timing import doubts, interpreted, measure, median_ms
 
 from fusec.inspect.instrument import _numerics, _OpByOp, profiled_steps, run_steps
 from fusec.inspect.measure import _cuda_peak, _kernel_lines, _profile, _side, _sync, copy_bandwidth
@@ -140,8 +140,14 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     cuda_graph = _cuda_graph_state(user) if cuda else ""
 
     step("time eager and fused")
-    eager_wall = median_ms(eager, device=str(device), budget_s=time_budget_s, warmup=1)
-    fused_wall = median_ms(fused_call, device=str(device), budget_s=time_budget_s, warmup=1)
+    eager_time = measure(eager, device=str(device), budget_s=time_budget_s, warmup=1)
+    fused_time = measure(fused_call, device=str(device), budget_s=time_budget_s, warmup=1)
+    eager_wall, fused_wall = eager_time.median_ms, fused_time.median_ms
+    if interpreted(chosen, str(device)):
+        note += ("; kernels ran under Triton's interpreter (Python): the fused times are not the "
+                 "kernels' and the speedup means nothing" if note else "")
+    for doubt in doubts(eager_time, fused_time, device=str(device)):
+        note = f"{note}\nwarning: {doubt}" if note else f"warning: {doubt}"
 
     step("profile eager")
     e_events, e_trace = _profile(eager, iters, "eager", cuda)

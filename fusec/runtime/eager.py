@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from fusec import cache
-from fusec.errors import CompileError, FusecError
+from fusec.errors import CompileError, FallbackWarning, FusecError  # noqa: F401 (FallbackWarning: its old home)
 from fusec.ir import Layout
 
 
@@ -74,10 +74,6 @@ def fall_back(name: str, sub: fx.GraphModule, params: list, in_layouts: list[Lay
                       f"does any kernel sharing its code). {where}\n"
                       f"The error: {_first_lines(str(error))}", FallbackWarning, stacklevel=2)
     return group
-
-
-class FallbackWarning(UserWarning):
-    """A kernel no backend could build runs its group's ATen ops eagerly (said once per kernel)."""
 
 
 def write_repro(name: str, sub: fx.GraphModule, error: BaseException, source: str | None) -> str:

@@ -1,0 +1,143 @@
+"""What `fusec run|explain|kernels|profile X` runs: X names a program and its inputs.
+
+    sin4                          an example of this repository (examples/sin4.py)
+    path/to/file.py               a file that defines example() -> fusec.demo.Example, or a
+                                  KernelBench-style file: `Model` (built from get_init_inputs(),
+                                  if the file has it) and get_inputs()
+    path/to/file.py:name          `name` in that file: a function, a module object, or an
+                                  nn.Module class (built from get_init_inputs(), else with no
+                                  arguments); dots reach inside (`file.py:net.encoder`)
+    package.module:name           the same, from an importable module (`torchvision.models:resnet18`
+                                  is a function returning a model: it is called with no arguments)
+
+The inputs come from `--inputs "randn(8, 64), randint(0, 10, (8,))"` (torch's tensor factories
+and dtypes by their bare names), else the file's `example_inputs()` or `get_inputs()`. A
+program without either is an error that says how to give them.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
+
+import torch
+
+from fusec.demo import Example, load_example
+from fusec.errors import FusecError
+
+# what --inputs may call by its bare name (torch's tensor factories) and the dtypes
+_FACTORIES = ("randn", "rand", "randint", "zeros", "ones", "full", "arange", "linspace",
+              "tensor", "empty", "eye", "randperm")
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "float", "half", "double", "int8",
+           "uint8", "int16", "int32", "int64", "long", "int", "bool")
+
+
+def parse_inputs(text: str, device: str = "cpu") -> tuple:
+    """`--inputs "randn(8, 64), randint(0, 10, (8,))"` -> the tensors (on `device`)."""
+    names = {name: getattr(torch, name) for name in (*_FACTORIES, *_DTYPES)}
+    names["torch"] = torch
+    try:
+        value = eval(f"({text},)", {"__builtins__": {}}, names)  # noqa: S307 (the user's own
+    except Exception as err:  # noqa: BLE001 (shown to the user)  command line, run as them)
+        raise FusecError(f"fusec: --inputs {text!r} is not a list of tensors: "
+                         f"{type(err).__name__}: {err}. Write torch calls by their bare names, "
+                         f"e.g. --inputs \"randn(8, 64), randint(0, 10, (8,))\"") from None
+    return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in value)
+
+
+def _module_from_file(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resolve(owner, dotted: str, where: str):
+    value = owner
+    for part in dotted.split("."):
+        if not hasattr(value, part):
+            raise FusecError(f"fusec: {where} has no {dotted!r} ({part!r} is missing)")
+        value = getattr(value, part)
+    return value
+
+
+def _build(module, value):
+    """A program from what `name` holds: a class is built, a function returning a module (a
+    model factory taking no arguments) is called, anything else is used as it is."""
+    if inspect.isclass(value) and issubclass(value, torch.nn.Module):
+        init = getattr(module, "get_init_inputs", None)
+        return value(*init()) if callable(init) else value()
+    if inspect.isfunction(value) and not _required_parameters(value) and \
+            _returns_module(value):
+        return value()
+    return value
+
+
+def _required_parameters(fn) -> list:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                       p.POSITIONAL_OR_KEYWORD)]
+
+
+def _returns_module(fn) -> bool:
+    hint = getattr(fn, "__annotations__", {}).get("return")
+    if isinstance(hint, type):
+        return issubclass(hint, torch.nn.Module)
+    return fn.__module__.split(".")[0] in ("torchvision", "timm", "transformers")
+
+
+def _inputs(module, text: str | None, device: str, name: str) -> tuple:
+    if text is not None:
+        return parse_inputs(text, device)
+    for getter in ("example_inputs", "get_inputs"):
+        found = getattr(module, getter, None)
+        if callable(found):
+            value = found()
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in value)
+    raise FusecError(f"fusec: {name} has no inputs: give them with --inputs \"randn(8, 64)\", "
+                     f"or define example_inputs() (or get_inputs()) next to it")
+
+
+def load(spec: str, *, device: str = "cpu", inputs: str | None = None,
+         small: bool = False) -> Example:
+    """The program and inputs that `spec` names (see the module docstring)."""
+    target, _, attr = spec.partition(":") if ":" in spec and not Path(spec).exists() \
+        else (spec, "", "")
+    path = Path(target)
+    if target.endswith(".py") or path.is_file() or "/" in target:
+        if not path.is_file():
+            raise FusecError(f"fusec: no such file: {target}")
+        module = _module_from_file(path)
+    elif attr:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise FusecError(f"fusec: cannot import {target!r} ({err})") from None
+    else:
+        try:
+            module = load_example(target)
+        except (ImportError, SystemExit):
+            raise FusecError(f"fusec: {target!r} is neither a file nor an example of this "
+                             "repository (fusec run sin4, fusec run path/to/model.py:Model, "
+                             "fusec run package.module:name)") from None
+    if not attr and hasattr(module, "example"):  # the repository's own example form
+        ex = module.example(device=device, **(getattr(module, "SMALL", {}) if small else {}))
+        return ex if inputs is None else Example(ex.name, ex.fn, parse_inputs(inputs, device),
+                                                 ex.about)
+    if not attr:
+        if not hasattr(module, "Model"):
+            raise FusecError(f"fusec: {target} defines neither example() nor Model: name the "
+                             f"program to run, as {target}:name")
+        attr = "Model"
+    program = _build(module, _resolve(module, attr, target))
+    if isinstance(program, torch.nn.Module):
+        program = program.to(device)
+    if not callable(program):
+        raise FusecError(f"fusec: {spec} is a {type(program).__name__}, not something to call")
+    return Example(name=attr.rpartition(".")[2], fn=program,
+                   inputs=_inputs(module, inputs, device, spec), about=f"{spec}")
