@@ -19,7 +19,7 @@ i=0
 [ -n "${SKIP_TESTS:-}" ] && groups=()
 for g in "${groups[@]}"; do
   files=$(for f in $g; do [ -e "$f" ] && echo "$f"; done)
-  timeout "${TEST_TIMEOUT:-450}" python -m pytest -q -k "triton or cuda" -p no:cacheprovider $files > "$OUT/tests_$i.log" 2>&1 &
+  timeout "${TEST_TIMEOUT:-450}" python -m pytest -q -n 0 -k "triton or cuda" -p no:cacheprovider $files > "$OUT/tests_$i.log" 2>&1 &
   i=$((i+1))
 done
 wait

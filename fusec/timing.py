@@ -68,8 +68,9 @@ def busy_cores() -> str | None:
 
 
 def interpreted(backend: str, device: str) -> bool:
-    """Kernels run by Triton's interpreter (the triton backend on a CPU): Python, not timed."""
-    return backend == "triton" and torch.device(device).type == "cpu"
+    """Kernels run by Triton's interpreter (a GPU backend on CPU tensors): Python, not timed."""
+    from fusec.codegen import backends
+    return backends.runs_on_gpus(backend) and torch.device(device).type == "cpu"
 
 
 def doubts(*timings: Timing, device: str = "cpu") -> list[str]:

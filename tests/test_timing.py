@@ -56,3 +56,13 @@ def test_the_demo_says_what_its_times_are(capsys, monkeypatch):
     demo._summary([r, noisy])
     table = capsys.readouterr().out
     assert "(?)" in table and "see the warnings above each example" in table
+
+
+def test_profile_says_when_its_times_are_doubtful(monkeypatch):
+    import fusec
+    monkeypatch.setattr(timing, "busy_cores", lambda: "torch uses 2 threads but 0.5 cores are free")
+    report = fusec.profile(lambda x: torch.sin(x) * 2, torch.randn(256), backend="cpp", iters=2,
+                           time_budget_s=0.02)
+    assert "torch uses 2 threads but 0.5 cores are free" in report.doubts
+    assert "warning: torch uses 2 threads" in str(report)
+    assert report.to_dict()["doubts"] == list(report.doubts)

@@ -143,11 +143,10 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     eager_time = measure(eager, device=str(device), budget_s=time_budget_s, warmup=1)
     fused_time = measure(fused_call, device=str(device), budget_s=time_budget_s, warmup=1)
     eager_wall, fused_wall = eager_time.median_ms, fused_time.median_ms
+    said = doubts(eager_time, fused_time, device=str(device))
     if interpreted(chosen, str(device)):
-        note += ("; kernels ran under Triton's interpreter (Python): the fused times are not the "
-                 "kernels' and the speedup means nothing" if note else "")
-    for doubt in doubts(eager_time, fused_time, device=str(device)):
-        note = f"{note}\nwarning: {doubt}" if note else f"warning: {doubt}"
+        said.insert(0, "the kernels ran under Triton's interpreter (Python on the CPU): the fused "
+                       "times are not the kernels' and the speedup means nothing")
 
     step("profile eager")
     e_events, e_trace = _profile(eager, iters, "eager", cuda)
@@ -170,7 +169,8 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
 
     lines = _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors)
     return ProfileReport(label, chosen, device.type, device_name, note, iters, eager_side,
-                         fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph)
+                         fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph,
+                         tuple(said))
 
 
 @dataclass

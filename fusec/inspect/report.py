@@ -71,6 +71,7 @@ class ProfileReport:
     explanation: Explanation = field(repr=False)
     numerics: str = ""  # the program's outputs against eager and a float64 reference
     cuda_graph: str = ""  # on CUDA: whether the compiled call replays one CUDA graph, or why not
+    doubts: tuple = ()  # why the times should not be trusted, in sentences (fusec/timing.py)
 
     @property
     def speedup(self) -> float:
@@ -85,6 +86,7 @@ class ProfileReport:
                 "device_name": self.device_name, "note": self.note, "iters": self.iters,
                 "speedup": self.speedup, "copy_bandwidth": self.copy_bandwidth,
                 "numerics": self.numerics, "cuda_graph": self.cuda_graph,
+                "doubts": list(self.doubts),
                 "eager": side(self.eager), "fused": side(self.fused),
                 "kernels": [dict(vars(k), intensity=k.intensity) for k in self.kernels]}
 

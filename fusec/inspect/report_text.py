@@ -88,6 +88,8 @@ def renderables(report) -> list:
     out: list = [Text(title, style="bold")]
     if report.note:
         out.append(Text(report.note, style="yellow"))
+    for doubt in getattr(report, "doubts", ()):
+        out.append(Text(f"warning: {doubt}", style="yellow"))
     if report.cuda_graph:
         out.append(Text(f"fused calls: {report.cuda_graph} (the profiled run goes step by step, "
                         "so each step has a name)"))
