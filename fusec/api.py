@@ -118,6 +118,8 @@ class CompiledFunction:
         self._fast: Callable = _no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
         functools.update_wrapper(self, fn, updated=())
+        if isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer):
+            self.breaks = _optimizer_step(fn, backend, check)
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -474,6 +476,21 @@ class _Instead:
 
     def __init__(self, result: Callable):
         self.result = result
+
+
+def _optimizer_step(step, backend: str, check: bool) -> GraphBroken:
+    """`fusec.compile(opt.step)`: an optimizer keeps its state in Python objects (`param_groups`,
+    `state`, created at the first step), which a traced graph would write once, while tracing.
+    TorchDynamo tracks those side effects, so the step goes to it from the start (the way
+    `torch.compile(opt.step)` works); fusec compiles the graphs it hands over (`_foreach_*` math
+    as fused kernels) and explain/profile show them as regions."""
+    cause = GraphBreakError(
+        "fusec: an optimizer's step keeps its state in Python objects (param_groups, state); "
+        "TorchDynamo captures it, and fusec compiles the graphs it finds",
+        reason="an optimizer step (its state lives in Python objects)", where="")
+    label = f"{type(step.__self__).__name__}.step"
+    broken = GraphBroken(step, cause, part_compiler(backend, check), backend, label)
+    return broken
 
 
 def _label(fn) -> str:
