@@ -4,6 +4,13 @@
   namespace (a block may use what an earlier one defined), in a fresh Python process per file,
   in a scratch directory, with TRITON_INTERPRET=1 (no GPU needed) and no FUSEC_LOG /
   FUSEC_DEBUG_DIR from the outside. Output listings are ```text blocks, never ```python.
+* A block's printed output is checked: a ```text output block right after a ```python block
+  (nothing but blank lines between) is what that block prints (stdout and stderr), compared
+  after `normalize` (times, ratios, addresses, hashes and scratch paths vary between runs), with
+  a line `...` standing for any number of lines. (A plain ``` or ```text block shows output of
+  code the page does not show in full; those are not checked yet: see docs/index.md.) When the code changes what it prints, the test
+  fails naming the block; `python tests/test_docs.py --refresh docs/page.md` rewrites every
+  block that no longer matches with what the code prints now.
 * Every ```bash block whose first command starts with `fusec ` or `python ` (after any
   `VAR=value` prefixes) runs with bash in a scratch directory (examples are named, not given as
   paths: `fusec explain sin4`), with `fusec` meaning this checkout's CLI, unless SKIP_BASH names it with
@@ -21,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.S | re.M)
 
 # bash blocks that start with fusec/python but are not run, keyed by (file, first line): why
 SKIP_BASH: dict = {
@@ -49,11 +56,14 @@ SKIP_LINES = {
 
 
 def blocks(path: Path, lang: str) -> list[str]:
-    return [body for kind, body in FENCE.findall(path.read_text()) if kind == lang]
+    return [body for kind, _, body in FENCE.findall(path.read_text()) if kind == lang]
 
 
 def rel(path: Path) -> str:
-    return path.relative_to(ROOT).as_posix()
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:  # (a page outside the repository: the output check's own test)
+        return str(path)
 
 
 def clean_env() -> dict:
@@ -65,30 +75,117 @@ def clean_env() -> dict:
 
 
 RUNNER = r"""
-import json, sys
+import contextlib, io, json, sys
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
+printed = []
 for i, (where, code) in enumerate(blocks):
     print(f"----- block {i + 1}/{len(blocks)} ({where})", flush=True)
-    exec(compile(code, where, "exec"), namespace)
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            exec(compile(code, where, "exec"), namespace)
+    finally:
+        sys.stdout.write(buffer.getvalue())
+        printed.append(buffer.getvalue())
+        json.dump(printed, open("printed.json", "w"))
 """
+
+# what varies between runs of the same code, replaced before outputs are compared
+VARIES = [
+    (re.compile(r"/tmp/[^\s'\")]*"), "<tmp>"),  # scratch directories and files
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x<address>"),
+    (re.compile(r"\b[0-9a-f]{20}\b"), "<hash>"),  # content hashes in cache file names
+    (re.compile(r"\d+(\.\d+)?(e-?\d+)?\s*(ms|us|µs|ns|s)\b"), "<time>"),
+    (re.compile(r"\b\d+\.\d+x\b"), "<ratio>"),
+]
+
+
+def normalize(text: str) -> list[str]:
+    """`text`'s lines with what varies between runs replaced, trailing blanks dropped."""
+    for pattern, stand_in in VARIES:
+        text = pattern.sub(stand_in, text)
+    lines = [line.rstrip() for line in text.rstrip().splitlines()]
+    return lines
+
+
+def matches(shown: str, printed: str) -> bool:
+    """Does the doc's output block `shown` show what the code `printed`? (`...` lines: any)"""
+    want, got = normalize(shown), normalize(printed)
+    pattern = "".join("(?:.*\n)*?" if line.strip() == "..." else re.escape(line) + "\n"
+                      for line in want)
+    return re.fullmatch(pattern, "".join(line + "\n" for line in got)) is not None
+
+
+def output_blocks(text: str) -> dict[int, re.Match]:
+    """{index of a python block in the file: the output block right after it}."""
+    fences = list(FENCE.finditer(text))
+    found, n = {}, -1
+    for a, b in zip(fences, fences[1:]):
+        if a.group(1) == "python":
+            n += 1
+            if b.group(1) == "text" and b.group(2).strip() == "output" \
+                    and not text[a.end():b.start()].strip():
+                found[n] = b
+    if fences and fences[-1].group(1) == "python":
+        n += 1
+    return found
+
+
+def run_blocks(path: Path, where: Path):
+    """Run `path`'s python blocks (see the module docstring); (process result, printed list)."""
+    text = path.read_text()
+    found = []
+    for m in FENCE.finditer(text):
+        if m.group(1) == "python":
+            line = text[:m.start()].count("\n") + 2
+            found.append((f"{rel(path)}:{line}", m.group(3)))
+    (where / "blocks.json").write_text(json.dumps(found))
+    (where / "runner.py").write_text(RUNNER)
+    out = subprocess.run([sys.executable, "runner.py", "blocks.json"], cwd=where,
+                         env=clean_env(), capture_output=True, text=True, timeout=600)
+    printed_file = where / "printed.json"
+    printed = json.loads(printed_file.read_text()) if printed_file.exists() else []
+    return out, found, printed
+
+
+def stale_outputs(path: Path, found: list, printed: list) -> list[tuple]:
+    """(where, output block match, what was printed) for each output block the code no longer
+    prints."""
+    text = path.read_text()
+    return [(found[i][0], block, printed[i]) for i, block in output_blocks(text).items()
+            if i < len(printed) and not matches(block.group(3), printed[i])]
 
 PY_FILES = [p for p in DOCS if blocks(p, "python")]
 
 
 @pytest.mark.parametrize("path", PY_FILES, ids=[rel(p) for p in PY_FILES])
 def test_python_blocks_run(path, tmp_path):
-    text = path.read_text()
-    found = []
-    for m in FENCE.finditer(text):
-        if m.group(1) == "python":
-            line = text[:m.start()].count("\n") + 2
-            found.append((f"{rel(path)}:{line}", m.group(2)))
-    (tmp_path / "blocks.json").write_text(json.dumps(found))
-    (tmp_path / "runner.py").write_text(RUNNER)
-    out = subprocess.run([sys.executable, "runner.py", "blocks.json"], cwd=tmp_path,
-                         env=clean_env(), capture_output=True, text=True, timeout=600)
+    out, found, printed = run_blocks(path, tmp_path)
     assert out.returncode == 0, (out.stdout[-4000:] + "\n" + out.stderr[-8000:])
+    stale = stale_outputs(path, found, printed)
+    assert not stale, (
+        f"{len(stale)} output block(s) of {rel(path)} no longer show what the code prints "
+        f"(refresh them: python tests/test_docs.py --refresh {rel(path)}):\n" + "\n".join(
+            f"--- after the block at {where}, the code printed:\n{now[:1500]}"
+            for where, _, now in stale))
+
+
+def test_the_output_check_catches_drift_and_refreshes(tmp_path):
+    """An output block that matches after normalization passes; one the code no longer prints
+    fails; --refresh rewrites the stale one only, keeping the other's `...`."""
+    assert matches("took <time>\n...\nend", "took 1.5 ms\nmiddle\nlines\nend\n")
+    assert matches("a 2.00x speedup at 0x7f00aa11bb22", "a 0.31x speedup at 0x55d0c0ffee00")
+    assert not matches("fused_sin_0", "fused_cos_0")
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint('kept'); print('detail')\n```\n\n```text output\nkept\n...\n"
+                    "```\n\n```python\nprint('new')\n```\n\n```text output\nold\n```\n")
+    out, found, printed = run_blocks(page, tmp_path)
+    assert out.returncode == 0 and printed == ["kept\ndetail\n", "new\n"]
+    assert [where for where, _, _ in stale_outputs(page, found, printed)] == [f"{page}:11"]  # (the first line of its code)
+    assert refresh(page) == 1
+    assert page.read_text().endswith("```text output\nnew\n```\n")
+    assert "kept\n...\n" in page.read_text()
 
 
 def bash_blocks() -> list:
@@ -136,3 +233,28 @@ def test_bash_blocks_run(key, body, tmp_path):
     out = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, (out.stdout[-4000:] + "\n" + out.stderr[-8000:])
+
+
+def refresh(path: Path) -> int:
+    """Rewrite each output block of `path` that the code no longer prints (the rest, with their
+    `...` lines, stay); returns how many were rewritten."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as scratch:
+        out, found, printed = run_blocks(path, Path(scratch))
+    if out.returncode != 0:
+        raise SystemExit(f"{rel(path)}: a block failed:\n{out.stderr[-4000:]}")
+    text = path.read_text()
+    stale = stale_outputs(path, found, printed)
+    for _, block, now in sorted(stale, key=lambda s: -s[1].start()):
+        text = text[:block.start(3)] + now.rstrip() + "\n" + text[block.end(3):]
+    path.write_text(text)
+    return len(stale)
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="Rewrite the output blocks of docs whose code "
+                                     "prints something else now (see the module docstring).")
+    parser.add_argument("--refresh", nargs="+", required=True, metavar="FILE")
+    for name in parser.parse_args().refresh:
+        print(f"{name}: {refresh(ROOT / name)} output block(s) rewritten")
