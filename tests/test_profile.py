@@ -193,6 +193,8 @@ def test_html_renders_in_headless_chromium(tmp_path):
     assert result["tables"] >= 5
     if shutil.which("dot"):
         assert result["graphs"] == 2
+    assert result["graphs_fit"] == result["graphs"]  # every graph scaled into its box
+    assert result["page_width"] <= result["window_width"]  # no horizontal scroll at 1280 px
     console = [l for l in dom.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
     assert console == []
     snap = subprocess.run(base + [f"--screenshot={shot}", page.as_uri()], capture_output=True,

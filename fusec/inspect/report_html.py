@@ -61,6 +61,8 @@ td.ops { max-width: 170px; }
 .explain { font-size: 13px; color: #444; max-width: 900px; }
 .graph { overflow: auto; border: 1px solid #e3e3e3; border-radius: 6px; padding: 6px;
          max-height: 900px; background: #fff; }
+.graph svg { max-width: 100%; height: auto; cursor: zoom-in; }  /* scaled to fit its box */
+.graph.zoomed svg { max-width: none; cursor: zoom-out; }  /* a click: natural size, scrolled */
 .graphs { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 14px; }
 .graphs > div { min-width: 0; }
 .ok { background: #e6f6e6; border-color: #9fd39f; }
@@ -184,10 +186,19 @@ Perfetto or chrome://tracing; fused kernels appear by name.</p>
 (function () {
   var plots = Array.prototype.slice.call(document.querySelectorAll("svg.plot"));
   var drawn = plots.filter(function (s) { var b = s.getBBox(); return b.width > 0 && b.height > 0; });
+  var graphs = Array.prototype.slice.call(document.querySelectorAll(".graph svg"));
+  graphs.forEach(function (g) {  // a click toggles between fitting the box and natural size
+    g.addEventListener("click", function () { g.parentNode.classList.toggle("zoomed"); });
+  });
+  var fit = graphs.filter(function (g) {
+    var box = g.parentNode.getBoundingClientRect(), r = g.getBoundingClientRect();
+    return r.width > 0 && r.height > 0 && r.width <= box.width + 1;
+  });
   document.body.setAttribute("data-render-check", JSON.stringify({
     plots: plots.length, drawn: drawn.length,
     tables: document.querySelectorAll("table").length,
-    graphs: document.querySelectorAll(".graph svg").length,
+    graphs: graphs.length, graphs_fit: fit.length,
+    page_width: document.documentElement.scrollWidth, window_width: window.innerWidth,
     errors: window.__fusecErrors}));
 })();
 </script>
