@@ -122,6 +122,17 @@ class CompiledFunction:
             self.breaks = _optimizer_step(fn, backend, check)
 
     # -- public ---------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        what = f"fusec.compile({_label(self.fn)}, backend={self.backend!r})"
+        if self.breaks is not None:
+            return f"<{what}: compiled in regions by TorchDynamo ({self.breaks.cause.reason})>"
+        if not self.compiled:
+            return f"<{what}: not called yet (it compiles at the first call)>"
+        kernels = self.kernels
+        return (f"<{what}: {len(self.compiled)} program(s); the last has {len(kernels)} "
+                f"kernel(s){': ' + ', '.join(k.name for k in kernels[:3]) if kernels else ''}"
+                f"{', ...' if len(kernels) > 3 else ''}>")
+
     @property
     def kernels(self) -> list[Kernel]:
         """The kernels of the last input signature called (forward, then backward, in training;

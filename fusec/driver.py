@@ -85,8 +85,13 @@ class Kernel:
     def __str__(self) -> str:
         return self.source
 
+    def __repr__(self) -> str:
+        ops = [o.split(".")[1] if o.startswith("aten.") else o for o in self.ops]
+        shown = ", ".join(ops[:6]) + (f", ... ({len(ops)} ops)" if len(ops) > 6 else "")
+        return f"Kernel({self.name!r}, backend={self.backend!r}, ops=[{shown}]; print() it for its source)"
 
-@dataclass
+
+@dataclass(repr=False)
 class CompiledGraph(Compilation):
     """Everything compiled for one input signature: the Compilation record (fusec/record.py)
     plus what running it needs."""
@@ -94,6 +99,12 @@ class CompiledGraph(Compilation):
     graph_blocker: str | None = "not checked"  # why it cannot be one CUDA graph (None: it can)
     runner: Any = None  # the CudaGraphRunner once captured
     calls: int = 0
+
+    def __repr__(self) -> str:
+        externs = sum(1 for s in self.schedule if s.kind == "extern")
+        names = ", ".join(k.name for k in self.kernels[:4]) + (", ..." if len(self.kernels) > 4 else "")
+        return (f"<CompiledGraph ({self.backend}): {len(self.kernels)} kernel(s) [{names}], "
+                f"{externs} extern call(s); .source() is the whole program>")
 
     def stages(self) -> list:
         """The graph after each pass (`passes.Snapshot`s). A compile records them only when

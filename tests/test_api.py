@@ -318,3 +318,18 @@ def test_one_element_tensor_broadcast(target, shape):
     backend, device = target
     a, b = torch.randn(5, device=device), torch.randn(shape, device=device)
     assert_matches(lambda a, b: a * b + 1, a, b, backend=backend)
+
+
+def test_public_objects_say_what_they_are():
+    """Readable reprs: a compiled function before and after its first call, a kernel, a
+    program, an explanation; each says where to look next."""
+    cf = fusec.compile(lambda x: x.sin() * 2, backend="cpp")
+    assert repr(cf) == "<fusec.compile(<lambda>, backend='cpp'): not called yet (it compiles at the first call)>"
+    cf(torch.randn(4))
+    assert repr(cf) == ("<fusec.compile(<lambda>, backend='cpp'): 1 program(s); the last has 1 "
+                        "kernel(s): fused_sin_mul_0>")
+    assert repr(cf.kernels[0]) == ("Kernel('fused_sin_mul_0', backend='cpp', ops=[sin, mul]; "
+                                   "print() it for its source)")
+    assert repr(cf.last).startswith("<CompiledGraph (cpp): 1 kernel(s) [fused_sin_mul_0]")
+    e = fusec.explain(lambda x: x.sin(), torch.randn(4), backend="cpp")
+    assert repr(e).startswith("<fusec.explain (cpp): 1 kernel(s); print() it")

@@ -57,7 +57,7 @@ from fusec.inspect.listing import graph_listing, node_rows
 from fusec.record import format_schedule
 
 
-@dataclass
+@dataclass(repr=False)
 class Explanation:
     compiled: CompiledGraph
     # why the fusec.compile'd function explained compiled again, the last few (fusec/limits.py)
@@ -66,6 +66,10 @@ class Explanation:
     @property
     def kernels(self) -> list:
         return self.compiled.kernels
+
+    def __repr__(self) -> str:
+        return (f"<fusec.explain ({self.compiled.backend}): {len(self.kernels)} kernel(s); "
+                "print() it for every stage, .to_dict() for the same as data>")
 
     # pieces, also used by fusec.profile and FUSEC_DEBUG_DIR
     def groups(self) -> list[dict]:
