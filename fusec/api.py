@@ -118,8 +118,9 @@ class CompiledFunction:
         self._fast: Callable = _no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
         functools.update_wrapper(self, fn, updated=())
-        if isinstance(getattr(fn, "__self__", None), torch.optim.Optimizer):
-            self.breaks = _optimizer_step(fn, backend, check)
+        why = _dynamo_first(fn)
+        if why is not None:
+            self.breaks = _through_dynamo(fn, why, backend, check)
 
     # -- public ---------------------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -489,19 +490,48 @@ class _Instead:
         self.result = result
 
 
-def _optimizer_step(step, backend: str, check: bool) -> GraphBroken:
-    """`fusec.compile(opt.step)`: an optimizer keeps its state in Python objects (`param_groups`,
-    `state`, created at the first step), which a traced graph would write once, while tracing.
-    TorchDynamo tracks those side effects, so the step goes to it from the start (the way
-    `torch.compile(opt.step)` works); fusec compiles the graphs it hands over (`_foreach_*` math
-    as fused kernels) and explain/profile show them as regions."""
-    cause = GraphBreakError(
-        "fusec: an optimizer's step keeps its state in Python objects (param_groups, state); "
-        "TorchDynamo captures it, and fusec compiles the graphs it finds",
-        reason="an optimizer step (its state lives in Python objects)", where="")
-    label = f"{type(step.__self__).__name__}.step"
-    broken = GraphBroken(step, cause, part_compiler(backend, check), backend, label)
-    return broken
+def _dynamo_first(fn) -> str | None:
+    """Why `fn` goes to TorchDynamo from the start (None: fusec captures it itself).
+
+    An optimizer's step keeps its state in Python objects (`param_groups`, `state`, created at
+    the first step), which a traced graph would write once, while tracing. DistributedDataParallel
+    prepares its gradient all-reduce in Python on every forward (`prepare_for_backward`); traced
+    once, later steps skipped it and each process trained on its own gradients (a silent wrong
+    answer). FSDP gathers each block's parameters in hooks and frees them after (a traced graph
+    would read freed storage). TorchDynamo tracks Python side effects and knows DDP (it splits the
+    graph at DDP's gradient buckets so the all-reduce overlaps backward) and FSDP, so these go to
+    it, as `torch.compile` would take them; fusec compiles the graphs it hands over. (Compiling
+    each block before `fully_shard` wraps it, the usual FSDP2 recipe, needs none of this.)"""
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.optim.Optimizer):
+        return "an optimizer step (its state lives in Python objects)"
+    module = owner if isinstance(owner, torch.nn.Module) else fn
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel (its gradient all-reduce is prepared in Python each step)"
+    if _is_fsdp(module):
+        return ("a module sharded by FSDP (fully_shard): its parameters are gathered and freed "
+                "by hooks around each block")
+    return None
+
+
+def _is_fsdp(module) -> bool:
+    """A module wrapped by FSDP2's `fully_shard` (or FSDP1). (torch.distributed is imported only
+    where it is already loaded: a program that never used it does not pay for it here.)"""
+    import sys
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, torch.nn.Module):
+        return False
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None),
+                              getattr(fsdp, "FullyShardedDataParallel", None)) if k is not None)
+    return bool(kinds) and isinstance(module, kinds)
+
+
+def _through_dynamo(fn, why: str, backend: str, check: bool) -> GraphBroken:
+    """The program compiled in regions by TorchDynamo from the first call (`_dynamo_first`)."""
+    cause = GraphBreakError(f"fusec: {why}: TorchDynamo captures it, and fusec compiles the "
+                            "graphs it finds", reason=why, where="")
+    label = f"{type(fn.__self__).__name__}.step" if hasattr(fn, "__self__") else _label(fn)
+    return GraphBroken(fn, cause, part_compiler(backend, check), backend, label)
 
 
 def _label(fn) -> str:
