@@ -392,3 +392,63 @@ def test_a_triton_kernel_that_cannot_be_written_runs_eagerly(fresh, monkeypatch)
 
 def test_fallback_warning_is_a_user_warning():
     assert issubclass(FallbackWarning, UserWarning)
+
+
+# ---- Triton compiles (in this process: abandoned, not killed) ---------------------------------------
+
+def test_work_past_its_limit_is_abandoned_not_waited_for():
+    """`finish_within` yields each item as it finishes, and gives up on one still running past
+    the limit: the others go on in a fresh thread, and the stuck daemon thread holds nothing."""
+    release = threading.Event()
+    ran = []
+
+    def work(item):
+        if item == "stuck":
+            release.wait(30)
+        else:
+            time.sleep(0.05)
+        ran.append(item)
+
+    start = time.monotonic()
+    try:
+        got = list(build.finish_within(["a", "stuck", "b", "c"], work, 2, 0.5))
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+    assert sorted(got) == [("a", True), ("b", True), ("c", True), ("stuck", False)]
+    assert sorted(i for i in ran if i != "stuck") == ["a", "b", "c"]
+    # one worker, the stuck item first: the items after it still run, in a new thread
+    release.clear()
+    try:
+        got = list(build.finish_within(["stuck", "a"], work, 1, 0.3))
+    finally:
+        release.set()
+    assert sorted(got) == [("a", True), ("stuck", False)]
+
+
+@pytest.mark.triton
+def test_a_triton_compile_that_hangs_runs_eagerly(fresh, monkeypatch):
+    """A Triton compile still running after FUSEC_BUILD_TIMEOUT is left behind (Triton compiles
+    in this process: it cannot be killed): its group's ATen ops run instead, with one warning,
+    and the program gives eager's answer. On this CPU the compile ahead is pretended (under the
+    interpreter there is none); on a GPU the real one runs after the pretended hang."""
+    monkeypatch.setenv("FUSEC_BUILD_TIMEOUT", "1")
+    monkeypatch.setattr(build, "_compiles_ahead", lambda device: True)
+    real, release = build._compile_one, threading.Event()
+
+    def hangs(built, index):
+        release.wait(30)
+        if torch.cuda.is_available():
+            real(built, index)
+    monkeypatch.setattr(build, "_compile_one", hangs)
+    x = X.to(TRITON_DEVICE)
+    cf = fusec.compile(softmax, backend="triton")
+    start = time.monotonic()
+    try:
+        got, said = caught(cf, x)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 20
+    torch.testing.assert_close(got, softmax(x))
+    assert len(said) == 1 and "FUSEC_BUILD_TIMEOUT" in said[0] and cf.kernels[0].name in said[0], said
+    assert all(isinstance(k.launcher, EagerGroup) for k in cf.kernels)

@@ -26,7 +26,8 @@ from several threads at once. A kernel whose backend cannot build it is built by
 backend (its `fallback` in codegen/backends.py), said once per backend.
 
 Note (builds that fail). "Cannot build" covers more than a compiler's refusal: a compiler that
-is missing, or that runs past FUSEC_BUILD_TIMEOUT (codegen/tools.py kills it), the LLVM helper
+is missing, or that runs past FUSEC_BUILD_TIMEOUT (codegen/tools.py kills it; a Triton compile,
+which runs in this process, is abandoned instead: `finish_within`), the LLVM helper
 dying or not answering in time, and a binary that does not load. The backends check a binary
 before the loader maps it (codegen/elf.py: a library cut short would be SIGBUS, not an error);
 `load_or_rebuild` deletes one that fails and builds it once more, so no bad file stays under a
@@ -178,27 +179,27 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
     finds it. A kernel that fails here is left to its first launch, which compiles it again and,
     failing again, runs the group's ATen ops instead (TritonLauncher's `fallback`, set by the
     driver: fusec/runtime/eager.py). Under TRITON_INTERPRET=1 nothing is compiled at all.
-    Triton compiles in this process, so no time limit applies here (docs/backends/triton.md)."""
-    n = min(jobs(), len(todo))
-    if n <= 1 or device is None or torch.device(device).type != "cuda" \
-            or os.environ.get("TRITON_INTERPRET") == "1":
+
+    Triton compiles in this process, so a compile cannot be killed as a g++ can. Each runs in a
+    daemon thread instead, and one still running after FUSEC_BUILD_TIMEOUT seconds is left
+    behind (`finish_within`): its kernel is marked failed, so its group runs its ATen ops, and
+    the program goes on. The abandoned thread never holds the process at exit."""
+    if not todo or not _compiles_ahead(device):
         return
     index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    if index is None and torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    limit = tools.timeout()
 
-    def compile_one(built: Built) -> None:
-        ahead = getattr(built.launcher.module, "compile_ahead", None)
-        if ahead is None:
-            return
-        try:
-            with torch.cuda.device(index):  # Triton compiles for the thread's current device
-                compiled = ahead(*[p.dtype for p in built.ir.params])
-                ready = getattr(codegen(built.backend), "prepare_launch", None)
-                if ready is not None and compiled is not None:
-                    ready(compiled)
-        except Exception as err:  # noqa: BLE001 - the first launch compiles it and says why
-            cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
-                      "its first launch compiles it")
+    def one(built: Built) -> None:
+        _compile_one(built, index)
+
+    def give_up(late: list[Built]) -> None:
+        for built in late:
+            built.failed = True
+            built.error = CompileError(f"fusec: Triton's compile of kernel {built.ir.name} ran "
+                                       f"past FUSEC_BUILD_TIMEOUT ({limit} s); it was left "
+                                       f"running in a background thread")
 
     # A module found in fusec's cache was written, and its kernel compiled, by an earlier process:
     # Triton's cache most likely holds the binary, and loading it takes milliseconds of Python.
@@ -207,14 +208,98 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
     # after another takes the same wall-clock on one core. Should one take long (Triton's cache
     # was emptied), the rest go to the threads with the new ones.
     written = getattr(codegen(todo[0].backend), "WRITTEN", set())
-    fresh = one_by_one([b for b in todo if b.path not in written], compile_one) + \
+    late: list[Built] = []
+
+    def in_order(built: Built) -> None:
+        late.extend(b for b, done in finish_within([built], one, 1, limit) if not done)
+
+    fresh = one_by_one([b for b in todo if b.path not in written], in_order) + \
         [b for b in todo if b.path in written]
-    if not fresh:
+    give_up(late)
+    fresh = [b for b in fresh if not b.failed]
+    if fresh:
+        finished = progress.builds(finish_within(fresh, one, min(jobs(), len(fresh)), limit),
+                                   len(fresh))
+        give_up([b for b, done in finished if not done])
+
+
+def _compiles_ahead(device: str | None) -> bool:
+    """Whether kernels for `device` compile before their first launch: Triton on a GPU, not
+    under its interpreter (which compiles nothing)."""
+    return device is not None and torch.device(device).type == "cuda" \
+        and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _compile_one(built: Built, index: int) -> None:
+    """Compile one Triton kernel for GPU `index` (its module's `compile_ahead`), and prepare its
+    launch. A compiler error is logged and left to the first launch, which says it."""
+    ahead = getattr(built.launcher.module, "compile_ahead", None)
+    if ahead is None:
         return
-    with ThreadPoolExecutor(max_workers=min(n, len(fresh)), thread_name_prefix="fusec-triton") as pool:
-        for future in progress.builds(as_completed([pool.submit(compile_one, b) for b in fresh]),
-                                      len(fresh)):
-            future.result()
+    try:
+        with torch.cuda.device(index):  # Triton compiles for the thread's current device
+            compiled = ahead(*[p.dtype for p in built.ir.params])
+            ready = getattr(codegen(built.backend), "prepare_launch", None)
+            if ready is not None and compiled is not None:
+                ready(compiled)
+    except Exception as err:  # noqa: BLE001 - the first launch compiles it and says why
+        cache.log(f"compiling {built.ir.name} ahead failed ({type(err).__name__}: {err}); "
+                  "its first launch compiles it")
+
+
+def finish_within(items: list, work, workers: int, limit: float):
+    """Run `work(item)` for every item, `workers` daemon threads at a time, and yield
+    `(item, True)` as each finishes, or `(item, False)` for one still running `limit` seconds
+    after it started: that thread is abandoned (it may finish later, unobserved) and a new one
+    takes its place for the items still waiting. Daemon threads: Python does not wait for them
+    at exit, as it would for a ThreadPoolExecutor's. (`work` should not raise; if it does, the
+    item counts as finished and the error is logged.)"""
+    waiting = list(items)
+    started: dict[int, float] = {}  # index in `items` -> when its work began
+    finished: list[int] = []  # indices done, not yet yielded
+    position = {id(item): i for i, item in enumerate(items)}
+    ready = threading.Condition()
+
+    def worker() -> None:
+        while True:
+            with ready:
+                if not waiting:
+                    return
+                item = waiting.pop(0)
+                started[position[id(item)]] = time.monotonic()
+            try:
+                work(item)
+            except Exception as err:  # noqa: BLE001 - reported, not raised in a daemon thread
+                cache.log(f"{work.__name__}({item!r}) raised {type(err).__name__}: {err}")
+            with ready:
+                finished.append(position[id(item)])
+                ready.notify_all()
+
+    def spawn() -> None:
+        threading.Thread(target=worker, daemon=True, name="fusec-triton").start()
+
+    for _ in range(min(workers, len(items))):
+        spawn()
+    pending = set(range(len(items)))
+    while pending:
+        with ready:
+            now = time.monotonic()
+            late = [i for i in pending if i in started and now - started[i] > limit
+                    and i not in finished]
+            if not finished and not late:
+                soonest = min((started[i] + limit for i in pending if i in started), default=now + limit)
+                ready.wait(timeout=max(soonest - now, 0.001))
+                continue
+            done, finished[:] = list(finished), []
+        for i in done:
+            if i in pending:
+                pending.discard(i)
+                yield items[i], True
+        for i in late:
+            if i in pending:
+                pending.discard(i)
+                spawn()  # (the stuck thread keeps its item; the rest need a worker)
+                yield items[i], False
 
 
 def one_by_one(found: list, compile_one) -> list:
