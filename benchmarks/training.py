@@ -1,7 +1,7 @@
 """Training steps: eager vs torch.compile vs fusec.compile, side by side in one run.
 
     python benchmarks/training.py [--layers 12] [--batch 8] [--seq 512] [--steps 20]
-                                  [--systems eager,fusec,torch.compile] [--json out.json]
+                                  [--systems eager,fusec,torch.compile] [--json out.json] [--profile]
 
 One step is what a training loop does: forward with the loss, backward, AdamW's step, under bf16
 autocast on a GPU (float32 on a CPU). The model is Hugging Face's GPT-2, built from a config
@@ -38,7 +38,8 @@ def gpt2(layers: int, device: str, small: bool) -> torch.nn.Module:
     return GPT2LMHeadModel(config).to(device).train()
 
 
-def train(system: str, model: torch.nn.Module, batches: list, device: str, warmup: int) -> dict:
+def train(system: str, model: torch.nn.Module, batches: list, device: str, warmup: int,
+          profile: bool = False) -> dict:
     """Run one system's training loop over `batches`; returns its losses and step times."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
@@ -64,8 +65,39 @@ def train(system: str, model: torch.nn.Module, batches: list, device: str, warmu
         if i >= warmup:
             times.append(seconds * 1e3)
         losses.append(loss.item())
-    return {"losses": losses, "step_ms": statistics.median(times) if times else None,
-            "first_step_s": first}
+    result = {"losses": losses, "step_ms": statistics.median(times) if times else None,
+              "first_step_s": first}
+    if profile:
+        result["profile"] = profiled(lambda: step(run, opt, batches[-1], autocast), device)
+    return result
+
+
+def step(run, opt, ids, autocast) -> None:
+    with autocast:
+        loss = run(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def profiled(one_step, device: str, rows: int = 25) -> dict:
+    """Two steps under torch.profiler: the device time, the kernels launched and the top rows
+    by device time (what `--profile` prints for each system)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            one_step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    on_device = [e for e in events if getattr(e, "device_type", None) is not None
+                 and str(e.device_type).endswith("CUDA")]
+    total_us = sum(e.self_device_time_total for e in on_device) / 2
+    return {"device_ms_per_step": total_us / 1e3,
+            "kernels_per_step": sum(e.count for e in on_device) / 2,
+            "table": events.table(sort_by="self_cuda_time_total" if device == "cuda"
+                                  else "self_cpu_time_total", row_limit=rows, max_name_column_width=70)}
 
 
 def main(argv=None) -> int:
@@ -78,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="a tiny GPT-2 (for a CPU)")
     p.add_argument("--systems", default="eager,fusec,torch.compile")
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile two steps of each system: device time, kernels, top rows")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = gpt2(args.layers, device, args.small)
@@ -88,7 +122,7 @@ def main(argv=None) -> int:
     results = {}
     for system in args.systems.split(","):
         try:
-            results[system] = train(system, model, batches, device, args.warmup)
+            results[system] = train(system, model, batches, device, args.warmup, args.profile)
         except Exception as err:  # noqa: BLE001 (a system that fails is a row that says so)
             traceback.print_exc()
             results[system] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
@@ -103,6 +137,11 @@ def main(argv=None) -> int:
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager)) if eager else float("nan")
         r["max_loss_diff"] = diff
         print(f"{system:<15}{r['step_ms']:>10.2f}{r['first_step_s']:>14.1f}{diff:>20.4g}")
+    for system, r in results.items():
+        if "profile" in r:
+            prof = r["profile"]
+            print(f"\n{system}: {prof['device_ms_per_step']:.2f} ms of device time and "
+                  f"{prof['kernels_per_step']:.0f} device calls per step\n{prof['table']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": torch.cuda.get_device_name() if device == "cuda"
