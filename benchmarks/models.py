@@ -2,7 +2,7 @@
 
     python benchmarks/models.py [--json out.json] [--only softmax,layernorm]
 
-Rows (DESIGN.md targets): softmax 4096x4096 f32, layernorm 8192x4096 f32 (memory-bound: the
+Rows (the project's GPU targets): softmax 4096x4096 f32, layernorm 8192x4096 f32 (memory-bound: the
 bandwidth floor is the bytes read and written once over the copy bandwidth measured in the same
 run), the GELU MLP 64x1024 f32, and the GPT-2 block 8x256x768 in f32 and bf16. Every row also
 checks fusec's output against eager. Medians of triton.testing.do_bench on CUDA.

@@ -56,7 +56,7 @@ def seeds_rng(fn) -> bool:
 
 
 # the dtype's tolerance (torch.testing's default rtol): fusec's error may exceed eager's, both
-# measured against a float64 run, by this much (DESIGN.md, "Tests in three layers")
+# measured against a float64 run, by this much (the sweep and tests/test_opinfo.py both judge by it)
 RTOL = {torch.float16: 1e-3, torch.bfloat16: 1.6e-2, torch.float32: 1.3e-6, torch.float64: 1e-7}
 
 

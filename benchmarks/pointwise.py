@@ -3,7 +3,7 @@
     python benchmarks/pointwise.py                 # on the GPU if there is one, else the CPU
     python benchmarks/pointwise.py --json out.json
 
-Rows (DESIGN.md targets): sin x4 on 64M float32 elements; sin x4 * 2 + 1 on 64M; a 20-op chain on
+Rows (the project's GPU targets): sin x4 on 64M float32 elements; sin x4 * 2 + 1 on 64M; a 20-op chain on
 1k elements (launch-bound). Memory-bound rows are medians of triton.testing.do_bench on CUDA;
 the launch-bound row is wall-clock time per call, host overhead included (fusec.timing). The bandwidth
 floor is the bytes a perfect kernel must move (inputs read once, outputs written once) divided by

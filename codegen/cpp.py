@@ -35,7 +35,7 @@ from fusec.ir import Index, PointwiseKernel
 
 from . import elf, tools
 from .cpp_reduction import render_reduction
-from .cpp_text import (CTYPE, TEMPLATES, _load_value, _store_value, _stmt, convert, gather_offset,
+from .cpp_text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude)
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, summary
 from .render import no_indexed_writes, render_template
@@ -207,7 +207,7 @@ def render(kernel) -> str:
             gathers += [f"{CTYPE[load.dtype]} {tile}[CHUNK];",
                         f"for (int64_t i = start; i < end; ++i) {tile}[i - start] = {ptr};"]
             ptr = f"{tile}[i - start]"
-        value = convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        value = convert(load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
         if load.valid is not None:  # a piece of a cat: read only inside its range (ir.Load)
             dim, lo, hi = load.valid
             at = f"c{dim}" if dim < outer_dims else "i"
@@ -216,10 +216,10 @@ def render(kernel) -> str:
             other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
             value = f"({inside}) ? {value} : {other}"
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
-    body += [_stmt(s) for s in kernel.stmts]
+    body += [render_stmt(s) for s in kernel.stmts]
     for k, store in enumerate(kernel.stores):
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
-        body.append(f"{target} = {_store_value(store.var, store.dtype)};")
+        body.append(f"{target} = {store_value(store.var, store.dtype)};")
 
     params = _params(kernel)
     return render_template(
@@ -247,11 +247,11 @@ def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
             repeats += [f"{ctype} {rep}[TILE];",
                         f"for (int64_t f = 0; f < TILE; ++f) {rep}[f] = {load.param}_ptr[{at}];"]
             ptr = f"{rep}[f]"
-        value = convert(_load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        value = convert(load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
-    body += [_stmt(s) for s in kernel.stmts]
+    body += [render_stmt(s) for s in kernel.stmts]
     body += [f"{store.param}_ptr[{_plus(store.index.offset, 'base + f')}] = "
-             f"{_store_value(store.var, store.dtype)};" for store in kernel.stores]
+             f"{store_value(store.var, store.dtype)};" for store in kernel.stores]
     params = _params(kernel)
     return render_template(
         "cpp_short_rows.cpp.j2", name=kernel.name, summary=summary(kernel),

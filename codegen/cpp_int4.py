@@ -37,7 +37,7 @@ import torch
 from fusec import ops
 from fusec.ir import Load, Reduce
 
-from .cpp_text import CTYPE, _load_value, convert, literal
+from .cpp_text import CTYPE, load_value, convert, literal
 from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, summary
 from .int4_words import Int4Words, match_int4_words
 from .render import render_template
@@ -103,7 +103,7 @@ def table_lines(words: Int4Words, kernel) -> list[str]:
         st = g.index.strides[n_rows]
         terms.append("lut_g" if st == 1 else f"lut_g * {st}")
         ptr = f"{g.param}_ptr[{' + '.join(terms)}]"
-        value = convert(_load_value(ptr, g.dtype), ops.register_dtype(g.dtype), g.var.dtype)
+        value = convert(load_value(ptr, g.dtype), ops.register_dtype(g.dtype), g.var.dtype)
         return f"const {CTYPE[g.var.dtype]} {label} = {value};"
 
     out = [f"const int64_t lut_g = k_block / {half};  // the group"]

@@ -17,7 +17,7 @@ from fusec import ops
 from fusec.ir import Index, Reduce
 
 from . import cpp_columns, cpp_int4
-from .cpp_text import CTYPE, _load_value, _store_value, _stmt, convert, gather_offset, literal
+from .cpp_text import CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal
 from .cpu_plan import (PARALLEL_THRESHOLD, TILE_STRIDE, column_blocks, column_sum_block,
                        cpp_sum_block, sum_block, summary)
 from .render import render_template
@@ -88,12 +88,12 @@ def render_reduction(kernel) -> str:
             row_lines.append(f"for (int64_t k = 0; k < K; ++k) {{ {gather_k} {tile}[k] = {ptr}; }}")
             ptr = f"{tile}[k]"
         lines[l.var.name] = (f"const {CTYPE[l.var.dtype]} {l.var.name} = "
-                             f"{convert(_load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
+                             f"{convert(load_value(ptr, l.dtype), ops.register_dtype(l.dtype), l.var.dtype)};")
     producers = {l.var.name: l for l in kernel.loads}
     for item in kernel.body:
         producers[item.var.name] = item
         if not isinstance(item, Reduce):
-            lines[item.var.name] = _stmt(item)
+            lines[item.var.name] = render_stmt(item)
     plan, keep = kernel.plan, kernel.plan.keep
 
     store_targets: dict[int, str] = {}
@@ -216,7 +216,7 @@ def render_reduction(kernel) -> str:
     elem_stores, row_stores = [], []
     for n, s in enumerate(kernel.stores):  # in store order, as their `_base` lines come
         if n in last_stores or n in plan.row_stores:
-            text = f"{target(n)} = {_store_value(s.var, s.dtype)};"
+            text = f"{target(n)} = {store_value(s.var, s.dtype)};"
             (elem_stores if n in last_stores else row_stores).append(text)
     if elem_stores:  # (none left when the last phase stored the only element output)
         values = [lines[n] for n in plan.last_pass]

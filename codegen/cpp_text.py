@@ -69,7 +69,7 @@ def _operand(o, dtype) -> str:
     return convert(o.name, o.dtype, dtype)
 
 
-def _stmt(s: Stmt) -> str:
+def render_stmt(s: Stmt) -> str:
     row = ops.OPS[s.op]
     args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
     expr = row.cpp.format(*args)
@@ -81,7 +81,7 @@ def _stmt(s: Stmt) -> str:
     return f"const {CTYPE[s.var.dtype]} {s.var.name} = {expr};  // {s.origin}"
 
 
-def _load_value(ptr_expr: str, storage: torch.dtype) -> str:
+def load_value(ptr_expr: str, storage: torch.dtype) -> str:
     if storage == torch.float16:
         return f"fusec_f16_to_f32({ptr_expr})"
     if storage == torch.bfloat16:
@@ -89,7 +89,7 @@ def _load_value(ptr_expr: str, storage: torch.dtype) -> str:
     return ptr_expr
 
 
-def _store_value(var: Var, storage: torch.dtype) -> str:
+def store_value(var: Var, storage: torch.dtype) -> str:
     if storage == torch.float16:
         return f"fusec_f32_to_f16({var.name})"
     if storage == torch.bfloat16:

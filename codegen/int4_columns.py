@@ -62,7 +62,7 @@ class _NoMatch(Exception):
     """Why the kernel is not a packed-int4 chunk's form (the message is the reason shown)."""
 
 
-def _require(ok: bool, why: str) -> None:
+def require(ok: bool, why: str) -> None:
     if not ok:
         raise _NoMatch(why)
 
@@ -96,7 +96,7 @@ def match_chunk(kernel, match, found: str, gathers: bool = False):
 
 def _stmt(producers, name: str, ops: tuple) -> Stmt:
     item = producers.get(name)
-    _require(isinstance(item, Stmt) and item.op in ops,
+    require(isinstance(item, Stmt) and item.op in ops,
              f"{name} is not {' or '.join(ops)} where the column-packed int4 form has one")
     return item
 
@@ -131,7 +131,7 @@ def _weight_side(producers, name: str) -> bool:
 
 def _load(producers, name: str, dtypes: tuple, what: str) -> Load:
     item = producers.get(name)
-    _require(isinstance(item, Load) and item.dtype in dtypes, f"{what} ({name}) is not a "
+    require(isinstance(item, Load) and item.dtype in dtypes, f"{what} ({name}) is not a "
              f"{' or '.join(str(d).replace('torch.', '') for d in dtypes)} load")
     return item
 
@@ -161,14 +161,14 @@ def dequant_chain(r: Reduce, producers, narrow_to: tuple = INTS) -> Chain:
     """Walk from the sum's product down to the packed words (see `Chain`); _NoMatch says where the
     form differs. `narrow_to`: the integer dtypes q and q - zero may be computed in."""
     prod = _stmt(producers, r.operand.name, ("mul",))
-    _require(prod.var.dtype == F32 and prod.round_to is None
+    require(prod.var.dtype == F32 and prod.round_to is None
              and not any(isinstance(o, Const) for o in prod.operands), "the product is not float32")
     a, b = (o.name for o in prod.operands)
     if _weight_side(producers, a) and not _weight_side(producers, b):
         a, b = b, a
     b = _through(producers, b)
     mul = _stmt(producers, b, ("mul",))
-    _require(mul.round_to in HALF and mul.var.dtype == F32,
+    require(mul.round_to in HALF and mul.var.dtype == F32,
              f"{b} is not rounded to half precision as eager's dequantized weight is")
     d_name, s_name = (o.name if not isinstance(o, Const) else "" for o in mul.operands)
     if isinstance(producers.get(_through(producers, d_name)), Load):
@@ -179,11 +179,11 @@ def dequant_chain(r: Reduce, producers, narrow_to: tuple = INTS) -> Chain:
     zero = None
     if d.op == "sub":
         q, z = d.operands
-        _require(d.var.dtype in narrow_to and not isinstance(q, Const),
+        require(d.var.dtype in narrow_to and not isinstance(q, Const),
                  f"{d_name} does not subtract a zero point from the nibble in "
                  f"{' or '.join(str(t).replace('torch.', '') for t in narrow_to)}")
         if isinstance(z, Const):
-            _require(float(z.value) == int(z.value) and -112 <= int(z.value) <= 127,
+            require(float(z.value) == int(z.value) and -112 <= int(z.value) <= 127,
                      f"the zero point {z.value} is not an int8 number of at least -112")
             zero = int(z.value)
         else:
@@ -196,18 +196,18 @@ def dequant_chain(r: Reduce, producers, narrow_to: tuple = INTS) -> Chain:
         mask = _stmt(producers, q.name, ("bitwise_and",))
     else:
         mask = d
-    _require(mask.var.dtype in narrow_to and isinstance(mask.operands[1], Const)
+    require(mask.var.dtype in narrow_to and isinstance(mask.operands[1], Const)
              and mask.operands[1].value == 15 and not isinstance(mask.operands[0], Const),
              f"{mask.var.name} is not a nibble & 15")
     narrow = producers.get(mask.operands[0].name)
     if isinstance(narrow, Stmt) and narrow.op == "to":
-        _require(narrow.var.dtype in narrow_to and not isinstance(narrow.operands[0], Const),
+        require(narrow.var.dtype in narrow_to and not isinstance(narrow.operands[0], Const),
                  f"{narrow.var.name} does not narrow the shifted word to an integer")
         shift_name = narrow.operands[0].name
     else:
         narrow, shift_name = None, mask.operands[0].name
     shift = _stmt(producers, shift_name, ("rshift",))
-    _require(shift.var.dtype == torch.int32 and not any(isinstance(o, Const)
+    require(shift.var.dtype == torch.int32 and not any(isinstance(o, Const)
                                                         for o in shift.operands),
              f"{shift.var.name} is not an int32 word shifted by per-column amounts")
     words = _load(producers, shift.operands[0].name, (torch.int32,), "the packed weight")
@@ -220,9 +220,9 @@ def only_the_product(kernel, r: Reduce, c: Chain, names: tuple) -> None:
     (shift amounts, activation), and stores the chunk's float32 sums alone."""
     made = chain_values(kernel, c) | {r.operand.name, *names}
     rest = [i.var.name for i in kernel.body if not isinstance(i, Reduce) and i.var.name not in made]
-    _require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
+    require(not rest, f"the kernel computes more than the int4 product: {', '.join(rest)}")
     (store,) = kernel.stores if len(kernel.stores) == 1 else (None,)
-    _require(store is not None and store.var.name == r.var.name and store.scatter is None
+    require(store is not None and store.var.name == r.var.name and store.scatter is None
              and store.dtype == F32, "the chunk's sum is not stored alone, in float32")
 
 
@@ -255,13 +255,13 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
     chunks, nw, _ = kernel.row_shape
     groups, group = (1, kernel.k_shape[0]) if len(kernel.k_shape) == 1 else kernel.k_shape
     c = dequant_chain(r, producers, (torch.int8,))
-    _require(c.narrow is not None, f"{c.mask.var.name} is not an int8 nibble of a narrowed word")
+    require(c.narrow is not None, f"{c.mask.var.name} is not an int8 nibble of a narrowed word")
     a, words, scale, zero, shift = c.x, c.words, c.scale, c.zero, c.shift
     # the shift amounts: loaded, or computed from loads (a folded constant clamped and narrowed)
     shift_values = tuple(kernel.values_needed([shift.operands[1].name], only_varying=False))
     for name in shift_values:
         item = producers[name]
-        _require(not item.var.dtype.is_floating_point and (isinstance(item, Stmt) or (
+        require(not item.var.dtype.is_floating_point and (isinstance(item, Stmt) or (
             item.index.strides[:2] == (0, 0) and not any(item.index.strides[3:]))),
                  "the shift amounts do not vary along the word's columns only")
     # the activation: loaded, or computed (a norm's scaling, SwiGLU's product ...) from values
@@ -269,7 +269,7 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
     x_values = tuple(kernel.values_needed([a], only_varying=False))
     for name in x_values:
         item = producers[name]
-        _require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or (
+        require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or (
             item.index.strides[1:3] == (0, 0))),
                  f"the activation ({a}) depends on the output column")
     only_the_product(kernel, r, c, shift_values + x_values)
@@ -278,13 +278,13 @@ def _match(kernel, r: Reduce, producers) -> Int4Columns:
     def k_st(l: Load) -> tuple[int, int]:
         st = l.index.strides[3:]
         return (group * st[0], st[0]) if groups == 1 else st
-    _require(words.index.strides[1] == 1 and words.index.strides[2] == 0
+    require(words.index.strides[1] == 1 and words.index.strides[2] == 0
              and k_st(words) == (group * nw, nw) and words.index.strides[0] == groups * group * nw,
              "the packed weight is not (K, N / 8) words, one row of words per K")
     for g in (scale,) + ((zero,) if isinstance(zero, Load) else ()):
         st = g.index.strides
         per_group = st[0] // groups if groups == 1 else k_st(g)[0]
-        _require(st[3:][-1] == 0 and st[2] != 0 and st[1] == 8 * st[2] and per_group != 0
+        require(st[3:][-1] == 0 and st[2] != 0 and st[1] == 8 * st[2] and per_group != 0
                  and st[0] == groups * per_group,
                  f"{g.var.name} is not one value per (group, column)")
     return Int4Columns(words, shift_values, zero, scale, x_values, a, chunks, nw, groups, group,

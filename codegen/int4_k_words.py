@@ -34,7 +34,7 @@ import torch
 
 from fusec.ir import Load, Reduce, Stmt
 
-from .int4_columns import INTS, _require, dequant_chain, match_chunk, only_the_product
+from .int4_columns import INTS, require, dequant_chain, match_chunk, only_the_product
 
 F32 = torch.float32
 
@@ -90,7 +90,7 @@ def _match(kernel, r: Reduce, producers) -> Int4KWords:
     else:
         groups, rows, _ = kernel.k_shape
     group = 8 * rows
-    _require(all(l.gather is None for l in kernel.loads), "a gathered read other than the scales'")
+    require(all(l.gather is None for l in kernel.loads), "a gathered read other than the scales'")
 
     def strides(l: Load) -> tuple[int, int, int, int, int]:
         """(chunk, column, group, word row, nibble); with one group per chunk the group's stride
@@ -99,12 +99,12 @@ def _match(kernel, r: Reduce, producers) -> Int4KWords:
         return (st[0], st[1], rows * st[2], st[2], st[3]) if groups == 1 else tuple(st)
 
     shift_values, x_values = _checked_rest(kernel, r, producers, c, strides)
-    _require(strides(c.words) == (groups * group // 8 * n, 1, group // 8 * n, n, 0),
+    require(strides(c.words) == (groups * group // 8 * n, 1, group // 8 * n, n, 0),
              "the packed weight is not (K / 8, N) words, N contiguous")
     for g in (c.scale,) + ((c.zero,) if isinstance(c.zero, Load) else ()):
         st = strides(g)
         per_group = st[0] if groups == 1 else st[2]
-        _require(st[1] != 0 and per_group != 0 and st[3:] == (0, 0) and st[0] == groups * per_group,
+        require(st[1] != 0 and per_group != 0 and st[3:] == (0, 0) and st[0] == groups * per_group,
                  f"{g.var.name} is not one value per (group, column)")
     return Int4KWords(c.words, shift_values, c.zero, c.scale, x_values, c.x, chunks, n, groups,
                       group, c.mul.round_to)
@@ -118,7 +118,7 @@ def _checked_rest(kernel, r: Reduce, producers, c, strides) -> tuple[tuple, tupl
     shift_values = tuple(kernel.values_needed([c.shift.operands[1].name], only_varying=False))
     for name in shift_values:
         item = producers[name]
-        _require(not item.var.dtype.is_floating_point and (
+        require(not item.var.dtype.is_floating_point and (
             isinstance(item, Stmt) or not any(strides(item)[:4])),
                  "the shift amounts do not vary along the nibbles of a word only")
     # the activation: loaded, or computed (a norm's scaling, SwiGLU's product ...) from values
@@ -126,7 +126,7 @@ def _checked_rest(kernel, r: Reduce, producers, c, strides) -> tuple[tuple, tupl
     x_values = tuple(kernel.values_needed([c.x], only_varying=False))
     for name in x_values:
         item = producers[name]
-        _require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or item.index.strides[1] == 0),
+        require(not isinstance(item, Reduce) and (isinstance(item, Stmt) or item.index.strides[1] == 0),
                  f"the activation ({c.x}) depends on the output column")
     only_the_product(kernel, r, c, shift_values + x_values)
     return shift_values, x_values
@@ -139,16 +139,16 @@ def _match_through_g_idx(kernel, r: Reduce, producers, c) -> Int4KWords:
     and checks it per group when it runs; a chunk where it does not hold (act order) takes the
     exact path, which reads through g_idx as eager does."""
     chunks, n = kernel.row_shape
-    _require(len(kernel.k_shape) == 2, "K is not (word rows, 8 nibbles) with groups read through an index")
+    require(len(kernel.k_shape) == 2, "K is not (word rows, 8 nibbles) with groups read through an index")
     words, _ = kernel.k_shape
     pos, _, size = c.scale.gather
     g_idx = producers.get(pos)
-    _require(isinstance(g_idx, Load) and g_idx.dtype in (torch.int32, torch.int64)
+    require(isinstance(g_idx, Load) and g_idx.dtype in (torch.int32, torch.int64)
              and g_idx.gather is None and tuple(g_idx.index.strides) == (8 * words, 0, 8, 1),
              "the scales are not read through one loaded group index per row of K")
     k = chunks * words * 8
     group = k // size
-    _require(k % size == 0 and group % 8 == 0 and (8 * words) % group == 0
+    require(k % size == 0 and group % 8 == 0 and (8 * words) % group == 0
              and (group // 8) & (group // 8 - 1) == 0,
              f"{size} groups do not cut K = {k} into chunks of whole groups of a power of two "
              "times 8 rows")
@@ -158,13 +158,13 @@ def _match_through_g_idx(kernel, r: Reduce, producers, c) -> Int4KWords:
         return (st[0], st[1], group // 8 * st[2], st[2], st[3])
 
     shift_values, x_values = _checked_rest(kernel, r, producers, c, strides)
-    _require(tuple(c.words.index.strides) == (words * n, 1, n, 0),
+    require(tuple(c.words.index.strides) == (words * n, 1, n, 0),
              "the packed weight is not (K / 8, N) words, N contiguous")
     tables = (c.scale,) + ((c.zero,) if isinstance(c.zero, Load) else ())
-    _require(all(l.gather is None or l in tables for l in kernel.loads),
+    require(all(l.gather is None or l in tables for l in kernel.loads),
              "a gathered read other than the zero points' and the scales'")
     for g in tables:
-        _require(g.gather is not None and g.gather[0] == pos and g.index.strides[0] == 0
+        require(g.gather is not None and g.gather[0] == pos and g.index.strides[0] == 0
                  and g.index.strides[1] != 0 and tuple(g.index.strides[2:]) == (0, 0),
                  f"{g.var.name} is not one value per (group, column) read through g_idx")
     return Int4KWords(c.words, shift_values, c.zero, c.scale, x_values, c.x, chunks, n,

@@ -57,7 +57,7 @@ from fusec.ir import Index, PointwiseKernel
 from . import elf
 from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, column_blocks, summary
 from .llvm_build import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
-from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, coords, emit_load, emit_stmt, gather_row,
+from .llvm_ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
 from .llvm_ir import vector_isa, vector_isas  # noqa: F401 (the backend's views, read as llvm.X)
 from .llvm_jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
@@ -80,7 +80,7 @@ def render(kernel, target: Target | None = None) -> str:
             return render_columns(unrolled, columns, note, target)
         return render_reduction(kernel, target)
     no_indexed_writes(kernel, "LLVM")
-    counter = _counter()
+    counter = new_counter()
     shape = kernel.shape
     rows, inner = math.prod(shape[:-1]), shape[-1]
     chunk = max(inner if rows >= 64 or inner <= CHUNK else CHUNK, 1)
@@ -118,12 +118,12 @@ def render(kernel, target: Target | None = None) -> str:
         emit_stmt(body, s, values)
     for n, store in enumerate(kernel.stores):
         emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
-    return _finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, name=kernel.name,
+    return finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, name=kernel.name,
                    summary=summary(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
                    rows=rows, inner=inner, chunk=chunk, chunks=chunks,
                    items=rows * chunks if kernel.numel else 0,
                    parallel=str(kernel.numel >= PARALLEL_THRESHOLD and rows * chunks > 1).lower(),
-                   params=_params(kernel), row_setup=setup.lines, body=body.lines)
+                   params=kernel_params(kernel), row_setup=setup.lines, body=body.lines)
 
 
 

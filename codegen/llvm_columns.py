@@ -28,14 +28,14 @@ from fusec.ir import Index, Stmt
 
 from .cpu_plan import PARALLEL_THRESHOLD, column_sum_block, summary
 from .llvm_build import Target
-from .llvm_ir import (TYPE, Emitter, _counter, _finish, _params, convert, coords, emit_load,
+from .llvm_ir import (TYPE, Emitter, new_counter, finish, kernel_params, convert, coords, emit_load,
                       emit_stmt, emit_store, gather_row, index_sum, is_float)
 from .llvm_reduction import Accumulator
 
 
 def render_columns(kernel, columns: int, note: str, target: Target | None = None) -> str:
     """The kernel as LLVM IR with its loops turned inside out (module docstring)."""
-    counter = _counter()
+    counter = new_counter()
     n_rows = len(kernel.row_shape)
     last = kernel.row_shape[-1]
     blocks = -(-last // columns)
@@ -236,11 +236,11 @@ def render_columns(kernel, columns: int, note: str, target: Target | None = None
         stores = rows.section()
         all_lines += rows.e.lines
     tiles = (kernel.rows // last) * blocks
-    return _finish(
+    return finish(
         "llvm_reduction_columns.ll.j2", all_lines, target, name=kernel.name,
         summary=summary(kernel), source_shape=kernel.source_shape,
         reduce_dims=kernel.reduce_dims, rows=kernel.rows, k=kernel.k, tiles=tiles,
         parallel=str(tiles > 1 and kernel.rows * kernel.k >= PARALLEL_THRESHOLD).lower(),
-        params=_params(kernel), columns=columns, last=last, blocks=blocks,
+        params=kernel_params(kernel), columns=columns, last=last, blocks=blocks,
         allocas=[f"%{name} = alloca [{columns} x {t}], align 64" for name, t in arrays.items()],
         top=top.lines, sections=sections, stores=stores, unrolled=note)

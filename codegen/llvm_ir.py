@@ -452,7 +452,7 @@ def _helper_constants(dtype) -> dict:
 
 
 
-def _params(kernel) -> list[str]:
+def kernel_params(kernel) -> list[str]:
     return [f"ptr noalias {'' if p.is_output else 'readonly '}%{p.name}_ptr" for p in kernel.params]
 
 
@@ -471,7 +471,7 @@ def function_attributes(target: Target | None = None) -> str:
     return "nounwind"
 
 
-def _finish(template: str, lines: list[str], target: Target | None, **context) -> str:
+def finish(template: str, lines: list[str], target: Target | None, **context) -> str:
     helper_text, defined = prelude(lines)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
     context.update(prelude=helper_text, declarations=declarations(decl_lines, defined, target),
@@ -479,5 +479,5 @@ def _finish(template: str, lines: list[str], target: Target | None, **context) -
     return render_template(template, **context)
 
 
-def _counter():
+def new_counter():
     return itertools.count()

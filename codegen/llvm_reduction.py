@@ -18,7 +18,7 @@ from .cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
 from .llvm_build import Target
 from .unroll_rows import unrolled_or_same
 
-from .llvm_ir import (Emitter, SUFFIX, TYPE, _counter, _finish, _params, convert, coords, emit_load, gather_row,
+from .llvm_ir import (Emitter, SUFFIX, TYPE, new_counter, finish, kernel_params, convert, coords, emit_load, gather_row,
                       emit_stmt, emit_store, index_sum, is_float, kind,
                       literal, round_half)
 
@@ -145,7 +145,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     Python decides everything here (which values each loop needs, the accumulators and their
     phi nodes, blocking of long float sums); the template only lays out the blocks."""
     kernel, note = unrolled_or_same(kernel)  # a GEMV's few activation rows: one loop
-    counter = _counter()
+    counter = new_counter()
     n_rows = len(kernel.row_shape)
     top = Emitter(counter)
     c = coords(top, "%row.i", kernel.row_shape, "c")
@@ -307,9 +307,9 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         s = kernel.stores[n]
         emit_store(row_stores, s.param, s.dtype, base(s.index, f"out{n}"), s.var, values)
     all_lines = top.lines + all_lines + row_stores.lines
-    return _finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
+    return finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
                    source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
                    rows=kernel.rows, k=k,
                    parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
-                   params=_params(kernel), row_lines=top.lines, sections=sections,
+                   params=kernel_params(kernel), row_lines=top.lines, sections=sections,
                    row_stores=row_stores.lines, unrolled=note)

@@ -38,7 +38,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
 
     pieces = cat_pieces(sub, placeholders, in_layouts, shape)
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
-                                               if any(not _is_cat(u) for u in ph.users)}
+                                               if any(not is_cat(u) for u in ph.users)}
     # An indexed write (`cache[:, :, pos] = k`, passes/grouping.py): the loop runs over k, and the
     # output is the buffer, seen over k's shape (its strides; the dim written has k's size 1),
     # plus pos * stride, added by the store. The buffer itself is never read.
@@ -53,18 +53,18 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
                if (g := ops.gathered_read(n)) is not None]
     only_pieces |= only_gathered(placeholders)
-    tensors = [_broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
+    tensors = [broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
                for i, l in enumerate(in_layouts)] + \
-              [_broadcast_strides(l, shape) for l in out_layouts] + \
+              [broadcast_strides(l, shape) for l in out_layouts] + \
               [p.strides for p in pieces] + [p.sentinel for p in pieces] + \
-              [_broadcast_strides(l, shape) for _, _, src, idx, _ in gathers for l in (src, idx)]
+              [broadcast_strides(l, shape) for _, _, src, idx, _ in gathers for l in (src, idx)]
     order = loop_order(tensors[len(in_layouts)] if out_layouts else tensors[0], shape)
     loop_shape, loop_strides = coalesce(tuple(shape[d] for d in order),
                                         [tuple(t[d] for d in order) for t in tensors])
     n_in = len(in_layouts)
 
     params: list[Param] = []
-    param = _param_list(params, root_dtypes)
+    param = param_list(params, root_dtypes)
 
     env: dict[fx.Node, Var] = {}
     loads: list[Load] = []
@@ -79,7 +79,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         for piece, strides, sentinel in reversed(mine):
             layout = in_layouts[piece.index]
             storage = root_dtypes[layout.root]
-            var = Var(f"v{len(loads)}_{_ident(cat.name)}_{piece.position}",
+            var = Var(f"v{len(loads)}_{ident(cat.name)}_{piece.position}",
                       ops.register_dtype(storage))
             # (an empty space coalesces to no dim with a stride: nothing is read, any dim does)
             dim = next((k for k, s in enumerate(sentinel) if s), 0)
@@ -94,7 +94,7 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         key = (layout.root, index)
         if key not in load_of:
             storage = root_dtypes[layout.root]
-            var = Var(f"v{len(loads)}_{_ident(ph.name)}", ops.register_dtype(storage))
+            var = Var(f"v{len(loads)}_{ident(ph.name)}", ops.register_dtype(storage))
             loads.append(Load(var, param(layout.root, False), storage, index))
             load_of[key] = var
         env[ph] = load_of[key]
@@ -104,11 +104,11 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         key = (idx.root, index)
         if key not in load_of:
             storage = root_dtypes[idx.root]
-            load_of[key] = Var(f"v{len(loads)}_{_ident(gather.index.name)}",
+            load_of[key] = Var(f"v{len(loads)}_{ident(gather.index.name)}",
                                ops.register_dtype(storage))
             loads.append(Load(load_of[key], param(idx.root, False), storage, index))
         storage = root_dtypes[src.root]
-        env[node] = Var(f"v{len(loads)}_{_ident(node.name)}", ops.register_dtype(storage))
+        env[node] = Var(f"v{len(loads)}_{ident(node.name)}", ops.register_dtype(storage))
         loads.append(Load(env[node], param(src.root, False), storage,
                           Index(src.offset, gather_strides[2 * k]),
                           gather=(load_of[key].name, row_stride, gather.size)))
@@ -133,12 +133,12 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                                for k in range(len(operands)))
         args = tuple(env[o] if isinstance(o, fx.Node) else Const(o, dt)
                      for o, dt in zip(operands, operand_dtypes))
-        var = Var(f"v{len(loads) + len(stmts)}_{_ident(node.name)}",
+        var = Var(f"v{len(loads) + len(stmts)}_{ident(node.name)}",
                   ops.register_dtype(out_meta.dtype))
         rounds = needs_rounding(row, values, out_meta.dtype)  # eager rounds every half result
         stmts.append(Stmt(var, row.name, args, operand_dtypes,
                           torch.bool if row.returns_bool else compute,
-                          out_meta.dtype if rounds else None, origin=_origin(node)))
+                          out_meta.dtype if rounds else None, origin=origin_of(node)))
         env[node] = var
         fused_ops.append(str(node.target))
 
@@ -186,7 +186,7 @@ def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout]
     made in memory. `cats`: only these (default: every cat of the group)."""
     pieces = []
     for cat in sub.graph.nodes:
-        if not _is_cat(cat) or (cats is not None and cat not in cats):
+        if not is_cat(cat) or (cats is not None and cat not in cats):
             continue
         # The cat's dim counts in the cat's own rank; the iteration space may have more dims
         # in front (a (N, K) cat multiplied by an (M, 1, K) tensor runs over (M, N, K)).
@@ -202,7 +202,7 @@ def cat_pieces(sub: fx.GraphModule, placeholders: list, in_layouts: list[Layout]
             full = Layout(layout.root, tuple(shape[dim] if d == piece_dim else s
                                              for d, s in enumerate(layout.shape)),
                           layout.stride, layout.offset)
-            strides = _broadcast_strides(full, shape)
+            strides = broadcast_strides(full, shape)
             pieces.append(Piece(cat, position, placeholders.index(ph), lo, lo + size, strides,
                                 layout.offset - lo * strides[dim], sentinel))
             lo += size
@@ -237,7 +237,7 @@ def only_gathered(placeholders: list) -> set[int]:
     return {i for i, ph in enumerate(placeholders) if gathered(ph)}
 
 
-def _is_cat(node: fx.Node) -> bool:
+def is_cat(node: fx.Node) -> bool:
     """A concatenation of several pieces (a cat of one is a copy: the op table's row)."""
     return node.op == "call_function" and node.target is torch.ops.aten.cat.default \
         and ops.normalize(node) is None
@@ -255,7 +255,7 @@ def needs_rounding(row: ops.Op, values: list, dtype: torch.dtype) -> bool:
                 and values[0].dtype in (torch.int8, torch.uint8, torch.bool, dtype))
 
 
-def _param_list(params: list[Param], root_dtypes: dict):
+def param_list(params: list[Param], root_dtypes: dict):
     """A function that adds a root buffer to the kernel's pointer arguments once, in first-use
     order, and returns its name."""
     def param(root: str, is_output: bool) -> str:
@@ -272,16 +272,16 @@ def _permuted(layout: Layout, perm) -> Layout:
                   tuple(layout.stride[p] for p in perm), layout.offset)
 
 
-def _ident(name: str) -> str:
+def ident(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _origin(node: fx.Node) -> str:
+def origin_of(node: fx.Node) -> str:
     args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
     return f"{node.name} = {node.target}({args})"
 
 
-def _broadcast_strides(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+def broadcast_strides(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Strides of `layout` seen over iteration space `shape` (right-aligned, broadcast dims 0)."""
     pad = len(shape) - len(layout.shape)
     if pad < 0:

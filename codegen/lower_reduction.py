@@ -21,7 +21,7 @@ from fusec.record import group_info
 from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineVariance, Param, Phase,
                       Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
 
-from .lower import (_broadcast_strides, _ident, _is_cat, _origin, _param_list, cat_pieces, coalesce,
+from .lower import (broadcast_strides, ident, is_cat, origin_of, param_list, cat_pieces, coalesce,
                     gather_layouts, needs_rounding, only_gathered)
 from .lower_folds import online_softmax, online_variance
 
@@ -48,9 +48,9 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
 
     def strides_for(layout: Layout, where: str) -> tuple[int, ...]:
         if where == "rows":
-            row_strides = _broadcast_strides(layout, rows_only)
+            row_strides = broadcast_strides(layout, rows_only)
             return tuple(row_strides[i] for i in row_order) + (0,) * len(dims)
-        full = _broadcast_strides(layout, shape)
+        full = broadcast_strides(layout, shape)
         return tuple(full[d] for d in perm)
 
     def space_of(node: fx.Node) -> str:
@@ -63,7 +63,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
     # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
     # (A cat read per row, sibling biases added after the sum, is indexed over the rows alone.)
-    cats = [c for c in sub.graph.nodes if _is_cat(c)]
+    cats = [c for c in sub.graph.nodes if is_cat(c)]
     pieces = cat_pieces(sub, placeholders, in_layouts, shape,
                         [c for c in cats if space_of(c) == "elem"])
     spaces = ["elem"] * len(pieces)
@@ -79,7 +79,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         pieces.append(piece)
         spaces.append("rows")
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
-                                               if any(not _is_cat(u) for u in ph.users)}
+                                               if any(not is_cat(u) for u in ph.users)}
     # A gathered read (`scales[g_idx]` in a GEMV's dequantization): its index and its source,
     # indexed over the read's output (lower.py, `gather_layouts`), in the read's space.
     gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
@@ -115,7 +115,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                 for t, rs, ks, layout_offset in zip(tensors, row_strides, k_strides, offsets)}
 
     params: list[Param] = []
-    param = _param_list(params, root_dtypes)
+    param = param_list(params, root_dtypes)
 
     loads: list[Load] = []
     load_of: dict[tuple, Var] = {}
@@ -125,7 +125,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     counter = [0]
 
     def fresh(node_name: str, dtype: torch.dtype) -> Var:
-        var = Var(f"v{counter[0]}_{_ident(node_name)}", dtype)
+        var = Var(f"v{counter[0]}_{ident(node_name)}", dtype)
         counter[0] += 1
         return var
 
@@ -192,7 +192,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         if ops.gathered_read(node) is not None:  # its load, above
             fused_ops.append(str(node.target))
             continue
-        if (node, space_of(node)) in env and _is_cat(node):  # a cat: its pieces' loads
+        if (node, space_of(node)) in env and is_cat(node):  # a cat: its pieces' loads
             fused_ops.append(str(node.target))
             continue
         where = space_of(node)
@@ -208,7 +208,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                 acc = ops.register_dtype(out_meta.dtype)
             var = fresh(node.name, ops.register_dtype(out_meta.dtype))
             phase = level[operand.name]
-            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=_origin(node),
+            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=origin_of(node),
                                round_to=out_meta.dtype if out_meta.dtype in ops.FLOAT16_LIKE else None))
             level[var.name] = phase + 1
         else:
@@ -223,7 +223,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
             rounds = needs_rounding(row, vals, out_meta.dtype)
             body.append(Stmt(var, row.name, args, operand_dtypes,
                              torch.bool if row.returns_bool else compute,
-                             out_meta.dtype if rounds else None, origin=_origin(node)))
+                             out_meta.dtype if rounds else None, origin=origin_of(node)))
             vars_in = [a for a in args if isinstance(a, Var)]
             if any(a.name in varying for a in vars_in):
                 varying.add(var.name)
@@ -271,7 +271,7 @@ def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts)
         pad = len(shape) - len(layout.shape)
         if pad < 0 or any(n not in (1, s) for n, s in zip(layout.shape, shape[pad:])):
             continue  # a row value, read over the rows only (a (C,) mean of an (N, C, 1, 1) group)
-        full = _broadcast_strides(layout, shape)
+        full = broadcast_strides(layout, shape)
         # an element tensor: it varies along every reduced dim (a dim of length 1, such as the
         # one split_reductions leaves inside a chunk, has no stride to order by)
         if all(full[d] for d in dims if shape[d] > 1):

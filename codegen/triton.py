@@ -32,7 +32,7 @@ from .triton_launch import TritonLauncher
 from .triton_pdl import pdl
 from .triton_reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .triton_reduction import render_reduction
-from .triton_text import (_helpers_in, _max_address, _stmt, _summary, block_size, convert,
+from .triton_text import (helpers_in, max_address, render_stmt, ops_summary, block_size, convert,
                           gather_offset, piece_mask)
 
 
@@ -66,12 +66,12 @@ def render(kernel, arch: int | None = None) -> str:
         return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
 
     loads, body, stores = pointwise_lines(kernel, index, "[BLOCK_SIZE]")
-    big = max([numel] + [_max_address(a.index, shape) + _reach(a) for a in [*kernel.loads, *kernel.stores]]) \
+    big = max([numel] + [max_address(a.index, shape) + _reach(a) for a in [*kernel.loads, *kernel.stores]]) \
         >= 2 ** 31 - 1
-    helpers = _helpers_in(loads + body + stores)
+    helpers = helpers_in(loads + body + stores)
     return render_template(
         "triton_pointwise.py.j2",
-        name=kernel.name, summary=_summary(kernel), source_shape=kernel.source_shape,
+        name=kernel.name, summary=ops_summary(kernel), source_shape=kernel.source_shape,
         loop_shape=shape, numel=numel, block=block, blocks=-(-numel // block),
         num_warps=num_warps, helpers=sorted(helpers),
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
@@ -123,7 +123,7 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None
         below = math.prod(shape[o] for o in others[j + 1:])
         expr = "rest" if below == 1 else f"(rest // {below})"
         rest.append(f"i{d} = {expr}" + ("" if j == 0 else f" % {shape[d]}"))
-    big = max([kernel.numel] + [_max_address(a.index, shape) + _reach(a)
+    big = max([kernel.numel] + [max_address(a.index, shape) + _reach(a)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
     block = "[YBLOCK, XBLOCK]"
 
@@ -140,12 +140,12 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None
     why = "; ".join(f"dim {d}: {', '.join(dict.fromkeys(along[d]))}" for d in (ydim, xdim))
     return render_template(
         "triton_pointwise_tiled.py.j2",
-        name=kernel.name, summary=_summary(kernel), source_shape=kernel.source_shape,
+        name=kernel.name, summary=ops_summary(kernel), source_shape=kernel.source_shape,
         loop_shape=shape, numel=kernel.numel, ydim=ydim, xdim=xdim, ysize=ysize, xsize=xsize,
         yblock=yblock, xblock=xblock, y_tiles=y_tiles, x_tiles=x_tiles,
         programs=y_tiles * x_tiles * math.prod(shape[d] for d in others),
         pid="tl.program_id(axis=0).to(tl.int64)" if big else "tl.program_id(axis=0)",
-        rest=rest, why=why, num_warps=4, helpers=sorted(_helpers_in(loads + body + stores)),
+        rest=rest, why=why, num_warps=4, helpers=sorted(helpers_in(loads + body + stores)),
         params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores,
         pdl=pdl(arch))
 
@@ -173,7 +173,7 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
         if l.other is not None:  # a piece of a cat: the next piece's value where this one ends
             value = f"tl.where({inside}, {value}, {l.other.name})"
         loads.append(f"{l.var.name} = {value}")
-    body = [_stmt(s, set(), block) for s in kernel.stmts]
+    body = [render_stmt(s, set(), block) for s in kernel.stmts]
     stores = []
     for s in kernel.stores:
         value, where = convert(s.var.name, s.var.dtype, s.dtype), "mask"

@@ -19,7 +19,7 @@ from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 from .int4_words import match_int4_words
 from .render import render_template
 from .triton_pdl import pdl
-from .triton_text import (TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset,
+from .triton_text import (TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset,
                           piece_mask,
                           rows_and_epilogue)
 
@@ -235,7 +235,7 @@ def k_terms(strides: tuple[int, ...], k_shape: tuple[int, ...]) -> list[str]:
 
 def big_addresses(kernel) -> bool:
     """Whether some address of the kernel needs 64 bits."""
-    return max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+    return max([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
                                  for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
 
 
@@ -440,7 +440,7 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
     def lines(name: str) -> list[str]:
         item = producers[name]
         if isinstance(item, Stmt):
-            return [_stmt(item, helpers, block="[1, 1, 1]")]
+            return [render_stmt(item, helpers, block="[1, 1, 1]")]
         return load_lines(item)
 
     phase, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
@@ -514,9 +514,9 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
     weights = sorted({short(l.dtype) for l in kernel.loads if is_weight(l)})
     big = big_addresses(kernel)
     programs = -(-n // block_n)
-    helpers |= _helpers_in(row_lines + first + loop_lines + epilogue + stores)
+    helpers |= helpers_in(row_lines + first + loop_lines + epilogue + stores)
     return render_template(
-        "triton_gemv.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n, k=kernel.k,
+        "triton_gemv.py.j2", name=kernel.name, summary=ops_summary(kernel), m=m, n=n, k=kernel.k,
         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
         num_stages=num_stages, dot_lines=dot_lines,
         weight_dtypes=", ".join(weights) or "as stored",

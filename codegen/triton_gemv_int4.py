@@ -30,7 +30,7 @@ from .int4_words import Int4Words
 from .render import render_template
 from .triton_pdl import pdl
 from .triton_gemv import SMS
-from .triton_text import (_helpers_in, _max_address, _stmt, _summary, convert, current_arch,
+from .triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert, current_arch,
                           rows_and_epilogue)
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
@@ -72,14 +72,14 @@ def bf16_bits(value: float) -> int:
     return torch.tensor(value, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
 
 
-def _int32(value: int) -> int:
+def as_int32(value: int) -> int:
     """A 32-bit pattern as the signed int32 Triton reads a literal as."""
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def needs_int64(kernel) -> bool:
     """Whether an address of the kernel can pass 2^31 - 1 elements (then pid * BLOCK is int64)."""
-    return max([kernel.numel * 2] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+    return max([kernel.numel * 2] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
                                      for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
 
 
@@ -97,7 +97,7 @@ def row_code(kernel, r, rows, address) -> tuple[list[str], list[str], list[str],
     def lines(name: str) -> list[str]:
         item = producers[name]
         if isinstance(item, Stmt):
-            return [_stmt(item, helpers, block="[1, 1, 1]")]
+            return [render_stmt(item, helpers, block="[1, 1, 1]")]
         terms, masks = rows(item.index)
         if not terms:
             terms = ["tl.zeros([1, 1, 1], tl.int32)"]  # one element, the same for every lane
@@ -183,7 +183,7 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
     else:
         bits = bf16_bits(-words.zero)
         before.append(f"# the zero point is the constant {words.zero}: -zero as bf16 bits, twice")
-        before.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)")
+        before.append(f"zneg2 = tl.full([1, 1, 1], {as_int32(bits | bits << 16)}, tl.int32)")
     loop += group_lines(words.scale, "s2", False)
 
     # the activations: eight neighbours per word, x[8w + i] at x's stride along K
@@ -206,10 +206,10 @@ def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
 
     row_lines, epilogue, stores, helpers = row_code(kernel, r, rows, address)
     big = needs_int64(kernel)
-    helpers |= _helpers_in(row_lines + before + loop + epilogue + stores)
+    helpers |= helpers_in(row_lines + before + loop + epilogue + stores)
     helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
     return render_template(
-        "triton_gemv_int4.py.j2", name=kernel.name, summary=_summary(kernel), m=m, n=n,
+        "triton_gemv_int4.py.j2", name=kernel.name, summary=ops_summary(kernel), m=m, n=n,
         k=2 * kernel.k, group=words.group, words=words.words, block_m=block_m, block_n=block_n,
         block_w=block_w, num_warps=num_warps, programs=-(-n // block_n), asm=asm,
         pair_note=pair_note, helpers=sorted(helpers), packed=words.packed.param,

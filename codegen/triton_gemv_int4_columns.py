@@ -28,7 +28,7 @@ from fusec.ir import Load, Reduce, Stmt
 from .int4_columns import Int4Columns
 from .render import render_template
 from .triton_pdl import pdl
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert
+from .triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
 
 WORD_COLUMNS = 32  # one word column per lane of the one-warp program
 ROWS_PER_STEP = 8  # rows of K loaded a step: 8 words a lane in flight, and 8 more prefetched
@@ -37,7 +37,7 @@ ROWS_PER_STEP = 8  # rows of K loaded a step: 8 words a lane in flight, and 8 mo
 def columns_fit(kernel, cols: Int4Columns) -> tuple[bool, str]:
     """(fits, why): whether the chunk kernel renders this GEMV chunk."""
     shape = kernel.row_shape + kernel.k_shape
-    if max([_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1:
+    if max([max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1:
         return False, "addresses past 2^31 elements (the chunk kernel computes them in 32 bits)"
     if cols.group % 2:
         return False, (f"groups of {cols.group} rows: the kernel steps through a group 2 to 8 "
@@ -63,7 +63,7 @@ def computed_lines(names, producers: dict, helpers: set, block: str, address) ->
     for name in names:
         item = producers[name]
         if isinstance(item, Stmt):
-            out.append(_stmt(item, helpers, block=block))
+            out.append(render_stmt(item, helpers, block=block))
         else:
             value = convert(f"tl.load({address(item)})", item.dtype, item.var.dtype)
             out.append(f"{name} = {value}")
@@ -118,17 +118,17 @@ def render_gemv_columns(kernel, cols: Int4Columns, arch: int | None = None) -> s
         where = at(load, 'chunk', 'jj', 't', 'gi', 'kk' if n_k == 2 else f'gi * {cols.group} + kk')
         value = f"tl.load({where} + tile, mask=tile_mask, other=0)"  # (+ tile: a [WJ, 8] address)
         exact_loads.append(f"{load.var.name} = {convert(value, load.dtype, load.var.dtype)}")
-    exact_lines = [_stmt(s, helpers, block="[WJ, 8]") for s in kernel.body if isinstance(s, Stmt)]
+    exact_lines = [render_stmt(s, helpers, block="[WJ, 8]") for s in kernel.body if isinstance(s, Stmt)]
 
     (store,) = kernel.stores
     store_at = at(store, "chunk", "j[:, None]", "t", "0", "0")
     # the shift amounts, once per program: an [8] tile of the column's amount
     shift_lines = computed(cols.shifts, "[8]", ("0", "0", "t8", "0", "0"))
     lines = exact_loads + exact_lines + shift_lines + x_lines
-    helpers |= _helpers_in(lines)
+    helpers |= helpers_in(lines)
     params = [f"{q.name}_ptr" for q in kernel.params]
     return render_template(
-        "triton_gemv_int4_columns.py.j2", name=kernel.name, summary=_summary(kernel),
+        "triton_gemv_int4_columns.py.j2", name=kernel.name, summary=ops_summary(kernel),
         group=cols.group, groups=cols.groups, chunks=cols.chunks, nw=cols.nw, wj=wj, r=step,
         half=str(cols.half).replace("torch.", ""), half_max=torch.finfo(cols.half).max,
         programs=-(-cols.nw // wj) * cols.chunks, pdl=pdl(arch), helpers=sorted(helpers),

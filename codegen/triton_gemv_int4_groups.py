@@ -26,8 +26,8 @@ from .int4_words import Int4Words
 from .render import render_template
 from .triton_pdl import pdl
 from .triton_gemv import SMS
-from .triton_gemv_int4 import _int32, bf16_bits, needs_int64, pair_math, row_code
-from .triton_text import _helpers_in, _summary
+from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
+from .triton_text import helpers_in, ops_summary
 
 # Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
 # LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,
@@ -165,7 +165,7 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
     else:
         fast.append(f"z = {float(words.zero)!r}  # the zero point is a constant")
         bits = bf16_bits(-words.zero)
-        exact.append(f"zneg2 = tl.full([1, 1, 1], {_int32(bits | bits << 16)}, tl.int32)  "
+        exact.append(f"zneg2 = tl.full([1, 1, 1], {as_int32(bits | bits << 16)}, tl.int32)  "
                      f"# -{words.zero} as bf16 bits, twice")
     fast.append(f"s = fusec_bf16_to_f32({group_load(words.scale, '2')})")
     exact.append(f"s2 = bf16x2({group_load(words.scale, '3')}, False)")
@@ -201,10 +201,10 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
 
     row_lines, epilogue, stores, helpers = row_code(kernel, r, rows_of, address)
     big = needs_int64(kernel)
-    helpers |= _helpers_in(row_lines + fast + exact + epilogue + stores)
+    helpers |= helpers_in(row_lines + fast + exact + epilogue + stores)
     helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
     return render_template(
-        "triton_gemv_int4_groups.py.j2", name=kernel.name, summary=_summary(kernel), n=n,
+        "triton_gemv_int4_groups.py.j2", name=kernel.name, summary=ops_summary(kernel), n=n,
         k=2 * kernel.k, group=words.group, words=words.words, rows=rows, lanes=lanes, wpl=wpl,
         programs=-(-n // rows), asm=asm, pair_note=pair_note, helpers=sorted(helpers),
         packed=words.packed.param, params=[f"{q.name}_ptr" for q in kernel.params],

@@ -22,7 +22,7 @@ from .render import render_template
 from .triton_gemv_int4 import pair_math
 from .triton_gemv_int4_columns import computed_lines, strided
 from .triton_pdl import pdl
-from .triton_text import _helpers_in, _max_address, _stmt, _summary, convert, gather_offset
+from .triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 
 COLUMNS_PER_LANE = 4  # neighbouring columns of a lane: one 16-byte load per word row
 ROWS_PER_STEP = 4  # word rows loaded a step (32 rows of K), and as many prefetched
@@ -31,7 +31,7 @@ ROWS_PER_STEP = 4  # word rows loaded a step (32 rows of K), and as many prefetc
 def k_words_fit(kernel, kw: Int4KWords) -> tuple[bool, str]:
     """(fits, why): whether the chunk kernel renders this GEMV chunk."""
     shape = kernel.row_shape + kernel.k_shape
-    if max([_max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1:
+    if max([max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1:
         return False, "addresses past 2^31 elements (the chunk kernel computes them in 32 bits)"
     return True, ""
 
@@ -80,7 +80,7 @@ def render_gemv_k_words(kernel, kw: Int4KWords, arch: int | None = None) -> str:
         value = f"tl.load({where} + lane0, mask=nmask, other=0)" if ragged \
             else f"tl.load({where} + lane0)"
         exact_loads.append(f"{load.var.name} = {convert(value, load.dtype, load.var.dtype)}")
-    exact_lines = [_stmt(s, helpers, block="[WN]") for s in kernel.body if isinstance(s, Stmt)]
+    exact_lines = [render_stmt(s, helpers, block="[WN]") for s in kernel.body if isinstance(s, Stmt)]
     # g_idx of the group's rows, [G / 8, 8], when zero point and scale are read through it
     g_idx = kw.g_idx and "tl.load(%s)" % at(kw.g_idx, "chunk", "0", "gi", f"tl.arange(0, {rows})[:, None]",
                                           "tl.arange(0, 8)[None, :]")
@@ -88,11 +88,11 @@ def render_gemv_k_words(kernel, kw: Int4KWords, arch: int | None = None) -> str:
     shift_lines = computed(kw.shifts, "[8]", ("0", "0", "0", "0", "t8"))
     lines = exact_loads + exact_lines + shift_lines + x_lines
     asm = pair_math(arch)[0]  # nibble_pairs as one PTX lop3 (int4_helpers.j2)
-    helpers |= _helpers_in(lines) | ({"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"}))
+    helpers |= helpers_in(lines) | ({"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"}))
     params = [f"{q.name}_ptr" for q in kernel.params]
     words = kw.words
     return render_template(
-        "triton_gemv_int4_k_words.py.j2", name=kernel.name, summary=_summary(kernel),
+        "triton_gemv_int4_k_words.py.j2", name=kernel.name, summary=ops_summary(kernel),
         group=kw.group, groups=kw.groups, chunks=kw.chunks, n=kw.n, wn=wn, npl=npl, lanes=lanes,
         r=step, rows=rows, half=str(kw.half).replace("torch.", ""),
         half_max=torch.finfo(kw.half).max, asm=asm, words_3d=False, programs=-(-kw.n // wn) * kw.chunks, pdl=pdl(arch),

@@ -31,9 +31,9 @@ from fusec.ir import Load, Reduce
 from .int4_words import Int4Words
 from .render import render_template
 from .triton_gemv import SMS
-from .triton_gemv_int4 import _int32, bf16_bits, needs_int64, pair_math, row_code
+from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
 from .triton_pdl import pdl
-from .triton_text import _helpers_in, _summary, current_arch
+from .triton_text import helpers_in, ops_summary, current_arch
 
 MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
@@ -134,7 +134,7 @@ def render_gemv_mma(kernel, words: Int4Words, arch: int | None = None, why: str 
         group.append(f"zneg2 = bf16x2({group_load(words.zero)}, True)")
     else:
         bits = bf16_bits(-words.zero)
-        group.append(f"zneg2 = tl.full([1, 1], {_int32(bits | bits << 16)}, tl.int32)  "
+        group.append(f"zneg2 = tl.full([1, 1], {as_int32(bits | bits << 16)}, tl.int32)  "
                      f"# -{words.zero} as bf16 bits, twice")
     scale = group_load(words.scale)
     fast = group + [f"s = fusec_bf16_to_f32({scale})"]
@@ -159,11 +159,11 @@ def render_gemv_mma(kernel, words: Int4Words, arch: int | None = None, why: str 
 
     row_lines, epilogue, stores, helpers = row_code(kernel, r, rows, address)
     big = needs_int64(kernel)
-    helpers |= _helpers_in(row_lines + fast + exact + epilogue + stores)
+    helpers |= helpers_in(row_lines + fast + exact + epilogue + stores)
     helpers |= {"fusec_bf16_to_f32", "fusec_dot_bf16_acc"} | \
         (set() if asm else {"fusec_f32_to_bf16"})
     return render_template(
-        "triton_gemv_int4_mma.py.j2", words_3d=False, name=kernel.name, summary=_summary(kernel), m=m, n=n,
+        "triton_gemv_int4_mma.py.j2", words_3d=False, name=kernel.name, summary=ops_summary(kernel), m=m, n=n,
         k=2 * kernel.k, group=words.group, words=words.words, block_n=block_n,
         num_warps=num_warps, split=split, per=per, stages=stages, chunk=CHUNK_WORDS,
         finish_n=FINISH_BLOCK_N, programs=-(-n // block_n) * split, asm=asm, pair_note=pair_note,

@@ -26,7 +26,7 @@ from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
 from .triton_gemv_int4_k_words import k_words_fit, render_gemv_k_words
 from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
 from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
-from .triton_text import TL, _helpers_in, _max_address, _stmt, _summary, convert, gather_offset, literal
+from .triton_text import TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset, literal
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def render_reduction(kernel, arch: int | None = None) -> str:
         kind, item = producers[name]
         if kind == "load":
             return load_lines[name]
-        return _stmt(item, helpers, block="[1, 1]")
+        return render_stmt(item, helpers, block="[1, 1]")
 
     plan = kernel.plan
     k_setup = lambda start: [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
@@ -207,12 +207,12 @@ def render_reduction(kernel, arch: int | None = None) -> str:
     if k_chunk:
         note = (note + "\n" if note else "") + \
             f"Not the K-packed int4 kernel (codegen/int4_k_words.py): {why_not_k_words}."
-    helpers = _helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
+    helpers = helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
-    big = max([kernel.numel] + [_max_address(a.index, kernel.row_shape + kernel.k_shape)
+    big = max([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
                                 for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
     return render_template(
-        "triton_reduction.py.j2", name=kernel.name, summary=_summary(kernel),
+        "triton_reduction.py.j2", name=kernel.name, summary=ops_summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
         k=kernel.k, xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],

@@ -91,7 +91,7 @@ def _operand(o, dtype) -> str:
     return convert(o.name, o.dtype, dtype)
 
 
-def _stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
+def render_stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
     row = ops.OPS[s.op]
     args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
     if s.op == "full":
@@ -107,17 +107,17 @@ def _stmt(s: Stmt, helpers: set, block: str = "[BLOCK_SIZE]") -> str:
     return f"{s.var.name} = {expr}  # {s.origin}"
 
 
-def _helpers_in(lines: list[str]) -> set[str]:
+def helpers_in(lines: list[str]) -> set[str]:
     """The fusec_* helpers a kernel's lines call: the module imports exactly those."""
     return {name for line in lines for name in re.findall(r"\bfusec_\w+", line)}
 
 
-def _max_address(index: Index, shape: tuple[int, ...]) -> int:
+def max_address(index: Index, shape: tuple[int, ...]) -> int:
     """The largest element offset an index reaches: decides between 32- and 64-bit arithmetic."""
     return abs(index.offset) + sum((size - 1) * abs(st) for size, st in zip(shape, index.strides))
 
 
-def _summary(kernel: PointwiseKernel) -> str:
+def ops_summary(kernel: PointwiseKernel) -> str:
     names = [op.replace("aten.", "").split(".")[0] for op in kernel.ops]
     return f"fuses {len(names)} ATen op(s): {', '.join(names)}"
 

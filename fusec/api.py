@@ -41,7 +41,7 @@ from fusec.capture.training import aot_compile, tensor_args
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
-from fusec.fastpath import _MISS, _complete, _guarded, _no_fast_path, _signature  # noqa: F401
+from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
 from fusec.fastpath import make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
 from fusec.runtime import saved
@@ -115,7 +115,7 @@ class CompiledFunction:
         self._guards = guards.Guards(fn)
         self._state_refs = self._guards.refs
         self._module = fn if isinstance(fn, torch.nn.Module) else None
-        self._fast: Callable = _no_fast_path  # see __call__
+        self._fast: Callable = no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
         functools.update_wrapper(self, fn, updated=())
         why = _dynamo_first(fn)
@@ -124,7 +124,7 @@ class CompiledFunction:
 
     # -- public ---------------------------------------------------------------------------------
     def __repr__(self) -> str:
-        what = f"fusec.compile({_label(self.fn)}, backend={self.backend!r})"
+        what = f"fusec.compile({label_of(self.fn)}, backend={self.backend!r})"
         if self.breaks is not None:
             return f"<{what}: compiled in regions by TorchDynamo ({self.breaks.cause.reason})>"
         if not self.compiled:
@@ -172,7 +172,7 @@ class CompiledFunction:
         takes `_call` every time, into its graph-break path: fusec/capture/regions.py.)"""
         if not kwargs and not self.check:
             out = self._fast(args)
-            if out is not _MISS:
+            if out is not MISS:
                 return out
         return self._call(args, kwargs)
 
@@ -182,7 +182,7 @@ class CompiledFunction:
         train if gradients are needed, run, check, rebuild the outputs' structure."""
         if self.breaks is not None:
             return self.breaks(args, kwargs)
-        self._fast = _no_fast_path  # set again below when this call can take the fast path
+        self._fast = no_fast_path  # set again below when this call can take the fast path
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         plain = not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor)
                                    for a in args)
@@ -197,7 +197,7 @@ class CompiledFunction:
         if needs_grad:  # (one thread at a time: its first call compiles, as `_compile_new`)
             with self._lock:
                 return self._train(args, kwargs)
-        key = _signature([*lifted, *leaves],
+        key = call_signature([*lifted, *leaves],
                          module.training if module is not None else False) + structure
         key += self._guards.key()  # the values of the Python state its program read
         compiled = self.compiled.get(key)
@@ -217,7 +217,7 @@ class CompiledFunction:
             return self._aliased_call(aliased, key, args, kwargs, leaves, tensors, len(lifted))
         run = one_at_a_time(self._run, compiled)  # (fusec/runtime/threads.py)
         rng = _check.rng_state(compiled) if self.check else None  # (random ops: eager's too)
-        flat_out = _complete(compiled, run(compiled, tensors, len(lifted)), tensors)
+        flat_out = complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
         elif plain and all(type(a) is torch.Tensor for a in args):
@@ -246,19 +246,19 @@ class CompiledFunction:
             limit = recompile_limit()
             for old in trim(self.compiled, limit):  # (only when the limit was lowered)
                 if self._fast_paths.pop(old, None) is self._fast:
-                    self._fast = _no_fast_path
+                    self._fast = no_fast_path
             if self.compiles >= limit:
                 if not self._said_limit:
                     self._said_limit = True
                     changed = self._changed(key, args, kwargs)
                     remember(self.recompiles, f"past the recompile limit ({limit}), ran "
                                               f"eagerly: {changed}")
-                    warn_limit_reached(_label(self.fn), self.compiles, limit, changed)
+                    warn_limit_reached(label_of(self.fn), self.compiles, limit, changed)
                 return _Instead(self._eager)
             if self.compiles:
                 changed = self._changed(key, args, kwargs)
                 remember(self.recompiles, changed)
-                events.publish("recompiled", _label(self.fn), changed)
+                events.publish("recompiled", label_of(self.fn), changed)
             try:
                 compiled, key = self._compile_recorded(key, args, kwargs, leaves, same)
             except GraphBreakError as err:
@@ -286,7 +286,7 @@ class CompiledFunction:
         """This call's inputs share memory, and its program writes into one of them (see "Note
         (aliased inputs)" in fusec/aliasing.py, which decides): a program of its own for inputs
         that are the very same tensor (after one eager call), else eager. No fast path."""
-        key = self._aliased.program_key(aliased, key, _label(self.fn),
+        key = self._aliased.program_key(aliased, key, label_of(self.fn),
                                         lambda: self._names(args, kwargs))
         compiled = self.compiled.get(key) if key is not None else None
         if compiled is None and self._aliased.runs_eagerly(key):
@@ -301,7 +301,7 @@ class CompiledFunction:
             touch(self.compiled, key)
         self.last = compiled
         run = one_at_a_time(self._run, compiled)
-        flat_out = _complete(compiled, run(compiled, tensors, n_static), tensors)
+        flat_out = complete(compiled, run(compiled, tensors, n_static), tensors)
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
     # -- pickling ---------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class CompiledFunction:
         if not self._guards.moved():
             return False
         self._state_refs = self._guards.refs
-        self._fast = _no_fast_path
+        self._fast = no_fast_path
         return True
 
     def _compile_recorded(self, key: tuple, args, kwargs, leaves, same: dict | None = None):
@@ -376,7 +376,7 @@ class CompiledFunction:
                     loaded = saved.load(key, lambda: self._capture_and_compile(*remake(), backend))
                 if loaded is not None:
                     loaded.times["capture"] += seconds  # the fingerprint stood in for capture
-                    events.publish("compiled", loaded, _label(self.fn))
+                    events.publish("compiled", loaded, label_of(self.fn))
                     return loaded
         compiled = self._capture_and_compile(args, kwargs, backend, detail, bool(real), tensors,
                                              same)
@@ -403,7 +403,7 @@ class CompiledFunction:
                 # any backend to build: whichever backend this machine runs is as good
                 backend = resolve_backend(self.backend if device is not None else "auto",
                                           device or torch.device("cpu"))
-            return compile_graph(captured, backend, record=detail, label=_label(self.fn))
+            return compile_graph(captured, backend, record=detail, label=label_of(self.fn))
 
     def _graph_breaks(self, cause: GraphBreakError, args: tuple, kwargs: dict):
         """The program is not one static graph (`cause` says why and where). fullgraph=True:
@@ -413,11 +413,11 @@ class CompiledFunction:
             raise GraphBreakError(f"{cause} (fullgraph=True; with fullgraph=False fusec compiles "
                                   "the regions around this and runs it eagerly)",
                                   cause.reason, cause.where) from None
-        label = _label(self.fn)
+        label = label_of(self.fn)
         warn_graph_breaks(label, cause)
         self.breaks = GraphBroken(self.fn, cause, part_compiler(self.backend, self.check),
                                   self.backend, label)
-        self._fast, self.last, self.train_parts = _no_fast_path, None, []
+        self._fast, self.last, self.train_parts = no_fast_path, None, []
         return self.breaks(args, kwargs)
 
     def _train(self, args, kwargs):
@@ -426,7 +426,7 @@ class CompiledFunction:
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         leaves, _, _ = calls.flatten_call(self.fn, args, kwargs)
         lifted = self._state()
-        key = ("train",) + _signature([*lifted, *leaves], module.training if module is not None else False)
+        key = ("train",) + call_signature([*lifted, *leaves], module.training if module is not None else False)
         key += self._guards.key()  # the values of the Python state its program read
         entry = self.compiled.get(key)
         if entry is None:
@@ -446,7 +446,7 @@ class CompiledFunction:
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)
             except Exception as err:
-                cause = tracing._capture_error(err)
+                cause = tracing.capture_error(err)
                 if not isinstance(cause, GraphBreakError):
                     raise
                 return self._graph_breaks(cause, args, kwargs)
@@ -530,11 +530,11 @@ def _through_dynamo(fn, why: str, backend: str, check: bool) -> GraphBroken:
     """The program compiled in regions by TorchDynamo from the first call (`_dynamo_first`)."""
     cause = GraphBreakError(f"fusec: {why}: TorchDynamo captures it, and fusec compiles the "
                             "graphs it finds", reason=why, where="")
-    label = f"{type(fn.__self__).__name__}.step" if hasattr(fn, "__self__") else _label(fn)
+    label = f"{type(fn.__self__).__name__}.step" if hasattr(fn, "__self__") else label_of(fn)
     return GraphBroken(fn, cause, part_compiler(backend, check), backend, label)
 
 
-def _label(fn) -> str:
+def label_of(fn) -> str:
     """A name for fn in logs and debug folders: the function's or the module class's name."""
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__
@@ -583,5 +583,5 @@ def regions(compiled) -> Regions:
     if found is None:
         raise FusecError(f"fusec: {type(compiled).__name__} is not compiled by fusec: pass what "
                          "torch.compile(model, backend=\"fusec\") or fusec.compile returned")
-    found.label = _label(original(compiled))
+    found.label = label_of(original(compiled))
     return found

@@ -1,10 +1,10 @@
 """The fast path: a call that looks like the last one runs its program with almost no Python.
 
 `CompiledFunction.__call__` (fusec/api.py) first tries `self._fast(args)`: a guard written out
-as straight-line Python for the last signature (`_guarded`; `make_fast_path` makes one for a
+as straight-line Python for the last signature (`guarded_call`; `make_fast_path` makes one for a
 program), which returns `MISS` when the arguments differ and otherwise runs the program and
-returns the user's outputs in the user's structure (`_direct_runner`, `_packer`). `_signature`
-is the key every compiled program is kept under; `_complete` puts back the outputs a program
+returns the user's outputs in the user's structure (`_direct_runner`, `_packer`). `call_signature`
+is the key every compiled program is kept under; `complete` puts back the outputs a program
 does not compute (constants, inputs returned as they are). Whether inputs share memory is
 aliasing.py's question; the fast path spells its check out (`_overlap_lines`).
 """
@@ -29,15 +29,15 @@ class _Miss:
         return "MISS"
 
 
-_MISS = _Miss()
+MISS = _Miss()
 
 
-def _no_fast_path(args: tuple) -> _Miss:
+def no_fast_path(args: tuple) -> _Miss:
     """The fast path before the first call (and after a call that cannot take one)."""
-    return _MISS
+    return MISS
 
 
-def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, module,
+def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, module,
              mutated: tuple = (), python_state: tuple = ((), {})) -> Callable:
     """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
 
@@ -63,7 +63,7 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
     the program read (`m.scale`, a global flag: fusec/capture/guards.py `Guards.fast_lines`);
     none for a program that read none.
     """
-    glob = {"MISS": _MISS, "Tensor": torch.Tensor, "run": run,
+    glob = {"MISS": MISS, "Tensor": torch.Tensor, "run": run,
             "is_grad_enabled": torch.is_grad_enabled}
     n_args = len(tensors) - n_static
     args = [f"a{i}" for i in range(n_args)]
@@ -108,7 +108,7 @@ def _guarded(run: Callable, tensors: list, n_static: int, state_refs: list, modu
 def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
                    state_refs: list, module, python_state: tuple) -> Callable:
     """The fast path for calls like this one (`n_args` positional plain tensors after the
-    module's state, all as in `tensors`): a guard, written out as Python (`_guarded`), then the
+    module's state, all as in `tensors`): a guard, written out as Python (`guarded_call`), then the
     run. A program CUDA graphs may replay runs as the general path runs it: through its
     CompiledFunction's (`owner`'s) `_run`, which decides between a plain run, a capture and a
     replay (looked up on every call, as in the general path)."""
@@ -118,14 +118,14 @@ def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
 
         def run(tensors):
             tensors = list(tensors)
-            return pack(_complete(compiled, owner._run(compiled, tensors, n_static), tensors))
+            return pack(complete(compiled, owner._run(compiled, tensors, n_static), tensors))
     else:  # steps run directly: the straight-line function returns the user's outputs itself
         run = _direct_runner(compiled.program, captured)
-    return _guarded(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
+    return guarded_call(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
                     mutated_inputs(compiled.program), python_state)
 
 
-def _complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
+def complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
     """A program's output list, completed with the outputs that are not tensors it computes:
     constants (None, a number) and inputs returned as they are."""
     for k, value in sorted(compiled.captured.output_constants.items()):
@@ -167,7 +167,7 @@ def _direct_runner(program, captured: Captured) -> Callable:
     return lambda tensors: pytree.tree_unflatten(run(tensors), spec)
 
 
-def _signature(leaves: list, grad: bool) -> tuple:
+def call_signature(leaves: list, grad: bool) -> tuple:
     key = [grad]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

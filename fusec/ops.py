@@ -1,8 +1,8 @@
 """The op table: one row per operation fusec can compile into a kernel.
 
-Why this file is long: it is the one op table (DESIGN.md: "adding an op is one row plus a
-test"). Its rows and the ATen mapping below them are read together; split, a reader would look
-for an op in several places.
+Why this file is long: it is the one op table ("adding an op is one row plus a test":
+docs/ops.md, "Adding an op"). Its rows and the ATen mapping below them are read together;
+split, a reader would look for an op in several places.
 
 Every backend reads the same rows. A row says what kind of op it is, how PyTorch promotes its
 operand dtypes, and how to spell it in each backend, as a format string over its operands

@@ -35,8 +35,8 @@ from fusec.record import Decision, record_of
 
 from .fold_constants import known_value
 from .grouping import meta
-from .layout import _run_fake, _set_meta
-from .schedule import _fake_mode
+from .layout import run_fake, set_meta
+from .schedule import fake_mode_of
 
 aten = torch.ops.aten
 MESSAGE_MAX = 254  # characters: the most an _assert_async message may have on a GPU
@@ -51,7 +51,7 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         gather = ops.gathered_read(node)
         if gather is None:
             continue
-        mode = mode or _fake_mode(gm)
+        mode = mode or fake_mode_of(gm)
         index = _uncast(gather.index)
         if index is not gather.index:
             _set_index(node, gather, index)
@@ -154,5 +154,5 @@ def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
 
 def _add(graph: fx.Graph, mode, target, args, like: fx.Node) -> fx.Node:
     new = graph.call_function(target, args)
-    _set_meta(new, _run_fake(mode, new), like)
+    set_meta(new, run_fake(mode, new), like)
     return new

@@ -44,9 +44,9 @@ from fusec.record import Decision
 
 from .fold_constants import known_value
 from .grouping import constant_node, meta, record_decisions
-from .layout import _run_fake, _set_meta
-from .schedule import _fake_mode
-from .unflatten import _RESHAPES, pushable
+from .layout import run_fake, set_meta
+from .schedule import fake_mode_of
+from .unflatten import RESHAPES, pushable
 
 aten = torch.ops.aten
 
@@ -86,7 +86,7 @@ def _rewrite(gm, node, gather, index):
         if b == size:
             at, dim_at = source, dim
         else:  # the source must be a reshape that merged (size / b, b) into the dim
-            inner = source.args[0] if source.op == "call_function" and source.target in _RESHAPES \
+            inner = source.args[0] if source.op == "call_function" and source.target in RESHAPES \
                 else None
             shape = list(meta(source).shape)
             if inner is None or list(meta(inner).shape) != shape[:dim] + [size // b, b] + shape[dim + 1:]:
@@ -111,7 +111,7 @@ class _Pusher:
 
     def __init__(self, gm: fx.GraphModule, before: fx.Node):
         self.gm, self.before = gm, before
-        self.mode = _fake_mode(gm)
+        self.mode = fake_mode_of(gm)
         self.constants: set[str] = set()
 
     def can(self, value, dim: int, n: int) -> bool:
@@ -136,7 +136,7 @@ class _Pusher:
             picked = known.index_select(dim, perm.to(known.device)).contiguous()
             with self.gm.graph.inserting_before(self.before):
                 new = constant_node(self.gm, f"_gathered_{value.name}", picked)
-            _set_meta(new, self.mode.from_tensor(picked), like=value)
+            set_meta(new, self.mode.from_tensor(picked), like=value)
             return new
         rank = len(meta(value).shape)
         args = []
@@ -151,8 +151,8 @@ class _Pusher:
     def add(self, target, args, kwargs=None, like=None) -> fx.Node:
         with self.gm.graph.inserting_before(self.before):
             new = self.gm.graph.call_function(target, args, kwargs or {})
-        val = _run_fake(self.mode, new)
+        val = run_fake(self.mode, new)
         if val is None:
             raise RuntimeError(f"fusec: {new.format_node()} does not run on its fake inputs")
-        _set_meta(new, val, like=like)
+        set_meta(new, val, like=like)
         return new

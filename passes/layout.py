@@ -55,7 +55,7 @@ from fusec.record import record_of
 
 from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, PER_THREAD, SPEEDUP,  # noqa: F401
                           ConvChoice, Conversion, LayoutPlan, speedup)
-from .schedule import _dense, _fake_mode
+from .schedule import is_dense, fake_mode_of
 
 aten = torch.ops.aten
 
@@ -126,7 +126,7 @@ class _CannotConvert(Exception):
 def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
     """Insert the conversions and re-derive every node's strides. Returns the conversions."""
     graph = gm.graph
-    mode = _fake_mode(gm)
+    mode = fake_mode_of(gm)
     eager_meta = {n: n.meta.get("fusec") for n in graph.nodes}
     output = graph.output_node()
     conversions: list[Conversion] = []
@@ -145,7 +145,7 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
         with mode:
             val = torch.empty_strided(src.shape, stride, dtype=src.dtype, device=src.device) \
                 if stride is not None else aten.clone.default(src, memory_format=fmt)
-        _set_meta(new, val, like=value)
+        set_meta(new, val, like=value)
         # A conversion fuses into the kernel that computes its input, when one does.
         free = value.op == "call_function" and ops.classify(value.target) == ops.POINTWISE
         to = _format_name(TensorMeta.of(val))
@@ -177,7 +177,7 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
             why = f"{node.target.__name__} ({node.name}) {CONTIGUOUS_ONLY[node.target, device]}"
             node.args = (convert(base, None, node, why, stride=eager_meta[base].stride,
                                  suffix="contiguous"),) + tuple(node.args[1:])
-        val = _run_fake(mode, node)
+        val = run_fake(mode, node)
         if val is None and isinstance(node.target, torch._ops.OpOverload) \
                 and ops.classify(node.target) == ops.VIEW:
             # e.g. flatten before a linear layer: the view needs eager's layout back
@@ -185,13 +185,13 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
             old = eager_meta[base]
             node.args = (convert(base, None, node, f"{node.target.__name__} ({node.name}) needs "
                                  "eager's layout", stride=old.stride, suffix="contiguous"),) + tuple(node.args[1:])
-            val = _run_fake(mode, node)
+            val = run_fake(mode, node)
         if val is None:
             raise _CannotConvert(f"{node.name} ({node.target}) cannot run on the channels-last "
                                  "layout; keeping eager's layout everywhere")
         if ops.reduction(node) is not None:
             val = _rows_in_input_order(mode, node, val)
-        _set_meta(node, val, like=node)
+        set_meta(node, val, like=node)
 
     # Program outputs: eager's strides, exactly.
     outs = output.args[0]
@@ -200,9 +200,9 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
         if not isinstance(value, fx.Node) or not isinstance(value.meta.get("fusec"), TensorMeta):
             continue
         old, new = eager_meta.get(value), value.meta["fusec"]
-        if not isinstance(old, TensorMeta) or _same_strides(old, new):
+        if not isinstance(old, TensorMeta) or same_strides(old, new):
             continue
-        if not _dense(old):
+        if not is_dense(old):
             raise _CannotConvert(f"output {value.name} is a non-dense view in eager; keeping "
                                  "eager's layout everywhere")
         fmt = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -307,14 +307,14 @@ def _changed(node: fx.Node, eager_meta: dict) -> bool:
     if node not in eager_meta:
         return True  # a conversion the pass inserted
     if isinstance(old, TensorMeta) and isinstance(new, TensorMeta):
-        return not _same_strides(old, new)
+        return not same_strides(old, new)
     if isinstance(old, tuple) and isinstance(new, tuple):
         return any(isinstance(a, TensorMeta) and isinstance(b, TensorMeta)
-                   and not _same_strides(a, b) for a, b in zip(old, new))
+                   and not same_strides(a, b) for a, b in zip(old, new))
     return False
 
 
-def _same_strides(a: TensorMeta, b: TensorMeta) -> bool:
+def same_strides(a: TensorMeta, b: TensorMeta) -> bool:
     """Equal strides, ignoring dims of size 1 (their stride never matters)."""
     return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride, b.stride, a.shape)
                                       if n != 1)
@@ -323,9 +323,9 @@ def _same_strides(a: TensorMeta, b: TensorMeta) -> bool:
 def _format_name(m: TensorMeta) -> str:
     if len(m.shape) in (4, 5):
         cl = _cl_strides(m.shape)
-        if _same_strides(m, TensorMeta(m.shape, m.dtype, contiguous_strides(m.shape), m.device)):
+        if same_strides(m, TensorMeta(m.shape, m.dtype, contiguous_strides(m.shape), m.device)):
             return "contiguous"
-        if _same_strides(m, TensorMeta(m.shape, m.dtype, cl, m.device)):
+        if same_strides(m, TensorMeta(m.shape, m.dtype, cl, m.device)):
             return "channels_last" if len(m.shape) == 4 else "channels_last_3d"
         return "strided " + str(tuple(m.stride))
     return "contiguous" if m.stride == contiguous_strides(m.shape) else "strided"
@@ -354,7 +354,7 @@ def _short(dtype: torch.dtype) -> str:
     return short_dtype(dtype)
 
 
-def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
+def set_meta(node: fx.Node, val, like: fx.Node) -> None:
     for key, value in like.meta.items():
         if node is not like and key not in ("val", "fusec", "tensor_meta"):
             node.meta.setdefault(key, value)
@@ -362,7 +362,7 @@ def _set_meta(node: fx.Node, val, like: fx.Node) -> None:
     node.meta["fusec"] = meta_of(val)
 
 
-def _run_fake(mode, node: fx.Node):
+def run_fake(mode, node: fx.Node):
     """Run node's op on the (new) fake values of its arguments; None if it cannot run."""
     def arg(a):
         return a.meta["val"]

@@ -70,8 +70,8 @@ from fusec.record import Decision, record_of
 
 from .fuse_pointwise import is_pointwise, view_root
 from .grouping import impure, meta
-from .layout import _run_fake, _same_strides, _set_meta
-from .schedule import _fake_mode
+from .layout import run_fake, same_strides, set_meta
+from .schedule import fake_mode_of
 from .unflatten import erase_dead, pushable
 
 aten = torch.ops.aten
@@ -81,7 +81,7 @@ def move_permutes(gm: fx.GraphModule) -> fx.GraphModule:
     """Move permutes up to loaded values and down past pointwise ops (see the module docstring)."""
     graph = gm.graph
     decisions: list[Decision] = []
-    mode = _fake_mode(gm)
+    mode = fake_mode_of(gm)
     backend = record_of(gm).backend
     rows_one_by_one = bool(backend) and backends.get(backend).rows_one_by_one
     for p in [n for n in graph.nodes if _is_permute(n)]:
@@ -241,7 +241,7 @@ class _CannotRun(Exception):
 def _why_not_replace(old: fx.Node, new: TensorMeta) -> str | None:
     """Why a value with meta `new` cannot take old's place: its strides differ, and a reader
     cares (the program's caller, a view, an extern). Kernels read any strides."""
-    if _same_strides(meta(old), new):
+    if same_strides(meta(old), new):
         return None
     for user in old.users:
         if user.op == "output":
@@ -269,10 +269,10 @@ def _add(graph, mode, target, args, kwargs, like, before, made, name=None) -> fx
     made.append(new)
     if name:
         new._rename(name)
-    val = _run_fake(mode, new)
+    val = run_fake(mode, new)
     if val is None:
         raise _CannotRun(f"{new.format_node()} does not run on its fake inputs")
-    _set_meta(new, val, like=like)
+    set_meta(new, val, like=like)
     return new
 
 

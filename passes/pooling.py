@@ -35,7 +35,7 @@ import torch.fx as fx
 from fusec.record import Decision, record_of
 
 from .grouping import meta
-from .schedule import _fake_mode
+from .schedule import fake_mode_of
 from .unflatten import Unflattener
 
 aten = torch.ops.aten
@@ -59,7 +59,7 @@ def pooling(gm: fx.GraphModule) -> fx.GraphModule:
         if why:
             decisions.append(Decision(node.name, False, why))
             continue
-        mode = mode or _fake_mode(gm)
+        mode = mode or fake_mode_of(gm)
         _rewrite(gm, node, mode)
         decisions.append(Decision(node.name, True, "windows that tile the input: a view and "
                                   f"{'amax' if node.target in MAX_POOLS else 'a sum'}"))

@@ -52,8 +52,8 @@ import torch.fx as fx
 from fusec import ops
 
 from .grouping import val
-from .schedule import _fake_mode
-from .unflatten import _RESHAPES, Unflattener, pushable
+from .schedule import fake_mode_of
+from .unflatten import RESHAPES, Unflattener, pushable
 
 def needs_refining(top: fx.Node) -> bool:
     """Whether the weight `top` is computed through a reshape of a computed tensor."""
@@ -85,13 +85,13 @@ def refine_weight(graph: fx.Graph, top: fx.Node, n_first: bool) -> fx.Node:
     is left. The old chain is left to dead-code elimination."""
     k_dims, n_dims = refined_dims(top, n_first)
     # the new nodes go right after `top`: what they read comes before it, what reads it after
-    cut = Unflattener(graph, top.next, _fake_mode(graph.owning_module))
+    cut = Unflattener(graph, top.next, fake_mode_of(graph.owning_module))
     runs = [n_dims, k_dims] if n_first else [k_dims, n_dims]
     return cut.refine(top, runs)
 
 
 def _reshape_of_computed(a: fx.Node) -> bool:
-    return a.op == "call_function" and a.target in _RESHAPES and not _leafish(a.args[0])
+    return a.op == "call_function" and a.target in RESHAPES and not _leafish(a.args[0])
 
 
 def _leafish(a) -> bool:
@@ -122,7 +122,7 @@ def _chain(top: fx.Node, size: int):
         cuts |= _cuts(val(a).shape)
         if a.op != "call_function" or _leafish(a):
             continue
-        if a.target in _RESHAPES:
+        if a.target in RESHAPES:
             found |= _reshape_of_computed(a)
             stack.append(a.args[0])
         elif pushable(a):

@@ -39,7 +39,7 @@ __all__ = ["schedule", "Step", "format_schedule"]
 def schedule(gm: fx.GraphModule) -> fx.GraphModule:
     output_values = {a for a in gm.graph.output_node().all_input_nodes}
     fake_of: dict[fx.Node, torch.Tensor] = {}
-    mode = _fake_mode(gm)
+    mode = fake_mode_of(gm)
     roots: dict = {}  # fake buffers by (shape, stride, dtype, device): see _root
     steps: list[Step] = []
 
@@ -61,7 +61,7 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
                 and node.args[0].op == "call_module":
             # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
             # eager, and views traced against eager's layout replay on ours.
-            stride = m.stride if _dense(m) else contiguous_strides(m.shape)
+            stride = m.stride if is_dense(m) else contiguous_strides(m.shape)
             fake_of[node] = _root(mode, m, stride, roots)
             node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
             steps[-1].writes.append(node.name)
@@ -146,7 +146,7 @@ def _written_buffer(gm: fx.GraphModule, item: fx.Node) -> fx.Node | None:
     return call.args[placeholders.index(write[0])]
 
 
-def _dense(m: TensorMeta) -> bool:
+def is_dense(m: TensorMeta) -> bool:
     """Non-overlapping and dense: some permutation of the dims is contiguous."""
     dims = sorted((st, sz) for st, sz in zip(m.stride, m.shape) if sz != 1)
     expected = 1
@@ -157,7 +157,7 @@ def _dense(m: TensorMeta) -> bool:
     return True
 
 
-def _fake_mode(gm):
+def fake_mode_of(gm):
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):

@@ -46,8 +46,8 @@ import torch.fx as fx
 from fusec.record import Decision, record_of
 
 from .grouping import meta
-from .layout import _run_fake, _set_meta
-from .schedule import _fake_mode
+from .layout import run_fake, set_meta
+from .schedule import fake_mode_of
 from .unflatten import erase_dead
 
 aten = torch.ops.aten
@@ -91,9 +91,9 @@ def simplify(gm: fx.GraphModule) -> fx.GraphModule:
                 narrow = graph.call_function(aten._to_copy.default, (clamped,),
                                              {"dtype": torch.int32})
                 shift = graph.call_function(aten.bitwise_right_shift.Tensor, (word, narrow))
-            mode = _fake_mode(gm)
+            mode = fake_mode_of(gm)
             for new in (clamped, narrow, shift):
-                _set_meta(new, _run_fake(mode, new), node)
+                set_meta(new, run_fake(mode, new), node)
             shift._rename(f"{node.name}_32")
             node.replace_all_uses_with(shift)
             graph.erase_node(node)

@@ -69,7 +69,7 @@ from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
 from .fuse_reductions import programs_of, spread_gemv
 from .grouping import meta
 from .packed_chunks import packed_along_k, packed_along_n
-from .schedule import _fake_mode
+from .schedule import fake_mode_of
 from .unflatten import Unflattener
 
 aten = torch.ops.aten
@@ -98,7 +98,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         packed = packed_along_n(node, red) or packed_along_k(node, red)
         if packed is not None:
             d, chunks, layout, kernel = packed
-            mode = mode or _fake_mode(gm)
+            mode = mode or fake_mode_of(gm)
             k = math.prod(meta(red.operand).shape[r] for r in red.dims)
             _split(gm, node, red, d, chunks, mode, views)
             decisions.append(Decision(node.name, True, (
@@ -124,7 +124,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
                                       f"at least {MIN_CHUNK} elements"))
             continue
         d, chunks = plan
-        mode = mode or _fake_mode(gm)
+        mode = mode or fake_mode_of(gm)
         mean = _deviations_from(node, red, splits, d, chunks)
         key = _value_key(red.operand)  # (before the split erases the operand)
         if mean is not None:

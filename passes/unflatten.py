@@ -31,10 +31,10 @@ from fusec import ops
 from fusec.ir import TensorMeta
 
 from .grouping import meta
-from .layout import _run_fake, _set_meta
+from .layout import run_fake, set_meta
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 class Unflattener:
@@ -54,10 +54,10 @@ class Unflattener:
             new = self.graph.call_function(target, args, kwargs or {})
         if name:
             new._rename(name)
-        val = _run_fake(self.mode, new)
+        val = run_fake(self.mode, new)
         if val is None:
             raise RuntimeError(f"fusec: {new.format_node()} does not run on its fake inputs")
-        _set_meta(new, val, like=like or self.before)
+        set_meta(new, val, like=like or self.before)
         self.made.append(new)
         return new
 
@@ -109,10 +109,10 @@ class Unflattener:
         fine = [p for r in runs for p in r]
         shape = list(meta(value).shape)
         source = _runs_for(list(meta(value.args[0]).shape), fine) \
-            if value.op == "call_function" and value.target in _RESHAPES else None
+            if value.op == "call_function" and value.target in RESHAPES else None
         if all(len(r) == 1 for r in runs):
             new = value
-        elif source is not None and (pushable(value.args[0]) or value.args[0].target in _RESHAPES):
+        elif source is not None and (pushable(value.args[0]) or value.args[0].target in RESHAPES):
             new = self.refine(value.args[0], source)
         elif pushable(value):
             args = []
@@ -259,7 +259,7 @@ def regroups(value: fx.Node, new_shape: list[int]) -> list[tuple[int, tuple]] | 
     its parts, give `new_shape`: then `new_shape` is reached by cutting the pointwise value and
     the reshape disappears (GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N):
     passes/refine_views.py). Shapes with 1s are left to the plain view."""
-    if value.op != "call_function" or value.target not in _RESHAPES or \
+    if value.op != "call_function" or value.target not in RESHAPES or \
             not pushable(value.args[0]) or 1 in new_shape:
         return None
     base = list(meta(value.args[0]).shape)

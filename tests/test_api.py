@@ -1,4 +1,4 @@
-"""The public API (DESIGN.md, "Public API"): fusec.compile in its three spellings, on functions and
+"""The public API (docs/features.md and the README): fusec.compile in its three spellings, on functions and
 modules, the Kernel records, .source(), recompilation per input signature, check=True and explain.
 
 Every result is compared with eager PyTorch.

@@ -16,6 +16,9 @@ and every import in it, at the top or inside a function, becomes an edge of one 
    with "Why this file is long:" (the op table is one table; splitting it would scatter it);
 4. outside codegen/, nothing tests a backend's name (`backend == "triton"`): it asks the backend
    registry (codegen/backends.py) for the feature it means. ("auto" is an option, not a backend.)
+5. no module reaches into another's underscore names (`from fusec.passes.layout import _run_fake`,
+   `schedule._fake_mode(gm)`): a leading underscore says "only this file uses it", and a reader
+   can trust that. What two files share is public, with a docstring that says what it is for.
 """
 from __future__ import annotations
 
@@ -165,3 +168,60 @@ def test_no_backend_name_tests_outside_codegen():
                 found.append(f"  {path.relative_to(ROOT)}:{node.lineno} (a table keyed by backend)")
     assert not found, "backend names tested outside codegen/ (ask codegen/backends.py):\n" + \
         "\n".join(found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def underscore_reaches() -> list[str]:
+    """Every place a module of the package uses another module's underscore name: imported by
+    name (`from m import _x`) or read through the module (`m._x`, where `m` names a module of
+    ours, however it was imported)."""
+    known = modules()
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        aliases = {}  # a local name -> the module of ours it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    above = package[:len(package) - (node.level - 1)]
+                    base = ".".join(above + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    if full in known:
+                        aliases[alias.asname or alias.name] = full
+                    elif base in known and base != name and _private(alias.name):
+                        found.append(f"  {path.relative_to(ROOT)}:{node.lineno} imports "
+                                     f"{base}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and aliases.get(node.value.id, name) != name and _private(node.attr):
+                found.append(f"  {path.relative_to(ROOT)}:{node.lineno} reads "
+                             f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_underscore_names():
+    found = underscore_reaches()
+    assert not found, ("underscore names used outside their module (make them public, with a "
+                       "docstring, or move the code):\n" + "\n".join(found))
+
+
+def test_the_underscore_rule_sees_both_spellings(tmp_path, monkeypatch):
+    """A guard on the guard: both ways of reaching in are found."""
+    import test_architecture as here
+    fake = {"fusec.a": tmp_path / "a.py", "fusec.b": tmp_path / "b.py"}
+    fake["fusec.a"].write_text("def _x():\n    pass\n")
+    fake["fusec.b"].write_text("from fusec.a import _x\nfrom fusec import a\na._x()\n")
+    monkeypatch.setattr(here, "modules", lambda: fake)
+    monkeypatch.setattr(here, "ROOT", tmp_path)
+    found = here.underscore_reaches()
+    assert len(found) == 2 and "imports fusec.a._x" in found[0] and "reads fusec.a._x" in found[1]

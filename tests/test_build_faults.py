@@ -27,7 +27,7 @@ from fusec import cache
 from fusec.codegen import cpp, elf, llvm, llvm_build, tools
 from fusec.codegen import triton as triton_codegen
 from fusec.errors import CompileError
-from fusec.runtime import build
+from fusec.runtime import build, threads
 from fusec.runtime.eager import EagerGroup, FallbackWarning
 
 
@@ -411,7 +411,7 @@ def test_work_past_its_limit_is_abandoned_not_waited_for():
 
     start = time.monotonic()
     try:
-        got = list(build.finish_within(["a", "stuck", "b", "c"], work, 2, 0.5))
+        got = list(threads.finish_within(["a", "stuck", "b", "c"], work, 2, 0.5))
     finally:
         release.set()
     assert time.monotonic() - start < 5
@@ -420,7 +420,7 @@ def test_work_past_its_limit_is_abandoned_not_waited_for():
     # one worker, the stuck item first: the items after it still run, in a new thread
     release.clear()
     try:
-        got = list(build.finish_within(["stuck", "a"], work, 1, 0.3))
+        got = list(threads.finish_within(["stuck", "a"], work, 1, 0.3))
     finally:
         release.set()
     assert sorted(got) == [("a", True), ("stuck", False)]

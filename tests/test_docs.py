@@ -258,3 +258,54 @@ if __name__ == "__main__":
     parser.add_argument("--refresh", nargs="+", required=True, metavar="FILE")
     for name in parser.parse_args().refresh:
         print(f"{name}: {refresh(ROOT / name)} output block(s) rewritten")
+
+
+# ---- the pass list, wherever a page spells it -----------------------------------------------------
+
+def pass_lists(text: str, names: list[str]) -> list[tuple[int, list[str]]]:
+    """Every place `text` lists passes: a run of lines, starting at one that names four or more
+    passes, and taking in the lines before and after it that name at least one (a table whose rows each name a
+    pass or two, or prose that names three, is not a list of the pipeline). Returns (first line number,
+    the pass names in the order written; a name written twice, as a link's text and its target,
+    counts once)."""
+    pattern = re.compile(r"(?<![\w/])(" + "|".join(map(re.escape, names)) + r")(?![\w])")
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        if len(set(pattern.findall(lines[i]))) < 4:
+            i += 1
+            continue
+        start, seen = i, []
+        while start > 0 and pattern.search(lines[start - 1]) and \
+                not (found and found[-1][2] >= start - 1):  # a list may open on a line naming one
+            start -= 1
+        i = start
+        while i < len(lines) and pattern.search(lines[i]):
+            for name in pattern.findall(lines[i]):
+                if name not in seen:
+                    seen.append(name)
+            i += 1
+        found.append((start + 1, seen, i - 1))
+    return [(line, seen) for line, seen, _ in found]
+
+
+def test_every_pass_list_is_the_pipeline():
+    """docs/index.md, architecture.md, compile_time.md and passes/__init__.py each list the
+    passes; they used to give three different lists. Each list must be PIPELINE, in its order
+    (docs/gpu.md, the lab notebook of past sessions, is history and is not read)."""
+    from fusec.passes import PIPELINE
+    names = [p.__name__ for p in PIPELINE]
+    wrong = []
+    for path in [p for p in DOCS if p.name != "gpu.md"] + [ROOT / "passes" / "__init__.py"]:
+        for line, listed in pass_lists(path.read_text(), names):
+            if listed != names:
+                wrong.append(f"  {rel(path)}:{line}: {', '.join(listed)}")
+    assert not wrong, ("pass lists that are not PIPELINE (" + ", ".join(names) + "):\n" +
+                       "\n".join(wrong))
+
+
+def test_the_pass_list_check_sees_lists():
+    names = ["dce", "cse", "layout", "schedule", "simplify"]
+    text = ("x\nPIPELINE = [dce, cse, layout, schedule,\n  simplify]\n\nprose: dce, cse, layout\n"
+            "| dce | x |\n| cse, layout | y |\n\n[dce](dce.md), [cse](cse.md), [layout](layout.md), "
+            "[schedule](s.md)\n")
+    assert pass_lists(text, names) == [(2, names), (9, ["dce", "cse", "layout", "schedule"])]

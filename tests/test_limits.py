@@ -14,7 +14,7 @@ import torch
 
 import fusec
 from fusec.errors import FusecError
-from fusec.fastpath import _MISS
+from fusec.fastpath import MISS
 from fusec.limits import KEPT_REASONS, remember
 
 
@@ -66,7 +66,7 @@ def test_500_batch_sizes_stop_compiling_at_the_limit():
     assert grown < 50 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB"
     # the compiled signatures keep their programs (and fast paths)
     torch.testing.assert_close(cf(xs[2]), torch.softmax(xs[2], -1))
-    assert cf._fast((xs[2],)) is not _MISS
+    assert cf._fast((xs[2],)) is not MISS
 
 
 def test_the_limit_comes_from_the_environment(monkeypatch):

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from fusec.capture.tracing import _is_user_file
+from fusec.capture.tracing import is_user_file
 from fusec.errors import GraphBreakError, GraphBreakWarning
 
 
@@ -216,6 +216,6 @@ def _user_stacklevel() -> int:
     """The `stacklevel` that makes a warning point at the user's call (the first frame, from
     the caller of warnings.warn outwards, that is neither fusec's nor torch's)."""
     frame, level = sys._getframe(2), 2  # 1: warn_graph_breaks's caller
-    while frame is not None and not _is_user_file(frame.f_code.co_filename):
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2

@@ -126,7 +126,7 @@ def graph_device(gm) -> torch.device | None:
     return torch.device(next((d for d in devices if d != "cpu"), "cpu"))
 
 
-def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
+def check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.device) -> None:
     devices = {str(t.device) for t in tensors if not is_cpu_scalar(t) and t.device.type != "cpu"}
     if len(devices) > 1:  # (CPU tensors next to one device: frontend.scalars_to_device)
         where = ", ".join(f"{n} on {t.device}" for n, t in zip(names, tensors))
@@ -134,7 +134,7 @@ def _check_devices(tensors: list[torch.Tensor], names: list[str], device: torch.
                           "move them to one device before calling the compiled program")
 
 
-def _check_arguments(leaves: list, names: list[str]) -> None:
+def check_arguments(leaves: list, names: list[str]) -> None:
     """Refuse, as one graph, arguments that hide tensors in objects pytree cannot open (a
     `DynamicCache` passed back in, as `model.generate` does on every step): their tensors would be
     baked into the graph as constants, and whatever the program does to the object (a cache

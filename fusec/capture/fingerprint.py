@@ -71,7 +71,7 @@ def fingerprint(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | 
 def trace_text(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | None:
     """The text `fingerprint` hashes: the environment, the arguments, then one line per torch
     call (None when the call cannot be fingerprinted)."""
-    from fusec.capture.frontend import _restore_attributes, _tensor_attributes, flat_callable
+    from fusec.capture.frontend import restore_attributes, tensor_attributes, flat_callable
     module = fn if isinstance(fn, torch.nn.Module) else None
     recorder = None
     try:
@@ -94,13 +94,13 @@ def trace_text(fn: Callable, args: tuple, kwargs: dict, backend: str) -> str | N
                      for t in example]
         header += [recorder.source(fake, real, f"{'p' if k < len(lifted) else 'in'}{k}")
                    for k, (fake, real) in enumerate(zip(fakes, example))]
-        attributes = _tensor_attributes(module)
+        attributes = tensor_attributes(module)
         try:
             with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
                     dense_attention_masks(), autograd_functions_inlined(), recorder:
                 flat_out, spec = outputs.flatten(call(*fakes))
         finally:
-            if _restore_attributes(attributes):
+            if restore_attributes(attributes):
                 raise NoFingerprint("assigns tensor attributes")
         recorder.lines.append(f"out: ({','.join(recorder.encode(o) for o in flat_out)}) "
                               f"spec: {spec}")

@@ -52,12 +52,12 @@ from fusec.capture import guards
 from fusec.capture import outputs
 # (`module_state`, `program_device`, `compiling`, ... are also importable from here, where they
 # lived before calls.py and tracing.py existed)
-from fusec.capture.calls import (_check_arguments, _check_devices, flatten_call,  # noqa: F401
+from fusec.capture.calls import (check_arguments, check_devices, flatten_call,  # noqa: F401
                                  is_cpu_scalar, module_state, program_device)
 from fusec.capture.inplace import mutated_temporaries, out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.torch_level import torch_level
-from fusec.capture.tracing import (_capture_error, autograd_functions_inlined,  # noqa: F401
+from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
@@ -141,13 +141,13 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     module = fn if isinstance(fn, torch.nn.Module) else None
     leaves, names, rebuild = flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    _check_arguments(leaves, names)
+    check_arguments(leaves, names)
     state = (module_state(module) if module is not None else []) + list(reached)
     lifted_names = [ref.name for ref in state]
     lifted = [ref.get() for ref in state]
     user_tensors = [leaves[i] for i in tensor_pos]
     device = program_device([*lifted, *user_tensors])
-    _check_devices(user_tensors, [names[i] for i in tensor_pos], device)
+    check_devices(user_tensors, [names[i] for i in tensor_pos], device)
     traced = _anchor(fn) if stack_traces else fn
     out_spec_box: list[Any] = []
     aliases: dict[int, int] = {}
@@ -176,7 +176,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     # user's line, instead of becoming symbolic values that no static schedule could run. Tensors
     # the program reaches by itself (a closure's, a global's) become constants of the graph.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    attributes = _tensor_attributes(module)
+    attributes = tensor_attributes(module)
     try:
         fakes = [mode.from_tensor(t) for t in example]
         with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
@@ -192,13 +192,13 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     except UnsupportedError:
         raise
     except Exception as err:  # translate torch-internal failures into one clear line
-        cause = _capture_error(err)
+        cause = capture_error(err)
         if isinstance(cause, DeviceError):  # name where each input lives
             cause = DeviceError(f"{cause} (inputs: " + ", ".join(
                 f"{names[i]} on {leaves[i].device}" for i in tensor_pos) + ")")
         raise cause from None
     finally:
-        changed = _restore_attributes(attributes)
+        changed = restore_attributes(attributes)
     if changed:
         raise GraphBreakError(
             f"fusec: the program assigns new tensors to module attributes ({', '.join(changed)}) "
@@ -216,8 +216,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
                     dict(constants), time.perf_counter() - start)
 
 
-def _tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
-    """(submodule, its __dict__ before tracing, the tensors in it): what `_restore_attributes`
+def tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
+    """(submodule, its __dict__ before tracing, the tensors in it): what `restore_attributes`
     checks. Plain tensor attributes (`self.h0 = torch.randn(...)`) are not lifted state."""
     if module is None:
         return []
@@ -225,7 +225,7 @@ def _tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
             for sub in module.modules()]
 
 
-def _restore_attributes(saved: list[tuple]) -> list[str]:
+def restore_attributes(saved: list[tuple]) -> list[str]:
     """Undo tensor attributes that tracing assigned (`self.hidden = tanh(...)` in forward leaves
     a fake tensor on the user's module) and name them: eager would have kept the new value, a
     captured graph cannot."""

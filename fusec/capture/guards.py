@@ -275,7 +275,7 @@ def _kind(value) -> str | None:
 
 
 def _is_traced(t) -> bool:
-    from fusec.capture.tracing import _is_traced as traced
+    from fusec.capture.tracing import is_traced as traced
     return traced(t)
 
 

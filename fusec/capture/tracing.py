@@ -4,7 +4,7 @@ While make_fx traces, a few things must hold that plain tracing does not give: P
 graph cannot hold (`print`, `.numpy()` of a traced tensor) is refused instead of running once
 (`python_at_trace_time_refused`), libraries see `torch.compiler.is_compiling()` (`compiling`),
 and SDPA gets dense attention masks on a GPU (`dense_attention_masks`). When tracing fails
-anyway, `_capture_error` turns torch's internal error into one line at the user's source line:
+anyway, `capture_error` turns torch's internal error into one line at the user's source line:
 a GraphBreakError when the program cannot be one static graph (capture/breaks.py takes it from
 there), else an UnsupportedError.
 """
@@ -46,7 +46,7 @@ def _user_frame(err: BaseException):
     return user[-1] if user else None
 
 
-def _capture_error(err: BaseException) -> UnsupportedError:
+def capture_error(err: BaseException) -> UnsupportedError:
     """One clear fusec error for a torch-internal tracing failure. The failures that mean "this
     program cannot be one static graph" are GraphBreakErrors: with fullgraph=False, fusec then
     compiles the program in regions around them (capture/breaks.py)."""
@@ -86,12 +86,12 @@ def _capture_error(err: BaseException) -> UnsupportedError:
 def _user_caller():
     """The innermost frame on the current stack that belongs to the user (not torch, not fusec)."""
     frame = sys._getframe(1)
-    while frame is not None and not _is_user_file(frame.f_code.co_filename):
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
 
-def _is_user_file(path: str) -> bool:
+def is_user_file(path: str) -> bool:
     """Code of the program being compiled (the user's, or a library's it calls, such as
     transformers), not torch's, fusec's or Python's own standard library."""
     path = os.path.abspath(path) if not path.startswith("<") else path
@@ -109,7 +109,7 @@ def _runs_python(what: str, why: str, frame) -> GraphBreakError:
     return GraphBreakError(f"fusec: {what}{at}: {why}", reason=what, where=line)
 
 
-def _is_traced(t) -> bool:
+def is_traced(t) -> bool:
     """A tensor of the trace (fake, functionalized), not one that holds data."""
     return isinstance(t, (FakeTensor, FunctionalTensor)) or \
         torch._C._functorch.is_functorch_wrapped_tensor(t)
@@ -302,14 +302,14 @@ def _refuse_python():
     real_numpy = torch.Tensor.numpy
 
     def print_(*args, **kwargs):
-        if _tracing_here() and _is_user_file(sys._getframe(1).f_code.co_filename):
+        if _tracing_here() and is_user_file(sys._getframe(1).f_code.co_filename):
             raise _runs_python("print(...)", "Python that runs on every call, but a captured graph "
                                "would run it once, while tracing; move it outside the compiled "
                                "function", sys._getframe(1))
         return real_print(*args, **kwargs)
 
     def numpy_(self, *args, **kwargs):
-        if _is_traced(self):
+        if is_traced(self):
             raise _runs_python(".numpy() of a tensor the program computes", "numpy needs the "
                                "tensor's values, which do not exist while tracing (they would be "
                                "baked into the graph as garbage); use torch ops, or move it "

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fusec.api import (CompiledFunction, CompiledModule, _label, part_compiler, regions,
+from fusec.api import (CompiledFunction, CompiledModule, label_of, part_compiler, regions,
                        resolve_backend)
 from fusec.capture.frontend import capture
 from fusec.capture.regions import Regions, collect_regions, original
@@ -222,7 +222,7 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
         if fullgraph:
             raise
         return explain_regions(model, inputs, kwargs, backend, cause)
-    return Explanation(compile_graph(captured, chosen, record=True, label=_label(model)),
+    return Explanation(compile_graph(captured, chosen, record=True, label=label_of(model)),
                        recompiles)
 
 
@@ -230,7 +230,7 @@ def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
                     cause: GraphBreakError | None = None) -> "RegionsExplanation":
     """Run `model` once through TorchDynamo with fusec compiling each region, and explain them."""
     return RegionsExplanation(collect_regions(model, inputs, kwargs, part_compiler(backend), backend,
-                                              label=_label(model), cause=cause))
+                                              label=label_of(model), cause=cause))
 
 
 @dataclass

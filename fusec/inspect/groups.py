@@ -14,7 +14,7 @@ from fusec.ir import short_dtype
 from fusec.record import group_info
 from fusec.record import record_of
 
-from fusec.inspect.listing import _meta_str, distinct_lines, group_members, user_line
+from fusec.inspect.listing import meta_str, distinct_lines, group_members, user_line
 
 
 # ---- bytes moved --------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def group_rows(gm: fx.GraphModule, kernels) -> list[dict]:
 
 
 def _io(node: fx.Node) -> str:
-    return f"{node.name} {_meta_str(node.meta.get('fusec'))}".strip()
+    return f"{node.name} {meta_str(node.meta.get('fusec'))}".strip()
 
 
 def format_groups(rows: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """The program and its captured graph, run so that they can be measured: every kernel launch and
 extern call inside a named profiler range (`profiled_steps`, on a copy of the steps: the normal
-call path has no profiler code), the captured graph op by op (`_OpByOp`), and each kernel's
-outputs next to the same values computed in float64 (`_numerics`).
+call path has no profiler code), the captured graph op by op (`OpByOp`), and each kernel's
+outputs next to the same values computed in float64 (`kernel_numerics`).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def kernel_output_slots(cg: CompiledGraph) -> dict[str, int]:
     return out
 
 
-class _OpByOp(fx.Interpreter):
+class OpByOp(fx.Interpreter):
     """Runs a captured graph node by node, each ATen op inside `record_function("node NAME")`."""
 
     def __init__(self, gm, ranges: bool):
@@ -117,7 +117,7 @@ def _value_bytes(node: fx.Node) -> int:
     return distinct_elements(m.shape, m.stride) * torch.empty((), dtype=m.dtype).element_size()
 
 
-def _eager_bytes(gm: fx.GraphModule, names: list[str]) -> int:
+def eager_bytes_of(gm: fx.GraphModule, names: list[str]) -> int:
     """Bytes eager PyTorch moves for these ATen ops run one by one: each reads its tensor inputs
     and writes its output (views read in place: only the elements they reach count)."""
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -171,7 +171,7 @@ def _value(node: fx.Node, env: list, slots: dict[str, int], cache: dict):
     return value
 
 
-def _numerics(cg: CompiledGraph, tensors: list[torch.Tensor]) -> dict[str, tuple]:
+def kernel_numerics(cg: CompiledGraph, tensors: list[torch.Tensor]) -> dict[str, tuple]:
     """Kernel name -> (max |fused - f64|, max |eager - f64|, problem or None).
 
     Each kernel is judged on its own: its sub-graph runs in float64 on the very inputs the fused

@@ -50,14 +50,14 @@ def user_line(node: fx.Node) -> str:
 
 # ---- the captured graph ---------------------------------------------------------------------------
 
-def _meta_str(m) -> str:
+def meta_str(m) -> str:
     if isinstance(m, TensorMeta):
         text = str(m)
         if m.stride != contiguous_strides(m.shape) and m.numel > 1:
             text += f" stride={m.stride}"
         return text
     if isinstance(m, tuple):
-        return "(" + ", ".join(_meta_str(x) for x in m) + ")"
+        return "(" + ", ".join(meta_str(x) for x in m) + ")"
     return ""
 
 
@@ -93,7 +93,7 @@ def node_rows(gm: fx.GraphModule) -> list[dict]:
     """One dict per node of a (captured) graph: name, kind, op, args, dtype/shape, source line."""
     rows = []
     for node in gm.graph.nodes:
-        row = {"name": node.name, "op": node.op, "value": _meta_str(node.meta.get("fusec")),
+        row = {"name": node.name, "op": node.op, "value": meta_str(node.meta.get("fusec")),
                "line": user_line(node)}
         if node.op == "call_function":
             row["target"] = str(node.target)

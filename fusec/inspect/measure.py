@@ -1,6 +1,6 @@
 """Reading what torch.profiler recorded: which events are launches that do work, the device time
 per iteration and per kernel, peak memory, and a copy-bandwidth ceiling to judge each kernel's
-achieved bandwidth against. `_kernel_lines` turns it all into the report's per-kernel lines.
+achieved bandwidth against. `kernel_lines` turns it all into the report's per-kernel lines.
 """
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ from fusec.inspect.listing import distinct_lines, group_members, user_line
 from fusec.ir import family
 from fusec.timing import median_ms
 
-from fusec.inspect.instrument import _eager_bytes, extern_label
+from fusec.inspect.instrument import eager_bytes_of, extern_label
 from fusec.inspect.report import KernelLine, Side
 
 
 # ---- measuring ----------------------------------------------------------------------------------
 
-def _sync(cuda: bool) -> None:
+def sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
 
 
-def _profile(fn: Callable, iters: int, label: str, cuda: bool):
+def run_profiler(fn: Callable, iters: int, label: str, cuda: bool):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "Profiler clears events at the end ..."
@@ -42,7 +42,7 @@ def _profile(fn: Callable, iters: int, label: str, cuda: bool):
             for _ in range(iters):
                 with record_function(f"{label} iteration"):
                     fn()
-            _sync(cuda)
+            sync(cuda)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -141,7 +141,7 @@ def _peak_from_trace(trace: str, label: str, cuda: bool) -> int | None:
     return peak
 
 
-def _cuda_peak(fn: Callable) -> int:
+def measure_cuda_peak(fn: Callable) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -162,7 +162,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 26) -> float:
 
 
 
-def _side(events, trace, label, iters, cuda, wall_ms, cuda_peak) -> Side:
+def make_side(events, trace, label, iters, cuda, wall_ms, cuda_peak) -> Side:
     launches = _launch_events(events, label, cuda)
     its = _iterations(events, label)
     cpu_ms = statistics.mean(e.cpu_time_total for e in its) / 1e3 if its else 0.0
@@ -225,7 +225,7 @@ def _kernel_times(events, names: list[str], iters: int, cuda: bool) -> dict[str,
     return out
 
 
-def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[KernelLine]:
+def kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[KernelLine]:
     by_kernel = {k.name: k for k in cg.kernels}
     gm = cg.gm
     captured = cg.captured.gm
@@ -248,7 +248,7 @@ def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[
             lines.append(KernelLine(
                 s.name, "kernel", [str(n.target).replace("aten.", "") for n in members], names, src,
                 eager_ms, fused_ms, t["bytes"], t["read_bytes"], t["write_bytes"],
-                _eager_bytes(captured, names), t["flops"], bw, bw / ceiling if bw else None,
+                eager_bytes_of(captured, names), t["flops"], bw, bw / ceiling if bw else None,
                 err[0] if err else None, err[1] if err else None,
                 (err[2] or "ok") if err else ""))
         else:
@@ -258,7 +258,7 @@ def _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors) -> list[
                 s.name, "extern", [s.name.replace("aten.", "")], [s.node], [line] if line else [],
                 _range_ms(o_events, f"node {s.node}", iters, cuda),
                 _range_ms(f_events, extern_label(s.name, s.node), iters, cuda),
-                eager_bytes=_eager_bytes(captured, [s.node])))
+                eager_bytes=eager_bytes_of(captured, [s.node])))
     return lines
 
 

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from fusec.api import _label, part_compiler
+from fusec.api import label_of, part_compiler
 from fusec.api import compile as fusec_compile
 from fusec.capture import calls
 from fusec.capture.regions import Regions, collect_regions, dynamo_compile, original
@@ -57,8 +57,8 @@ from fusec.inspect.explain import Explanation, RegionsExplanation, capture_for, 
 from fusec.inspect.groups import fmt_bytes
 from fusec.timing import doubts, interpreted, measure, median_ms
 
-from fusec.inspect.instrument import _numerics, _OpByOp, profiled_steps, run_steps
-from fusec.inspect.measure import _cuda_peak, _kernel_lines, _profile, _side, _sync, copy_bandwidth
+from fusec.inspect.instrument import kernel_numerics, OpByOp, profiled_steps, run_steps
+from fusec.inspect.measure import measure_cuda_peak, kernel_lines, run_profiler, make_side, sync, copy_bandwidth
 from fusec.inspect.report import KernelLine, ProfileReport, Side
 
 
@@ -83,7 +83,7 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
         return profile_regions(torch_compiled, inputs, kwargs, backend, name, **options)
     fullgraph = getattr(getattr(model, "_compiled", model), "fullgraph", False)
     model, backend = unwrap(model, backend)
-    label = name or _label(model)
+    label = name or label_of(model)
 
     step("compile")
     try:
@@ -125,7 +125,7 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     def fused_profiled():
         return run_steps(cg.program, steps, tensors)
 
-    by_op = _OpByOp(captured.gm, ranges=True)
+    by_op = OpByOp(captured.gm, ranges=True)
 
     def eager_op_by_op():
         with torch.no_grad():
@@ -136,7 +136,7 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
         fused()
         fused_call()
         eager_op_by_op()
-    _sync(cuda)
+    sync(cuda)
     cuda_graph = _cuda_graph_state(user) if cuda else ""
 
     step("time eager and fused")
@@ -149,25 +149,25 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
                        "times are not the kernels' and the speedup means nothing")
 
     step("profile eager")
-    e_events, e_trace = _profile(eager, iters, "eager", cuda)
+    e_events, e_trace = run_profiler(eager, iters, "eager", cuda)
     step("profile fused")
-    f_events, f_trace = _profile(fused_profiled, iters, "fused", cuda)
+    f_events, f_trace = run_profiler(fused_profiled, iters, "fused", cuda)
     step("profile eager ops one by one")
-    o_events, _ = _profile(eager_op_by_op, iters, "ops", cuda)
+    o_events, _ = run_profiler(eager_op_by_op, iters, "ops", cuda)
 
-    eager_side = _side(e_events, e_trace, "eager", iters, cuda, eager_wall,
-                       _cuda_peak(eager) if cuda else None)
-    fused_side = _side(f_events, f_trace, "fused", iters, cuda, fused_wall,
-                       _cuda_peak(fused) if cuda else None)
+    eager_side = make_side(e_events, e_trace, "eager", iters, cuda, eager_wall,
+                       measure_cuda_peak(eager) if cuda else None)
+    fused_side = make_side(f_events, f_trace, "fused", iters, cuda, fused_wall,
+                       measure_cuda_peak(fused) if cuda else None)
 
     step("compare with float64")
-    errors = _numerics(cg, tensors)
+    errors = kernel_numerics(cg, tensors)
     numerics = _output_check(cg, tensors, eager)
 
     step("measure copy bandwidth")
     ceiling = copy_bandwidth(str(device), copy_bytes or ((1 << 28) if cuda else (1 << 26)))
 
-    lines = _kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors)
+    lines = kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors)
     return ProfileReport(label, chosen, device.type, device_name, note, iters, eager_side,
                          fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph,
                          tuple(said))
@@ -239,7 +239,7 @@ def profile_regions(model, inputs: tuple, kwargs: dict, backend: str, name: str 
     the whole call eagerly and compiled, then profile each region's forward program on the
     inputs it received in that run, as `profile` does for a whole program."""
     step = progress or (lambda stage: None)
-    label = name or _label(model)
+    label = name or label_of(model)
     step("compile")
     collected = collect_regions(model, inputs, kwargs, part_compiler(backend), backend, label=label,
                                 keep_inputs=True, cause=cause)
