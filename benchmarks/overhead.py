@@ -34,7 +34,7 @@ import time
 import torch
 
 import fusec
-from fusec.api import _guarded
+from fusec.fastpath import guarded_call
 from fusec.codegen import cpp
 
 
@@ -77,7 +77,7 @@ def measure(n: int, with_torch_compile: bool, rounds: int, per_round: int) -> di
     out = torch.empty_like(x)
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
     noop = empty_c_function()
-    guard = _guarded(lambda tensors: None, [x], 0, [], None)  # the same check, running nothing
+    guard = guarded_call(lambda tensors: None, [x], 0, [], None)  # the same check, running nothing
     like = torch.empty(()).expand(n)
     empty_like = torch.empty_like
 

@@ -55,7 +55,7 @@ def touch(programs: OrderedDict, key: tuple) -> None:
 
 
 def what_changed(old: tuple | None, new: tuple, names: list[str]) -> str:
-    """What differs between two signatures (fastpath._signature, plus the call's structure), in
+    """What differs between two signatures (fastpath.call_signature, plus the call's structure), in
     words: `x: shape (4, 64) -> (5, 64)`."""
     if old is None:
         return "no program kept to compare with"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import fusec
-from fusec.api import _MISS
+from fusec.fastpath import MISS
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -385,7 +385,7 @@ def test_a_whole_graph_program_takes_no_break_machinery(monkeypatch):
         warnings.simplefilter("error", fusec.GraphBreakWarning)
         torch.testing.assert_close(cf(x), torch.sin(x) * 2)
     assert cf.breaks is None
-    assert "def fast(args)" in cf._fast.source and cf._fast((x,)) is not _MISS
+    assert "def fast(args)" in cf._fast.source and cf._fast((x,)) is not MISS
     with pytest.raises(fusec.FusecError, match="one graph"):
         fusec.regions(cf)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusec
-from fusec.api import _MISS
+from fusec.fastpath import MISS
 from conftest import GPU, TRITON_DEVICE
 
 
@@ -64,8 +64,8 @@ def test_the_guard_refuses_every_other_signature(target):
         (x, 2.0),                                                 # not a tensor
     ]
     for args in others:
-        assert cf._fast(args) is _MISS, args
-    assert cf._fast((x.clone(), y.clone())) is not _MISS
+        assert cf._fast(args) is MISS, args
+    assert cf._fast((x.clone(), y.clone())) is not MISS
 
 
 def test_new_shape_dtype_or_strides_recompile(target):
@@ -307,7 +307,7 @@ def test_programs_a_cuda_graph_may_replay_take_the_general_run(monkeypatch):
     which decides between a plain run, a capture and a replay. On the CPU, with cuda_graphs off,
     `_run` runs the program: what is checked is that the fast path calls it and rebuilds the
     outputs' structure."""
-    from fusec.api import _no_fast_path
+    from fusec.fastpath import no_fast_path
     programs = [lambda x: torch.sin(x),
                 lambda x: (torch.sin(x), None, x),
                 lambda x: [torch.sin(x), x * 2],
@@ -318,7 +318,7 @@ def test_programs_a_cuda_graph_may_replay_take_the_general_run(monkeypatch):
         cf(x)
         cf.last.graph_blocker = None  # as if the program could be one CUDA graph
         cf._fast_paths.clear()
-        cf._fast = _no_fast_path
+        cf._fast = no_fast_path
         cf(x)  # prepares the fast path again, now through `_run`
         runs = []
         real_run = cf._run

@@ -38,7 +38,7 @@ def forced_graph(model, inputs):
         return None, last  # blocked for correctness (writes an input, draws random numbers...)
     last.graph_blocker, last.runner = None, None
     inner._fast_paths.clear()
-    inner._fast = api._no_fast_path
+    inner._fast = api.no_fast_path
     for _ in range(3):
         cf(*inputs)  # warm up, capture, replay
     assert last.runner is not None

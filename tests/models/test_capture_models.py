@@ -394,10 +394,10 @@ def test_program_device_ignores_cpu_scalars():
     meta = torch.empty(3, device="meta")
     assert frontend.program_device([scalar, meta]) == torch.device("meta")
     assert frontend.program_device([scalar]) == torch.device("cpu")
-    frontend._check_devices([scalar, meta], ["s", "x"], torch.device("meta"))  # eager accepts it
+    frontend.check_devices([scalar, meta], ["s", "x"], torch.device("meta"))  # eager accepts it
     # CPU indices next to device data: eager accepts `x[idx]`, and so does capture (it moves
     # them); CPU data in an op with device data is eager's error, and fusec's, while tracing
-    frontend._check_devices([torch.ones(2), meta], ["a", "x"], torch.device("meta"))
+    frontend.check_devices([torch.ones(2), meta], ["a", "x"], torch.device("meta"))
     with pytest.raises(DeviceError, match="different devices meet in one op"):
         frontend.capture(lambda a, x: a + x, (torch.ones(2), torch.empty(2, device="meta")), {})
     gm = frontend.capture(lambda x, i: x[i] * 2, (torch.empty(5, 3, device="meta"),
