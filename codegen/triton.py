@@ -10,8 +10,8 @@ so Triton can read its source; Triton caches the compiled GPU binary itself. On 
 a GPU the same module runs under Triton's interpreter (TRITON_INTERPRET=1).
 
 This file renders pointwise kernels (flat or tiled) and writes, builds and loads modules;
-triton_text.py spells the IR, triton_reduction.py renders reductions, triton_gemv.py small-M
-matmuls.
+triton_text.py spells the IR, triton_reduction.py renders reductions; a kernel family
+(codegen/families.py: the quantized GEMVs) renders the kernels of its form instead.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from fusec import cache, ops
 from fusec.ir import Index, PointwiseKernel
 
-from . import triton_keys
+from . import families, triton_keys
 from .render import render_template
 from .triton_launch import TritonLauncher
 from .triton_pdl import pdl
@@ -39,8 +39,11 @@ from .triton_text import (helpers_in, max_address, render_stmt, ops_summary, blo
 def render(kernel, arch: int | None = None) -> str:
     """The kernel's module source. `arch` (80, 90, ...) renders it for that NVIDIA GPU instead
     of this process's (codegen/triton_target.py): only the int4 GEMV's choices depend on it."""
+    special, notes = families.special(kernel, "triton", arch)  # a kernel family's, if one takes it
+    if special is not None:
+        return special
     if not isinstance(kernel, PointwiseKernel):
-        return render_reduction(kernel, arch)
+        return render_reduction(kernel, arch, notes)
     tiles = tiling(kernel)
     if tiles is not None:
         return render_tiled(kernel, *tiles, arch)

@@ -1,9 +1,9 @@
 """Triton reductions: a ReductionKernel as one program per block of rows, persistent (the row in
 registers) or looped over chunks of the row, one loop per pass of the kernel's loop plan
 (fusec/loop_plan.py), with online softmax-style updates where the plan lets a phase fold into the
-one before it (`looped_pass`), and column reductions for rows that lie side by side. A small-M
-matmul with a dequantized weight goes to triton_gemv.py instead, or to triton_gemv_int4.py when
-its weight is packed int4 that can be read as 32-bit words (int4_words.py).
+one before it (`looped_pass`), and column reductions for rows that lie side by side. A kernel
+that a kernel family takes (codegen/families.py) never gets here; the notes of those that
+declined it go into its header.
 """
 from __future__ import annotations
 
@@ -15,17 +15,8 @@ import torch
 from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 
-from .int4_columns import match_int4_columns
-from .int4_k_words import chunk_of_k_words, match_int4_k_words
-from .int4_words import match_int4_words
 from .render import render_template
 from .triton_pdl import pdl
-from .triton_gemv import gemv_fits, render_gemv
-from .triton_gemv_int4 import render_gemv_words
-from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
-from .triton_gemv_int4_k_words import k_words_fit, render_gemv_k_words
-from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
-from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
 from .triton_text import TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset, literal
 
 
@@ -73,38 +64,10 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
     return persistent, xblock, rblock, num_warps
 
 
-def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
-    """A GEMV: a packed-int4 weight read as words goes to the group kernel (M = 1), the
-    tensor-core kernel (M = 2-16) or the word kernel (M <= 4), each told why not the one before;
-    everything else to the byte-per-lane GEMV (whose docstring says why not words)."""
-    words, _ = match_int4_words(kernel, MMA_MAX_M)
-    if words is None:
-        return render_gemv(kernel, arch=arch)
-    fits, why = groups_fit(kernel, words)
-    if fits:
-        return render_gemv_groups(kernel, words, arch)
-    fits, why_not = mma_fit(kernel, words, arch)
-    if fits:
-        return render_gemv_mma(kernel, words, arch, why_not)
-    if match_int4_words(kernel)[0] is not None:  # M <= INT4_WORDS_MAX_M
-        return render_gemv_words(kernel, words, arch, f"{why}; {why_not}")
-    return render_gemv(kernel, f"{match_int4_words(kernel)[1]}; {why_not}", arch)
-
-
-def render_reduction(kernel, arch: int | None = None) -> str:
-    k_words, why_not_k_words = match_int4_k_words(kernel)  # one chunk of a GPTQ-style GEMV
-    if k_words is not None:
-        fits, why_not_k_words = k_words_fit(kernel, k_words)
-        if fits:
-            return render_gemv_k_words(kernel, k_words, arch)
-    k_chunk = k_words is not None or chunk_of_k_words(kernel)  # declined: said below why
-    if gemv_fits(kernel) and not k_chunk:
-        return render_int4_or_gemv(kernel, arch)
-    cols, why_not_columns = match_int4_columns(kernel)  # one chunk of an AWQ-style GEMV
-    if cols is not None:
-        fits, why_not_columns = columns_fit(kernel, cols)
-        if fits:
-            return render_gemv_columns(kernel, cols, arch)
+def render_reduction(kernel, arch: int | None = None, notes: list[str] = ()) -> str:
+    """The reduction `kernel` as one Triton kernel: a block of XBLOCK rows per program, each row
+    in registers (persistent) or walked in RBLOCK chunks, one loop per pass of the loop plan.
+    `notes`: what the kernel families declined and why (codegen/families.py), for the header."""
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
     n_rows = len(kernel.row_shape)
@@ -201,12 +164,8 @@ def render_reduction(kernel, arch: int | None = None) -> str:
              if any(isinstance(o, OnlineVariance) for o in folded) else [])
         note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
                 + (" (" + "; ".join(shared) + ")." if shared else "."))
-    if len(kernel.row_shape) == 3 and kernel.row_shape[2] == 8:  # a chunk of a GEMV packed along N?
-        note = (note + "\n" if note else "") + \
-            f"Not the column-packed int4 kernel (codegen/int4_columns.py): {why_not_columns}."
-    if k_chunk:
-        note = (note + "\n" if note else "") + \
-            f"Not the K-packed int4 kernel (codegen/int4_k_words.py): {why_not_k_words}."
+    for declined in notes:  # a kernel family's near miss (codegen/families.py)
+        note = (note + "\n" if note else "") + declined
     helpers = helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)

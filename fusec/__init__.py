@@ -27,6 +27,13 @@ from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR print
 from fusec.inspect.explain import explain
 from fusec.inspect.profile import profile
 
+from fusec.codegen import families as _families
+
+# The kernel families that ship with fusec (codegen/families.py): each backend's renderer asks
+# them first. Named, not imported: a family's code loads when a kernel is first offered to it.
+_families.register(_families.Family("quantized GEMV",
+                                    {"triton": "fusec.codegen.quant_gemv:render_triton"}))
+
 TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"
 

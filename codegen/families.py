@@ -1,0 +1,77 @@
+"""Kernel families: kernels made for one form of program, behind one door.
+
+The core renders every kernel the general way: a pointwise kernel over its loop, a reduction as
+rows and a loop over k (each backend's `render`). Some forms pay for a kernel of their own. A
+linear of a few activation rows with a quantized weight (a GEMV, from the decode step of an LLM)
+is one: the general reduction reads the weight once per activation row, a GEMV kernel reads it
+once for all of them, unpacks int4 nibbles a 32-bit word at a time, or hands 16 rows to the
+tensor cores. Such kernels are a *family*: code that recognizes its form and renders it, kept out
+of the core's renderers and registered here:
+
+    families.register(Family("quantized GEMV", triton="fusec.codegen.quant_gemv:render_triton"))
+
+A backend's renderer asks `special(kernel, backend, arch)` before it renders a kernel the general
+way. Each family registered for that backend, in order, either takes the kernel (its source is
+the kernel's) or declines with `Declined(notes)`. A note is a near miss worth telling (the
+kernel has the family's form, but a size or a layout ruled it out); the general renderer puts
+the notes in the kernel's header, so a reader of the generated kernel sees what was tried and
+why it was not taken. A family that does not recognize the kernel at all declines with no notes.
+
+Families are named by "module:function" and imported when first asked, so `import fusec` does not
+load kernel code a program may never use. The face of the package (fusec/__init__.py) registers
+the families that ship with fusec; docs/architecture.md says how to add one.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Declined:
+    """A family's answer when it does not take a kernel: the near misses worth telling."""
+
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Family:
+    """A kernel family: its name and, per backend, "module:function" of its renderer, a function
+    `(kernel, arch) -> str | Declined` (the kernel's whole source, or why not)."""
+
+    name: str
+    renderers: dict[str, str]
+
+    def renderer(self, backend: str) -> Callable | None:
+        where = self.renderers.get(backend)
+        if where is None:
+            return None
+        module, _, function = where.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
+REGISTRY: list[Family] = []
+
+
+def register(family: Family) -> Family:
+    """Add `family` (after those registered before it: the first that takes a kernel renders
+    it). Registering a family of the same name again replaces it."""
+    REGISTRY[:] = [f for f in REGISTRY if f.name != family.name]
+    REGISTRY.append(family)
+    return family
+
+
+def special(kernel, backend: str, arch: int | None = None) -> tuple[str | None, list[str]]:
+    """(source, notes): the source of the first registered family that takes `kernel` for
+    `backend`, or None and the notes of the families that declined it."""
+    notes: list[str] = []
+    for family in REGISTRY:
+        render = family.renderer(backend)
+        if render is None:
+            continue
+        answer = render(kernel, arch)
+        if isinstance(answer, str):
+            return answer, notes
+        notes.extend(answer.notes)
+    return None, notes

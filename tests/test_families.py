@@ -1,0 +1,76 @@
+"""The door for kernel families (fusec/codegen/families.py): a family registered for a backend is
+asked before the general renderer, takes the kernels of its form, and declines the others with
+the near misses the general kernel's header then shows. The quantized GEMVs come through it
+(tests/test_small_matmul.py, tests/test_int4_*.py); this file checks the door itself, with small
+families of its own, on the Triton backend (under the interpreter here)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import fusec
+from conftest import TRITON_DEVICE, assert_matches
+from fusec.codegen import families, triton_reduction
+from fusec.ir import ReductionKernel
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """A module `toy_family` whose renderers the test sets, and a registry that forgets them."""
+    module = types.ModuleType("toy_family")
+    monkeypatch.setitem(sys.modules, "toy_family", module)
+    monkeypatch.setattr(families, "REGISTRY", list(families.REGISTRY))
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")  # (a saved program would skip rendering)
+    return module
+
+
+def row_sums(x):
+    return x.sum(dim=-1) * 2
+
+
+def test_a_family_takes_the_kernels_of_its_form(toy, tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    taken = []
+
+    def render(kernel, arch):
+        if not isinstance(kernel, ReductionKernel):
+            return families.Declined()
+        taken.append(kernel.name)
+        # the general kernel with a line of the family's: what a family renders is used as is
+        return "# rendered by the toy family\n" + triton_reduction.render_reduction(kernel, arch)
+    toy.render = render
+    families.register(families.Family("toy", {"triton": "toy_family:render"}))
+    x = torch.randn(6, 33, device=TRITON_DEVICE)
+    cf = assert_matches(row_sums, x, backend="triton")
+    assert taken and all(k.source.startswith("# rendered by the toy family") for k in cf.kernels
+                         if k.name in taken)
+
+
+def test_a_declining_family_leaves_its_notes_in_the_kernel(toy, tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    toy.render = lambda kernel, arch: families.Declined(["Not the toy kernel: rows are too short."])
+    toy.never = lambda kernel, arch: pytest.fail("a family for another backend was asked")
+    families.register(families.Family("toy", {"triton": "toy_family:render"}))
+    families.register(families.Family("elsewhere", {"cpp-not-here": "toy_family:never"}))
+    x = torch.randn(6, 33, device=TRITON_DEVICE)
+    cf = assert_matches(row_sums, x, backend="triton")
+    assert any("Not the toy kernel: rows are too short." in k.source for k in cf.kernels)
+
+
+def test_registering_a_name_again_replaces_it(monkeypatch):
+    monkeypatch.setattr(families, "REGISTRY", [])
+    families.register(families.Family("a", {"triton": "x:y"}))
+    families.register(families.Family("b", {"triton": "x:z"}))
+    families.register(families.Family("a", {"triton": "x:w"}))
+    assert [(f.name, f.renderers["triton"]) for f in families.REGISTRY] == [("b", "x:z"), ("a", "x:w")]
+
+
+def test_the_quantized_gemvs_are_a_registered_family():
+    """fusec's own GEMV kernels come through the door, and the core's reduction renderer no
+    longer imports them (tests/test_architecture.py keeps the imports out)."""
+    assert any(f.name == "quantized GEMV" and "triton" in f.renderers for f in families.REGISTRY)
+    source = open(triton_reduction.__file__).read()
+    assert "gemv" not in source.split('"""', 2)[2].lower()
