@@ -33,7 +33,7 @@ from fusec import cache, ops
 from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
-from . import elf, tools
+from . import elf, families, tools
 from .cpp_reduction import render_reduction
 from .cpp_text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude)
@@ -154,8 +154,13 @@ def available() -> bool:
 
 
 def render(kernel) -> str:
+    """The kernel's C++ source: a kernel family's, if one takes it (codegen/families.py), else a
+    reduction (cpp_reduction.py) or a pointwise loop."""
+    special, notes = families.special(kernel, "cpp")
+    if special is not None:
+        return special
     if not isinstance(kernel, PointwiseKernel):
-        return render_reduction(kernel)
+        return render_reduction(kernel, notes)
     no_indexed_writes(kernel, "C++")
     tile_rows = short_rows(kernel)
     if tile_rows:

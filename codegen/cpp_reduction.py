@@ -10,13 +10,14 @@ first, and neighbouring rows run in SIMD lanes when the row is short.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from fusec import ops
 from fusec.ir import Index, Reduce
 
-from . import cpp_columns, cpp_int4
+from . import cpp_columns
 from .cpp_text import CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal
 from .cpu_plan import (PARALLEL_THRESHOLD, TILE_STRIDE, column_blocks, column_sum_block,
                        cpp_sum_block, sum_block, summary)
@@ -28,13 +29,56 @@ REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note
 
 # ---- reductions ------------------------------------------------------------------------------
 
-def render_reduction(kernel) -> str:
+def render_reduction(kernel, notes: list[str] = ()) -> str:
     """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
-    last loop that recomputes and stores the element values (softmax's division, say)."""
-    # a packed-int4 GEMV: a table per group (cpp_int4.py); else a GEMV's few activation rows
-    # unrolled into one loop (unroll_rows.py). (An int4 GEMV never runs its rows in SIMD lanes.)
-    int4 = cpp_int4.match(kernel, 0)
-    kernel, note = (kernel, "") if int4 is not None else unrolled_or_same(kernel)
+    last loop that recomputes and stores the element values (softmax's division, say). A GEMV's
+    few activation rows are first unrolled into one loop (unroll_rows.py). `notes`: what the
+    kernel families declined and why (codegen/families.py), for the kernel's header."""
+    kernel, note = unrolled_or_same(kernel)
+    return assemble(kernel, reduction_lines(kernel), "\n".join(n for n in (note, *notes) if n))
+
+
+@dataclass
+class ReductionLines:
+    """A reduction kernel's C++ lines before a template puts them together (`reduction_lines`).
+    A kernel family may assemble them its own way (the int4 table kernel, cpp_int4.py)."""
+
+    row_lines: list[str]  # once per row: coordinates, bases, row values, row copies
+    k_coords: list[str]  # one k step's coordinates
+    lines: dict[str, str]  # each load's and statement's line, by the value it defines
+    producers: dict  # value name -> the Load or IR statement that makes it
+    sections: list[dict]  # one per loop over the row: the phases, then the last pass
+    row_stores: list[str]  # stores of values computed once per row
+    scatters: list[str]  # row copies written back at the end of a row
+    lanes: int  # LANES when neighbouring rows run in SIMD lanes (note "lanes of rows"), else 0
+    columns: int  # rows per block when the loops are turned inside out (cpp_columns.py), else 0
+
+
+def assemble(kernel, parts: ReductionLines, note: str) -> str:
+    """The kernel's source: `parts` in the row-by-row template, or the inside-out one."""
+    if parts.columns:
+        arrays, sections, stores = cpp_columns.inside_out(kernel, parts.row_lines, parts.k_coords,
+                                                          parts.sections, parts.row_stores,
+                                                          parts.producers)
+        return render_template(
+            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=summary(kernel),
+            source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+            k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
+            columns=parts.columns, last=kernel.row_shape[-1], params=params(kernel),
+            arrays=arrays, sections=sections, stores=stores, unrolled=note)
+    return render_template(
+        "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
+        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=parts.lanes,
+        last=kernel.row_shape[-1] if kernel.row_shape else 1,
+        params=params(kernel), row_lines=parts.row_lines, sections=parts.sections,
+        row_stores=parts.row_stores + parts.scatters, unrolled=note)
+
+
+def reduction_lines(kernel, allow_columns: bool = True) -> ReductionLines:
+    """The C++ lines of the reduction `kernel`: what runs once per row, and one section per loop
+    over the row (`phase_section`, then the last pass). `allow_columns`: whether rows that lie
+    side by side may have their loops turned inside out (cpp_columns.py)."""
     n_rows = len(kernel.row_shape)
     row_lines = _coords("c", "row", kernel.row_shape)
     k_coords = _coords("q", "k", kernel.k_shape)
@@ -64,7 +108,7 @@ def render_reduction(kernel) -> str:
     lanes = lane_blocks(kernel, k_strided)
     # rows side by side with their values far apart, beyond what lanes manage: the loops turned
     # inside out (cpp_columns.py), the k loop outside and a block of rows in the SIMD lanes
-    columns = 0 if lanes or int4 is not None else column_blocks(kernel)
+    columns = 0 if lanes or not allow_columns else column_blocks(kernel)
     if lanes or columns:
         # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
         # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
@@ -110,108 +154,8 @@ def render_reduction(kernel) -> str:
         return store_targets[n]
 
     row_lines += [lines[n] for n in plan.before]  # row values needing no reduction: once per row
-    sections = []
-    for phase in plan.phases:
-        reds = [producers[n] for n in phase.reduces]
-        before, body, after = [], list(k_coords), []
-        body += [lines[n] for n in phase.loop]
-        simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
-                   for r in reds)
-        maxmin = bool(reds) and all(r.op in ("amax", "amin") and r.acc_dtype != torch.bool
-                                    for r in reds)
-        if keep and phase is plan.phases[-1]:
-            why = "kept for the last pass" if keep.stores else "the output, stored once: no last pass"
-            body.append(f"{target(keep.store)} = {keep.value};  // {why}")
-        for r in reds:
-            red = ops.REDUCTIONS[r.op]
-            acc = f"acc_{r.var.name}"
-            x = convert(r.operand.name, r.operand.dtype, r.acc_dtype if not red.returns_index
-                        else r.operand.dtype)
-            if red.returns_index:
-                cmp = ">" if r.op == "argmax" else "<"
-                before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
-                              f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
-                before.append(f"int64_t {acc}_at = 0;")
-                nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
-                at = f"{acc}_at"
-                if columns:
-                    # selects, not a branch, so the lane loop is vectorized: the running best
-                    # moves only on a strictly better value (a tie keeps the first; a NaN never
-                    # enters it), and beside it the first NaN's position, which wins at the end
-                    take = f"take_{r.var.name}"
-                    body += [f"const bool {take} = {x} {cmp} {acc};",
-                             f"{acc} = {take} ? {x} : {acc};",
-                             f"{acc}_at = {take} ? k : {acc}_at;"]
-                    if r.operand.dtype.is_floating_point:
-                        before.append(f"int64_t {acc}_nan_at = INT64_MAX;")
-                        body.append(f"{acc}_nan_at = ({nan} && k < {acc}_nan_at) ? k : {acc}_nan_at;")
-                        at = f"({acc}_nan_at != INT64_MAX ? {acc}_nan_at : {acc}_at)"
-                else:
-                    before.append(f"bool {acc}_seen = false;")
-                    body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || "
-                                f"{nan})) {{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
-                after.append(f"const int64_t {r.var.name} = {at};  // {r.origin}")
-            elif maxmin:
-                # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
-                # amax propagates and a compare-and-select would skip)
-                cmp = ">" if r.op == "amax" else "<"
-                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
-                body.append(f"{acc} = ({x} {cmp} {acc}) ? {x} : {acc};")
-                value = convert(acc, r.acc_dtype, r.var.dtype)
-                if r.acc_dtype.is_floating_point:
-                    # an int, not a bool: gcc vectorizes a bool |-reduction ~9x slower
-                    before.append(f"int {acc}_nan = 0;")
-                    body.append(f"{acc}_nan |= ({x} != {x});")
-                    value = f"({acc}_nan ? std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN() : {value})"
-                if r.round_to is not None:
-                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
-                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
-            else:
-                before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
-                body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
-                value = convert(acc, r.acc_dtype, r.var.dtype)
-                if r.round_to is not None:
-                    value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
-                after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
-        after += [lines[n] for n in phase.ready]
-        # Note (long float sums): adding K values one after another into one float loses
-        # ~K ulps; eager sums in a cascade and loses ~log K. A long float sum is blocked: each
-        # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
-        # added up in double, so the error grows like sqrt(K) ulps of a block sum.
-        blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
-        narrowest = min((l.dtype.itemsize for l in kernel.loads if any(l.index.strides[n_rows:])),
-                        default=4)  # bytes of the narrowest value the k loop reads
-        kblock = 0 if not blocked else column_sum_block(kernel) if columns \
-            else cpp_sum_block(kernel.k, narrowest)
-        block_before, block_after = [], []
-        if kblock:
-            for r in blocked:
-                acc = f"acc_{r.var.name}"
-                before.append(f"double {acc}_total = 0.0;")
-                block_before.append(f"{CTYPE[r.acc_dtype]} {acc}_blk = {literal(0, r.acc_dtype)};")
-                block_after.append(f"{acc}_total += {acc}_blk;")
-                after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
-                body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
-        pragma = ""
-        if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
-            pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
-        elif maxmin:
-            clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
-                       for r in reds]
-            flags = [f"acc_{r.var.name}_nan" for r in reds if r.acc_dtype.is_floating_point]
-            clauses += [f"reduction(|:{', '.join(flags)})"] if flags else []
-            pragma = "#pragma omp simd " + " ".join(clauses)
-        if simd and reds and not lanes:
-            op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
-            if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
-                names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
-                pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
-        sections.append({"comment": f"phase {phase.number}: " + ", ".join(r.op for r in reds),
-                         "before": before, "pragma": pragma, "body": body, "after": after,
-                         "kblock": kblock, "block_before": block_before,
-                         "block_after": block_after,
-                         "defines": cpp_columns.defines(phase, producers) if columns else []})
-
+    sections = [phase_section(kernel, phase, phase is plan.phases[-1], lines, producers, k_coords,
+                              target, lanes, columns) for phase in plan.phases]
     last_stores = keep.stores if keep else plan.element_stores  # (the kept output is stored)
     elem_stores, row_stores = [], []
     for n, s in enumerate(kernel.stores):  # in store order, as their `_base` lines come
@@ -229,25 +173,117 @@ def render_reduction(kernel) -> str:
         sections.append({"comment": comment, "before": [],
                          "pragma": f"#pragma GCC unroll {LANES_UNROLL_K}" if lanes else "#pragma omp simd", "body": body, "after": [], "kblock": 0,
                          "block_before": [], "block_after": []})
-    int4 = None if lanes else int4
-    if int4 is not None:
-        return cpp_int4.render(kernel, int4, row_lines, k_coords, lines, row_stores)
-    if columns:
-        arrays, sections, stores = cpp_columns.inside_out(kernel, row_lines, k_coords, sections,
-                                                          row_stores, producers)
-        return render_template(
-            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=summary(kernel),
-            source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-            k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
-            columns=columns, last=kernel.row_shape[-1], params=params(kernel), arrays=arrays,
-            sections=sections, stores=stores, unrolled=note)
-    return render_template(
-        "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
-        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=lanes,
-        last=kernel.row_shape[-1] if kernel.row_shape else 1,
-        params=params(kernel), row_lines=row_lines, sections=sections,
-        row_stores=row_stores + scatters, unrolled=note)
+    return ReductionLines(row_lines, k_coords, lines, producers, sections, row_stores, scatters,
+                          lanes, columns)
+
+
+def phase_section(kernel, phase, last: bool, lines: dict, producers: dict, k_coords: list,
+                  target, lanes: int, columns: int) -> dict:
+    """The loop over a row for one phase of the loop plan: its accumulators (`before`), the
+    k loop's lines (`body`) with the pragma that vectorizes it, and the row values ready after
+    it (`after`). `target(n)` is store n's address (the kept output is stored in the last phase).
+    """
+    n_rows = len(kernel.row_shape)
+    keep = kernel.plan.keep
+    reds = [producers[n] for n in phase.reduces]
+    before, body, after = [], list(k_coords), []
+    body += [lines[n] for n in phase.loop]
+    simd = all(ops.REDUCTIONS[r.op].name in ("sum", "prod") and r.acc_dtype != torch.bool
+               for r in reds)
+    maxmin = bool(reds) and all(r.op in ("amax", "amin") and r.acc_dtype != torch.bool
+                                for r in reds)
+    if keep and last:
+        why = "kept for the last pass" if keep.stores else "the output, stored once: no last pass"
+        body.append(f"{target(keep.store)} = {keep.value};  // {why}")
+    for r in reds:
+        red = ops.REDUCTIONS[r.op]
+        acc = f"acc_{r.var.name}"
+        x = convert(r.operand.name, r.operand.dtype, r.acc_dtype if not red.returns_index
+                    else r.operand.dtype)
+        if red.returns_index:
+            cmp = ">" if r.op == "argmax" else "<"
+            before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
+                          f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
+            before.append(f"int64_t {acc}_at = 0;")
+            nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
+            at = f"{acc}_at"
+            if columns:
+                # selects, not a branch, so the lane loop is vectorized: the running best
+                # moves only on a strictly better value (a tie keeps the first; a NaN never
+                # enters it), and beside it the first NaN's position, which wins at the end
+                take = f"take_{r.var.name}"
+                body += [f"const bool {take} = {x} {cmp} {acc};",
+                         f"{acc} = {take} ? {x} : {acc};",
+                         f"{acc}_at = {take} ? k : {acc}_at;"]
+                if r.operand.dtype.is_floating_point:
+                    before.append(f"int64_t {acc}_nan_at = INT64_MAX;")
+                    body.append(f"{acc}_nan_at = ({nan} && k < {acc}_nan_at) ? k : {acc}_nan_at;")
+                    at = f"({acc}_nan_at != INT64_MAX ? {acc}_nan_at : {acc}_at)"
+            else:
+                before.append(f"bool {acc}_seen = false;")
+                body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || "
+                            f"{nan})) {{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
+            after.append(f"const int64_t {r.var.name} = {at};  // {r.origin}")
+        elif maxmin:
+            # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
+            # amax propagates and a compare-and-select would skip)
+            cmp = ">" if r.op == "amax" else "<"
+            before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+            body.append(f"{acc} = ({x} {cmp} {acc}) ? {x} : {acc};")
+            value = convert(acc, r.acc_dtype, r.var.dtype)
+            if r.acc_dtype.is_floating_point:
+                # an int, not a bool: gcc vectorizes a bool |-reduction ~9x slower
+                before.append(f"int {acc}_nan = 0;")
+                body.append(f"{acc}_nan |= ({x} != {x});")
+                value = f"({acc}_nan ? std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN() : {value})"
+            if r.round_to is not None:
+                value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+            after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
+        else:
+            before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
+            body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
+            value = convert(acc, r.acc_dtype, r.var.dtype)
+            if r.round_to is not None:
+                value = f"fusec_round_{'f16' if r.round_to == torch.float16 else 'bf16'}({value})"
+            after.append(f"const {CTYPE[r.var.dtype]} {r.var.name} = {value};  // {r.origin}")
+    after += [lines[n] for n in phase.ready]
+    # Note (long float sums): adding K values one after another into one float loses
+    # ~K ulps; eager sums in a cascade and loses ~log K. A long float sum is blocked: each
+    # block of ~sqrt(K) values is summed on its own (vectorized), and the block sums are
+    # added up in double, so the error grows like sqrt(K) ulps of a block sum.
+    blocked = [r for r in reds if r.op == "sum" and r.acc_dtype.is_floating_point]
+    narrowest = min((l.dtype.itemsize for l in kernel.loads if any(l.index.strides[n_rows:])),
+                    default=4)  # bytes of the narrowest value the k loop reads
+    kblock = 0 if not blocked else column_sum_block(kernel) if columns \
+        else cpp_sum_block(kernel.k, narrowest)
+    block_before, block_after = [], []
+    if kblock:
+        for r in blocked:
+            acc = f"acc_{r.var.name}"
+            before.append(f"double {acc}_total = 0.0;")
+            block_before.append(f"{CTYPE[r.acc_dtype]} {acc}_blk = {literal(0, r.acc_dtype)};")
+            block_after.append(f"{acc}_total += {acc}_blk;")
+            after.insert(0, f"{acc} = static_cast<{CTYPE[r.acc_dtype]}>({acc}_total);")
+            body = [b.replace(f"{acc} = {acc} + ", f"{acc}_blk = {acc}_blk + ") for b in body]
+    pragma = ""
+    if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
+        pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
+    elif maxmin:
+        clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
+                   for r in reds]
+        flags = [f"acc_{r.var.name}_nan" for r in reds if r.acc_dtype.is_floating_point]
+        clauses += [f"reduction(|:{', '.join(flags)})"] if flags else []
+        pragma = "#pragma omp simd " + " ".join(clauses)
+    if simd and reds and not lanes:
+        op = "+" if ops.REDUCTIONS[reds[0].op].name == "sum" else "*"
+        if all(ops.REDUCTIONS[r.op].name == ops.REDUCTIONS[reds[0].op].name for r in reds):
+            names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
+            pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
+    return {"comment": f"phase {phase.number}: " + ", ".join(r.op for r in reds),
+                     "before": before, "pragma": pragma, "body": body, "after": after,
+                     "kblock": kblock, "block_before": block_before,
+                     "block_after": block_after,
+                     "defines": cpp_columns.defines(phase, producers) if columns else []}
 
 
 def params(kernel) -> list[str]:

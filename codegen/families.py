@@ -8,7 +8,7 @@ once for all of them, unpacks int4 nibbles a 32-bit word at a time, or hands 16 
 tensor cores. Such kernels are a *family*: code that recognizes its form and renders it, kept out
 of the core's renderers and registered here:
 
-    families.register(Family("quantized GEMV", triton="fusec.codegen.quant_gemv:render_triton"))
+    families.register(Family("quantized GEMV", "fusec.codegen.quant_gemv", ("triton", "cpp")))
 
 A backend's renderer asks `special(kernel, backend, arch)` before it renders a kernel the general
 way. Each family registered for that backend, in order, either takes the kernel (its source is
@@ -17,8 +17,9 @@ kernel has the family's form, but a size or a layout ruled it out); the general 
 the notes in the kernel's header, so a reader of the generated kernel sees what was tried and
 why it was not taken. A family that does not recognize the kernel at all declines with no notes.
 
-Families are named by "module:function" and imported when first asked, so `import fusec` does not
-load kernel code a program may never use. The face of the package (fusec/__init__.py) registers
+A family is a module with one renderer per backend it serves, `render_<backend>(kernel, arch)`,
+named and imported when first asked, so `import fusec` does not load kernel code a program may
+never use. The face of the package (fusec/__init__.py) registers
 the families that ship with fusec; docs/architecture.md says how to add one.
 """
 from __future__ import annotations
@@ -37,18 +38,18 @@ class Declined:
 
 @dataclass
 class Family:
-    """A kernel family: its name and, per backend, "module:function" of its renderer, a function
-    `(kernel, arch) -> str | Declined` (the kernel's whole source, or why not)."""
+    """A kernel family: its name, the module that holds its renderers, and the backends it serves.
+    For each, the module has `render_<backend>(kernel, arch) -> str | Declined` (the kernel's
+    whole source, or why not)."""
 
     name: str
-    renderers: dict[str, str]
+    module: str
+    backends: tuple[str, ...]
 
     def renderer(self, backend: str) -> Callable | None:
-        where = self.renderers.get(backend)
-        if where is None:
+        if backend not in self.backends:
             return None
-        module, _, function = where.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return getattr(importlib.import_module(self.module), f"render_{backend}")
 
 
 REGISTRY: list[Family] = []

@@ -1,4 +1,4 @@
-"""The quantized-GEMV kernel family on Triton: which of its kernels takes a reduction, if any.
+"""The quantized-GEMV kernel family: which of its kernels takes a reduction, if any.
 
 A linear of a few activation rows (M <= 16) reduces each output (m, n) over K, reading the whole
 weight once per call: it is bound by the weight's bytes, and the general reduction kernel (one
@@ -12,12 +12,15 @@ it tries, in order,
     a chunk of an AWQ-style weight packed along N   triton_gemv_int4_columns.py
 
 and declines anything else, with a note for the general kernel's header where a kernel of the
-family's form was ruled out by its sizes (each matcher says why).
+family's form was ruled out by its sizes (each matcher says why). On the C++ backend the family
+has one kernel, a packed-int4 GEMV that dequantizes a group's sixteen values once and looks its
+weights up (`render_cpp`, cpp_int4.py).
 """
 from __future__ import annotations
 
 from fusec.ir import ReductionKernel
 
+from . import cpp_int4, cpp_reduction
 from .families import Declined
 from .int4_columns import match_int4_columns
 from .int4_k_words import chunk_of_k_words, match_int4_k_words
@@ -71,3 +74,19 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
     if match_int4_words(kernel)[0] is not None:  # M <= INT4_WORDS_MAX_M
         return render_gemv_words(kernel, words, arch, f"{why}; {why_not}")
     return render_gemv(kernel, f"{match_int4_words(kernel)[1]}; {why_not}", arch)
+
+
+def render_cpp(kernel, arch=None) -> str | Declined:
+    """The int4 table kernel (cpp_int4.py) for a packed-int4 GEMV on the C++ backend, assembled
+    from the general reduction's lines (cpp_reduction.reduction_lines, with the plain row loops);
+    or Declined."""
+    if not isinstance(kernel, ReductionKernel):
+        return Declined()
+    words = cpp_int4.match(kernel, 0)
+    if words is None:
+        return Declined()
+    parts = cpp_reduction.reduction_lines(kernel, allow_columns=False)
+    if parts.lanes:  # its rows run in SIMD lanes instead: the general loops, as they came
+        return cpp_reduction.assemble(kernel, parts, "")
+    return cpp_int4.render(kernel, words, parts.row_lines, parts.k_coords, parts.lines,
+                           parts.row_stores)

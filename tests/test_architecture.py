@@ -16,7 +16,10 @@ and every import in it, at the top or inside a function, becomes an edge of one 
    with "Why this file is long:" (the op table is one table; splitting it would scatter it);
 4. outside codegen/, nothing tests a backend's name (`backend == "triton"`): it asks the backend
    registry (codegen/backends.py) for the feature it means. ("auto" is an option, not a backend.)
-5. no module reaches into another's underscore names (`from fusec.passes.layout import _run_fake`,
+5. the core reaches a kernel family's code only through codegen/families.py: no core module
+   imports the quantized-GEMV family's modules (FAMILY_MODULES; fusec/__init__.py registers
+   the family by name);
+6. no module reaches into another's underscore names (`from fusec.passes.layout import _run_fake`,
    `schedule._fake_mode(gm)`): a leading underscore says "only this file uses it", and a reader
    can trust that. What two files share is public, with a docstring that says what it is for.
 """
@@ -225,3 +228,19 @@ def test_the_underscore_rule_sees_both_spellings(tmp_path, monkeypatch):
     monkeypatch.setattr(here, "ROOT", tmp_path)
     found = here.underscore_reaches()
     assert len(found) == 2 and "imports fusec.a._x" in found[0] and "reads fusec.a._x" in found[1]
+
+
+# The quantized-GEMV kernel family (codegen/quant_gemv.py is its door): the modules only the family
+# imports. The core asks codegen/families.py instead.
+FAMILY_MODULES = {f"fusec.codegen.{m}" for m in (
+    "quant_gemv", "triton_gemv", "triton_gemv_int4", "triton_gemv_int4_columns",
+    "triton_gemv_int4_groups", "triton_gemv_int4_k_words", "triton_gemv_int4_mma", "int4_words",
+    "int4_columns", "int4_k_words", "cpp_int4")}
+
+
+def test_the_core_reaches_kernel_families_only_through_the_door():
+    graph = import_graph()
+    assert FAMILY_MODULES <= set(graph), FAMILY_MODULES - set(graph)
+    wrong = [(a, b) for a, b in graph.edges if b in FAMILY_MODULES and a not in FAMILY_MODULES]
+    assert not wrong, "core modules that import a kernel family's code (ask codegen/families.py):\n" + \
+        "\n".join(f"  {a} -> {b}   ({graph.edges[a, b]['line']})" for a, b in wrong)

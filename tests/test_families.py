@@ -41,8 +41,8 @@ def test_a_family_takes_the_kernels_of_its_form(toy, tmp_path, monkeypatch):
         taken.append(kernel.name)
         # the general kernel with a line of the family's: what a family renders is used as is
         return "# rendered by the toy family\n" + triton_reduction.render_reduction(kernel, arch)
-    toy.render = render
-    families.register(families.Family("toy", {"triton": "toy_family:render"}))
+    toy.render_triton = render
+    families.register(families.Family("toy", "toy_family", ("triton",)))
     x = torch.randn(6, 33, device=TRITON_DEVICE)
     cf = assert_matches(row_sums, x, backend="triton")
     assert taken and all(k.source.startswith("# rendered by the toy family") for k in cf.kernels
@@ -51,10 +51,12 @@ def test_a_family_takes_the_kernels_of_its_form(toy, tmp_path, monkeypatch):
 
 def test_a_declining_family_leaves_its_notes_in_the_kernel(toy, tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
-    toy.render = lambda kernel, arch: families.Declined(["Not the toy kernel: rows are too short."])
-    toy.never = lambda kernel, arch: pytest.fail("a family for another backend was asked")
-    families.register(families.Family("toy", {"triton": "toy_family:render"}))
-    families.register(families.Family("elsewhere", {"cpp-not-here": "toy_family:never"}))
+    toy.render_triton = lambda kernel, arch: families.Declined(["Not the toy kernel: rows are too short."])
+    never = types.ModuleType("never_family")
+    never.render_cpp = lambda kernel, arch: pytest.fail("a family for another backend was asked")
+    monkeypatch.setitem(sys.modules, "never_family", never)
+    families.register(families.Family("toy", "toy_family", ("triton",)))
+    families.register(families.Family("elsewhere", "never_family", ("cpp",)))
     x = torch.randn(6, 33, device=TRITON_DEVICE)
     cf = assert_matches(row_sums, x, backend="triton")
     assert any("Not the toy kernel: rows are too short." in k.source for k in cf.kernels)
@@ -62,15 +64,17 @@ def test_a_declining_family_leaves_its_notes_in_the_kernel(toy, tmp_path, monkey
 
 def test_registering_a_name_again_replaces_it(monkeypatch):
     monkeypatch.setattr(families, "REGISTRY", [])
-    families.register(families.Family("a", {"triton": "x:y"}))
-    families.register(families.Family("b", {"triton": "x:z"}))
-    families.register(families.Family("a", {"triton": "x:w"}))
-    assert [(f.name, f.renderers["triton"]) for f in families.REGISTRY] == [("b", "x:z"), ("a", "x:w")]
+    families.register(families.Family("a", "x", ("triton",)))
+    families.register(families.Family("b", "y", ("triton",)))
+    families.register(families.Family("a", "z", ("cpp",)))
+    assert [(f.name, f.module) for f in families.REGISTRY] == [("b", "y"), ("a", "z")]
 
 
 def test_the_quantized_gemvs_are_a_registered_family():
     """fusec's own GEMV kernels come through the door, and the core's reduction renderer no
     longer imports them (tests/test_architecture.py keeps the imports out)."""
-    assert any(f.name == "quantized GEMV" and "triton" in f.renderers for f in families.REGISTRY)
+    gemv = [f for f in families.REGISTRY if f.name == "quantized GEMV"]
+    assert gemv and {"triton", "cpp"} <= set(gemv[0].backends)
+    assert gemv[0].renderer("triton") is not None and gemv[0].renderer("llvm") is None
     source = open(triton_reduction.__file__).read()
     assert "gemv" not in source.split('"""', 2)[2].lower()
