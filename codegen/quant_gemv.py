@@ -20,23 +20,21 @@ from __future__ import annotations
 
 from fusec.ir import ReductionKernel
 
-from . import cpp_int4, cpp_reduction
 from .families import Declined
 from .int4_columns import match_int4_columns
 from .int4_k_words import chunk_of_k_words, match_int4_k_words
 from .int4_words import match_int4_words
-from .triton_gemv import gemv_fits, render_gemv
-from .triton_gemv_int4 import render_gemv_words
-from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
-from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
-from .triton_gemv_int4_k_words import k_words_fit, render_gemv_k_words
-from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
 
+# Each backend's kernels are imported by its renderer, when it is first asked: a program on the
+# CPU never loads the Triton GEMV kernels, and one on the GPU never loads the C++ table kernel.
 
 def render_triton(kernel, arch: int | None = None) -> str | Declined:
     """The family's Triton kernel for the reduction `kernel` (for GPU `arch`), or Declined."""
     if not isinstance(kernel, ReductionKernel):
         return Declined()  # (a GEMV is a reduction over K)
+    from .triton_gemv import gemv_fits
+    from .triton_gemv_int4_columns import columns_fit, render_gemv_columns
+    from .triton_gemv_int4_k_words import k_words_fit, render_gemv_k_words
     k_words, why_not_k_words = match_int4_k_words(kernel)  # one chunk of a GPTQ-style GEMV
     if k_words is not None:
         fits, why_not_k_words = k_words_fit(kernel, k_words)
@@ -62,6 +60,10 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
     """A GEMV: a packed-int4 weight read as words goes to the group kernel (M = 1), the
     tensor-core kernel (M = 2-16) or the word kernel (M <= 4), each told why not the one before;
     everything else to the byte-per-lane GEMV (whose docstring says why not words)."""
+    from .triton_gemv import render_gemv
+    from .triton_gemv_int4 import render_gemv_words
+    from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
+    from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
     words, _ = match_int4_words(kernel, MMA_MAX_M)
     if words is None:
         return render_gemv(kernel, arch=arch)
@@ -82,6 +84,7 @@ def render_cpp(kernel, arch=None) -> str | Declined:
     or Declined."""
     if not isinstance(kernel, ReductionKernel):
         return Declined()
+    from . import cpp_int4, cpp_reduction
     words = cpp_int4.match(kernel, 0)
     if words is None:
         return Declined()
