@@ -14,7 +14,7 @@ eager's. The next token stays on the device (argmax, no host sync between steps)
 measures what the GPU and the launches cost. `--batch B` decodes B sequences together (each
 prompt token shifted by 7 per sequence, so that they differ): every linear then multiplies B
 activation rows, the case of a server batching requests (at B = 16 a packed-int4 linear runs on
-tensor cores, codegen/triton_gemv_int4_mma.py); tokens/s counts the tokens of all B sequences.
+tensor cores, extensions/quant_gemv/triton_gemv_int4_mma.py); tokens/s counts the tokens of all B sequences.
 
 With random weights the best two logits are often nearly equal, so a compiler that rounds
 differently from eager may pick the other token and go on from there (examples/llama_fit.py

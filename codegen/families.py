@@ -8,7 +8,7 @@ once for all of them, unpacks int4 nibbles a 32-bit word at a time, or hands 16 
 tensor cores. Such kernels are a *family*: code that recognizes its form and renders it, kept out
 of the core's renderers and registered here:
 
-    families.register(Family("quantized GEMV", "fusec.codegen.quant_gemv", ("triton", "cpp")))
+    families.register(Family("my GEMVs", "my_package.family", ("triton", "cpp")))
 
 A backend's renderer asks `special(kernel, backend, arch)` before it renders a kernel the general
 way. Each family registered for that backend, in order, either takes the kernel (its source is

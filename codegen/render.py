@@ -1,4 +1,5 @@
-"""One Jinja2 environment for every backend's templates (codegen/templates/*.j2).
+"""One Jinja2 environment for every backend's templates (codegen/templates/*.j2), and one per
+kernel family that brings its own (its folder first, then the core's).
 
 StrictUndefined makes a template that mentions a value Python did not decide fail loudly instead
 of printing an empty string into a kernel.
@@ -16,9 +17,11 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 
 @functools.lru_cache(maxsize=None)
-def environment() -> jinja2.Environment:
+def environment(*folders: str) -> jinja2.Environment:
+    """The environment over codegen/templates, after `folders` (a kernel family's own templates,
+    which may include the core's partials: `{% include "triton_pdl_wait.j2" %}`)."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        loader=jinja2.FileSystemLoader([*folders, str(TEMPLATES)]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

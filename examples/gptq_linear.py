@@ -19,7 +19,7 @@ fusec turns this into one GEMV over the packed words: passes/refine_views.py com
 as (K/G, G/8, 8, N) so that no reshape is left, and passes/small_matmul.py makes the product a
 reduction over K with the unpacking as its prologue. On a GPU at one activation row,
 passes/split_reductions.py cuts K into chunks of whole groups, each read by a kernel that
-applies zero point and scale once per group (codegen/triton_gemv_int4_k_words.py), and a small
+applies zero point and scale once per group (extensions/quant_gemv/triton_gemv_int4_k_words.py), and a small
 kernel adds the chunks up. The zero points (a (K/G, N) tensor, 1/G of the weight) are unpacked
 by a small kernel first. `python examples/gptq_linear.py` prints the bytes moved and GB/s.
 """

@@ -31,7 +31,8 @@ from fusec.codegen import families as _families
 
 # The kernel families that ship with fusec (codegen/families.py): each backend's renderer asks
 # them first. Named, not imported: a family's code loads when a kernel is first offered to it.
-_families.register(_families.Family("quantized GEMV", "fusec.codegen.quant_gemv", ("triton", "cpp")))
+_families.register(_families.Family("quantized GEMV", "fusec.extensions.quant_gemv.family",
+                                    ("triton", "cpp")))
 
 TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"

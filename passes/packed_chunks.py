@@ -12,7 +12,7 @@ would own so many columns that most of the GPU would wait:
 Each rule returns (dim, chunks, layout, kernel): the reduced dim to cut (the groups', of the
 largest stride) and into how many chunks of whole groups, for split_reductions to cut with
 `_split` and to describe in its Decision; or None. Their kernels are
-codegen/triton_gemv_int4_columns.py and codegen/triton_gemv_int4_k_words.py, which check when
+extensions/quant_gemv/triton_gemv_int4_columns.py and extensions/quant_gemv/triton_gemv_int4_k_words.py, which check when
 they run what the graph cannot promise (the shift amounts, the zero points' range, g_idx).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ aten = torch.ops.aten
 # K instead, into chunks of whole groups of at least PACKED_CHUNK rows: K = N = 8192 with groups
 # of 128 is 64 chunks x 32 programs. The chunks' partial sums (64 x N floats, 6% of the packed
 # weight's bytes) are added up by a second, small kernel. Measured on an H200 (docs/gpu.md,
-# 2026-11-27 seventh session, the prototype of codegen/triton_gemv_int4_columns.py): chunks of 128
+# 2026-11-27 seventh session, the prototype of extensions/quant_gemv/triton_gemv_int4_columns.py): chunks of 128
 # rows 27.4 us at K = N = 8192, of 256 34.1, of 512 51.5.
 PACKED_CHUNK = 128
 
@@ -53,12 +53,12 @@ def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
     if len(kept) < 2 or math.prod(kept) != gemv["n"]:
         return None
     return _chunks_of_groups(red, PACKED_CHUNK, "a weight packed along N",
-                             "codegen/triton_gemv_int4_columns.py")
+                             "extensions/quant_gemv/triton_gemv_int4_columns.py")
 
 
 # GPTQ's int4 words (K / 8, N) int32, packed along K, N contiguous, at M = 1: refine_views
 # computes the weight as (K / G, G / 8, 8, N), a sum over three dims. Read along N as well (a
-# program of 128 columns), so K is cut the same way (codegen/triton_gemv_int4_k_words.py). On an
+# program of 128 columns), so K is cut the same way (extensions/quant_gemv/triton_gemv_int4_k_words.py). On an
 # H200 (docs/gpu.md, 2026-11-27 eighth session; one CUDA graph, do_bench), K = N = 8192:
 # chunks of 128 rows 22.9 us, of 256 24.3; the one GEMV 60.3.
 K_WORDS_CHUNK = 128
@@ -77,7 +77,7 @@ def packed_along_k(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
     if [m.shape[d] for d in kept] != [gemv["n"]] or m.shape[nibble] != 8 \
             or not _words_along_k(red.operand, nibble - len(m.shape), kept[0] - len(m.shape)):
         return None
-    layout, kernel = "int4 words packed along K (N contiguous)", "codegen/triton_gemv_int4_k_words.py"
+    layout, kernel = "int4 words packed along K (N contiguous)", "extensions/quant_gemv/triton_gemv_int4_k_words.py"
     if len(red.dims) == 3:
         return _chunks_of_groups(red, K_WORDS_CHUNK, layout, kernel)
     # (K / 8, 8): the groups are rows of tables read through g_idx (AutoGPTQ's torch path,

@@ -33,9 +33,9 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
   busy once there are as many rows as threads;
 * a GEMV (passes/small_matmul.py) of one activation row whose weight is packed along N (AWQ's
   eight 4-bit columns to an int32 word, `packed_along_n`): its K is cut into chunks of whole
-  groups whatever its rows, each chunk read by codegen/triton_gemv_int4_columns.py
+  groups whatever its rows, each chunk read by extensions/quant_gemv/triton_gemv_int4_columns.py
   (`FUSEC_INT4_COLUMNS=0` keeps one GEMV); the same for int4 words packed along K and stored
-  N-contiguous (GPTQ's, `packed_along_k`), each chunk read by codegen/triton_gemv_int4_k_words.py
+  N-contiguous (GPTQ's, `packed_along_k`), each chunk read by extensions/quant_gemv/triton_gemv_int4_k_words.py
   (both rules in passes/packed_chunks.py);
 * not a GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column
   reduction to the rule below: its kernel takes many neighbouring columns per program and still
@@ -112,7 +112,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         if spread_gemv(node, rows, per_program):
             decisions.append(Decision(node.name, False, f"a GEMV (passes/small_matmul.py) of {rows} "
                                       "columns stored side by side: its kernel spreads them over "
-                                      "the GPU itself (codegen/triton_gemv.py, gemv_blocks_n_major)"))
+                                      "the GPU itself (extensions/quant_gemv/triton_gemv.py, gemv_blocks_n_major)"))
             continue
         if red.op.name not in SPLITTABLE:
             decisions.append(Decision(node.name, False, f"{red.op.name}: its partial results "

@@ -1,4 +1,4 @@
-"""codegen/cpp_int4.py: the C++ packed-int4 GEMV looks each group's sixteen weights up in a table.
+"""extensions/quant_gemv/cpp_int4.py: the C++ packed-int4 GEMV looks each group's sixteen weights up in a table.
 
 The table holds `(q - zero) * scale` for q = 0..15, each step rounded to bf16 as eager rounds it,
 so the weights are eager's bit for bit: one-hot activations read them back one by one. Around
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from fusec.codegen.cpp_int4 import MAX_GROUP_BYTES
+from fusec.extensions.quant_gemv.cpp_int4 import MAX_GROUP_BYTES
 from test_int4_words import Int4
 
 BF16 = torch.bfloat16

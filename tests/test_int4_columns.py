@@ -1,5 +1,5 @@
 """AWQ-style GEMVs at M = 1 cut along K (passes/split_reductions.py, packed_along_n) and each
-chunk read by the column kernel (codegen/int4_columns.py, codegen/triton_gemv_int4_columns.py).
+chunk read by the column kernel (extensions/quant_gemv/int4_columns.py, extensions/quant_gemv/triton_gemv_int4_columns.py).
 
 The cut is made on GPUs only (SPLIT_DEVICES); here it is switched on for the CPU too, so that
 the Triton kernel runs under the interpreter. Every result is compared with eager and with a
@@ -17,7 +17,7 @@ import torch
 import fusec
 from conftest import TRITON_DEVICE, assert_matches
 from fusec.check import compare
-from fusec.codegen.int4_columns import match_int4_columns
+from fusec.extensions.quant_gemv.int4_columns import match_int4_columns
 from fusec.record import record_of
 
 awq = importlib.import_module("fusec.examples.awq_linear")
@@ -303,5 +303,5 @@ def test_a_form_the_column_kernel_does_not_know_is_cut_and_still_right():
     reasons = [match_int4_columns(k.ir)[1] for k in cf.kernels if "dequant_gemv" in k.name]
     assert reasons and all(re.search(r"int8|nibble", why) for why in reasons), reasons
     # and the kernel that renders the chunk instead says why
-    assert any(f"Not the column-packed int4 kernel (codegen/int4_columns.py): {reasons[0]}"
+    assert any(f"Not the column-packed int4 kernel (extensions/quant_gemv/int4_columns.py): {reasons[0]}"
                in k.source for k in cf.kernels)

@@ -1,6 +1,6 @@
 """GPTQ-style GEMVs at M = 1 (int4 words packed along K, N contiguous) cut along K
 (passes/split_reductions.py, passes/packed_chunks.py) and each chunk read by the K-packed kernel
-(codegen/int4_k_words.py, codegen/triton_gemv_int4_k_words.py).
+(extensions/quant_gemv/int4_k_words.py, extensions/quant_gemv/triton_gemv_int4_k_words.py).
 
 The cut is made on GPUs only (SPLIT_DEVICES); here it is switched on for the CPU too, so that the
 Triton kernel runs under the interpreter. Every result is compared with eager and with a float64
@@ -18,7 +18,7 @@ import fusec
 import test_int4_columns as columns
 from conftest import TRITON_DEVICE, assert_matches
 from fusec.check import compare
-from fusec.codegen.int4_k_words import match_int4_k_words
+from fusec.extensions.quant_gemv.int4_k_words import match_int4_k_words
 from test_int4_columns import closer_than_eager, gen, record, run, split_here  # noqa: F401
 
 gptq = importlib.import_module("fusec.examples.gptq_linear")
@@ -301,5 +301,5 @@ def test_a_form_the_k_words_kernel_does_not_know_is_cut_and_still_right():
     reasons = [match_int4_k_words(k.ir)[1] for k in cf.kernels if "dequant_gemv" in k.name]
     assert reasons and all("zero point" in why or "nibble" in why for why in reasons), reasons
     # and the kernel that renders the chunk instead says why
-    assert any(f"Not the K-packed int4 kernel (codegen/int4_k_words.py): {reasons[0]}"
+    assert any(f"Not the K-packed int4 kernel (extensions/quant_gemv/int4_k_words.py): {reasons[0]}"
                in k.source for k in cf.kernels)

@@ -1,4 +1,4 @@
-"""codegen/triton_gemv_int4_mma.py: the packed-int4 GEMV for 2 to 16 activation rows on tensor
+"""extensions/quant_gemv/triton_gemv_int4_mma.py: the packed-int4 GEMV for 2 to 16 activation rows on tensor
 cores, K split over several programs and their float32 partial sums added by a second kernel.
 
 Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU, where
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fusec
 from conftest import GPU, TRITON_DEVICE
-from fusec.codegen import triton_gemv_int4_mma as mma
+from fusec.extensions.quant_gemv import triton_gemv_int4_mma as mma
 from test_int4_words import BYTES, MMA, WORDS, Int4, check, rand
 
 pytestmark = pytest.mark.triton  # (all of them: selected by gpu_session.sh's -k triton)

@@ -1,4 +1,4 @@
-"""codegen/int4_words.py + codegen/triton_gemv_int4.py and triton_gemv_int4_groups.py: the
+"""extensions/quant_gemv/int4_words.py + extensions/quant_gemv/triton_gemv_int4.py and triton_gemv_int4_groups.py: the
 packed-int4 GEMVs that read the weight as 32-bit words. With one activation row (M = 1) the group
 kernel takes it (zero point and scale once per group, exact up to float32 rounding); with 2-4 rows
 in groups smaller than 128 weights the word kernel (each weight dequantized and rounded to bf16 as
@@ -20,19 +20,19 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from fusec.codegen import triton_gemv_int4_groups as int4_groups
+from fusec.extensions.quant_gemv import triton_gemv_int4_groups as int4_groups
 from conftest import GPU, TRITON_DEVICE
-from fusec.codegen.int4_words import match_int4_words
+from fusec.extensions.quant_gemv.int4_words import match_int4_words
 
 int4_linear = importlib.import_module("fusec.examples.int4_linear")
 
 pytestmark = pytest.mark.triton  # (all of them: selected by gpu_session.sh's -k triton)
 BF16 = torch.bfloat16
 DEV = TRITON_DEVICE
-WORDS = "codegen/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
-GROUPS = "codegen/templates/triton_gemv_int4_groups.py.j2"  # in the group kernel's
-MMA = "codegen/templates/triton_gemv_int4_mma.py.j2"  # the tensor-core kernel's (M = 2-16)
-BYTES = "codegen/templates/triton_gemv.py.j2"
+WORDS = "extensions/quant_gemv/templates/triton_gemv_int4.py.j2"  # in the word kernel's docstring
+GROUPS = "extensions/quant_gemv/templates/triton_gemv_int4_groups.py.j2"  # in the group kernel's
+MMA = "extensions/quant_gemv/templates/triton_gemv_int4_mma.py.j2"  # the tensor-core kernel's (M = 2-16)
+BYTES = "extensions/quant_gemv/templates/triton_gemv.py.j2"
 
 
 class Int4(torch.nn.Module):

@@ -171,8 +171,8 @@ def test_cuts_nest_into_the_finest_shape():
 def test_n_contiguous_weights_get_a_tile_of_neighbouring_columns():
     """GPTQ's words (and x @ W with W (K, N)) are stored N-contiguous: 64 bytes of each K row of
     the tile, 8 KB of weight a tile, no more columns per program than keep 132 SMs busy (measured
-    on an H200, codegen/triton_gemv.py)."""
-    from fusec.codegen.triton_gemv import gemv_blocks_n_major, n_contiguous
+    on an H200, extensions/quant_gemv/triton_gemv.py)."""
+    from fusec.extensions.quant_gemv.triton_gemv import gemv_blocks_n_major, n_contiguous
     from fusec.ir import Index
     assert gemv_blocks_n_major(1, 8192, 8192, weight_bytes=4) == (1, 16, 128, 4)
     assert gemv_blocks_n_major(1, 8192, 8192, weight_bytes=1) == (1, 32, 256, 4)

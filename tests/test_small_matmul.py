@@ -218,7 +218,7 @@ class Bf16Computed(torch.nn.Module):
 
 @pytest.mark.parametrize("k", [256, 264, 1000], ids=lambda k: f"K{k}")
 def test_triton_gemv_loop_masks_pairs_and_prefetch(k, monkeypatch):
-    """The Triton GEMV's K loop (codegen/triton_gemv.py): no K mask when BLOCK_K divides K; the
+    """The Triton GEMV's K loop (extensions/quant_gemv/triton_gemv.py): no K mask when BLOCK_K divides K; the
     activations of a packed byte's two nibbles loaded as pairs and split in registers; the M = 1
     kernel prefetching the next chunk, except for a plain int8 weight. Each still matches eager,
     whole chunks or not. (The byte path for packed int4: the word path, which would take these

@@ -87,7 +87,7 @@ def programs():
                 (f"shifts_{dt}", _shift_ops, (a[0], a[1]))]
     p = torch.rand(SHAPE) > 0.5
     out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _int_reductions, (p,))]
-    # packed-int4 GEMVs (the C++ table kernel, codegen/cpp_int4.py): groups of 32 weights take its
+    # packed-int4 GEMVs (the C++ table kernel, extensions/quant_gemv/cpp_int4.py): groups of 32 weights take its
     # vector lookups, groups of 16 its plain loop; one and four activation rows
     from fusec.examples.int4_linear import Int4Linear
     for group, m in ((32, 1), (16, 4)):

@@ -15,7 +15,7 @@ import torch
 import fusec
 from conftest import TRITON_DEVICE
 from fusec.codegen import triton_target
-from fusec.codegen.triton_gemv_int4 import pair_math
+from fusec.extensions.quant_gemv.triton_gemv_int4 import pair_math
 from fusec.errors import FusecError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -132,7 +132,7 @@ def test_the_int4_tensor_core_gemv_compiles_for_the_gpu(target):
 def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
     """The M = 1 group kernel's 4-row tile (N = 4352: 1088 programs) is capped at 128 registers
     (Triton's maxnreg), so that 16 one-warp programs fit in an SM's 65536; ptxas would take 168
-    (codegen/triton_gemv_int4_groups.py, max_registers). With Triton 3.6, the GPU machine's,
+    (extensions/quant_gemv/triton_gemv_int4_groups.py, max_registers). With Triton 3.6, the GPU machine's,
     the cap costs no spills. The 2-row tile (N = 1024) is left to ptxas."""
     import re
 
@@ -158,8 +158,8 @@ def test_the_four_row_int4_group_gemv_keeps_sixteen_programs_on_an_sm():
 @needs_tools
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq through g_idx"])
 def test_the_packed_int4_chunk_kernels_compile_for_sm_90_without_spills(monkeypatch, fmt):
-    """The chunk kernel of an AWQ or a GPTQ GEMV at M = 1 (codegen/triton_gemv_int4_columns.py,
-    codegen/triton_gemv_int4_k_words.py; the cut along K is made on GPUs, here switched on for
+    """The chunk kernel of an AWQ or a GPTQ GEMV at M = 1 (extensions/quant_gemv/triton_gemv_int4_columns.py,
+    extensions/quant_gemv/triton_gemv_int4_k_words.py; the cut along K is made on GPUs, here switched on for
     the CPU): its registers leave room for 16 one-warp programs an SM, and nothing goes to local
     memory. GPTQ's makes its nibble pairs with one PTX lop3 (int4_helpers.j2) on a GPU."""
     import re

@@ -14,7 +14,7 @@ eager. `--source DIR` writes the GEMV of the first shape, M = 1, to DIR. The num
 SPLIT_COLUMNS_MAX_M are this script's (docs/gpu.md, docs/passes/constant_gathers.md).
 
 At M = 1 on a GPU the GEMV is cut along K into chunks of whole groups (passes/split_reductions.py,
-codegen/triton_gemv_int4_columns.py). `--forms` also times the one-GEMV form
+extensions/quant_gemv/triton_gemv_int4_columns.py). `--forms` also times the one-GEMV form
 (`FUSEC_INT4_COLUMNS=0`) in the same process, and `--graph` times both inside a CUDA graph: ten
 calls captured and replayed, per call, which leaves out the launches a single call pays for
 (a decode step is replayed that way). torch.compile is compiled once per shape and row count;

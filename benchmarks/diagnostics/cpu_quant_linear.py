@@ -8,7 +8,7 @@ For each weight format, size (K = N) and M, times eager and fusec's C++ and LLVM
 by side (fusec.timing.median_ms), with examples/int8_linear.py's, int4_linear.py's,
 gptq_linear.py's and awq_linear.py's layers; `--compile` adds torch.compile (Inductor's CPU
 backend) on the same layer. With FUSEC_INT4_WORDS=0 in the environment the int4 layer keeps the generic reduction
-loop instead of the C++ table kernel (codegen/cpp_int4.py), so two runs compare them.
+loop instead of the C++ table kernel (extensions/quant_gemv/cpp_int4.py), so two runs compare them.
 """
 from __future__ import annotations
 

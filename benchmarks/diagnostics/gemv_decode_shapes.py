@@ -5,7 +5,7 @@
 benchmarks/decode.py's bf16 step is Llama-2-7B's layer shapes (examples/llama_decode.py, REAL):
 per layer the query and output projections (4096 x 4096), the key and value projections
 (1024 x 4096, 8 key/value heads), gate and up (11008 x 4096), down (4096 x 11008), and once the
-logits (32000 x 4096). codegen/triton_gemv.py picks the GEMV's blocks from its shape
+logits (32000 x 4096). extensions/quant_gemv/triton_gemv.py picks the GEMV's blocks from its shape
 (`gemv_blocks`: for a 16-bit weight one output column of 4096 per program with 8 warps, chosen
 from this script's third run, on an H100; 2 x 1024 x 4 warps before, from its first run on an
 H200; 8 x 512 before that). Each row here forces one (BLOCK_N, BLOCK_K, num_warps) on
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusec  # noqa: E402
-import fusec.codegen.triton_gemv as tr  # noqa: E402
+import fusec.extensions.quant_gemv.triton_gemv as tr  # noqa: E402
 from fusec.timing import median_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (11008, 4096), (4096, 11008), (32000, 4096)]

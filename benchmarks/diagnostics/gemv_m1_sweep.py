@@ -2,12 +2,12 @@
 
     python benchmarks/diagnostics/gemv_m1_sweep.py
 
-Each row forces one (BLOCK_N, BLOCK_K, num_warps, num_stages) on codegen/triton_gemv.py's lane
+Each row forces one (BLOCK_N, BLOCK_K, num_warps, num_stages) on extensions/quant_gemv/triton_gemv.py's lane
 version (gemv_blocks, GEMV_STAGES) and prints the median time and weight bytes per second; the
 findings are in docs/gpu.md.
 """
 import torch, fusec, importlib
-import fusec.codegen.triton_gemv as tr
+import fusec.extensions.quant_gemv.triton_gemv as tr
 from fusec.examples.int8_linear import Int8Linear
 from fusec.examples.int4_linear import Int4Linear
 from fusec.timing import median_ms

@@ -3,7 +3,7 @@
     python benchmarks/diagnostics/gemv_variants.py [--cases int4:1,int8:1,int8:16,bf16:1]
 
 For each case (weight format : M rows, K = N = 8192) it compiles the layer with fusec, then again
-with the generated GEMV's text edited (codegen/triton_gemv.py's output, before it is built) or
+with the generated GEMV's text edited (extensions/quant_gemv/triton_gemv.py's output, before it is built) or
 with other block sizes, and prints the median time (do_bench, L2 flushed) and the weight bytes
 streamed per second. The edits are experiments, not fusec's output:
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-import fusec.codegen.triton_gemv as tg
+import fusec.extensions.quant_gemv.triton_gemv as tg
 import fusec.codegen.triton_reduction as trd
 from fusec.examples.int4_linear import Int4Linear
 from fusec.examples.int8_linear import Int8Linear

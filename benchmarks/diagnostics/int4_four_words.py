@@ -2,7 +2,7 @@
 
     python benchmarks/diagnostics/int4_four_words.py [--k 8192] [--n 8192] [--configs 2x128x4,...]
 
-fusec's int4 word GEMV (codegen/templates/triton_gemv_int4.py.j2) loads its weight tile
+fusec's int4 word GEMV (extensions/quant_gemv/templates/triton_gemv_int4.py.j2) loads its weight tile
 [rows, words] with four neighbouring words per thread, and its activations as one 16-byte load
 of a word's eight per thread. The two layouts differ, and every warp needs the whole chunk's
 activations, so on an H200 each chunk paid eight conversions through shared memory (8 STSM,

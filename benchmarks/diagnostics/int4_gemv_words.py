@@ -2,7 +2,7 @@
 
     python benchmarks/diagnostics/int4_gemv_words.py [--k 8192] [--n 8192] [--blocks 8x128x4,...]
 
-fusec's int4 GEMV (codegen/triton_gemv.py) loads the packed weight byte by byte and dequantizes
+fusec's int4 GEMV (extensions/quant_gemv/triton_gemv.py) loads the packed weight byte by byte and dequantizes
 each nibble in float32. It streams about 0.95 TB/s on an H200, against 2.66 for an int8 weight,
 and ablations of its rounding and of its per-group values did not move it. These kernels are
 experiments (not fusec's output) that read the same weight as int32 words (eight nibbles each)

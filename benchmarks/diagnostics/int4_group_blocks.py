@@ -2,7 +2,7 @@
 
     python benchmarks/diagnostics/int4_group_blocks.py --k 28672 --n 8192 --configs auto,4x32x4n,4x32x4s
 
-codegen/triton_gemv_int4_groups.py picks ROWS x LANES x WPL by a rule (`group_blocks`) and starts
+extensions/quant_gemv/triton_gemv_int4_groups.py picks ROWS x LANES x WPL by a rule (`group_blocks`) and starts
 each program at a chunk of its own from STAGGER_FROM_CHUNKS chunks a row. Both were measured, and
 both depend on the GPU's memory more than on anything the kernel can see. This script compiles
 the same int4 layer (examples/int4_linear.py) once per config through fusec.compile, with the
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
-from fusec.codegen import triton_gemv_int4_groups as groups
+from fusec.extensions.quant_gemv import triton_gemv_int4_groups as groups
 from fusec.timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -1,4 +1,4 @@
-"""The generated tensor-core int4 GEMV (codegen/triton_gemv_int4_mma.py) with other block sizes.
+"""The generated tensor-core int4 GEMV (extensions/quant_gemv/triton_gemv_int4_mma.py) with other block sizes.
 
     python benchmarks/diagnostics/int4_mma_blocks.py [--k 8192] [--n 8192] [--m 2,4,8,16]
                                                      [--configs 128x8x396x1,64x4x396x1,...]

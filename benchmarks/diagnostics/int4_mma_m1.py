@@ -3,7 +3,7 @@
     python benchmarks/diagnostics/int4_mma_m1.py [--k 8192] [--n 8192] [--configs 4x2,d4x4,s4x,...]
                                                   [--debug]
 
-fusec's group kernel (codegen/triton_gemv_int4_groups.py) spends about 4 instructions per
+fusec's group kernel (extensions/quant_gemv/triton_gemv_int4_groups.py) spends about 4 instructions per
 weight on CUDA cores: unpacking, widening, one FMA each. A tensor core multiplies 16 x 16
 bf16 weights by 16 x 8 activations in one `mma.sync.m16n8k16` per warp: eight weights per
 thread in one instruction. At M = 1 only one of the 8 activation columns is needed; the

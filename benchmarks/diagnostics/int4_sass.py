@@ -100,7 +100,7 @@ def main() -> None:
         with torch.no_grad():
             cf(x)
         [kernel] = cf.kernels
-    else:  # rendered as for that GPU: with the PTX dequantization (codegen/triton_gemv_int4.py)
+    else:  # rendered as for that GPU: with the PTX dequantization (extensions/quant_gemv/triton_gemv_int4.py)
         [kernel] = fusec.explain(layer, x, backend="triton").kernels
     source = kernel.source if gpu else triton_codegen.render(kernel.ir, arch=args.arch or 90)
     print(f"Triton {triton.__version__}, " + (torch.cuda.get_device_name() if gpu else

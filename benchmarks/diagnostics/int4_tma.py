@@ -2,7 +2,7 @@
 
     python benchmarks/diagnostics/int4_tma.py [--k 8192] [--n 8192] [--configs 4x1x3,...]
 
-fusec's int4 group kernel (codegen/triton_gemv_int4_groups.py) loads its words with ordinary
+fusec's int4 group kernel (extensions/quant_gemv/triton_gemv_int4_groups.py) loads its words with ordinary
 16-byte loads into registers, one chunk ahead: the bytes in flight live in registers, so more of
 them means fewer programs per SM (two chunks ahead was slower, int4_offset.py's `d`). On an H100
 or H200 the Tensor Memory Accelerator copies a tile from global to shared memory on its own,

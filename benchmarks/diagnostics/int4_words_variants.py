@@ -3,7 +3,7 @@
     python benchmarks/diagnostics/int4_words_variants.py [--k 8192] [--n 8192] [--m 1]
 
 fusec compiles a packed-int4 linear (examples/int4_linear.py, group 128, bf16 activations) to
-one Triton GEMV that reads the weight as 32-bit words (codegen/triton_gemv_int4.py). This script
+one Triton GEMV that reads the weight as 32-bit words (extensions/quant_gemv/triton_gemv_int4.py). This script
 takes that kernel's generated module, edits its text, and times each edit on the same tensors
 (bytes of packed weight, scales and zero points per second, as quant_linear.py counts them; do_bench medians):
 

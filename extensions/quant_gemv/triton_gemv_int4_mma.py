@@ -1,6 +1,6 @@
 """Triton GEMV for 2 to 16 activation rows times a packed-int4 weight, on tensor cores, K split.
 
-With one activation row the group kernel (codegen/triton_gemv_int4_groups.py) multiplies on CUDA
+With one activation row the group kernel (extensions/quant_gemv/triton_gemv_int4_groups.py) multiplies on CUDA
 cores: one FMA per weight. With M rows that is M FMAs per weight, and at M = 16 (a batch of 16
 sequences decoding together) the CUDA cores, not the memory, set the pace: the byte kernel's
 tensor-core dots took 0.061-0.065 ms at K = N = 8192 on an H100, where cuBLAS multiplies a plain
@@ -32,8 +32,8 @@ from .int4_words import Int4Words
 from .render import render_template
 from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
-from .triton_pdl import pdl
-from .triton_text import helpers_in, ops_summary, current_arch
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, ops_summary, current_arch
 
 MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16

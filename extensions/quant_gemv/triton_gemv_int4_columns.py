@@ -1,10 +1,10 @@
 """Triton GEMV chunk for int4 weights packed eight to a word along N (AWQ's layout), one
-activation row, dequantized once per group (codegen/int4_columns.py recognises it).
+activation row, dequantized once per group (extensions/quant_gemv/int4_columns.py recognises it).
 
-The generic GEMV (codegen/triton_gemv.py) dequantized each of these weights with the IR's own
+The generic GEMV (extensions/quant_gemv/triton_gemv.py) dequantized each of these weights with the IR's own
 statements: shift, narrow, mask, subtract, multiply, round, widen, about 18 SASS instructions per
 weight on sm_90, and 0.40-0.47 TB/s on an H200 at K = N = 8192 (docs/gpu.md). This kernel takes
-the sum apart per group as the packed-int4 group kernel does (codegen/triton_gemv_int4_groups.py):
+the sum apart per group as the packed-int4 group kernel does (extensions/quant_gemv/triton_gemv_int4_groups.py):
 about 3 instructions per weight. Its lanes lie along N, one word column each, so a warp reads 128
 contiguous bytes of every row of K; a program takes one chunk of K (passes/split_reductions.py
 cuts it, and a second kernel adds the chunks' partial sums), so that there are programs for
@@ -27,8 +27,8 @@ from fusec.ir import Load, Reduce, Stmt
 
 from .int4_columns import Int4Columns
 from .render import render_template
-from .triton_pdl import pdl
-from .triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
 
 WORD_COLUMNS = 32  # one word column per lane of the one-warp program
 ROWS_PER_STEP = 8  # rows of K loaded a step: 8 words a lane in flight, and 8 more prefetched

@@ -8,7 +8,7 @@ project's 2-core AMD EPYC that made the K = N = 2048 layer 2.4x slower than eage
 (4.9 ms against 2.0; `python examples/int4_linear.py`) and 10x slower at M = 4.
 
 But a nibble has only sixteen values, and a group shares its zero point and scale. So this kernel
-(codegen/templates/cpp_gemv_int4.cpp.j2) walks each weight row a group at a time:
+(extensions/quant_gemv/templates/cpp_gemv_int4.cpp.j2) walks each weight row a group at a time:
 
     float lut[16];   // lut[q] = (q - zero) * scale, each step rounded to bf16, as eager rounds it
     for (int q = 0; q < 16; ++q) lut[q] = fusec_round_bf16(fusec_round_bf16(q - zero) * scale);
@@ -25,7 +25,7 @@ dequantized the weight M times). A group's products are summed in float32 and th
 in double (cpp_reduction.py, note "long float sums"), so a group is at most MAX_GROUP_BYTES
 bytes; longer ones keep the generic loop.
 
-The pattern is codegen/int4_words.py's (the Triton word kernel's): the same strict checks, so
+The pattern is extensions/quant_gemv/int4_words.py's (the Triton word kernel's): the same strict checks, so
 anything else keeps the generic kernel. Never wrong, rarely slow.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 from fusec import ops
 from fusec.ir import Load, Reduce
 
-from .cpp_text import CTYPE, load_value, convert, literal
-from .cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, summary
+from fusec.codegen.cpp_text import CTYPE, load_value, convert, literal
+from fusec.codegen.cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, summary
 from .int4_words import Int4Words, match_int4_words
 from .render import render_template
 

@@ -1,10 +1,10 @@
 """Triton GEMV chunk for int4 weights packed eight to a word along K with N contiguous (GPTQ's
-layout), one activation row, dequantized once per group (codegen/int4_k_words.py recognises it).
+layout), one activation row, dequantized once per group (extensions/quant_gemv/int4_k_words.py recognises it).
 
-The generic GEMV (codegen/triton_gemv.py, `gemv_blocks_n_major`) dequantized each of these
+The generic GEMV (extensions/quant_gemv/triton_gemv.py, `gemv_blocks_n_major`) dequantized each of these
 weights with the IR's own statements (shift, mask, subtract, convert, multiply, round, widen) and
 read GPTQ's words at 0.57 TB/s on an H200 at K = N = 8192 (docs/gpu.md). This kernel takes the
-sum apart per group as the packed-int4 group kernel does (codegen/triton_gemv_int4_groups.py):
+sum apart per group as the packed-int4 group kernel does (extensions/quant_gemv/triton_gemv_int4_groups.py):
 a word's eight nibbles are eight rows of K of one column, so per word it is four unpacking steps
 and eight FMAs into that column's sum, and the zero point and scale come once per group. Its lanes
 lie along N, COLUMNS_PER_LANE neighbouring columns each, so a warp reads 32 x 16 contiguous bytes
@@ -21,8 +21,8 @@ from .int4_k_words import Int4KWords
 from .render import render_template
 from .triton_gemv_int4 import pair_math
 from .triton_gemv_int4_columns import computed_lines, strided
-from .triton_pdl import pdl
-from .triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 
 COLUMNS_PER_LANE = 4  # neighbouring columns of a lane: one 16-byte load per word row
 ROWS_PER_STEP = 4  # word rows loaded a step (32 rows of K), and as many prefetched

@@ -1,6 +1,6 @@
 """Triton GEMV for one activation row times a packed-int4 weight, dequantized once per group.
 
-codegen/triton_gemv_int4.py's word kernel dequantizes every weight, `(q - zero) * scale` rounded
+extensions/quant_gemv/triton_gemv_int4.py's word kernel dequantizes every weight, `(q - zero) * scale` rounded
 to bf16 as eager does, in three packed bf16 steps and a widening per pair of nibbles: about six
 instructions per weight in its K loop, which on an H100/H200 is bound by the instructions it
 issues (1.3-1.4 TB/s of packed bytes at K = N = 8192; docs/gpu.md). This kernel takes the sum
@@ -24,10 +24,10 @@ from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
-from .triton_pdl import pdl
+from fusec.codegen.triton_pdl import pdl
 from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
-from .triton_text import helpers_in, ops_summary
+from fusec.codegen.triton_text import helpers_in, ops_summary
 
 # Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
 # LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,

@@ -22,9 +22,9 @@ chunks of whole groups. One chunk's kernel IR (`print(cf.kernels[i].ir)`) reads:
     partial = sum over k of x * wt  (float32)
 
 `match_int4_k_words` recognises that form (the zero point may also be a constant, or absent) and
-returns what the kernel (codegen/triton_gemv_int4_k_words.py) needs, or None and why not; then the
+returns what the kernel (extensions/quant_gemv/triton_gemv_int4_k_words.py) needs, or None and why not; then the
 generic reduction kernel renders the chunk, correct and slower. The walk down the dequantization
-is shared with AWQ's matcher (codegen/int4_columns.py, `dequant_chain`); only the layouts differ.
+is shared with AWQ's matcher (extensions/quant_gemv/int4_columns.py, `dequant_chain`); only the layouts differ.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ added up by a second, small kernel). One chunk's kernel IR (`print(cf.kernels[i]
 
 `match_int4_columns` recognises exactly that form (the zero point may also be a constant, or
 absent) and
-returns what the kernel (codegen/triton_gemv_int4_columns.py) needs, or None and why not; then
+returns what the kernel (extensions/quant_gemv/triton_gemv_int4_columns.py) needs, or None and why not; then
 the generic reduction kernel renders the chunk, correct and slower. The shift amounts are read
 when the kernel runs (they are a folded constant, but a kernel IR holds no values); the kernel
 itself checks that they put one column in each nibble, and computes its chunk the exact way

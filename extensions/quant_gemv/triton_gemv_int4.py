@@ -1,6 +1,6 @@
-"""Triton GEMV for a packed-int4 weight read as 32-bit words (codegen/int4_words.py recognises it).
+"""Triton GEMV for a packed-int4 weight read as 32-bit words (extensions/quant_gemv/int4_words.py recognises it).
 
-The byte-per-lane GEMV (codegen/triton_gemv.py) gives every packed byte its own lane and turns
+The byte-per-lane GEMV (extensions/quant_gemv/triton_gemv.py) gives every packed byte its own lane and turns
 each nibble into a float32 on its own: a shift or a mask, an integer-to-float trick, a
 subtraction and a multiplication, each rounded to bf16. On an H200 that streamed 0.95 TB/s of
 packed bytes, where the bytes alone load at 2.6 (docs/gpu.md, issue 15). This kernel gives each
@@ -28,9 +28,9 @@ from fusec.ir import Index, Load, Reduce, Stmt
 
 from .int4_words import Int4Words
 from .render import render_template
-from .triton_pdl import pdl
+from fusec.codegen.triton_pdl import pdl
 from .triton_gemv import SMS
-from .triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert, current_arch,
+from fusec.codegen.triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert, current_arch,
                           rows_and_epilogue)
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fusec.ir import ReductionKernel
 
-from .families import Declined
+from fusec.codegen.families import Declined
 from .int4_columns import match_int4_columns
 from .int4_k_words import chunk_of_k_words, match_int4_k_words
 from .int4_words import match_int4_words
@@ -50,9 +50,9 @@ def render_triton(kernel, arch: int | None = None) -> str | Declined:
             return render_gemv_columns(kernel, cols, arch)
     notes = []
     if len(kernel.row_shape) == 3 and kernel.row_shape[2] == 8:  # a chunk of a GEMV packed along N?
-        notes.append(f"Not the column-packed int4 kernel (codegen/int4_columns.py): {why_not_columns}.")
+        notes.append(f"Not the column-packed int4 kernel (extensions/quant_gemv/int4_columns.py): {why_not_columns}.")
     if k_chunk:
-        notes.append(f"Not the K-packed int4 kernel (codegen/int4_k_words.py): {why_not_k_words}.")
+        notes.append(f"Not the K-packed int4 kernel (extensions/quant_gemv/int4_k_words.py): {why_not_k_words}.")
     return Declined(notes)
 
 
@@ -84,7 +84,8 @@ def render_cpp(kernel, arch=None) -> str | Declined:
     or Declined."""
     if not isinstance(kernel, ReductionKernel):
         return Declined()
-    from . import cpp_int4, cpp_reduction
+    from fusec.codegen import cpp_reduction
+    from . import cpp_int4
     words = cpp_int4.match(kernel, 0)
     if words is None:
         return Declined()

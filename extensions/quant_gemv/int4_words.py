@@ -1,5 +1,5 @@
 """Is this GEMV a packed-int4 linear that the Triton backend can read as 32-bit words (and the
-C++ backend dequantize through a table per group, codegen/cpp_int4.py)?
+C++ backend dequantize through a table per group, extensions/quant_gemv/cpp_int4.py)?
 
 passes/small_matmul.py turns a small-M linear whose weight is unpacked from bytes (two 4-bit
 values per byte, `p & 0x0F` and `p >> 4`) and dequantized per group as `(q - zero) * scale` into
@@ -16,8 +16,8 @@ one reduction over the packed bytes. Its kernel IR (printed by `print(cf.kernels
 
 `match_int4_words` recognises exactly that form, and the alignment it needs (a row of the packed
 weight is whole 32-bit words, a group covers whole words), and returns the values the word
-kernel (codegen/triton_gemv_int4.py) reads; or None and why not, in which case the byte-per-lane
-GEMV (codegen/triton_gemv.py) renders the kernel as before. The checks are strict on purpose:
+kernel (extensions/quant_gemv/triton_gemv_int4.py) reads; or None and why not, in which case the byte-per-lane
+GEMV (extensions/quant_gemv/triton_gemv.py) renders the kernel as before. The checks are strict on purpose:
 the word kernel computes each dequantized weight with its own arithmetic, which equals eager's
 only for this form (bf16 rounding after the subtraction and after the multiplication, bf16
 scales and zero points), so anything else keeps the generic path. Never wrong, rarely slow.
@@ -36,7 +36,7 @@ from fusec import env
 from fusec.ir import Const, Load, Reduce, Stmt
 
 # Activation rows the word kernel multiplies lane by lane. Above this the tensor-core GEMV
-# (codegen/triton_gemv.py, gemv_dot_blocks) multiplies the rows; not measured on a GPU yet:
+# (extensions/quant_gemv/triton_gemv.py, gemv_dot_blocks) multiplies the rows; not measured on a GPU yet:
 # `FUSEC_INT4_WORDS=0 python benchmarks/quant_linear.py` gives the other side.
 INT4_WORDS_MAX_M = 4
 
@@ -70,7 +70,7 @@ def words_enabled() -> bool:
 def match_int4_words(kernel, max_m: int = INT4_WORDS_MAX_M) -> tuple[Int4Words | None, str]:
     """(pattern, why): the packed-int4 form of a GEMV reduction, or None and the reason. `max_m`:
     the most activation rows the caller's kernels multiply (the Triton backend's tensor-core
-    kernel takes up to 16, codegen/triton_gemv_int4_mma.py)."""
+    kernel takes up to 16, extensions/quant_gemv/triton_gemv_int4_mma.py)."""
     if not words_enabled():
         return None, "FUSEC_INT4_WORDS=0: the word path is switched off"
     if kernel.split_columns:
