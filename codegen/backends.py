@@ -14,7 +14,8 @@ facts the rest of fusec decides by:
     backends.get(name).threadsafe_on(device)  whether they may run in several threads at once
 
 Adding a backend: its module (with those functions), its column in the op table (fusec/ops.py)
-and one `Backend(...)` row below.
+and one `Backend(...)` row below; or, from outside fusec, `register(Backend(..., module_name=...))`
+(docs/extending.md).
 """
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ class Backend:
     views: tuple[str, ...] = ()  # extra views of a built kernel that fusec.explain offers
     interpreted_on: tuple[str, ...] = ()  # device types it runs only under an interpreter
     fallback: str | None = None  # who builds a kernel this backend cannot (runtime/build.py)
+    module_name: str = ""  # the module that renders, builds and loads; "": fusec.codegen.<name>
 
     @property
     def module(self):
-        """fusec.codegen.<name>, imported when first used (Triton's loads triton)."""
-        return importlib.import_module(f"fusec.codegen.{self.name}")
+        """Its module (fusec.codegen.<name>, or `module_name` for a backend from outside fusec),
+        imported when first used (Triton's loads triton)."""
+        return importlib.import_module(self.module_name or f"fusec.codegen.{self.name}")
 
     def render(self, ir) -> str:
         return self.module.render(ir)
@@ -96,6 +99,16 @@ BACKENDS = {b.name: b for b in (
 )}
 GPU = "triton"  # what backend="auto" picks for CUDA tensors
 CPU = ("cpp", "llvm")  # and for CPU tensors: the first one available
+
+
+def register(backend: Backend) -> Backend:
+    """Add a backend from outside fusec (docs/extending.md, "A new backend"): `fusec.compile(fn,
+    backend=backend.name)` then uses it. Its module has the functions above; a name already
+    taken is an error (fusec's own backends cannot be replaced)."""
+    if backend.name in BACKENDS or backend.name == "auto":
+        raise FusecError(f"fusec: a backend named {backend.name!r} exists already")
+    BACKENDS[backend.name] = backend
+    return backend
 
 
 def get(name: str) -> Backend:

@@ -48,15 +48,23 @@ from fusec.runtime import saved
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 from fusec.runtime.threads import one_at_a_time
 
-BACKENDS = ("auto", *backends.BACKENDS)  # the `backend=` option's values
+def backend_options() -> tuple[str, ...]:
+    """The `backend=` option's values: "auto" and every registered backend (codegen/backends.py,
+    fusec's own and any registered from outside)."""
+    return ("auto", *backends.BACKENDS)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in backend_options():
+        raise FusecError(f"fusec: unknown backend {backend!r}; choose one of "
+                         f"{', '.join(backend_options())}")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The backend that compiles for `device` (the option "auto" picks one: codegen/backends.py),
     made ready for it (Triton on a CPU: its interpreter), or a clear error."""
     device = torch.device(device)
-    if backend not in BACKENDS:
-        raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_backend(backend)
     if backend == "auto":
         backend = backends.GPU if device.type == "cuda" else _cpu_backend()
     backends.get(backend).prepare(device)
@@ -92,8 +100,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, backend: str = "auto", cuda_graphs: str | bool = "auto",
                  check: bool = False, fullgraph: bool = False):
-        if backend not in BACKENDS:
-            raise FusecError(f"fusec: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        check_backend(backend)
         self.fn = fn
         self.backend = backend
         self.cuda_graphs = cuda_graphs
