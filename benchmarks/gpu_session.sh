@@ -14,7 +14,7 @@ groups=("tests/test_ops.py tests/test_small_matmul.py tests/test_constant_gather
         "tests/test_graph_breaks.py tests/models tests/test_kernelbench.py tests/test_externs.py tests/test_check_gathers.py"
         "tests/test_views.py tests/test_smoke.py tests/test_schedule.py tests/test_examples.py tests/test_triton_launch.py tests/test_tiled_pointwise.py tests/test_unfuse_bias.py tests/test_inplace.py"
         "tests/test_training.py tests/test_api.py tests/test_cuda_graphs.py tests/test_explain.py tests/test_profile.py tests/test_runtime_fastpath.py tests/test_wrapper.py tests/test_memory_plan.py"
-        "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_cse.py tests/test_property.py tests/test_property_reductions.py tests/test_autograd_functions.py tests/test_opinfo.py")
+        "tests/test_fuse_pointwise.py tests/test_dce.py tests/test_cse.py tests/test_property.py tests/test_property_reductions.py tests/test_autograd_functions.py tests/test_opinfo.py tests/test_families.py tests/test_extending.py")
 i=0
 [ -n "${SKIP_TESTS:-}" ] && groups=()
 for g in "${groups[@]}"; do

@@ -10,6 +10,7 @@ eager's answer.
 """
 import errno
 import hashlib
+import importlib
 import importlib.util
 import json
 import marshal
@@ -383,8 +384,8 @@ def test_flag_spellings(monkeypatch, value, want):
     ("FUSEC_CACHE_MAX_MB", "0", cache.max_bytes),
     ("FUSEC_LAYOUT", "sideways", lambda: fusec.compile(torch.nn.Conv2d(2, 2, 3), backend="cpp")(
         torch.randn(1, 2, 5, 5))),
-    ("FUSEC_INT4_MMA", "nope", lambda: __import__("fusec.extensions.quant_gemv.triton_gemv_int4_mma")
-     .codegen.triton_gemv_int4_mma.mma_enabled()),
+    ("FUSEC_INT4_MMA", "nope", lambda: importlib.import_module(
+        "fusec.extensions.quant_gemv.triton_gemv_int4_mma").mma_enabled()),
 ])
 def test_bad_value_is_an_error_naming_the_variable(monkeypatch, name, value, read):
     monkeypatch.setenv(name, value)
