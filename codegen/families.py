@@ -19,8 +19,8 @@ why it was not taken. A family that does not recognize the kernel at all decline
 
 A family is a module with one renderer per backend it serves, `render_<backend>(kernel, arch)`,
 named and imported when first asked, so `import fusec` does not load kernel code a program may
-never use. The face of the package (fusec/__init__.py) registers
-the families that ship with fusec; docs/architecture.md says how to add one.
+never use. The face of the package (fusec/__init__.py) registers the families that ship with
+fusec (extensions/); docs/extending.md says how to add one.
 """
 from __future__ import annotations
 

@@ -35,10 +35,10 @@ import re
 import torch
 
 from fusec import ops
-from fusec.ir import Load, Reduce
-
 from fusec.codegen.cpp_text import CTYPE, load_value, convert, literal
 from fusec.codegen.cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, summary
+from fusec.ir import Load, Reduce
+
 from .int4_words import Int4Words, match_int4_words
 from .render import render_template
 

@@ -4,8 +4,8 @@ A linear of a few activation rows (M <= 16) reduces each output (m, n) over K, r
 weight once per call: it is bound by the weight's bytes, and the general reduction kernel (one
 row per program, triton_reduction.py) reads the weight once per activation row. The family's
 kernels read it once for all rows, and for int4 weights unpack the nibbles of a 32-bit word at
-once. This module is the family's door (fusec/codegen/families.py; registered by fusec/__init__.py):
-it tries, in order,
+once. This module is the family's door (fusec/codegen/families.py; registered by
+fusec/__init__.py): it tries, in order,
 
     a chunk of a GPTQ-style weight packed along K   triton_gemv_int4_k_words.py
     a GEMV (`gemv_fits`):                            `render_int4_or_gemv` below
@@ -18,15 +18,16 @@ weights up (`render_cpp`, cpp_int4.py).
 """
 from __future__ import annotations
 
+from fusec.codegen.families import Declined
 from fusec.ir import ReductionKernel
 
-from fusec.codegen.families import Declined
 from .int4_columns import match_int4_columns
 from .int4_k_words import chunk_of_k_words, match_int4_k_words
 from .int4_words import match_int4_words
 
 # Each backend's kernels are imported by its renderer, when it is first asked: a program on the
 # CPU never loads the Triton GEMV kernels, and one on the GPU never loads the C++ table kernel.
+
 
 def render_triton(kernel, arch: int | None = None) -> str | Declined:
     """The family's Triton kernel for the reduction `kernel` (for GPU `arch`), or Declined."""

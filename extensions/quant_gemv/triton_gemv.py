@@ -14,14 +14,13 @@ import re
 
 import torch
 
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import (TL, helpers_in, max_address, render_stmt, ops_summary,
+                                       convert, gather_offset, piece_mask, rows_and_epilogue)
 from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 
 from .int4_words import match_int4_words
 from .render import render_template
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import (TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset,
-                          piece_mask,
-                          rows_and_epilogue)
 
 
 # ---- GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) --------

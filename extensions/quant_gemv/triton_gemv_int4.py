@@ -24,14 +24,14 @@ import os
 
 import torch
 
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert,
+                                       current_arch, rows_and_epilogue)
 from fusec.ir import Index, Load, Reduce, Stmt
 
 from .int4_words import Int4Words
 from .render import render_template
-from fusec.codegen.triton_pdl import pdl
 from .triton_gemv import SMS
-from fusec.codegen.triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert, current_arch,
-                          rows_and_epilogue)
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
 # best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).

@@ -23,12 +23,12 @@ import math
 
 import torch
 
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
 from fusec.ir import Load, Reduce, Stmt
 
 from .int4_columns import Int4Columns
 from .render import render_template
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
 
 WORD_COLUMNS = 32  # one word column per lane of the one-warp program
 ROWS_PER_STEP = 8  # rows of K loaded a step: 8 words a lane in flight, and 8 more prefetched

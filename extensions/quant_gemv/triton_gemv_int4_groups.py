@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 
 from fusec import env
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, ops_summary
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
-from fusec.codegen.triton_pdl import pdl
 from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
-from fusec.codegen.triton_text import helpers_in, ops_summary
 
 # Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
 # LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 from fusec.ir import Load, Reduce, Stmt
 
 from .int4_k_words import Int4KWords
 from .render import render_template
 from .triton_gemv_int4 import pair_math
 from .triton_gemv_int4_columns import computed_lines, strided
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 
 COLUMNS_PER_LANE = 4  # neighbouring columns of a lane: one 16-byte load per word row
 ROWS_PER_STEP = 4  # word rows loaded a step (32 rows of K), and as many prefetched

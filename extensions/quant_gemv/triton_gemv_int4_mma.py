@@ -26,14 +26,14 @@ from __future__ import annotations
 import os
 
 from fusec import env
+from fusec.codegen.triton_pdl import pdl
+from fusec.codegen.triton_text import helpers_in, ops_summary, current_arch
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words
 from .render import render_template
 from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, ops_summary, current_arch
 
 MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
