@@ -21,6 +21,10 @@ and every import in it, at the top or inside a function, becomes an edge of one 
 6. no module reaches into another's underscore names (`from fusec.passes.layout import _run_fake`,
    `schedule._fake_mode(gm)`): a leading underscore says "only this file uses it", and a reader
    can trust that. What two files share is public, with a docstring that says what it is for.
+7. a function over 80 lines (def or async def, methods and nested functions too, counted from its
+   `def` line to its last line, docstring included) says why, in its docstring, on a line that
+   starts with "Why this function is long:" and gives the reason. A long function is cut along
+   the steps it already performs, each a named helper; the top function then reads as the list.
 """
 from __future__ import annotations
 
@@ -242,3 +246,56 @@ def test_the_core_never_imports_an_extension():
     wrong = [(a, b) for a, b in graph.edges if is_extension(b) and not is_extension(a)]
     assert not wrong, "core modules that import an extension (ask codegen/families.py):\n" + \
         "\n".join(f"  {a} -> {b}   ({graph.edges[a, b]['line']})" for a, b in wrong)
+
+
+MAX_FUNCTION_LINES = 80
+FUNCTION_REASON = "Why this function is long:"
+
+
+def long_functions(source: str) -> list[tuple[int, str, int]]:
+    """(line, name, length) for every function of `source` (def or async def, methods and nested
+    functions too) over MAX_FUNCTION_LINES lines, counted from `def` to its last line, whose
+    docstring has no line starting with FUNCTION_REASON followed by a reason."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        length = node.end_lineno - node.lineno + 1
+        if length <= MAX_FUNCTION_LINES:
+            continue
+        doc = ast.get_docstring(node) or ""
+        stated = any(line.strip().startswith(FUNCTION_REASON)
+                     and line.strip()[len(FUNCTION_REASON):].strip()
+                     for line in doc.splitlines())
+        if not stated:
+            found.append((node.lineno, node.name, length))
+    return sorted(found)
+
+
+def test_long_functions_say_why():
+    too_long = [f"  {path.relative_to(ROOT)}:{line} {name} ({length} lines)"
+                for path in modules().values()
+                for line, name, length in long_functions(path.read_text())]
+    assert not too_long, (f"functions over {MAX_FUNCTION_LINES} lines without a line starting "
+                          f"{FUNCTION_REASON!r} in their docstring (cut them along their steps):\n"
+                          + "\n".join(too_long))
+
+
+def test_the_function_rule_sees_long_functions():
+    """A guard on the guard: an 81-line function is flagged (a method and a nested one too), an
+    80-line one is not, and a stated reason (not an empty one) lets a long one pass."""
+    def function(name: str, lines: int, doc: str = "", indent: str = "") -> str:
+        head = [f"{indent}def {name}():"] + ([f'{indent}    """{doc}"""'] if doc else [])
+        body = [f"{indent}    x = {i}" for i in range(lines - len(head))]
+        return "\n".join(head + body) + "\n"
+    assert long_functions(function("short", 80)) == []
+    assert long_functions(function("long", 81)) == [(1, "long", 81)]
+    assert long_functions(function("told", 81, "Why this function is long: one table.")) == []
+    assert long_functions(function("empty", 81, "Why this function is long:")) == [(1, "empty", 81)]
+    method = "class C:\n" + function("m", 81, indent="    ")
+    assert long_functions(method) == [(2, "m", 81)]
+    nested = "def outer():\n" + function("inner", 81, indent="    ").replace(
+        "def inner", "async def inner")
+    assert long_functions(nested) == [(1, "outer", 82), (2, "inner", 81)]
+    told = function("told", 81, "Adds up.\n\n    Why this function is long: one table.\n    ")
+    assert long_functions(told) == []
