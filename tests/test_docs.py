@@ -45,8 +45,8 @@ NOT_RUN = {
         "installs packages (the tests already run in the installed checkout), then `fusec demo` "
         "on the full-size seed examples (tests/test_cli.py runs every example at small sizes); "
         "its second line runs this very suite",
-    ("docs/gpu.md", "bash benchmarks/gpu_session.sh   # writes tests.log, pointwise.json, "
-                    "models.json, cuda_graphs.json/.txt to $OUT"):
+    ("docs/performance.md", "bash benchmarks/gpu_session.sh   # writes tests.log, pointwise.json, "
+                            "models.json, cuda_graphs.json/.txt to $OUT"):
         "GPU only: runs the suite with real Triton and the benchmarks on a CUDA machine",
 }
 # lines inside a run bash block that are not run, with the reason
@@ -290,12 +290,11 @@ def pass_lists(text: str, names: list[str]) -> list[tuple[int, list[str]]]:
 
 def test_every_pass_list_is_the_pipeline():
     """docs/index.md, architecture.md, compile_time.md and passes/__init__.py each list the
-    passes; they used to give three different lists. Each list must be PIPELINE, in its order
-    (docs/gpu.md, the lab notebook of past sessions, is history and is not read)."""
+    passes; they used to give three different lists. Each list must be PIPELINE, in its order."""
     from fusec.passes import PIPELINE
     names = [p.__name__ for p in PIPELINE]
     wrong = []
-    for path in [p for p in DOCS if p.name != "gpu.md"] + [ROOT / "passes" / "__init__.py"]:
+    for path in DOCS + [ROOT / "passes" / "__init__.py"]:
         for line, listed in pass_lists(path.read_text(), names):
             if listed != names:
                 wrong.append(f"  {rel(path)}:{line}: {', '.join(listed)}")
