@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything fusec checks on a GPU, in one device call: install, Triton tests on CUDA (several
 # pytest processes side by side: Triton compiles are single-threaded), then the benchmarks.
-# Results land in $OUT (the device tool fetches them); docs/gpu.md records what was measured.
+# Results land in $OUT (the device tool fetches them); docs/performance.md holds the current tables.
 # SKIP_TESTS, SKIP_POINTWISE, SKIP_MODELS, SKIP_GRAPHS, SKIP_QUANT, SKIP_DECODE leave a part out;
 # PROFILE=1 adds a profile.
 set -uo pipefail

@@ -27,7 +27,7 @@ each to the last one's output, as a decoding model runs its layers, and reports 
 layer. A single layer's do_bench time carries its L2 flush's cost: the flush writes zeros over
 256 MB and leaves the L2 full of dirty lines, whose write-back shares the memory with the layer's
 reads (on an H100, a bare read of the int4 layer's 35.7 MB runs 14% faster after a flush that only
-reads; docs/gpu.md). In a row, the flush comes once per L layers and every layer still finds its
+reads). In a row, the flush comes once per L layers and every layer still finds its
 weight cold, as in decoding; a bare read of L buffers in a row is its floor.
 CUDA gives the numbers the issue asks for; on a CPU it runs the same rows at the C++ backend.
 """

@@ -4,9 +4,9 @@ A GEMV at decode sizes reads a few tens of MB in a few tens of microseconds. At 
 memory's peak is not the ceiling: launching, the first bytes' latency and the write-back of the
 dirty lines that do_bench's L2 flush leaves behind cost a few microseconds whatever the kernel
 does (on an H200, reading 34 MB takes 0.0146 ms, 67 MB 0.0220 and 134 MB 0.0379: about 6 us
-fixed and 4.2 TB/s after it; docs/gpu.md). So benchmarks/quant_linear.py measures each layer
-against a kernel that reads the same number of bytes and does nothing else, timed the same way:
-`read_floor_ms`. benchmarks/diagnostics/int4_read_patterns.py uses the same kernel.
+fixed and 4.2 TB/s after it). So benchmarks/quant_linear.py measures each layer against a
+kernel that reads the same number of bytes and does nothing else, timed the same way:
+`read_floor_ms` (docs/performance.md has the current table).
 """
 from __future__ import annotations
 

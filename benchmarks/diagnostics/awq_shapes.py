@@ -11,7 +11,7 @@ library matmul above that. Each row gives, for one K x N layer (fp16, group 128)
 median time (fusec.timing.median_ms: do_bench on CUDA) and the bytes the layer must read (packed
 words, zero points, scales) per second, with fusec's kernels and its largest error against
 eager. `--source DIR` writes the GEMV of the first shape, M = 1, to DIR. The numbers behind
-SPLIT_COLUMNS_MAX_M are this script's (docs/gpu.md, docs/passes/constant_gathers.md).
+SPLIT_COLUMNS_MAX_M are this script's (docs/passes/constant_gathers.md).
 
 At M = 1 on a GPU the GEMV is cut along K into chunks of whole groups (passes/split_reductions.py,
 extensions/quant_gemv/triton_gemv_int4_columns.py). `--forms` also times the one-GEMV form

@@ -7,7 +7,7 @@ Each config is BLOCK_N x WARPS x TARGET_PROGRAMS x STAGES: the generated kernel'
 is replaced by one that returns it, the layer is compiled again (a new source, so a new kernel)
 and timed beside cuBLAS's bf16 F.linear of the same shape, fusec's word kernel
 (FUSEC_INT4_MMA=0, M <= 4) and the kernel as chosen. The measurements behind `mma_blocks`
-(docs/gpu.md). Without a GPU each config is compiled for sm_90 and its main loop summarized.
+(docs/passes/small_matmul.md). Without a GPU each config is compiled for sm_90 and its main loop summarized.
 """
 from __future__ import annotations
 

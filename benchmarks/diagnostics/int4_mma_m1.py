@@ -41,8 +41,7 @@ threads it assumes writes NaN (a [WARPS, 32, 4] tile did, on Triton 3.6, which o
 warps' dimension before the lanes'). With a GPU each config is timed beside fusec's kernel and
 cuBLAS's bf16 linear, with its error against a float64 product; without one, each is compiled
 for sm_90 (registers and loop instructions). Every config was correct and none was faster than
-the group kernel on an H200 (docs/gpu.md, 2026-11-26, second evening): the instructions were not
-what bounded it. int4_read_patterns.py has the reads alone.
+the group kernel on an H200: the instructions were not what bounded it.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ No GPU is needed. On a machine without one (or with --arch), each variant is com
 named architecture (90: H100/H200) by Triton's own compiler, ptxas and cuobjdump, which ship with
 Triton (fusec/codegen/triton_target.py, what `fusec kernels --asm` uses), rendered with the PTX
 dequantization a GPU would get. On the H200 this
-gave the same registers and loop as the kernel compiled there (docs/gpu.md, 2026-11-26), so
+gave the same registers and loop as the kernel compiled there, so
 instruction counts can be compared between GPU sessions; timings still need the GPU.
 """
 from __future__ import annotations
