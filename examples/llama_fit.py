@@ -7,7 +7,7 @@ compiler that adds the same numbers in another order (a fused kernel, another GE
 cuBLAS algorithm) moves each logit by about that much and so, now and then, picks the other
 token; from then on the two sequences differ. This is rounding, not a wrong result, and it says
 nothing about the compiler: torch.compile's tokens differ from eager's in the same way
-(docs/gpu.md). A trained model is different: its next token usually wins by several units of
+(docs/performance.md, decode). A trained model is different: its next token usually wins by several units of
 logit, far more than rounding moves it, so every correct compiler decodes the same text.
 
 This example makes such a model without downloading one. `fit` trains the decode model's weights

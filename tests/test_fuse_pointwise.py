@@ -397,7 +397,7 @@ def test_random_ops_keep_their_order_in_the_graph():
 def test_random_ops_draw_like_eager(target):
     """After the same manual_seed the compiled program draws the same numbers as eager: it calls
     the same ATen random ops, in the same order, on the same generator. (On CUDA this once
-    failed on an H100 for a reason not found; on the H200 run of docs/gpu.md it passes.)"""
+    failed on an H100 for a reason not found; on an H200 it passes.)"""
     backend, device = target
     x = torch.randn(4, device=device)
     compiled = fusec.compile(random_ops_around_a_group, backend=backend)
