@@ -25,10 +25,9 @@ memory earlier than it would without the attribute; a library kernel (cuBLAS, an
 one of ours is launched the ordinary way and waits for it completely. Inside a CUDA graph the
 ordering is kept as a programmatic edge (CUDA 12.3 and newer), so captured programs gain the same.
 
-Measured on an H100 (docs/gpu.md, 2026-11-26, late night): a hand-written chain of a decode
-step's 17 bf16 GEMVs with three small kernels before each took 618.5 us instead of 660 us as one
-CUDA graph; fusec's decode step (benchmarks/decode.py --layers 4) went from 1511 to 1548 tokens/s
-with bf16 weights, 1903 to 1986 with int8 and 2569 to 2677 with int4.
+Why: a decode step is some sixty kernels of a few microseconds, and overlapping each one's
+launch with the end of the one before gave 2-4% more tokens per second on an H100
+(`python benchmarks/decode.py`; current numbers in docs/performance.md).
 
 The choice is made when a kernel is rendered, for the GPU this process compiles for (or the
 `arch` named, codegen/triton_target.py): on sm_90 and newer, not under the interpreter (which runs

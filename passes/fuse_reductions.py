@@ -165,7 +165,7 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
     fusec's reduction kernels give each row (or a block of rows) its own program, which walks
     the row's k elements in a loop. `sigmoid(conv(x)).sum(dim=(1, 2, 3))` on a batch of 32
     images has 32 rows of a million elements: 32 programs on a GPU of 132 SMs, each streaming
-    4 MB alone, 4x slower than eager (measured on an H100, docs/gpu.md). The same happens to a
+    4 MB alone, 4x slower than eager (measured on an H100). The same happens to a
     global average pool over a channels-last tensor: 2048 (image, channel) rows, but a column
     reduction takes 64 adjacent channels per program, so 32 programs again. The split_reductions
     pass splits such rows in two reductions first; what reaches this pass still looking like

@@ -30,7 +30,7 @@ SPEEDUP = {
     ("cpu", 2, True, torch.float32): 1.3,
     ("cpu", 3, False, torch.float32): 1.1,
     # NVIDIA H100 and H200, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default),
-    # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py, docs/gpu.md):
+    # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py):
     # conv2d 1.64-1.67x (f32), 1.66-1.68x (bf16); transposed 1.56-1.58x (f32), 1.67x (bf16);
     # conv3d 1.25x (f32), 1.45x (bf16). float16 is assumed to behave as bfloat16.
     ("cuda", 2, False, torch.float32): 1.6,

@@ -34,9 +34,9 @@ aten = torch.ops.aten
 # bytes), so a program that took all of K would own 256 columns: 32 programs for N = 8192. Cut
 # K instead, into chunks of whole groups of at least PACKED_CHUNK rows: K = N = 8192 with groups
 # of 128 is 64 chunks x 32 programs. The chunks' partial sums (64 x N floats, 6% of the packed
-# weight's bytes) are added up by a second, small kernel. Measured on an H200 (docs/gpu.md,
-# 2026-11-27 seventh session, the prototype of extensions/quant_gemv/triton_gemv_int4_columns.py): chunks of 128
-# rows 27.4 us at K = N = 8192, of 256 34.1, of 512 51.5.
+# weight's bytes) are added up by a second, small kernel. 128 rows measured fastest on an H200
+# (the prototype of extensions/quant_gemv/triton_gemv_int4_columns.py, K = N = 8192: 256 rows
+# took 1.25x its time, 512 rows 1.9x).
 PACKED_CHUNK = 128
 
 
@@ -59,8 +59,8 @@ def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
 # GPTQ's int4 words (K / 8, N) int32, packed along K, N contiguous, at M = 1: refine_views
 # computes the weight as (K / G, G / 8, 8, N), a sum over three dims. Read along N as well (a
 # program of 128 columns), so K is cut the same way (extensions/quant_gemv/triton_gemv_int4_k_words.py). On an
-# H200 (docs/gpu.md, 2026-11-27 eighth session; one CUDA graph, do_bench), K = N = 8192:
-# chunks of 128 rows 22.9 us, of 256 24.3; the one GEMV 60.3.
+# H200 (one CUDA graph, do_bench), K = N = 8192, chunks of 128 rows were the fastest, 2.6x the
+# one GEMV (docs/passes/split_reductions.md).
 K_WORDS_CHUNK = 128
 
 

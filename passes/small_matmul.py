@@ -60,26 +60,25 @@ from .grouping import new_node, record_decisions, val
 
 aten = torch.ops.aten
 
-# At most this many activation rows: a decode step's batch. On a GPU, measured on an H200
-# (benchmarks/quant_linear.py --sweep, docs/gpu.md): at M = 16 the Triton GEMV (tensor-core dots
-# from M = 2 on) streams int8 weights at 1.39 TB/s where the dequantize-then-library-matmul path
-# manages 0.67, packed int4 0.30 against 0.10; so 16 there, the most rows its kernel pads to.
+# At most this many activation rows: a decode step's batch. On a GPU 16, the most rows its
+# kernel pads to: at M = 16 the Triton GEMV (tensor-core dots from M = 2 on) measured two to
+# three times as fast as dequantizing for the library matmul on an H200
+# (`python benchmarks/quant_linear.py --sweep`; docs/performance.md).
 # The CPU kernels read the weight row once per output (M times), so there it stays at 8.
 SMALL_M = 8
 SMALL_M_GPU = 16
 
 # A stored bf16/fp16 weight at M = 1 on these devices becomes a GEMV too: with the weight's loads
 # marked evict_first, the Triton GEMV streams a bf16 weight at 3.24 TB/s where cuBLAS's reaches
-# 2.99-3.04 (benchmarks/diagnostics/gemv_variants.py, docs/gpu.md). On a CPU the library wins.
+# 2.99-3.04 on an H200 (benchmarks/diagnostics/gemv_variants.py). On a CPU the library wins.
 STORED_GEMV_DEVICES = ("cuda",)
 
 # A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
-# (passes/refine_views.py). That GEMV beat torch.compile's dequantize-then-library plan at M = 1
-# and 4 on an H200 (8192 x 8192, M = 1: 0.086 against 0.166 ms; M = 4: 0.132 against 0.165), was
-# even at M = 8, and slower at M = 16 (0.264 against 0.166): so up to 4 rows on a GPU
-# (benchmarks/quant_linear.py's awq rows, docs/gpu.md). On a CPU the GEMV keeps all SMALL_M rows:
-# at 4096 x 4096, M = 8, dequantizing for the library took 766 ms (eager 835), the GEMV at M = 4
-# 77-138 ms.
+# (passes/refine_views.py). On an H200 that GEMV beat dequantizing for the library matmul up to
+# M = 4, was even at M = 8 and slower at M = 16: so up to 4 rows on a GPU
+# (`python benchmarks/diagnostics/awq_shapes.py --m 1,4,8,16`). On a CPU the GEMV keeps all
+# SMALL_M rows: dequantizing for the library there took about eager's time, the GEMV a fifth
+# of it or less.
 SPLIT_COLUMNS_MAX_M = 4
 SPLIT_COLUMNS_LIMITED = ("cuda",)  # the devices where that limit applies
 SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)

@@ -3,17 +3,17 @@ activation row, dequantized once per group (extensions/quant_gemv/int4_columns.p
 
 The generic GEMV (extensions/quant_gemv/triton_gemv.py) dequantized each of these weights with the IR's own
 statements: shift, narrow, mask, subtract, multiply, round, widen, about 18 SASS instructions per
-weight on sm_90, and 0.40-0.47 TB/s on an H200 at K = N = 8192 (docs/gpu.md). This kernel takes
+weight on sm_90, and 0.40-0.47 TB/s on an H200 at K = N = 8192. This kernel takes
 the sum apart per group as the packed-int4 group kernel does (extensions/quant_gemv/triton_gemv_int4_groups.py):
 about 3 instructions per weight. Its lanes lie along N, one word column each, so a warp reads 128
 contiguous bytes of every row of K; a program takes one chunk of K (passes/split_reductions.py
 cuts it, and a second kernel adds the chunks' partial sums), so that there are programs for
 every SM.
 
-Measured on an H200, M = 1 (a hand-written prototype of this kernel and the partials' sum,
-scratch, docs/gpu.md 2026-11-27 seventh session), microseconds against fusec's generic GEMV:
-K = N = 8192 27.4 against 87.2, 4096 x 14336 24.8 against 65.5, 14336 x 4096 28.3 against 61.8,
-4096 x 4096 29.8 against 27.6 (a layer that small is mostly launch and the second kernel). Of the
+Measured on an H200, M = 1 (a hand-written prototype of this kernel and the partials' sum):
+2.2-3.2x faster than the generic GEMV at K = N = 8192 and the Llama-7B shapes, and about even
+at 4096 x 4096 (a layer that small is mostly launch and the second kernel;
+docs/passes/split_reductions.md has the generated kernel's times). Of the
 blocks tried, one warp of 32 word columns and 8 rows a step, one group per chunk, was the fastest
 at every size but the smallest (64 word columns, 16 rows a step, two groups a chunk: 4-22% slower).
 """

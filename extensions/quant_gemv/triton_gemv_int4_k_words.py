@@ -3,7 +3,7 @@ layout), one activation row, dequantized once per group (extensions/quant_gemv/i
 
 The generic GEMV (extensions/quant_gemv/triton_gemv.py, `gemv_blocks_n_major`) dequantized each of these
 weights with the IR's own statements (shift, mask, subtract, convert, multiply, round, widen) and
-read GPTQ's words at 0.57 TB/s on an H200 at K = N = 8192 (docs/gpu.md). This kernel takes the
+read GPTQ's words at 0.57 TB/s on an H200 at K = N = 8192. This kernel takes the
 sum apart per group as the packed-int4 group kernel does (extensions/quant_gemv/triton_gemv_int4_groups.py):
 a word's eight nibbles are eight rows of K of one column, so per word it is four unpacking steps
 and eight FMAs into that column's sum, and the zero point and scale come once per group. Its lanes

@@ -4,7 +4,7 @@ With one activation row the group kernel (extensions/quant_gemv/triton_gemv_int4
 cores: one FMA per weight. With M rows that is M FMAs per weight, and at M = 16 (a batch of 16
 sequences decoding together) the CUDA cores, not the memory, set the pace: the byte kernel's
 tensor-core dots took 0.061-0.065 ms at K = N = 8192 on an H100, where cuBLAS multiplies a plain
-bf16 weight, four times the bytes, in 0.060 (docs/gpu.md, 2026-11-26). This kernel
+bf16 weight, four times the bytes, in 0.060. This kernel
 (templates/triton_gemv_int4_mma.py.j2) reads the weight as 32-bit words, makes q - zero of each
 weight in registers (eager's first bf16 rounding, two packed bf16 steps per pair of nibbles), and
 gives the products to the tensor cores, with the scale applied once per group and row to the
@@ -39,9 +39,9 @@ MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
 CHUNK_WORDS = 16  # words per row per dot chunk: 128 weights, tl.dot's K = 16 per nibble
 # Programs to aim for when splitting K: about 3 per SM of 128 columns, or with up to 8 rows 8 per
-# SM of 64 columns. Measured on an H100 (benchmarks/diagnostics/int4_mma_blocks.py, docs/gpu.md,
-# 2026-11-26): at M = 16, K = N = 8192, 128 x 8 warps x 396 programs 0.0424-0.0428 ms, 64 x 4 x
-# 1056 0.0459-0.0463, no split (the hand-written int4_mma.py) 0.095 and slower; at M = 2-8 64 x 4
+# SM of 64 columns. Measured on an H100 (benchmarks/diagnostics/int4_mma_blocks.py,
+# docs/passes/small_matmul.md): at M = 16, K = N = 8192, 128 x 8 warps x 396 programs 0.0424-0.0428 ms, 64 x 4 x
+# 1056 0.0459-0.0463, without a split 0.095 and slower; at M = 2-8 64 x 4
 # x 1056 was 1-10% faster than 128 x 8 x 396 at each of 8192 x 8192, 4096 x 11008, 11008 x 4096
 # and 4096 x 4096, and at M = 16 1-8% slower.
 TARGET_PROGRAMS = 3 * SMS
@@ -49,7 +49,7 @@ FEW_ROWS, FEW_ROWS_TARGET = 8, 8 * SMS
 FINISH_BLOCK_N = 64  # output columns per program of the kernel that adds the partial sums
 # Not done: loading chunk i + 1's words by hand before multiplying chunk i (as the M = 1 kernels
 # do) made it slower on an H100, 0.0427 -> 0.0559 ms at M = 16, and so did Triton's own
-# pipelining, num_stages 2-3 (docs/gpu.md).
+# pipelining, num_stages 2-3.
 
 
 def mma_enabled() -> bool:

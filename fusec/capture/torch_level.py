@@ -52,7 +52,7 @@ def functional_instance_norm(input, running_mean=None, running_var=None, weight=
 # and `native_batch_norm` (or cuDNN's), every level dispatched through tracing, fake tensors and
 # functionalization; the decomposition then emits its own views and pointwise ops, and on a GPU
 # the statistics eager returns, which nothing reads. Capture pays per traced op: a warm start of
-# resnet50 (53 batch norms) spent more than half of its capture there (docs/gpu.md). In
+# resnet50 (53 batch norms) spent more than half of its capture there (on an H200). In
 # inference (running statistics, no update) the call is intercepted at the top and written
 # straight as capture/decompositions.py's pointwise formula: the same ops the decomposition
 # would leave after dead-code elimination, traced once.

@@ -205,7 +205,7 @@ def _compile_ahead(todo: list[Built], device: str | None) -> None:
     # A module found in fusec's cache was written, and its kernel compiled, by an earlier process:
     # Triton's cache most likely holds the binary, and loading it takes milliseconds of Python.
     # Those are done here, one after another: in 16 threads they only fought over Python's lock
-    # (on an H200 host the threads' summed time was 5-15x the wall-clock, docs/gpu.md), and one
+    # (on an H200 host the threads' summed time was 5-15x the wall-clock), and one
     # after another takes the same wall-clock on one core. Should one take long (Triton's cache
     # was emptied), the rest go to the threads with the new ones.
     written = getattr(codegen(todo[0].backend), "WRITTEN", set())

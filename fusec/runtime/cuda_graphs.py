@@ -26,11 +26,11 @@ from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 # (`cpu_estimate`: a step whose module launches two kernels and allocates counts as three).
 # The GPU time is estimated from below (`gpu_floor_us`): every byte each step reads and writes at
 # HBM_BYTES_PER_US, or a matmul's, convolution's or attention's multiply-adds at the tensor cores'
-# peak, whichever is longer. Measured on an H100 (benchmarks/diagnostics/graph_choice.py,
-# docs/gpu.md): the 50 KernelBench-style problems (2-11 steps, 0.1-0.7 ms of GPU time) all ran
-# faster step by step, by 2-35% (7_conv2d_instancenorm_divide spent 0.098 ms of its 0.656 in the
-# copies of a 67 MB input and a 134 MB output); torchvision's ViT-B/16 (138 steps) ran 1.8x
-# faster as a graph, HF BERT 1.5x: an ATen call through the runtime costs tens of microseconds.
+# peak, whichever is longer. Why (measured on an H100, benchmarks/diagnostics/graph_choice.py):
+# the 50 KernelBench-style problems (2-11 steps, 0.1-0.7 ms of GPU time) all ran faster step by
+# step, where the graph's input and output copies cost more than the launches it hides; models
+# of a hundred steps and more (ViT-B/16, BERT) ran up to 1.8x faster as a graph, because an ATen
+# call through the runtime costs tens of microseconds.
 # Measured again on an H100 (2026-11-27, the CPU time of queued calls): 1.0-3.1x this estimate
 # (a fit over the 55 programs: 14.6 us per launch, 66 per ATen call), while the GPU floor is low
 # too; the rule still chose the faster way for all 55, and raising LAUNCH_US to 15 sends one of
