@@ -55,9 +55,8 @@ DEPTHWISE = {("cuda", torch.float32): (0.82e12, 3.3)}  # (NCHW bytes/s, channels
 # Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at
 # ~110 TFLOP/s (TF32), transposed and 3-D ones at ~35. The CPU figures are per thread (times
 # torch.get_num_threads()): oneDNN ran KernelBench-style 8_'s conv2d (4.7 MFLOP, CPU scale) in
-# about 0.05 ms on one AVX2 core of this project's EPYC, ~90 GFLOP/s. (The earlier 60 GFLOP/s for
-# two cores made small convolutions look slow, and their conversions worth paying: 1_ and 8_ ran
-# at 0.85x eager channels-last, 0.95x and 0.92x as eager runs them.)
+# about 0.05 ms on one AVX2 core of this project's EPYC, ~90 GFLOP/s. (Set too low, it makes small
+# convolutions look slow and their layout conversions worth paying, which they are not.)
 FLOPS = {("cpu", True): 90e9, ("cpu", False): 45e9, ("cuda", True): 100e12, ("cuda", False): 35e12}
 PER_THREAD = {"cpu"}  # devices whose FLOPS above are per thread
 BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)

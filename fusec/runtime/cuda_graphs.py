@@ -31,12 +31,10 @@ from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 # step, where the graph's input and output copies cost more than the launches it hides; models
 # of a hundred steps and more (ViT-B/16, BERT) ran up to 1.8x faster as a graph, because an ATen
 # call through the runtime costs tens of microseconds.
-# Measured again on an H100 (2026-11-27, the CPU time of queued calls): 1.0-3.1x this estimate
-# (a fit over the 55 programs: 14.6 us per launch, 66 per ATen call), while the GPU floor is low
-# too; the rule still chose the faster way for all 55, and raising LAUNCH_US to 15 sends one of
-# them the wrong way. So the constants stay; the int4 tensor-core GEMV's three launches' worth of
-# CPU work per step is counted (eight such layers at M = 16: 0.0390 ms a layer as one graph,
-# 0.0452 step by step).
+# Measured on an H100, the constants underestimate the CPU time (as the floor does the GPU time),
+# yet the rule chose the faster way for all 55 programs timed both ways, and a larger LAUNCH_US
+# sends one of them the wrong way. A step whose module launches several kernels counts each
+# (the int4 tensor-core GEMV's three: a row of them is one graph, tests/test_int4_mma.py).
 LAUNCH_US = 5.0  # CPU time of one Triton launch through its bound launcher
 EXTERN_US = 40.0  # CPU time of one ATen call (dispatch, allocation, settling the strides)
 COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
