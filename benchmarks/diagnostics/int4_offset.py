@@ -19,7 +19,7 @@ float32 and the sums are float32 sums, so the result is closer to a float64 prod
 (128 + z) * sum x at the end of each chunk loses about 7 of float32's 24 bits to cancellation,
 still 2^-17 relative, far below bf16's 2^-8.
 
-The tile is [LANES, WPL, ROWS] (int4_four_words.py's): a lane holds WPL neighbouring words of
+The tile is [LANES, WPL, ROWS]: a lane holds WPL neighbouring words of
 ROWS rows, loads the 8 * WPL activations of those words once and uses them for every row, and all
 of a lane's words lie in one group.
 
