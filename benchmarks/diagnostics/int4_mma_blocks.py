@@ -24,7 +24,7 @@ import torch.nn.functional as F
 os.environ["FUSEC_SAVED_PROGRAMS"] = "0"
 
 import fusec  # noqa: E402 (first: on a machine without a GPU it switches Triton's interpreter on)
-from fusec.codegen import triton_gemv_int4_mma as mma  # noqa: E402
+from fusec.extensions.quant_gemv import triton_gemv_int4_mma as mma  # noqa: E402
 from fusec.examples.int4_linear import Int4Linear  # noqa: E402
 from fusec.timing import median_ms  # noqa: E402
 
