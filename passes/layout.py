@@ -125,35 +125,50 @@ class _CannotConvert(Exception):
 
 def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
     """Insert the conversions and re-derive every node's strides. Returns the conversions."""
-    graph = gm.graph
-    mode = fake_mode_of(gm)
-    eager_meta = {n: n.meta.get("fusec") for n in graph.nodes}
-    output = graph.output_node()
-    conversions: list[Conversion] = []
-    converted: dict[tuple[fx.Node, str], fx.Node] = {}
+    eager_meta = {n: n.meta.get("fusec") for n in gm.graph.nodes}
+    convert = _Converter(gm.graph, fake_mode_of(gm))
+    _convert_convolution_operands(gm.graph, conv_names, convert)
+    _propagate_strides(gm.graph, convert, eager_meta)
+    _outputs_in_eager_strides(gm.graph.output_node(), convert, eager_meta)
+    return convert.conversions
 
-    def convert(value: fx.Node, fmt, before: fx.Node, why: str, stride=None,
-                suffix: str = "channels_last") -> fx.Node:
+
+class _Converter:
+    """Inserts the layout conversions (an `aten.clone` to a memory format, or to given strides)
+    and lists them; asked twice for one value in one layout, it returns the first clone."""
+
+    def __init__(self, graph: fx.Graph, mode):
+        self.graph, self.mode = graph, mode
+        self.conversions: list[Conversion] = []
+        self.converted: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def __call__(self, value: fx.Node, fmt, before: fx.Node, why: str, stride=None,
+                 suffix: str = "channels_last") -> fx.Node:
+        """`value` in memory format `fmt` (or with strides `stride`), computed before `before`."""
         key = (value, str(stride) if stride is not None else str(fmt))
-        if key in converted:
-            return converted[key]
-        with graph.inserting_before(before):
+        if key in self.converted:
+            return self.converted[key]
+        with self.graph.inserting_before(before):
             kwargs = {"memory_format": fmt} if fmt is not None else {}
-            new = graph.call_function(aten.clone.default, (value,), kwargs)
+            new = self.graph.call_function(aten.clone.default, (value,), kwargs)
         new._rename(f"{value.name}_{suffix}")
         src = value.meta["val"]
-        with mode:
+        with self.mode:
             val = torch.empty_strided(src.shape, stride, dtype=src.dtype, device=src.device) \
                 if stride is not None else aten.clone.default(src, memory_format=fmt)
         set_meta(new, val, like=value)
         # A conversion fuses into the kernel that computes its input, when one does.
         free = value.op == "call_function" and ops.classify(value.target) == ops.POINTWISE
         to = _format_name(TensorMeta.of(val))
-        conversions.append(Conversion(new.name, value.name, to, _nbytes(val), free, why,
-                                      str(src.device)))
-        converted[key] = new
+        self.conversions.append(Conversion(new.name, value.name, to, _nbytes(val), free, why,
+                                           str(src.device)))
+        self.converted[key] = new
         return new
 
+
+def _convert_convolution_operands(graph: fx.Graph, conv_names: set[str],
+                                  convert: _Converter) -> None:
+    """Step 1: each chosen convolution reads its input and weight channels-last."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.name in conv_names:
             x, w = node.args[0], node.args[1]
@@ -164,10 +179,14 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
                     args[i] = convert(value, fmt, node, f"the {role} of {node.name}")
             node.args = tuple(args)
 
-    # Propagate the new strides in program order, as eager would compute them.
+
+def _propagate_strides(graph: fx.Graph, convert: _Converter, eager_meta: dict) -> None:
+    """Step 2: re-derive every later node's strides in program order, as eager would compute
+    them; an op that cannot take the new layout gets eager's back, or the plan is refused."""
+    mode = convert.mode
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is aten.clone.default and \
-                any(c.node == node.name for c in conversions):
+                any(c.node == node.name for c in convert.conversions):
             continue
         if not any(_changed(a, eager_meta) for a in node.all_input_nodes):
             continue
@@ -193,7 +212,10 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
             val = _rows_in_input_order(mode, node, val)
         set_meta(node, val, like=node)
 
-    # Program outputs: eager's strides, exactly.
+
+def _outputs_in_eager_strides(output: fx.Node, convert: _Converter, eager_meta: dict) -> None:
+    """Step 3: the program's outputs get eager's strides back, exactly (a caller may rely on
+    them); a non-dense output view cannot, and refuses the plan."""
     outs = output.args[0]
     flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     for i, value in enumerate(flat):
@@ -210,7 +232,6 @@ def _rewrite(gm: fx.GraphModule, conv_names: set[str]) -> list[Conversion]:
         flat[i] = convert(value, fmt, output, "program output: eager's strides",
                           stride=old.stride, suffix="eager_layout")
     output.args = (type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0],)
-    return conversions
 
 
 def _rows_in_input_order(mode, node: fx.Node, val):
@@ -221,8 +242,8 @@ def _rows_in_input_order(mode, node: fx.Node, val):
     kernel walks its rows channel by channel, as they lie in the input (codegen/
     lower_reduction.py, `_row_order`), and each store would land H * W elements from the last
     (KernelBench-style 34_ on an H200: 0.135 ms for that kernel, against 0.039 for Inductor's).
-    Intermediate strides are fusec's to choose, and program outputs get eager's back (below),
-    so the result keeps the input's order instead."""
+    Intermediate strides are fusec's to choose, and program outputs get eager's back
+    (`_outputs_in_eager_strides`), so the result keeps the input's order instead."""
     red = ops.reduction(node)
     x = red.operand.meta["val"]
     if not isinstance(val, torch.Tensor) or not isinstance(x, torch.Tensor) or val.dim() == 0:

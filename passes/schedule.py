@@ -37,81 +37,115 @@ __all__ = ["schedule", "Step", "format_schedule"]
 
 
 def schedule(gm: fx.GraphModule) -> fx.GraphModule:
-    output_values = {a for a in gm.graph.output_node().all_input_nodes}
+    """Lay out every value and list the steps (the module docstring's 1-3), into the record."""
     fake_of: dict[fx.Node, torch.Tensor] = {}
     mode = fake_mode_of(gm)
     roots: dict = {}  # fake buffers by (shape, stride, dtype, device): see _root
     steps: list[Step] = []
-
     for node in gm.graph.nodes:
-        m = node.meta.get("fusec")
-        if node.op in ("placeholder", "get_attr") and isinstance(m, TensorMeta):
-            fake_of[node] = _root(mode, m, m.stride, roots)
-            node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
-        elif node.op == "call_module":
-            steps.append(Step("kernel", node.target, node.name))
-        elif node.op == "call_function" and node.target.__name__ == "getitem" \
-                and node.args[0].op == "call_module" and _written_buffer(gm, node) is not None:
-            # an indexed write (`cache[:, :, pos] = k` in a kernel): its output is the buffer
-            buffer = _written_buffer(gm, node)
-            fake_of[node] = fake_of[buffer]
-            node.meta["fusec_layout"] = buffer.meta["fusec_layout"]
-            steps[-1].writes.append(buffer.meta["fusec_layout"].root)
-        elif node.op == "call_function" and node.target.__name__ == "getitem" \
-                and node.args[0].op == "call_module":
-            # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
-            # eager, and views traced against eager's layout replay on ours.
-            stride = m.stride if is_dense(m) else contiguous_strides(m.shape)
-            fake_of[node] = _root(mode, m, stride, roots)
-            node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
-            steps[-1].writes.append(node.name)
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and ops.classify(node.target) == ops.VIEW:
-            base = node.args[0]
-            view = _run_fake(mode, node, fake_of)
-            if view is not None and _reinterprets(view, fake_of.get(base)):
-                view = None  # (view_as_complex, view(dtype), conj): eager's op, on the real tensor
-            if view is None:  # cannot replay on our layout: copy like reshape would
-                if node.target is torch.ops.aten.view.default:
-                    node.target = torch.ops.aten.reshape.default
-                steps.append(Step("extern", str(node.target), node.name))
-                _new_root(node, mode, fake_of, roots)
-                continue
-            fake_of[node] = view
-            root = base.meta["fusec_layout"].root
-            node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
-                                               view.storage_offset())
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and ops.is_multi_view(node.target) \
-                and isinstance(views := _run_fake(mode, node, fake_of), (list, tuple)):
-            # split / unbind: a list of views; each getitem below gets a Layout into the root
-            node.meta["fusec_views"] = list(views)
-        elif node.op == "call_function" and isinstance(
-                node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            # (a higher-order op: `with_effects`, which AOT Autograd wraps around an op with a
-            # side effect, such as linalg.inv's singular-matrix check: eager runs it as it is)
-            steps.append(Step("extern", str(node.target), node.name))
-            out = _run_fake(mode, node, fake_of)
-            if isinstance(out, torch.Tensor) and isinstance(m, TensorMeta):
-                fake_of[node] = _root(mode, m, tuple(out.stride()), roots)
-                node.meta["fusec_layout"] = Layout(node.name, m.shape, tuple(out.stride()), 0)
-            elif isinstance(m, TensorMeta):
-                _new_root(node, mode, fake_of, roots)
-        elif node.op == "call_function" and node.target.__name__ == "getitem" \
-                and "fusec_views" in node.args[0].meta:
-            view = node.args[0].meta["fusec_views"][node.args[1]]
-            fake_of[node] = view
-            root = node.args[0].args[0].meta["fusec_layout"].root
-            node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
-                                               view.storage_offset())
-        elif node.op == "call_function" and node.target.__name__ == "getitem":
-            # one output of a multi-output extern: a root buffer of its own
-            if isinstance(m, TensorMeta):
-                _new_root(node, mode, fake_of, roots)
-                producer = next(s for s in steps if s.node == node.args[0].name)
-                producer.writes.append(node.name)
+        _place(gm, node, mode, fake_of, roots, steps)
+    _reads_and_writes(gm, steps)
+    record_of(gm).schedule = steps
+    return gm
 
-    # reads: the root buffers behind every tensor argument of a step
+
+def _place(gm: fx.GraphModule, node: fx.Node, mode, fake_of: dict, roots: dict,
+           steps: list[Step]) -> None:
+    """One node, in graph order: its Layout (a root buffer of its own, or a view into one) and
+    its fake tensor; a kernel launch or an extern call also becomes the next step."""
+    m = node.meta.get("fusec")
+    call = node.op == "call_function"
+    getitem = call and node.target.__name__ == "getitem"
+    if node.op in ("placeholder", "get_attr") and isinstance(m, TensorMeta):
+        fake_of[node] = _root(mode, m, m.stride, roots)
+        node.meta["fusec_layout"] = Layout(node.name, m.shape, m.stride, 0)
+    elif node.op == "call_module":
+        steps.append(Step("kernel", node.target, node.name))
+    elif getitem and node.args[0].op == "call_module":
+        _place_kernel_output(gm, node, mode, fake_of, roots, steps)
+    elif call and isinstance(node.target, torch._ops.OpOverload) \
+            and ops.classify(node.target) == ops.VIEW:
+        _place_view(node, mode, fake_of, roots, steps)
+    elif call and isinstance(node.target, torch._ops.OpOverload) \
+            and ops.is_multi_view(node.target) \
+            and isinstance(views := _run_fake(mode, node, fake_of), (list, tuple)):
+        # split / unbind: a list of views; each getitem below gets a Layout into the root
+        node.meta["fusec_views"] = list(views)
+    elif call and isinstance(
+            node.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        _place_extern(node, mode, fake_of, roots, steps)
+    elif getitem and "fusec_views" in node.args[0].meta:
+        view = node.args[0].meta["fusec_views"][node.args[1]]
+        fake_of[node] = view
+        root = node.args[0].args[0].meta["fusec_layout"].root
+        node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
+                                           view.storage_offset())
+    elif getitem:
+        # one output of a multi-output extern: a root buffer of its own
+        if isinstance(m, TensorMeta):
+            _new_root(node, mode, fake_of, roots)
+            producer = next(s for s in steps if s.node == node.args[0].name)
+            producer.writes.append(node.name)
+
+
+def _place_kernel_output(gm: fx.GraphModule, node: fx.Node, mode, fake_of: dict, roots: dict,
+                         steps: list[Step]) -> None:
+    """One output of a kernel (a getitem of its call): a root buffer of its own, written by
+    the last step, or the input buffer it writes into when it is an indexed write."""
+    buffer = _written_buffer(gm, node)
+    if buffer is not None:
+        # an indexed write (`cache[:, :, pos] = k` in a kernel): its output is the buffer
+        fake_of[node] = fake_of[buffer]
+        node.meta["fusec_layout"] = buffer.meta["fusec_layout"]
+        steps[-1].writes.append(buffer.meta["fusec_layout"].root)
+        return
+    m = node.meta.get("fusec")
+    # Eager's strides when they are dense (sin(x.t()) stays transposed): outputs then match
+    # eager, and views traced against eager's layout replay on ours.
+    stride = m.stride if is_dense(m) else contiguous_strides(m.shape)
+    fake_of[node] = _root(mode, m, stride, roots)
+    node.meta["fusec_layout"] = Layout(node.name, m.shape, stride, 0)
+    steps[-1].writes.append(node.name)
+
+
+def _place_view(node: fx.Node, mode, fake_of: dict, roots: dict, steps: list[Step]) -> None:
+    """A view op: a Layout into its base's root buffer, replayed on fusec's layout with fake
+    tensors; a view that cannot replay there is copied instead, as reshape would (an extern)."""
+    base = node.args[0]
+    view = _run_fake(mode, node, fake_of)
+    if view is not None and _reinterprets(view, fake_of.get(base)):
+        view = None  # (view_as_complex, view(dtype), conj): eager's op, on the real tensor
+    if view is None:  # cannot replay on our layout: copy like reshape would
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+        steps.append(Step("extern", str(node.target), node.name))
+        _new_root(node, mode, fake_of, roots)
+        return
+    fake_of[node] = view
+    root = base.meta["fusec_layout"].root
+    node.meta["fusec_layout"] = Layout(root, tuple(view.shape), tuple(view.stride()),
+                                       view.storage_offset())
+
+
+def _place_extern(node: fx.Node, mode, fake_of: dict, roots: dict, steps: list[Step]) -> None:
+    """An ATen call fusec does not compile: a step of its own, its output a root buffer with
+    the strides the op gives it on fusec's layout.
+
+    (A higher-order op too: `with_effects`, which AOT Autograd wraps around an op with a side
+    effect, such as linalg.inv's singular-matrix check: eager runs it as it is.)"""
+    m = node.meta.get("fusec")
+    steps.append(Step("extern", str(node.target), node.name))
+    out = _run_fake(mode, node, fake_of)
+    if isinstance(out, torch.Tensor) and isinstance(m, TensorMeta):
+        fake_of[node] = _root(mode, m, tuple(out.stride()), roots)
+        node.meta["fusec_layout"] = Layout(node.name, m.shape, tuple(out.stride()), 0)
+    elif isinstance(m, TensorMeta):
+        _new_root(node, mode, fake_of, roots)
+
+
+def _reads_and_writes(gm: fx.GraphModule, steps: list[Step]) -> None:
+    """Each step's reads (the root buffers behind its tensor arguments), an extern's writes
+    (its own buffer, or the first argument's for an in-place op), and their shapes."""
     by_name = {n.name: n for n in gm.graph.nodes}
     for step in steps:
         node = by_name[step.node]
@@ -129,8 +163,6 @@ def schedule(gm: fx.GraphModule) -> fx.GraphModule:
             m = by_name[name].meta.get("fusec")
             if isinstance(m, TensorMeta):
                 step.shapes[name] = str(m)
-    record_of(gm).schedule = steps
-    return gm
 
 
 def _written_buffer(gm: fx.GraphModule, item: fx.Node) -> fx.Node | None:

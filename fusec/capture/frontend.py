@@ -146,21 +146,38 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     lifted_names = [ref.name for ref in state]
     lifted = [ref.get() for ref in state]
     user_tensors = [leaves[i] for i in tensor_pos]
+    user_names = [names[i] for i in tensor_pos]
     device = program_device([*lifted, *user_tensors])
-    check_devices(user_tensors, [names[i] for i in tensor_pos], device)
-    traced = _anchor(fn) if stack_traces else fn
-    out_spec_box: list[Any] = []
-    aliases: dict[int, int] = {}
-    constants: dict[int, Any] = {}
+    check_devices(user_tensors, user_names, device)
 
+    traced = _anchor(fn) if stack_traces else fn
     call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
                          lifted_names, reached)
+    flat_fn, seen = _flat_outputs(call, same)
+    gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names)
+
+    lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
+    _rename_placeholders(gm, lifted_ph + user_names)
+    annotate(gm)
+    if device.type != "cpu":
+        scalars_to_device(gm, device)
+    return Captured(gm, lifted, lifted_names, user_names, seen["spec"], dict(seen["aliases"]),
+                    dict(seen["constants"]), time.perf_counter() - start)
+
+
+def _flat_outputs(call: Callable, same: dict | None) -> tuple[Callable, dict]:
+    """`call` as make_fx traces it: flat tensors in, a flat list of tensors out. The dict fills
+    in while it runs with what the caller needs to get eager's outputs back: the pytree "spec",
+    the "aliases" (outputs that are inputs) and the "constants" (outputs that are not tensors)."""
+    seen: dict[str, Any] = {"spec": None, "aliases": {}, "constants": {}}
+    aliases: dict[int, int] = seen["aliases"]
+    constants: dict[int, Any] = seen["constants"]
 
     def flat_fn(*tensors):
         if same:  # input i *is* input same[i] (the caller passed one tensor twice): so here too
             tensors = tuple(tensors[same.get(i, i)] for i in range(len(tensors)))
         flat_out, spec = outputs.flatten(call(*tensors))  # ModelOutput, caches ...: outputs.py
-        out_spec_box[:] = [spec]
+        seen["spec"] = spec
         aliases.clear()
         constants.clear()
         for k, o in enumerate(flat_out):
@@ -170,8 +187,14 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             if not isinstance(o, torch.Tensor):
                 constants[k] = o  # returned as is (a backward graph returns None gradients)
         return [o for k, o in enumerate(flat_out) if k not in constants]
+    return flat_fn, seen
 
-    example = [*lifted, *user_tensors]
+
+def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Module | None,
+           stack_traces: bool, user_names: list[str]) -> fx.GraphModule:
+    """make_fx of `flat_fn` on fake copies of `example`, functionalized and decomposed; torch's
+    internal failures become one clear line, and a program that leaves new tensors on its module's
+    attributes is refused (a graph cannot replay that side effect)."""
     # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
     # user's line, instead of becoming symbolic values that no static schedule could run. Tensors
     # the program reaches by itself (a closure's, a global's) become constants of the graph.
@@ -194,8 +217,9 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     except Exception as err:  # translate torch-internal failures into one clear line
         cause = capture_error(err)
         if isinstance(cause, DeviceError):  # name where each input lives
+            users = example[len(example) - len(user_names):]
             cause = DeviceError(f"{cause} (inputs: " + ", ".join(
-                f"{names[i]} on {leaves[i].device}" for i in tensor_pos) + ")")
+                f"{name} on {t.device}" for name, t in zip(user_names, users)) + ")")
         raise cause from None
     finally:
         changed = restore_attributes(attributes)
@@ -205,15 +229,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             "that are neither parameters nor buffers; a captured graph cannot replay that side "
             "effect (register them as buffers and update them in place, or return them)",
             reason="assigns tensors to module attributes that are neither parameters nor buffers")
-
-    user_names = [names[i] for i in tensor_pos]
-    lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
-    _rename_placeholders(gm, lifted_ph + user_names)
-    annotate(gm)
-    if device.type != "cpu":
-        scalars_to_device(gm, device)
-    return Captured(gm, lifted, lifted_names, user_names, out_spec_box[0], dict(aliases),
-                    dict(constants), time.perf_counter() - start)
+    return gm
 
 
 def tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:

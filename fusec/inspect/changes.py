@@ -43,74 +43,99 @@ def pass_changes(captured_gm: fx.GraphModule, gm: fx.GraphModule, snapshots) -> 
     for snap in snapshots:
         groups = snap.groups
         nodes = set(snap.nodes) | {n for members in groups.values() for n in members}
-        details: list[str] = []
         if prev_nodes is None:
-            counts: dict[str, int] = {}
-            for k in kinds.values():
-                counts[k] = counts.get(k, 0) + 1
-            summary = f"{len(kinds)} ATen op(s): " + ", ".join(
-                f"{v} {k}" for k, v in sorted(counts.items())) if kinds else "no ATen ops"
+            summary, details = _captured_summary(kinds), []
         else:
-            removed = [n for n in kinds if n in prev_nodes and n not in nodes]
-            formed = {k: v for k, v in groups.items() if k not in prev_groups}
-            dissolved = [k for k in prev_groups if k not in groups]
-            parts = []
-            if removed and snap.after != "reinplace":  # (reinplace says what it replaced)
-                parts.append(f"removed {len(removed)} node(s)")
-                details.append("removed (no user, no side effect): " + ", ".join(removed))
-            if dissolved:
-                parts.append(f"merged {len(dissolved)} earlier group(s)")
-                details.append("regrouped: " + ", ".join(dissolved))
-            if formed:
-                parts.append(f"formed {len(formed)} group(s)")
-                for k, members in formed.items():
-                    info = final_groups.get(k, {})
-                    shape = tuple(info.get("shape", ()))
-                    why = ("connected ops over one iteration space " + str(shape)) if shape else \
-                        "connected ops over one iteration space"
-                    if info.get("kind") == "reduction":
-                        why = f"a reduction with its prologue/epilogue ops over {shape}"
-                    details.append(f"{k}: {', '.join(members)}  ({why})")
-            if snap.after == "fold_constants" and record.fold_constants:
-                done = record.fold_constants
-                parts.append(f"computed {len(done)} constant value(s) once")
-                details += [f"{f.node} -> {f.attr}: {f.dtype}{list(f.shape)}, computed while "
-                            "compiling (it depends on no input)" for f in done]
-            if snap.after == "reinplace" and record.reinplace:
-                decisions = record.reinplace
-                if any(d.in_place for d in decisions):
-                    parts.append(f"{sum(1 for d in decisions if d.in_place)} buffer update(s) in place")
-                details += [f"{d.update} -> {d.in_place}: {d.why}" if d.in_place
-                            else f"{d.update}: kept: {d.why}" for d in decisions]
-            if snap.after == "unfuse_bias" and record.unfuse_bias:
-                done = record.unfuse_bias
-                parts.append(f"unfused {len(done)} linear bias(es)")
-                details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
-                            for addmm, mm, add in done]
-            if snap.after in DECISIONS and getattr(record, snap.after):
-                # passes that record a Decision(node, taken, why) per candidate
-                summary, taken_word, kept_word = DECISIONS[snap.after]
-                decisions = getattr(record, snap.after)
-                taken = sum(1 for _, t, _ in decisions if t)
-                if taken:
-                    parts.append(summary.format(n=taken))
-                details += [f"{name}: {taken_word if t else kept_word}: {why}"
-                            for name, t, why in decisions]
-            if snap.after == "layout" and getattr(record.layout, "convs", None):
-                plan = record.layout
-                if plan.choice != "unchanged":
-                    parts.append(plan.summary())
-                details.append(f"layout: {plan.choice} ({plan.reason}); see === memory layout ===")
-            if snap.after == "schedule":
-                steps = record.schedule
-                nk = sum(1 for s in steps if s.kind == "kernel")
-                ne = len(steps) - nk
-                parts.append(f"{len(steps)} step(s): {nk} kernel launch(es), {ne} extern call(s)")
-                folded = [n.name for n in gm.graph.nodes if folded_view(n)]
-                if folded:
-                    details.append("views folded into load indices (no copy): " + ", ".join(folded))
-            summary = "; ".join(parts) or "no change"
+            parts, details = _graph_changes(snap, kinds, nodes, prev_nodes, prev_groups,
+                                            final_groups)
+            recorded, recorded_details = _recorded_changes(snap.after, record, gm)
+            summary = "; ".join(parts + recorded) or "no change"
+            details += recorded_details
         changes.append({"after": snap.after, "summary": summary, "details": details,
                         "graph": snap.code})
         prev_nodes, prev_groups = nodes, groups
     return changes
+
+
+def _captured_summary(kinds: dict[str, str]) -> str:
+    """The first stage's line: how many ATen ops the captured graph holds, of each kind."""
+    counts: dict[str, int] = {}
+    for k in kinds.values():
+        counts[k] = counts.get(k, 0) + 1
+    return f"{len(kinds)} ATen op(s): " + ", ".join(
+        f"{v} {k}" for k, v in sorted(counts.items())) if kinds else "no ATen ops"
+
+
+def _graph_changes(snap, kinds: dict[str, str], nodes: set[str], prev_nodes: set[str],
+                   prev_groups: dict[str, list[str]], final_groups: dict[str, dict]
+                   ) -> tuple[list[str], list[str]]:
+    """(summary parts, detail lines) for what the graphs before and after a pass show by
+    themselves, whatever the pass: nodes removed, earlier groups merged, groups formed."""
+    groups = snap.groups
+    removed = [n for n in kinds if n in prev_nodes and n not in nodes]
+    formed = {k: v for k, v in groups.items() if k not in prev_groups}
+    dissolved = [k for k in prev_groups if k not in groups]
+    parts, details = [], []
+    if removed and snap.after != "reinplace":  # (reinplace says what it replaced)
+        parts.append(f"removed {len(removed)} node(s)")
+        details.append("removed (no user, no side effect): " + ", ".join(removed))
+    if dissolved:
+        parts.append(f"merged {len(dissolved)} earlier group(s)")
+        details.append("regrouped: " + ", ".join(dissolved))
+    if formed:
+        parts.append(f"formed {len(formed)} group(s)")
+        for k, members in formed.items():
+            info = final_groups.get(k, {})
+            shape = tuple(info.get("shape", ()))
+            why = ("connected ops over one iteration space " + str(shape)) if shape else \
+                "connected ops over one iteration space"
+            if info.get("kind") == "reduction":
+                why = f"a reduction with its prologue/epilogue ops over {shape}"
+            details.append(f"{k}: {', '.join(members)}  ({why})")
+    return parts, details
+
+
+def _recorded_changes(after: str, record, gm: fx.GraphModule) -> tuple[list[str], list[str]]:
+    """(summary parts, detail lines) from what the pass `after` recorded of its own decisions
+    (fusec/record.py): what it computed, rewrote or refused, and why."""
+    parts: list[str] = []
+    details: list[str] = []
+    if after == "fold_constants" and record.fold_constants:
+        done = record.fold_constants
+        parts.append(f"computed {len(done)} constant value(s) once")
+        details += [f"{f.node} -> {f.attr}: {f.dtype}{list(f.shape)}, computed while "
+                    "compiling (it depends on no input)" for f in done]
+    if after == "reinplace" and record.reinplace:
+        decisions = record.reinplace
+        if any(d.in_place for d in decisions):
+            parts.append(f"{sum(1 for d in decisions if d.in_place)} buffer update(s) in place")
+        details += [f"{d.update} -> {d.in_place}: {d.why}" if d.in_place
+                    else f"{d.update}: kept: {d.why}" for d in decisions]
+    if after == "unfuse_bias" and record.unfuse_bias:
+        done = record.unfuse_bias
+        parts.append(f"unfused {len(done)} linear bias(es)")
+        details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
+                    for addmm, mm, add in done]
+    if after in DECISIONS and getattr(record, after):
+        # passes that record a Decision(node, taken, why) per candidate
+        summary, taken_word, kept_word = DECISIONS[after]
+        decisions = getattr(record, after)
+        taken = sum(1 for _, t, _ in decisions if t)
+        if taken:
+            parts.append(summary.format(n=taken))
+        details += [f"{name}: {taken_word if t else kept_word}: {why}"
+                    for name, t, why in decisions]
+    if after == "layout" and getattr(record.layout, "convs", None):
+        plan = record.layout
+        if plan.choice != "unchanged":
+            parts.append(plan.summary())
+        details.append(f"layout: {plan.choice} ({plan.reason}); see === memory layout ===")
+    if after == "schedule":
+        steps = record.schedule
+        nk = sum(1 for s in steps if s.kind == "kernel")
+        ne = len(steps) - nk
+        parts.append(f"{len(steps)} step(s): {nk} kernel launch(es), {ne} extern call(s)")
+        folded = [n.name for n in gm.graph.nodes if folded_view(n)]
+        if folded:
+            details.append("views folded into load indices (no copy): " + ", ".join(folded))
+    return parts, details

@@ -95,74 +95,21 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     cg = compile_graph(captured, chosen, record=True, label=label)
     leaves = calls.flatten_call(model, inputs, kwargs)[0]
     tensors = [*captured.lifted, *(l for l in leaves if isinstance(l, torch.Tensor))]
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device, device_name, note = _device_of(tensors)
     cuda = device.type == "cuda"
-    if cuda:
-        device_name = torch.cuda.get_device_name(device)
-        note = ""
-    else:
-        device_name = platform.processor() or platform.machine() or "CPU"
-        note = ("no GPU on this machine: profiled the CPU" if not torch.cuda.is_available() else
-                "the inputs are on the CPU: profiled the CPU (move them to a GPU to profile it)")
-
-    def eager():
-        with torch.no_grad():
-            return model(*inputs, **kwargs)
-
-    def fused():
-        return cg.program(tensors)
-
-    # The median time is taken on a real fusec.compile'd callable: the path a user gets, with
-    # its argument handling and, on CUDA, the replay of one CUDA graph when the program allows.
-    user = fusec_compile(model, backend=chosen)
-
-    def fused_call():
-        with torch.no_grad():
-            return user(*inputs, **kwargs)
-
-    steps = profiled_steps(cg.program, cg.schedule)
-
-    def fused_profiled():
-        return run_steps(cg.program, steps, tensors)
-
-    by_op = OpByOp(captured.gm, ranges=True)
-
-    def eager_op_by_op():
-        with torch.no_grad():
-            return by_op.run(*tensors)
-
-    for _ in range(max(warmup, 3)):  # compile, capture the CUDA graph, replay
-        eager()
-        fused()
-        fused_call()
-        eager_op_by_op()
+    runs = _Runs.of(model, inputs, kwargs, cg, captured.gm, chosen, tensors)
+    runs.warm_up(max(warmup, 3))  # compile, capture the CUDA graph, replay
     sync(cuda)
-    cuda_graph = _cuda_graph_state(user) if cuda else ""
+    cuda_graph = _cuda_graph_state(runs.user) if cuda else ""
 
     step("time eager and fused")
-    eager_time = measure(eager, device=str(device), budget_s=time_budget_s, warmup=1)
-    fused_time = measure(fused_call, device=str(device), budget_s=time_budget_s, warmup=1)
-    eager_wall, fused_wall = eager_time.median_ms, fused_time.median_ms
-    said = doubts(eager_time, fused_time, device=str(device))
-    if interpreted(chosen, str(device)):
-        said.insert(0, "the kernels ran under Triton's interpreter (Python on the CPU): the fused "
-                       "times are not the kernels' and the speedup means nothing")
-
-    step("profile eager")
-    e_events, e_trace = run_profiler(eager, iters, "eager", cuda)
-    step("profile fused")
-    f_events, f_trace = run_profiler(fused_profiled, iters, "fused", cuda)
-    step("profile eager ops one by one")
-    o_events, _ = run_profiler(eager_op_by_op, iters, "ops", cuda)
-
-    eager_side = make_side(e_events, e_trace, "eager", iters, cuda, eager_wall,
-                       measure_cuda_peak(eager) if cuda else None)
-    fused_side = make_side(f_events, f_trace, "fused", iters, cuda, fused_wall,
-                       measure_cuda_peak(fused) if cuda else None)
+    eager_wall, fused_wall, said = _median_times(runs, str(device), chosen, time_budget_s)
+    eager_side, fused_side, f_events, o_events = _profiled_sides(runs, iters, cuda, eager_wall,
+                                                                 fused_wall, step)
 
     step("compare with float64")
     errors = kernel_numerics(cg, tensors)
-    numerics = _output_check(cg, tensors, eager)
+    numerics = _output_check(cg, tensors, runs.eager)
 
     step("measure copy bandwidth")
     ceiling = copy_bandwidth(str(device), copy_bytes or ((1 << 28) if cuda else (1 << 26)))
@@ -171,6 +118,102 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     return ProfileReport(label, chosen, device.type, device_name, note, iters, eager_side,
                          fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph,
                          tuple(said))
+
+
+def _device_of(tensors: list[torch.Tensor]) -> tuple[torch.device, str, str]:
+    """(device, its name, a note for the report): where the program's tensors live, and why the
+    CPU was profiled when it was (no GPU here, or inputs that are not on it)."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if device.type == "cuda":
+        return device, torch.cuda.get_device_name(device), ""
+    device_name = platform.processor() or platform.machine() or "CPU"
+    note = ("no GPU on this machine: profiled the CPU" if not torch.cuda.is_available() else
+            "the inputs are on the CPU: profiled the CPU (move them to a GPU to profile it)")
+    return device, device_name, note
+
+
+@dataclass
+class _Runs:
+    """The program run five ways, each a call of no arguments, so timing and profiling handle
+    them alike: eager, the compiled steps, the user's fusec.compile'd callable, the steps with
+    a record_function around each, and the captured ATen graph op by op."""
+
+    eager: Callable
+    fused: Callable
+    fused_call: Callable
+    fused_profiled: Callable
+    eager_op_by_op: Callable
+    user: Callable  # the fusec.compile'd callable behind fused_call (its CUDA-graph state)
+
+    @classmethod
+    def of(cls, model, inputs: tuple, kwargs: dict, cg: CompiledGraph, gm, chosen: str,
+           tensors: list[torch.Tensor]) -> "_Runs":
+        """The five runs of `model` on its inputs, compiled as `cg` (flat inputs `tensors`)."""
+        def eager():
+            with torch.no_grad():
+                return model(*inputs, **kwargs)
+
+        def fused():
+            return cg.program(tensors)
+
+        # The median time is taken on a real fusec.compile'd callable: the path a user gets,
+        # with its argument handling and, on CUDA, the replay of one CUDA graph when allowed.
+        user = fusec_compile(model, backend=chosen)
+
+        def fused_call():
+            with torch.no_grad():
+                return user(*inputs, **kwargs)
+
+        steps = profiled_steps(cg.program, cg.schedule)
+
+        def fused_profiled():
+            return run_steps(cg.program, steps, tensors)
+
+        by_op = OpByOp(gm, ranges=True)
+
+        def eager_op_by_op():
+            with torch.no_grad():
+                return by_op.run(*tensors)
+        return cls(eager, fused, fused_call, fused_profiled, eager_op_by_op, user)
+
+    def warm_up(self, times: int) -> None:
+        """Call each run a few times before any measurement: compile, capture, replay."""
+        for _ in range(times):
+            self.eager()
+            self.fused()
+            self.fused_call()
+            self.eager_op_by_op()
+
+
+def _median_times(runs: _Runs, device: str, chosen: str,
+                  budget_s: float) -> tuple[float, float, list[str]]:
+    """(eager ms, fused ms, doubts): median times of an eager call and of the user's compiled
+    call, with what makes them doubtful (noise, Triton's interpreter)."""
+    eager_time = measure(runs.eager, device=device, budget_s=budget_s, warmup=1)
+    fused_time = measure(runs.fused_call, device=device, budget_s=budget_s, warmup=1)
+    said = doubts(eager_time, fused_time, device=device)
+    if interpreted(chosen, device):
+        said.insert(0, "the kernels ran under Triton's interpreter (Python on the CPU): the fused "
+                       "times are not the kernels' and the speedup means nothing")
+    return eager_time.median_ms, fused_time.median_ms, said
+
+
+def _profiled_sides(runs: _Runs, iters: int, cuda: bool, eager_wall: float, fused_wall: float,
+                    step: Callable[[str], Any]) -> tuple[Side, Side, Any, Any]:
+    """(eager side, fused side, fused events, op-by-op events): eager, the fused steps and the
+    graph op by op, each under torch.profiler; the events name every kernel and every ATen op."""
+    step("profile eager")
+    e_events, e_trace = run_profiler(runs.eager, iters, "eager", cuda)
+    step("profile fused")
+    f_events, f_trace = run_profiler(runs.fused_profiled, iters, "fused", cuda)
+    step("profile eager ops one by one")
+    o_events, _ = run_profiler(runs.eager_op_by_op, iters, "ops", cuda)
+
+    eager_side = make_side(e_events, e_trace, "eager", iters, cuda, eager_wall,
+                           measure_cuda_peak(runs.eager) if cuda else None)
+    fused_side = make_side(f_events, f_trace, "fused", iters, cuda, fused_wall,
+                           measure_cuda_peak(runs.fused) if cuda else None)
+    return eager_side, fused_side, f_events, o_events
 
 
 @dataclass
