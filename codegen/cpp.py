@@ -177,17 +177,7 @@ def render(kernel) -> str:
     if strided and rows >= 2 and inner >= 2 and not pieces:
         row_tile, chunk = min(ROW_TILE, rows), min(TILE_CHUNK, inner)
 
-    row_setup: list[str] = []
-    if outer_dims:
-        # coordinates of `row` along the outer dims (row-major)
-        rem = "row"
-        for d in range(outer_dims):
-            below = math.prod(shape[d + 1:-1])
-            row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
-                             else f"const int64_t c{d} = {rem};")
-            if d < outer_dims - 1:
-                row_setup.append(f"const int64_t r{d} = {rem} % {below};")
-                rem = f"r{d}"
+    row_setup = _row_coords(shape)
 
     def index(idx: Index, label: str) -> str:
         base = [str(idx.offset)] if idx.offset else []
@@ -235,6 +225,22 @@ def render(kernel) -> str:
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params, row_setup=row_setup, gathers=gathers, body=body)
+
+
+def _row_coords(shape: tuple[int, ...]) -> list[str]:
+    """The coordinates (c0, c1, ...) of `row` along the outer dims (all but the last), row-major:
+    each a division of what the dims before it left over."""
+    row_setup: list[str] = []
+    outer_dims = len(shape) - 1
+    rem = "row"
+    for d in range(outer_dims):
+        below = math.prod(shape[d + 1:-1])
+        row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
+                         else f"const int64_t c{d} = {rem};")
+        if d < outer_dims - 1:
+            row_setup.append(f"const int64_t r{d} = {rem} % {below};")
+            rem = f"r{d}"
+    return row_setup
 
 
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:

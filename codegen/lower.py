@@ -1,5 +1,9 @@
 """Lowering: one fused group (an fx sub-graph) -> one PointwiseKernel (fusec.ir).
 
+Why this file is long: besides the pointwise lowering (its steps, one helper each), it holds the
+index helpers that lower_reduction.py shares (cat pieces, gathered reads, broadcast strides, dim
+merging), which the docs and tests name as living here.
+
 This is where every decision about a kernel is made, so the backends only have to spell it:
 
 * the iteration space: the group's output shape, visited in the memory order of its first output;
@@ -13,7 +17,8 @@ This is where every decision about a kernel is made, so the backends only have t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -27,7 +32,40 @@ from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, 
 def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                     out_layouts: list[Layout], root_dtypes: dict[str, torch.dtype]) -> PointwiseKernel:
     """Build the kernel IR for the group `sub`, reading inputs laid out as `in_layouts` and
-    writing outputs laid out as `out_layouts` (both in the order of sub's placeholders/outputs)."""
+    writing outputs laid out as `out_layouts` (both in the order of sub's placeholders/outputs).
+    The steps: what the group reads and writes, the loop and each tensor's strides over it, the
+    loads (cat pieces, plain inputs, gathered reads), the statements, the stores."""
+    group = _group_tensors(sub, in_layouts, out_layouts)
+    loop_shape, strides = _loop_space(group)
+    lw = _Lowering(root_dtypes)
+    _load_pieces(lw, group, strides)
+    _load_inputs(lw, group, strides)
+    _load_gathers(lw, group, strides)
+    fused_ops = _lower_stmts(lw, sub)
+    stores = _stores(lw, group, strides)
+    return PointwiseKernel(name, loop_shape, group.shape, lw.params, lw.loads, lw.stmts, stores,
+                           fused_ops)
+
+
+class _Group(NamedTuple):
+    """What a pointwise group reads and writes: its space, placeholders and outputs with their
+    layouts (permuted where a horizontally fused tensor is walked so), its cats' pieces, its
+    indexed writes (by output), its gathered reads, and the placeholders with no plain load."""
+
+    shape: tuple[int, ...]
+    placeholders: list[fx.Node]
+    outputs: list[fx.Node]
+    in_layouts: list[Layout]
+    out_layouts: list[Layout]
+    pieces: list[Piece]
+    writes: dict[int, tuple]
+    gathers: list[tuple]  # (node, gather, source layout, index layout, row stride)
+    only_pieces: set[int]
+
+
+def _group_tensors(sub: fx.GraphModule, in_layouts: list[Layout],
+                   out_layouts: list[Layout]) -> _Group:
+    """The tensors of the group and how each is read or written (see `_Group`)."""
     shape = tuple(group_info(sub).shape)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     outputs = list(sub.graph.output_node().args[0])
@@ -53,76 +91,125 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
                if (g := ops.gathered_read(n)) is not None]
     only_pieces |= only_gathered(placeholders)
-    tensors = [broadcast_strides(l, shape) if i not in only_pieces else (0,) * len(shape)
+    return _Group(shape, placeholders, outputs, in_layouts, out_layouts, pieces, writes, gathers,
+                  only_pieces)
+
+
+class _LoopStrides(NamedTuple):
+    """Each tensor's strides over the loop's (merged) dims, by the part of the group it is."""
+
+    inputs: list[tuple[int, ...]]  # by placeholder (all 0 for one with no plain load)
+    outputs: list[tuple[int, ...]]
+    pieces: list[tuple[int, ...]]
+    sentinels: list[tuple[int, ...]]  # by piece: a stride only along the cat's dim
+    gathers: list[tuple[int, ...]]  # by gathered read: its source's, then its index's
+
+
+def _loop_space(group: _Group) -> tuple[tuple[int, ...], _LoopStrides]:
+    """The loop: the space's dims in the memory order of the first output (`loop_order`),
+    merged where every tensor allows it (`coalesce`), and each tensor's strides over it."""
+    shape, in_layouts, out_layouts, pieces = group.shape, group.in_layouts, group.out_layouts, \
+        group.pieces
+    tensors = [broadcast_strides(l, shape) if i not in group.only_pieces else (0,) * len(shape)
                for i, l in enumerate(in_layouts)] + \
               [broadcast_strides(l, shape) for l in out_layouts] + \
               [p.strides for p in pieces] + [p.sentinel for p in pieces] + \
-              [broadcast_strides(l, shape) for _, _, src, idx, _ in gathers for l in (src, idx)]
+              [broadcast_strides(l, shape) for _, _, src, idx, _ in group.gathers
+               for l in (src, idx)]
     order = loop_order(tensors[len(in_layouts)] if out_layouts else tensors[0], shape)
     loop_shape, loop_strides = coalesce(tuple(shape[d] for d in order),
                                         [tuple(t[d] for d in order) for t in tensors])
-    n_in = len(in_layouts)
+    n_in, n_out, n_pieces = len(in_layouts), len(out_layouts), len(pieces)
+    at = n_in + n_out
+    return loop_shape, _LoopStrides(loop_strides[:n_in], loop_strides[n_in:at],
+                                    loop_strides[at:at + n_pieces],
+                                    loop_strides[at + n_pieces:at + 2 * n_pieces],
+                                    loop_strides[at + 2 * n_pieces:])
 
-    params: list[Param] = []
-    param = param_list(params, root_dtypes)
 
-    env: dict[fx.Node, Var] = {}
-    loads: list[Load] = []
-    load_of: dict[tuple, Var] = {}
-    n_out = len(out_layouts)
-    piece_strides = loop_strides[n_in + n_out:n_in + n_out + len(pieces)]
-    sentinels = loop_strides[n_in + n_out + len(pieces):n_in + n_out + 2 * len(pieces)]
-    gather_strides = loop_strides[n_in + n_out + 2 * len(pieces):]
-    for cat in dict.fromkeys(p.cat for p in pieces):  # each piece read where it lies
-        mine = [(p, st, se) for p, st, se in zip(pieces, piece_strides, sentinels) if p.cat is cat]
+@dataclass
+class _Lowering:
+    """What lowering a pointwise group builds: the kernel's params, loads and statements, and
+    the Var that holds each node's value (a Var is numbered by its position in the kernel)."""
+
+    root_dtypes: dict[str, torch.dtype]
+    params: list[Param] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    load_of: dict[tuple, Var] = field(default_factory=dict)  # (root, index) -> its load's Var
+    env: dict[fx.Node, Var] = field(default_factory=dict)
+    stmts: list[Stmt] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.param = param_list(self.params, self.root_dtypes)
+
+
+def _load_pieces(lw: _Lowering, group: _Group, strides: _LoopStrides) -> None:
+    """Each cat's pieces, each read where it lies (a masked load), chained from the last piece
+    to the first so one Var holds the whole cat (see `cat_pieces`)."""
+    for cat in dict.fromkeys(p.cat for p in group.pieces):
+        mine = [(p, st, se) for p, st, se in zip(group.pieces, strides.pieces, strides.sentinels)
+                if p.cat is cat]
         other = None
-        for piece, strides, sentinel in reversed(mine):
-            layout = in_layouts[piece.index]
-            storage = root_dtypes[layout.root]
-            var = Var(f"v{len(loads)}_{ident(cat.name)}_{piece.position}",
+        for piece, piece_strides, sentinel in reversed(mine):
+            layout = group.in_layouts[piece.index]
+            storage = lw.root_dtypes[layout.root]
+            var = Var(f"v{len(lw.loads)}_{ident(cat.name)}_{piece.position}",
                       ops.register_dtype(storage))
             # (an empty space coalesces to no dim with a stride: nothing is read, any dim does)
             dim = next((k for k, s in enumerate(sentinel) if s), 0)
-            loads.append(Load(var, param(layout.root, False), storage,
-                              Index(piece.offset, strides), (dim, piece.lo, piece.hi), other))
+            lw.loads.append(Load(var, lw.param(layout.root, False), storage,
+                                 Index(piece.offset, piece_strides), (dim, piece.lo, piece.hi),
+                                 other))
             other = var
-        env[cat] = other
-    for i, (ph, layout) in enumerate(zip(placeholders, in_layouts)):
-        if i in only_pieces:
+        lw.env[cat] = other
+
+
+def _load_inputs(lw: _Lowering, group: _Group, strides: _LoopStrides) -> None:
+    """A load per placeholder read plainly; two that read the same buffer at the same index
+    share one."""
+    for i, (ph, layout) in enumerate(zip(group.placeholders, group.in_layouts)):
+        if i in group.only_pieces:
             continue
-        index = Index(layout.offset, loop_strides[i])
+        index = Index(layout.offset, strides.inputs[i])
         key = (layout.root, index)
-        if key not in load_of:
-            storage = root_dtypes[layout.root]
-            var = Var(f"v{len(loads)}_{ident(ph.name)}", ops.register_dtype(storage))
-            loads.append(Load(var, param(layout.root, False), storage, index))
-            load_of[key] = var
-        env[ph] = load_of[key]
+        if key not in lw.load_of:
+            storage = lw.root_dtypes[layout.root]
+            var = Var(f"v{len(lw.loads)}_{ident(ph.name)}", ops.register_dtype(storage))
+            lw.loads.append(Load(var, lw.param(layout.root, False), storage, index))
+            lw.load_of[key] = var
+        lw.env[ph] = lw.load_of[key]
 
-    for k, (node, gather, src, idx, row_stride) in enumerate(gathers):
-        index = Index(idx.offset, gather_strides[2 * k + 1])
+
+def _load_gathers(lw: _Lowering, group: _Group, strides: _LoopStrides) -> None:
+    """Each gathered read: its index (once per address), then its source at the row the index
+    names."""
+    for k, (node, gather, src, idx, row_stride) in enumerate(group.gathers):
+        index = Index(idx.offset, strides.gathers[2 * k + 1])
         key = (idx.root, index)
-        if key not in load_of:
-            storage = root_dtypes[idx.root]
-            load_of[key] = Var(f"v{len(loads)}_{ident(gather.index.name)}",
-                               ops.register_dtype(storage))
-            loads.append(Load(load_of[key], param(idx.root, False), storage, index))
-        storage = root_dtypes[src.root]
-        env[node] = Var(f"v{len(loads)}_{ident(node.name)}", ops.register_dtype(storage))
-        loads.append(Load(env[node], param(src.root, False), storage,
-                          Index(src.offset, gather_strides[2 * k]),
-                          gather=(load_of[key].name, row_stride, gather.size)))
+        if key not in lw.load_of:
+            storage = lw.root_dtypes[idx.root]
+            lw.load_of[key] = Var(f"v{len(lw.loads)}_{ident(gather.index.name)}",
+                                  ops.register_dtype(storage))
+            lw.loads.append(Load(lw.load_of[key], lw.param(idx.root, False), storage, index))
+        storage = lw.root_dtypes[src.root]
+        lw.env[node] = Var(f"v{len(lw.loads)}_{ident(node.name)}", ops.register_dtype(storage))
+        lw.loads.append(Load(lw.env[node], lw.param(src.root, False), storage,
+                             Index(src.offset, strides.gathers[2 * k]),
+                             gather=(lw.load_of[key].name, row_stride, gather.size)))
 
-    stmts: list[Stmt] = []
+
+def _lower_stmts(lw: _Lowering, sub: fx.GraphModule) -> list[str]:
+    """A Stmt per op of the group, in graph order, with the dtypes PyTorch's promotion picks;
+    returns the names of the ATen ops the kernel fuses."""
     fused_ops: list[str] = []
     for node in sub.graph.nodes:
         if node.op != "call_function":
             continue
-        if node in env:  # a cat (its pieces' loads) or a gathered read (its load)
+        if node in lw.env:  # a cat (its pieces' loads) or a gathered read (its load)
             fused_ops.append(str(node.target))
             continue
         if ops.indexed_write(node) is not None:  # the store does it (below)
-            env[node] = env[node.args[2]]
+            lw.env[node] = lw.env[node.args[2]]
             fused_ops.append(str(node.target))
             continue
         row, operands = ops.normalize(node)
@@ -131,29 +218,32 @@ def lower_pointwise(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
         compute = ops.compute_dtype(row, values, out_meta.dtype)
         operand_dtypes = tuple(torch.bool if row.name == "where" and k == 0 else compute
                                for k in range(len(operands)))
-        args = tuple(env[o] if isinstance(o, fx.Node) else Const(o, dt)
+        args = tuple(lw.env[o] if isinstance(o, fx.Node) else Const(o, dt)
                      for o, dt in zip(operands, operand_dtypes))
-        var = Var(f"v{len(loads) + len(stmts)}_{ident(node.name)}",
+        var = Var(f"v{len(lw.loads) + len(lw.stmts)}_{ident(node.name)}",
                   ops.register_dtype(out_meta.dtype))
         rounds = needs_rounding(row, values, out_meta.dtype)  # eager rounds every half result
-        stmts.append(Stmt(var, row.name, args, operand_dtypes,
-                          torch.bool if row.returns_bool else compute,
-                          out_meta.dtype if rounds else None, origin=origin_of(node)))
-        env[node] = var
+        lw.stmts.append(Stmt(var, row.name, args, operand_dtypes,
+                             torch.bool if row.returns_bool else compute,
+                             out_meta.dtype if rounds else None, origin=origin_of(node)))
+        lw.env[node] = var
         fused_ops.append(str(node.target))
+    return fused_ops
 
+
+def _stores(lw: _Lowering, group: _Group, strides: _LoopStrides) -> list[Store]:
+    """A store per output; an indexed write's adds its position times the written dim's stride."""
     stores = []
-    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
-        index = Index(layout.offset, loop_strides[n_in + k])
-        storage = root_dtypes[layout.root]
+    for k, (out, layout) in enumerate(zip(group.outputs, group.out_layouts)):
+        index = Index(layout.offset, strides.outputs[k])
+        storage = lw.root_dtypes[layout.root]
         scatter = None
-        if k in writes:
-            buffer, dim, pos, _ = writes[k]
+        if k in group.writes:
+            buffer, dim, pos, _ = group.writes[k]
             size, stride = buffer.meta["fusec"].shape[dim], layout.stride[dim]
-            scatter = (env[pos].name, stride, size)
-        stores.append(Store(param(layout.root, True), env[out], storage, index, scatter))
-
-    return PointwiseKernel(name, loop_shape, shape, params, loads, stmts, stores, fused_ops)
+            scatter = (lw.env[pos].name, stride, size)
+        stores.append(Store(lw.param(layout.root, True), lw.env[out], storage, index, scatter))
+    return stores
 
 
 @dataclass(frozen=True)

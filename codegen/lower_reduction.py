@@ -7,23 +7,27 @@ of the tensor reduced), which sums can share the pass before theirs (online soft
 variance: lower_folds.py), and the loop plan (`plan_loops`, fusec/loop_plan.py): what a row computes
 before its loops, in each pass over k and after it, which stores are per element and which per
 row, and which costly element value the last phase may keep for the last pass (`keep_choice`).
-The backends only spell that plan.
+The backends only spell that plan. The kernel's values (its loads, the group's ops, its stores,
+and for each value its level and whether it varies along k) are made in lower_reduction_values.py.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
 from fusec import ops
 from fusec.record import group_info
-from fusec.ir import (Const, Index, Keep, Layout, Load, LoopPlan, OnlineVariance, Param, Phase,
-                      Reduce, ReductionKernel, Stmt, Store, TensorMeta, Var)
+from fusec.ir import (Index, Keep, Layout, LoopPlan, OnlineVariance, Phase, Reduce, ReductionKernel,
+                      Stmt)
 
-from .lower import (broadcast_strides, ident, is_cat, origin_of, param_list, cat_pieces, coalesce,
-                    gather_layouts, needs_rounding, only_gathered)
+from .lower import (Piece, broadcast_strides, is_cat, cat_pieces, coalesce, gather_layouts,
+                    only_gathered)
 from .lower_folds import online_softmax, online_variance
+from .lower_reduction_values import (ReductionValues, load_gathers, load_pieces, lower_ops,
+                                     space_of, store_outputs)
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -35,49 +39,79 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     The reduced shape is permuted so the reduced dims come last: the loop is (rows, k). Each
     tensor gets strides over (row dims..., k dims...): an element tensor broadcast to the reduced
     shape, a row tensor with 0 strides along k. Row dims and k dims are then merged separately.
+    The steps: the space, the tensors it indexes, their merged indices, the loads of cat pieces
+    and gathered reads, the group's ops (placeholders loaded as they are first read), the stores.
     """
+    space = _space(sub, in_layouts)
+    tensors = _tensors(sub, space, in_layouts, out_layouts)
+    row_shape, k_shape, index_of = _index_tensors(space, tensors, in_layouts, out_layouts)
+    values = ReductionValues(space.placeholders, in_layouts, root_dtypes, index_of, len(row_shape))
+    load_pieces(values, tensors.pieces, tensors.spaces)
+    load_gathers(values, tensors.gathers)
+    fused_ops = lower_ops(values, sub)
+    stores = store_outputs(values, space.outputs, out_layouts)
+    gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
+    kernel = ReductionKernel(name, space.shape, space.dims, row_shape, k_shape, values.params,
+                             values.loads, values.body, stores, values.varying, values.level,
+                             fused_ops, online_softmax(values.body, values.varying), gemv)
+    kernel.variances = online_variance(values.body, values.varying, values.level)
+    kernel.plan = plan_loops(kernel)
+    return kernel
+
+
+@dataclass(frozen=True)
+class _Space:
+    """A reduction's iteration space: its shape, the reduced dims (in memory order), the others
+    (`outer`: the row dims) and the order the rows are walked in; `perm` lists the rows, then k."""
+
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+    outer: list[int]
+    rows_only: tuple[int, ...]  # the shape of the rows alone
+    row_order: list[int]
+    perm: list[int]
+    placeholders: list[fx.Node]
+    outputs: list[fx.Node]
+
+    def strides(self, layout: Layout, where: str) -> tuple[int, ...]:
+        """A tensor's strides over (row dims..., k dims...), read per row or per element."""
+        if where == "rows":
+            row_strides = broadcast_strides(layout, self.rows_only)
+            return tuple(row_strides[i] for i in self.row_order) + (0,) * len(self.dims)
+        full = broadcast_strides(layout, self.shape)
+        return tuple(full[d] for d in self.perm)
+
+
+def _space(sub: fx.GraphModule, in_layouts: list[Layout]) -> _Space:
+    """The group's space, its reduced dims and its rows each walked in memory order."""
     group = group_info(sub)
     shape, dims = tuple(group.shape), tuple(group.reduce_dims)
     dims = _memory_order(dims, shape, sub, in_layouts)
     outer = [d for d in range(len(shape)) if d not in dims]
-    rows_only = tuple(shape[d] for d in outer)
     row_order = _row_order(outer, shape, in_layouts)
-    perm = [outer[i] for i in row_order] + list(dims)
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    outputs = list(sub.graph.output_node().args[0])
+    return _Space(shape, dims, outer, tuple(shape[d] for d in outer), row_order,
+                  [outer[i] for i in row_order] + list(dims),
+                  [n for n in sub.graph.nodes if n.op == "placeholder"],
+                  list(sub.graph.output_node().args[0]))
 
-    def strides_for(layout: Layout, where: str) -> tuple[int, ...]:
-        if where == "rows":
-            row_strides = broadcast_strides(layout, rows_only)
-            return tuple(row_strides[i] for i in row_order) + (0,) * len(dims)
-        full = broadcast_strides(layout, shape)
-        return tuple(full[d] for d in perm)
 
-    def space_of(node: fx.Node) -> str:
-        return node.meta.get("fusec_space", "elem")
+class _Tensors(NamedTuple):
+    """Every tensor a reduction kernel indexes, as (kind, number, space, strides) `entries`,
+    with the cat pieces and gathered reads the "piece", "sentinel", "gsrc", "gidx" ones name."""
 
-    # Which spaces each input is read in: its users decide (an input can be read both ways).
+    entries: list[tuple]
+    pieces: list[Piece]
+    spaces: list[str]  # the space each piece is read in
+    gathers: list[tuple]  # (node, gather, source layout, index layout, row stride)
+
+
+def _tensors(sub: fx.GraphModule, space: _Space, in_layouts: list[Layout],
+             out_layouts: list[Layout]) -> _Tensors:
+    """The tensors the kernel reads and writes, each in the spaces it is read in: its users
+    decide (an input can be read both ways)."""
     tensors: list[tuple] = []  # (kind, index, space, strides)
-    # A GEMV over sibling weights (passes/sibling_gemvs.py) reads them as pieces of a cat along
-    # a row dim: each piece is indexed over the whole space, shifted back by where it starts,
-    # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
-    # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
-    # (A cat read per row, sibling biases added after the sum, is indexed over the rows alone.)
-    cats = [c for c in sub.graph.nodes if is_cat(c)]
-    pieces = cat_pieces(sub, placeholders, in_layouts, shape,
-                        [c for c in cats if space_of(c) == "elem"])
-    spaces = ["elem"] * len(pieces)
-    for n, piece in enumerate(pieces):
-        tensors.append(("piece", n, "elem", tuple(piece.strides[d] for d in perm)))
-        tensors.append(("sentinel", n, "elem", tuple(piece.sentinel[d] for d in perm)))
-    for piece in cat_pieces(sub, placeholders, in_layouts, rows_only,
-                            [c for c in cats if space_of(c) == "rows"]):
-        tensors.append(("piece", len(pieces), "rows",
-                        tuple(piece.strides[i] for i in row_order) + (0,) * len(dims)))
-        tensors.append(("sentinel", len(pieces), "rows",
-                        tuple(piece.sentinel[i] for i in row_order) + (0,) * len(dims)))
-        pieces.append(piece)
-        spaces.append("rows")
+    placeholders, strides_for = space.placeholders, space.strides
+    pieces, spaces = _cat_tensors(sub, space, in_layouts, tensors)
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
                                                if any(not is_cat(u) for u in ph.users)}
     # A gathered read (`scales[g_idx]` in a GEMV's dequantization): its index and its source,
@@ -95,9 +129,46 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                  for u in ph.users if u.op == "call_function"}
         for where in sorted(reads or {"elem"}):
             tensors.append(("in", i, where, strides_for(layout, where)))
-    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
+    for k, (out, layout) in enumerate(zip(space.outputs, out_layouts)):
         tensors.append(("out", k, space_of(out), strides_for(layout, space_of(out))))
-    n_rows = len(outer)
+    return _Tensors(tensors, pieces, spaces, gathers)
+
+
+def _cat_tensors(sub: fx.GraphModule, space: _Space, in_layouts: list[Layout],
+                 tensors: list[tuple]) -> tuple[list[Piece], list[str]]:
+    """The pieces of the group's cats and the space each is read in; adds each piece's entry
+    and its sentinel's to `tensors`."""
+    placeholders, perm, row_order, dims = space.placeholders, space.perm, space.row_order, space.dims
+    # A GEMV over sibling weights (passes/sibling_gemvs.py) reads them as pieces of a cat along
+    # a row dim: each piece is indexed over the whole space, shifted back by where it starts,
+    # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
+    # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
+    # (A cat read per row, sibling biases added after the sum, is indexed over the rows alone.)
+    cats = [c for c in sub.graph.nodes if is_cat(c)]
+    pieces = cat_pieces(sub, placeholders, in_layouts, space.shape,
+                        [c for c in cats if space_of(c) == "elem"])
+    spaces = ["elem"] * len(pieces)
+    for n, piece in enumerate(pieces):
+        tensors.append(("piece", n, "elem", tuple(piece.strides[d] for d in perm)))
+        tensors.append(("sentinel", n, "elem", tuple(piece.sentinel[d] for d in perm)))
+    for piece in cat_pieces(sub, placeholders, in_layouts, space.rows_only,
+                            [c for c in cats if space_of(c) == "rows"]):
+        tensors.append(("piece", len(pieces), "rows",
+                        tuple(piece.strides[i] for i in row_order) + (0,) * len(dims)))
+        tensors.append(("sentinel", len(pieces), "rows",
+                        tuple(piece.sentinel[i] for i in row_order) + (0,) * len(dims)))
+        pieces.append(piece)
+        spaces.append("rows")
+    return pieces, spaces
+
+
+def _index_tensors(space: _Space, found: _Tensors, in_layouts: list[Layout],
+                   out_layouts: list[Layout]):
+    """(row_shape, k_shape, index_of): the row dims and the k dims each merged where every
+    tensor allows it (`coalesce`), and each tensor's Index over (row dims..., k dims...)."""
+    tensors, pieces, gathers = found.entries, found.pieces, found.gathers
+    shape, perm, dims = space.shape, space.perm, space.dims
+    n_rows = len(space.outer)
     row_shape, row_strides = coalesce(tuple(shape[d] for d in perm[:n_rows]),
                                       [t[3][:n_rows] for t in tensors])
     k_shape, k_strides = coalesce(tuple(shape[d] for d in dims), [t[3][n_rows:] for t in tensors])
@@ -113,146 +184,7 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
                else gathers[t[1]][3].offset if t[0] == "gidx" else 0 for t in tensors]
     index_of = {(t[0], t[1], t[2]): Index(layout_offset, rs + ks)
                 for t, rs, ks, layout_offset in zip(tensors, row_strides, k_strides, offsets)}
-
-    params: list[Param] = []
-    param = param_list(params, root_dtypes)
-
-    loads: list[Load] = []
-    load_of: dict[tuple, Var] = {}
-    env: dict[tuple, Var] = {}  # (node, space) -> Var
-    varying: set[str] = set()
-    level: dict[str, int] = {}
-    counter = [0]
-
-    def fresh(node_name: str, dtype: torch.dtype) -> Var:
-        var = Var(f"v{counter[0]}_{ident(node_name)}", dtype)
-        counter[0] += 1
-        return var
-
-    def value(node: fx.Node, where: str) -> Var:
-        if (node, where) in env:
-            return env[(node, where)]
-        if node.op != "placeholder":
-            return env[(node, space_of(node))]
-        i = placeholders.index(node)
-        layout = in_layouts[i]
-        index = index_of[("in", i, where)]
-        key = (layout.root, index)
-        if key not in load_of:
-            storage = root_dtypes[layout.root]
-            var = fresh(node.name, ops.register_dtype(storage))
-            loads.append(Load(var, param(layout.root, False), storage, index))
-            load_of[key] = var
-            if any(index.strides[len(row_shape):]):
-                varying.add(var.name)
-            level[var.name] = 0
-        env[(node, where)] = load_of[key]
-        return load_of[key]
-
-    for cat in dict.fromkeys(p.cat for p in pieces):  # each piece read where it lies
-        other = None
-        for n in reversed([n for n, p in enumerate(pieces) if p.cat is cat]):
-            piece = pieces[n]
-            layout = in_layouts[piece.index]
-            storage = root_dtypes[layout.root]
-            var = fresh(f"{cat.name}_{piece.position}", ops.register_dtype(storage))
-            sentinel = index_of[("sentinel", n, spaces[n])].strides
-            dim = next((d for d, s in enumerate(sentinel[:len(row_shape)]) if s), 0)
-            index = index_of[("piece", n, spaces[n])]
-            loads.append(Load(var, param(layout.root, False), storage, index,
-                              (dim, piece.lo, piece.hi), other))
-            if any(index.strides[len(row_shape):]):
-                varying.add(var.name)
-            level[var.name] = 0
-            other = var
-        env[(cat, space_of(cat))] = other
-
-    def load(var: Var, root: str, index: Index, gather=None) -> None:
-        loads.append(Load(var, param(root, False), root_dtypes[root], index, gather=gather))
-        if any(index.strides[len(row_shape):]) or (gather and gather[0] in varying):
-            varying.add(var.name)
-        level[var.name] = 0
-
-    for k, (node, gather, src, idx, row_stride) in enumerate(gathers):
-        where = space_of(node)
-        index = index_of[("gidx", k, where)]
-        if (idx.root, index) not in load_of:
-            load_of[(idx.root, index)] = fresh(gather.index.name,
-                                               ops.register_dtype(root_dtypes[idx.root]))
-            load(load_of[(idx.root, index)], idx.root, index)
-        env[(node, where)] = fresh(node.name, ops.register_dtype(root_dtypes[src.root]))
-        load(env[(node, where)], src.root, index_of[("gsrc", k, where)],
-             (load_of[(idx.root, index)].name, row_stride, gather.size))
-
-    body: list = []
-    fused_ops: list[str] = []
-    for node in sub.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if ops.gathered_read(node) is not None:  # its load, above
-            fused_ops.append(str(node.target))
-            continue
-        if (node, space_of(node)) in env and is_cat(node):  # a cat: its pieces' loads
-            fused_ops.append(str(node.target))
-            continue
-        where = space_of(node)
-        out_meta: TensorMeta = node.meta["fusec"]
-        red = ops.reduction(node)
-        if red is not None:
-            operand = value(red.operand, "elem")
-            if red.op.returns_index:
-                acc = operand.dtype
-            elif red.op.name in ("any", "all"):
-                acc = torch.bool
-            else:
-                acc = ops.register_dtype(out_meta.dtype)
-            var = fresh(node.name, ops.register_dtype(out_meta.dtype))
-            phase = level[operand.name]
-            body.append(Reduce(var, red.op.name, operand, acc, phase, origin=origin_of(node),
-                               round_to=out_meta.dtype if out_meta.dtype in ops.FLOAT16_LIKE else None))
-            level[var.name] = phase + 1
-        else:
-            row, operands = ops.normalize(node)
-            vals = [o.meta["val"] if isinstance(o, fx.Node) else o for o in operands]
-            compute = ops.compute_dtype(row, vals, out_meta.dtype)
-            operand_dtypes = tuple(torch.bool if row.name == "where" and k == 0 else compute
-                                   for k in range(len(operands)))
-            args = tuple(value(o, where) if isinstance(o, fx.Node) else Const(o, dt)
-                         for o, dt in zip(operands, operand_dtypes))
-            var = fresh(node.name, ops.register_dtype(out_meta.dtype))
-            rounds = needs_rounding(row, vals, out_meta.dtype)
-            body.append(Stmt(var, row.name, args, operand_dtypes,
-                             torch.bool if row.returns_bool else compute,
-                             out_meta.dtype if rounds else None, origin=origin_of(node)))
-            vars_in = [a for a in args if isinstance(a, Var)]
-            if any(a.name in varying for a in vars_in):
-                varying.add(var.name)
-            level[var.name] = max((level[a.name] for a in vars_in), default=0)
-        env[(node, where)] = var
-        fused_ops.append(str(node.target))
-
-    stores = []
-    for k, (out, layout) in enumerate(zip(outputs, out_layouts)):
-        var = env[(out, space_of(out))]
-        index = index_of[("out", k, space_of(out))]
-        if any(index.strides[len(row_shape):]) and var.name not in varying:
-            # stored at every k: computed inside the loop over k, even when nothing it reads
-            # varies along k (`zeros_like(x)` next to `x.sum()`: a constant, stored everywhere).
-            # If row values are computed from it too, they keep it: the loop takes a copy.
-            if any(var in getattr(item, "operands", (getattr(item, "operand", None),))
-                   for item in body):
-                copy = fresh(f"{out.name}_at_k", var.dtype)
-                body.append(Stmt(copy, "copy", (var,), (var.dtype,), var.dtype,
-                                 origin=f"{out.name}, stored at every k"))
-                level[copy.name], var = level[var.name], copy
-            varying.add(var.name)
-        stores.append(Store(param(layout.root, True), var, root_dtypes[layout.root], index))
-    gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
-    kernel = ReductionKernel(name, shape, dims, row_shape, k_shape, params, loads, body, stores,
-                             varying, level, fused_ops, online_softmax(body, varying), gemv)
-    kernel.variances = online_variance(body, varying, level)
-    kernel.plan = plan_loops(kernel)
-    return kernel
+    return row_shape, k_shape, index_of
 
 
 def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts) -> tuple[int, ...]:

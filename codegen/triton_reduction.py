@@ -67,105 +67,22 @@ def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int
 def render_reduction(kernel, arch: int | None = None, notes: list[str] = ()) -> str:
     """The reduction `kernel` as one Triton kernel: a block of XBLOCK rows per program, each row
     in registers (persistent) or walked in RBLOCK chunks, one loop per pass of the loop plan.
-    `notes`: what the kernel families declined and why (codegen/families.py), for the header."""
+    `notes`: what the kernel families declined and why (codegen/families.py), for the header.
+    The steps: the block sizes, each value's line, the stores, the loops over the row, the
+    header's note, and the template that puts them together."""
     persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
                                                              is_column_reduction(kernel))
-    n_rows = len(kernel.row_shape)
-    helpers: set = set()
-
-    def coords(prefix: str, var: str, shape) -> list[str]:
-        out = []
-        for d in range(len(shape)):
-            below = math.prod(shape[d + 1:])
-            expr = var if below == 1 else f"({var} // {below})"
-            out.append(f"{prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}"))
-        return out
-
-    def index(idx: Index) -> tuple[str, str]:
-        """(address expression, mask) for an index over (row dims..., k dims...)."""
-        terms = [f"r{d}" if s == 1 else f"r{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
-        kterms = [f"k{d}" if s == 1 else f"k{d} * {s}"
-                  for d, s in enumerate(idx.strides[n_rows:]) if s]
-        mask = "mask" if terms and kterms else ("k_mask" if kterms else "row_mask")
-        terms = terms + kterms or ["tl.zeros_like(rows)"]
-        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms), mask
-
-    load_lines = {}
-    for l in kernel.loads:
-        addr, mask = index(l.index)
-        if l.gather is not None:  # a gathered read: the row its index value names
-            addr = f"{addr} + {gather_offset(l)}"
-        value = f"tl.load({l.param}_ptr + {addr}, mask={mask})"
-        if l.dtype != l.var.dtype:
-            value = convert(value, l.dtype, l.var.dtype)
-        load_lines[l.var.name] = f"{l.var.name} = {value}"
-
-    producers = {l.var.name: ("load", l) for l in kernel.loads}
-    for item in kernel.body:
-        producers[item.var.name] = ("body", item)
-
-    def reduce_block(r: Reduce, operand: str) -> str:
-        red = ops.REDUCTIONS[r.op]
-        init = literal(red.init(r.acc_dtype), r.acc_dtype)
-        masked = f"tl.where(mask, {convert(operand, r.operand.dtype, r.acc_dtype)}, {init})"
-        if red.returns_index:
-            expr = red.triton_block.format(x=masked, k="ks")
-        else:
-            expr = red.triton_block.format(x=masked)
-        helpers.update(re.findall(r"\bfusec_\w+", expr))
-        out = convert(f"({expr})", torch.int64 if red.returns_index else r.acc_dtype, r.var.dtype)
-        if r.round_to is not None:
-            out = convert(convert(out, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
-        return f"({out})[:, None]"
-
-    def line(name: str) -> str:
-        kind, item = producers[name]
-        if kind == "load":
-            return load_lines[name]
-        return render_stmt(item, helpers, block="[1, 1]")
-
-    plan = kernel.plan
-    k_setup = lambda start: [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
-                             "mask = row_mask & k_mask", *coords("k", "ks", kernel.k_shape)]
-    stores_elem, stores_row = [], []
-    for n, s in enumerate(kernel.stores):
-        addr, mask = index(s.index)
-        text = f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}, mask={mask})"
-        (stores_elem if n in plan.element_stores else stores_row).append(text)
-
-    row_lines = coords("r", "rows", kernel.row_shape)
-    loops = []
-    if persistent:  # the whole row at hand: every value in program order, no passes
-        body = list(k_setup(""))
-        for name in [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]:
-            kind, item = producers[name]
-            body.append(reduce_line(item, reduce_block) if isinstance(item, Reduce) else line(name))
-        loops.append({"comment": "The whole row fits in one block: load it once, reduce, finish.",
-                      "before": [], "header": "", "body": body + stores_elem + stores_row,
-                      "after": []})
+    spell = _Lines(kernel)
+    stores_elem, stores_row = _store_lines(spell)
+    row_lines = _coords("r", "rows", kernel.row_shape)
+    passes = None
+    if persistent:
+        loops = [_persistent_loop(spell, stores_elem + stores_row)]
     else:
-        row_lines += [line(n) for n in plan.before]
-        passes = plan.passes(online=ONLINE_SOFTMAX)  # the phases each loop over the row covers
-        loops += [looped_pass(phases, producers, line, k_setup, helpers) for phases in passes]
-        if stores_elem:
-            body = list(k_setup("k_start + ")) + [line(n) for n in plan.last_pass] + stores_elem
-            loops.append({"comment": "Last pass: recompute the element values and store them.",
-                          "before": [], "header": "for k_start in range(0, n_k, RBLOCK):",
-                          "body": body, "after": []})
-        if stores_row:
-            loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
-
-    note = ""
-    if not persistent:
-        folded = [o for phases in passes if len(phases) > 1 for o in phases[0].folds]
-        shared = (["online softmax: the max and the sum of exponentials share one"]
-                  if any(isinstance(o, OnlineSoftmax) for o in folded) else []) + \
-            (["online variance: the mean and the squared deviations share one"]
-             if any(isinstance(o, OnlineVariance) for o in folded) else [])
-        note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
-                + (" (" + "; ".join(shared) + ")." if shared else "."))
-    for declined in notes:  # a kernel family's near miss (codegen/families.py)
-        note = (note + "\n" if note else "") + declined
+        row_lines += [spell.line(n) for n in kernel.plan.before]
+        passes = kernel.plan.passes(online=ONLINE_SOFTMAX)  # the phases each loop over the row covers
+        loops = _looped_loops(spell, passes, stores_elem, stores_row)
+    note = _passes_note(loops, passes, notes)
     helpers = helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
     big = max([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
@@ -178,6 +95,130 @@ def render_reduction(kernel, arch: int | None = None, notes: list[str] = ()) -> 
         args=[p.name for p in kernel.params], passes=note,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
         row_lines=row_lines, sections=loops, pdl=pdl(arch))
+
+
+def _coords(prefix: str, var: str, shape) -> list[str]:
+    """Row-major coordinates (`prefix`0, `prefix`1, ...) of the flat position `var` over `shape`."""
+    out = []
+    for d in range(len(shape)):
+        below = math.prod(shape[d + 1:])
+        expr = var if below == 1 else f"({var} // {below})"
+        out.append(f"{prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}"))
+    return out
+
+
+class _Lines:
+    """A reduction kernel's values spelled in Triton: each load's line, the load or body item
+    that makes each value (`producers`), and the fusec_* helpers the lines call."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.n_rows = len(kernel.row_shape)
+        self.helpers: set = set()
+        self.load_lines = {}
+        for l in kernel.loads:
+            addr, mask = self.index(l.index)
+            if l.gather is not None:  # a gathered read: the row its index value names
+                addr = f"{addr} + {gather_offset(l)}"
+            value = f"tl.load({l.param}_ptr + {addr}, mask={mask})"
+            if l.dtype != l.var.dtype:
+                value = convert(value, l.dtype, l.var.dtype)
+            self.load_lines[l.var.name] = f"{l.var.name} = {value}"
+        self.producers = {l.var.name: ("load", l) for l in kernel.loads}
+        for item in kernel.body:
+            self.producers[item.var.name] = ("body", item)
+
+    def index(self, idx: Index) -> tuple[str, str]:
+        """(address expression, mask) for an index over (row dims..., k dims...)."""
+        n_rows = self.n_rows
+        terms = [f"r{d}" if s == 1 else f"r{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
+        kterms = [f"k{d}" if s == 1 else f"k{d} * {s}"
+                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        mask = "mask" if terms and kterms else ("k_mask" if kterms else "row_mask")
+        terms = terms + kterms or ["tl.zeros_like(rows)"]
+        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms), mask
+
+    def line(self, name: str) -> str:
+        """The line that computes value `name` (a load or a statement)."""
+        kind, item = self.producers[name]
+        if kind == "load":
+            return self.load_lines[name]
+        return render_stmt(item, self.helpers, block="[1, 1]")
+
+    def reduce_block(self, r: Reduce, operand: str) -> str:
+        """A reduction of a whole row held in the block: masked lanes count as its init."""
+        red = ops.REDUCTIONS[r.op]
+        init = literal(red.init(r.acc_dtype), r.acc_dtype)
+        masked = f"tl.where(mask, {convert(operand, r.operand.dtype, r.acc_dtype)}, {init})"
+        if red.returns_index:
+            expr = red.triton_block.format(x=masked, k="ks")
+        else:
+            expr = red.triton_block.format(x=masked)
+        self.helpers.update(re.findall(r"\bfusec_\w+", expr))
+        out = convert(f"({expr})", torch.int64 if red.returns_index else r.acc_dtype, r.var.dtype)
+        if r.round_to is not None:
+            out = convert(convert(out, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+        return f"({out})[:, None]"
+
+    def k_setup(self, start: str) -> list[str]:
+        """The lines that start a block of k: its positions, masks and coordinates."""
+        return [f"ks = {start}tl.arange(0, RBLOCK)[None, :]", "k_mask = ks < n_k",
+                "mask = row_mask & k_mask", *_coords("k", "ks", self.kernel.k_shape)]
+
+
+def _store_lines(spell: _Lines) -> tuple[list[str], list[str]]:
+    """The stores, split into those of element values and those of row values."""
+    stores_elem, stores_row = [], []
+    for n, s in enumerate(spell.kernel.stores):
+        addr, mask = spell.index(s.index)
+        text = f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}, mask={mask})"
+        (stores_elem if n in spell.kernel.plan.element_stores else stores_row).append(text)
+    return stores_elem, stores_row
+
+
+def _persistent_loop(spell: _Lines, stores: list[str]) -> dict:
+    """The whole row at hand: every value in program order, no passes, then the stores."""
+    kernel = spell.kernel
+    body = list(spell.k_setup(""))
+    for name in [l.var.name for l in kernel.loads] + [item.var.name for item in kernel.body]:
+        kind, item = spell.producers[name]
+        body.append(reduce_line(item, spell.reduce_block) if isinstance(item, Reduce)
+                    else spell.line(name))
+    return {"comment": "The whole row fits in one block: load it once, reduce, finish.",
+            "before": [], "header": "", "body": body + stores, "after": []}
+
+
+def _looped_loops(spell: _Lines, passes, stores_elem: list[str], stores_row: list[str]) -> list:
+    """A looped kernel's loops: one per pass of the plan, a last pass that recomputes and
+    stores the element values, and the row values' stores after them."""
+    loops = [looped_pass(phases, spell.producers, spell.line, spell.k_setup, spell.helpers)
+             for phases in passes]
+    if stores_elem:
+        body = list(spell.k_setup("k_start + ")) + [spell.line(n) for n in spell.kernel.plan.last_pass] \
+            + stores_elem
+        loops.append({"comment": "Last pass: recompute the element values and store them.",
+                      "before": [], "header": "for k_start in range(0, n_k, RBLOCK):",
+                      "body": body, "after": []})
+    if stores_row:
+        loops.append({"comment": "", "before": stores_row, "header": "", "body": [], "after": []})
+    return loops
+
+
+def _passes_note(loops: list, passes, notes) -> str:
+    """The header's note: how many passes a looped kernel makes over each row (and which
+    phases share one), then what the kernel families declined. `passes`: None if persistent."""
+    note = ""
+    if passes is not None:
+        folded = [o for phases in passes if len(phases) > 1 for o in phases[0].folds]
+        shared = (["online softmax: the max and the sum of exponentials share one"]
+                  if any(isinstance(o, OnlineSoftmax) for o in folded) else []) + \
+            (["online variance: the mean and the squared deviations share one"]
+             if any(isinstance(o, OnlineVariance) for o in folded) else [])
+        note = (f"{sum(bool(sec['header']) for sec in loops)} pass(es) over each row"
+                + (" (" + "; ".join(shared) + ")." if shared else "."))
+    for declined in notes:  # a kernel family's near miss (codegen/families.py)
+        note = (note + "\n" if note else "") + declined
+    return note
 
 
 def looped_pass(phases, producers: dict, line, k_setup, helpers: set) -> dict:
