@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
                 small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from fusec.graphmodule import copy_graph_module
 
+from .canonicalize import canonicalize
 from .check_gathers import check_gathers
 from .computed_pieces import computed_pieces
 from .constant_gathers import constant_gathers
@@ -37,7 +38,7 @@ from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
+PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
             small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

@@ -36,19 +36,16 @@ For an amount in [0, 32) the int64 result is the int32 one sign-extended; for an
 both are the sign bits of w (an amount past the width, or negative, shifts a signed value to
 its sign; the clamp keeps a huge int64 amount from wrapping into range when narrowed). The
 amounts are usually a row value of the kernel (one per column), so the clamp costs nothing per
-weight. Each rewrite is a `Decision` in `record_of(gm).simplify`.
+weight. Both are rules of passes/patterns.py, a pattern and the replacement built for it; each
+rewrite is a `Decision` in `record_of(gm).simplify`.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from fusec.record import Decision, record_of
-
-from .grouping import meta
-from .layout import run_fake, set_meta
-from .schedule import fake_mode_of
-from .unflatten import erase_dead
+from .grouping import meta, record_decisions
+from .patterns import Builder, Declined, Match, Op, Rule, Var, rewrite
 
 aten = torch.ops.aten
 
@@ -56,89 +53,55 @@ aten = torch.ops.aten
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite tanh(softplus(x)) as one exp and a division, and narrow 64-bit shifts whose
     users keep 32 bits (see the module docstring)."""
-    decisions = []
-    graph = gm.graph
-    for node in list(graph.nodes):
-        x = _tanh_of_softplus(node)
-        if x is None:
-            continue
-        if meta(x).dtype not in (torch.float32, torch.float64):
-            decisions.append(Decision(node.name, False, f"{meta(x).dtype}: eager rounds after "
-                                      "every op of softplus and tanh"))
-            continue
-        with graph.inserting_before(node):
-            n = graph.call_function(aten.exp.default, (
-                graph.call_function(aten.clamp_max.default, (x, 20.0)),))
-            t = graph.call_function(aten.mul.Tensor, (
-                n, graph.call_function(aten.add.Tensor, (n, 2.0))))
-            ratio = graph.call_function(aten.div.Tensor, (
-                t, graph.call_function(aten.add.Tensor, (t, 2.0))))
-        for new in (n.args[0], n, t.args[1], t, ratio.args[1], ratio):
-            new.meta.update({k: node.meta[k] for k in ("val", "fusec") if k in node.meta})
-        ratio._rename(f"{node.name}_softplus")
-        old = node.args[0]
-        node.replace_all_uses_with(ratio)
-        graph.erase_node(node)
-        erase_dead(graph, old)
-        decisions.append(Decision(ratio.name, True, f"tanh(softplus({x.name})) as "
-                                  "n(n + 2) / (n(n + 2) + 2), n = exp(x): one exp instead of "
-                                  "exp, log1p and tanh"))
-    for node in list(graph.nodes):
-        if _narrowable_shift(node):
-            word, amount = node.args
-            with graph.inserting_before(node):
-                clamped = graph.call_function(aten.clamp.default, (amount, -1, 32))
-                narrow = graph.call_function(aten._to_copy.default, (clamped,),
-                                             {"dtype": torch.int32})
-                shift = graph.call_function(aten.bitwise_right_shift.Tensor, (word, narrow))
-            mode = fake_mode_of(gm)
-            for new in (clamped, narrow, shift):
-                set_meta(new, run_fake(mode, new), node)
-            shift._rename(f"{node.name}_32")
-            node.replace_all_uses_with(shift)
-            graph.erase_node(node)
-            decisions.append(Decision(shift.name, True, f"{word.name} >> {amount.name} in 32 "
-                                      "bits: its users keep at most 32 bits of the int64 shift"))
-    record_of(gm).simplify = decisions
-    if any(t for _, t, _ in decisions):
-        graph.lint()
-        gm.recompile()
-    return gm
+    return record_decisions(gm, "simplify", rewrite(gm, RULES))
 
+
+# ---- tanh(softplus(x)) --------------------------------------------------------------------------
+
+def _one_exp(b: Builder, m: Match) -> fx.Node | Declined:
+    dtype = meta(m.x).dtype
+    if dtype not in (torch.float32, torch.float64):
+        return Declined(f"{dtype}: eager rounds after every op of softplus and tanh")
+    n = b(aten.exp.default, b(aten.clamp_max.default, m.x, 20.0))
+    t = b(aten.mul.Tensor, n, b(aten.add.Tensor, n, 2.0))
+    return b(aten.div.Tensor, t, b(aten.add.Tensor, t, 2.0))
+
+
+X = Var("x")
+TANH_OF_SOFTPLUS = Rule(
+    "tanh(softplus(x))",
+    Op(aten.tanh.default, Op(aten.where.self, Op(aten.gt.Scalar, X, 20), X,
+                             Op(aten.log1p.default, Op(aten.exp.default, X)))),
+    _one_exp, "tanh(softplus({x})) as n(n + 2) / (n(n + 2) + 2), n = exp(x): one exp instead of "
+    "exp, log1p and tanh")
+
+
+# ---- 64-bit shifts kept in 32 bits ---------------------------------------------------------------
 
 NARROW = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
-def _narrowable_shift(node: fx.Node) -> bool:
-    """An int64 right shift of an int32 value by an int64 tensor, whose users all cast it to at
-    most 32 bits."""
-    if not (_is(node, aten.bitwise_right_shift.Tensor) or _is(node, aten.__rshift__.Tensor)) \
-            or len(node.args) != 2 or node.kwargs:
-        return False
-    word, amount = node.args
-    if not (isinstance(word, fx.Node) and isinstance(amount, fx.Node)) or not node.users:
-        return False
+def _narrow_shift(b: Builder, m: Match) -> fx.Node:
+    """The shift in 32 bits when its users all cast it to at most 32 bits; else itself."""
+    node, word, amount = m.shift, m.word, m.amount
+    if not (isinstance(word, fx.Node) and isinstance(amount, fx.Node) and node.users):
+        return node
     if (meta(word).dtype, meta(amount).dtype, meta(node).dtype) != (torch.int32, torch.int64,
                                                                     torch.int64):
-        return False
-    return all(_is(u, aten._to_copy.default) and len(u.args) == 1 and set(u.kwargs) == {"dtype"}
-               and u.kwargs["dtype"] in NARROW for u in node.users)
+        return node
+    if not all(u.target is aten._to_copy.default and len(u.args) == 1
+               and set(u.kwargs) == {"dtype"} and u.kwargs["dtype"] in NARROW for u in node.users):
+        return node
+    clamped = b(aten.clamp.default, amount, -1, 32)
+    return b(aten.bitwise_right_shift.Tensor, word, b(aten._to_copy.default, clamped,
+                                                      dtype=torch.int32))
 
 
-def _tanh_of_softplus(node: fx.Node) -> fx.Node | None:
-    """x when node is tanh(where(gt(x, 20), x, log1p(exp(x)))), else None."""
-    if node.op != "call_function" or node.target is not aten.tanh.default:
-        return None
-    where = node.args[0]
-    if not _is(where, aten.where.self) or len(where.args) != 3:
-        return None
-    gt, x, log1p = where.args
-    if not (_is(gt, aten.gt.Scalar) and gt.args[0] is x and gt.args[1] == 20
-            and _is(log1p, aten.log1p.default) and _is(log1p.args[0], aten.exp.default)
-            and log1p.args[0].args[0] is x):
-        return None
-    return x
+SHIFT_IN_32_BITS = Rule(
+    "shift in 32 bits",
+    Op((aten.bitwise_right_shift.Tensor, aten.__rshift__.Tensor), Var("word"), Var("amount"),
+       name="shift"),
+    _narrow_shift, "{word} >> {amount} in 32 bits: its users keep at most 32 bits of the int64 "
+    "shift")
 
-
-def _is(node, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+RULES = [TANH_OF_SOFTPLUS, SHIFT_IN_32_BITS]
