@@ -180,8 +180,9 @@ class Builder:
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
         graph = self.gm.graph
-        with graph.inserting_before(self.like):
-            node = graph.call_function(target, tuple(args), kwargs)
+        with graph.inserting_before(self.like):  # named after the op (`mm`, `permute_3`)
+            node = graph.create_node("call_function", target, tuple(args), kwargs,
+                                     name=getattr(target, "_opname", None))
         self.mode = self.mode or fake_mode_of(self.gm)
         value = run_fake(self.mode, node)
         if value is None:
@@ -241,8 +242,6 @@ def _apply(gm, rule: Rule, node: fx.Node, decisions: list, declined: set) -> fx.
     old_args = [a for a in node.all_input_nodes]
     node.replace_all_uses_with(result)
     gm.graph.erase_node(node)
-    if result in b.made:  # the value keeps its name, so the graphs before and after read alike
-        result._rename(node.name)
     for old in old_args:
         erase_dead(gm.graph, old)
     return result
