@@ -35,7 +35,7 @@ import torch.fx as fx
 from fusec.ir import TensorMeta
 
 from .grouping import record_decisions
-from .patterns import Builder, Declined, Match, Op, Rule, Var, rewrite
+from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, rewrite
 
 aten = torch.ops.aten
 
@@ -43,8 +43,9 @@ MIN_K = 16  # shorter contractions stay a fused sum: a library call costs more t
 
 
 def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite the spellings of a product into its canonical form (see the module docstring)."""
-    return record_decisions(gm, "canonicalize", rewrite(gm, RULES))
+    """Rewrite the spellings of a product into its canonical form (see the module docstring),
+    then apply the rules registered from outside the core (`patterns.register`)."""
+    return record_decisions(gm, "canonicalize", rewrite(gm, RULES + REGISTERED))
 
 
 def _meta(value) -> TensorMeta | None:

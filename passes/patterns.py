@@ -111,6 +111,23 @@ class Rule:
         self.roots = self.pattern.target
 
 
+REGISTERED: list[Rule] = []  # rules from outside the core, run by canonicalize after its own
+
+
+def register(rule: Rule) -> Rule:
+    """Add a rule of your own (docs/extending.md, "A graph rewrite"): passes/canonicalize.py
+    applies it after its own rules, in every compile from now on; one of the same name is
+    replaced. The programs fusec saves on disk are keyed by the registered rules' names
+    (capture/fingerprint.py), so a program made without the rule is not reused with it."""
+    REGISTERED[:] = [r for r in REGISTERED if r.name != rule.name] + [rule]
+    return rule
+
+
+def unregister(name: str) -> None:
+    """Remove the registered rule called `name` (nothing if there is none)."""
+    REGISTERED[:] = [r for r in REGISTERED if r.name != name]
+
+
 def match(pattern, value, m: Match | None = None) -> Match | None:
     """The names `pattern` binds when it matches `value`, or None."""
     m = Match() if m is None else m

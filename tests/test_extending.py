@@ -1,6 +1,7 @@
-"""docs/extending.md's three recipes, each done here: a new op, a new kernel family, a new backend.
+"""docs/extending.md's four recipes, each done here: a new op, a graph rewrite, a new kernel family,
+a new backend.
 
-Each test makes the change at run time (a row and a mapping added to the op table, a family and a
+Each test makes the change at run time (a row and a mapping added to the op table, a rule, a family and a
 backend registered from modules made here) and undoes it afterwards, so the recipe is checked
 against today's code without editing fusec's files: the page says which file each edit belongs
 in when it is made for good.
@@ -91,3 +92,36 @@ def test_a_new_backend_is_a_module_and_a_registration(fresh, monkeypatch):
     assert cf.kernels and all(k.source.startswith("// cpp_annotated") for k in cf.kernels)
     with pytest.raises(fusec.FusecError, match="exists already"):
         backends.register(backends.BACKENDS["cpp"])
+
+
+def test_a_graph_rewrite_is_a_pattern_and_a_replacement(fresh):
+    """docs/extending.md, "A graph rewrite": a rule registered with canonicalize runs in every
+    compile after it, shows in explain, keys the saved programs, and comes out again."""
+    from fusec.capture.fingerprint import environment
+    from fusec.passes import patterns
+    from fusec.passes.patterns import Op, Rule, Var
+
+    spelled_out = Op(aten.reciprocal.default,
+                     Op(aten.add.Tensor, Op(aten.exp.default, Op(aten.neg.default, Var("x"))), 1))
+    rule = Rule("sigmoid spelled out", spelled_out,
+                lambda b, m: b(aten.sigmoid.default, m.x), "1 / (1 + exp(-{x})) as sigmoid({x})")
+
+    def f(x):
+        return 1 / (1 + torch.exp(-x)) * 3
+
+    x = torch.tensor([-200.0, -3.0, 0.0, 2.5, 90.0, float("nan")])
+    before = environment("cpp")
+    patterns.register(rule)
+    try:
+        assert environment("cpp") != before and "rule sigmoid spelled out" in environment("cpp")
+        cf = assert_matches(f, x, backend="cpp", kernels=1)
+        assert "aten.sigmoid.default" in cf.kernels[0].ops and \
+            "aten.exp.default" not in cf.kernels[0].ops, cf.kernels[0].ops
+        text = str(fusec.explain(f, x, backend="cpp"))
+        assert "sigmoid spelled out: 1 / (1 + exp(-x)) as sigmoid(x)" in text
+    finally:
+        patterns.unregister("sigmoid spelled out")
+    assert patterns.REGISTERED == [] and environment("cpp") == before
+    cf = fusec.compile(f, backend="cpp")
+    cf(x)
+    assert "aten.exp.default" in cf.kernels[0].ops

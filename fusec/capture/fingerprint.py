@@ -216,7 +216,17 @@ def environment(backend: str) -> str:
     flags += [f"{k}={v}" for k, v in sorted(os.environ.items())
               if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED]
     flags.append(f"settings {settings()}")
+    flags.append("extensions " + ", ".join(extensions()))
     return "; ".join(flags)
+
+
+def extensions() -> list[str]:
+    """What was registered from outside fusec's source: kernel families and graph rules (a
+    program compiled without one must not be loaded with it, nor the other way round)."""
+    from fusec.codegen import families
+    from fusec.passes import patterns
+    return ([f"family {f.name} ({f.module})" for f in families.REGISTRY]
+            + [f"rule {r.name}" for r in patterns.REGISTERED])
 
 
 def settings() -> str:
