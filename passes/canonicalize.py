@@ -19,7 +19,8 @@ canonical form matches them all, at every size. Its rules (passes/patterns.py):
     contraction          sum(mul(a, b), [d]) where a varies along one kept dim and b along the
                          other: mm(a', b'), the library's or, at small M, fusec's GEMV
     scale after product  mm(x, permute(mul(w, s), [1, 0])) with s constant along K (one scale per
-                         output column): mul(mm(x, permute(w, [1, 0])), s)
+                         output column): mul(mm(x, permute(w, [1, 0])), s); with a bias
+                         (addmm, float32 and float64), the bias added after the scale
 
 Each is exact algebra; only the rounding of float sums differs (a matmul accumulates products in
 float32 where eager's mul rounds each product to the dtype first: the matmul's answer is the
@@ -226,7 +227,8 @@ CONTRACTION = Rule(
 # ---- the scale after the product --------------------------------------------------------------
 
 def _scale_after(b: Builder, m: Match) -> fx.Node | Declined:
-    """mm(x, permute(w * s, [1, 0])) -> mm(x, permute(w, [1, 0])) * s' for s constant along K."""
+    """mm(x, permute(w * s, [1, 0])) -> mm(x, permute(w, [1, 0])) * s' for s constant along K
+    (and addmm(b, x, ...) -> that + b, in float32 and float64)."""
     w, s = m.p, m.q
     full = _meta(m.scaled)
     if full is None or _meta(w) is None or _meta(w).shape != full.shape:
@@ -246,8 +248,12 @@ def _scale_after(b: Builder, m: Match) -> fx.Node | Declined:
         s = b(aten.view.default, s, [shape[1 - k_dim]])
     elif not isinstance(s, (int, float)):
         return m.mm
+    bias = m.get("bias")
+    if bias is not None and full.dtype not in (torch.float32, torch.float64):
+        return Declined(f"{full.dtype}: addmm adds the bias before it rounds, once")
     weight = b(aten.permute.default, w, [1, 0]) if transposed else w
-    return b(aten.mul.Tensor, b(aten.mm.default, m.x, weight), s)
+    out = b(aten.mul.Tensor, b(aten.mm.default, m.x, weight), s)
+    return out if bias is None else b(aten.add.Tensor, out, bias)
 
 
 _SCALED = Op(aten.mul.Tensor, Var("p"), Var("q"), name="scaled", one_user=True)
@@ -259,4 +265,10 @@ SCALE_AFTER_T = Rule(
 SCALE_AFTER = Rule("scale after product", Op(aten.mm.default, Var("x"), _SCALED, name="mm"),
                    _scale_after, "the per-column scale of {scaled} applied to the product")
 
-RULES = [VIEW_CHAIN, BATCH_OF_ONE, CONTRACTION, SCALE_AFTER_T, SCALE_AFTER]
+SCALE_AFTER_BIAS = Rule(
+    "scale after product",
+    Op(aten.addmm.default, Var("bias"), Var("x"), Op(aten.permute.default, _SCALED, [1, 0],
+                                                     name="t", one_user=True), name="mm"),
+    _scale_after, "the per-column scale of {scaled} applied to the product, then the bias")
+
+RULES = [VIEW_CHAIN, BATCH_OF_ONE, CONTRACTION, SCALE_AFTER_T, SCALE_AFTER, SCALE_AFTER_BIAS]

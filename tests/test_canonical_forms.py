@@ -102,6 +102,31 @@ def test_short_contractions_stay_a_fused_sum():
     torch.testing.assert_close(cf(a, b), f(a, b))
 
 
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_linear_with_a_bias_and_a_scaled_weight(backend):
+    """F.linear(x, w * s[:, None], b) reaches the kernels of (x @ w.t()) * s + b in float32;
+    in bfloat16 addmm keeps the bias (it adds it before rounding once) and says so."""
+    g = torch.Generator().manual_seed(3)
+    w, s, b = (torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8),
+               torch.rand(N, generator=g) + 0.5, torch.randn(N, generator=g))
+    canonical_form = lambda x: (x @ w.float().t()) * s + b  # noqa: E731
+    spelled = lambda x: F.linear(x, w.float() * s[:, None], b)  # noqa: E731
+    for m in (1, 16):
+        x = torch.randn(m, K, generator=g)
+        made_by = []
+        for f in (canonical_form, spelled):
+            cf = fusec.compile(f, backend=backend)
+            torch.testing.assert_close(cf(x), f(x), rtol=1e-4, atol=1e-4)
+            made_by.append(made(cf))
+        assert made_by[0] == made_by[1], m
+    x = torch.randn(2, K, generator=g).bfloat16()
+    halves = lambda x: F.linear(x, w.bfloat16() * s[:, None].bfloat16(), b.bfloat16())  # noqa: E731
+    taken, cf = decisions(halves, x, backend=backend)
+    assert (False, "scale after product: torch.bfloat16: addmm adds the bias before it rounds, "
+            "once") in taken, taken
+    torch.testing.assert_close(cf(x), halves(x))
+
+
 def test_a_batched_product_is_declined_with_its_reason():
     def f(a, b):
         return (a * b).sum(-1)  # both vary along dim 0: a batched dot, not a matmul
