@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -262,72 +263,135 @@ def column_coords(cols: tuple, block_n: int, words: bool, big: bool) -> list[str
 
 
 def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str:  # (why not words)
-    (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
-    if kernel.split_columns:  # the output columns in several dims (a weight packed along N)
-        m, cols = kernel.gemv_rows
-        two, n = len(kernel.row_shape) > len(cols), math.prod(cols)
-    else:
-        two = len(kernel.row_shape) == 2
-        m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
-        cols = (n,)
-    producers = {l.var.name: l for l in kernel.loads}
-    producers.update((item.var.name, item) for item in kernel.body)
-    n_rows = len(kernel.row_shape)
-    # the axis of each row dim: m, n, or the parts of n (n0 = n // 8, n1 = n % 8 for (N/8, 8))
-    n_axes = ["n"] if len(cols) == 1 else [f"n{d}" for d in range(len(cols))]
-    row_axes = (["m"] if two else []) + n_axes
+    """The GEMV kernel's source (templates/triton_gemv.py.j2): the plan (`_Gemv`), the row
+    values and epilogue, the K loop's lines, the tensor-core dots, the stores."""
+    g = _Gemv(kernel)
+    r = g.r
+    phase, row_lines, epilogue = rows_and_epilogue(kernel, r, g.lines)
+    if len(g.cols) > 1:
+        row_lines = column_coords(g.cols, g.block_n, any(g.is_word(l) for l in kernel.loads),
+                                  big_addresses(kernel)) + row_lines
+    loop = _loop_lines(g, phase)
+    operand = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+    dot_lines = _dot_lines(g)
+    stores = _store_lines(g)
+    # the weight: what varies along n and k but not m
+    weights = sorted({short(l.dtype) for l in kernel.loads if g.is_weight(l)})
+    big = big_addresses(kernel)
+    programs = -(-g.n // g.block_n)
+    helpers = g.helpers | helpers_in(row_lines + loop.first + loop.lines + epilogue + stores)
+    return render_template(
+        "triton_gemv.py.j2", name=kernel.name, summary=ops_summary(kernel), m=g.m, n=g.n,
+        k=kernel.k, block_m=g.block_m, block_n=g.block_n, block_k=g.block_k,
+        num_warps=g.num_warps, programs=programs, num_stages=g.num_stages, dot_lines=dot_lines,
+        weight_dtypes=", ".join(weights) or "as stored",
+        unpack_note=(" (unpacking the int4 nibbles byte by byte, not as 32-bit words: "
+                     f"{why_not_words or match_int4_words(kernel)[1]})") if loop.unpack else "",
+        acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],
+        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
+        helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
+        args=[p.name for p in kernel.params], row_lines=row_lines,
+        loop_lines=loop.lines, first_lines=loop.first, rotate_lines=loop.rotate,
+        even_k=g.even_k, operand=operand, epilogue=epilogue, stores=stores, pdl=pdl(arch))
 
-    def along_n(idx: Index) -> bool:
-        return any(idx.strides[n_rows - len(cols):n_rows])
 
-    def is_weight(l) -> bool:
+class _Gemv:
+    """One GEMV kernel's plan, read off its ReductionKernel: M and N (N perhaps in several dims,
+    `cols`), the names of the row axes, the streamed weight, tensor-core dots or not, the block
+    sizes; and how each value of a chunk of K is loaded (`load`). `helpers` gathers the Triton
+    helper functions the lines call."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        (self.r,) = [i for i in kernel.body if isinstance(i, Reduce)]
+        if kernel.split_columns:  # the output columns in several dims (a weight packed along N)
+            m, cols = kernel.gemv_rows
+            two, n = len(kernel.row_shape) > len(cols), math.prod(cols)
+        else:
+            two = len(kernel.row_shape) == 2
+            m, n = (kernel.row_shape if two else (1, kernel.row_shape[0]))
+            cols = (n,)
+        self.m, self.n, self.cols, self.two = m, n, cols, two
+        self.producers = {l.var.name: l for l in kernel.loads}
+        self.producers.update((item.var.name, item) for item in kernel.body)
+        self.n_rows = len(kernel.row_shape)
+        # the axis of each row dim: m, n, or the parts of n (n0 = n // 8, n1 = n % 8 for (N/8, 8))
+        n_axes = ["n"] if len(cols) == 1 else [f"n{d}" for d in range(len(cols))]
+        self.row_axes = (["m"] if two else []) + n_axes
+        self.weight_bytes = {self.column_bytes(l) for l in kernel.loads if self.is_weight(l)}
+        self.dot = self._blocks()
+        # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
+        self.even_k = kernel.k % self.block_k == 0
+        self.group = kernel.k_shape[-1] if len(kernel.k_shape) == 2 else 0
+        self.pairs = paired_loads(kernel.loads, self.n_rows)
+        # Sibling weights (passes/sibling_gemvs.py) are pieces of a cat along n. The first piece's
+        # load reads them all: each column's address is picked from the piece that holds it, so the
+        # kernel issues one load per chunk, as for one weight (three masked loads were slower).
+        self.later_pieces = {l.other.name for l in kernel.loads if l.other is not None}
+        self.helpers: set = set()
+
+    def _blocks(self) -> list[tuple[str, str]] | None:
+        """Choose the tile shape and its block sizes (set on self); returns the dot terms when
+        the products run as tensor-core dots, else None."""
+        kernel, m, n, cols = self.kernel, self.m, self.n, self.cols
+        n_rows, weight_bytes = self.n_rows, self.weight_bytes
+        n_major = any(self.is_weight(l) and n_contiguous(l.index, n_rows, len(cols))
+                      for l in kernel.loads)
+        # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
+        # (not for a weight stored N-contiguous with K cut in several dims: see gemv_blocks_n_major)
+        dot = dot_terms(kernel, self.r.operand.name, self.producers,
+                        "".join(a[0] for a in self.row_axes)) \
+            if self.two and m >= GEMV_DOT_MIN_M and not (n_major and len(kernel.k_shape) > 1) else None
+        if dot:
+            block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
+        elif n_major:
+            (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks_n_major(
+                m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
+        else:
+            (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
+                m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
+        self.block_m, self.block_n, self.block_k = block_m, block_n, block_k
+        self.num_warps, self.num_stages = num_warps, num_stages
+        return dot
+
+    def along_n(self, idx: Index) -> bool:
+        return any(idx.strides[self.n_rows - len(self.cols):self.n_rows])
+
+    def is_weight(self, l) -> bool:
         """The streamed operand: it varies along n (and k) but not along m."""
-        return (l.var.name in kernel.varying and along_n(l.index)
-                and not (two and l.index.strides[0]))
+        return (l.var.name in self.kernel.varying and self.along_n(l.index)
+                and not (self.two and l.index.strides[0]))
 
-    def column_bytes(l) -> float:
+    def column_bytes(self, l) -> float:
         """Bytes of the weight per output column: an int32 word holding eight columns' nibbles
         is half a byte per column."""
-        st = l.index.strides[n_rows - len(cols):n_rows]
-        return l.dtype.itemsize * math.prod(c for c, s in zip(cols, st) if s) / n
-    weight_bytes = {column_bytes(l) for l in kernel.loads if is_weight(l)}
-    n_major = any(is_weight(l) and n_contiguous(l.index, n_rows, len(cols)) for l in kernel.loads)
-    # M > 1: the products as tensor-core dots, when the operand is a sum of exact bf16 products
-    # (not for a weight stored N-contiguous with K cut in several dims: see gemv_blocks_n_major)
-    dot = dot_terms(kernel, r.operand.name, producers, "".join(a[0] for a in row_axes)) \
-        if two and m >= GEMV_DOT_MIN_M and not (n_major and len(kernel.k_shape) > 1) else None
-    if dot:
-        block_m, block_n, block_k, num_warps, num_stages = gemv_dot_blocks(m, n, kernel.k, len(dot))
-    elif n_major:
-        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks_n_major(
-            m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
-    else:
-        (block_m, block_n, block_k, num_warps), num_stages = gemv_blocks(
-            m, n, kernel.k, weight_bytes=max(weight_bytes, default=1)), GEMV_STAGES
-    # K a multiple of BLOCK_K: every chunk is whole, and no lane needs a mask along K
-    even_k = kernel.k % block_k == 0
+        st = l.index.strides[self.n_rows - len(self.cols):self.n_rows]
+        return l.dtype.itemsize * math.prod(c for c, s in zip(self.cols, st) if s) / self.n
 
-    def k_coords(sfx: str = "") -> list[str]:
+    def k_coords(self, sfx: str = "") -> list[str]:
+        """The chunk's coordinates in each dim of K, from its flat positions `ks`."""
+        k_shape = self.kernel.k_shape
         out = []
-        for d in range(len(kernel.k_shape)):
-            below = math.prod(kernel.k_shape[d + 1:])
+        for d in range(len(k_shape)):
+            below = math.prod(k_shape[d + 1:])
             expr = f"ks{sfx}" if below == 1 else f"(ks{sfx} // {below})"
-            out.append(f"k{d}{sfx} = {expr}" + ("" if d == 0 else f" % {kernel.k_shape[d]}"))
+            out.append(f"k{d}{sfx} = {expr}" + ("" if d == 0 else f" % {k_shape[d]}"))
         return out
 
-    def index(idx: Index, sfx: str = "", axes=None) -> tuple[str, list[str]]:
+    def index(self, idx: Index, sfx: str = "", axes=None) -> tuple[str, list[str]]:
         """The address and masks of a load or store; sfx "_next": the next chunk's (prefetch),
         whose last mask is the scalar `has_next`. `axes`: other names for the row axes (a
         word load's `nw`)."""
+        n_rows = self.n_rows
         terms, masks = [], []
-        for axis, st in zip(axes or row_axes, idx.strides[:n_rows]):
+        for axis, st in zip(axes or self.row_axes, idx.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
                 mask = "nw_mask" if axis == "nw" else f"{axis[0]}_mask"
                 masks += [] if mask in masks else [mask]
         kterms = [re.sub(r"\b(ks|k\d+)\b", rf"\g<1>{sfx}", t)
-                  for t in k_terms(idx.strides[n_rows:], kernel.k_shape)]
-        if kterms and not even_k:
+                  for t in k_terms(idx.strides[n_rows:], self.kernel.k_shape)]
+        if kterms and not self.even_k:
             masks.append(f"k_mask{sfx}")
         if sfx and kterms:
             masks.append("has_next")
@@ -337,70 +401,78 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         addr = " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
         return addr, masks
 
-    group = kernel.k_shape[-1] if len(kernel.k_shape) == 2 else 0
-
-    def per_group(idx: Index) -> bool:
+    def per_group(self, idx: Index) -> bool:
         """A value constant within each group of K (a per-group scale or zero point: it varies
         along the group dim k0 only), when the chunk holds whole groups."""
-        ks_ = idx.strides[n_rows:]
-        return bool(group > 1 and len(ks_) == 2 and ks_[0] and not ks_[1]
-                    and block_k % group == 0)
+        ks_ = idx.strides[self.n_rows:]
+        return bool(self.group > 1 and len(ks_) == 2 and ks_[0] and not ks_[1]
+                    and self.block_k % self.group == 0)
 
-    def is_word(l) -> bool:
+    def is_word(self, l) -> bool:
         """A load of words that each hold several neighbouring columns (AWQ's int32 of eight
         nibbles): it varies along the outer column dim, not the inner one."""
-        return (len(cols) == 2 and block_n % cols[-1] == 0 and l.gather is None and l.other is None
+        cols, n_rows = self.cols, self.n_rows
+        return (len(cols) == 2 and self.block_n % cols[-1] == 0 and l.gather is None and l.other is None
                 and not l.index.strides[n_rows - 1] and bool(l.index.strides[n_rows - 2]))
 
-    pairs = paired_loads(kernel.loads, n_rows)
-    # Sibling weights (passes/sibling_gemvs.py) are pieces of a cat along n. The first piece's
-    # load reads them all: each column's address is picked from the piece that holds it, so the
-    # kernel issues one load per chunk, as for one weight (three masked loads were slower).
-    later_pieces = {l.other.name for l in kernel.loads if l.other is not None}
-
-    def load(l, sfx: str = ""):
+    def load(self, l, sfx: str = ""):
         """(raw name, the tl.load of one chunk, finish): finish(e) is the lines that make the
         kernel's value(s) from the loaded e (convert to float, repeat a group's value over its
         lanes, split a pair). Apart so that a prefetched chunk is converted only when it is used.
         None for the second of a pair (loaded with the first)."""
-        if l.var.name in pairs.values() or l.var.name in later_pieces:
+        if l.var.name in self.pairs.values() or l.var.name in self.later_pieces:
             return None
-        name, as_float = l.var.name, (lambda e: convert(e, l.dtype, l.var.dtype)
-                                      if l.dtype != l.var.dtype else e)
-        if l.var.name in kernel.varying and per_group(l.index):
-            addr, mask = group_address(l, sfx)
-            lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
-                    "BLOCK_N" if along_n(l.index) else "1"]
-            return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
-                f", mask={' & '.join(mask)})" if mask else ")"), lambda e: [
-                f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, :, None], "
-                f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
-                f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
-        if is_word(l):
-            # one load per word, repeated over the columns it holds in registers
-            addr, mask = index(l.index, sfx, axes=row_axes[:-2] + ["nw", "n1"])
-            lead = ["BLOCK_M" if two and l.index.strides[0] else "1",
-                    "BLOCK_K" if any(l.index.strides[n_rows:]) else "1"]
-            hint = ', eviction_policy="evict_first"' if not dot and any(l.index.strides[n_rows:]) else ""
-            return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
-                f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
-                f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, None, :], "
-                f"[{lead[0]}, BLOCK_N // {cols[-1]}, {cols[-1]}, {lead[1]}]), "
-                f"[{lead[0]}, BLOCK_N, {lead[1]}])"]
-        addr, mask = index(l.index, sfx)
+        if l.var.name in self.kernel.varying and self.per_group(l.index):
+            return self._group_load(l, sfx)
+        if self.is_word(l):
+            return self._word_load(l, sfx)
+        return self._plain_load(l, sfx)
+
+    def _group_load(self, l, sfx: str):
+        """A per-group value: one load per group of the chunk, each value then repeated over
+        its group's lanes."""
+        name, as_float, group = l.var.name, self._as_float(l), self.group
+        addr, mask = self.group_address(l, sfx)
+        lead = ["BLOCK_M" if self.two and l.index.strides[0] else "1",
+                "BLOCK_N" if self.along_n(l.index) else "1"]
+        return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+            f", mask={' & '.join(mask)})" if mask else ")"), lambda e: [
+            f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, :, None], "
+            f"[{lead[0]}, {lead[1]}, BLOCK_K // {group}, {group}]), "
+            f"[{lead[0]}, {lead[1]}, BLOCK_K])"]
+
+    def _word_load(self, l, sfx: str):
+        """A word holding several columns: one load per word, repeated over the columns it
+        holds in registers."""
+        name, as_float, cols, n_rows = l.var.name, self._as_float(l), self.cols, self.n_rows
+        addr, mask = self.index(l.index, sfx, axes=self.row_axes[:-2] + ["nw", "n1"])
+        lead = ["BLOCK_M" if self.two and l.index.strides[0] else "1",
+                "BLOCK_K" if any(l.index.strides[n_rows:]) else "1"]
+        hint = ', eviction_policy="evict_first"' if not self.dot and any(l.index.strides[n_rows:]) else ""
+        return name + "_raw", f"tl.load({l.param}_ptr + {addr}" + (
+            f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
+            f"{name} = tl.reshape(tl.broadcast_to(({as_float(e)})[:, :, None, :], "
+            f"[{lead[0]}, BLOCK_N // {cols[-1]}, {cols[-1]}, {lead[1]}]), "
+            f"[{lead[0]}, BLOCK_N, {lead[1]}])"]
+
+    def _plain_load(self, l, sfx: str):
+        """Any other load: gathered, picked from sibling pieces, a pair of neighbours, or one
+        value per lane."""
+        name, as_float = l.var.name, self._as_float(l)
+        addr, mask = self.index(l.index, sfx)
         if l.gather is not None:  # a gathered read: the row its index value names
             addr = f"{addr} + {gather_offset(l)}"
         if l.other is not None:
             chain = [l]
             while chain[-1].other is not None:
-                chain.append(producers[chain[-1].other.name])
-            addr = f"{chain[-1].param}_ptr + {index(chain[-1].index, sfx)[0]}"
+                chain.append(self.producers[chain[-1].other.name])
+            addr = f"{chain[-1].param}_ptr + {self.index(chain[-1].index, sfx)[0]}"
             for p in reversed(chain[:-1]):
-                addr = (f"tl.where({piece_mask(p, kernel.row_shape, row_axes)}, "
-                        f"{p.param}_ptr + {index(p.index, sfx)[0]}, {addr})")
-        if l.var.name in pairs:
+                addr = (f"tl.where({piece_mask(p, self.kernel.row_shape, self.row_axes)}, "
+                        f"{p.param}_ptr + {self.index(p.index, sfx)[0]}, {addr})")
+        if l.var.name in self.pairs:
             # two neighbours (x[2j], x[2j + 1]): one load of the pairs, split in registers
-            other = pairs[name]
+            other = self.pairs[name]
             lanes = [t for t in mask if t != "has_next"]
             mask = ([f"({' & '.join(lanes)})[:, :, :, None]"] if lanes else []) + mask[len(lanes):]
             return name + "_pair", (f"tl.load({l.param}_ptr + ({addr})[:, :, :, None] + "
@@ -409,17 +481,23 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
                 f"{name}, {other} = tl.split({e})"] + [
                 f"{v} = {as_float(v)}" for v in (name, other) if l.dtype != l.var.dtype]
         hint = ""
-        if not dot and is_weight(l) and any(l.index.strides[n_rows:]):
+        if not self.dot and self.is_weight(l) and any(l.index.strides[self.n_rows:]):
             # the weight is read once: ask the cache to evict it first, keeping the activations
             hint = ', eviction_policy="evict_first"'
         return name + "_raw", f"tl.load({'' if l.other else l.param + '_ptr + '}{addr}" + (
             f", mask={' & '.join(mask)}" if mask else "") + hint + ")", lambda e: [
             f"{name} = {as_float(e)}"]
 
-    def group_address(l, sfx: str = "") -> tuple[str, list[str]]:
-        # one load per group of the chunk (then each value is repeated over its group's lanes)
-        terms, masks = [], [] if even_k else [f"g_mask{sfx}"]
-        for axis, st in zip(row_axes, l.index.strides[:n_rows]):
+    @staticmethod
+    def _as_float(l):
+        """e converted from the load's stored dtype to the kernel's (nothing if the same)."""
+        return lambda e: convert(e, l.dtype, l.var.dtype) if l.dtype != l.var.dtype else e
+
+    def group_address(self, l, sfx: str = "") -> tuple[str, list[str]]:
+        """The address and masks of a per-group load: one per group of the chunk."""
+        n_rows = self.n_rows
+        terms, masks = [], [] if self.even_k else [f"g_mask{sfx}"]
+        for axis, st in zip(self.row_axes, l.index.strides[:n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
                 masks += [] if f"{axis[0]}_mask" in masks else [f"{axis[0]}_mask"]
@@ -430,100 +508,98 @@ def render_gemv(kernel, why_not_words: str = "", arch: int | None = None) -> str
         addr = " + ".join(([str(l.index.offset)] if l.index.offset else []) + terms)
         return addr, masks
 
-    def load_lines(l) -> list[str]:
-        got = load(l)
+    def lines(self, name: str) -> list[str]:
+        """The lines that compute one value: a statement, or a load of one chunk."""
+        item = self.producers[name]
+        if isinstance(item, Stmt):
+            return [render_stmt(item, self.helpers, block="[1, 1, 1]")]
+        got = self.load(item)
         return [] if got is None else got[2](got[1])
 
-    helpers: set = set()
+    def chunk_loads(self, loads: list[str], sfx: str = "", start: str = "k_start",
+                    raw: bool = False) -> list[str]:
+        """The lines that load one chunk of K: its coordinates, its groups, its values (raw: the
+        loaded values as they are stored, into `<name>_raw<sfx>`, for a prefetch)."""
+        got = [g for g in (self.load(self.producers[n], sfx) for n in loads) if g is not None]
+        body = ([f"{g[0]}{sfx} = {g[1]}" for g in got] if raw
+                else [t for g in got for t in g[2](g[1])])
+        out = [c for c in self.k_coords(sfx) if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(body))]
+        if any(f"gs{sfx}" in t for t in body):
+            group = self.group
+            out += [f"gs{sfx} = {start} // {group} + tl.arange(0, BLOCK_K // {group})[None, None, :]"]
+            out += [] if self.even_k else [f"g_mask{sfx} = gs{sfx} < {self.kernel.k_shape[0]}"]
+        return out + body
 
-    def lines(name: str) -> list[str]:
-        item = producers[name]
-        if isinstance(item, Stmt):
-            return [render_stmt(item, helpers, block="[1, 1, 1]")]
-        return load_lines(item)
 
-    phase, row_lines, epilogue = rows_and_epilogue(kernel, r, lines)
-    if len(cols) > 1:
-        row_lines = column_coords(cols, block_n, any(is_word(l) for l in kernel.loads),
-                                  big_addresses(kernel)) + row_lines
+class _Loop(NamedTuple):
+    """The K loop's lines: `first` (chunk 0's loads, before the loop, when prefetching), the
+    loop body `lines`, `rotate` (the next chunk's values become this one's), and whether the
+    prologue unpacks int4 nibbles."""
+    first: list[str]
+    lines: list[str]
+    rotate: list[str]
+    unpack: bool
 
+
+def _loop_lines(g: _Gemv, phase) -> _Loop:
+    """The K loop: load a chunk of each value the products need, dequantize the weight tile,
+    multiply; with the prefetch, the next chunk's loads issued before this chunk's math."""
+    kernel, producers, dot = g.kernel, g.producers, g.dot
     # the tensor-core form multiplies the activation and the weight tiles itself: what they need
     needed = kernel.values_needed({name for pair in dot for name in pair}) if dot else phase.loop
     loads = [n for n in needed if not isinstance(producers[n], Stmt)]
     stmts = [n for n in needed if isinstance(producers[n], Stmt)]
-
-    def chunk_loads(sfx: str = "", start: str = "k_start", raw: bool = False) -> list[str]:
-        """The lines that load one chunk of K: its coordinates, its groups, its values (raw: the
-        loaded values as they are stored, into `<name>_raw<sfx>`, for a prefetch)."""
-        got = [g for g in (load(producers[n], sfx) for n in loads) if g is not None]
-        body = ([f"{g[0]}{sfx} = {g[1]}" for g in got] if raw
-                else [t for g in got for t in g[2](g[1])])
-        out = [c for c in k_coords(sfx) if re.search(rf"\b{c.split(' ')[0]}\b", "\n".join(body))]
-        if any(f"gs{sfx}" in t for t in body):
-            out += [f"gs{sfx} = {start} // {group} + tl.arange(0, BLOCK_K // {group})[None, None, :]"]
-            out += [] if even_k else [f"g_mask{sfx} = gs{sfx} < {kernel.k_shape[0]}"]
-        return out + body
-
     loop_lines = ["# load this chunk of K: each value with the extent it varies along"]
-    loop_lines += chunk_loads()
+    loop_lines += g.chunk_loads(loads)
     if any(l.startswith("gs =") for l in loop_lines):
-        loop_lines.insert(0, f"# the groups of {group} along K in this chunk: their scales and "
+        loop_lines.insert(0, f"# the groups of {g.group} along K in this chunk: their scales and "
                           "zero points are loaded once each")
     unpack = any(producers[n].op in ("rshift", "bitwise_and") for n in stmts)
     compute = ["# prologue: dequantize the weight tile in registers, then multiply"]
     if unpack:
         compute.append("# (this is where the int4 nibbles are unpacked: a shift brings each "
                        "4-bit weight to the bottom of its byte or word, & 0x0F keeps it)")
-    compute += [t for n in stmts for t in lines(n)]
+    compute += [t for n in stmts for t in g.lines(n)]
     # the weight's stored element size: a plain int8 weight streamed slower with the prefetch
     # (not with a gathered read: its row comes from a value loaded in the same chunk)
-    prefetch = GEMV_PREFETCH and not dot and (unpack or min(weight_bytes, default=2) >= 2) \
+    prefetch = GEMV_PREFETCH and not dot and (unpack or min(g.weight_bytes, default=2) >= 2) \
         and not any(l.gather for l in kernel.loads)
     first, rotate = [], []
     if prefetch:
         # chunk 0 before the loop; in the loop, the next chunk's loads first, then this chunk's
         # math on the values loaded one iteration earlier, converted only now
-        got = [g for g in (load(producers[n]) for n in loads) if g is not None]
-        first = chunk_loads(start="0", raw=True)
+        got = [t for t in (g.load(producers[n]) for n in loads) if t is not None]
+        first = g.chunk_loads(loads, start="0", raw=True)
         loop_lines = ["# prefetch: issue the next chunk's loads now, so that they are in flight "
                       "while this chunk is multiplied", "has_next = k_start + BLOCK_K < n_k",
-                      "ks_next = ks + BLOCK_K"] + ([] if even_k else ["k_mask_next = ks_next < n_k"])
-        loop_lines += chunk_loads("_next", "(k_start + BLOCK_K)", raw=True)
+                      "ks_next = ks + BLOCK_K"] + ([] if g.even_k else ["k_mask_next = ks_next < n_k"])
+        loop_lines += g.chunk_loads(loads, "_next", "(k_start + BLOCK_K)", raw=True)
         loop_lines += ["# this chunk's values, loaded one iteration earlier"]
-        loop_lines += [t for g in got for t in g[2](g[0])]
-        rotate = [f"{v} = {v}_next" for v in ["ks", *(g[0] for g in got)]]
-    loop_lines += compute
-    operand = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
+        loop_lines += [t for got_ in got for t in got_[2](got_[0])]
+        rotate = [f"{v} = {v}_next" for v in ["ks", *(got_[0] for got_ in got)]]
+    return _Loop(first, loop_lines + compute, rotate, unpack)
+
+
+def _dot_lines(g: _Gemv) -> list[str]:
+    """The tensor-core form: each product term's activation and weight tiles as bf16 dots
+    added into the accumulator (none without dots)."""
     dot_lines = []
-    for i, (x, w) in enumerate(dot or []):
-        if not even_k:  # the lanes past K's end: zeros, so that they add nothing
+    for i, (x, w) in enumerate(g.dot or []):
+        if not g.even_k:  # the lanes past K's end: zeros, so that they add nothing
             x, w = f"tl.where(k_mask, {x}, 0.0)", f"tl.where(k_mask, {w}, 0.0)"
         dot_lines += [
             f"x_tile{i} = tl.reshape(tl.broadcast_to({x}, [BLOCK_M, 1, BLOCK_K]), [BLOCK_M, BLOCK_K])",
             f"w_tile{i} = tl.reshape(tl.broadcast_to({w}, [1, BLOCK_N, BLOCK_K]), [BLOCK_N, BLOCK_K])",
             f"acc += fusec_dot_bf16(x_tile{i}, w_tile{i})"]
-    helpers |= {"fusec_dot_bf16"} if dot else set()
+    g.helpers |= {"fusec_dot_bf16"} if g.dot else set()
+    return dot_lines
 
+
+def _store_lines(g: _Gemv) -> list[str]:
+    """The output stores, each converted to its stored dtype and masked at the edges."""
     stores = []
-    for s in kernel.stores:
-        addr, mask = index(s.index)
+    for s in g.kernel.stores:
+        addr, mask = g.index(s.index)
         stores.append(f"tl.store({s.param}_ptr + {addr}, {convert(s.var.name, s.var.dtype, s.dtype)}"
                       + (f", mask={' & '.join(mask)})" if mask else ")"))
-    # the weight: what varies along n and k but not m
-    weights = sorted({short(l.dtype) for l in kernel.loads if is_weight(l)})
-    big = big_addresses(kernel)
-    programs = -(-n // block_n)
-    helpers |= helpers_in(row_lines + first + loop_lines + epilogue + stores)
-    return render_template(
-        "triton_gemv.py.j2", name=kernel.name, summary=ops_summary(kernel), m=m, n=n, k=kernel.k,
-        block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, programs=programs,
-        num_stages=num_stages, dot_lines=dot_lines,
-        weight_dtypes=", ".join(weights) or "as stored",
-        unpack_note=(" (unpacking the int4 nibbles byte by byte, not as 32-bit words: "
-                     f"{why_not_words or match_int4_words(kernel)[1]})") if unpack else "",
-        acc_dtype=short(r.acc_dtype), acc_tl=TL[r.acc_dtype],
-        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N",
-        helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
-        args=[p.name for p in kernel.params], row_lines=row_lines,
-        loop_lines=loop_lines, first_lines=first, rotate_lines=rotate, even_k=even_k,
-        operand=operand, epilogue=epilogue, stores=stores, pdl=pdl(arch))
+    return stores

@@ -21,6 +21,7 @@ point; the third here makes any bf16 zero point exact).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -115,108 +116,153 @@ def row_code(kernel, r, rows, address) -> tuple[list[str], list[str], list[str],
 
 def render_gemv_words(kernel, words: Int4Words, arch: int | None = None,
                       why_words: str = "") -> str:
+    """The word kernel's source (templates/triton_gemv_int4.py.j2): the plan (`_WordPlan`),
+    where the packed words are, each word's -zero and scale, the activations, the row code."""
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
-    two = len(kernel.row_shape) == 2
-    m, n = kernel.row_shape if two else (1, kernel.row_shape[0])
-    n_rows = len(kernel.row_shape)
-    row_axes = ["m", "n"] if two else ["n"]
-    block_m, block_n, block_w, num_warps = gemv_word_blocks(m, n, words.words)
-    even = words.words % block_w == 0
-    wpg = words.group // 8  # words per group
+    plan = _WordPlan(kernel, words)
     asm, pair_note = pair_math(arch)
+    w = _word_index(plan, words)
+    before, loop = _group_value_lines(plan, words)
+    x_flat, x_load = _x_load(plan, words)
+    row_lines, epilogue, stores, helpers = row_code(kernel, r, plan.rows, _address)
+    big = needs_int64(kernel)
+    helpers |= helpers_in(row_lines + before + loop + epilogue + stores)
+    helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
+    return render_template(
+        "triton_gemv_int4.py.j2", name=kernel.name, summary=ops_summary(kernel), m=plan.m,
+        n=plan.n, k=2 * kernel.k, group=words.group, words=words.words, block_m=plan.block_m,
+        block_n=plan.block_n, block_w=plan.block_w, num_warps=plan.num_warps,
+        programs=-(-plan.n // plan.block_n), asm=asm,
+        pair_note=pair_note, helpers=sorted(helpers), packed=words.packed.param,
+        params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
+        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N", even=plan.even,
+        row_lines=row_lines, before_loop=before, loop_lines=loop, word=w.word,
+        word_mask=w.mask, word_mask_next=w.mask_next, masked=bool(w.lanes), wrap=w.wrap,
+        x_flat=x_flat, x_load=x_load,
+        x_rows="BLOCK_M" if plan.two and words.x_lo.index.strides[0] else "1",
+        epilogue=epilogue, stores=stores, why_words=why_words, pdl=pdl(arch))
 
-    # a row axis needs a mask only where its blocks overhang it (N = 8192 in blocks of 8 never
-    # does): the masks of the word loads cost the M = 1 kernel 7% (int4_words_variants.py)
-    overhang = {"m": m % block_m != 0, "n": n % block_n != 0}
 
-    def rows(idx: Index) -> tuple[list[str], list[str]]:
+class _WordPlan:
+    """The word kernel's shape: M and N, the blocks (BLOCK_M rows, BLOCK_N columns, BLOCK_W
+    words of K per chunk), whether the words fill whole chunks (`even`), the words per group
+    (`wpg`), and which row axes overhang their blocks."""
+
+    def __init__(self, kernel, words: Int4Words):
+        self.kernel = kernel
+        self.two = len(kernel.row_shape) == 2
+        self.m, self.n = kernel.row_shape if self.two else (1, kernel.row_shape[0])
+        self.n_rows = len(kernel.row_shape)
+        self.row_axes = ["m", "n"] if self.two else ["n"]
+        self.block_m, self.block_n, self.block_w, self.num_warps = \
+            gemv_word_blocks(self.m, self.n, words.words)
+        self.even = words.words % self.block_w == 0
+        self.wpg = words.group // 8  # words per group
+        # a row axis needs a mask only where its blocks overhang it (N = 8192 in blocks of 8 never
+        # does): the masks of the word loads cost the M = 1 kernel 7% (int4_words_variants.py)
+        self.overhang = {"m": self.m % self.block_m != 0, "n": self.n % self.block_n != 0}
+
+    def rows(self, idx: Index) -> tuple[list[str], list[str]]:
         """The row terms of an address and their masks."""
         terms, masks = [], []
-        for axis, st in zip(row_axes, idx.strides[:n_rows]):
+        for axis, st in zip(self.row_axes, idx.strides[:self.n_rows]):
             if st:
                 terms.append(axis if st == 1 else f"{axis} * {st}")
-                masks += [f"{axis}_mask"] if overhang[axis] else []
+                masks += [f"{axis}_mask"] if self.overhang[axis] else []
         return terms, masks
 
-    def address(offset: int, terms: list[str]) -> str:
-        return " + ".join(([str(offset)] if offset else []) + terms) or "0"
 
-    def mask(masks: list[str]) -> str:
-        return f", mask={' & '.join(masks)}" if masks else ""
+def _address(offset: int, terms: list[str]) -> str:
+    """offset + terms as one expression ("0" for none)."""
+    return " + ".join(([str(offset)] if offset else []) + terms) or "0"
 
-    # the packed weight, as word indices: its byte offsets over 4 (int4_words checked that they
-    # are whole words)
+
+def _mask(masks: list[str]) -> str:
+    """A tl.load's mask argument for these masks (nothing for none)."""
+    return f", mask={' & '.join(masks)}" if masks else ""
+
+
+class _WordIndex(NamedTuple):
+    """Where a chunk's packed words are: their index (`word`), the masks of its lanes
+    (`lanes`, joined in `mask`), whether it wraps (no mask at all), the next chunk's mask."""
+    word: str
+    lanes: list[str]
+    mask: str
+    wrap: bool
+    mask_next: str
+
+
+def _word_index(plan: _WordPlan, words: Int4Words) -> _WordIndex:
+    """The packed weight, as word indices: its byte offsets over 4 (int4_words checked that
+    they are whole words), and the masks of this chunk and the next."""
     p = words.packed.index
-    _, p_masks = rows(p)
-    word = address(p.offset // 4, [f"n * {p.strides[n_rows - 1] // 4}", "ws"])
-    lanes = p_masks + ([] if even else ["w_mask"])
+    _, p_masks = plan.rows(p)
+    word = _address(p.offset // 4, [f"n * {p.strides[plan.n_rows - 1] // 4}", "ws"])
+    lanes = p_masks + ([] if plan.even else ["w_mask"])
     word_mask = " & ".join(lanes) or "0"  # ("0": MASKED is off, the mask is not read)
     # the next chunk's words: those before the row's end (in an even row, whole chunks; with
     # no mask at all, the chunk after the last is the row's first again: read, never used)
-    wrap = even and not p_masks
+    wrap = plan.even and not p_masks
     word_mask_next = "0" if wrap else " & ".join(
-        p_masks + ["(w_start + BLOCK_W < n_words)" if even else "(ws + BLOCK_W < n_words)"])
+        p_masks + ["(w_start + BLOCK_W < n_words)" if plan.even else "(ws + BLOCK_W < n_words)"])
+    return _WordIndex(word, lanes, word_mask, wrap, word_mask_next)
 
-    def group_lines(g: Load, out: str, negate: bool) -> list[str]:
-        """`out` = a per-group value of each word, as bf16x2 bits: loaded once per group and
-        repeated over the group's words when the chunk holds whole groups, else per word."""
-        terms, masks = rows(g.index)
-        st = g.index.strides[n_rows]
-        if block_w % wpg == 0:
-            masks += [] if even else [f"(gs < {kernel.k_shape[0]})"]  # groups past the end
-            addr = address(g.index.offset, terms + [f"gs * {st}" if st != 1 else "gs"])
-            loaded = f"bf16x2(tl.load({g.param}_ptr + {addr}{mask(masks)}), {negate})"
-            return [f"{out} = tl.reshape(tl.broadcast_to(({loaded})[:, :, :, None], "
-                    f"[1, BLOCK_N, BLOCK_W // {wpg}, {wpg}]), [1, BLOCK_N, BLOCK_W])"]
-        addr = address(g.index.offset, terms + [f"(ws // {wpg})" + (f" * {st}" if st != 1 else "")])
-        masks += [] if even else ["w_mask"]
-        return [f"{out} = bf16x2(tl.load({g.param}_ptr + {addr}{mask(masks)}), {negate})"]
 
+def _group_lines(plan: _WordPlan, g: Load, out: str, negate: bool) -> list[str]:
+    """`out` = a per-group value of each word, as bf16x2 bits: loaded once per group and
+    repeated over the group's words when the chunk holds whole groups, else per word."""
+    terms, masks = plan.rows(g.index)
+    st = g.index.strides[plan.n_rows]
+    even, wpg = plan.even, plan.wpg
+    if plan.block_w % wpg == 0:
+        masks += [] if even else [f"(gs < {plan.kernel.k_shape[0]})"]  # groups past the end
+        addr = _address(g.index.offset, terms + [f"gs * {st}" if st != 1 else "gs"])
+        loaded = f"bf16x2(tl.load({g.param}_ptr + {addr}{_mask(masks)}), {negate})"
+        return [f"{out} = tl.reshape(tl.broadcast_to(({loaded})[:, :, :, None], "
+                f"[1, BLOCK_N, BLOCK_W // {wpg}, {wpg}]), [1, BLOCK_N, BLOCK_W])"]
+    addr = _address(g.index.offset, terms + [f"(ws // {wpg})" + (f" * {st}" if st != 1 else "")])
+    masks += [] if even else ["w_mask"]
+    return [f"{out} = bf16x2(tl.load({g.param}_ptr + {addr}{_mask(masks)}), {negate})"]
+
+
+def _group_value_lines(plan: _WordPlan, words: Int4Words) -> tuple[list[str], list[str]]:
+    """(before the loop, in the loop): each word's -zero and scale as bf16 bits; a constant
+    zero point is set once before the loop."""
+    wpg = plan.wpg
     before, loop = [], []
-    if block_w % wpg == 0 and any(isinstance(v, Load) for v in (words.zero, words.scale)):
+    if plan.block_w % wpg == 0 and any(isinstance(v, Load) for v in (words.zero, words.scale)):
         loop.append(f"# the groups of this chunk ({wpg} word(s) each): their zero points and "
                     "scales, loaded once each")
         loop.append(f"gs = w_start // {wpg} + tl.arange(0, BLOCK_W // {wpg})[None, None, :]")
     loop.append("# per word: -zero and scale as bf16 bits, the same in both halves of an int32")
     if isinstance(words.zero, Load):
-        loop += group_lines(words.zero, "zneg2", True)
+        loop += _group_lines(plan, words.zero, "zneg2", True)
     else:
         bits = bf16_bits(-words.zero)
         before.append(f"# the zero point is the constant {words.zero}: -zero as bf16 bits, twice")
         before.append(f"zneg2 = tl.full([1, 1, 1], {as_int32(bits | bits << 16)}, tl.int32)")
-    loop += group_lines(words.scale, "s2", False)
+    loop += _group_lines(plan, words.scale, "s2", False)
+    return before, loop
 
-    # the activations: eight neighbours per word, x[8w + i] at x's stride along K
+
+def _x_load(plan: _WordPlan, words: Int4Words) -> tuple[bool, str]:
+    """(flat, the activations' load): eight neighbours per word, x[8w + i] at x's stride along
+    K; flat: one activation row, loaded and split in 2-D."""
+    even = plan.even
     x = words.x_lo.index
-    x_terms, x_masks = rows(x)
+    x_terms, x_masks = plan.rows(x)
     step = words.x_step
     lanes8 = f"(ws * {8 * step})[:, :, :, None] + (tl.arange(0, 8) * {step})[None, None, None, :]" \
         if step != 1 else "(ws * 8)[:, :, :, None] + tl.arange(0, 8)[None, None, None, :]"
     x_rows = [f"({' + '.join(x_terms)})[:, :, :, None]"] if x_terms else []
-    x_addr = address(x.offset, x_rows + [lanes8])
+    x_addr = _address(x.offset, x_rows + [lanes8])
     x_mask = [f"{t}[:, :, :, None]" for t in x_masks + ([] if even else ["w_mask"])]
-    x_load = f"{words.x_lo.param}_ptr + {x_addr}{mask(x_mask)}"
+    x_load = f"{words.x_lo.param}_ptr + {x_addr}{_mask(x_mask)}"
     x_flat = not x_terms and not x_masks  # one activation row: loaded and split in 2-D
     if x_flat:  # a [BLOCK_W, 8] tile; a 6-D one cost the M = 1 kernel 18% (int4_words_variants.py)
         wv = "(w_start + tl.arange(0, BLOCK_W))"
         lanes8 = f"({wv} * {8 * step})[:, None] + (tl.arange(0, 8) * {step})[None, :]" \
             if step != 1 else f"({wv} * 8)[:, None] + tl.arange(0, 8)[None, :]"
-        x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
+        x_load = f"{words.x_lo.param}_ptr + {_address(x.offset, [lanes8])}" + (
             "" if even else f", mask=({wv} < n_words)[:, None]")
-
-    row_lines, epilogue, stores, helpers = row_code(kernel, r, rows, address)
-    big = needs_int64(kernel)
-    helpers |= helpers_in(row_lines + before + loop + epilogue + stores)
-    helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
-    return render_template(
-        "triton_gemv_int4.py.j2", name=kernel.name, summary=ops_summary(kernel), m=m, n=n,
-        k=2 * kernel.k, group=words.group, words=words.words, block_m=block_m, block_n=block_n,
-        block_w=block_w, num_warps=num_warps, programs=-(-n // block_n), asm=asm,
-        pair_note=pair_note, helpers=sorted(helpers), packed=words.packed.param,
-        params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
-        n_start="pid.to(tl.int64) * BLOCK_N" if big else "pid * BLOCK_N", even=even,
-        row_lines=row_lines, before_loop=before, loop_lines=loop, word=word,
-        word_mask=word_mask, word_mask_next=word_mask_next, masked=bool(lanes), wrap=wrap,
-        x_flat=x_flat, x_load=x_load,
-        x_rows="BLOCK_M" if two and x.strides[0] else "1", epilogue=epilogue, stores=stores,
-        why_words=why_words, pdl=pdl(arch))
+    return x_flat, x_load

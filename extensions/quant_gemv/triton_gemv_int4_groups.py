@@ -18,6 +18,7 @@ group; everything else keeps the word kernel (`groups_fit` says why).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from fusec import env
 from fusec.codegen.triton_pdl import pdl
@@ -115,91 +116,23 @@ def group_blocks(n: int, words: int, group_words: int) -> tuple[int, int, int]:
 
 
 def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str:
+    """The group kernel's source (templates/triton_gemv_int4_groups.py.j2): the plan
+    (`_GroupPlan`), where the packed words are, the group values (both forms), the
+    activations, the row code."""
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
-    two = len(kernel.row_shape) == 2
-    n = kernel.row_shape[-1]
-    n_rows = len(kernel.row_shape)
-    wpg = words.group // 8  # words per group
-    rows, lanes, wpl = group_blocks(n, words.words, wpg)
-    even = words.words % (lanes * wpl) == 0
-    overhang = n % rows != 0
+    plan = _GroupPlan(kernel, words)
+    n, rows, lanes, wpl, even = plan.n, plan.rows, plan.lanes, plan.wpl, plan.even
     asm, pair_note = pair_math(arch)
     paired, masked_why = paired_form(rows)
-
-    def n_term(idx, name: str) -> list[str]:
-        st = idx.strides[n_rows - 1]
-        return [] if not st else [name if st == 1 else f"{name} * {st}"]
-
-    def address(offset: int, terms: list[str]) -> str:
-        return " + ".join(([str(offset)] if offset else []) + terms) or "0"
-
-    def joined(masks: list[str]) -> str:
-        return " & ".join(masks) or "0"  # ("0": MASKED is off, the mask is not read)
-
-    # the packed weight as word indices (int4_words checked that its rows are whole words)
-    p = words.packed.index
-    word = address(p.offset // 4, [f"n3 * {p.strides[n_rows - 1] // 4}", "ws"])
-    n_masks = ["(n3 < N)"] if overhang else []
-    word_mask = joined(n_masks + ([] if even else ["(ws < n_words)"]))
-    wrap = even and not overhang
-    word_mask_next = joined(n_masks + ["(ws + w_start + BLOCK_W < n_words)"])
-    word_mask_at = joined(n_masks + ([] if even else ["(ws + w_start < n_words)"]))
-
-    def group_load(g: Load, tile: str) -> str:
-        """One group value per lane and row: [LANES, ROWS] ("2") or [LANES, 1, ROWS] ("3")."""
-        cols, lane = ("n2", "g") if tile == "2" else ("n3", "g[:, :, None]")
-        st = g.index.strides[n_rows]
-        terms = n_term(g.index, cols) + [lane if st == 1 else f"{lane} * {st}"]
-        masks = ([f"({cols} < N)"] if overhang else []) + (
-            [] if even else ["lane_mask" if tile == "2" else "lane_mask[:, :, None]"])
-        other = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
-        return f"tl.load({g.param}_ptr + {address(g.index.offset, terms)}{other})"
-
-    group = f"g = (w_start + lane_w) // {wpg}  # the lanes' groups, [LANES, 1]"
-    lane_mask = [] if even else ["lane_mask = w_start + lane_w < n_words"]
-    fast = [group] + lane_mask
-    exact = [group] + lane_mask
-    if isinstance(words.zero, Load):
-        fast.append(f"z = fusec_bf16_to_f32({group_load(words.zero, '2')})")
-        exact.append(f"zneg2 = bf16x2({group_load(words.zero, '3')}, True)")
-    else:
-        fast.append(f"z = {float(words.zero)!r}  # the zero point is a constant")
-        bits = bf16_bits(-words.zero)
-        exact.append(f"zneg2 = tl.full([1, 1, 1], {as_int32(bits | bits << 16)}, tl.int32)  "
-                     f"# -{words.zero} as bf16 bits, twice")
-    fast.append(f"s = fusec_bf16_to_f32({group_load(words.scale, '2')})")
-    exact.append(f"s2 = bf16x2({group_load(words.scale, '3')}, False)")
-
-    # the activations of a lane's words: x[8w + t] at x's stride along K
-    x = words.x_lo.index
-    step = words.x_step
-    lanes8 = (f"((w_start + w) * {8 * step})[:, :, None] + (tl.arange(0, 8) * {step})"
-              "[None, None, :]") if step != 1 else \
-        "((w_start + w) * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]"
-    x_load = f"{words.x_lo.param}_ptr + {address(x.offset, [lanes8])}" + (
-        "" if even else ", mask=lane_mask[:, :, None], other=0.0")
-    # ... or, where x is contiguous along K and starts on an even element, as 32-bit words that
-    # each hold two activations (X_PAIRS, when x's pointer is 16-byte aligned at the launch)
-    x_pairs = step == 1 and x.offset % 2 == 0
-    lanes4 = "((w_start + w) * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]"
-    x_pair_load = f"{words.x_lo.param}_ptr.to(tl.pointer_type(tl.int32)) + " \
-        f"{address(x.offset // 2, [lanes4])}" + (
-            "" if even else ", mask=lane_mask[:, :, None], other=0")
+    w = _word_index(plan, words)
+    fast, exact = _group_value_lines(plan, words)
+    x = _x_loads(plan, words)
     # each word of a lane apart, and its activations: the low nibbles' are adjusted (y) when paired
     low = "y" if paired else "x"
     apart = [line for t in range(4, 8) for line in by_word(f"x{t}", f"x{t}_{{}}", "[LANES]", wpl)]
     apart += [line for t in range(4)
               for line in by_word(f"{low}{t}", f"{low}{t}_{{}}", "[LANES]", wpl)]
-
-    def rows_of(idx):
-        terms, masks = [], []
-        for axis, st in zip(["m", "n"] if two else ["n"], idx.strides[:n_rows]):
-            if st:
-                terms.append(axis if st == 1 else f"{axis} * {st}")
-                masks += ["n_mask"] if axis == "n" and overhang else []
-        return terms, masks
-
-    row_lines, epilogue, stores, helpers = row_code(kernel, r, rows_of, address)
+    row_lines, epilogue, stores, helpers = row_code(kernel, r, plan.rows_of, _address)
     big = needs_int64(kernel)
     helpers |= helpers_in(row_lines + fast + exact + epilogue + stores)
     helpers |= {"fusec_bf16_to_f32"} | (set() if asm else {"fusec_f32_to_bf16"})
@@ -211,14 +144,136 @@ def render_gemv_groups(kernel, words: Int4Words, arch: int | None = None) -> str
         args=[q.name for q in kernel.params],
         n_start="pid.to(tl.int64) * ROWS" if big else "pid * ROWS", even=even,
         row_lines=row_lines, group_lines=fast, exact_group_lines=exact,
-        word=word, word_mask=word_mask, word_mask_next=word_mask_next, word_mask_at=word_mask_at,
-        masked=bool(n_masks) or not even, wrap=wrap, x_load=x_load, epilogue=epilogue,
+        word=w.word, word_mask=w.mask, word_mask_next=w.mask_next, word_mask_at=w.mask_at,
+        masked=bool(w.n_masks) or not even, wrap=w.wrap, x_load=x.load, epilogue=epilogue,
         stores=stores, pdl=pdl(arch), paired=paired, masked_why=masked_why,
-        stagger=wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl,
+        stagger=w.wrap and words.words >= STAGGER_FROM_CHUNKS * lanes * wpl,
         n_chunks=max(words.words // (lanes * wpl), 1),
-        row_bytes=p.strides[n_rows - 1], x_pairs=x_pairs, x_pair_load=x_pair_load,
-        x_param=words.x_lo.param, x_apart=apart, max_registers=max_registers(rows, wpl),
+        row_bytes=words.packed.index.strides[plan.n_rows - 1], x_pairs=x.pairs,
+        x_pair_load=x.pair_load, x_param=words.x_lo.param, x_apart=apart,
+        max_registers=max_registers(rows, wpl),
         words_apart=by_word("tl.permute(words, (0, 2, 1))", "w{}", "[LANES, ROWS]", wpl))
+
+
+class _GroupPlan:
+    """The group kernel's shape: N, ROWS output columns per program, LANES lanes of WPL words
+    each (group_blocks), the words per group (`wpg`), whether the words fill whole chunks
+    (`even`) and whether the rows overhang N (`overhang`: then they need masks)."""
+
+    def __init__(self, kernel, words: Int4Words):
+        self.two = len(kernel.row_shape) == 2
+        self.n = kernel.row_shape[-1]
+        self.n_rows = len(kernel.row_shape)
+        self.wpg = words.group // 8  # words per group
+        self.rows, self.lanes, self.wpl = group_blocks(self.n, words.words, self.wpg)
+        self.even = words.words % (self.lanes * self.wpl) == 0
+        self.overhang = self.n % self.rows != 0
+
+    def n_term(self, idx, name: str) -> list[str]:
+        """The address term along N (none if the value does not vary along N)."""
+        st = idx.strides[self.n_rows - 1]
+        return [] if not st else [name if st == 1 else f"{name} * {st}"]
+
+    def rows_of(self, idx):
+        """The row terms of an address and their masks (for row_code)."""
+        terms, masks = [], []
+        for axis, st in zip(["m", "n"] if self.two else ["n"], idx.strides[:self.n_rows]):
+            if st:
+                terms.append(axis if st == 1 else f"{axis} * {st}")
+                masks += ["n_mask"] if axis == "n" and self.overhang else []
+        return terms, masks
+
+
+def _address(offset: int, terms: list[str]) -> str:
+    """offset + terms as one expression ("0" for none)."""
+    return " + ".join(([str(offset)] if offset else []) + terms) or "0"
+
+
+def _joined(masks: list[str]) -> str:
+    """Masks joined into one condition."""
+    return " & ".join(masks) or "0"  # ("0": MASKED is off, the mask is not read)
+
+
+class _WordIndex(NamedTuple):
+    """Where a lane's packed words are (`word`), the rows' masks, and the masks of this chunk,
+    the next, and a word at an offset; `wrap`: no mask at all."""
+    word: str
+    n_masks: list[str]
+    mask: str
+    wrap: bool
+    mask_next: str
+    mask_at: str
+
+
+def _word_index(plan: _GroupPlan, words: Int4Words) -> _WordIndex:
+    """The packed weight as word indices (int4_words checked that its rows are whole words)."""
+    p = words.packed.index
+    word = _address(p.offset // 4, [f"n3 * {p.strides[plan.n_rows - 1] // 4}", "ws"])
+    n_masks = ["(n3 < N)"] if plan.overhang else []
+    word_mask = _joined(n_masks + ([] if plan.even else ["(ws < n_words)"]))
+    wrap = plan.even and not plan.overhang
+    word_mask_next = _joined(n_masks + ["(ws + w_start + BLOCK_W < n_words)"])
+    word_mask_at = _joined(n_masks + ([] if plan.even else ["(ws + w_start < n_words)"]))
+    return _WordIndex(word, n_masks, word_mask, wrap, word_mask_next, word_mask_at)
+
+
+def _group_load(plan: _GroupPlan, g: Load, tile: str) -> str:
+    """One group value per lane and row: [LANES, ROWS] ("2") or [LANES, 1, ROWS] ("3")."""
+    cols, lane = ("n2", "g") if tile == "2" else ("n3", "g[:, :, None]")
+    st = g.index.strides[plan.n_rows]
+    terms = plan.n_term(g.index, cols) + [lane if st == 1 else f"{lane} * {st}"]
+    masks = ([f"({cols} < N)"] if plan.overhang else []) + (
+        [] if plan.even else ["lane_mask" if tile == "2" else "lane_mask[:, :, None]"])
+    other = f", mask={' & '.join(masks)}, other=0.0" if masks else ""
+    return f"tl.load({g.param}_ptr + {_address(g.index.offset, terms)}{other})"
+
+
+def _group_value_lines(plan: _GroupPlan, words: Int4Words) -> tuple[list[str], list[str]]:
+    """(fast, exact): the lanes' groups and their zero point and scale, as float32 values
+    (the fast form) and as bf16x2 bits (the exact form)."""
+    group = f"g = (w_start + lane_w) // {plan.wpg}  # the lanes' groups, [LANES, 1]"
+    lane_mask = [] if plan.even else ["lane_mask = w_start + lane_w < n_words"]
+    fast = [group] + lane_mask
+    exact = [group] + lane_mask
+    if isinstance(words.zero, Load):
+        fast.append(f"z = fusec_bf16_to_f32({_group_load(plan, words.zero, '2')})")
+        exact.append(f"zneg2 = bf16x2({_group_load(plan, words.zero, '3')}, True)")
+    else:
+        fast.append(f"z = {float(words.zero)!r}  # the zero point is a constant")
+        bits = bf16_bits(-words.zero)
+        exact.append(f"zneg2 = tl.full([1, 1, 1], {as_int32(bits | bits << 16)}, tl.int32)  "
+                     f"# -{words.zero} as bf16 bits, twice")
+    fast.append(f"s = fusec_bf16_to_f32({_group_load(plan, words.scale, '2')})")
+    exact.append(f"s2 = bf16x2({_group_load(plan, words.scale, '3')}, False)")
+    return fast, exact
+
+
+class _XLoads(NamedTuple):
+    """The activations' loads: one element per lane (`load`), or, when `pairs`, as 32-bit
+    words of two activations each (`pair_load`)."""
+    load: str
+    pairs: bool
+    pair_load: str
+
+
+def _x_loads(plan: _GroupPlan, words: Int4Words) -> _XLoads:
+    """The activations of a lane's words: x[8w + t] at x's stride along K."""
+    even = plan.even
+    x = words.x_lo.index
+    step = words.x_step
+    lanes8 = (f"((w_start + w) * {8 * step})[:, :, None] + (tl.arange(0, 8) * {step})"
+              "[None, None, :]") if step != 1 else \
+        "((w_start + w) * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]"
+    x_load = f"{words.x_lo.param}_ptr + {_address(x.offset, [lanes8])}" + (
+        "" if even else ", mask=lane_mask[:, :, None], other=0.0")
+    # ... or, where x is contiguous along K and starts on an even element, as 32-bit words that
+    # each hold two activations (X_PAIRS, when x's pointer is 16-byte aligned at the launch)
+    x_pairs = step == 1 and x.offset % 2 == 0
+    lanes4 = "((w_start + w) * 4)[:, :, None] + tl.arange(0, 4)[None, None, :]"
+    x_pair_load = f"{words.x_lo.param}_ptr.to(tl.pointer_type(tl.int32)) + " \
+        f"{_address(x.offset // 2, [lanes4])}" + (
+            "" if even else ", mask=lane_mask[:, :, None], other=0")
+    return _XLoads(x_load, x_pairs, x_pair_load)
 
 
 def by_word(tile: str, name: str, shape: str, wpl: int) -> list[str]:
