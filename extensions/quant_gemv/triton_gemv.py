@@ -61,18 +61,14 @@ def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int
     registers), and fewer for narrow layers so that there are about 2 programs per SM (a
     1024-wide key/value projection gets 2 columns per program, 512 programs, rather than 64
     programs that leave half the GPU idle). BLOCK_K: a 4096-element weight tile per iteration
-    within the partial-sum budget. Chosen from `benchmarks/quant_linear.py --sweep` on an H100
-    (docs/gpu.md): at M = 1, K = N = 8192, 8 x 512 x 4 warps streamed int8 weights at 1.65 TB/s,
-    16 x 1024 x 8 warps at 1.47 and 32 columns at under 1.0.
+    within the partial-sum budget. Chosen with `benchmarks/quant_linear.py --sweep` (8 x 512 x 4
+    warps streamed int8 weights fastest at M = 1; 32 columns per program was the slowest).
 
     A 16-bit weight (a stored bf16/fp16 one, `weight_bytes` 2) at M = 1 takes one column per
     program, a whole 4096-element row chunk per iteration, and 8 warps (16 elements, two 16-byte
-    loads per thread; fewer warps for a shorter K). At a decode step's shapes on an H100
-    (`python benchmarks/diagnostics/gemv_decode_shapes.py`, docs/gpu.md, 2026-11-26 late) it beat
-    the 2 x 1024 x 4 warps chosen before on every shape: 4096 x 4096 1.86 -> 1.91-1.98 TB/s,
-    the joined q/k/v 6144 x 4096 2.06 -> 2.22, 4096 x 11008 2.18-2.28 -> 2.35-2.41, the joined
-    gate/up 22016 x 4096 2.59-2.60 -> 2.73-2.75, 32000 x 4096 2.68 -> 2.83, 1024 x 4096
-    0.95 -> 0.98. (2 x 1024 had replaced 8 x 512 on an H200, where 1 x 4096 was not tried.)"""
+    loads per thread; fewer warps for a shorter K): at every shape of a Llama decode step it
+    streamed faster than two columns per program (`benchmarks/decode.py`; current numbers in
+    docs/performance.md)."""
     block_m = 1 << max(m - 1, 0).bit_length()
     block_n = min(8 if block_m == 1 else max(2, 16 // block_m),
                   1 << max(n // (2 * SMS), 1).bit_length() - 1)
@@ -106,10 +102,9 @@ def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: float = 1) -> tupl
     words, 64 of int8), at most N / SMS of them so that the grid still covers the GPU, and
     N_MAJOR_TILE_BYTES of weight per iteration (also within the partial-sum budget).
 
-    Measured on an H200 at K = N = 8192, M = 1 (TB/s of weight bytes; docs/gpu.md): GPTQ's
-    packed (K/8, N) int32 words (passes/refine_views.py) 0.59 with 16 x 128 against 0.42-0.49
-    with 32 x 64-128 and 0.012 with 32 x 256 (spilled); an int8 (K, N) weight 1.59 with 32 x 256
-    against 0.82 with 32 x 64 (torch.compile: 0.35 and 0.69). At M > 1 (the partial sums then
+    The tile sizes were the fastest of `benchmarks/quant_linear.py --sweep` for GPTQ's packed
+    (K/8, N) int32 words (passes/refine_views.py) and for an int8 (K, N) weight (32 x 256 int32
+    words spill registers). At M > 1 (the partial sums then
     cap BLOCK_K), twice the columns: GPTQ's words at M = 4 0.101 ms with 32 x 64 against 0.124
     with 16 x 128 (torch.compile 0.099). The blocks of `gemv_blocks`
     (8 x 512) read 8 neighbouring elements of each of 512 rows, a quarter line each: 0.016 TB/s
@@ -131,9 +126,8 @@ def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, i
     tl.dot needs every dim >= 16, so the M rows are padded to 16 (the padding rows cost tensor-core
     time, which a weight-streaming kernel has plenty of). A 32 x 256 weight tile per iteration:
     BLOCK_K counts stored elements, so a packed int4 byte (two dots, `terms` = 2) gets 128. 16
-    columns per program when 32 would leave SMs idle. From `benchmarks/quant_linear.py --sweep`
-    on an H200 (docs/gpu.md), K = N = 8192: int8 at M = 4 and 16 streamed 1.39 TB/s with 32 x 256
-    (16 x 256: 1.04, 64 x 128: 1.16-1.20), packed int4 0.30-0.45 with 32 or 64 x 128."""
+    columns per program when 32 would leave SMs idle. The fastest of `benchmarks/quant_linear.py
+    --sweep` at M = 4 and 16 (docs/performance.md has the current numbers)."""
     block_m = max(16, 1 << max(m - 1, 0).bit_length())
     block_n = 64 if n >= 58 * SMS else 32 if n >= 32 * SMS else 16
     block_k = max(16, min(256 // terms, 1 << max(k - 1, 0).bit_length()))
@@ -143,11 +137,9 @@ def gemv_dot_blocks(m: int, n: int, k: int, terms: int = 1) -> tuple[int, int, i
 GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Triton's default)
 # The lane version's loads do not feed a tl.dot, and Triton does not pipeline them (GEMV_STAGES
 # changed nothing): the kernel prefetches by hand, loading chunk i + 1 before multiplying chunk i.
-# Measured on an H200, K = N = 8192, M = 1 (benchmarks/diagnostics/gemv_variants.py, docs/gpu.md):
-# bf16 weights 2.69 -> 3.01 TB/s (cuBLAS 3.04), packed int4 0.85 -> 0.94; but a plain int8 weight
-# 2.23 -> 1.74, so an int8 weight (one byte, nothing unpacked) is streamed without it. The
-# weight's loads also carry eviction_policy="evict_first" (it is read once): int8 2.27 -> 2.58
-# TB/s, bf16 2.95 -> 3.24 (cuBLAS 2.99-3.03), int4 unchanged.
+# That speeds up bf16 and packed int4 weights and slows a plain int8 one (one byte, nothing to
+# unpack), which is streamed without it (benchmarks/diagnostics/gemv_variants.py compares them).
+# The weight's loads carry eviction_policy="evict_first": it is read once.
 GEMV_PREFETCH = True
 GEMV_PAIRS = True  # neighbouring activations loaded as pairs (paired_loads)
 GEMV_DOT_MIN_M = 2  # from this many rows on, tensor-core dots (benchmarks/quant_linear.py --sweep)
@@ -246,9 +238,8 @@ def column_coords(cols: tuple, block_n: int, words: bool, big: bool) -> list[str
     AWQ's columns are (N/8, 8): the 8 columns of an int32 word share it. Loaded per column, every
     word would be loaded 8 times, 8 load instructions where one does. With `words`, the program's
     BLOCK_N / 8 words get coordinates of their own, `nw`: each is loaded once and repeated over
-    its 8 columns in registers (the `is_word` loads of render_gemv). On an H200 that, with the
-    32-bit shifts of passes/simplify.py, took the 4096 x 4096 layer at M = 1 from 0.036 to 0.027
-    ms and left 8192 x 8192 at 0.086 (docs/gpu.md): that kernel is bound by its arithmetic."""
+    its 8 columns in registers (the `is_word` loads of `_Gemv`); with the 32-bit shifts of
+    passes/simplify.py, a smaller AWQ layer gets faster, a large one stays bound by arithmetic."""
     lines = [f"# the output columns as ({', '.join(map(str, cols))}): each column's coordinates"]
     for d in range(len(cols)):
         below = math.prod(cols[d + 1:])

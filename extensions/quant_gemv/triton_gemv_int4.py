@@ -2,8 +2,8 @@
 
 The byte-per-lane GEMV (extensions/quant_gemv/triton_gemv.py) gives every packed byte its own lane and turns
 each nibble into a float32 on its own: a shift or a mask, an integer-to-float trick, a
-subtraction and a multiplication, each rounded to bf16. On an H200 that streamed 0.95 TB/s of
-packed bytes, where the bytes alone load at 2.6 (docs/gpu.md, issue 15). This kernel gives each
+subtraction and a multiplication, each rounded to bf16: bound by its instructions, it read the
+packed bytes at well under half the speed they load at. This kernel gives each
 lane a 32-bit word, eight nibbles, and does the dequantization two nibbles at a time:
 
     pair = (word >> 4t) & 0x000F000F | 0x43004300     nibbles t and t + 4 as two bf16 numbers,
@@ -35,7 +35,7 @@ from .render import render_template
 from .triton_gemv import SMS
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
-# best configuration at M = 1 was 8 columns x 256 words x 8 warps (docs/gpu.md, PAIRS).
+# best configuration at M = 1 was 8 columns x 256 words x 8 warps (`PAIRS` in the template).
 WORD_TILE = 2048
 WORD_ACC = 4096
 WORD_CHUNK = 128  # words per row per iteration

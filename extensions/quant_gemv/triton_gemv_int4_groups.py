@@ -3,7 +3,7 @@
 extensions/quant_gemv/triton_gemv_int4.py's word kernel dequantizes every weight, `(q - zero) * scale` rounded
 to bf16 as eager does, in three packed bf16 steps and a widening per pair of nibbles: about six
 instructions per weight in its K loop, which on an H100/H200 is bound by the instructions it
-issues (1.3-1.4 TB/s of packed bytes at K = N = 8192; docs/gpu.md). This kernel takes the sum
+issues. This kernel takes the sum
 apart instead (templates/triton_gemv_int4_groups.py.j2 shows the algebra): per weight half an
 unpacking step, one widening and one FMA, and the zero point and scale once per group. It is
 closer to a float64 product than eager's kernel, not equal to it bit for bit, and it computes a
@@ -30,13 +30,10 @@ from .render import render_template
 from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
 
-# Measured on an H100 at M = 1, K = N = 8192 (int4_offset.py, TB/s of packed bytes): ROWS x
-# LANES x WARPS x WPL 4 x 32 x 1 x 4 1.64, 4 x 128 x 4 x 4 1.62, 4 x 64 x 2 x 4 1.63,
-# 8 x 32 x 1 x 4 1.56, 2 x 32 x 1 x 4 1.47, 8 x 64 x 4 x 4 1.36; the word kernel 1.29-1.33.
-# Other widths want other ROWS (the generated kernel, docs/gpu.md): N = 4096 2 rows (K = 11008:
-# 1.27-1.30 TB/s against 1.17 with 4), N = 11008 8 rows (1.40 against 1.32). At about 96
-# registers an SM holds 16 of these one-warp programs, so ROWS is the fewest rows (at least 2)
-# that keep the grid within one wave of 16 programs per SM.
+# ROWS x LANES x WARPS x WPL = 4 x 32 x 1 x 4 was the fastest at M = 1, K = N = 8192
+# (benchmarks/diagnostics/int4_offset.py compares the tiles); other widths want other ROWS. At
+# about 96 registers an SM holds 16 of these one-warp programs, so ROWS is the fewest rows (at
+# least 2) that keep the grid within one wave of 16 programs per SM.
 LANES = 32
 WPL = 4
 PROGRAMS_PER_SM = 16
@@ -54,25 +51,19 @@ def groups_enabled() -> bool:
 PAIRED_FROM_ROWS = 4
 
 # Programs start at their own chunk of K (the template's `first`) where a row has at least this
-# many chunks. Measured on an H200 at M = 1, 4 rows per program, TB/s staggered / not (docs/gpu.md,
-# 2026-11-26, last session): K = 28672, N = 8192 (28 chunks, Llama-70B's down projection) 2.451 /
-# 1.904; but K = 16384 (16 chunks) 2.029 / 2.283, K = 8192 (8) 1.749 / 1.892, K = 11008 1.386 /
-# 1.448, K = 14336 (N = 4096, 2 rows) 1.577 / 1.567. Why the longest rows gain and the others lose
-# is the memory's channel mapping, which is not documented: the threshold is a measurement, to be
-# measured again on another GPU.
+# many chunks: on an H200 the longest rows (Llama-70B's down projection, 28 chunks) gained and
+# shorter ones lost. Why is the memory's channel mapping, which is not documented: the threshold
+# is a measurement, to be measured again on another GPU.
 STAGGER_FROM_CHUNKS = 24
 
 
 # Registers per thread. An SM has 65536, so PROGRAMS_PER_SM one-warp programs fit at 128 each.
 # With the zero point applied last (the template's step 4), ptxas gives the 4-row tile 168 and
 # only 12 fit: N = 8192 (2048 programs) no longer runs in one wave. Capped at 128 (Triton's
-# `maxnreg`) it needs no spills (tests/test_triton_target.py checks for sm_90). Measured side by
-# side on an H200 at M = 1 (docs/gpu.md, 2026-11-27, second session), TB/s one layer / 8 layers in
-# a row as one CUDA graph: K = N = 8192, zero point first (as before) 1.83-1.90 / 2.28-2.30,
-# last 1.51-1.55 / 1.84, last and capped 1.93-2.07 / 2.49-2.51; K = 8192, N = 28672 2.45-2.47,
-# 2.32, 2.63-2.68. The other tiles keep ptxas's choice: the 2-row tile takes 80-96 registers
-# anyway (a cap makes ptxas use all 128: K = 14336, N = 4096 1.61 uncapped, 1.43-1.45 capped),
-# and the 8-row tile spills at 128.
+# `maxnreg`) it needs no spills (tests/test_triton_target.py checks for sm_90), and was the
+# fastest of the three (zero point first, last, last and capped). The other tiles keep ptxas's
+# choice: the 2-row tile takes 80-96 registers anyway (a cap made it slower), and the 8-row tile
+# spills at 128.
 def max_registers(rows: int, wpl: int) -> int | None:
     """Triton's maxnreg for the group kernel's tile, or None to leave it to ptxas."""
     return 65536 // (32 * PROGRAMS_PER_SM) if (rows, wpl) == (4, 4) else None
