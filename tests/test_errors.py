@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fusec
 from fusec.codegen.cpp import find_compiler
@@ -221,3 +222,16 @@ def test_a_failed_capture_says_one_thing(debug, caplog, monkeypatch):
             fusec.compile(broadcast_error, backend="cpp")(torch.randn(64, 32), torch.randn(32))
     torch_records = [r for r in caplog.records if r.name.startswith("torch")]
     assert bool(torch_records) == debug
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_a_matmul_of_two_dtypes_is_refused_as_eager_refuses_it(backend):
+    """Fake tensors let `x_f32 @ w_f64` through; eager raises. fusec raises too, naming the
+    dtypes, instead of computing something eager would not."""
+    x, w = torch.randn(2, 24), torch.randn(8, 24, dtype=torch.float64)
+    for f in (lambda x, w: x @ w.t(), lambda x, w: F.linear(x, w, torch.zeros(8)),
+              lambda x, w: torch.mv(w, x[0])):
+        with pytest.raises(RuntimeError):
+            f(x, w)
+        with pytest.raises(fusec.UnsupportedError, match="float32.*float64|float64.*float32"):
+            fusec.compile(f, backend=backend)(x, w)

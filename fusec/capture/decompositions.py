@@ -369,6 +369,15 @@ def batch_norm_batch_statistics(x, weight, bias, eps):
 KEEP_AS_EXTERN = [aten._scaled_dot_product_flash_attention_for_cpu.default]
 
 
+@register(aten.mv.default)
+def mv_of_one_dtype(matrix, vector):
+    """torch's mv decomposition, `(matrix * vector).sum(1)`, promotes mixed dtypes where eager's
+    kernel refuses them: checked first, with eager's message (fusec/capture/tracing.py, SAME_DTYPE)."""
+    torch._check(matrix.dtype == vector.dtype, lambda: "addmv input tensors must have the same "
+                 f"dtype, but got {matrix.dtype} and {vector.dtype}")
+    return torch._decomp.decompositions.mv(matrix, vector)
+
+
 def table() -> dict:
     decomps = dict(get_decompositions(FROM_TORCH))
     for op, ours in OURS.items():

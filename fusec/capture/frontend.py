@@ -59,6 +59,7 @@ from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.torch_level import torch_level
 from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
+from fusec.capture.tracing import refuse_mixed_dtypes
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec.ir import meta_of
 
@@ -229,7 +230,7 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
             "that are neither parameters nor buffers; a captured graph cannot replay that side "
             "effect (register them as buffers and update them in place, or return them)",
             reason="assigns tensors to module attributes that are neither parameters nor buffers")
-    return gm
+    return refuse_mixed_dtypes(gm)
 
 
 def tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:

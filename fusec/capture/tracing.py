@@ -340,3 +340,29 @@ def _refuse_python():
         else:
             del torch.Tensor.numpy
     return restore
+
+
+# ---- what eager refuses and fake tensors let through ---------------------------------------------
+
+aten = torch.ops.aten
+# Operand positions that eager's kernels require to share one dtype, and that torch's fake
+# (meta) kernels do not check: traced, `x_f32 @ w_f64` would become a graph that computes what
+# eager refuses to.
+SAME_DTYPE = {aten.mm.default: (0, 1), aten.addmm.default: (0, 1, 2), aten.mv.default: (0, 1),
+              aten.addmv.default: (0, 1, 2)}
+
+
+def refuse_mixed_dtypes(gm):
+    """gm, or the UnsupportedError eager's RuntimeError would be for a matmul whose operands
+    differ in dtype (eager: "expected m1 and m2 to have the same dtype")."""
+    for node in gm.graph.nodes:
+        positions = SAME_DTYPE.get(node.target) if node.op == "call_function" else None
+        values = [node.args[i].meta.get("val") for i in positions or ()
+                  if i < len(node.args) and hasattr(node.args[i], "meta")]
+        dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor)]
+        if len(set(dtypes)) > 1:
+            raise UnsupportedError(
+                f"fusec: {node.target.__name__.split('.')[0]} of operands of different dtypes "
+                f"({', '.join(str(d).replace('torch.', '') for d in dtypes)}): eager PyTorch "
+                "refuses it too (a matmul's operands share one dtype); cast them to one dtype")
+    return gm
