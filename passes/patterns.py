@@ -45,7 +45,7 @@ from .layout import run_fake, set_meta
 from .schedule import fake_mode_of
 from .unflatten import erase_dead
 
-MAX_SWEEPS = 16  # rules that undo each other would loop: a bug, stopped here with an error
+MAX_SWEEPS = 64  # rules that undo each other would loop: a bug, stopped here with an error
 
 
 @dataclass(frozen=True)
