@@ -135,6 +135,8 @@ def test_a_compile_runs_only_code_the_page_names(walks, backend):
 def test_the_page_says_how_long_the_path_and_the_walk_are(walks):
     text = sections()["How long the path is"]
     lines = int(re.search(r"about (\d+) lines", text).group(1))
-    files = int(re.search(r"counts (\d+)\s+files", text).group(1))
+    files = int(re.search(r"counts at most (\d+)\s+files", text).group(1))
     assert abs(lines - path_lines()) <= 0.1 * path_lines(), (lines, path_lines())
-    assert abs(files - len(walks["cpp"])) <= 5, (files, len(walks["cpp"]))
+    # At most: a module first imported during the walk, or a function whose result an earlier
+    # compile in the same process cached, makes the count vary a little from run to run.
+    assert len(walks["cpp"]) <= files, (files, len(walks["cpp"]))
