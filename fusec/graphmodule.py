@@ -37,6 +37,15 @@ def lazily():
     return _use_lazy_graph_module(True) if _use_lazy_graph_module else contextlib.nullcontext()
 
 
+def looks_for(*targets):
+    """Mark a pass with the ops it rewrites (`@looks_for(aten.mm.default, aten.bmm)`: overloads or
+    whole packets): `run_pipeline` (passes/__init__.py) skips it on a graph that calls none."""
+    def mark(function):
+        function.looks_for = frozenset(targets)
+        return function
+    return mark
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with a copy of gm's graph (node metadata is shared, not deep-copied)
     and a record of its own (fusec/record.py), so passes over the copy leave gm's as it was."""

@@ -161,6 +161,8 @@ class PassRecord:
     passes run (fuse_reductions plans reductions differently for backends that walk rows)."""
 
     backend: str | None = None
+    skipped: list[str] = field(default_factory=list)  # passes with nothing to look at (passes/__init__.py)
+    extensions: dict[str, list] = field(default_factory=dict)  # registered passes' decisions, by pass
     fold_constants: list[Folded] = field(default_factory=list)
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)

@@ -3,6 +3,13 @@
     PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
                 small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
+A pass that only rewrites some ops says which (`@looks_for(aten.mm.default, ...)`, from
+fusec/graphmodule.py), and `run_pipeline` skips it when the graph has none of them: compiling
+`sin(x) * 2` runs no matmul pass. Passes from outside the core (a kernel family's graph rewrites)
+come in through one door, `register(ExtensionPass(name, module, before=core pass, looks_for=...))`:
+`pipeline()` is PIPELINE with each registered pass just before the core pass it names, its module
+imported the first time it has something to look at.
+
 `run_pipeline` runs them, checks the graph after each one (`verify`), and can keep a labelled
 snapshot of the graph after every pass, printed as runnable Python, so a reader can see exactly
 what each pass changed. Passes keep what they decided (refusals, the schedule, ...) in the graph's
@@ -10,11 +17,13 @@ record, `record_of(gm)` (fusec/record.py), and per-node facts in `node.meta`, ne
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch.fx as fx
 
 from fusec.graphmodule import copy_graph_module
+from fusec.record import record_of
 
 from .canonicalize import canonicalize
 from .check_gathers import check_gathers
@@ -58,16 +67,78 @@ class Snapshot:
         return f"# ---- graph after {self.after} ----\n{self.code}"
 
 
-def run_pipeline(gm: fx.GraphModule, passes=None, record: bool = False):
-    """Run `passes` (default PIPELINE) over a copy of gm. Returns (gm, snapshots).
+@dataclass(frozen=True)
+class ExtensionPass:
+    """A graph pass from outside the core: the function `name` of `module`, run just before the
+    core pass named `before`. `looks_for` names the ops it rewrites (OpOverloads or their
+    packets); when the graph has none the pass is skipped and its module is not even imported.
+    Called like the function it stands for."""
 
+    name: str
+    module: str
+    before: str
+    looks_for: frozenset = frozenset()
+
+    @property
+    def __name__(self) -> str:  # noqa: A003 - read by run_pipeline and the snapshots, as a function's
+        return self.name
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        return getattr(importlib.import_module(self.module), self.name)(gm)
+
+
+REGISTERED: list[ExtensionPass] = []
+
+
+def register(extension: ExtensionPass) -> ExtensionPass:
+    """Add a pass to the pipeline (one of the same name is replaced). Registered passes key the
+    saved programs (fusec/capture/fingerprint.py), as kernel families and graph rules do."""
+    if extension.before not in [p.__name__ for p in PIPELINE]:
+        raise ValueError(f"fusec: no core pass named {extension.before!r} to run {extension.name} before")
+    unregister(extension.name)
+    REGISTERED.append(extension)
+    return extension
+
+
+def unregister(name: str) -> None:
+    REGISTERED[:] = [p for p in REGISTERED if p.name != name]
+
+
+def pipeline() -> list:
+    """PIPELINE with the registered passes in their places, in the order they were registered."""
+    passes = []
+    for core in PIPELINE:
+        passes += [p for p in REGISTERED if p.before == core.__name__]
+        passes.append(core)
+    return passes
+
+
+def wanted(p, gm: fx.GraphModule) -> bool:
+    """Whether pass `p` has something to look at in gm: it names no ops (it looks at every graph),
+    or one of the ops it names is called in gm's graph."""
+    targets = getattr(p, "looks_for", None)
+    if not targets:
+        return True
+    return any(n.op == "call_function" and (n.target in targets or
+                                            getattr(n.target, "overloadpacket", None) in targets)
+               for n in gm.graph.nodes)
+
+
+def run_pipeline(gm: fx.GraphModule, passes=None, record: bool = False):
+    """Run `passes` (default `pipeline()`) over a copy of gm. Returns (gm, snapshots).
+
+    A pass with nothing to look at is skipped (`wanted`) and named in `record_of(gm).skipped`.
     The input graph is left untouched: it stays the eager reference (`check=True` runs it).
     """
     gm = copy_graph_module(gm)
     snapshots = [snapshot("capture", gm)] if record else []
-    for p in PIPELINE if passes is None else passes:
-        gm = p(gm)
-        verify(gm, p.__name__)
+    for p in pipeline() if passes is None else passes:
+        if wanted(p, gm):
+            gm = p(gm)
+            verify(gm, p.__name__)
+        else:
+            rec = record_of(gm)
+            rec.skipped = [*rec.skipped, p.__name__]  # replaced, not appended: records share lists
         if record:
             snapshots.append(snapshot(p.__name__, gm))
     return gm, snapshots

@@ -351,8 +351,13 @@ def constant_node(gm: fx.GraphModule, base: str, tensor: torch.Tensor) -> fx.Nod
 
 def record_decisions(gm: fx.GraphModule, pass_name: str, decisions: list) -> fx.GraphModule:
     """Keep a rewriting pass's decisions in the graph's record; if it rewrote anything, drop the
-    nodes it left without users and regenerate the module's code."""
-    setattr(record_of(gm), pass_name, decisions)
+    nodes it left without users and regenerate the module's code. A registered pass's decisions
+    (passes/__init__.py, `register`) go in the record's `extensions`, under its name."""
+    rec = record_of(gm)
+    if hasattr(rec, pass_name):
+        setattr(rec, pass_name, decisions)
+    else:
+        rec.extensions = {**rec.extensions, pass_name: decisions}
     if any(d.taken for d in decisions):
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -221,11 +221,13 @@ def environment(backend: str) -> str:
 
 
 def extensions() -> list[str]:
-    """What was registered from outside fusec's source: kernel families and graph rules (a
-    program compiled without one must not be loaded with it, nor the other way round)."""
+    """What was registered from outside fusec's source: kernel families, graph passes and graph
+    rules (a program compiled without one must not be loaded with it, nor the other way round)."""
+    from fusec import passes
     from fusec.codegen import families
     from fusec.passes import patterns
     return ([f"family {f.name} ({f.module})" for f in families.REGISTRY]
+            + [f"pass {p.name} ({p.module}, before {p.before})" for p in passes.REGISTERED]
             + [f"rule {r.name}" for r in patterns.REGISTERED])
 
 
