@@ -50,10 +50,10 @@ def lower_reduction(name: str, sub: fx.GraphModule, in_layouts: list[Layout],
     load_gathers(values, tensors.gathers)
     fused_ops = lower_ops(values, sub)
     stores = store_outputs(values, space.outputs, out_layouts)
-    gemv = next((n.meta["fusec_gemv"] for n in sub.graph.nodes if "fusec_gemv" in n.meta), None)
+    matmul = next((n.meta["fusec_matmul"] for n in sub.graph.nodes if "fusec_matmul" in n.meta), None)
     kernel = ReductionKernel(name, space.shape, space.dims, row_shape, k_shape, values.params,
                              values.loads, values.body, stores, values.varying, values.level,
-                             fused_ops, online_softmax(values.body, values.varying), gemv)
+                             fused_ops, online_softmax(values.body, values.varying), matmul)
     kernel.variances = online_variance(values.body, values.varying, values.level)
     kernel.plan = plan_loops(kernel)
     return kernel

@@ -50,8 +50,8 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     """The kernel with its M (2..MAX_M) activation rows unrolled (see above), or None when it is
     not a GEMV-like sum whose loop computes something from the weight alone."""
     plan = kernel.plan
-    # rows (m, n), or (m, n0, n1) for a weight packed along N (ReductionKernel.gemv_rows)
-    split = kernel.split_columns and len(kernel.row_shape) == 1 + len(kernel.gemv_rows[1])
+    # rows (m, n), or (m, n0, n1) for a weight packed along N (ReductionKernel.matmul_rows)
+    split = kernel.split_columns and len(kernel.row_shape) == 1 + len(kernel.matmul_rows[1])
     if not (len(kernel.row_shape) == 2 or split) or not 2 <= kernel.row_shape[0] <= MAX_M \
             or kernel.k < 1 or prod(kernel.row_shape[1:]) < 2 or len(plan.phases) != 1 \
             or plan.element_stores \
@@ -103,6 +103,6 @@ def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     out = replace(kernel, row_shape=kernel.row_shape[1:], loads=loads, body=body, stores=stores,
                   varying={n for name in kernel.varying for n in names(name)},
                   level={n: lv for name, lv in kernel.level.items() for n in names(name)},
-                  online=[], variances=[], gemv=None, plan=None)
+                  online=[], variances=[], matmul=None, plan=None)
     out.plan = plan_loops(out)
     return out

@@ -277,9 +277,9 @@ class ReductionKernel:
     level: dict = field(default_factory=dict)
     ops: list[str] = field(default_factory=list)
     online: list[OnlineSoftmax] = field(default_factory=list)  # sums a pass can share with a max
-    # a matmul rewritten as a sum over K (passes/small_matmul.py): {"m", "n", "k", "dtype"};
-    # backends may render it as a GEMV (a block of output columns per program, all M rows)
-    gemv: dict | None = None
+    # a matmul computed as a sum over K (node meta "fusec_matmul"): {"m", "n", "k", "dtype"};
+    # a kernel family may render it with a block of output columns per program, all M rows
+    matmul: dict | None = None
     plan: LoopPlan | None = None  # set by lowering (codegen/lower_reduction.py, plan_loops)
     variances: list[OnlineVariance] = field(default_factory=list)  # sums of squared deviations
     # a pass can accumulate before their shift is known (fusec/loop_plan.py, OnlineVariance)
@@ -293,24 +293,24 @@ class ReductionKernel:
         return prod(self.k_shape)
 
     @property
-    def gemv_rows(self) -> tuple[int, tuple[int, ...]] | None:
+    def matmul_rows(self) -> tuple[int, tuple[int, ...]] | None:
         """A GEMV's rows as (M, the dims of N): rows (N,) are (1, (N,)), rows (M, N) are
         (M, (N,)). A weight packed along N (AWQ's eight nibbles per int32 along N) is computed
         with N cut in parts (passes/refine_views.py), and rows (N/8, 8) are (1, (N/8, 8)).
         None when this is no GEMV, or its rows are something else."""
-        if self.gemv is None or not self.row_shape:
+        if self.matmul is None or not self.row_shape:
             return None
-        n = self.gemv["n"]
+        n = self.matmul["n"]
         for lead in (0, 1):
             cols = self.row_shape[lead:]
-            if cols and prod(cols) == n and prod(self.row_shape[:lead]) == self.gemv["m"]:
+            if cols and prod(cols) == n and prod(self.row_shape[:lead]) == self.matmul["m"]:
                 return (self.row_shape[0] if lead else 1), tuple(cols)
         return None
 
     @property
     def split_columns(self) -> bool:
-        """Whether a GEMV's output columns are computed in several dims (see gemv_rows)."""
-        rows = self.gemv_rows
+        """Whether a GEMV's output columns are computed in several dims (see matmul_rows)."""
+        rows = self.matmul_rows
         return rows is not None and len(rows[1]) > 1
 
     @property

@@ -192,7 +192,7 @@ def spread_gemv(node: fx.Node, rows: int, per_program: int) -> bool:
     SM busy (extensions/quant_gemv/triton_gemv.py, gemv_blocks_n_major), so it has no few long rows once there
     are 2 * FEW_PROGRAMS columns. (GPTQ's int4 weight at K = N = 8192, M = 1 on an H200: 0.185 ms
     split in two reductions, the product stored whole first as an extern's operand before.)"""
-    return bool(node.meta.get("fusec_gemv")) and per_program > 1 and rows >= 2 * FEW_PROGRAMS
+    return bool(node.meta.get("fusec_matmul")) and per_program > 1 and rows >= 2 * FEW_PROGRAMS
 
 
 def reduction_key(node: fx.Node, red: ops.ReductionCall) -> tuple:

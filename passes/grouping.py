@@ -108,7 +108,7 @@ def numel_rank(shape: tuple[int, ...]):
 
 def op_name(node: fx.Node) -> str:
     """The short name of what a node computes: its op-table row, reduction, or view."""
-    if "fusec_gemv" in node.meta:  # a matmul rewritten as a sum (passes/small_matmul.py)
+    if "fusec_matmul" in node.meta:  # a matmul rewritten as a sum (passes/small_matmul.py)
         return "gemv"
     red = ops.reduction(node)
     if red is not None:

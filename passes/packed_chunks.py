@@ -45,7 +45,7 @@ def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
     activation row whose output columns are computed in parts (a weight packed along N,
     passes/refine_views.py) and whose K is cut in groups (the dim of the largest stride, K / G,
     and the group, G); None for every other reduction."""
-    gemv = node.meta.get("fusec_gemv")
+    gemv = node.meta.get("fusec_matmul")
     if not _one_row_gemv(gemv, red) or len(red.dims) != 2:
         return None
     m = meta(red.operand)
@@ -68,7 +68,7 @@ def packed_along_k(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
     """(dim, chunks, layout, kernel) for the sum of a GEMV of one activation row over int4
     words packed along K and stored N-contiguous (see K_WORDS_CHUNK); None for every other
     reduction."""
-    gemv = node.meta.get("fusec_gemv")
+    gemv = node.meta.get("fusec_matmul")
     if not _one_row_gemv(gemv, red) or len(red.dims) not in (2, 3):
         return None
     m = meta(red.operand)

@@ -39,7 +39,7 @@ anything else (a `cat`, a gather) is computed as before and viewed.
 N may be cut too. AWQ packs eight 4-bit weights along N in each int32, so its unpacking reshapes
 (K, N/8, 8) to (K, N), and with per-group scales the fine shape is (K/G, G, N/8, 8): the GEMV's
 output columns are then two dims, (N/8, 8), and each column's word and shift are addressed by
-its coordinates (extensions/quant_gemv/triton_gemv.py; `ReductionKernel.gemv_rows`). With the weight stored
+its coordinates (extensions/quant_gemv/triton_gemv.py; `ReductionKernel.matmul_rows`). With the weight stored
 (N, K) (an `F.linear`), N stays whole.
 """
 from __future__ import annotations

@@ -313,7 +313,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
         new = new_node(graph, target, args, target(*vals, **(kwargs or {})), node,
                        f"{node.name}_{name}" if name else None, kwargs)
         if gemv is not None:
-            new.meta["fusec_gemv"] = gemv
+            new.meta["fusec_matmul"] = gemv
         return new
 
     def cast(v, name):

@@ -191,7 +191,7 @@ def test_a_gemv_of_many_neighbouring_columns_is_not_few_long_rows():
     from fusec.passes.fuse_reductions import spread_gemv
     node = fx.Graph().placeholder("gemv")
     assert not spread_gemv(node, 8192, 64)
-    node.meta["fusec_gemv"] = {"m": 1, "n": 8192, "k": 8192}
+    node.meta["fusec_matmul"] = {"m": 1, "n": 8192, "k": 8192}
     assert spread_gemv(node, 8192, 64)
     assert not spread_gemv(node, 8192, 1)  # an (N, K) weight: one row per program already
     assert not spread_gemv(node, 200, 64)  # too few columns to spread

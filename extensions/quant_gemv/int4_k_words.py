@@ -74,7 +74,7 @@ def chunk_of_k_words(kernel) -> bool:
     (chunks, columns), K ending in the 8 nibbles of a word, an int32 load that differs from chunk
     to chunk and column to column), whether or not `match_int4_k_words` takes it: one that it
     declines is rendered by the generic reduction kernel, whose docstring then says why."""
-    return (kernel.gemv is not None and len(kernel.row_shape) == 2
+    return (kernel.matmul is not None and len(kernel.row_shape) == 2
             and len(kernel.k_shape) in (2, 3) and kernel.k_shape[-1] == 8
             and any(l.dtype == torch.int32 and l.index.strides[0] and l.index.strides[1]
                     for l in kernel.loads))

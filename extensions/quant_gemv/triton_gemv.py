@@ -42,13 +42,13 @@ def gemv_fits(kernel) -> bool:
     """A GEMV-shaped reduction: one sum over K, rows (M, N) or (N,) with M small, no element
     values stored (those need the generic walk)."""
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
-    # rows (N,) or (M, N); or the output columns in several dims (kernel.gemv_rows: a weight
+    # rows (N,) or (M, N); or the output columns in several dims (kernel.matmul_rows: a weight
     # packed along N), each column's coordinates then computed from its position n
     rows_fit = (1 <= len(kernel.row_shape) <= 2 and
                 (len(kernel.row_shape) == 1 or kernel.row_shape[0] <= GEMV_MAX_M)) or \
-        (kernel.split_columns and kernel.gemv_rows[0] <= GEMV_MAX_M
+        (kernel.split_columns and kernel.matmul_rows[0] <= GEMV_MAX_M
          and not any(l.other is not None for l in kernel.loads))
-    return (kernel.gemv is not None and len(reds) == 1 and reds[0].op == "sum" and rows_fit
+    return (kernel.matmul is not None and len(reds) == 1 and reds[0].op == "sum" and rows_fit
             and kernel.k > 0 and kernel.rows > 0 and not kernel.plan.element_stores)
 
 
@@ -233,7 +233,7 @@ def big_addresses(kernel) -> bool:
 
 def column_coords(cols: tuple, block_n: int, words: bool, big: bool) -> list[str]:
     """The lines that give each of a program's output columns its coordinates, when the columns
-    are several dims (a weight packed along N, `ReductionKernel.gemv_rows`): n0, n1, ...
+    are several dims (a weight packed along N, `ReductionKernel.matmul_rows`): n0, n1, ...
 
     AWQ's columns are (N/8, 8): the 8 columns of an int32 word share it. Loaded per column, every
     word would be loaded 8 times, 8 load instructions where one does. With `words`, the program's
@@ -296,7 +296,7 @@ class _Gemv:
         self.kernel = kernel
         (self.r,) = [i for i in kernel.body if isinstance(i, Reduce)]
         if kernel.split_columns:  # the output columns in several dims (a weight packed along N)
-            m, cols = kernel.gemv_rows
+            m, cols = kernel.matmul_rows
             two, n = len(kernel.row_shape) > len(cols), math.prod(cols)
         else:
             two = len(kernel.row_shape) == 2
