@@ -3,11 +3,11 @@
 A reduction whose rows lie side by side in memory and whose values lie far apart: the sum over
 dim 0 of a (K, N) matrix (`x.sum(0)`: row n's values are x[0, n], x[1, n], ... N elements
 apart), a mean over the sequence of (B, S, D) activations, a softmax over the 40 channels of an
-NCHW tensor, or GPTQ's packed words (K / 8, N) read column by column by its GEMV. The generic
-kernel (cpp_reduction.py) walks one row at a time, so each k step of a row is a new cache line;
-it copies the row into an array first (Note: rows reduced across a strided axis), which is a
-gather of K scattered values per row. `(x * 2).sum(0)` at 4096 x 4096 float took 64 ms that
-way on this project's 2-core EPYC, against eager's 27 and torch.compile's 6.7.
+NCHW tensor, or a weight's packed words (K / 8, N) read column by column by a matrix-vector
+product. The generic kernel (cpp_reduction.py) walks one row at a time, so each k step of a row
+is a new cache line; it copies the row into an array first (Note: rows reduced across a strided
+axis), which is a gather of K scattered values per row. `(x * 2).sum(0)` at 4096 x 4096 float
+took 64 ms that way on this project's 2-core EPYC, against eager's 27 and torch.compile's 6.7.
 
 Turned inside out, the same reduction reads memory in order:
 

@@ -35,7 +35,7 @@ REDUCTION_TILE_MAX = 4096  # longest row copied into an array on the stack (Note
 
 def render_reduction(kernel, notes: list[str] = ()) -> str:
     """One OpenMP-parallel loop over rows; inside, one loop over k per reduction phase, then a
-    last loop that recomputes and stores the element values (softmax's division, say). A GEMV's
+    last loop that recomputes and stores the element values (softmax's division, say). A matmul's
     few activation rows are first unrolled into one loop (unroll_rows.py). `notes`: what the
     kernel families declined and why (codegen/families.py), for the kernel's header."""
     kernel, note = unrolled_or_same(kernel)
@@ -45,7 +45,7 @@ def render_reduction(kernel, notes: list[str] = ()) -> str:
 @dataclass
 class ReductionLines:
     """A reduction kernel's C++ lines before a template puts them together (`reduction_lines`).
-    A kernel family may assemble them its own way (the int4 table kernel, cpp_int4.py)."""
+    A kernel family may assemble them its own way (a table kernel for packed 4-bit weights)."""
 
     row_lines: list[str]  # once per row: coordinates, bases, row values, row copies
     k_coords: list[str]  # one k step's coordinates

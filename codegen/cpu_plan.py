@@ -65,18 +65,19 @@ def sum_block(k: int) -> int:
 # Note (a vectorized sum's last step in gcc): gcc vectorizes a float sum (`omp simd
 # reduction(+:acc)`) with one partial sum per SIMD lane, and at the end of the loop adds the
 # lanes up one after another: 16 scalar additions for a float loop on AVX-512, 64 when the loop
-# also reads int8 (64 lanes wide). Blocked, that happens once per block: the int8 GEMV of
-# K = N = 2048 spent about half its time there with blocks of 256 (0.25 ms; 0.13 with one block
-# per row). The C++ kernels' blocks are therefore at least CPP_SUM_BLOCK_MIN values long: the
-# int8 GEMV took 0.16 ms, float sums over rows of 1024-4096 gained 5-10%. Each lane still adds
-# at most CPP_SUM_BLOCK_MIN / 4 values per block (SSE's four float lanes; 64 on AVX-512), and the
-# blocks are added in double. LLVM adds its lanes up as a tree, so its kernels keep sum_block.
+# also reads int8 (64 lanes wide). Blocked, that happens once per block: an int8 matrix-vector
+# product of K = N = 2048 spent about half its time there with blocks of 256 (0.25 ms; 0.13 with
+# one block per row). The C++ kernels' blocks are therefore at least CPP_SUM_BLOCK_MIN values
+# long: that product took 0.16 ms, float sums over rows of 1024-4096 gained 5-10%. Each lane
+# still adds at most CPP_SUM_BLOCK_MIN / 4 values per block (SSE's four float lanes; 64 on
+# AVX-512), and the blocks are added in double. LLVM adds its lanes up as a tree, so its kernels
+# keep sum_block.
 # gcc's lanes come from the loop's narrowest type: a loop that reads int8 has four times a float
 # loop's lanes (16 with SSE, 64 with AVX-512), one that reads bf16 twice. At four (two) times the
 # block length each of their lanes adds as many values per block as a float loop's, so their
 # blocks are at least that long, and the lanes' last step comes a quarter (half) as often: the
-# int8 GEMV at K = N = 4096, M = 1 took 1.19 ms on one thread with blocks of 1024 (four a row),
-# 0.82 with one loop over the row, as now (docs/backends/cpp.md).
+# int8 matrix-vector product at K = N = 4096 took 1.19 ms on one thread with blocks of 1024
+# (four a row), 0.82 with one loop over the row, as now (docs/backends/cpp.md).
 CPP_SUM_BLOCK_MIN = 1024
 
 

@@ -144,7 +144,7 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     then a last loop that recomputes and stores the element values (softmax's division, say).
     Python decides everything here (which values each loop needs, the accumulators and their
     phi nodes, blocking of long float sums); the template only lays out the blocks."""
-    kernel, note = unrolled_or_same(kernel)  # a GEMV's few activation rows: one loop
+    kernel, note = unrolled_or_same(kernel)  # a matmul's few activation rows: one loop
     row = _Row(kernel, new_counter())
     plan, k = kernel.plan, kernel.k
     for name in plan.before:  # row values needing no reduction: once per row, before the loops

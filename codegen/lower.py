@@ -336,7 +336,7 @@ def is_cat(node: fx.Node) -> bool:
 def needs_rounding(row: ops.Op, values: list, dtype: torch.dtype) -> bool:
     """Does a half-precision result need rounding (eager rounds every op's result)? Not a cast
     from a small integer: int8, uint8 and bool values are exact in float16 and bfloat16, so an
-    int8 weight's `.to(torch.bfloat16)` costs nothing in a dequantization prologue. Nor a copy
+    int8 weight's `.to(torch.bfloat16)` costs nothing in a matmul's prologue. Nor a copy
     of a value of the same dtype (`clone`, `repeat_interleave`'s copy of fp16 scales): every
     half-precision value of a kernel is already rounded where it is made or loaded."""
     if dtype not in ops.FLOAT16_LIKE:

@@ -11,7 +11,7 @@ a GPU the same module runs under Triton's interpreter (TRITON_INTERPRET=1).
 
 This file renders pointwise kernels (flat or tiled) and writes, builds and loads modules;
 triton_text.py spells the IR, triton_reduction.py renders reductions; a kernel family
-(codegen/families.py: the quantized GEMVs) renders the kernels of its form instead.
+(codegen/families.py) renders the kernels of its form instead.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from .triton_text import (helpers_in, max_address, render_stmt, ops_summary, blo
 
 def render(kernel, arch: int | None = None) -> str:
     """The kernel's module source. `arch` (80, 90, ...) renders it for that NVIDIA GPU instead
-    of this process's (codegen/triton_target.py): only the int4 GEMV's choices depend on it."""
+    of this process's (codegen/triton_target.py): only a kernel family's choices depend on it."""
     special, notes = families.special(kernel, "triton", arch)  # a kernel family's, if one takes it
     if special is not None:
         return special

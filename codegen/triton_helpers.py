@@ -57,10 +57,11 @@ def fusec_bf16_to_f32(x):
 @triton.jit
 def fusec_small_int_to_f32(x):
     # An 8- or 16-bit integer as float32 without the integer-to-float instruction, which runs at a
-    # quarter of the FP32 rate on NVIDIA GPUs (16 per clock per SM on an H100/H200): a GEMV that
-    # dequantizes every int8 weight spent as long converting as streaming. The trick: the float
-    # whose bits are 0x4B000000 is 2**23, and its low 23 mantissa bits count ones, so an integer
-    # v in [0, 2**23) added to those bits gives exactly 2**23 + v; subtracting 2**23 leaves v.
+    # quarter of the FP32 rate on NVIDIA GPUs (16 per clock per SM on an H100/H200): a matmul of
+    # few rows that widens every int8 weight spent as long converting as streaming. The trick:
+    # the float whose bits are 0x4B000000 is 2**23, and its low 23 mantissa bits count ones, so an
+    # integer v in [0, 2**23) added to those bits gives exactly 2**23 + v; subtracting 2**23
+    # leaves v.
     # A signed v is first shifted into [0, 65536) by 32768. One integer add and one float
     # subtraction, both at full rate, and exact for every value.
     if x.dtype.is_int_signed():
@@ -223,7 +224,7 @@ def fusec_lshift(a, b):
 @triton.jit
 def fusec_rshift(a, b):
     # torch: past the bit width, a signed value shifts to its sign (a >> (bits - 1)), an
-    # unsigned one to 0; `w >> 4` on a byte is the high nibble of a packed int4 pair
+    # unsigned one to 0; `w >> 4` on a byte is the high one of two packed 4-bit values
     bits: tl.constexpr = a.dtype.primitive_bitwidth
     inside = (b >= 0) & (b < bits)
     if a.dtype.is_int_signed():

@@ -149,7 +149,7 @@ def _child() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fn, recorder = getattr(module, job["name"]), _Recorder()
-    # a launch may start two kernels (the int4 tensor-core GEMV's `<name>` and `<name>_finish`):
+    # a launch may start two kernels (a kernel family's split-K `<name>` and `<name>_finish`):
     # both are stood in for, and the one asked for records its call
     for attr in [a for a in vars(module) if a.startswith(job["name"].removesuffix("_finish"))]:
         if isinstance(getattr(module, attr), triton.runtime.JITFunction):

@@ -1,7 +1,7 @@
 """Triton spelling of the kernel IR: Triton dtypes, block sizes, literals of an exact dtype,
 conversions as torch does them (bfloat16 through exact bit-level helpers), and statements from
-the op table's `triton` column. The three Triton renderers (triton.py for pointwise kernels,
-triton_reduction.py, triton_gemv.py) write through these.
+the op table's `triton` column. The Triton renderers (triton.py for pointwise kernels,
+triton_reduction.py, and those of the kernel families: codegen/families.py) write through these.
 """
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def ops_summary(kernel: PointwiseKernel) -> str:
 
 def piece_mask(load, shape, axes=None) -> str | None:
     """Where a piece of a cat is read: its range along the loop dim (fusec.ir.Load.valid), whose
-    coordinate is `i<dim>` in a pointwise kernel and `axes[dim]` (`n`) in a GEMV's rows."""
+    coordinate is `i<dim>` in a pointwise kernel and `axes[dim]` (`n`) in a kernel that names
+    its row axes (a kernel family's matmul of few rows)."""
     if load.valid is None:
         return None
     dim, lo, hi = load.valid
@@ -134,9 +135,9 @@ def piece_mask(load, shape, axes=None) -> str | None:
 
 
 def rows_and_epilogue(kernel, r, lines) -> tuple:
-    """The loop plan's one phase (gemv_fits), the lines of the row values computed before the K
-    loop, and the epilogue after it, which starts from the finished sum `sums` (rounded as the
-    reduction `r` says). `lines(name)` spells one value."""
+    """The loop plan's one phase (a kernel of one sum over K), the lines of the row values
+    computed before the K loop, and the epilogue after it, which starts from the finished sum
+    `sums` (rounded as the reduction `r` says). `lines(name)` spells one value."""
     [phase] = kernel.plan.phases
     row_lines = [t for name in kernel.plan.before for t in lines(name)]
     epilogue = [t for name in phase.ready for t in lines(name)]

@@ -475,7 +475,7 @@ GATHER_TARGETS = (torch.ops.aten.index.Tensor, torch.ops.aten.embedding.default,
 def gathered_read(node) -> Gather | None:
     """A Gather when `node` reads rows of a tensor picked by a tensor of integer positions:
 
-        scales[g_idx]                  index.Tensor(scales, [g_idx])       GPTQ's per-group scales
+        scales[g_idx]                  index.Tensor(scales, [g_idx])       per-group scales
         wte(input_ids)                 embedding(weight, input_ids)        a token embedding
         x.index_select(1, idx)         index_select(x, 1, idx)
         x[:, idx]                      index.Tensor(x, [None, idx])

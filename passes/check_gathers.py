@@ -1,11 +1,12 @@
 """check_gathers: let kernels read rows picked by index values, and check the values once.
 
 A gathered read picks rows of a tensor by the values of another one (fusec.ops.gathered_read):
-a token embedding `wte(input_ids)`, GPTQ's per-group scales `scales[g_idx]`. Eager runs each one
-as an ATen call that writes the gathered rows to memory, and the next op reads them back: for
-GPTQ's scales and zero points that is two (K, N) tensors, as large as the unpacked weight, to
-multiply one vector. A fused kernel instead reads the index value at each position and then the
-source's row it names, so the gathered rows are never stored (codegen/lower.py, Load's `gather`).
+a token embedding `wte(input_ids)`, a packed weight's per-group scales `scales[g_idx]`. Eager
+runs each one as an ATen call that writes the gathered rows to memory, and the next op reads
+them back: for such scales and zero points that is two (K, N) tensors, as large as the unpacked
+weight, to multiply one vector. A fused kernel instead reads the index value at each position
+and then the source's row it names, so the gathered rows are never stored (codegen/lower.py,
+Load's `gather`).
 
 One thing eager does that a kernel cannot do well is refuse a bad index: `x[idx]` raises an
 IndexError when a value is out of range. A kernel only keeps its reads in bounds (a value out of

@@ -76,8 +76,9 @@ def _chain(piece: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 
 
 # Integer ops that cannot fault on any value (no division, remainder or power): a chain of these
-# may run on positions whose results are dropped. HQQ's unpacking, `(w & 0xF0) >> 4` and
-# `w & 0x0F` written into the two halves of one tensor (passes/filled_slices.py), is such a cat.
+# may run on positions whose results are dropped. Unpacking two 4-bit values a byte, `(w & 0xF0)
+# >> 4` and `w & 0x0F` written into the two halves of one tensor (passes/filled_slices.py), is
+# such a cat.
 SAFE_INTEGER_OPS = {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "rshift", "lshift",
                     "neg", "abs", "add", "sub", "mul", "to", "copy", "maximum", "minimum"}
 

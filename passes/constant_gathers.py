@@ -1,6 +1,6 @@
 """constant_gathers: a gather whose index is known while compiling, moved onto the constants.
 
-AWQ checkpoints pack eight 4-bit weights along N in each int32, in the interleaved order
+Some checkpoints pack eight 4-bit weights along N in each int32, in the interleaved order
 0 2 4 6 1 3 5 7. Their plain-torch unpacking shifts every nibble out, then puts the columns back
 in order with a gather by a table of positions that the program builds from `arange`:
 
@@ -11,7 +11,7 @@ in order with a gather by a table of positions that the program builds from `ara
 After passes/fold_constants.py, `order` is a constant. A gathered read of a computed value cannot
 join the kernel that computes the value (passes/grouping.py, `gathered_from`), so `w` would be
 unpacked into memory in full, then gathered into memory again: two weight-sized tensors, where a
-fused GEMV reads only the packed words. But this gather only reorders the eight nibbles of each
+fused matmul reads only the packed words. But this gather only reorders the eight nibbles of each
 word, the same way in every word: `order` is `8 * block + [0, 4, 1, 5, 2, 6, 3, 7]`. Seen as
 (K, N/8, 8), `w[:, order]` is `w.view(K, N/8, 8)[:, :, P]` with P = [0, 4, 1, 5, 2, 6, 3, 7], and a
 gather along a dim commutes with element-wise ops: each operand that varies along that dim is
@@ -22,8 +22,8 @@ is a constant, which is gathered now, while compiling:
     w   = view(to(rshift(q3, shifts)), [K, N])     w = view(to(rshift(q3, shifts_p)), [K, N])
     w_o = index(w, [None, order])                  # shifts_p = shifts[P] = [0, 16, 4, 20, ...]
 
-No gather is left, and the weight is an element-wise function of the packed words again:
-passes/refine_views.py and passes/small_matmul.py make it the prologue of one GEMV.
+No gather is left, and the weight is an element-wise function of the packed words again: the
+prologue of the matmul that reads it can unpack each word as it loads it.
 
 The pass takes a gathered read (fusec.ops.gathered_read) whose index is a 1-D constant folded
 by fold_constants (a tensor the program holds, the caller could change: those are not trusted)

@@ -1,7 +1,7 @@
 """filled_slices: a fresh tensor filled slice by slice is a concatenation.
 
 Code that builds a tensor from parts often allocates it first and then assigns each part to a
-slice. HQQ's 4-bit unpacking (the plain-torch backend of Hugging Face's HQQ quantization) does:
+slice. Unpacking a weight of two 4-bit values a byte, plain torch code often does:
 
     tmp = torch.empty([2 * step, n], dtype=torch.uint8)
     tmp[:step] = (W_q & 0b11110000) >> 4

@@ -24,7 +24,7 @@ mish kernel rounds once.
 The second rule narrows a shift. Unpacking 4-bit weights shifts int32 words by amounts that are
 int64 tensors (`qweight[:, :, None] >> torch.arange(0, 32, 4)`), so type promotion makes every
 shift a 64-bit one, and then the result is cast straight back to int8. A GPU does 64-bit integer
-math in several 32-bit instructions, once per weight in a GEMV's prologue. When every user of
+math in several 32-bit instructions, once per weight in a matmul's prologue. When every user of
 the shift keeps at most 32 bits of it, the same bits come from a 32-bit shift:
 
     before                                          after

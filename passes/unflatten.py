@@ -15,9 +15,10 @@ input that broadcasts along the cut dim gets a 1 for each part instead; one that
 it from the left stays as it is), and ends at anything else with a plain `view`. A view that is
 itself such a cut of a pointwise value (group norm's `(N, C, ...) -> (N, G, C/G, ...)`) is
 pushed up the same way first, and so is a reshape of a pointwise value whose dims the new shape
-only cuts further (`regroups`: GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N),
-becomes cuts of the (K/8, 8, N) value). `refine(value, runs)` cuts every dim at once, which a
-reshape that merged several dims needs (AWQ's (K, N/8, 8) -> (K, N), cut to (K/G, G, N/8, 8)).
+only cuts further (`regroups`: a weight packed along K, (K/8, 8, N) -> (K/G, G, N), cut to
+(K/G, G/8, 8, N), becomes cuts of the (K/8, 8, N) value). `refine(value, runs)` cuts every dim
+at once, which a reshape that merged several dims needs (a weight packed along N,
+(K, N/8, 8) -> (K, N), cut to (K/G, G, N/8, 8)).
 The original ops stay for their other readers; `finish` removes what nothing reads any more.
 """
 from __future__ import annotations
@@ -96,12 +97,13 @@ class Unflattener:
 
     def refine(self, value: fx.Node, runs: list[tuple]) -> fx.Node:
         """`value` with each dim d cut in `runs[d]` at once (a run of one part leaves the dim as
-        it is). One cut at a time can get stuck halfway: AWQ's weight, a (K, N/8, 8) value
-        reshaped to (K, N), cut first along K, is (K/G, G, N), which is no cut of (K, N/8, 8),
-        so the reshape would stay. Cut in both at once, (K/G, G, N/8, 8) cuts the value behind
-        the reshape, and the reshape disappears. Pointwise ops pass the runs on to their inputs
-        (a broadcast dim gets 1s); a reshape whose input the fine shape also cuts passes them
-        on to that input; anything else takes the cuts one dim at a time (`__call__`)."""
+        it is). One cut at a time can get stuck halfway: a weight packed along N, a (K, N/8, 8)
+        value reshaped to (K, N), cut first along K, is (K/G, G, N), which is no cut of
+        (K, N/8, 8), so the reshape would stay. Cut in both at once, (K/G, G, N/8, 8) cuts the
+        value behind the reshape, and the reshape disappears. Pointwise ops pass the runs on to
+        their inputs (a broadcast dim gets 1s); a reshape whose input the fine shape also cuts
+        passes them on to that input; anything else takes the cuts one dim at a time
+        (`__call__`)."""
         runs = [tuple(r) for r in runs]
         key = (value, "refine", tuple(runs))
         if key in self.memo:
@@ -198,8 +200,9 @@ class Unflattener:
     def ones(self, value: fx.Node, dim: int, count: int) -> fx.Node:
         """`value`, whose dim `dim` has size 1 (it broadcasts over the cut), with that dim
         made `count` dims of size 1; moved up through pointwise ops to the values they read, as a
-        cut is, so that a computed value that broadcasts (AWQ's shift amounts, clamped and
-        narrowed from a constant) stays in the kernel that reads it instead of being stored."""
+        cut is, so that a computed value that broadcasts (a packed weight's shift amounts,
+        clamped and narrowed from a constant) stays in the kernel that reads it instead of being
+        stored."""
         key = (value, dim, "ones", count)
         if key in self.memo:
             return self.memo[key]
@@ -257,8 +260,8 @@ def pushable(value: fx.Node) -> bool:
 def regroups(value: fx.Node, new_shape: list[int]) -> list[tuple[int, tuple]] | None:
     """[(dim, parts), ...] when `value` is a reshape of a pointwise value whose dims, each cut in
     its parts, give `new_shape`: then `new_shape` is reached by cutting the pointwise value and
-    the reshape disappears (GPTQ's (K/8, 8, N) -> (K/G, G, N), cut to (K/G, G/8, 8, N):
-    passes/refine_views.py). Shapes with 1s are left to the plain view."""
+    the reshape disappears (a weight packed along K: (K/8, 8, N) -> (K/G, G, N), cut to
+    (K/G, G/8, 8, N)). Shapes with 1s are left to the plain view."""
     if value.op != "call_function" or value.target not in RESHAPES or \
             not pushable(value.args[0]) or 1 in new_shape:
         return None

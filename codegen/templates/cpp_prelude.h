@@ -172,7 +172,7 @@ static inline uint16_t fusec_f32_to_bf16(float f) {
 static inline float fusec_round_bf16(float f) { return fusec_bf16_to_f32(fusec_f32_to_bf16(f)); }
 #if defined(__GNUC__) && !defined(__clang__)
 // Sixteen floats at once (gcc's vector extensions; any x86-64 level, AArch64): each rounded to
-// bf16 exactly as fusec_round_bf16 rounds one, NaN included (the packed-int4 GEMV's tables).
+// bf16 exactly as fusec_round_bf16 rounds one, NaN included (a kernel family's lookup tables).
 typedef float fusec_v16f __attribute__((vector_size(64)));
 typedef int32_t fusec_v16i __attribute__((vector_size(64)));
 typedef uint32_t fusec_v16u __attribute__((vector_size(64)));

@@ -34,7 +34,7 @@ from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
 # Measured on an H100, the constants underestimate the CPU time (as the floor does the GPU time),
 # yet the rule chose the faster way for all 55 programs timed both ways, and a larger LAUNCH_US
 # sends one of them the wrong way. A step whose module launches several kernels counts each
-# (the int4 tensor-core GEMV's three: a row of them is one graph, tests/test_int4_mma.py).
+# (a kernel family's launcher may start several: a row of such steps is one graph).
 LAUNCH_US = 5.0  # CPU time of one Triton launch through its bound launcher
 EXTERN_US = 40.0  # CPU time of one ATen call (dispatch, allocation, settling the strides)
 COPY_BYTES_PER_US = 2.0e6  # input + output bytes copied per microsecond (201 MB in 98 us, H200)
@@ -92,8 +92,8 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
 def cpu_estimate(program: Program) -> tuple[int, int, float]:
     """(launches, ATen calls, microseconds): the CPU work of one run of `program` step by step,
     LAUNCH_US per Triton launch and EXTERN_US per ATen call. A kernel step whose module launches
-    more than one kernel or allocates (the int4 tensor-core GEMV: two kernels and its partial
-    sums) says how many launches its CPU work is worth (its launcher's `cpu_launches`)."""
+    more than one kernel or allocates (a split-K matmul of a kernel family: two kernels and its
+    partial sums) says how many launches its CPU work is worth (its launcher's `cpu_launches`)."""
     launches = sum(getattr(s.launcher, "cpu_launches", 1) for s in program.steps
                    if isinstance(s, KernelStep))
     externs = sum(isinstance(s, ExternStep) for s in program.steps)
