@@ -37,7 +37,7 @@ from . import elf, families, tools
 from .cpp_reduction import render_reduction
 from .cpp_text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude)
-from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, summary
+from .cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, sleef_symbols_in, summary
 from .render import no_indexed_writes, render_template
 
 # -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
@@ -121,7 +121,6 @@ def math_flags() -> list[str]:
     """Link glibc's vector math library where it exists, and torch's own SLEEF (eager's float32
     vector math, exported by libtorch_cpu) where torch has it (see cpp_prelude.h), else nothing."""
     flags = ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
-    from .llvm_ir import sleef_symbols_in
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     if sleef_symbols_in(os.path.join(torch_lib, "libtorch_cpu.so")):
         flags += ["-DFUSEC_SLEEF", f"-L{torch_lib}", "-Wl,--push-state,--no-as-needed",

@@ -1,14 +1,19 @@
 """Decisions the two CPU backends (cpp.py, llvm.py) make alike, so that both spell the same plan.
 
 How many elements make threads pay off (`PARALLEL_THRESHOLD`), how long an inner chunk is
-(`CHUNK`), how a long float sum is blocked (`sum_block`), and the one-line summary each kernel's
-source opens with. Decided here, once; each backend only writes it in its language. (Which loop
-of a reduction computes what, and which value it keeps in its output for the last pass, is the
-kernel IR's loop plan: fusec/loop_plan.py, decided in codegen/lower_reduction.py.)
+(`CHUNK`), how a long float sum is blocked (`sum_block`), the one-line summary each kernel's
+source opens with, and which vector math they call (`SLEEF`). Decided here, once; each backend
+only writes it in its language. (Which loop of a reduction computes what, and which value it
+keeps in its output for the last pass, is the kernel IR's loop plan: fusec/loop_plan.py, decided
+in codegen/lower_reduction.py.)
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
+import platform
 
 from fusec.ir import PointwiseKernel, contiguous_strides
 
@@ -119,3 +124,31 @@ def column_blocks(kernel) -> int:
 def column_sum_block(kernel) -> int:
     """Block length of a long float sum in this layout (Note: rows side by side)."""
     return COLUMN_SUM_BLOCK if kernel.k > COLUMN_SUM_BLOCK else 0
+
+
+# Note (eager's vector math): for float32, eager's CPU kernels compute exp, expm1, log, log2 and
+# log1p with SLEEF's 1.0-ulp functions (`Sleef_expf16_u10`), which torch links into libtorch_cpu
+# and exports under the same vector ABI names as libmvec (`_ZGVeN16v_Sleef_expf_u10`). libmvec's
+# are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range: tests/test_math_accuracy.py,
+# docs/ops.md), and in a long chain those errors add up to several times eager's. So a vectorized
+# float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
+# same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
+# sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
+# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in double
+# (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
+# Both CPU backends call the same functions: cpp.py links them (`math_flags`), llvm_ir.py
+# declares them (`vector_variant`).
+SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}
+
+
+@functools.lru_cache(maxsize=None)
+def sleef_symbols_in(path: str) -> bool:
+    """True when the library at `path` (libtorch_cpu) exports SLEEF's float32 functions under
+    their vector ABI names, 8 and 16 lanes (x86-64 builds of torch do; others may not)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists(path):
+        return False
+    try:
+        lib = ctypes.CDLL(path)  # already in the process: this only finds it
+    except OSError:
+        return False
+    return all(hasattr(lib, f"_ZGV{v}_Sleef_{f}f_u10") for f in SLEEF for v in ("dN8v", "eN16v"))

@@ -8,10 +8,13 @@ once for all of them, unpacks int4 nibbles a 32-bit word at a time, or hands 16 
 tensor cores. Such kernels are a *family*: code that recognizes its form and renders it, kept out
 of the core's renderers and registered here:
 
-    families.register(Family("my GEMVs", "my_package.family", ("triton", "cpp")))
+    families.register(Family("my GEMVs", "my_package.family", ("triton", "cpp"), wants=has("matmul")))
 
 A backend's renderer asks `special(kernel, backend, arch)` before it renders a kernel the general
-way. Each family registered for that backend, in order, either takes the kernel (its source is
+way. A family says which kernels it wants to be asked about, `wants(kernel)`: a cheap test of
+the kernel IR (its class, a field that is set) that the core makes before it imports the family,
+so a kernel no family wants (a softmax, an elementwise loop) never calls into one. Each family
+registered for that backend that wants the kernel, in order, either takes it (its source is
 the kernel's) or declines with `Declined(notes)`. A note is a near miss worth telling (the
 kernel has the family's form, but a size or a layout ruled it out); the general renderer puts
 the notes in the kernel's header, so a reader of the generated kernel sees what was tried and
@@ -38,13 +41,15 @@ class Declined:
 
 @dataclass
 class Family:
-    """A kernel family: its name, the module that holds its renderers, and the backends it serves.
-    For each, the module has `render_<backend>(kernel, arch) -> str | Declined` (the kernel's
-    whole source, or why not)."""
+    """A kernel family: its name, the module that holds its renderers, the backends it serves,
+    and which kernels it wants to be asked about (`wants(kernel)`, checked before the module is
+    imported). For each backend, the module has `render_<backend>(kernel, arch) -> str | Declined`
+    (the kernel's whole source, or why not)."""
 
     name: str
     module: str
     backends: tuple[str, ...]
+    wants: Callable[[object], bool] = lambda kernel: True  # which kernels it is asked about
 
     def renderer(self, backend: str) -> Callable | None:
         if backend not in self.backends:
@@ -63,14 +68,23 @@ def register(family: Family) -> Family:
     return family
 
 
+def has(field: str) -> Callable[[object], bool]:
+    """A family's `wants` for the kernels whose IR field `field` is set (`has("matmul")`: a
+    reduction that computes a matmul, fusec/ir.py)."""
+    def wants(kernel) -> bool:
+        return getattr(kernel, field, None) is not None
+    wants.__qualname__ = f"has({field!r})"
+    return wants
+
+
 def special(kernel, backend: str, arch: int | None = None) -> tuple[str | None, list[str]]:
     """(source, notes): the source of the first registered family that takes `kernel` for
     `backend`, or None and the notes of the families that declined it."""
     notes: list[str] = []
     for family in REGISTRY:
-        render = family.renderer(backend)
-        if render is None:
+        if backend not in family.backends or not family.wants(kernel):
             continue
+        render = family.renderer(backend)
         answer = render(kernel, arch)
         if isinstance(answer, str):
             return answer, notes

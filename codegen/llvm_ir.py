@@ -9,7 +9,6 @@ goes to, and at what vector width) is the part that could stand alone next.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import math
@@ -25,6 +24,7 @@ from fusec import ops
 from fusec.ir import Const, Stmt, Var
 
 from . import llvm_build
+from .cpu_plan import SLEEF, sleef_symbols_in  # (Note: eager's vector math)
 from .llvm_build import Target, host
 from .render import render_template
 
@@ -283,17 +283,6 @@ def coords(e: Emitter, flat: str, shape: tuple[int, ...], prefix: str) -> list[s
 
 LIBM = {"sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "erf", "pow"}
 
-# Note (eager's vector math): for float32, eager's CPU kernels compute exp, expm1, log, log2 and
-# log1p with SLEEF's 1.0-ulp functions (`Sleef_expf16_u10`), which torch links into libtorch_cpu
-# and exports under the same vector ABI names as libmvec (`_ZGVeN16v_Sleef_expf_u10`). libmvec's
-# are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range: tests/test_math_accuracy.py,
-# docs/ops.md), and in a long chain those errors add up to several times eager's. So a vectorized
-# float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
-# same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
-# sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
-# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in double
-# (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
-SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}
 _CALL = re.compile(r"call (\S+) @([\w.]+)\(([^)]*)\)")
 
 
@@ -303,19 +292,6 @@ def vector_isas(target: Target | None = None) -> tuple[tuple[str, int], ...]:
     Declaring all of them lets the vectorizer find a match for whichever width it picks (gcc
     -march=native makes the same choice). Empty where there is no libmvec, or not on x86-64."""
     return (target or host()).vector_isas
-
-
-@functools.lru_cache(maxsize=None)
-def sleef_symbols_in(path: str) -> bool:
-    """True when the library at `path` (libtorch_cpu) exports SLEEF's float32 functions under
-    their vector ABI names, 8 and 16 lanes (x86-64 builds of torch do; others may not)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists(path):
-        return False
-    try:
-        lib = ctypes.CDLL(path)  # already in the process: this only finds it
-    except OSError:
-        return False
-    return all(hasattr(lib, f"_ZGV{v}_Sleef_{f}f_u10") for f in SLEEF for v in ("dN8v", "eN16v"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,9 +30,11 @@ from fusec.inspect.profile import profile
 from fusec.codegen import families as _families
 
 # The kernel families that ship with fusec (codegen/families.py): each backend's renderer asks
-# them first. Named, not imported: a family's code loads when a kernel is first offered to it.
+# them first about the kernels it wants (this one: a matmul computed as a sum). Named, not
+# imported: a family's code loads when a kernel is first offered to it.
 _families.register(_families.Family("quantized GEMV", "fusec.extensions.quant_gemv.family",
-                                    ("triton", "cpp")))
+                                    ("triton", "cpp"),
+                                    wants=_families.has("matmul")))
 
 TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"

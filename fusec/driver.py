@@ -190,8 +190,11 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     program = build_program(gm, kernels, memory, inplace)
     compiled = CompiledGraph(backend, captured, gm, snapshots, list(kernels.values()), program,
                              memory, inplace)
-    compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
-                                           len(getattr(captured, "lifted", ())))
+    if device is not None and not device.startswith("cuda"):  # kernels on the CPU: no CUDA graph
+        compiled.graph_blocker = f"its kernels run on {device}, not on a CUDA device"
+    else:
+        compiled.graph_blocker = graph_blocker(program, gm, len(program.input_slots),
+                                               len(getattr(captured, "lifted", ())))
     times["load"] += time.perf_counter() - start  # binaries loaded, then the program assembled
     compiled.times = times
     events.publish("compiled", compiled, label)

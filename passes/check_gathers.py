@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.graphmodule import looks_for
 from fusec.ir import meta_of
 from fusec.record import Decision, record_of
 
@@ -43,6 +44,7 @@ aten = torch.ops.aten
 MESSAGE_MAX = 254  # characters: the most an _assert_async message may have on a GPU
 
 
+@looks_for(*ops.GATHER_TARGETS)
 def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Read each gathered read's index without a widening cast, and check its values once."""
     graph, decisions, checked = gm.graph, [], set()

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision
 
@@ -43,6 +44,7 @@ from .grouping import constant_node, is_cat, new_node, record_decisions, val
 aten = torch.ops.aten
 
 
+@looks_for(aten.cat.default)
 def computed_pieces(gm: fx.GraphModule) -> fx.GraphModule:
     decisions: list[Decision] = []
     for cat in list(gm.graph.nodes):

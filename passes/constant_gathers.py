@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.graphmodule import looks_for
 from fusec.record import Decision
 
 from .fold_constants import known_value
@@ -51,6 +52,7 @@ from .unflatten import RESHAPES, pushable
 aten = torch.ops.aten
 
 
+@looks_for(*ops.GATHER_TARGETS)
 def constant_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     decisions: list[Decision] = []
     for node in list(gm.graph.nodes):

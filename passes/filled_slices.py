@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.graphmodule import looks_for
 from fusec.record import Decision
 
 from .grouping import new_node, record_decisions, val
@@ -47,6 +48,7 @@ FRESH = (aten.empty.memory_format, aten.zeros.default, aten.full.default, aten.o
          aten.full_like.default, aten.ones_like.default)
 
 
+@looks_for(aten.slice_scatter.default)
 def filled_slices(gm: fx.GraphModule) -> fx.GraphModule:
     decisions: list[Decision] = []
     for node in list(gm.graph.nodes):

@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from fusec import env, ops
-from fusec.graphmodule import copy_graph_module
+from fusec.graphmodule import copy_graph_module, looks_for
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
 
@@ -71,6 +71,7 @@ CONTIGUOUS_ONLY = {
 
 # ---- the pass ------------------------------------------------------------------------------------
 
+@looks_for(aten.convolution.default)
 def layout(gm: fx.GraphModule) -> fx.GraphModule:
     """Run the convolutions channels-last when the cost model says it pays (see module doc)."""
     convs = [n for n in gm.graph.nodes if n.op == "call_function"

@@ -65,6 +65,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.codegen import backends
+from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
@@ -77,6 +78,7 @@ from .unflatten import erase_dead, pushable
 aten = torch.ops.aten
 
 
+@looks_for(aten.permute.default)
 def move_permutes(gm: fx.GraphModule) -> fx.GraphModule:
     """Move permutes up to loaded values and down past pointwise ops (see the module docstring)."""
     graph = gm.graph

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
@@ -42,6 +43,7 @@ MIN_FLOPS = 2e9  # 2 * M * N * K below which the padding copies would cost more 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@looks_for(aten.mm.default)
 def pad_matmul(gm: fx.GraphModule) -> fx.GraphModule:
     decisions: list[Decision] = []
     for node in list(gm.graph.nodes):

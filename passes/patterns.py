@@ -31,6 +31,9 @@ rule applies (a replacement may expose another match: rules compose). Every appl
 every decline, is a `Decision(node, taken, why)` the calling pass keeps in its record, so
 `fusec.explain` shows what each rule did and why it did not. Users: passes/canonicalize.py (the
 canonical forms) and passes/simplify.py; a kernel family's graph rewrites use the same facility.
+A pass made of rules says what it looks for with its rules' root ops, `@looks_for(*roots(RULES))`
+(or `@looks_for_roots(lambda: RULES + REGISTERED)` where rules come later): the pipeline skips
+it on a graph that calls none of them (passes/__init__.py, `wanted`).
 """
 from __future__ import annotations
 
@@ -126,6 +129,39 @@ def register(rule: Rule) -> Rule:
 def unregister(name: str) -> None:
     """Remove the registered rule called `name` (nothing if there is none)."""
     REGISTERED[:] = [r for r in REGISTERED if r.name != name]
+
+
+def roots(rules: list[Rule]) -> frozenset:
+    """The ops at the roots of `rules`' patterns: `rewrite` tries a node only if it calls one, so
+    a graph that calls none of them gives the rules nothing to do."""
+    return frozenset(target for rule in rules for target in rule.roots)
+
+
+class _Roots:
+    """The roots of the rules `rules()` returns, read each time a question is asked."""
+
+    def __init__(self, rules: Callable[[], list[Rule]]):
+        self.rules = rules
+
+    def __contains__(self, target) -> bool:
+        return any(target in rule.roots for rule in self.rules())
+
+    def __iter__(self):
+        return iter(roots(self.rules()))
+
+    def __bool__(self) -> bool:
+        return bool(roots(self.rules()))
+
+
+def looks_for_roots(rules: Callable[[], list[Rule]]):
+    """Mark a pass made of rules with what it looks for (as fusec/graphmodule.py's `looks_for`
+    does with a list of ops): the roots of the rules `rules()` returns, so the list can never
+    drift from the rules. `rules` is a function, `@looks_for_roots(lambda: RULES + REGISTERED)`:
+    the rules are defined below the pass, and a rule registered later counts too."""
+    def mark(function):
+        function.looks_for = _Roots(rules)
+        return function
+    return mark
 
 
 def match(pattern, value, m: Match | None = None) -> Match | None:

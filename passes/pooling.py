@@ -32,6 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fusec.graphmodule import looks_for
 from fusec.record import Decision, record_of
 
 from .grouping import meta
@@ -45,6 +46,7 @@ MAX_POOLS = {aten.max_pool2d_with_indices.default: 2, aten.max_pool3d_with_indic
 AVG_POOLS = {aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
 
 
+@looks_for(*MAX_POOLS, *AVG_POOLS)
 def pooling(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite non-overlapping max and average pools as reductions (see the module docstring)."""
     decisions = []

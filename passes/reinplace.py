@@ -41,12 +41,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.graphmodule import looks_for
 from fusec.record import Reinplaced, record_of
 
 aten = torch.ops.aten
 
 
 
+@looks_for(aten.index_put.default)
 def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
     done = []
     copies = {n.args[1]: n for n in gm.graph.nodes

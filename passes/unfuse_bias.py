@@ -52,12 +52,14 @@ import torch
 import torch.fx as fx
 
 from fusec import ops
+from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Unfused, record_of
 
 aten = torch.ops.aten
 
 
+@looks_for(aten.addmm.default, aten.convolution.default)
 def unfuse_bias(gm: fx.GraphModule) -> fx.GraphModule:
     done: list[Unfused] = []
     for node in list(gm.graph.nodes):

@@ -78,3 +78,32 @@ def test_the_quantized_gemvs_are_a_registered_family():
     assert gemv[0].renderer("triton") is not None and gemv[0].renderer("llvm") is None
     source = open(triton_reduction.__file__).read()
     assert "gemv" not in source.split('"""', 2)[2].lower()
+
+
+def test_a_family_is_asked_only_about_the_kernels_it_wants(toy, tmp_path, monkeypatch):
+    """`wants(kernel)` is asked before the family's module is imported: a family that wants none
+    of a program's kernels is never loaded (here its module does not even exist)."""
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    asked = []
+    families.register(families.Family("absent", "no_such_family_module", ("triton",),
+                                      wants=lambda kernel: asked.append(kernel.name) or False))
+    x = torch.randn(6, 33, device=TRITON_DEVICE)
+    assert_matches(row_sums, x, backend="triton")
+    assert asked and "no_such_family_module" not in sys.modules
+
+
+def test_the_quantized_gemvs_want_only_matmuls_computed_as_sums(tmp_path, monkeypatch):
+    """The GEMV family wants a reduction that is a matmul (`ReductionKernel.matmul`, set by
+    passes/small_matmul.py): a softmax's kernels are never offered to it, an int8 linear of one
+    row is."""
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    gemv = next(f for f in families.REGISTRY if f.name == "quantized GEMV")
+    x = torch.randn(5, 33)
+    softmax = assert_matches(lambda x: torch.softmax(x.sin() * 2, -1), x, backend="cpp")
+    assert softmax.kernels and not any(gemv.wants(k.ir) for k in softmax.kernels)
+    w = torch.randint(-127, 128, (7, 33), dtype=torch.int8)
+    linear = assert_matches(lambda x, w, s: torch.nn.functional.linear(x, w.float()) * s,
+                            x[:1], w, torch.rand(7), backend="cpp")
+    assert [k.ir.matmul is not None for k in linear.kernels] == [True]
+    assert gemv.wants(linear.kernels[0].ir)

@@ -7,7 +7,7 @@ units in the last place (ulp) of float32 against float64's answer, unrounded (a 
 result is 0.5 ulp away at most). The bounds asserted here are the ones docs/ops.md states.
 
 The bound is eager's: max(1 ulp, eager's error on the same inputs), for every function. exp,
-expm1, log, log2, log1p, sin, cos and tan call torch's own SLEEF (codegen/llvm_ir.py, Note:
+expm1, log, log2, log1p, sin, cos and tan call torch's own SLEEF (codegen/cpu_plan.py, Note:
 eager's vector math) where torch exports it; elsewhere they come from glibc's libmvec, whose
 bounds (measured) are the ones asserted then. tanh and erf are fusec's own, computed in double
 (cpp_prelude.h), on every machine; exp2 is libmvec's, within 1 ulp.

@@ -1,7 +1,8 @@
 """docs/reading.md, the reading path through the core, kept true by walking a compile.
 
 The page names files and, on the path, the functions to read in each. Here: every named function
-exists; the lines of the path and the files of the walk are what the page says; and compiling
+exists, and every file of the path runs; the lines of the path and the files and lines of the
+walk are what the page says; and compiling
 `sin(x) * 2` and a softmax on every backend, with a profiler hook that records the file of every
 Python function called (in this thread and in fusec's build threads), runs code only in files the
 page names. A new file on the compile's way fails this test until the page says where it fits.
@@ -132,11 +133,28 @@ def test_a_compile_runs_only_code_the_page_names(walks, backend):
     assert not outside, f"{backend}: functions ran in files docs/reading.md does not name: {outside}"
 
 
+def test_every_file_of_the_path_runs(walks):
+    """The path is the compile as it runs: each of its Python files runs a function on the C++
+    backend (the backend it follows)."""
+    idle = [f for f, _ in path_stops() if f.endswith(".py") and f not in walks["cpp"]]
+    assert not idle, f"docs/reading.md's path names files the compile does not run: {idle}"
+
+
+def lines_of(files) -> int:
+    return sum(len((ROOT / f).read_text().splitlines()) for f in files if f.endswith(".py"))
+
+
 def test_the_page_says_how_long_the_path_and_the_walk_are(walks):
     text = sections()["How long the path is"]
     lines = int(re.search(r"about (\d+) lines", text).group(1))
-    files = int(re.search(r"counts at most (\d+)\s+files", text).group(1))
+    found = re.search(r"counts at most (\d+)\s+files\s+and\s+([\d,]+)\s+lines", text)
+    files, walk_lines = int(found.group(1)), int(found.group(2).replace(",", ""))
     assert abs(lines - path_lines()) <= 0.1 * path_lines(), (lines, path_lines())
     # At most: a module first imported during the walk, or a function whose result an earlier
     # compile in the same process cached, makes the count vary a little from run to run.
     assert len(walks["cpp"]) <= files, (files, len(walks["cpp"]))
+    assert lines_of(walks["cpp"]) <= walk_lines, (walk_lines, lines_of(walks["cpp"]))
+    llvm, triton = map(int, re.search(r"at most (\d+) and (\d+) files on LLVM and Triton",
+                                      " ".join(text.split())).groups())
+    assert len(walks["llvm"]) <= llvm, (llvm, len(walks["llvm"]))
+    assert len(walks["triton"]) <= triton, (triton, len(walks["triton"]))
