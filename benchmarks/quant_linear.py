@@ -11,7 +11,7 @@ and through fusec. Each row gives the median time and the weight bytes per secon
 packed int4 bytes plus their scales, which is what the layer has to read); each fusec row also
 the quantized weight's bytes alone per second (issue 15's "TB/s of packed bytes"). `--sweep` also times
 the fusec GEMV kernel with other block sizes (extensions/quant_gemv/triton_gemv.py, gemv_blocks) and with the GEMV
-forced at every M (passes/small_matmul.py, SMALL_M), the measurements behind both choices.
+forced at every M (extensions/quant_gemv/small_matmul.py, SMALL_M), the measurements behind both choices.
 Packed int4 at small M is read as 32-bit words: at M = 1 dequantized once per group
 (extensions/quant_gemv/triton_gemv_int4_groups.py), at M = 2-16 multiplied on tensor cores with K split
 (extensions/quant_gemv/triton_gemv_int4_mma.py), else per weight (extensions/quant_gemv/triton_gemv_int4.py, M <= 4).
@@ -275,7 +275,7 @@ def sweep(rows, layers, x, m, row):
     """Other GEMV block sizes, and the GEMV at M above SMALL_M."""
     import fusec.extensions.quant_gemv.triton_gemv as tr
     import importlib
-    sm = importlib.import_module("fusec.passes.small_matmul")  # the module, not the pass function
+    sm = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")  # the module, not the pass function
     default_blocks, default_dot, default_m = tr.gemv_blocks, tr.gemv_dot_blocks, sm.SMALL_M
     sm.SMALL_M = 64
     try:

@@ -114,7 +114,7 @@ def _tensors(sub: fx.GraphModule, space: _Space, in_layouts: list[Layout],
     pieces, spaces = _cat_tensors(sub, space, in_layouts, tensors)
     only_pieces = {p.index for p in pieces} - {i for i, ph in enumerate(placeholders)
                                                if any(not is_cat(u) for u in ph.users)}
-    # A gathered read (`scales[g_idx]` in a GEMV's dequantization): its index and its source,
+    # A gathered read (`scales[g_idx]` in a weight computed from a table): its index and its source,
     # indexed over the read's output (lower.py, `gather_layouts`), in the read's space.
     gathers = [(n, g, *gather_layouts(g, placeholders, in_layouts)) for n in sub.graph.nodes
                if (g := ops.gathered_read(n)) is not None]
@@ -139,11 +139,11 @@ def _cat_tensors(sub: fx.GraphModule, space: _Space, in_layouts: list[Layout],
     """The pieces of the group's cats and the space each is read in; adds each piece's entry
     and its sentinel's to `tensors`."""
     placeholders, perm, row_order, dims = space.placeholders, space.perm, space.row_order, space.dims
-    # A GEMV over sibling weights (passes/sibling_gemvs.py) reads them as pieces of a cat along
+    # A matmul over weights joined along N (`fusec_pieces`) reads them as pieces of a cat along
     # a row dim: each piece is indexed over the whole space, shifted back by where it starts,
     # and a "sentinel" with a stride only along the cat's dim keeps that dim a loop dim of its
     # own through the merging of dims, so the kernel can compare its coordinate with the bounds.
-    # (A cat read per row, sibling biases added after the sum, is indexed over the rows alone.)
+    # (A cat read per row, joined biases added after the sum, is indexed over the rows alone.)
     cats = [c for c in sub.graph.nodes if is_cat(c)]
     pieces = cat_pieces(sub, placeholders, in_layouts, space.shape,
                         [c for c in cats if space_of(c) == "elem"])

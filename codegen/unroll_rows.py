@@ -1,14 +1,14 @@
-"""A GEMV's few activation rows unrolled into its kernel (kernel IR to kernel IR, for the LLVM
+"""A matmul's few activation rows unrolled into its kernel (kernel IR to kernel IR, for the LLVM
 and C++ backends).
 
 A linear with M activation rows is a reduction with rows (m, n): out[m, n] = sum_k x[m, k] *
-W[n, k]. Computed row by row, each weight row is loaded and dequantized M times (a packed int4
-linear at M = 4 took 2.5 ms on this project's CPU against eager's 2.1). `unroll_rows` rewrites
-the kernel so that its rows are n alone and each row does the work of all M (m, n) rows:
+W[n, k]. Computed row by row, each weight row is loaded, and computed when the weight is
+computed (unpacked from bytes and scaled, say), M times. `unroll_rows` rewrites the kernel so
+that its rows are n alone and each row does the work of all M (m, n) rows:
 
-    before: rows (m, n)   loads x[m, k], q[n, k]    w = dequant(q)    s = sum(x * w)     store out[m, n]
+    before: rows (m, n)   loads x[m, k], q[n, k]    w = f(q)    s = sum(x * w)     store out[m, n]
     after:  rows (n)      loads x[0, k] .. x[M-1, k], q[n, k]
-                          w = dequant(q)            (once: it does not depend on m)
+                          w = f(q)                  (once: it does not depend on m)
                           s_m0 = sum(x_m0 * w) ... s_m3 = sum(x_m3 * w)
                           store out[0, n] .. out[M-1, n]
 
@@ -18,10 +18,10 @@ further; what does not depend on m stays one value. The loop plan is made again 
 kernel (codegen/lower_reduction.plan_loops), so the backend spells it like any reduction with
 M sums in one loop: each weight value computed once, and M independent chains of additions.
 The sums are the same sums, in the same blocks. Both CPU backends call it before they spell a
-reduction (the C++ backend after its packed-int4 table kernel, cpp_int4.py, has declined).
+reduction (after the kernel families, codegen/families.py, have declined it).
 
-Why: at M = 4 on this project's CPU it cut the int8 linear's time by 30-65% and the packed int4
-one's (LLVM) by a third, each to below eager's (`python benchmarks/diagnostics/cpu_quant_linear.py`).
+Why: with a few rows, the weight's loads and the work on them are shared by every row; on this
+project's CPU it cut an 8-bit linear's time at M = 4 by 30-65%, to below eager's.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from fusec.ir import Const, Index, Reduce, ReductionKernel, Store, Var
 
 from .lower_reduction import plan_loops
 
-MAX_M = 8  # activation rows (passes/small_matmul.py sends at most 8 on a CPU)
+MAX_M = 8  # activation rows unrolled at most
 
 
 def unrolled_or_same(kernel: ReductionKernel) -> tuple[ReductionKernel, str]:
@@ -48,7 +48,7 @@ def unrolled_or_same(kernel: ReductionKernel) -> tuple[ReductionKernel, str]:
 
 def unroll_rows(kernel: ReductionKernel) -> ReductionKernel | None:
     """The kernel with its M (2..MAX_M) activation rows unrolled (see above), or None when it is
-    not a GEMV-like sum whose loop computes something from the weight alone."""
+    not a matmul-like sum whose loop computes something from the weight alone."""
     plan = kernel.plan
     # rows (m, n), or (m, n0, n1) for a weight packed along N (ReductionKernel.matmul_rows)
     split = kernel.split_columns and len(kernel.row_shape) == 1 + len(kernel.matmul_rows[1])

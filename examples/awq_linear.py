@@ -14,8 +14,8 @@ positions, and subtracts and scales per group:
     y = x @ w
 
 fusec turns this into one GEMV kernel that reads the packed words once: passes/constant_gathers.py
-moves the reordering onto the shift amounts (the table is a constant), passes/refine_views.py
-computes the weight as (K/G, G, N/8, 8) so that no reshape is left, and passes/small_matmul.py makes
+moves the reordering onto the shift amounts (the table is a constant), extensions/quant_gemv/refine_views.py
+computes the weight as (K/G, G, N/8, 8) so that no reshape is left, and extensions/quant_gemv/small_matmul.py makes
 the product a reduction over K with the unpacking as its prologue. Only the zero points (a
 (K/G, N) tensor, 1/G of the weight) are unpacked by two small kernels first.
 `python examples/awq_linear.py` prints the bytes moved and GB/s.

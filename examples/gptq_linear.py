@@ -15,8 +15,8 @@ int8, and subtracts and scales per group:
     z = ((qzeros[:, :, None] >> [0, 4, ..., 28]).to(int8) & 15).view(K / G, 1, N)
     y = x @ (scales[:, None, :] * (w - z)).view(K, N)
 
-fusec turns this into one GEMV over the packed words: passes/refine_views.py computes the weight
-as (K/G, G/8, 8, N) so that no reshape is left, and passes/small_matmul.py makes the product a
+fusec turns this into one GEMV over the packed words: extensions/quant_gemv/refine_views.py computes the weight
+as (K/G, G/8, 8, N) so that no reshape is left, and extensions/quant_gemv/small_matmul.py makes the product a
 reduction over K with the unpacking as its prologue. On a GPU at one activation row,
 passes/split_reductions.py cuts K into chunks of whole groups, each read by a kernel that
 applies zero point and scale once per group (extensions/quant_gemv/triton_gemv_int4_k_words.py), and a small

@@ -8,7 +8,7 @@ holds the weights of columns 2j (low nibble) and 2j + 1 (high nibble), so unpack
 on the packed bytes viewed as (N, K / G, G / 2) so that the group's scale broadcasts.
 
 fusec sees that the matmul's weight is computed from packed bytes and turns the small-M product
-into one GEMV kernel (passes/small_matmul.py): it reads each packed byte once, unpacks both nibbles
+into one GEMV kernel (extensions/quant_gemv/small_matmul.py): it reads each packed byte once, unpacks both nibbles
 in registers, dequantizes them and multiplies them by the matching activations, a quarter of the
 bytes of a bf16 weight. `python examples/int4_linear.py` prints the bytes moved and GB/s.
 """

@@ -5,7 +5,7 @@ Decoding one token multiplies one activation row by the whole weight, so the tim
 weight's bytes over the memory bandwidth, and int8 halves those bytes against bf16. Eager PyTorch
 (and a compiler that keeps the library matmul) first writes a bf16 copy of the weight, then reads
 it again: slower than not quantizing at all. fusec rewrites the small-M matmul as a GEMV
-reduction (passes/small_matmul.py): one kernel reads the int8 weight once, converts it in
+reduction (extensions/quant_gemv/small_matmul.py): one kernel reads the int8 weight once, converts it in
 registers (the prologue), sums over K and multiplies by the scale (the epilogue).
 
 `python examples/int8_linear.py` prints the bytes each version moves and the bandwidth it reached.

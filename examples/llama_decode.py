@@ -5,7 +5,7 @@ key/value heads than query heads) over a *static* KV cache (a buffer of max_seq 
 in place at `pos`, so every step has the same shapes), and a SwiGLU MLP. One decode step reads
 every weight once for one token: its time is the weight bytes over the memory bandwidth, which is
 why int8 (examples/int8_linear.py) and int4 (examples/int4_linear.py) weights pay off here, if
-each quantized linear is one kernel that reads the quantized bytes (passes/small_matmul.py).
+each quantized linear is one kernel that reads the quantized bytes (extensions/quant_gemv/small_matmul.py).
 "awq" stores each weight as AWQ checkpoints do (examples/awq_linear.py: eight nibbles along N per
 int32, unpacked in plain torch), "gptq" as GPTQ checkpoints do (examples/gptq_linear.py: eight
 nibbles along K per int32, the words N-contiguous), "gptq_g_idx" the same read through g_idx as

@@ -27,6 +27,9 @@ from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR print
 from fusec.inspect.explain import explain
 from fusec.inspect.profile import profile
 
+import torch as _torch
+
+from fusec import passes as _passes
 from fusec.codegen import families as _families
 
 # The kernel families that ship with fusec (codegen/families.py): each backend's renderer asks
@@ -35,6 +38,14 @@ from fusec.codegen import families as _families
 _families.register(_families.Family("quantized GEMV", "fusec.extensions.quant_gemv.family",
                                     ("triton", "cpp"),
                                     wants=_families.has("matmul")))
+# Its graph rewrites (passes/__init__.py, `register`), just before the core's pad_matmul: matmuls
+# that read one activation row joined over their weights, then small-M matmuls with a computed
+# weight written as sums over K. Both rewrite only mm and addmm, so a graph without one never
+# imports them.
+for _name in ("sibling_gemvs", "small_matmul"):
+    _passes.register(_passes.ExtensionPass(
+        _name, f"fusec.extensions.quant_gemv.{_name}", before="pad_matmul",
+        looks_for=frozenset({_torch.ops.aten.mm.default, _torch.ops.aten.addmm.default})))
 
 TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"

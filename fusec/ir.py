@@ -294,10 +294,10 @@ class ReductionKernel:
 
     @property
     def matmul_rows(self) -> tuple[int, tuple[int, ...]] | None:
-        """A GEMV's rows as (M, the dims of N): rows (N,) are (1, (N,)), rows (M, N) are
-        (M, (N,)). A weight packed along N (AWQ's eight nibbles per int32 along N) is computed
-        with N cut in parts (passes/refine_views.py), and rows (N/8, 8) are (1, (N/8, 8)).
-        None when this is no GEMV, or its rows are something else."""
+        """A matmul's rows as (M, the dims of N): rows (N,) are (1, (N,)), rows (M, N) are
+        (M, (N,)). A weight computed with N cut in parts (eight 4-bit columns packed in each
+        int32 along N, say) has rows (N/8, 8): (1, (N/8, 8)). None when this is no matmul, or
+        its rows are something else."""
         if self.matmul is None or not self.row_shape:
             return None
         n = self.matmul["n"]
@@ -309,7 +309,7 @@ class ReductionKernel:
 
     @property
     def split_columns(self) -> bool:
-        """Whether a GEMV's output columns are computed in several dims (see matmul_rows)."""
+        """Whether a matmul's output columns are computed in several dims (see matmul_rows)."""
         rows = self.matmul_rows
         return rows is not None and len(rows[1]) > 1
 

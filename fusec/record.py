@@ -4,7 +4,7 @@ A compiler's stages talk to each other. Here they do it through two records, nev
 string keys or globals:
 
     PassRecord    what the passes decided about one graph: nodes DCE removed, values CSE merged,
-                  the matmul rewrites taken or declined, the layout plan, the fusion refusals, and
+                  the rewrites taken or declined, the layout plan, the fusion refusals, and
                   the schedule. It travels with the graph: `record_of(gm).schedule`.
     Compilation   what the driver made of one input signature: the captured graph, the graph
                   after the passes (and their PassRecord), the memory plan, the in-place plan,
@@ -127,7 +127,8 @@ class Unfused(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """A rewrite a pass considered for `node` (small_matmul, pad_matmul): taken or not, and why."""
+    """A rewrite a pass considered for `node` (pad_matmul, split_reductions, ...): taken or not,
+    and why."""
 
     node: str
     taken: bool
@@ -174,8 +175,6 @@ class PassRecord:
     computed_pieces: list[Decision] = field(default_factory=list)
     reinplace: list[Reinplaced] = field(default_factory=list)
     unfuse_bias: list[Unfused] = field(default_factory=list)
-    sibling_gemvs: list[Decision] = field(default_factory=list)
-    small_matmul: list[Decision] = field(default_factory=list)
     pad_matmul: list[Decision] = field(default_factory=list)
     pooling: list[Decision] = field(default_factory=list)
     layout: Any = None  # passes/layout_plan.py LayoutPlan: channels-last or not, and why

@@ -1,7 +1,7 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
-                small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+                pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 A pass that only rewrites some ops says which (`@looks_for(aten.mm.default, ...)`, from
 fusec/graphmodule.py), and `run_pipeline` skips it when the graph has none of them: compiling
@@ -41,14 +41,12 @@ from .move_permutes import move_permutes
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule
-from .sibling_gemvs import sibling_gemvs
 from .simplify import simplify
-from .small_matmul import small_matmul
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias, sibling_gemvs,
-            small_matmul, pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
+PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+            pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 
 @dataclass

@@ -176,7 +176,7 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
         return None
     rows, k, per_program, programs = programs_of(node, red)
     if programs < FEW_PROGRAMS and per_program * k >= LONG_PROGRAM and \
-            not spread_gemv(node, rows, per_program):
+            not spread_columns(node, rows, per_program):
         what = (f"{rows} row(s) of {k} elements" if per_program == 1 else
                 f"{rows} rows of {k} elements, {per_program} adjacent rows per program (a column "
                 f"reduction)")
@@ -186,13 +186,14 @@ def few_long_rows(node: fx.Node, red: ops.ReductionCall) -> str | None:
     return None
 
 
-def spread_gemv(node: fx.Node, rows: int, per_program: int) -> bool:
-    """A GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column reduction
-    to `programs_of`: its kernel takes only as many neighbouring columns per program as keep every
-    SM busy (extensions/quant_gemv/triton_gemv.py, gemv_blocks_n_major), so it has no few long rows once there
-    are 2 * FEW_PROGRAMS columns. (GPTQ's int4 weight at K = N = 8192, M = 1 on an H200: 0.185 ms
-    split in two reductions, the product stored whole first as an extern's operand before.)"""
-    return bool(node.meta.get("fusec_matmul")) and per_program > 1 and rows >= 2 * FEW_PROGRAMS
+def spread_columns(node: fx.Node, rows: int, per_program: int) -> str | None:
+    """Why a column reduction (`programs_of`) has no few long rows, or None. The pass that made
+    `node` may say that its kernel takes only as many neighbouring columns per program as keep
+    every SM busy, and why (`node.meta["fusec_spreads_columns"]`, a kernel family's): then it has
+    programs enough once there are 2 * FEW_PROGRAMS columns, and neither split_reductions nor
+    few_long_rows touches it."""
+    why = node.meta.get("fusec_spreads_columns")
+    return why if why and per_program > 1 and rows >= 2 * FEW_PROGRAMS else None
 
 
 def reduction_key(node: fx.Node, red: ops.ReductionCall) -> tuple:
@@ -226,7 +227,7 @@ def space(node: fx.Node, key: tuple, inside: set) -> str:
     if node.meta.get("fusec_pieces") and node.users and all(
             u in inside and any(a is not node and a in inside and space(a, key, inside) == "rows"
                                 for a in u.all_input_nodes) for u in node.users):
-        return "rows"  # sibling biases (passes/sibling_gemvs.py): read per row, with the sums
+        return "rows"  # pieces read per row (biases joined along the rows): with the sums
     if any(a in inside and space(a, key, inside) == "rows" for a in node.all_input_nodes):
         return "rows"
     return "elem"
@@ -246,7 +247,7 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
     if gathered:
         return gathered
     if any(is_cat(n) and not n.meta.get("fusec_pieces") for n in (*a.nodes, *b.nodes)):
-        # (except sibling weights read by a GEMV along its rows: passes/sibling_gemvs.py)
+        # (except tensors read where they lie as pieces along a reduction's rows, `fusec_pieces`)
         return "one side concatenates (torch.cat): only a pointwise kernel reads pieces"
     if meta(a.nodes[0]).device != meta(b.nodes[0]).device:
         return "different devices"

@@ -108,8 +108,8 @@ def numel_rank(shape: tuple[int, ...]):
 
 def op_name(node: fx.Node) -> str:
     """The short name of what a node computes: its op-table row, reduction, or view."""
-    if "fusec_matmul" in node.meta:  # a matmul rewritten as a sum (passes/small_matmul.py)
-        return "gemv"
+    if "fusec_name" in node.meta:  # named by the pass that made it (see kernel_name)
+        return node.meta["fusec_name"]["name"]
     red = ops.reduction(node)
     if red is not None:
         return red.op.name
@@ -122,14 +122,16 @@ def op_name(node: fx.Node) -> str:
 def kernel_name(nodes: list[fx.Node], index: int) -> str:
     """`fused_sin_sin_mul_0`: the ops in order, then the kernel's position in the program."""
     names = [op_name(n) for n in nodes]
-    if "gemv" in names:
-        # a small-M matmul with its prologue and epilogue (passes/small_matmul.py):
-        # `fused_dequant_gemv_mul_add_gelu_0`, the epilogue's ops after the GEMV, casts left out
-        at = names.index("gemv")
+    at = next((i for i, n in enumerate(nodes) if "prologue" in n.meta.get("fusec_name", {})), None)
+    if at is not None:
+        # a node that a pass named with a word for its prologue (node.meta["fusec_name"] =
+        # {"name": "mv", "prologue": "unpack"}): the ops before it are that word when they read
+        # integers (a weight stored as integers), else nothing; the ops after it follow, casts
+        # left out: `fused_unpack_mv_mul_add_gelu_0`
         prologue = any(isinstance(i.meta.get("fusec"), TensorMeta) and
                        not i.meta["fusec"].dtype.is_floating_point
-                       for n in nodes[:at] for i in n.all_input_nodes)  # reads integer weights
-        names = (["dequant"] if prologue else []) + ["gemv"] + \
+                       for n in nodes[:at] for i in n.all_input_nodes)
+        names = ([nodes[at].meta["fusec_name"]["prologue"]] if prologue else []) + [names[at]] + \
             [x for x in names[at + 1:] if x not in ("to", "copy")]
     if len(names) > MAX_NAME_OPS:
         names = names[: MAX_NAME_OPS - 1] + [f"{len(names) - MAX_NAME_OPS + 1}more"]

@@ -31,15 +31,13 @@ Rules, each decision kept in `record_of(gm).split_reductions` and shown by `fuse
 
 * only on GPU devices (SPLIT_DEVICES): a CPU thread walks rows one by one and every thread is
   busy once there are as many rows as threads;
-* a GEMV (passes/small_matmul.py) of one activation row whose weight is packed along N (AWQ's
-  eight 4-bit columns to an int32 word, `packed_along_n`): its K is cut into chunks of whole
-  groups whatever its rows, each chunk read by extensions/quant_gemv/triton_gemv_int4_columns.py
-  (`FUSEC_INT4_COLUMNS=0` keeps one GEMV); the same for int4 words packed along K and stored
-  N-contiguous (GPTQ's, `packed_along_k`), each chunk read by extensions/quant_gemv/triton_gemv_int4_k_words.py
-  (both rules in passes/packed_chunks.py);
-* not a GEMV's sum over a weight stored N-contiguous (passes/small_matmul.py), a column
-  reduction to the rule below: its kernel takes many neighbouring columns per program and still
-  has programs for every SM once there are 2 * FEW_PROGRAMS columns;
+* a reduction made by a pass that also says how to cut it (`node.meta["fusec_split_rule"]`, a
+  function of the node and its ReductionCall that returns the dim, the number of chunks and
+  why, or None) is cut as its rule says, whatever its rows: a kernel family that reads each
+  chunk with a kernel of its own (extensions/) knows its chunks better than the rules below;
+* not a column reduction whose kernel spreads its columns over the GPU itself
+  (`fuse_reductions.spread_columns`, said by the pass that made it): it still has programs for
+  every SM once there are 2 * FEW_PROGRAMS columns;
 * only reductions whose partial results combine with the same reduction: sum, amax, amin (an
   argmax's partial results would need their positions carried along);
 * only when the kernel would have fewer programs than the GPU has SMs (FEW_PROGRAMS), each with
@@ -66,9 +64,8 @@ from fusec.record import Decision, record_of
 
 from .fuse_reductions import FEW_PROGRAMS as _FEW_PROGRAMS
 from .fuse_reductions import LONG_PROGRAM as _LONG_PROGRAM
-from .fuse_reductions import programs_of, spread_gemv
+from .fuse_reductions import programs_of, spread_columns
 from .grouping import meta
-from .packed_chunks import packed_along_k, packed_along_n
 from .schedule import fake_mode_of
 from .unflatten import Unflattener
 
@@ -95,24 +92,20 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
         red = None if getattr(node, "_erased", False) else ops.reduction(node)
         if red is None or not str(meta(node).device).startswith(SPLIT_DEVICES):
             continue
-        packed = packed_along_n(node, red) or packed_along_k(node, red)
-        if packed is not None:
-            d, chunks, layout, kernel = packed
+        rule = node.meta.get("fusec_split_rule")  # (see the module docstring)
+        own = rule(node, red) if rule is not None else None
+        if own is not None:
+            d, chunks, why = own
             mode = mode or fake_mode_of(gm)
-            k = math.prod(meta(red.operand).shape[r] for r in red.dims)
             _split(gm, node, red, d, chunks, mode, views)
-            decisions.append(Decision(node.name, True, (
-                f"a GEMV of {layout} at M = 1: K = {k} cut in {chunks} chunks of "
-                f"{k // chunks} (whole groups), each chunk's partial sums by one kernel "
-                f"({kernel}), then added up")))
+            decisions.append(Decision(node.name, True, why))
             continue
         rows, k, per_program, programs = programs_of(node, red)
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
             continue
-        if spread_gemv(node, rows, per_program):
-            decisions.append(Decision(node.name, False, f"a GEMV (passes/small_matmul.py) of {rows} "
-                                      "columns stored side by side: its kernel spreads them over "
-                                      "the GPU itself (extensions/quant_gemv/triton_gemv.py, gemv_blocks_n_major)"))
+        spread = spread_columns(node, rows, per_program)
+        if spread:
+            decisions.append(Decision(node.name, False, f"{rows} columns side by side: {spread}"))
             continue
         if red.op.name not in SPLITTABLE:
             decisions.append(Decision(node.name, False, f"{red.op.name}: its partial results "

@@ -1,5 +1,5 @@
 """Gathers by an index known while compiling (passes/constant_gathers.py), and weights packed
-along N (AWQ: passes/refine_views.py cuts N, the GEMVs take columns in several dims). Every
+along N (AWQ: extensions/quant_gemv/refine_views.py cuts N, the GEMVs take columns in several dims). Every
 backend, against eager and a float64 reference."""
 import importlib
 import re
@@ -12,7 +12,7 @@ from conftest import GPU, assert_matches
 from fusec.record import record_of
 
 awq = importlib.import_module("fusec.examples.awq_linear")
-small_matmul = importlib.import_module("fusec.passes.small_matmul")  # the module
+small_matmul = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")  # the module
 F16, BF16 = torch.float16, torch.bfloat16
 
 
@@ -145,7 +145,7 @@ def test_a_weight_packed_along_n_is_one_kernel(target, m):
     with torch.no_grad():
         cf = assert_matches(layer, x, backend=backend, kernels=1)  # (K = 96: one chunk, not cut)
     assert "qweight" in gemv(cf).source
-    (taken,) = record(cf).small_matmul
+    (taken,) = record(cf).extensions["small_matmul"]
     assert taken.taken and "computing it as (3, 32) x (3, 8)" in taken.why
 
 
@@ -277,7 +277,7 @@ def test_awq_at_eight_rows_is_dequantized_once_for_the_library_matmul(target, mo
     ex = awq.example(m=8, k=128, n=64, group=32, device=device)
     with torch.no_grad():
         cf = assert_matches(ex.fn, *ex.inputs, backend=backend, kernels=3)
-    (d,) = record(cf).small_matmul
+    (d,) = record(cf).extensions["small_matmul"]
     assert not d.taken and d.why.startswith("a weight packed along N") and "M = 8 > 4" in d.why
     assert sum("qweight" in k.source for k in cf.kernels) == 1
     assert not any(k.name.startswith("fused_copy") for k in cf.kernels)
@@ -287,4 +287,4 @@ def test_awq_at_eight_rows_on_a_cpu_keeps_the_gemv():
     ex = awq.example(m=8, k=128, n=64, group=32)
     with torch.no_grad():
         cf = assert_matches(ex.fn, *ex.inputs, backend="cpp", kernels=3)
-    assert gemv(cf) and record(cf).small_matmul[0].taken
+    assert gemv(cf) and record(cf).extensions["small_matmul"][0].taken

@@ -17,7 +17,7 @@ from fusec import ops
 from fusec.record import record_of
 
 llama = importlib.import_module("fusec.examples.llama_decode")
-small_matmul = importlib.import_module("fusec.passes.small_matmul")
+small_matmul = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")
 
 
 @pytest.fixture

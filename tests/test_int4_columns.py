@@ -1,4 +1,4 @@
-"""AWQ-style GEMVs at M = 1 cut along K (passes/split_reductions.py, packed_along_n) and each
+"""AWQ-style GEMVs at M = 1 cut along K (passes/split_reductions.py, by extensions/quant_gemv/packed_chunks.py's packed_along_n) and each
 chunk read by the column kernel (extensions/quant_gemv/int4_columns.py, extensions/quant_gemv/triton_gemv_int4_columns.py).
 
 The cut is made on GPUs only (SPLIT_DEVICES); here it is switched on for the CPU too, so that

@@ -1,5 +1,5 @@
 """GPTQ-style GEMVs at M = 1 (int4 words packed along K, N contiguous) cut along K
-(passes/split_reductions.py, passes/packed_chunks.py) and each chunk read by the K-packed kernel
+(passes/split_reductions.py, extensions/quant_gemv/packed_chunks.py) and each chunk read by the K-packed kernel
 (extensions/quant_gemv/int4_k_words.py, extensions/quant_gemv/triton_gemv_int4_k_words.py).
 
 The cut is made on GPUs only (SPLIT_DEVICES); here it is switched on for the CPU too, so that the
@@ -54,7 +54,7 @@ def test_gptq_at_one_row_is_cut_along_k_and_read_by_the_k_words_kernel(dtype, gr
     # the chunk kernel reads the words; the zero points are unpacked first; a second kernel adds
     # the chunks up
     assert sum("p_qweight" in kk.source for kk in cf.kernels) == 1 and len(cf.kernels) == 3
-    chunks = k // max(group, importlib.import_module("fusec.passes.packed_chunks").K_WORDS_CHUNK)
+    chunks = k // max(group, importlib.import_module("fusec.extensions.quant_gemv.packed_chunks").K_WORDS_CHUNK)
     columns.cut_as_said(cf, g, layer, x, chunks,
                         "a GEMV of int4 words packed along K (N contiguous) at M = 1")
 

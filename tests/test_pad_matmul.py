@@ -12,7 +12,7 @@ import torch
 import fusec
 from conftest import assert_matches
 from fusec.frontend import capture
-from fusec.passes import PIPELINE, run_pipeline
+from fusec.passes import pipeline, run_pipeline
 from fusec.record import record_of
 
 pm = importlib.import_module("fusec.passes.pad_matmul")
@@ -27,7 +27,8 @@ def everywhere(monkeypatch):
 
 def decisions(fn, *inputs):
     """The pass's decisions, and the graph right after it (before fusion groups its nodes)."""
-    upto = PIPELINE[:PIPELINE.index(pm.pad_matmul) + 1]
+    passes = pipeline()  # (with the registered passes before it)
+    upto = passes[:passes.index(pm.pad_matmul) + 1]
     gm, _ = run_pipeline(capture(fn, inputs).gm, upto)
     return record_of(gm).pad_matmul, gm
 

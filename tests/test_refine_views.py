@@ -8,7 +8,7 @@ import torch
 import fusec
 from conftest import assert_matches
 from fusec.record import record_of
-from fusec.passes import refine_views
+from fusec.extensions.quant_gemv import refine_views
 
 BF16 = torch.bfloat16
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -69,7 +69,7 @@ def gemv_kernel(cf):
 def decision(cf):
     """small_matmul's one decision for the last call of a compiled function."""
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
-    (d,) = record_of(last.gm).small_matmul
+    (d,) = record_of(last.gm).extensions["small_matmul"]
     return d
 
 
@@ -188,10 +188,21 @@ def test_a_gemv_of_many_neighbouring_columns_is_not_few_long_rows():
     rows per program: 128 programs for N = 8192); its kernel takes fewer columns per program, so
     neither split_reductions nor fuse_reductions' few-long-rows rule may touch it."""
     import torch.fx as fx
-    from fusec.passes.fuse_reductions import spread_gemv
+    from fusec.passes.fuse_reductions import spread_columns
     node = fx.Graph().placeholder("gemv")
-    assert not spread_gemv(node, 8192, 64)
-    node.meta["fusec_matmul"] = {"m": 1, "n": 8192, "k": 8192}
-    assert spread_gemv(node, 8192, 64)
-    assert not spread_gemv(node, 8192, 1)  # an (N, K) weight: one row per program already
-    assert not spread_gemv(node, 200, 64)  # too few columns to spread
+    assert not spread_columns(node, 8192, 64)
+    node.meta.update(gemv_sum().meta)  # what small_matmul says of a GEMV's sum
+    assert "spreads them over the GPU itself" in spread_columns(node, 8192, 64)
+    assert not spread_columns(node, 8192, 1)  # an (N, K) weight: one row per program already
+    assert not spread_columns(node, 200, 64)  # too few columns to spread
+
+
+def gemv_sum():
+    """The sum small_matmul writes for `x @ dequant(w).t()` at M = 1 (K = 64, N = 32)."""
+    from fusec.frontend import capture
+    from fusec.passes import pipeline, run_pipeline
+    x, w = torch.randn(1, 64), torch.randint(-8, 8, (32, 64), dtype=torch.int8)
+    upto = [p for p in pipeline() if p.__name__ in ("dce", "small_matmul")]
+    gm, _ = run_pipeline(capture(lambda x, w: x @ w.float().t(), (x, w)).gm, upto)
+    (node,) = [n for n in gm.graph.nodes if "fusec_matmul" in n.meta]
+    return node

@@ -14,7 +14,7 @@ import fusec
 from conftest import TRITON_DEVICE, assert_matches
 from fusec.record import record_of
 
-small_matmul = importlib.import_module("fusec.passes.small_matmul")
+small_matmul = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")
 llama = importlib.import_module("fusec.examples.llama_decode")
 
 
@@ -35,7 +35,7 @@ def qkv(x, wq, wk, wv):
 
 def decisions(cf):
     last = cf._compiled.last if hasattr(cf, "_compiled") else cf.last
-    return record_of(last.gm).sibling_gemvs
+    return record_of(last.gm).extensions["sibling_gemvs"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -265,7 +265,7 @@ def test_large_m_keeps_the_library_matmul(target):
     assert externs(cf) == ["aten.mm.default"]
     decisions = dict((name, (taken, why)) for name, taken, why in
                      record_of((cf._compiled.last if hasattr(cf, "_compiled")
-                                         else cf.last).gm).small_matmul)
+                                         else cf.last).gm).extensions["small_matmul"])
     taken, why = decisions["mm"]
     assert not taken and "M = 64" in why
 
@@ -283,7 +283,7 @@ def test_stored_bf16_weight_at_one_row_is_a_gemv_where_measured_faster(monkeypat
     """On a GPU (STORED_GEMV_DEVICES) a stored bf16 weight at M = 1 becomes the GEMV, with the
     bias and what follows as its epilogue; here the device list is widened to test it on the CPU
     with the Triton interpreter. At M = 2 the library keeps it."""
-    sm = importlib.import_module("fusec.passes.small_matmul")
+    sm = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")
     monkeypatch.setattr(sm, "STORED_GEMV_DEVICES", ("cuda", TRITON_DEVICE))
     lin = torch.nn.Linear(96, 40, bias=bias).to(BF16).to(TRITON_DEVICE)
     fn = lambda x: F.silu(lin(x))  # noqa: E731
@@ -300,7 +300,7 @@ def test_explain_states_the_decision_and_the_kernel_reads_like_a_gemv():
     with torch.no_grad():
         text = str(fusec.explain(ex.fn, *ex.inputs, backend="triton"))
     assert "graph after small_matmul" in text
-    sm = importlib.import_module("fusec.passes.small_matmul")
+    sm = importlib.import_module("fusec.extensions.quant_gemv.small_matmul")
     small = sm.SMALL_M_GPU if TRITON_DEVICE == "cuda" else sm.SMALL_M  # (16 on a GPU, 8 on CPUs)
     assert f"mm: GEMV: M = 1 <= {small}" in text and "packed nibbles unpacked" in text
     assert "This is a GEMV" in text

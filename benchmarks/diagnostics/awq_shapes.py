@@ -5,8 +5,8 @@
                                                 [--forms] [--graph] [--one-graph]
 
 AWQ packs eight 4-bit weights along N in each int32; fusec compiles its plain-torch unpacking
-into one GEMV whose output columns are (N/8, 8) (passes/constant_gathers.py, refine_views.py),
-up to SPLIT_COLUMNS_MAX_M rows on a GPU (passes/small_matmul.py), and dequantizes once for the
+into one GEMV whose output columns are (N/8, 8) (passes/constant_gathers.py, extensions/quant_gemv/refine_views.py),
+up to SPLIT_COLUMNS_MAX_M rows on a GPU (extensions/quant_gemv/small_matmul.py), and dequantizes once for the
 library matmul above that. Each row gives, for one K x N layer (fp16, group 128) and M rows, the
 median time (fusec.timing.median_ms: do_bench on CUDA) and the bytes the layer must read (packed
 words, zero points, scales) per second, with fusec's kernels and its largest error against

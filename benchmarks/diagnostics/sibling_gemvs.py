@@ -9,7 +9,7 @@ own. This script measures the most a horizontal fusion could win, on the step's 
 (M = 1, bf16), with each program compiled by fusec (CUDA graphs on, as in decode):
 
 * `per weight`: `F.linear(x, w)` once per weight, as the model is written, with the pass
-  passes/sibling_gemvs.py taken out of the pipeline: one GEMV kernel per weight;
+  extensions/quant_gemv/sibling_gemvs.py taken out of the pipeline: one GEMV kernel per weight;
 * `joined`: the same program with fusec's pipeline as it is: one GEMV over the weights, each
   read where it lies;
 * `one weight`: `F.linear(x, w_cat)` over the weights concatenated once, ahead of time (what
@@ -50,11 +50,11 @@ def main() -> None:
             return F.linear(v, w_cat).split(widths, dim=-1)
 
         print(f"{name} ({' + '.join(str(n) for n in widths)}) x {K}, {nbytes / 1e6:.1f} MB", flush=True)
-        for label, fn, pipeline in (("per weight", separate, [p for p in passes.PIPELINE
-                                                               if p is not passes.sibling_gemvs]),
-                                    ("joined", separate, passes.PIPELINE),
-                                    ("one weight", one_weight, passes.PIPELINE)):
-            default, passes.PIPELINE = passes.PIPELINE, pipeline
+        for label, fn, registered in (("per weight", separate, [p for p in passes.REGISTERED
+                                                                 if p.name != "sibling_gemvs"]),
+                                      ("joined", separate, passes.REGISTERED),
+                                      ("one weight", one_weight, passes.REGISTERED)):
+            default, passes.REGISTERED = passes.REGISTERED, registered
             with torch.no_grad():
                 cf = fusec.compile(fn)
                 got = cf(x)
@@ -62,7 +62,7 @@ def main() -> None:
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
                 us_f = median_ms(cf, x, device="cuda") * 1e3
                 us_e = median_ms(fn, x, device="cuda") * 1e3
-            passes.PIPELINE = default
+            passes.REGISTERED = default
             print(f"  {label:10s} fusec {us_f:7.2f} us {nbytes / us_f / 1e6:5.3f} TB/s "
                   f"({len(cf.kernels)} kernels, max diff to cuBLAS {err:.3g}) | cuBLAS {us_e:7.2f} us "
                   f"{nbytes / us_e / 1e6:5.3f} TB/s", flush=True)

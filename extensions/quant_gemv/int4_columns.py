@@ -3,8 +3,8 @@ word along N, dequantized per group as `(q - zero) * scale`, for one activation 
 
 AWQ's plain-torch dequantization (examples/awq_linear.py, and AutoAWQ's own torch path) shifts
 each nibble out of its word, keeps 4 bits, subtracts an int8 zero point and multiplies by a
-half-precision scale. After passes/constant_gathers.py, passes/refine_views.py and
-passes/small_matmul.py it is a GEMV whose output columns are (N/8, 8), and on a GPU
+half-precision scale. After passes/constant_gathers.py, extensions/quant_gemv/refine_views.py and
+extensions/quant_gemv/small_matmul.py it is a GEMV whose output columns are (N/8, 8), and on a GPU
 passes/split_reductions.py cuts its K into chunks of whole groups (a partial sum per chunk,
 added up by a second, small kernel). One chunk's kernel IR (`print(cf.kernels[i].ir)`) reads:
 

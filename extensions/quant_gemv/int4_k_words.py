@@ -6,7 +6,7 @@ GPTQ checkpoints store a linear layer's (K, N) weight as `qweight` (K/8, N) int3
 holds rows 8i .. 8i + 7 of column n, row 8i + t in bits 4t .. 4t + 3. Their plain-torch
 dequantization (AutoGPTQ's torch path, examples/gptq_linear.py) shifts each nibble out, keeps 4
 bits, subtracts the group's zero point (unpacked from `qzeros` by a small kernel of its own) and
-multiplies by the group's scale. After passes/refine_views.py and passes/small_matmul.py the
+multiplies by the group's scale. After extensions/quant_gemv/refine_views.py and extensions/quant_gemv/small_matmul.py the
 product is a GEMV whose K is (K/G, G/8, 8); on a GPU passes/split_reductions.py cuts it into
 chunks of whole groups. One chunk's kernel IR (`print(cf.kernels[i].ir)`) reads:
 

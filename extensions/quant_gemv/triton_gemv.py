@@ -1,4 +1,4 @@
-"""Triton GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) as one
+"""Triton GEMV: a small-M matmul with its dequantization prologue (extensions/quant_gemv/small_matmul.py) as one
 kernel that streams the weight once: the block sizes (`gemv_blocks`, `gemv_blocks_n_major`,
 `gemv_dot_blocks`), when tensor-core dots of bf16 tiles are exact (`dot_terms`), and the
 renderer (`render_gemv`, templates/triton_gemv.py.j2). triton_reduction.py hands a reduction
@@ -24,7 +24,7 @@ from .int4_words import match_int4_words
 from .render import render_template
 
 
-# ---- GEMV: a small-M matmul with its dequantization prologue (passes/small_matmul.py) --------
+# ---- GEMV: a small-M matmul with its dequantization prologue (extensions/quant_gemv/small_matmul.py) --------
 #
 # Note (GEMV kernels): the generic reduction template gives each row of the output, here each
 # (m, n) pair, its own pass over K, so with M rows the weight is streamed M times. A GEMV keeps
@@ -33,7 +33,7 @@ from .render import render_template
 # kernel IR is the same ReductionKernel; only the walk differs, so the CPU backends (which
 # already read a row's K elements contiguously) keep their reduction templates.
 
-GEMV_MAX_M = 16  # activation rows kept in registers; passes/small_matmul.py stays below this
+GEMV_MAX_M = 16  # activation rows kept in registers; extensions/quant_gemv/small_matmul.py stays below this
 GEMV_TILE = 8192  # f32 partial sums per program, [BLOCK_M, BLOCK_N, BLOCK_K]: 64 per thread
 GEMV_WEIGHT_TILE = 4096  # weight elements per program per iteration, [BLOCK_N, BLOCK_K]
 
@@ -83,7 +83,7 @@ def gemv_blocks(m: int, n: int, k: int, weight_bytes: int = 1) -> tuple[int, int
 
 def n_contiguous(idx: Index, n_rows: int, n_dims: int = 1) -> bool:
     """Whether a weight load's neighbouring columns (n) lie closer in memory than its neighbouring
-    K elements: x @ W with W stored (K, N), or GPTQ's qweight (K/8, N) (passes/refine_views.py).
+    K elements: x @ W with W stored (K, N), or GPTQ's qweight (K/8, N) (extensions/quant_gemv/refine_views.py).
     With the columns in several dims (AWQ's words, (N/8, 8)), the closest of them counts."""
     st_n = min([abs(s) for s in idx.strides[n_rows - n_dims:n_rows] if s], default=0)
     st_k = [abs(s) for s in idx.strides[n_rows:] if s]
@@ -103,14 +103,14 @@ def gemv_blocks_n_major(m: int, n: int, k: int, weight_bytes: float = 1) -> tupl
     N_MAJOR_TILE_BYTES of weight per iteration (also within the partial-sum budget).
 
     The tile sizes were the fastest of `benchmarks/quant_linear.py --sweep` for GPTQ's packed
-    (K/8, N) int32 words (passes/refine_views.py) and for an int8 (K, N) weight (32 x 256 int32
+    (K/8, N) int32 words (extensions/quant_gemv/refine_views.py) and for an int8 (K, N) weight (32 x 256 int32
     words spill registers). At M > 1 (the partial sums then
     cap BLOCK_K), twice the columns: GPTQ's words at M = 4 0.101 ms with 32 x 64 against 0.124
     with 16 x 128 (torch.compile 0.099). The blocks of `gemv_blocks`
     (8 x 512) read 8 neighbouring elements of each of 512 rows, a quarter line each: 0.016 TB/s
     for GPTQ's words. At M > 1 a plain (K, N) weight keeps the tensor-core dots (int8 at M = 4:
     0.75 TB/s against 0.47 with these blocks), but one whose K is cut in several dims (GPTQ's,
-    passes/refine_views.py) takes these blocks: its dots' operand tiles asked Triton for more
+    extensions/quant_gemv/refine_views.py) takes these blocks: its dots' operand tiles asked Triton for more
     shared memory than an SM has (313 KB at M = 4, K = N = 8192), and the launch failed."""
     block_m = 1 << max(m - 1, 0).bit_length()
     spread = 1 << max(n // SMS, 1).bit_length() - 1
@@ -315,7 +315,7 @@ class _Gemv:
         self.even_k = kernel.k % self.block_k == 0
         self.group = kernel.k_shape[-1] if len(kernel.k_shape) == 2 else 0
         self.pairs = paired_loads(kernel.loads, self.n_rows)
-        # Sibling weights (passes/sibling_gemvs.py) are pieces of a cat along n. The first piece's
+        # Sibling weights (extensions/quant_gemv/sibling_gemvs.py) are pieces of a cat along n. The first piece's
         # load reads them all: each column's address is picked from the piece that holds it, so the
         # kernel issues one load per chunk, as for one weight (three masked loads were slower).
         self.later_pieces = {l.other.name for l in kernel.loads if l.other is not None}

@@ -348,7 +348,8 @@ def source_hash() -> str:
     version of fusec is never loaded."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
-    templates = sorted({*root.rglob("*.j2"), *root.rglob("*.h"), *root.parent.glob("codegen/templates/*")})
+    templates = sorted({*root.rglob("*.j2"), *root.rglob("*.h"), *root.parent.glob("codegen/templates/*"),
+                        *root.parent.glob("extensions/*/templates/*")})
     for name, path in [*_sources(), *((p.name, p) for p in templates)]:
         h.update(name.encode())
         h.update(path.read_bytes())
@@ -356,10 +357,10 @@ def source_hash() -> str:
 
 
 def _sources():
-    """(module name, file) for every module of fusec, passes and codegen included."""
+    """(module name, file) for every module of fusec, passes, codegen and extensions included."""
     root = Path(__file__).resolve().parents[1]
-    for base, prefix in ((root, "fusec"), (root.parent / "passes", "fusec.passes"),
-                         (root.parent / "codegen", "fusec.codegen")):
+    folders = ((root.parent / name, f"fusec.{name}") for name in ("passes", "codegen", "extensions"))
+    for base, prefix in ((root, "fusec"), *folders):
         if not base.is_dir() or (prefix != "fusec" and (root / prefix.split(".")[1]).is_dir()):
             continue  # (installed: passes/ and codegen/ inside fusec/, found from the root)
         for path in sorted(base.rglob("*.py")):

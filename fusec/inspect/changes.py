@@ -7,7 +7,11 @@ before, and adds what each pass recorded of its decisions (`record_of(gm)`, fuse
 """
 from __future__ import annotations
 
+import importlib
+
 import torch.fx as fx
+
+from fusec import passes
 
 from fusec.inspect.groups import group_rows
 from fusec.inspect.listing import op_kind
@@ -15,7 +19,9 @@ from fusec.record import folded_view, record_of
 
 
 # Passes whose record is a list of Decision(node, taken, why): the summary when some were taken,
-# and the words for a taken and a refused candidate in the detail lines.
+# and the words for a taken and a refused candidate in the detail lines. A registered pass
+# (passes/__init__.py, `register`) keeps its decisions in `record.extensions` and may give its
+# words as DECISION_WORDS in its module (`decision_words`).
 DECISIONS = {
     "constant_gathers": ("{n} gather(s) by a constant index moved onto constants", "moved", "kept"),
     "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
@@ -24,8 +30,6 @@ DECISIONS = {
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
     "filled_slices": ("{n} tensor(s) filled slice by slice written as a cat", "cat", "kept"),
     "computed_pieces": ("{n} cat(s) of computed pieces computed over the cat", "rewritten", "kept"),
-    "sibling_gemvs": ("{n} matmul(s) joined with siblings into one GEMV", "joined", "alone"),
-    "small_matmul": ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul"),
     "pad_matmul": ("padded {n} misaligned matmul(s)", "padded", "kept"),
     "pooling": ("{n} pooling(s) as reductions", "reduction", "kept"),
     "move_permutes": ("moved {n} permute(s) out of fusion's way", "moved", "kept"),
@@ -96,6 +100,14 @@ def _graph_changes(snap, kinds: dict[str, str], nodes: set[str], prev_nodes: set
     return parts, details
 
 
+def decision_words(name: str) -> tuple[str, str, str]:
+    """The words for the decisions of the registered pass `name`: its module's DECISION_WORDS,
+    else plain ones."""
+    module = next((p.module for p in passes.REGISTERED if p.name == name), None)
+    words = getattr(importlib.import_module(module), "DECISION_WORDS", None) if module else None
+    return words or ("{n} rewrite(s) by " + name, "rewritten", "kept")
+
+
 def _recorded_changes(after: str, record, gm: fx.GraphModule) -> tuple[list[str], list[str]]:
     """(summary parts, detail lines) from what the pass `after` recorded of its own decisions
     (fusec/record.py): what it computed, rewrote or refused, and why."""
@@ -117,10 +129,10 @@ def _recorded_changes(after: str, record, gm: fx.GraphModule) -> tuple[list[str]
         parts.append(f"unfused {len(done)} linear bias(es)")
         details += [f"{addmm} -> {mm} + {add} (the add fuses into the kernel after it)"
                     for addmm, mm, add in done]
-    if after in DECISIONS and getattr(record, after):
+    decisions = getattr(record, after, None) if after in DECISIONS else record.extensions.get(after)
+    if decisions:
         # passes that record a Decision(node, taken, why) per candidate
-        summary, taken_word, kept_word = DECISIONS[after]
-        decisions = getattr(record, after)
+        summary, taken_word, kept_word = DECISIONS.get(after) or decision_words(after)
         taken = sum(1 for _, t, _ in decisions if t)
         if taken:
             parts.append(summary.format(n=taken))

@@ -292,7 +292,7 @@ def test_one_token_bf16_step_runs_its_linears_as_gemvs(monkeypatch, name):
     stored-weight linear at M = 1 becomes fusec's GEMV (passes/small_matmul.py,
     STORED_GEMV_DEVICES); the list is widened here so that the Triton interpreter runs the same
     kernels on a machine without a GPU. The logits match eager's within bf16 rounding."""
-    small_matmul = __import__("fusec.passes.small_matmul", fromlist=["STORED_GEMV_DEVICES"])
+    small_matmul = __import__("fusec.extensions.quant_gemv.small_matmul", fromlist=["STORED_GEMV_DEVICES"])
     monkeypatch.setattr(small_matmul, "STORED_GEMV_DEVICES", ("cuda", TRITON_DEVICE))
     model, ids = build(name, TRITON_DEVICE)
     model = model.to(torch.bfloat16)
@@ -307,8 +307,8 @@ def test_one_token_bf16_step_runs_its_linears_as_gemvs(monkeypatch, name):
     assert len(gemvs) >= 4, [k.name for k in compiled.kernels]
     if name != "gpt2":  # q/k/v and gate/up read one input each: joined (passes/sibling_gemvs.py)
         last = compiled._compiled.last if hasattr(compiled, "_compiled") else compiled.last
-        joined = [d for d in record_of(last.gm).sibling_gemvs if d.taken]
-        assert len(joined) >= 5, record_of(last.gm).sibling_gemvs
+        joined = [d for d in record_of(last.gm).extensions["sibling_gemvs"] if d.taken]
+        assert len(joined) >= 5, record_of(last.gm).extensions["sibling_gemvs"]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

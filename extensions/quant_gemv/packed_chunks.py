@@ -1,4 +1,4 @@
-"""Where a packed-int4 GEMV of one activation row is cut along K (used by split_reductions.py).
+"""Where a packed-int4 GEMV of one activation row is cut along K: the GEMV's split rule.
 
 Two 4-bit layouts are read along N, so that a program which took all of K for its columns
 would own so many columns that most of the GPU would wait:
@@ -9,10 +9,11 @@ would own so many columns that most of the GPU would wait:
   is (K/G, G/8, 8, N), a sum over three dims; or, in AutoGPTQ's torch path, (K/8, 8, N) with the
   zero points and scales read through g_idx (`scales[g_idx]`), the groups then the tables' rows.
 
-Each rule returns (dim, chunks, layout, kernel): the reduced dim to cut (the groups', of the
-largest stride) and into how many chunks of whole groups, for split_reductions to cut with
-`_split` and to describe in its Decision; or None. Their kernels are
-extensions/quant_gemv/triton_gemv_int4_columns.py and extensions/quant_gemv/triton_gemv_int4_k_words.py, which check when
+Each layout's rule returns (dim, chunks, layout, kernel): the reduced dim to cut (the groups', of
+the largest stride) and into how many chunks of whole groups; or None. `split_rule` is what
+small_matmul.py hangs on the GEMV's sum (`node.meta["fusec_split_rule"]`): the core's
+passes/split_reductions.py asks it first, cuts the sum as it says and keeps its reason. Their
+kernels are triton_gemv_int4_columns.py and triton_gemv_int4_k_words.py (here), which check when
 they run what the graph cannot promise (the shift amounts, the zero points' range, g_idx).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.fx as fx
 
 from fusec import env, ops
 
-from .grouping import meta
+from fusec.passes.grouping import meta
 
 aten = torch.ops.aten
 
@@ -40,10 +41,23 @@ aten = torch.ops.aten
 PACKED_CHUNK = 128
 
 
+def split_rule(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
+    """(dim, chunks, why) for split_reductions when the GEMV's sum `node` is one of the layouts
+    above at M = 1; None for every other reduction (the core's rules then apply)."""
+    packed = packed_along_n(node, red) or packed_along_k(node, red)
+    if packed is None:
+        return None
+    d, chunks, layout, kernel = packed
+    k = math.prod(meta(red.operand).shape[r] for r in red.dims)
+    return d, chunks, (f"a GEMV of {layout} at M = 1: K = {k} cut in {chunks} chunks of "
+                       f"{k // chunks} (whole groups), each chunk's partial sums by one kernel "
+                       f"({kernel}), then added up")
+
+
 def packed_along_n(node: fx.Node, red: ops.ReductionCall) -> tuple | None:
-    """(dim, chunks, layout, kernel) for the sum of a GEMV (passes/small_matmul.py) of one
+    """(dim, chunks, layout, kernel) for the sum of a GEMV (extensions/quant_gemv/small_matmul.py) of one
     activation row whose output columns are computed in parts (a weight packed along N,
-    passes/refine_views.py) and whose K is cut in groups (the dim of the largest stride, K / G,
+    extensions/quant_gemv/refine_views.py) and whose K is cut in groups (the dim of the largest stride, K / G,
     and the group, G); None for every other reduction."""
     gemv = node.meta.get("fusec_matmul")
     if not _one_row_gemv(gemv, red) or len(red.dims) != 2:

@@ -29,7 +29,8 @@ row (M = 1), and each weight is a stored (N_i, K) bf16/fp16 matrix on a device w
 GEMV is used (small_matmul.STORED_GEMV_DEVICES). `addmm(b, x, W.t())` nodes with stored bias
 vectors (Qwen2's projections) are grouped among themselves, and their biases joined the same way
 (a cat the GEMV's epilogue reads per output column). Each decision is recorded with its reason in
-`record_of(gm).sibling_gemvs`. A single matmul, or a set of different dtypes or K, is left alone.
+`record_of(gm).extensions["sibling_gemvs"]`. A single matmul, or a set of different dtypes or K,
+is left alone.
 """
 from __future__ import annotations
 
@@ -40,10 +41,13 @@ import torch.fx as fx
 
 from fusec.record import Decision
 
-from .grouping import new_node, record_decisions, val
+from fusec.passes.grouping import new_node, record_decisions, val
 from .small_matmul import STORED_GEMV_DEVICES  # noqa: F401 (read from the module at run time)
 
 aten = torch.ops.aten
+
+# explain's words for the decisions (fusec/inspect/changes.py): the summary, a joined one, one alone
+DECISION_WORDS = ("{n} matmul(s) joined with siblings into one GEMV", "joined", "alone")
 
 
 def sibling_gemvs(gm: fx.GraphModule) -> fx.GraphModule:

@@ -42,8 +42,9 @@ The pass rewrites `mm(x, B)` and `addmm(bias, x, B)` when
   library GEMV already streams it once at full speed, and there is no prologue to fuse (except a
   bf16/fp16 weight at M = 1 on a GPU, where fusec's GEMV measured faster: STORED_GEMV_DEVICES);
 * the dtype is floating point and nothing is empty.
-Every decision, taken or declined, is recorded with its reason in `record_of(gm).small_matmul`
-(a `Decision(node, taken, why)`, fusec/record.py) and printed by `fusec.explain`.
+Every decision, taken or declined, is recorded with its reason in
+`record_of(gm).extensions["small_matmul"]` (a `Decision(node, taken, why)`, fusec/record.py) and
+printed by `fusec.explain` in DECISION_WORDS.
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ import torch.fx as fx
 from fusec import ops
 from fusec.record import Decision
 
-from . import refine_views
-from .grouping import new_node, record_decisions, val
+from . import packed_chunks, refine_views
+from fusec.passes.grouping import new_node, record_decisions, val
 
 aten = torch.ops.aten
 
@@ -74,7 +75,7 @@ SMALL_M_GPU = 16
 STORED_GEMV_DEVICES = ("cuda",)
 
 # A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
-# (passes/refine_views.py). On an H200 that GEMV beat dequantizing for the library matmul up to
+# (extensions/quant_gemv/refine_views.py). On an H200 that GEMV beat dequantizing for the library matmul up to
 # M = 4, was even at M = 8 and slower at M = 16: so up to 4 rows on a GPU
 # (`python benchmarks/diagnostics/awq_shapes.py --m 1,4,8,16`). On a CPU the GEMV keeps all
 # SMALL_M rows: dequantizing for the library there took about eager's time, the GEMV a fifth
@@ -84,6 +85,20 @@ SPLIT_COLUMNS_LIMITED = ("cuda",)  # the devices where that limit applies
 SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)
 
 _MATMULS = (aten.mm.default, aten.addmm.default)
+
+# The GEMV's sum in kernel names (passes/grouping.py, kernel_name): `fused_dequant_gemv_mul_0`
+GEMV_NAME = {"name": "gemv", "prologue": "dequant"}
+# Why split_reductions and fuse_reductions' few-long-rows rule leave a GEMV over a weight stored
+# N-contiguous alone (fuse_reductions.spread_columns): a column reduction to them, whose kernel
+# takes only as many neighbouring columns per program as keep every SM busy. (GPTQ's int4 weight
+# at K = N = 8192, M = 1 on an H200: 0.185 ms split in two reductions, the product stored whole
+# first as an extern's operand before.)
+SPREADS_COLUMNS = ("a GEMV's sum (extensions/quant_gemv/small_matmul.py): its kernel spreads "
+                   "them over the GPU itself (extensions/quant_gemv/triton_gemv.py, "
+                   "gemv_blocks_n_major)")
+
+# explain's words for the decisions (fusec/inspect/changes.py): the summary, a taken one, a kept one
+DECISION_WORDS = ("{n} matmul(s) rewritten as GEMV reductions", "GEMV", "library matmul")
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _TRANSPOSES = (aten.permute.default, aten.t.default, aten.transpose.int)
 
@@ -107,7 +122,7 @@ def small_matmul(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _dequantize_in_one_kernel(node: fx.Node) -> None:
     """For the library matmul: the weight packed along N computed in its fine shape
-    (passes/refine_views.py), then viewed as (K, N), so that one kernel writes it (its reshapes
+    (extensions/quant_gemv/refine_views.py), then viewed as (K, N), so that one kernel writes it (its reshapes
     would each store a copy, and repeat_interleave's scales and zero points a full-size one)."""
     b = node.args[-1]
     fine = refine_views.refine_weight(node.graph, b, n_first=False)
@@ -141,7 +156,7 @@ def _plan(node: fx.Node):
         return None, (f"M = {m} rows > {small}: a tiled library GEMM reuses each weight "
                       "element across rows; kept")
     weight = _strip_views(b)
-    # stored weights read where they lie as pieces of one (passes/sibling_gemvs.py)
+    # stored weights read where they lie as pieces of one (extensions/quant_gemv/sibling_gemvs.py)
     stored = weight.op in ("placeholder", "get_attr") or bool(weight.meta.get("fusec_pieces"))
     if stored and not (m == 1 and out.device.type in STORED_GEMV_DEVICES
                        and bv.dtype in (torch.bfloat16, torch.float16)):
@@ -163,7 +178,7 @@ def _plan(node: fx.Node):
     if weight.meta.get("fusec_pieces"):
         return plan, (f"M = 1 and the weight is the stored {bv.dtype} matrices "
                       f"{', '.join(w.name for w in weight.args[0])}, each read where it lies: "
-                      "one GEMV over all of them (passes/sibling_gemvs.py)")
+                      "one GEMV over all of them (extensions/quant_gemv/sibling_gemvs.py)")
     if stored:
         return plan, (f"M = 1 and the weight {weight.name} is a stored {bv.dtype} matrix on a "
                       "GPU: fusec's GEMV streams it faster than the library's (3.24 against "
@@ -172,7 +187,7 @@ def _plan(node: fx.Node):
     if plan["refined"]:
         cols = plan.get("outer", (n,))
         what = (f"its reshapes undone by computing it as {tuple(plan['inner'])} x "
-                f"{cols[0] if len(cols) == 1 else tuple(cols)} (passes/refine_views.py), ")
+                f"{cols[0] if len(cols) == 1 else tuple(cols)} (extensions/quant_gemv/refine_views.py), ")
     return plan, (f"M = {m} <= {small} and the weight is computed ({what}dequantized from "
                   f"{_roots(weight)}): a GEMV reduction over K = {k} that reads the quantized "
                   "weight once, with the dequantization as its prologue and what follows as "
@@ -227,7 +242,7 @@ def _layout_plan(x: fx.Node, b: fx.Node):
     a last dim; the sum runs over the inner dims. "kn": b (K, N) itself (x @ W), or a view of
     W3 (*inner, *outer), with "outer" N's dims: (N,), or (N/8, 8) for a weight packed along N. A
     weight whose dequantization reshapes computed tensors on the way is first computed in the
-    shape that refines all of them (passes/refine_views.py); "refined" says so."""
+    shape that refines all of them (extensions/quant_gemv/refine_views.py); "refined" says so."""
     bv = val(b)
     k, n = bv.shape
     if b.op == "call_function" and b.target in _TRANSPOSES and _is_transpose(b):
@@ -312,8 +327,10 @@ def _rewrite(graph: fx.Graph, node: fx.Node, plan: dict) -> None:
                  isinstance(a[0], fx.Node) else a) for a in args]
         new = new_node(graph, target, args, target(*vals, **(kwargs or {})), node,
                        f"{node.name}_{name}" if name else None, kwargs)
-        if gemv is not None:
-            new.meta["fusec_matmul"] = gemv
+        if gemv is not None:  # the sum over K: what the core and this family read of it
+            new.meta.update({"fusec_matmul": gemv, "fusec_name": GEMV_NAME,
+                             "fusec_split_rule": packed_chunks.split_rule,
+                             "fusec_spreads_columns": SPREADS_COLUMNS})
         return new
 
     def cast(v, name):

@@ -24,11 +24,11 @@ inputs *viewed* in it (splitting a dim is always a view, whatever the strides):
 
     w   = (qweight.view(K/G, G/8, 1, N) >> shifts.view(1, 1, 8, 1)) & 15    # (K/G, G/8, 8, N)
     w   = (w - zeros.view(K/G, 1, 1, N)) * scales.view(K/G, 1, 1, N)
-    out = sum over (K/G, G/8, 8) of x.view(1, K/G, G/8, 8, 1) * w             # passes/small_matmul.py
+    out = sum over (K/G, G/8, 8) of x.view(1, K/G, G/8, 8, 1) * w             # extensions/quant_gemv/small_matmul.py
 
 and nothing is stored: the GEMV computes each weight in registers from the packed words.
 
-For the weight of a small-M matmul (passes/small_matmul.py asks), `refined_dims` walks the chain
+For the weight of a small-M matmul (extensions/quant_gemv/small_matmul.py asks), `refined_dims` walks the chain
 from the weight through element-wise ops and reshapes, collects the cuts and says how K and N are
 split; `refine_weight` then cuts the weight's dims that way, all at once, and passes/unflatten.py
 (`Unflattener.refine`) moves the cuts up through the ops and through each reshape of an
@@ -51,9 +51,9 @@ import torch.fx as fx
 
 from fusec import ops
 
-from .grouping import val
-from .schedule import fake_mode_of
-from .unflatten import RESHAPES, Unflattener, pushable
+from fusec.passes.grouping import val
+from fusec.passes.schedule import fake_mode_of
+from fusec.passes.unflatten import RESHAPES, Unflattener, pushable
 
 def needs_refining(top: fx.Node) -> bool:
     """Whether the weight `top` is computed through a reshape of a computed tensor."""
