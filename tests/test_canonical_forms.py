@@ -169,3 +169,211 @@ def test_contractions_with_nan_empty_and_noncontiguous_inputs(dtype):
     torch.testing.assert_close(cf(a, b), f(a, b), equal_nan=True, **tol)
     empty_a, empty_b = torch.randn(0, 20).to(dtype), b
     torch.testing.assert_close(cf(empty_a, empty_b), f(empty_a, empty_b))
+
+
+# ---- int4: stack/cat of computed pieces before or after the math -------------------------------
+#
+# Packed int4 weights (two 4-bit values per byte) unpacked and dequantized per group,
+# (q - zero) * scale, written the ways people write them. Interleaved (column 2j in the low
+# nibble, 2j + 1 in the high one): the canonical form dequantizes each nibble, then stacks them;
+# every other spelling stacks first, with views between the stack and the math or not. Halves
+# (the low nibbles are columns 0 .. K/2, the high ones the rest): the canonical form concatenates
+# the nibbles, then dequantizes. Each family reaches its canonical form's kernels.
+
+N4, K4, G4 = 24, 64, 16  # groups of 16 columns: four per row, two in each half
+
+
+def _nibbles(p):
+    return p & 15, p >> 4
+
+
+def _grouped(p):  # packed bytes seen as (N, K / G, G / 2): the group's scale broadcasts
+    return p.view(N4, K4 // G4, G4 // 2)
+
+
+def _dq(q, z, s):
+    return (q.float() - z) * s
+
+
+INTERLEAVED = {
+    "dequantize, then stack": lambda x, p, z, s: x @ torch.stack(
+        [_dq(h, z[..., None], s[..., None]) for h in _nibbles(_grouped(p))], -1).view(N4, K4).t(),
+    "stack, then dequantize": lambda x, p, z, s: x @ _dq(
+        torch.stack(_nibbles(_grouped(p)), -1), z[..., None, None], s[..., None, None]
+    ).view(N4, K4).t(),
+    "stack, .view(N, K), dequantize": lambda x, p, z, s: x @ _dq(
+        torch.stack(_nibbles(p), -1).view(N4, K4).view(N4, K4 // G4, G4), z[..., None],
+        s[..., None]).view(N4, K4).t(),
+    "stack, view the group, dequantize": lambda x, p, z, s: x @ _dq(
+        torch.stack(_nibbles(_grouped(p)), dim=3).view(N4, K4 // G4, G4), z[..., None],
+        s[..., None]).view(N4, K4).t(),
+    "stack, .flatten(-2), dequantize": lambda x, p, z, s: x @ _dq(
+        torch.stack(_nibbles(_grouped(p)), -1).flatten(-2), z[..., None], s[..., None]
+    ).flatten(1).t(),
+    "stack, dequantize step by step": lambda x, p, z, s: x @ torch.stack(
+        _nibbles(_grouped(p)), -1).float().sub(z[..., None, None]).mul(s[..., None, None]
+                                                                       ).reshape(N4, K4).t(),
+}
+HALVES = {
+    "cat halves, then dequantize": lambda x, p, z, s: x @ _dq(
+        torch.cat(_nibbles(p), -1).view(N4, K4 // G4, G4), z[..., None], s[..., None]
+    ).view(N4, K4).t(),
+    "dequantize halves, then cat": lambda x, p, z, s: x @ torch.cat(
+        [_dq(h, zh[..., None], sh[..., None]) for h, zh, sh in
+         zip(_nibbles(p.view(N4, K4 // G4 // 2, G4)), z.chunk(2, 1), s.chunk(2, 1))], 1
+    ).view(N4, K4).t(),
+}
+
+
+def int4_inputs(m, device="cpu"):
+    g = torch.Generator().manual_seed(40 + m)
+    return tuple(t.to(device) for t in (
+        torch.randn(m, K4, generator=g),
+        torch.randint(0, 256, (N4, K4 // 2), generator=g, dtype=torch.uint8),
+        torch.rand(N4, K4 // G4, generator=g) * 15,
+        torch.rand(N4, K4 // G4, generator=g) / 8))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_int4_spellings_reach_the_canonical_kernels(backend, m):
+    """Every spelling of each family builds its canonical form's kernels and library calls.
+    Interleaved at one row: one kernel (the canonical form's; stacked first, the math after the
+    stack, it was four on llvm before the math moved into the pieces)."""
+    args = int4_inputs(m, TRITON_DEVICE if backend == "triton" else "cpu")
+    for family in (INTERLEAVED, HALVES):
+        expected = None
+        for name, f in family.items():
+            cf = fusec.compile(f, backend=backend)
+            torch.testing.assert_close(cf(*args), f(*args), rtol=1e-4, atol=1e-4)
+            if expected is None:  # the first spelling is the canonical one
+                expected = made(cf)
+                if family is INTERLEAVED and m == 1:
+                    assert len(expected[0]) == 1 and not expected[1], cf.schedule
+            else:
+                assert made(cf) == expected, f"{name} at M = {m} on {backend}: {cf.schedule}"
+
+
+def _product(weight):
+    """x @ weight(*args).t(): the rules that move math into a stack serve a matmul's operand."""
+    return lambda x, *args: x @ weight(*args).t()
+
+
+def _int(seed, *shape):
+    return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.uint8)
+
+
+def _nan(*shape):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+    t[0, 1], t[1, 0] = float("nan"), float("inf")
+    return t
+
+
+_A, _B = torch.randn(4, 6), torch.randn(4, 6)
+STACK_CASES = {  # name: (weight, its inputs, how canonicalize decides: a taken rule or a reason)
+    "a scale per piece, selected": (
+        lambda a, b, w: (torch.stack([a.sin(), b.cos()], -1) * w).view(4, 12),
+        (_A, _B, torch.tensor([2.0, -3.0])), "math into a stack: mul applied"),
+    "integers times a float": (
+        lambda p: (torch.stack(_nibbles(p), -1) * 0.5).view(4, 12), (_int(1, 4, 6),),
+        "math into a stack: mul applied"),
+    "integers plus a float64 0-dim tensor": (
+        lambda p, t: (torch.stack(_nibbles(p), -1) + t).view(4, 12).float(),
+        (_int(2, 4, 6), torch.tensor(1.5, dtype=torch.float64)), "math into a stack: add applied"),
+    "NaN and infinity": (
+        lambda a, b, u: (torch.maximum(torch.stack([a.exp(), b.log()], -1), u) * 2).view(4, 12),
+        (_nan(4, 6), _B, torch.randn(4, 1, 2)), "math into a stack: maximum applied"),
+    "a chain of ops": (
+        lambda a, b: ((torch.stack([a.sin(), b.cos()], -1) * 3).exp() + 1).sigmoid().view(4, 12),
+        (_A, _B), "math into a stack: sigmoid applied"),
+    "stacked along dim 0": (
+        lambda a, b: (torch.stack([a.sin(), b.cos()], 0) * torch.arange(6.0)).view(8, 6),
+        (_A, _B), "math into a stack: mul applied"),
+    "stacked along dim -2, viewed": (
+        lambda a, b, z: (torch.stack([a.sin(), b.cos()], -2).reshape(8, 6) * z),
+        (_A, _B, torch.rand(6)), "math into a stack: mul applied"),
+    "where": (
+        lambda a, b, c: torch.where(c, torch.stack([a.sin(), b.cos()], -1), 0.0).view(4, 12),
+        (_A, _B, torch.rand(4, 6, 2) > 0.5), "math into a stack: where applied"),
+    "stored pieces": (
+        lambda a, b, s: (torch.stack([a, b], -1) * s).view(4, 12), (_A, _B, torch.rand(6, 1)),
+        "is stored: the math reads the stack where its pieces lie"),
+    "mixed dtypes": (
+        lambda a, p: (torch.stack([a.sin(), p & 3], -1) * 2).view(4, 12), (_A, _int(3, 4, 6)),
+        "math into a stack: the pieces' dtypes differ: the stack promotes them"),
+    "an operand the view merges": (
+        lambda p, z: torch.stack(_nibbles(p), -1).view(4, 12).float() * z, (_int(4, 4, 6),
+                                                                           torch.randn(12)),
+        "varies along dims that the stack's view merges: it cannot be split "
+        "per piece without a copy"),
+    "broadcast up by another operand": (
+        lambda a, b, u: (torch.stack([a.sin(), b.sin()], -1) * u).view(20, 2),
+        (torch.randn(4, 1), torch.randn(4, 1), torch.randn(4, 5, 2)),
+        "math into a stack: another operand broadcasts cat to [4, 5, 2]"),
+}
+
+
+def test_stack_rules_decide_as_they_say_and_match_eager():
+    """Each case feeds a matmul; its decision is in the record, and the answer is eager's
+    (NaN where eager has NaN). One compile per case, on cpp."""
+    for name, (weight, args, says) in STACK_CASES.items():
+        f = _product(weight)
+        x = torch.randn(3, weight(*args).shape[-1])
+        taken, cf = decisions(f, x, *args)
+        assert any(says in why for _, why in taken), (name, taken)
+        torch.testing.assert_close(cf(x, *args), f(x, *args), equal_nan=True)
+
+
+def test_a_stack_read_by_a_sum_stays_with_its_reason():
+    def f(a, b):
+        return torch.stack([a.sin(), b.cos()], -1).sum(-1)
+    taken, cf = decisions(f, _A, _B)
+    assert taken == [(False, "math into a stack: sum_1 (aten.sum.dim_IntList) is not "
+                      "elementwise: it needs the pieces together")], taken
+    torch.testing.assert_close(cf(_A, _B), f(_A, _B))
+
+
+def test_a_stack_that_feeds_no_matmul_keeps_its_math():
+    """Without a matmul to distribute over the pieces, the math after a stack of computed pieces
+    is one kernel with the stack (passes/computed_pieces.py): it stays where it is."""
+    def f(a, b):
+        return torch.stack([a.sin(), b.cos()], 0) * torch.arange(6.0)
+    taken, cf = decisions(f, _A, _B)
+    assert taken == [], taken
+    torch.testing.assert_close(cf(_A, _B), f(_A, _B))
+
+
+CAT_CASES = {  # name: (function, its inputs, how canonicalize decides)
+    "unequal pieces": (lambda a, b: torch.cat([a * 2, b * 2], 0),
+                       (torch.randn(3, 4), torch.randn(5, 4)), (True, "math out of a cat")),
+    "a shared operand, broadcast": (
+        lambda a, b, s: torch.cat([(a - s).exp(), (b - s).exp()], 0),
+        (torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), (True, "math out of a cat")),
+    "a negative dim": (lambda a, b, s: torch.cat([a * s, b * s], -1),
+                       (torch.randn(4, 3), torch.randn(4, 5), torch.randn(4, 1)),
+                       (True, "math out of a cat")),
+    "the chunks of one operand": (
+        lambda a, b, s: torch.cat([a * u for a, u in zip((a, b), s.chunk(2, -1))], -1),
+        (torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 6)), (True, "math out of a cat")),
+    "integer floor division": (lambda a, b: torch.cat([a // 3, b // 3], -1),
+                               (torch.randint(0, 9, (4, 3)), torch.randint(0, 9, (4, 5))),
+                               (True, "math out of a cat")),
+    "operands broadcast differently": (
+        lambda a, b, s, t: torch.cat([a * s, b * t], 0),
+        (torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 4), torch.randn(5, 1)),
+        (False, "math out of a cat: the operands of mul are broadcast differently")),
+    "operands of two dtypes": (lambda a, p: torch.cat([a * 2, p * 2], -1),
+                               (torch.randn(4, 3), torch.randint(0, 9, (4, 5))),
+                               (False, "math out of a cat: the pieces' operands differ in dtype")),
+    "different constants": (lambda a, b: torch.cat([a * 2, b * 3], -1),
+                            (torch.randn(4, 3), torch.randn(4, 5)),
+                            (False, "math out of a cat: mul's pieces differ in a constant")),
+}
+
+
+def test_cat_rules_decide_as_they_say_and_match_eager():
+    for name, (f, args, (took, says)) in CAT_CASES.items():
+        taken, cf = decisions(f, *args)
+        assert any(t == took and why.startswith(says) for t, why in taken), (name, taken)
+        torch.testing.assert_close(cf(*args), f(*args))
