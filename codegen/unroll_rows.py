@@ -41,7 +41,7 @@ def unrolled_or_same(kernel: ReductionKernel) -> tuple[ReductionKernel, str]:
     out = unroll_rows(kernel)
     if out is None:
         return kernel, ""
-    return out, (f"A GEMV with {kernel.row_shape[0]} activation rows, unrolled into each row "
+    return out, (f"A matmul with {kernel.row_shape[0]} activation rows, unrolled into each row "
                  "(codegen/unroll_rows.py): a row is one weight row, whose values are computed "
                  "once, with one sum per activation row (`_m0`, `_m1`, ...).")
 
