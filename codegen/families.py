@@ -2,13 +2,13 @@
 
 The core renders every kernel the general way: a pointwise kernel over its loop, a reduction as
 rows and a loop over k (each backend's `render`). Some forms pay for a kernel of their own. A
-linear of a few activation rows with a quantized weight (a GEMV, from the decode step of an LLM)
-is one: the general reduction reads the weight once per activation row, a GEMV kernel reads it
-once for all of them, unpacks int4 nibbles a 32-bit word at a time, or hands 16 rows to the
+matmul of a few activation rows by a weight stored in a compact form (the decode step of an LLM)
+is one: the general reduction reads the weight once per activation row, a kernel of its own reads
+it once for all of them, unpacks 4-bit values a 32-bit word at a time, or hands 16 rows to the
 tensor cores. Such kernels are a *family*: code that recognizes its form and renders it, kept out
 of the core's renderers and registered here:
 
-    families.register(Family("my GEMVs", "my_package.family", ("triton", "cpp"), wants=has("matmul")))
+    families.register(Family("my matmuls", "my_package.family", ("triton", "cpp"), wants=has("matmul")))
 
 A backend's renderer asks `special(kernel, backend, arch)` before it renders a kernel the general
 way. A family says which kernels it wants to be asked about, `wants(kernel)`: a cheap test of
