@@ -87,13 +87,14 @@ from fusec import ops
 from fusec.ir import TensorMeta
 
 from .grouping import record_decisions
-from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, rewrite
+from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, looks_for_roots, rewrite
 
 aten = torch.ops.aten
 
 MIN_K = 16  # shorter contractions stay a fused sum: a library call costs more than the loop
 
 
+@looks_for_roots(lambda: RULES + REGISTERED)
 def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite the spellings of a product into its canonical form (see the module docstring),
     then apply the rules registered from outside the core (`patterns.register`)."""
