@@ -1,5 +1,9 @@
 """Canonical forms: one spelling for each computation, so later passes recognize it once.
 
+Why this file is long: it is one pass whose rules run together until none applies, each feeding
+the next (a stack's views, its math, its pieces' views; a bmm, its views, a matmul), so they are
+read together: first the spellings of a product, then pieces put together (stack and cat).
+
 People write the same product many ways. A linear layer with a per-channel scale, for instance:
 
     (x @ w.float().t()) * s                      the canonical form
@@ -40,28 +44,31 @@ after:
 The two ways of putting pieces together want the math on opposite sides, for the same reason:
 each way keeps the pieces where the next kernel can read them.
 
-    math into a stack    f(stack(pieces), u) -> stack([f(piece, u_i)]) when the stack feeds a
-                         matmul through elementwise ops and views: the product distributes over
-                         the pieces (column 2j of the weight is piece 0's j, column 2j + 1 piece
-                         1's), so a matmul of few rows reads each piece where it is computed and
-                         never stores the stack. The other operands u are used as they are where
-                         they broadcast along the stacked dim, and selected per piece where they
-                         vary along it. Views between the stack and the math move out to the
-                         result: the stack takes the shape in which the stacked dim stays a dim
-                         of its own (stack([lo, hi], -1).view(N, K).view(N, K / G, G) is stacked
-                         as (N, K / G, G / 2, 2)), the pieces are viewed so, and those views move
-                         onto what the pieces are computed from (p.view(..) & 15, as one writes
-                         it). Repeated, every op of a chain moves in, piece by piece in the order
-                         the canonical form computes them. A stack that feeds no matmul keeps its
-                         math: computed after the stack, it is one kernel with it.
-    math out of a cat    cat([f(a_i, u_i)], d) -> f(cat([a_i], d), cat([u_i], d)) when every piece
-                         is the same elementwise op: a kernel reads a concatenation piece by piece
-                         (passes/computed_pieces.py makes one kernel of a cat of computed pieces),
-                         so the math reads the cat. Operands broadcast along d are used as they
-                         are; the consecutive pieces of one split (z.chunk(2, 1)) joined are z.
-    cat of views         view(cat(pieces, d), S) -> cat(view(piece_i), t) when each piece is whole
-                         rows of the view's dim t; the views move onto what the pieces are
-                         computed from, as for a stack.
+    math into a stack    f(stack(pieces, -1), u) -> stack([f(piece_i, u_i)], -1) when the
+                         stack feeds a matmul through elementwise ops and views: the product
+                         distributes over the pieces (column 2j of the weight is piece 0's j,
+                         column 2j + 1 piece 1's), so a matmul of few rows reads each piece where
+                         it is computed and never stores the stack. The other operands u are
+                         used as they are where they broadcast along the stacked dim, and
+                         selected per piece where they vary along it. Views between the stack
+                         and the math move out to the result: the stack takes the shape in which
+                         the stacked dim stays a dim of its own (stack([lo, hi], -1).view(N, K)
+                         .view(N, K / G, G) is stacked as (N, K / G, G / 2, 2)), the pieces are
+                         viewed so, and those views move onto what the pieces are computed from
+                         (p.view(..) & 15, as one writes it). Repeated, every op of a chain moves
+                         in, piece by piece in the order the canonical form computes them. A
+                         stack that feeds no matmul keeps its math: computed after the stack, it
+                         is one kernel with it. (Capture writes a stack along another dim as a
+                         cat and a view: its pieces are blocks, as a cat's are: the rules below.)
+    math out of a cat    cat([f(a_i, u_i)], d) -> f(cat([a_i], d), cat([u_i], d)) when every
+                         piece is the same elementwise op: a kernel reads a concatenation piece
+                         by piece (passes/computed_pieces.py makes one kernel of a cat of
+                         computed pieces), so the math reads the cat. Operands broadcast along d
+                         are used as they are; the consecutive pieces of one split (z.chunk(2,
+                         1)) joined are z.
+    cat of views         view(cat(pieces, d), S) -> cat(view(piece_i), t) when each piece is
+                         whole rows of the view's dim t and is computed by elementwise ops from
+                         values in memory: the views move onto those, as for a stack.
     views of a stack     two reshapes of a stack as one view.
 
 Each is exact: every element gets the same ops on the same values as in eager, so NaN and
@@ -331,22 +338,11 @@ ELEMENTWISE = tuple(t for t in ops.ATEN if t is not aten.cat.default)  # the op 
 
 
 def _stack(node) -> tuple[list, int, list] | None:
-    """(pieces, dim, where each piece is stacked) when node is torch.stack(pieces, dim) as
-    captured: along the last dim, a cat of unsqueezes of the pieces; along another, a cat of the
-    pieces viewed with the new dim split off the cat's. Else None."""
-    if not isinstance(node, fx.Node) or _meta(node) is None:
-        return None
-    if node.target in RESHAPES and _cat_dim(node.args[0]) is not None:
-        cat, d = node.args[0], _cat_dim(node.args[0])
-        tensors, shape = cat.args[0], list(_meta(cat).shape)
-        sizes = {tuple(_meta(t).shape) if _meta(t) else None for t in tensors}
-        if len(tensors) < 2 or len(sizes) != 1 or None in sizes or len(cat.users) != 1 \
-                or list(_meta(node).shape) != shape[:d] + [len(tensors), shape[d] // len(tensors)] \
-                + shape[d + 1:]:
-            return None
-        return list(tensors), d, [cat] * len(tensors)
+    """(pieces, dim, the unsqueezes) when node is torch.stack(pieces, -1) as captured: a cat of
+    unsqueezes of the pieces along the last dim, an interleave. Else None (capture writes a
+    stack along another dim as a cat and a view: its pieces are blocks, as a cat's are)."""
     dim = _cat_dim(node)
-    if dim is None:
+    if dim is None or dim != len(_meta(node).shape) - 1:
         return None
     tensors = node.args[0]
     if len(tensors) < 2 or not all(
@@ -365,14 +361,9 @@ def _cat_dim(node) -> int | None:
 
 
 def _stacked(b: Builder, values: list, dim: int, negative: bool) -> fx.Node:
-    """torch.stack(values, dim) spelled as capture spells it (see `_stack`)."""
-    rank = len(_meta(values[0]).shape) + 1
-    if dim == rank - 1:
-        return b(aten.cat.default, [b(aten.unsqueeze.default, v, dim) for v in values],
-                 -1 if negative else dim)
-    shape = list(_meta(values[0]).shape)
-    cat = b(aten.cat.default, list(values), dim)
-    return b(aten.view.default, cat, shape[:dim] + [len(values)] + shape[dim:])
+    """torch.stack(values, dim) along the last dim, spelled as capture spells it (`_stack`)."""
+    return b(aten.cat.default, [b(aten.unsqueeze.default, v, dim) for v in values],
+             -1 if negative else dim)
 
 
 def _stored(node: fx.Node) -> bool:
@@ -483,6 +474,8 @@ def _math_into_stack(b: Builder, m: Match) -> fx.Node | Declined:
     if found is None:
         return Declined("the stack's view merges the stacked dim with a later one")
     refined, dim = found
+    if dim != len(refined) - 1:
+        return Declined("the stack's view moves the stacked dim from the last place")
     piece_shape = refined[:dim] + refined[dim + 1:]
     operands = _per_piece(b, node, arg, refined, seen, dim, len(pieces))
     if isinstance(operands, Declined):
@@ -501,7 +494,7 @@ def _math_into_stack(b: Builder, m: Match) -> fx.Node | Declined:
         args = [piece if a is arg else operands[a][i] if a in operands else a for a in node.args]
         stacked.append(b(node.target, *args, **node.kwargs))
         per_piece.append(b.made[start:])
-    negative = cat.target is aten.cat.default and len(cat.args) > 1 and cat.args[1] < 0
+    negative = len(cat.args) > 1 and cat.args[1] < 0
     result = _stacked(b, stacked, dim, negative)
     for nodes, value in zip(per_piece, stacked):  # each piece's unsqueeze goes with it
         nodes += [u for u in value.users if u in b.made and u.target is aten.unsqueeze.default]
@@ -566,22 +559,24 @@ def _contiguous(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.is_contiguous()
 
 
-def _reshaped(b: Builder, value: fx.Node, shape: list, views: dict) -> fx.Node | None:
+def _reshaped(b: Builder, value: fx.Node, shape: list, views: dict,
+              stored_only: bool = False) -> fx.Node | None:
     """value (a computed piece) viewed as `shape`, the view moved onto what the piece is computed
     from, as far as elementwise ops of that shape go: (p & 15).view(s) is p.view(s) & 15, as one
     writes it (one view of p for all the pieces: `views`). None when a view would need a copy
-    (a tensor that is not contiguous)."""
+    (a tensor that is not contiguous), or, `stored_only`, when it would view a computed value."""
     if value.op == "call_function" and value.target in ELEMENTWISE and len(value.users) == 1 \
             and not value.kwargs.get("memory_format") and all(
                 _meta(a) is not None and _meta(a).shape == _meta(value).shape
                 for a in value.all_input_nodes) and value.all_input_nodes:
         args = []
         for a in value.args:
-            args.append(_reshaped(b, a, shape, views) if isinstance(a, fx.Node) else a)
+            args.append(_reshaped(b, a, shape, views, stored_only) if isinstance(a, fx.Node)
+                        else a)
             if args[-1] is None:
                 return None
         return b(value.target, *args, **value.kwargs)
-    if not _contiguous(value):
+    if not _contiguous(value) or stored_only and not _stored(value):
         return None
     if value not in views:
         views[value] = b(aten.view.default, value, shape)
@@ -638,20 +633,11 @@ def _feeds_product(node: fx.Node) -> bool:
     return False
 
 
-def _in_stack(cat: fx.Node) -> fx.Node | None:
-    """The stack a cat makes (itself, or its view: see `_stack`), or None."""
-    if _stack(cat) is not None:
-        return cat
-    if len(cat.users) == 1 and _stack(next(iter(cat.users))) is not None:
-        return next(iter(cat.users))
-    return None
-
-
 def _not_elementwise(b: Builder, m: Match) -> fx.Node | Declined:
     """A stack read by an op that is not elementwise (a sum, a sort, a library call) stays as
     written: that op needs the pieces together. Said once per stack, for `explain`."""
-    user = _in_stack(m.cat)
-    if user is None:
+    user = m.cat
+    if _stack(user) is None:
         return m.cat
     while len(user.users) == 1 and next(iter(user.users)).target in RESHAPES:
         user = next(iter(user.users))
@@ -672,7 +658,7 @@ STACK_READERS = Rule("math into a stack", _CAT, _not_elementwise)
 def _math_out_of_cat(b: Builder, m: Match) -> fx.Node | Declined:
     cat, pieces = m.cat, m.pieces
     out = _meta(cat)
-    if out is None or _in_stack(cat) is not None or len(pieces) < 2:
+    if out is None or _stack(cat) is not None or len(pieces) < 2:
         return cat
     first = pieces[0]
     if not all(isinstance(p, fx.Node) and p.op == "call_function" and p.target in ELEMENTWISE
@@ -748,10 +734,11 @@ MATH_OUT_OF_CAT = Rule("math out of a cat", _CAT, _math_out_of_cat,
 def _cat_of_views(b: Builder, m: Match) -> fx.Node | Declined:
     """view(cat(pieces, d), S) as cat(view(piece_i, S_i), t): when each piece is whole rows of
     the view's dim t (cat([p & 15, p >> 4], -1).view(N, 2, K / 2)). Only for pieces computed by
-    elementwise ops: their views then move onto what they are computed from (`_reshaped`)."""
+    elementwise ops from values in memory: the views move onto those (`_reshaped`), and the cat
+    of the pieces stays one kernel (passes/computed_pieces.py)."""
     cat, view = m.cat, m.view
     out = _meta(view)
-    if out is None or _meta(cat) is None or _in_stack(cat) is not None:
+    if out is None or _meta(cat) is None or _stack(cat) is not None:
         return view
     pieces = cat.args[0]
     if len(pieces) < 2 or not all(isinstance(p, fx.Node) and p.target in ELEMENTWISE
@@ -776,9 +763,9 @@ def _cat_of_views(b: Builder, m: Match) -> fx.Node | Declined:
     views = {}
     made = []
     for p, s in zip(pieces, sizes):
-        made.append(_reshaped(b, p, seen[:t] + [s // rows] + seen[t + 1:], views))
-        if made[-1] is None:
-            return Declined(f"{p.name} is not contiguous: it cannot be viewed without a copy")
+        made.append(_reshaped(b, p, seen[:t] + [s // rows] + seen[t + 1:], views, True))
+        if made[-1] is None:  # a view of a computed piece would keep it from the cat's kernel
+            return view
     return b(aten.cat.default, made, t)
 
 

@@ -287,12 +287,12 @@ STACK_CASES = {  # name: (weight, its inputs, how canonicalize decides: a taken 
     "a chain of ops": (
         lambda a, b: ((torch.stack([a.sin(), b.cos()], -1) * 3).exp() + 1).sigmoid().view(4, 12),
         (_A, _B), "math into a stack: sigmoid applied"),
-    "stacked along dim 0": (
+    "stacked along dim 3 of 3, viewed": (
+        lambda a, b, z: (torch.stack([a.sin(), b.cos()], 2).reshape(4, 12) * z),
+        (_A, _B, torch.rand(4, 1)), "math into a stack: mul applied"),
+    "stacked along dim 0: blocks, as a cat's": (
         lambda a, b: (torch.stack([a.sin(), b.cos()], 0) * torch.arange(6.0)).view(8, 6),
-        (_A, _B), "math into a stack: mul applied"),
-    "stacked along dim -2, viewed": (
-        lambda a, b, z: (torch.stack([a.sin(), b.cos()], -2).reshape(8, 6) * z),
-        (_A, _B, torch.rand(6)), "math into a stack: mul applied"),
+        (_A, _B), "cat of views: a reshape of cat as the cat of its pieces reshaped"),
     "where": (
         lambda a, b, c: torch.where(c, torch.stack([a.sin(), b.cos()], -1), 0.0).view(4, 12),
         (_A, _B, torch.rand(4, 6, 2) > 0.5), "math into a stack: where applied"),
@@ -337,11 +337,12 @@ def test_a_stack_read_by_a_sum_stays_with_its_reason():
 def test_a_stack_that_feeds_no_matmul_keeps_its_math():
     """Without a matmul to distribute over the pieces, the math after a stack of computed pieces
     is one kernel with the stack (passes/computed_pieces.py): it stays where it is."""
-    def f(a, b):
-        return torch.stack([a.sin(), b.cos()], 0) * torch.arange(6.0)
-    taken, cf = decisions(f, _A, _B)
+    def f(a, b, w):
+        return torch.stack([a.sin(), b.cos()], -1) * w
+    w = torch.tensor([0.5, 2.0])
+    taken, cf = decisions(f, _A, _B, w)
     assert taken == [], taken
-    torch.testing.assert_close(cf(_A, _B), f(_A, _B))
+    torch.testing.assert_close(cf(_A, _B, w), f(_A, _B, w))
 
 
 CAT_CASES = {  # name: (function, its inputs, how canonicalize decides)
