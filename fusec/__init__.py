@@ -27,25 +27,17 @@ from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR print
 from fusec.inspect.explain import explain
 from fusec.inspect.profile import profile
 
-import torch as _torch
+import importlib as _importlib
+from importlib.util import find_spec as _find_spec
+from pathlib import Path as _Path
 
-from fusec import passes as _passes
-from fusec.codegen import families as _families
-
-# The kernel families that ship with fusec (codegen/families.py): each backend's renderer asks
-# them first about the kernels it wants (this one: a matmul computed as a sum). Named, not
-# imported: a family's code loads when a kernel is first offered to it.
-_families.register(_families.Family("quantized GEMV", "fusec.extensions.quant_gemv.family",
-                                    ("triton", "cpp"),
-                                    wants=_families.has("matmul")))
-# Its graph rewrites (passes/__init__.py, `register`), just before the core's pad_matmul: matmuls
-# that read one activation row joined over their weights, then small-M matmuls with a computed
-# weight written as sums over K. Both rewrite only mm and addmm, so a graph without one never
-# imports them.
-for _name in ("sibling_gemvs", "small_matmul"):
-    _passes.register(_passes.ExtensionPass(
-        _name, f"fusec.extensions.quant_gemv.{_name}", before="pad_matmul",
-        looks_for=frozenset({_torch.ops.aten.mm.default, _torch.ops.aten.addmm.default})))
+# The extensions that ship with fusec (extensions/<name>/, installed as fusec.extensions.<name>)
+# plug into the core's doors: codegen/families.py for kernel families, passes.register for graph
+# passes. Each folder's `plugin.py` registers what it brings, by name, and its code loads when
+# first asked; the core names none of them.
+for _folder in _find_spec("fusec.extensions").submodule_search_locations:
+    for _plugin in sorted(_Path(_folder).glob("*/plugin.py")):
+        _importlib.import_module(f"fusec.extensions.{_plugin.parent.name}.plugin")
 
 TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
 __version__ = "0.1.0"
