@@ -160,15 +160,30 @@ def test_groups_smaller_than_a_chunk_keep_the_generic_gemv_and_say_why():
             in gemv(cf).source)
 
 
-def test_gptq_read_through_g_idx_keeps_the_generic_gemv_and_says_why():
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_read_through_g_idx(act_order):
+    """Zero points and scales read through g_idx (AutoGPTQ's torch path): in order (g_idx[k] =
+    k // G) the fast form; in act order the kernel finds a chunk whose rows name other groups
+    and takes the exact way, reading through g_idx as eager does."""
     layer = layer_of("gptq", 256, 64, 128, g_idx=True)
+    if act_order:
+        layer.g_idx.copy_(torch.arange(256, dtype=torch.int32) % 2)  # rows alternate groups
     x = torch.randn(2, 256, generator=gen(9)).to(BF16).to(DEV)
     cf = fusec.compile(layer, backend="triton")
     with torch.no_grad():
         got, eager = cf(x), layer(x)
     source = gemv(cf).source
-    assert GENERIC in source and "read through an index (g_idx)" in source
-    closer_than_eager(got, eager, x.cpu().double() @ layer.dequantized().cpu())
+    assert TEMPLATE in source and "g_idx does not name the chunk's group" in source
+    closer_than_eager(got, eager, x.cpu().double() @ _weight_through_g_idx(layer))
+
+
+def _weight_through_g_idx(layer):
+    def nibbles(words, dim):
+        return torch.stack([(words >> (4 * t)) & 15 for t in range(8)], dim + 1).flatten(dim, dim + 1)
+    g = layer.g_idx.long().cpu()
+    q = nibbles(layer.qweight.cpu(), 0).double()
+    z = nibbles(layer.qzeros.cpu(), 1).double()
+    return (q - z[g]) * layer.scales.cpu().double()[g]
 
 
 def test_switched_off_by_the_environment(monkeypatch):

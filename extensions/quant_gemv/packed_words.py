@@ -19,6 +19,10 @@ zero points and scales are read when the kernel runs: it checks there that the s
 row (or column) in each nibble and that q - zero and the weights are exact, and computes its
 share the exact way, eager's statements weight by weight, when they are not.
 
+GPTQ's zero points and scales may also be read through g_idx (`scales[g_idx]`, AutoGPTQ's torch
+path): K is then (word rows, 8) and the groups are the tables' rows; the kernel checks per chunk
+that g_idx names the chunk's group (`_g_idx`).
+
 The packed-bytes int4 form (two nibbles a byte, a bf16 zero point subtracted in bf16) is
 int4_words.py's: its rounding differs, and so does its kernel (triton_gemv_int4_mma.py).
 """
@@ -58,6 +62,7 @@ class PackedWords:
     group: int  # rows of K per group
     weight_side: tuple[str, ...]  # the loads and statements that compute a weight, in order
     strides: dict  # load name -> its strides over the format's five coordinates
+    g_idx: Load | None = None  # the group of each row of K, when zero and scale are read through it
 
 
 def match_packed_words(kernel) -> tuple[PackedWords | None, str]:
@@ -84,9 +89,7 @@ def _match(kernel, r: Reduce, producers, along: str) -> PackedWords:
     c = dequant_chain(r, producers, INTS)
     require(all(l.gather is None or l in (c.scale, c.zero) for l in kernel.loads),
             "a gathered read other than the zero points' and the scales'")
-    require(c.scale.gather is None and (not isinstance(c.zero, Load) or c.zero.gather is None),
-            "zero points or scales read through an index (g_idx): the tensor-core kernel reads "
-            "them per group")
+    g_idx = _g_idx(c, producers, along)
     x = producers.get(_through(producers, c.x))
     half = c.mul.round_to
     require(isinstance(x, Load) and x.dtype == half == c.scale.dtype,
@@ -99,6 +102,11 @@ def _match(kernel, r: Reduce, producers, along: str) -> PackedWords:
         require(len(groups) <= 1, "K is not (groups, word rows, 8 nibbles)")
         group = 8 * rows
         k = 8 * rows * (groups[0] if groups else 1)
+        if g_idx is not None:  # K is (word rows, 8): the groups are the tables' rows
+            require(not groups and k % c.scale.gather[2] == 0 and k // c.scale.gather[2] % 8 == 0,
+                    f"{c.scale.gather[2]} groups do not cut K = {k} into groups of whole words")
+            group = k // c.scale.gather[2]
+            rows = group // 8
 
         def coords(l: Load) -> tuple:  # (m, n, group, word row, nibble)
             st = tuple(l.index.strides)
@@ -122,11 +130,35 @@ def _match(kernel, r: Reduce, producers, along: str) -> PackedWords:
     chunk = 128 if along == "k" else 16
     require(group % chunk == 0, f"groups of {group} rows: the tensor-core kernel needs whole "
             f"chunks of {chunk} rows of K in a group")
+    if g_idx is not None:
+        require(strides[g_idx.var.name] == (0, 0, 8 * rows, 8, 1),
+                "the group index g_idx is not one value per row of K")
     shape = kernel.row_shape + kernel.k_shape
     require(max(max_address(a.index, shape) for a in [*kernel.loads, *kernel.stores]) < 2 ** 31 - 1,
             "addresses past 2^31 elements (the tensor-core kernel computes them in 32 bits)")
     return PackedWords(along, c, c.words, shifts, c.zero, c.scale, x, half, m, n, k, group,
-                       weight_side, strides)
+                       weight_side, strides, g_idx)
+
+
+def _g_idx(c: Chain, producers, along: str) -> Load | None:
+    """The group index that zero points and scales are read through (AutoGPTQ's torch path,
+    `scales[g_idx]`, examples/gptq_linear.py), or None when they are read per group. The kernel
+    assumes g_idx[k] = k // G (a checkpoint quantized in order) and checks it per chunk when it
+    runs; a chunk where it does not hold (act order) takes the exact way, which reads through
+    g_idx as eager does."""
+    tables = [c.scale] + ([c.zero] if isinstance(c.zero, Load) else [])
+    if all(t.gather is None for t in tables):
+        return None
+    require(along == "k", "zero points or scales read through an index with words packed along N")
+    pos = c.scale.gather[0] if c.scale.gather else None
+    require(all(t.gather is not None and t.gather[0] == pos for t in tables),
+            "zero points and scales not both read through one group index")
+    g_idx = producers.get(pos)
+    require(isinstance(g_idx, Load) and g_idx.dtype in (torch.int32, torch.int64)
+            and g_idx.gather is None and g_idx.valid is None,
+            "the zero points and scales are not read through a loaded group index")
+    require(len({t.gather[2] for t in tables}) == 1, "zero points and scales of other group counts")
+    return g_idx
 
 
 def _through(producers, name: str) -> str:
@@ -142,6 +174,7 @@ def _through(producers, name: str) -> str:
 def _weight_side(kernel, c: Chain, shifts: tuple) -> tuple[str, ...]:
     """The names that compute the rounded weight, in program order (loads first)."""
     made = chain_values(kernel, c) | set(shifts)
+    made |= {c.scale.gather[0]} if c.scale.gather else set()
     needed = set(kernel.values_needed([c.weight], only_varying=False))
     require(needed <= made | {c.weight}, "the weight is computed from more than its words, "
             "shift amounts, zero points and scales")
@@ -159,7 +192,7 @@ def _layouts(c: Chain, x: Load, shifts, producers, strides: dict, along: str, gr
                 and words[2] == rows * words[3], "the packed weight is not (K / 8, N) words")
         for g in groups_of:
             st = strides[g.var.name]
-            require(st[0] == 0 and st[1] != 0 and st[3:] == (0, 0),
+            require(st[0] == 0 and st[1] != 0 and st[3:] == (0, 0) and not (g.gather and st[2]),
                     f"{g.var.name} is not one value per (group, column)")
         require(xs[1] == 0 and xs[4] != 0 and xs[3] == 8 * xs[4] and xs[2] == rows * xs[3],
                 "the activations are not one row of K for every column")

@@ -24,7 +24,7 @@ import torch
 
 from fusec import env
 from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import convert, helpers_in, ops_summary, render_stmt
+from fusec.codegen.triton_text import convert, gather_offset, helpers_in, ops_summary, render_stmt
 from fusec.ir import Load, Reduce, Stmt
 
 from .packed_words import PackedWords, match_packed_words
@@ -102,7 +102,8 @@ def render_gemv_packed_mma(kernel, pw: PackedWords, arch: int | None = None, why
         exact_weight=f"{weight}.to(tl.{half})" if native else weight, x_load=x_load,
         words_at=words_at, zero_at=lambda cols, col: _group_value(pw, pw.zero, cols, col),
         scale_at=lambda cols, col: _group_value(pw, pw.scale, cols, col),
-        row_lines=row_lines, epilogue=epilogue, stores=stores)
+        row_lines=row_lines, epilogue=epilogue, stores=stores,
+        g_idx_at=pw.g_idx and at(pw, pw.g_idx, ["0", "0", "0", "w_start + xw", "t8[None, :]"]))
 
 
 class _Blocks(NamedTuple):
@@ -144,7 +145,9 @@ def _group_value(pw: PackedWords, g: Load | int | None, cols: str, col: str) -> 
     if not isinstance(g, Load):
         return f"tl.full([1, 1], {float(g or 0)!r}, tl.float32)  # a constant"
     coords = ["0", cols, "g", "0", "0"] if pw.along == "k" else ["0", "j", col, "g", "0"]
-    return convert(f"tl.load({at(pw, g, coords)}, mask=cmask, other=0)", g.dtype, torch.float32)
+    row = f" + g * {g.gather[1]}" if g.gather else ""  # (read through g_idx: the group's row)
+    return convert(f"tl.load({at(pw, g, coords)}{row}, mask=cmask, other=0)", g.dtype,
+                   torch.float32)
 
 
 def _weight_lines(kernel, pw: PackedWords, helpers: set) -> tuple[list[str], list[str]]:
@@ -158,7 +161,10 @@ def _weight_lines(kernel, pw: PackedWords, helpers: set) -> tuple[list[str], lis
     exact_coords = (["0", "n", f"ww // {rows}", f"ww % {rows}", "t"] if pw.along == "k"
                     else ["0", "j", "c", f"kk // {pw.group}", f"kk % {pw.group}"])
     shift_lines, exact_lines = [], []
-    for name in pw.weight_side:
+    def order(name):  # loads first, those read through an index value after it, then statements
+        item = producers[name]
+        return 2 if isinstance(item, Stmt) else 1 if item.gather is not None else 0
+    for name in sorted(pw.weight_side, key=order):
         item = producers[name]
         if isinstance(item, Stmt):
             if name in pw.shifts:
@@ -169,7 +175,8 @@ def _weight_lines(kernel, pw: PackedWords, helpers: set) -> tuple[list[str], lis
             value = convert(f"tl.load({at(pw, item, nib_coords)})", item.dtype, item.var.dtype)
             shift_lines.append(f"{name} = {value}")
         masked = pw.strides[name][1] != 0  # (along the columns: the tile may overhang N)
-        value = f"tl.load({at(pw, item, exact_coords)}{', mask=cmask, other=0' if masked else ''})"
+        where = at(pw, item, exact_coords) + (f" + {gather_offset(item)}" if item.gather else "")
+        value = f"tl.load({where}{', mask=cmask, other=0' if masked else ''})"
         exact_lines.append(f"{name} = {convert(value, item.dtype, item.var.dtype)}")
     return shift_lines, exact_lines
 
