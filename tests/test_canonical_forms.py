@@ -287,7 +287,7 @@ STACK_CASES = {  # name: (weight, its inputs, how canonicalize decides: a taken 
     "a chain of ops": (
         lambda a, b: ((torch.stack([a.sin(), b.cos()], -1) * 3).exp() + 1).sigmoid().view(4, 12),
         (_A, _B), "math into a stack: sigmoid applied"),
-    "stacked along dim 3 of 3, viewed": (
+    "stacked along dim 2, the last, viewed": (
         lambda a, b, z: (torch.stack([a.sin(), b.cos()], 2).reshape(4, 12) * z),
         (_A, _B, torch.rand(4, 1)), "math into a stack: mul applied"),
     "stacked along dim 0: blocks, as a cat's": (
@@ -307,6 +307,9 @@ STACK_CASES = {  # name: (weight, its inputs, how canonicalize decides: a taken 
                                                                            torch.randn(12)),
         "varies along dims that the stack's view merges: it cannot be split "
         "per piece without a copy"),
+    "a stack with another reader": (
+        lambda a, b: (lambda t: (t * 2 + t.sum()).view(4, 12))(torch.stack([a.sin(), b.cos()], -1)),
+        (_A, _B), "math into a stack: cat has other users: the pieces would be computed twice"),
     "broadcast up by another operand": (
         lambda a, b, u: (torch.stack([a.sin(), b.sin()], -1) * u).view(20, 2),
         (torch.randn(4, 1), torch.randn(4, 1), torch.randn(4, 5, 2)),
