@@ -451,7 +451,8 @@ def _math_into_stack(b: Builder, m: Match) -> fx.Node | Declined:
     """f(stack(pieces), u) -> stack([f(piece_i, u_i)]): see the module docstring."""
     node = m.op
     found = _stack_operand(node)
-    if found is None or not _feeds_product(node):
+    if found is None or any(isinstance(v, fx.Node) for v in node.kwargs.values()) \
+            or not _feeds_product(node):
         return node
     arg, links, cat, (pieces, dim, spots) = found
     out, whole = _meta(node), _meta(cat)
@@ -498,10 +499,10 @@ def _math_into_stack(b: Builder, m: Match) -> fx.Node | Declined:
     result = _stacked(b, stacked, dim, negative)
     for nodes, value in zip(per_piece, stacked):  # each piece's unsqueeze goes with it
         nodes += [u for u in value.users if u in b.made and u.target is aten.unsqueeze.default]
-    if list(_meta(result).shape) != seen:
+    if list(_meta(result).shape) != refined or _meta(result).dtype != out.dtype:
+        return Declined(f"per piece the op gives {_meta(result)}, not {out}")
+    if refined != seen:
         result = b(aten.view.default, result, seen)
-    if _meta(result).dtype != out.dtype:
-        return Declined(f"per piece the op gives {_meta(result).dtype}, not {out.dtype}")
     _piece_by_piece(spots, pieces, shared, reshaped, per_piece)
     return result
 
