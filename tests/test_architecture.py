@@ -25,10 +25,17 @@ and every import in it, at the top or inside a function, becomes an edge of one 
    `def` line to its last line, docstring included) says why, in its docstring, on a line that
    starts with "Why this function is long:" and gives the reason. A long function is cut along
    the steps it already performs, each a named helper; the top function then reads as the list.
+8. the core (every file under fusec/, passes/ and codegen/, templates included) never names an
+   extension's formats or its family, in code, comments or docstrings: each extension declares
+   the words it names itself by (a top-level `NAMES` in one of its modules: the quantized GEMVs'
+   family.py says "gemv", "int4", "awq", ...) and a core word is flagged when it, or a part of
+   it, begins with one of them. The core speaks of what a kernel does ("a matmul of few rows",
+   "a packed 4-bit weight"), and a reader who opens it meets no special case.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -299,3 +306,85 @@ def test_the_function_rule_sees_long_functions():
     assert long_functions(nested) == [(1, "outer", 82), (2, "inner", 81)]
     told = function("told", 81, "Adds up.\n\n    Why this function is long: one table.\n    ")
     assert long_functions(told) == []
+
+
+CORE_FOLDERS = ("fusec", "passes", "codegen")
+CORE_SUFFIXES = {".py", ".j2", ".h"}  # the modules and their templates (codegen/templates/)
+# A word is a run of letters, digits and underscores (every other character separates words:
+# `GPTQ-style`, `AWQ's`); its parts are cut at underscores and where a lower-case letter or a
+# digit meets an upper-case one (`render_gemv`: render, gemv; `TritonGemv`: Triton, Gemv). A
+# name matches the start of a part, so it also catches `GEMVs`, `dequantized`, `FUSEC_INT4_MMA`,
+# but not a name inside a part: `struct.unpack_from("<IBBHQQ", ...)` (a struct format: B, H, Q,
+# ...) is no HQQ, and `uint4` (a plain dtype, as int8 is) is no int4. Code, comments, docstrings
+# and strings are read alike: a string is prose too (a refusal's reason, a kernel's header).
+WORD = re.compile(r"\w+", re.ASCII)
+PART = re.compile(r"_+|(?<=[a-z0-9])(?=[A-Z])")
+
+
+def extension_names() -> dict[str, tuple[str, ...]]:
+    """Extension folder -> the words it names itself by: a top-level `NAMES` tuple in any of its
+    modules (extensions/<name>/*.py), read with `ast` (the test imports nothing of fusec)."""
+    found: dict[str, tuple[str, ...]] = {}
+    for module in sorted((ROOT / "extensions").glob("*/*.py")):
+        for node in ast.parse(module.read_text()).body:
+            if isinstance(node, ast.Assign) and \
+                    any(getattr(t, "id", "") == "NAMES" for t in node.targets):
+                names = tuple(n.lower() for n in ast.literal_eval(node.value))
+                found[module.parent.name] = found.get(module.parent.name, ()) + names
+    return found
+
+
+def named_words(text: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, word) for every word of `text` that has a part beginning with one of `names`."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for word in WORD.findall(line):
+            if any(part.lower().startswith(names) for part in PART.split(word)):
+                found.append((number, word))
+    return found
+
+
+def core_files() -> list[Path]:
+    return sorted(p for folder in CORE_FOLDERS for p in (ROOT / folder).rglob("*")
+                  if p.suffix in CORE_SUFFIXES and "__pycache__" not in p.parts)
+
+
+def test_the_core_names_no_extension():
+    """The core is what a learner reads: the quantized GEMVs are an extension (extensions/
+    quant_gemv/), and the core names neither the family nor the formats it serves."""
+    extensions = extension_names()
+    assert "quant_gemv" in extensions and "gemv" in extensions["quant_gemv"]
+    files = core_files()
+    assert {ROOT / name for name in ("codegen/templates/cpp_prelude.h", "passes/dce.py",
+                                     "codegen/templates/triton_reduction.py.j2",
+                                     "fusec/__init__.py")} <= set(files)
+    assert not any("extensions" in p.relative_to(ROOT).parts for p in files)
+    found = []
+    for path in files:
+        text = path.read_text()
+        for extension, names in extensions.items():
+            hits = named_words(text, names)
+            if hits:
+                found.append(f"  {path.relative_to(ROOT)} ({extension}): " + ", ".join(
+                    f"{line}:{word}" for line, word in hits))
+    assert not found, ("core files that name an extension's formats or family (say what the "
+                       "kernel does instead; an extension's story belongs in its README):\n"
+                       + "\n".join(found))
+
+
+def test_the_naming_rule_sees_words_and_parts():
+    """A guard on the guard: names in code, comments, docstrings and strings are found, as words
+    or their parts, in any case; a name inside a word (a struct format) and int8 are not."""
+    names = ("gemv", "int4", "awq", "gptq", "hqq", "quant", "dequant")
+    source = '\n'.join([
+        '"""Unpacks AWQ\'s nibbles."""',                     # 1: prose in a docstring
+        '# a GPTQ-style weight, dequantized once',            # 2: dequantized
+        'def render_gemv(x): return TritonGemvs, GEMVs',      # 3: three spellings
+        'FLAG = "FUSEC_INT4_MMA"',                            # 4: in a string
+        'info = struct.unpack_from("<IBBHQQ", obj, at)',      # 5: a struct format, not HQQ
+        'w = x.to(torch.int8) + y.to(torch.uint4)  # a packed 4-bit weight, a matmul of few rows',
+        'class Int4Words: pass  # an hqq weight',             # 7
+    ])
+    assert named_words(source, names) == [
+        (1, "AWQ"), (2, "GPTQ"), (2, "dequantized"), (3, "render_gemv"), (3, "TritonGemvs"),
+        (3, "GEMVs"), (4, "FUSEC_INT4_MMA"), (7, "Int4Words"), (7, "hqq")]

@@ -25,6 +25,11 @@ from .int4_columns import match_int4_columns
 from .int4_k_words import chunk_of_k_words, match_int4_k_words
 from .int4_words import match_int4_words
 
+# The words this family names itself by: its kernels (GEMV), the formats it serves (int4, AWQ,
+# GPTQ, HQQ) and what is done to them (quantized, dequantized). The core uses none of them, in
+# code or prose (tests/test_architecture.py); int8 is a plain dtype and stays the core's.
+NAMES = ("gemv", "int4", "awq", "gptq", "hqq", "quant", "dequant")
+
 # Each backend's kernels are imported by its renderer, when it is first asked: a program on the
 # CPU never loads the Triton GEMV kernels, and one on the GPU never loads the C++ table kernel.
 
