@@ -113,13 +113,15 @@ def pipeline() -> list:
 
 def wanted(p, gm: fx.GraphModule) -> bool:
     """Whether pass `p` has something to look at in gm: it names no ops (it looks at every graph),
-    or one of the ops it names is called in gm's graph."""
+    or gm's graph calls one of the ops it names (a pass made of rules asks its rules:
+    passes/patterns.py, `looks_for_rules`)."""
     targets = getattr(p, "looks_for", None)
     if not targets:
         return True
-    return any(n.op == "call_function" and (n.target in targets or
-                                            getattr(n.target, "overloadpacket", None) in targets)
-               for n in gm.graph.nodes)
+    graph_calls = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    if hasattr(targets, "wanted_by"):
+        return targets.wanted_by(graph_calls)
+    return any(t in targets or getattr(t, "overloadpacket", None) in targets for t in graph_calls)
 
 
 def run_pipeline(gm: fx.GraphModule, passes=None, record: bool = False):

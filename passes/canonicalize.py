@@ -94,14 +94,14 @@ from fusec import ops
 from fusec.ir import TensorMeta
 
 from .grouping import record_decisions
-from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, looks_for_roots, rewrite
+from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
 
 aten = torch.ops.aten
 
 MIN_K = 16  # shorter contractions stay a fused sum: a library call costs more than the loop
 
 
-@looks_for_roots(lambda: RULES + REGISTERED)
+@looks_for_rules("RULES", "REGISTERED")
 def canonicalize(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite the spellings of a product into its canonical form (see the module docstring),
     then apply the rules registered from outside the core (`patterns.register`)."""
@@ -280,7 +280,8 @@ CONTRACTION = Rule(
     "contraction",
     Op(aten.sum.dim_IntList, Op(aten.mul.Tensor, Var("a"), Var("b"), name="prod", one_user=True),
        Var("dims"), name="sum", exact=False),
-    _contraction, "sum({prod}) over the shared dim is a matmul")
+    _contraction, "sum({prod}) over the shared dim is a matmul",
+    needs=(aten.mul.Tensor,))  # a sum alone (a softmax's) has nothing to contract
 
 
 # ---- the scale after the product --------------------------------------------------------------
@@ -605,7 +606,8 @@ def _viewed(b: Builder, value: fx.Node, shape: list) -> fx.Node:
 
 
 MATH_INTO_STACK = Rule("math into a stack", Op(ELEMENTWISE, name="op", exact=False),
-                       _math_into_stack, "{op} applied to each piece of the stack")
+                       _math_into_stack, "{op} applied to each piece of the stack",
+                       needs=(aten.cat.default,))  # torch.stack is captured as a cat
 
 
 def _view_of_view(b: Builder, m: Match) -> fx.Node:

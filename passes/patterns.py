@@ -31,8 +31,8 @@ rule applies (a replacement may expose another match: rules compose). Every appl
 every decline, is a `Decision(node, taken, why)` the calling pass keeps in its record, so
 `fusec.explain` shows what each rule did and why it did not. Users: passes/canonicalize.py (the
 canonical forms) and passes/simplify.py; a kernel family's graph rewrites use the same facility.
-A pass made of rules says what it looks for with its rules' root ops, `@looks_for(*roots(RULES))`
-(or `@looks_for_roots(lambda: RULES + REGISTERED)` where rules come later): the pipeline skips
+A pass made of rules says what it looks for with its rules, `@looks_for_rules("RULES")`
+(each rule's root op and the ops it `needs`; rules registered later count too): the pipeline skips
 it on a graph that calls none of them (passes/__init__.py, `wanted`).
 """
 from __future__ import annotations
@@ -107,6 +107,10 @@ class Rule:
     pattern: Op
     build: Callable[["Builder", Match], "fx.Node | Declined"]
     why: str = ""
+    # Ops the graph must also call, every one, for the rule to have anything to do: its root
+    # alone may be an op most graphs call (a sum; any elementwise op), while the pattern cannot
+    # match without the ops inside it (a mul under the sum; a cat under the math).
+    needs: tuple = ()
     # Only nodes matched with these targets are tried (the pattern's root), for speed.
     roots: tuple = field(init=False)
 
@@ -131,35 +135,44 @@ def unregister(name: str) -> None:
     REGISTERED[:] = [r for r in REGISTERED if r.name != name]
 
 
-def roots(rules: list[Rule]) -> frozenset:
-    """The ops at the roots of `rules`' patterns: `rewrite` tries a node only if it calls one, so
-    a graph that calls none of them gives the rules nothing to do."""
-    return frozenset(target for rule in rules for target in rule.roots)
+def calls(graph_calls: set, target) -> bool:
+    """Whether a graph whose call_function targets are `graph_calls` calls `target` (an
+    OpOverload, or a packet that stands for all its overloads)."""
+    return target in graph_calls or any(getattr(t, "overloadpacket", None) is target
+                                        for t in graph_calls)
 
 
-class _Roots:
-    """The roots of the rules `rules()` returns, read each time a question is asked."""
+def applies(rule: Rule, graph_calls: set) -> bool:
+    """Whether `rule` can match anywhere in a graph that calls `graph_calls`: its root is called,
+    and every op it `needs`."""
+    return any(calls(graph_calls, t) for t in rule.roots) and \
+        all(calls(graph_calls, t) for t in rule.needs)
+
+
+class RulesLookFor:
+    """What a pass made of rules looks for: a graph where one of the rules `rules()` returns
+    `applies` (asked each time, so a rule registered later counts). `passes.wanted` asks
+    `wanted_by(the graph's calls)`."""
 
     def __init__(self, rules: Callable[[], list[Rule]]):
         self.rules = rules
 
-    def __contains__(self, target) -> bool:
-        return any(target in rule.roots for rule in self.rules())
-
-    def __iter__(self):
-        return iter(roots(self.rules()))
+    def wanted_by(self, graph_calls: set) -> bool:
+        return any(applies(rule, graph_calls) for rule in self.rules())
 
     def __bool__(self) -> bool:
-        return bool(roots(self.rules()))
+        return True
 
 
-def looks_for_roots(rules: Callable[[], list[Rule]]):
+def looks_for_rules(*names: str):
     """Mark a pass made of rules with what it looks for (as fusec/graphmodule.py's `looks_for`
-    does with a list of ops): the roots of the rules `rules()` returns, so the list can never
-    drift from the rules. `rules` is a function, `@looks_for_roots(lambda: RULES + REGISTERED)`:
-    the rules are defined below the pass, and a rule registered later counts too."""
+    does with a list of ops), derived from its rules so it can never drift from them: the pass
+    runs on a graph where one of them `applies`. `names` name the pass module's lists of rules,
+    `@looks_for_rules("RULES", "REGISTERED")`, read each time it is asked: the rules are defined
+    below the pass, and a rule registered later counts too."""
     def mark(function):
-        function.looks_for = _Roots(rules)
+        function.looks_for = RulesLookFor(
+            lambda: [rule for name in names for rule in function.__globals__[name]])
         return function
     return mark
 

@@ -44,10 +44,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fusec.graphmodule import looks_for
-
 from .grouping import meta, record_decisions
-from .patterns import Builder, Declined, Match, Op, Rule, Var, rewrite, roots
+from .patterns import Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
 
 aten = torch.ops.aten
 
@@ -103,7 +101,7 @@ SHIFT_IN_32_BITS = Rule(
 RULES = [TANH_OF_SOFTPLUS, SHIFT_IN_32_BITS]
 
 
-@looks_for(*roots(RULES))  # (a graph without a tanh or a shift is skipped)
+@looks_for_rules("RULES")  # (a graph without a tanh or a shift is skipped)
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite tanh(softplus(x)) as one exp and a division, and narrow 64-bit shifts whose
     users keep 32 bits (see the module docstring)."""
