@@ -71,8 +71,9 @@ def render_int4_or_gemv(kernel, arch: int | None = None) -> str:
     from .triton_gemv_int4_groups import groups_fit, render_gemv_groups
     from .triton_gemv_int4_mma import MMA_MAX_M, mma_fit, render_gemv_mma
     words, _ = match_int4_words(kernel, MMA_MAX_M)
-    if words is None:
-        return render_gemv(kernel, arch=arch)
+    if words is None:  # int4 words packed along K or N (GPTQ, AWQ): tensor cores at M = 2-16
+        from .triton_gemv_packed_mma import render_packed_or_gemv
+        return render_packed_or_gemv(kernel, arch)
     fits, why = groups_fit(kernel, words)
     if fits:
         return render_gemv_groups(kernel, words, arch)
