@@ -90,6 +90,35 @@ def test_float16_and_other_groups(fmt, group):
     run(layer_of(fmt, 512, 64, group, F16), torch.randn(3, 512, generator=gen(3)).to(F16).to(DEV))
 
 
+class WithEpilogue(torch.nn.Module):
+    """gelu(layer(x) + bias): what follows the product (the epilogue)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.register_buffer("bias", torch.randn(layer.n, generator=gen(11)).to(BF16).to(DEV))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.layer(x) + self.bias)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_an_epilogue_runs_in_the_finishing_kernel(fmt):
+    model = WithEpilogue(layer_of(fmt, 256, 64, 128))
+    x = torch.randn(3, 256, generator=gen(12)).to(BF16).to(DEV)
+    cf = fusec.compile(model, backend="triton")
+    with torch.no_grad():
+        got, eager = cf(x), model(x)
+        want = torch.nn.functional.gelu(x.cpu().double() @ model.layer.dequantized().cpu()
+                                        + model.bias.cpu().double())
+    source = gemv(cf).source
+    assert TEMPLATE in source
+    # GPTQ's rows are (M, N), the epilogue's: fused. AWQ's GEMV computes its columns as
+    # (N/8, 8), and the bias and gelu stay a kernel of their own (fuse_reductions' decision)
+    assert ("gelu" in source.split("_finish(")[1]) == (fmt == "gptq")
+    closer_than_eager(got, eager, want)
+
+
 def test_gptq_shift_amounts_in_another_order_take_the_fast_form():
     """The kernel reads the shift amounts when it runs: a permutation of 0, 4, ..., 28 puts
     each row of K in a nibble, so the fast form takes it (the row each nibble holds)."""
