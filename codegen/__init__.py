@@ -1,2 +1,2 @@
 """Code generation: fused group -> kernel IR (lower.py) -> source text from a Jinja template
-(one module per backend: triton.py, cpp.py) -> a JIT-loaded callable, cached on disk."""
+(one package per backend: triton/, cpp/, llvm/) -> a JIT-loaded callable, cached on disk."""

@@ -1,14 +1,14 @@
 """The backends, as one registry: what each is called, which module spells and builds its kernels,
 and what it can do. Code outside codegen/ asks a `Backend` instead of testing its name.
 
-Every backend module (triton.py, cpp.py, llvm.py) has the same few functions: `render(ir)` (the
+Every backend package's entry (triton/, cpp/, llvm/: their __init__.py) has the same few functions: `render(ir)` (the
 kernel IR as source text), `build(source, name)` (the binary, through the disk cache:
 fusec/cache.py), `launcher(path, name, n_params)` (the binary loaded, callable with tensors) and
 `load(ir, source)` (both at once). A `Backend` reaches them through `module`, and declares the
 facts the rest of fusec decides by:
 
     backends.get("llvm").views             ("optimized_ir", "assembly"): explain can show them
-    backends.get("triton").views           ("gpu_assembly",): SASS for a named GPU (triton_target.py)
+    backends.get("triton").views           ("gpu_assembly",): SASS for a named GPU (triton/target.py)
     backends.get("cpp").rows_one_by_one     True: fuse_reductions keeps row math out of the rows
     backends.get(name).takes(device)        whether its kernels take tensors on `device`
     backends.get(name).threadsafe_on(device)  whether they may run in several threads at once

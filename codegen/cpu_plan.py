@@ -1,4 +1,4 @@
-"""Decisions the two CPU backends (cpp.py, llvm.py) make alike, so that both spell the same plan.
+"""Decisions the two CPU backends (cpp/, llvm/) make alike, so that both spell the same plan.
 
 How many elements make threads pay off (`PARALLEL_THRESHOLD`), how long an inner chunk is
 (`CHUNK`), how a long float sum is blocked (`sum_block`), the one-line summary each kernel's
@@ -96,8 +96,8 @@ def cpp_sum_block(k: int, narrowest: int = 4) -> int:
 # Note (rows side by side): a reduction whose neighbouring rows lie next to each other in memory
 # and whose row values lie far apart (`x.sum(0)`, softmax over NCHW channels) is best computed
 # with its loops turned inside out: the k loop outside, a block of COLUMNS rows in the SIMD
-# lanes inside, so each k step reads COLUMNS contiguous values (codegen/cpp_columns.py explains
-# it, llvm_columns.py spells it in LLVM IR). One lane adds a long float sum's values one after
+# lanes inside, so each k step reads COLUMNS contiguous values (codegen/cpp/columns.py explains
+# it, llvm/columns.py spells it in LLVM IR). One lane adds a long float sum's values one after
 # another, so it adds COLUMN_SUM_BLOCK of them in float and each block's sum in double.
 COLUMNS = 64  # rows per block: 4-8 vectors of float accumulators, a few hundred bytes of arrays
 COLUMN_SUM_BLOCK = 64  # values one lane adds in float before its block sum goes into a double
@@ -136,7 +136,7 @@ def column_sum_block(kernel) -> int:
 # sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
 # SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in double
 # (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
-# Both CPU backends call the same functions: cpp.py links them (`math_flags`), llvm_ir.py
+# Both CPU backends call the same functions: cpp/__init__.py links them (`math_flags`), llvm/ir.py
 # declares them (`vector_variant`).
 SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}
 

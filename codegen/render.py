@@ -1,5 +1,6 @@
-"""One Jinja2 environment for every backend's templates (codegen/templates/*.j2), and one per
-kernel family that brings its own (its folder first, then the core's).
+"""One Jinja2 environment for every backend's templates (codegen/<backend>/templates/*.j2: each
+backend package keeps its own), and one per kernel family that brings its own (its folder first,
+then the backends').
 
 StrictUndefined makes a template that mentions a value Python did not decide fail loudly instead
 of printing an empty string into a kernel.
@@ -13,15 +14,18 @@ import jinja2
 
 from fusec.errors import UnsupportedError
 
-TEMPLATES = Path(__file__).parent / "templates"
+BACKEND_PACKAGES = ("triton", "cpp", "llvm")
+# the backends' template folders; template names start with their backend's (triton_..., cpp_...,
+# llvm_...), so one search path over all of them finds each
+TEMPLATES = tuple(Path(__file__).parent / backend / "templates" for backend in BACKEND_PACKAGES)
 
 
 @functools.lru_cache(maxsize=None)
 def environment(*folders: str) -> jinja2.Environment:
-    """The environment over codegen/templates, after `folders` (a kernel family's own templates,
-    which may include the core's partials: `{% include "triton_pdl_wait.j2" %}`)."""
+    """The environment over the backends' templates, after `folders` (a kernel family's own
+    templates, which may include the core's partials: `{% include "triton_pdl_wait.j2" %}`)."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader([*folders, str(TEMPLATES)]),
+        loader=jinja2.FileSystemLoader([*folders, *map(str, TEMPLATES)]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

@@ -28,7 +28,7 @@ def prepare_triton(device: torch.device) -> None:
     # Triton reads TRITON_INTERPRET when it is imported (this module sets it first on a machine
     # without a GPU); a process that imported triton before fusec must have set it itself.
     if os.environ.get("TRITON_INTERPRET") != "1" or TRITON_IMPORTED_BEFORE_FUSEC and \
-            "fusec.codegen.triton_helpers" not in sys.modules and _interpreter_off():
+            "fusec.codegen.triton.helpers" not in sys.modules and _interpreter_off():
         raise DeviceError("fusec: backend 'triton' with CPU tensors needs Triton's interpreter: "
                           "set TRITON_INTERPRET=1 before triton is imported (fusec does so itself "
                           "on a machine without a GPU if it is imported first), or use backend='cpp'")

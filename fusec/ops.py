@@ -18,10 +18,10 @@ results of the earlier lines, the last line is the op's value). LLVM has no over
 `{m}` the C library's suffix (`sinf` vs `sin`) and `{D}` fusec's short dtype name (`u8`, which
 LLVM cannot tell from `i8`). Where the instruction depends on the kind of type, the spelling has
 one section per kind: `"f: fadd {T} {0}, {1} || i: add {T} {0}, {1}"` (f float, s signed int,
-u unsigned int, b bool, i any integer or bool). codegen/llvm.py documents the details.
+u unsigned int, b bool, i any integer or bool). codegen/llvm/__init__.py documents the details.
 
-Longer expressions live as helper functions next to the backend (`codegen/triton_helpers.py`,
-`codegen/templates/cpp_prelude.h`), so a generated kernel calls `fusec_gelu(x)` rather than
+Longer expressions live as helper functions next to the backend (`codegen/triton/helpers.py`,
+`codegen/cpp/templates/cpp_prelude.h`), so a generated kernel calls `fusec_gelu(x)` rather than
 repeating a formula. The helpers have the same names in both backends.
 
 The second half of this file maps ATen operators (what torch.fx captures) onto rows. Several

@@ -137,7 +137,7 @@ def _finish(gm, group_of, order, effects, refusals):
 FEW_ROWS_DEVICES = ("cuda",)
 FEW_PROGRAMS = 132  # below this many programs (the SMs of an H100/H200) ...
 LONG_PROGRAM = 1 << 16  # ... of at least this many elements each, torch's reduction wins
-COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton_reduction.py, COLUMN_XBLOCK)
+COLUMN_ROWS = 64  # rows per program of a Triton column reduction (codegen/triton/reduction.py, COLUMN_XBLOCK)
 
 
 def programs_of(node: fx.Node, red: ops.ReductionCall) -> tuple[int, int, int, int]:

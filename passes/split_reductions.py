@@ -3,7 +3,7 @@
 A GPU runs a reduction kernel as one program per row (or per block of rows), and a program runs
 on one SM. `x.mean(dim=(2, 3, 4))` of a (16, 32, 16, 64, 64) activation has 512 rows of 65536
 elements; a channels-last global pool of (32, 64, 128, 128) has 2048 rows, but a column reduction
-(passes/fuse_reductions.py, codegen/triton_reduction.py) takes 64 neighbouring rows per program:
+(passes/fuse_reductions.py, codegen/triton/reduction.py) takes 64 neighbouring rows per program:
 32 programs. On a GPU of 132 SMs most of the chip then waits while a few programs stream
 megabytes each. A group norm is worse still: 4 groups x 16 images are 64 rows.
 

@@ -105,7 +105,7 @@ def test_the_graph_sees_the_imports_it_should():
     graph = import_graph()
     assert graph.has_edge("fusec.driver", "fusec.passes")  # top level
     assert graph.has_edge("fusec.passes", "fusec.passes.dce")  # relative, in a package
-    assert graph.has_edge("fusec.codegen.llvm", "fusec.codegen.llvm_build")  # `from . import x`
+    assert graph.has_edge("fusec.codegen.llvm", "fusec.codegen.llvm.compiler")  # `from . import x`
     assert len(graph) > 60 and graph.number_of_edges() > 150
 
 
@@ -309,7 +309,7 @@ def test_the_function_rule_sees_long_functions():
 
 
 CORE_FOLDERS = ("fusec", "passes", "codegen")
-CORE_SUFFIXES = {".py", ".j2", ".h"}  # the modules and their templates (codegen/templates/)
+CORE_SUFFIXES = {".py", ".j2", ".h"}  # the modules and their templates (codegen/<backend>/templates/)
 # A word is a run of letters, digits and underscores (every other character separates words:
 # `GPTQ-style`, `AWQ's`); its parts are cut at underscores and where a lower-case letter or a
 # digit meets an upper-case one (`render_gemv`: render, gemv; `TritonGemv`: Triton, Gemv). A
@@ -355,8 +355,8 @@ def test_the_core_names_no_extension():
     extensions = extension_names()
     assert "quant_gemv" in extensions and "gemv" in extensions["quant_gemv"]
     files = core_files()
-    assert {ROOT / name for name in ("codegen/templates/cpp_prelude.h", "passes/dce.py",
-                                     "codegen/templates/triton_reduction.py.j2",
+    assert {ROOT / name for name in ("codegen/cpp/templates/cpp_prelude.h", "passes/dce.py",
+                                     "codegen/triton/templates/triton_reduction.py.j2",
                                      "fusec/__init__.py")} <= set(files)
     assert not any("extensions" in p.relative_to(ROOT).parts for p in files)
     found = []

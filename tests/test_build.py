@@ -13,7 +13,7 @@ import torch
 import fusec
 from conftest import assert_matches
 from fusec import build, cache
-from fusec.codegen import llvm_build
+from fusec.codegen.llvm import compiler as llvm_build
 from fusec.ir import canonical, family
 
 

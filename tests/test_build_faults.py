@@ -24,7 +24,8 @@ import torch
 import fusec
 from conftest import TRITON_DEVICE
 from fusec import cache
-from fusec.codegen import cpp, elf, llvm, llvm_build, tools
+from fusec.codegen import cpp, elf, llvm, tools
+from fusec.codegen.llvm import compiler as llvm_build
 from fusec.codegen import triton as triton_codegen
 from fusec.errors import CompileError
 from fusec.runtime import build, threads

@@ -125,7 +125,7 @@ def test_second_process_reuses_triton_module(triton_runs):
     assert first["stats"]["misses"] >= 1, first["stats"]
     assert second["stats"]["misses"] == 0, second["stats"]
     assert second["stats"]["hits"] >= 1, second["stats"]
-    # the module and its compiled Python code (codegen/triton.py's `_bytecode`), nothing else
+    # the module and its compiled Python code (codegen/triton/__init__.py's `_bytecode`), nothing else
     assert sorted(p.suffix for p in (triton_runs.cache_dir / "triton").iterdir()) == [".py", ".pyc"]
 
 
@@ -260,7 +260,7 @@ def test_loose_existing_cache_dir_is_tightened(tmp_path, monkeypatch):
 
 
 def test_triton_module_code_is_compiled_once_and_checked(tmp_path):
-    """codegen/triton.py keeps each kernel module's compiled code beside it (`.pyc`, stamped with
+    """codegen/triton/__init__.py keeps each kernel module's compiled code beside it (`.pyc`, stamped with
     the module's hash), so a warm start does not compile the module's text again, even where
     PYTHONDONTWRITEBYTECODE is set. A damaged or stale file is compiled again, never run."""
     from fusec.codegen import triton as triton_backend

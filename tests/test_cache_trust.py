@@ -376,7 +376,7 @@ def test_flag_spellings(monkeypatch, value, want):
 
 @pytest.mark.parametrize("name, value, read", [
     ("FUSEC_SAVED_PROGRAMS", "maybe", lambda: __import__("fusec.runtime.saved").runtime.saved.enabled()),
-    ("FUSEC_PDL", "2", lambda: __import__("fusec.codegen.triton_pdl").codegen.triton_pdl.pdl_enabled()),
+    ("FUSEC_PDL", "2", lambda: __import__("fusec.codegen.triton.pdl").codegen.triton.pdl.pdl_enabled()),
     ("FUSEC_PROGRESS", "loud", lambda: __import__("fusec.progress").progress.enabled()),
     ("FUSEC_COMPILE_JOBS", "many", lambda: __import__("fusec.runtime.build").runtime.build.jobs()),
     ("FUSEC_COMPILE_JOBS", "-2", lambda: __import__("fusec.runtime.build").runtime.build.jobs()),

@@ -1,5 +1,5 @@
-"""Reductions with their loops turned inside out on both CPU backends (codegen/cpp_columns.py,
-llvm_columns.py; the decision is cpu_plan.column_blocks): rows that lie side by side in memory,
+"""Reductions with their loops turned inside out on both CPU backends (codegen/cpp/columns.py,
+llvm/columns.py; the decision is cpu_plan.column_blocks): rows that lie side by side in memory,
 each row's values far apart (`x.sum(0)`, a mean over the middle dim, softmax over dim 0, GPTQ's
 words read column by column), reduced with the k loop outside and a block of rows in the SIMD
 lanes.
@@ -44,7 +44,7 @@ def columns(cf) -> bool:
 
 
 def across_rows(cf) -> bool:
-    """Inside out, or cpp_reduction.py's lanes of rows (one short k loop run in each lane): both
+    """Inside out, or cpp/reduction.py's lanes of rows (one short k loop run in each lane): both
     vectorize across neighbouring rows; neither copies a row first."""
     return all("gathered" not in k.source for k in cf.kernels) and \
         (columns(cf) or any("LANES" in k.source for k in cf.kernels))

@@ -1,5 +1,5 @@
 """CPU kernels that used to be slower than the eager ops they replace (issue 14), and stay correct
-after the fixes (codegen/cpp.py):
+after the fixes (codegen/cpp/__init__.py):
 
 * `-fno-math-errno`: exp/log1p/tanh under a select (softplus, mish) are vectorized with libmvec;
 * tiles for transposed reads: a pointwise kernel with an input read across cache lines in the
@@ -153,7 +153,7 @@ def test_reductions_across_channels(target, fn, shape, dtype):
 
 def test_channel_softmax_gathers_the_row():
     """40 channels: too long to unroll three loops. With 8 or more rows side by side (W >= 8)
-    the loops are turned inside out (codegen/cpp_columns.py); with rows two elements apart (a
+    the loops are turned inside out (codegen/cpp/columns.py); with rows two elements apart (a
     strided view), each row is copied into an array."""
     cf = assert_matches(lambda x: torch.softmax(x, dim=1), torch.randn(2, 40, 8, 8),
                         backend="cpp", kernels=1)

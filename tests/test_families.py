@@ -13,7 +13,8 @@ import torch
 
 import fusec
 from conftest import TRITON_DEVICE, assert_matches
-from fusec.codegen import families, triton_reduction
+from fusec.codegen import families
+from fusec.codegen.triton import reduction as triton_reduction
 from fusec.ir import ReductionKernel
 
 

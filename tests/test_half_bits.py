@@ -1,7 +1,7 @@
 """float16 and bfloat16 conversions, bit for bit, on the CPU backends.
 
 The LLVM backend converts half-precision values with integer bit operations (the Note on half
-precision in codegen/llvm.py); the C++ backend with its prelude. Rounding bugs hide in corners
+precision in codegen/llvm/__init__.py); the C++ backend with its prelude. Rounding bugs hide in corners
 (subnormals, the halfway points, the largest finite values, NaN), so these tests do not sample:
 every one of the 65536 bit patterns of each 16-bit type is widened, and every value that matters
 for narrowing is narrowed - each half value, each midpoint between neighbours (and just either

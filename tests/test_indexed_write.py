@@ -1,6 +1,6 @@
 """Indexed writes: `cache[:, :, pos] = k` (a static KV cache's update, reinplaced into
 `index_put_`) done by the kernel that computes k, or by a small kernel of its own, instead of an
-ATen call (fusec.ops.indexed_write; the store adds pos * stride, codegen/triton.py).
+ATen call (fusec.ops.indexed_write; the store adds pos * stride, codegen/triton/__init__.py).
 
 It is done on GPUs (fusec.ops.INDEXED_WRITE_DEVICES): there eager's out-of-range position is an
 asynchronous device-side assert anyway. On a CPU the write stays eager's, which raises; the tests

@@ -1,4 +1,4 @@
-"""What is particular to the LLVM backend (codegen/llvm.py). Everything else it shares with the
+"""What is particular to the LLVM backend (codegen/llvm/__init__.py). Everything else it shares with the
 other backends runs through the `target` fixture in every other test file (ops, views,
 reductions, property tests, examples ...): this file checks the LLVM-only promises.
 
@@ -17,7 +17,8 @@ import torch
 
 import fusec
 from conftest import assert_matches
-from fusec.codegen import llvm, llvm_build
+from fusec.codegen import llvm
+from fusec.codegen.llvm import compiler as llvm_build
 from fusec.codegen.cpp import find_compiler
 
 
@@ -73,7 +74,7 @@ def test_threads_split_reduction_rows():
 
 def test_parallel_launches_use_openmp_threads():
     """torch's libgomp is in the process: parallel launches go through GOMP_parallel and a
-    trampoline per number of kernel arguments (see the note on threads in codegen/llvm.py)."""
+    trampoline per number of kernel arguments (see the note on threads in codegen/llvm/__init__.py)."""
     assert llvm.gomp_parallel() is not None
     cf = assert_matches(lambda x: torch.exp(x) * 2, torch.randn(1 << 18), backend="llvm")
     assert ".omp" not in cf.kernels[0].source  # not in the kernel's module: compiled once

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from fusec.codegen import cpp, llvm_ir
+from fusec.codegen import cpp
+from fusec.codegen.llvm import ir as llvm_ir
 
 FUNCTIONS = {
     "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1, "log": torch.log,

@@ -5,7 +5,7 @@ per reduction phase. Softmax's max and its sum of exp(x - max) are two phases, b
 keep a running max and a running sum rescaled whenever the max grows, so lowering records such
 pairs (`ReductionKernel.online`, codegen/lower_reduction.py) and, in the kernel's loop plan, which
 phases can fold into the pass before them (`Phase.folds`, `LoopPlan.passes`); the Triton backend
-folds them (`codegen.triton_reduction.ONLINE_SOFTMAX`): softmax reads its row twice instead of
+folds them (`codegen.triton.reduction.ONLINE_SOFTMAX`): softmax reads its row twice instead of
 three times, logsumexp once instead of twice. Layer norm's variance (a sum whose operand needs the mean)
 folds by another rule (online variance, tests/test_online_variance.py).
 
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fusec
-import fusec.codegen.triton_reduction as triton_backend
+import fusec.codegen.triton.reduction as triton_backend
 from conftest import TRITON_DEVICE, assert_matches
 
 LOOP = "for k_start in range(0, n_k, RBLOCK)"

@@ -1,4 +1,4 @@
-"""Online variance in the looped Triton reduction template (codegen/triton_reduction.py, the note
+"""Online variance in the looped Triton reduction template (codegen/triton/reduction.py, the note
 on online variance; fusec.ir.OnlineVariance).
 
 A variance is sum((v - c)^2) with c the mean: a reduction whose operand needs another reduction,
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-import fusec.codegen.triton_reduction as triton_backend
+import fusec.codegen.triton.reduction as triton_backend
 from conftest import TRITON_DEVICE, assert_matches
 
 LOOP = "for k_start in range(0, n_k, RBLOCK)"

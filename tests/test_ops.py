@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from conftest import assert_matches
 from fusec import ops
-from fusec.codegen import triton_helpers
+from fusec.codegen.triton import helpers as triton_helpers
 
 # Triton's interpreter computes with numpy, which warns about every overflow and NaN it meets
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -92,10 +92,10 @@ def test_every_helper_exists():
     for name, row in ops.OPS.items():
         for helper in re.findall(r"\bfusec_\w+", row.triton):
             assert callable(getattr(triton_helpers, helper, None)), \
-                f"op {name!r}: {helper} is missing from codegen/triton_helpers.py"
+                f"op {name!r}: {helper} is missing from codegen/triton/helpers.py"
         for helper in re.findall(r"\bfusec_\w+", row.cpp):
             assert re.search(rf"static inline [\w:<>]+ {helper}\s*\(", prelude), \
-                f"op {name!r}: {helper} is missing from codegen/templates/cpp_prelude.h"
+                f"op {name!r}: {helper} is missing from codegen/cpp/templates/cpp_prelude.h"
 
 
 def test_every_aten_entry_names_a_row():
@@ -360,7 +360,7 @@ def test_casts(target, src):
 @pytest.mark.parametrize("src", [I8, U8, I16], ids=_name)
 def test_every_small_int_converts_exactly(target, src):
     # Every value of an 8- or 16-bit integer type, as float32 (and bf16 through it): the Triton
-    # backend converts these with a bit trick (codegen/triton_helpers.py, fusec_small_int_to_f32)
+    # backend converts these with a bit trick (codegen/triton/helpers.py, fusec_small_int_to_f32)
     # instead of the slow cast instruction, so check the whole range, bit for bit.
     info = torch.iinfo(src)
     x = torch.arange(info.min, info.max + 1, dtype=torch.int64).to(src).to(target[1])

@@ -249,10 +249,10 @@ def test_a_new_process_loads_what_the_first_saved(tmp_path):
 
 
 def test_tritons_own_key_is_remembered_between_processes(monkeypatch):
-    """codegen/triton_keys.py: the first process hashes Triton's installation and saves the key;
+    """codegen/triton/keys.py: the first process hashes Triton's installation and saves the key;
     a later one reads it back and hands Triton the same value."""
     triton_cache = pytest.importorskip("triton.runtime.cache")
-    from fusec.codegen import triton_keys
+    from fusec.codegen.triton import keys as triton_keys
     original = triton_cache.triton_key
     monkeypatch.setattr(triton_cache, "triton_key", original)  # restored after the test
     assert not triton_keys.remember(compute=False)  # an empty cache: nothing remembered

@@ -4,7 +4,7 @@ A kernel's LLVM IR is handed to LLVM's code generator for the user's CPU, and a 
 one CPU's code generator cannot lower can abort the whole process (the `bfloat` type did, with
 AVX-512 BF16). Running the suite only on CI's CPU would not notice. So these tests take the
 kernels of the op tests - every op-table row in every dtype the op tests use, every cast between
-every pair of dtypes, the reductions - and compile each one for named CPUs (codegen/llvm_build.py
+every pair of dtypes, the reductions - and compile each one for named CPUs (codegen/llvm/compiler.py
 NAMED_TARGETS: baseline x86-64, Haswell, Skylake-AVX512, Sapphire Rapids, Zen 4, AArch64),
 emitting object code only. LLVM runs in fusec's guarded compiler process, so a code generator
 that aborts fails the test with its message instead of killing pytest. The C++ backend's kernels
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import fusec
 from fusec import ops
-from fusec.codegen import cpp, llvm, llvm_build
+from fusec.codegen import cpp, llvm
+from fusec.codegen.llvm import compiler as llvm_build
 
 from test_ops import (ALL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
                       _float_unary, _int_ops, _shift_ops, _source_values, randf, randi)
@@ -78,7 +79,7 @@ def programs():
                 (f"cats_{dt}", _cats, (x, y))]
     # long rows: the reduction loops take the blocked, vectorized path
     out.append(("float_reductions_long", _float_reductions, (randf((3, 70000), F32, "cpu"),)))
-    # reductions across rows side by side: C++'s loops turned inside out (codegen/cpp_columns.py)
+    # reductions across rows side by side: C++'s loops turned inside out (codegen/cpp/columns.py)
     for dt in (F32, torch.bfloat16):
         out.append((f"column_reductions_{dt}", _column_reductions, (randf((300, 24), dt, "cpu"),)))
     for dt in INTS:
@@ -167,7 +168,7 @@ def test_the_special_gemv_kernels_are_among_those_compiled(by_program):
     assert all("cpp_gemv_int4.cpp.j2" in s for s in sources["int4_linear_g32_m1"])
     assert all("codegen/unroll_rows.py" in s for s in sources["int8_linear_m4"])
     for dt in (F32, torch.bfloat16):
-        assert all("cpp_columns.py" in cpp.render(ir) for ir in by_program[f"column_reductions_{dt}"])
+        assert all("cpp/columns.py" in cpp.render(ir) for ir in by_program[f"column_reductions_{dt}"])
     assert any("gemv" in ir.name for ir in by_program["gptq_m1"])
     for label in ("act_order_gptq_m1", "act_order_gptq_m4", "gathers"):
         assert any(ld.gather for ir in by_program[label] for ld in ir.loads), label

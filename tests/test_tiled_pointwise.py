@@ -1,4 +1,4 @@
-"""Tiled Triton pointwise kernels (codegen/triton.py, note "tiled pointwise kernels"): a kernel
+"""Tiled Triton pointwise kernels (codegen/triton/__init__.py, note "tiled pointwise kernels"): a kernel
 whose loads and stores are contiguous along different loop dimensions walks 2-D tiles, so both
 sides move in contiguous runs. Every case is compared with eager on every backend; the Triton
 source is checked for the template the decision picked."""

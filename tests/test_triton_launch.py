@@ -1,4 +1,4 @@
-"""codegen/triton_launch.py: after the first launch, a Triton kernel is called through its
+"""codegen/triton/launch.py: after the first launch, a Triton kernel is called through its
 compiled kernel directly, unless a pointer lost the alignment the kernel was specialized for.
 
 On a CPU (TRITON_INTERPRET=1) Triton returns no compiled kernel, so the fast path only runs on a
@@ -7,7 +7,7 @@ decisions: which calls go to the JIT and which to the bound kernel.
 """
 import torch
 
-from fusec.codegen.triton_launch import TritonLauncher
+from fusec.codegen.triton.launch import TritonLauncher
 
 
 class FakeModule:

@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (codegen/triton_pdl.py): on sm_90 and newer every Triton kernel
+"""Programmatic dependent launch (codegen/triton/pdl.py): on sm_90 and newer every Triton kernel
 waits for the kernel before it, then lets the next one launch, before it touches memory.
 
-On a CPU the kernels are rendered for named GPUs and compiled offline (codegen/triton_target.py);
+On a CPU the kernels are rendered for named GPUs and compiled offline (codegen/triton/target.py);
 on an sm_90 GPU the chained kernels run, alone and under a CUDA graph, against eager.
 """
 import re
@@ -12,8 +12,8 @@ import torch
 import fusec
 from conftest import GPU, TRITON_DEVICE
 from fusec.codegen import triton as triton_codegen
-from fusec.codegen import triton_target
-from fusec.codegen.triton_pdl import pdl_fit
+from fusec.codegen.triton import target as triton_target
+from fusec.codegen.triton.pdl import pdl_fit
 from fusec.examples.llama_decode import TINY, Llama
 from test_triton_target import needs_tools
 
@@ -92,7 +92,7 @@ def test_cuda_chained_kernels_match_eager(cuda_graphs):
 
 def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
     """A GPU whose CUDA driver predates 12.3 could not keep the order inside a CUDA graph."""
-    from fusec.codegen import triton_pdl
+    from fusec.codegen.triton import pdl as triton_pdl
     monkeypatch.setattr(triton_pdl, "current_arch", lambda: 90)
     monkeypatch.setattr(triton_pdl, "driver_version", lambda: 12020)
     on, why = triton_pdl.pdl_fit()
@@ -103,7 +103,7 @@ def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
 
 
 def test_a_triton_without_grid_dependency_control_keeps_kernels_without_pdl(monkeypatch):
-    from fusec.codegen import triton_pdl
+    from fusec.codegen.triton import pdl as triton_pdl
     monkeypatch.setattr(triton_pdl, "triton_has_pdl", lambda: False)
     on, why = triton_pdl.pdl_fit(90)
     assert not on and "no grid dependency control" in why

@@ -1,5 +1,5 @@
 """Triton kernels compiled for named NVIDIA GPUs on a machine without one
-(fusec/codegen/triton_target.py, `Explained.assembly(k, "sm_90")`, `fusec kernels --asm`).
+(fusec/codegen/triton/target.py, `Explained.assembly(k, "sm_90")`, `fusec kernels --asm`).
 
 This is also how the suite checks the GPU-only code paths on a CPU: the int4 GEMV's PTX
 dequantization (`fma.rn.bf16x2`, `lop3`) is rendered only for sm_80 and newer, and here ptxas
@@ -14,7 +14,7 @@ import torch
 
 import fusec
 from conftest import TRITON_DEVICE
-from fusec.codegen import triton_target
+from fusec.codegen.triton import target as triton_target
 from fusec.extensions.quant_gemv.triton_gemv_int4 import pair_math
 from fusec.errors import FusecError
 
@@ -197,7 +197,7 @@ def _gelu_new_training_forward(x):
 
 
 def test_a_kernel_of_mixed_widths_gives_every_thread_one_vector_of_the_widest():
-    """Note "one layout for mixed widths" (codegen/triton_text.py `block_size`): a kernel that
+    """Note "one layout for mixed widths" (codegen/triton/text.py `block_size`): a kernel that
     reads bfloat16 and writes float32 gives each thread 4 elements (16 bytes of float32), not 8,
     so Triton needs no layout conversion between its loads and stores; Triton 3.6 could not
     compile GPT-2's training gelu_new with the conversions. One width keeps 8 per thread."""

@@ -6,7 +6,7 @@ CPU backends, side by side in one process.
 A reduction over a dimension that is not the last (`x.sum(0)`, a mean over the sequence of
 (B, S, D) activations, a softmax over NCHW channels, GPTQ's words read column by column) reads
 each row's values far apart, while neighbouring rows sit next to each other. The C++ backend
-turns such loops inside out (codegen/cpp_columns.py): the k loop outside, a block of rows in
+turns such loops inside out (codegen/cpp/columns.py): the k loop outside, a block of rows in
 the SIMD lanes. The LLVM backend walks one row at a time. Times are fusec.timing.median_ms (ms);
 the ratio is against eager.
 """

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fusec
 import fusec.extensions.quant_gemv.triton_gemv as tg
-import fusec.codegen.triton_reduction as trd
+import fusec.codegen.triton.reduction as trd
 from fusec.examples.int4_linear import Int4Linear
 from fusec.examples.int8_linear import Int8Linear
 from fusec.timing import median_ms

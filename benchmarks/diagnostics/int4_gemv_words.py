@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusec.codegen.triton_helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
+from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.examples.int4_linear import Int4Linear
 from fusec.timing import median_ms
 

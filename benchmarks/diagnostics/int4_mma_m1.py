@@ -56,8 +56,8 @@ import torch.nn.functional as F
 import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
 import triton
 import triton.language as tl
-from fusec.codegen import triton_target
-from fusec.codegen.triton_helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
+from fusec.codegen.triton import target as triton_target
+from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -457,7 +457,7 @@ def module_text(n_words: int, group_w: int, n: int, warps: int, chunks: int, ilv
     """This file's kernels with a launch() for one config, as a module triton_target compiles."""
     here = inspect.getsource(sys.modules[__name__])
     kernels = here[here.index("MMA = "):here.index("\ndef module_text")]
-    return ("import triton\nimport triton.language as tl\nfrom fusec.codegen.triton_helpers "
+    return ("import triton\nimport triton.language as tl\nfrom fusec.codegen.triton.helpers "
             "import fusec_bf16_to_f32, fusec_f32_to_bf16\n\n\n" + kernels +
             f"\ndef launch(p_packed, p_zero, p_scale, x, out):\n"
             + (f"    return mma_gemv_shfl[({n // 16},)](p_packed, p_zero, p_scale, x, out, "

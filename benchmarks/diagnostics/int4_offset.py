@@ -40,8 +40,8 @@ import torch
 import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
 import triton
 import triton.language as tl
-from fusec.codegen import triton_target
-from fusec.codegen.triton_helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
+from fusec.codegen.triton import target as triton_target
+from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -203,7 +203,7 @@ def module_text(n_words: int, group_w: int, n: int, rows: int, lanes: int, warps
     """This file's kernels with a launch() for one config, as a module triton_target compiles."""
     here = inspect.getsource(sys.modules[__name__])
     kernels = here[here.index("@triton.jit\ndef nibble_pairs"):here.index("\ndef module_text")]
-    return ("import triton\nimport triton.language as tl\nfrom fusec.codegen.triton_helpers "
+    return ("import triton\nimport triton.language as tl\nfrom fusec.codegen.triton.helpers "
             "import fusec_bf16_to_f32, fusec_f32_to_bf16\n\n\n" + kernels +
             f"\ndef launch(p_packed, p_zero, p_scale, x, out):\n"
             f"    return offset_gemv[({n // rows}, {split})](p_packed, p_zero, p_scale, x, out, "

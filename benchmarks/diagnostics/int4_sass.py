@@ -15,7 +15,7 @@ With --out, each variant's full SASS is written there as <variant>.sass.
 
 No GPU is needed. On a machine without one (or with --arch), each variant is compiled for the
 named architecture (90: H100/H200) by Triton's own compiler, ptxas and cuobjdump, which ship with
-Triton (fusec/codegen/triton_target.py, what `fusec kernels --asm` uses), rendered with the PTX
+Triton (fusec/codegen/triton/target.py, what `fusec kernels --asm` uses), rendered with the PTX
 dequantization a GPU would get. On the H200 this
 gave the same registers and loop as the kernel compiled there, so
 instruction counts can be compared between GPU sessions; timings still need the GPU.
@@ -33,7 +33,7 @@ import torch
 import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
 import triton
 from fusec.codegen import triton as triton_codegen
-from fusec.codegen import triton_target
+from fusec.codegen.triton import target as triton_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -29,7 +29,7 @@ import torch
 import fusec  # first: on a machine without a GPU it switches Triton's interpreter on
 import triton
 import triton.language as tl
-from fusec.codegen.triton_helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
+from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -112,7 +112,7 @@ def offline(n_words: int, group_w: int, rows: int, warps: int, stages: int) -> s
     src = triton.compiler.ASTSource(fn=tma_gemv, signature=sig, constexprs=const,
                                     attrs={(i,): [["tt.divisibility", 16]] for i in range(1, 5)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    from fusec.codegen.triton_target import cuobjdump
+    from fusec.codegen.triton.target import cuobjdump
     regs = re.search(r"REG:(\d+)", cuobjdump(c.asm["cubin"], "-res-usage")).group(1)
     ttgir = c.asm["ttgir"]
     Path("/tmp/int4_tma.ttgir").write_text(ttgir)

@@ -2,7 +2,7 @@
 
     python benchmarks/diagnostics/variance_kernels.py [--warps 4,8,16] [--problems 7,24,27,28]
 
-The looped Triton reductions fold a variance into the pass of its mean (codegen/triton_reduction.py,
+The looped Triton reductions fold a variance into the pass of its mean (codegen/triton/reduction.py,
 the note on online variance), with three more accumulators per lane. For each value in --warps
 this compiles the KernelBench-style problems afresh with every reduction kernel's num_warps at
 least that (each compile renders its kernels again; the source names num_warps) and prints
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-import fusec.codegen.triton_reduction as triton_backend
+import fusec.codegen.triton.reduction as triton_backend
 from fusec.timing import median_ms
 from problem_profile import load  # benchmarks/diagnostics/: a problem by its number
 

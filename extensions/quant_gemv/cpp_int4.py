@@ -2,7 +2,7 @@
 
 A packed-int4 linear (examples/int4_linear.py) dequantizes every nibble q of a group as
 `(q - zero) * scale`, rounding to bfloat16 after the subtraction and after the multiplication,
-as eager's bf16 arithmetic does. The generic C++ reduction (cpp_reduction.py) spells those steps
+as eager's bf16 arithmetic does. The generic C++ reduction (cpp/reduction.py) spells those steps
 for every weight: four roundings per packed byte, each a handful of integer operations. On this
 project's 2-core AMD EPYC that made the K = N = 2048 layer 2.4x slower than eager at M = 1
 (4.9 ms against 2.0; `python examples/int4_linear.py`) and 10x slower at M = 4.
@@ -22,7 +22,7 @@ kernel's, bit for bit: 32 roundings per group instead of four per byte (a group 
 has 64 bytes), no per-weight gathers of the zero point and scale, and each weight row
 dequantized once for all M activation rows (the generic kernel's rows are (m, n) pairs, and it
 dequantized the weight M times). A group's products are summed in float32 and the group sums
-in double (cpp_reduction.py, note "long float sums"), so a group is at most MAX_GROUP_BYTES
+in double (cpp/reduction.py, note "long float sums"), so a group is at most MAX_GROUP_BYTES
 bytes; longer ones keep the generic loop.
 
 The pattern is extensions/quant_gemv/int4_words.py's (the Triton word kernel's): the same strict checks, so
@@ -35,7 +35,7 @@ import re
 import torch
 
 from fusec import ops
-from fusec.codegen.cpp_text import CTYPE, load_value, convert, literal
+from fusec.codegen.cpp.text import CTYPE, load_value, convert, literal
 from fusec.codegen.cpu_plan import PARALLEL_THRESHOLD, TILE_STRIDE, summary
 from fusec.ir import Load, Reduce
 
@@ -62,7 +62,7 @@ def match(kernel, lanes: int) -> Int4Words | None:
 
 def render(kernel, words: Int4Words, row_lines: list, k_coords: list, lines: dict,
            stores: list) -> str:
-    """The table kernel, from the generic reduction's lines (cpp_reduction.py): the row's
+    """The table kernel, from the generic reduction's lines (cpp/reduction.py): the row's
     coordinates and values, the loop's loads and products, the epilogue and the stores."""
     (r,) = [i for i in kernel.body if isinstance(i, Reduce)]
     phase = kernel.plan.phases[0]

@@ -2,7 +2,7 @@
 
 A linear of a few activation rows (M <= 16) reduces each output (m, n) over K, reading the whole
 weight once per call: it is bound by the weight's bytes, and the general reduction kernel (one
-row per program, triton_reduction.py) reads the weight once per activation row. The family's
+row per program, triton/reduction.py) reads the weight once per activation row. The family's
 kernels read it once for all rows, and for int4 weights unpack the nibbles of a 32-bit word at
 once. This module is the family's door (fusec/codegen/families.py; registered by
 fusec/__init__.py): it tries, in order,
@@ -91,7 +91,7 @@ def render_cpp(kernel, arch=None) -> str | Declined:
     or Declined."""
     if not isinstance(kernel, ReductionKernel):
         return Declined()
-    from fusec.codegen import cpp_reduction
+    from fusec.codegen.cpp import reduction as cpp_reduction
     from . import cpp_int4
     words = cpp_int4.match(kernel, 0)
     if words is None:

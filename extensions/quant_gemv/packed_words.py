@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusec.codegen.triton_text import max_address
+from fusec.codegen.triton.text import max_address
 from fusec.ir import Load, Reduce, Stmt
 
 from .int4_columns import INTS, Chain, chain_values, dequant_chain, match_chunk, require

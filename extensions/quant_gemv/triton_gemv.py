@@ -1,7 +1,7 @@
 """Triton GEMV: a small-M matmul with its dequantization prologue (extensions/quant_gemv/small_matmul.py) as one
 kernel that streams the weight once: the block sizes (`gemv_blocks`, `gemv_blocks_n_major`,
 `gemv_dot_blocks`), when tensor-core dots of bf16 tiles are exact (`dot_terms`), and the
-renderer (`render_gemv`, templates/triton_gemv.py.j2). triton_reduction.py hands a reduction
+renderer (`render_gemv`, templates/triton_gemv.py.j2). triton/reduction.py hands a reduction
 here when `gemv_fits`.
 
 Why this file is long: each of the three tile shapes (K lanes, N-major, tensor-core dots) keeps
@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import (TL, helpers_in, max_address, render_stmt, ops_summary,
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import (TL, helpers_in, max_address, render_stmt, ops_summary,
                                        convert, gather_offset, piece_mask, rows_and_epilogue)
 from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 

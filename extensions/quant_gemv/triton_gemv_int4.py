@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import (helpers_in, max_address, render_stmt, ops_summary, convert,
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import (helpers_in, max_address, render_stmt, ops_summary, convert,
                                        current_arch, rows_and_epilogue)
 from fusec.ir import Index, Load, Reduce, Stmt
 
@@ -57,7 +57,7 @@ def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
 
 def pair_math(arch: int | None = None) -> tuple[bool, str]:
     """(asm, why): whether dequant_pairs is the PTX bf16x2 version, decided at render time for
-    the GPU this process compiles for, or for sm_<arch> when given (codegen/triton_target.py)."""
+    the GPU this process compiles for, or for sm_<arch> when given (codegen/triton/target.py)."""
     arch = current_arch() if arch is None else arch
     if arch is None:
         if os.environ.get("TRITON_INTERPRET") == "1":

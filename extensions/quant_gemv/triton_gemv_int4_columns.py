@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import helpers_in, max_address, render_stmt, ops_summary, convert
 from fusec.ir import Load, Reduce, Stmt
 
 from .int4_columns import Int4Columns

@@ -21,8 +21,8 @@ import math
 from typing import NamedTuple
 
 from fusec import env
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, ops_summary
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import helpers_in, ops_summary
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words

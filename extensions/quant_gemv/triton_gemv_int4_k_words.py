@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 from fusec.ir import Load, Reduce, Stmt
 
 from .int4_k_words import Int4KWords

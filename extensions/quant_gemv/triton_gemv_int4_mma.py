@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 
 from fusec import env
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import helpers_in, ops_summary, current_arch
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import helpers_in, ops_summary, current_arch
 from fusec.ir import Load, Reduce
 
 from .int4_words import Int4Words

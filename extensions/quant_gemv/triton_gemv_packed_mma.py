@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from fusec import env
-from fusec.codegen.triton_pdl import pdl
-from fusec.codegen.triton_text import convert, gather_offset, helpers_in, ops_summary, render_stmt
+from fusec.codegen.triton.pdl import pdl
+from fusec.codegen.triton.text import convert, gather_offset, helpers_in, ops_summary, render_stmt
 from fusec.ir import Load, Reduce, Stmt
 
 from .packed_words import PackedWords, match_packed_words

@@ -348,7 +348,7 @@ def source_hash() -> str:
     version of fusec is never loaded."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
-    templates = sorted({*root.rglob("*.j2"), *root.rglob("*.h"), *root.parent.glob("codegen/templates/*"),
+    templates = sorted({*root.rglob("*.j2"), *root.rglob("*.h"), *root.parent.glob("codegen/*/templates/*"),
                         *root.parent.glob("extensions/*/templates/*")})
     for name, path in [*_sources(), *((p.name, p) for p in templates)]:
         h.update(name.encode())

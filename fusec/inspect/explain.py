@@ -44,7 +44,9 @@ from fusec.api import (CompiledFunction, CompiledModule, label_of, part_compiler
                        resolve_backend)
 from fusec.capture.frontend import capture
 from fusec.capture.regions import Regions, collect_regions, original
-from fusec.codegen import llvm, llvm_build, triton_target
+from fusec.codegen import llvm
+from fusec.codegen.llvm import compiler as llvm_build
+from fusec.codegen.triton import target as triton_target
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import FusecError, GraphBreakError
@@ -116,10 +118,10 @@ class Explanation:
     def assembly(self, kernel: int | str = 0, target: str | None = None) -> str:
         """The kernel's machine code, as assembly (by position or by name).
 
-        LLVM backend: for this CPU, or for `target`, one of fusec.codegen.llvm_build.NAMED_TARGETS
+        LLVM backend: for this CPU, or for `target`, one of fusec.codegen.llvm.compiler.NAMED_TARGETS
         ("haswell", "sapphirerapids", "aarch64", ...) to see what the same kernel becomes on
         another CPU. Triton backend: its SASS on an NVIDIA GPU, `target` one of
-        fusec.codegen.triton_target.GPU_TARGETS ("sm_80", "sm_90", ...; default sm_90), compiled
+        fusec.codegen.triton.target.GPU_TARGETS ("sm_80", "sm_90", ...; default sm_90), compiled
         by Triton's own compiler, which needs no GPU."""
         k = self._kernel(kernel, "assembly")
         if "gpu_assembly" in backends.get(k.backend).views:

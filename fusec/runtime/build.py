@@ -13,9 +13,9 @@ binaries (see the note on `canonical` in fusec/ir.py for why that is exact).
 
 What runs in parallel, per backend:
 
-* cpp: `g++` processes (`codegen/cpp.py`'s `build` runs one per call; Python threads only wait);
+* cpp: `g++` processes (`codegen/cpp/__init__.py`'s `build` runs one per call; Python threads only wait);
 * llvm: LLVM's optimizer and code generator, in a pool of guarded compiler processes
-  (codegen/llvm_build.py), one per job: a crash there still takes down only that process;
+  (codegen/llvm/compiler.py), one per job: a crash there still takes down only that process;
 * triton: `build` writes the module; then, on a GPU, each distinct module compiles its kernel
   ahead of the first run (Triton's `warmup`), in threads, into Triton's cache, where the first
   launch finds it (under TRITON_INTERPRET=1 nothing is compiled at all).
@@ -61,7 +61,7 @@ from fusec.ir import canonical
 from fusec.runtime.threads import finish_within
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
-# guarded process: codegen/llvm_build.py), the other CPU backend builds that kernel: both take
+# guarded process: codegen/llvm/compiler.py), the other CPU backend builds that kernel: both take
 # the same kernel IR and their launchers are called the same way.
 _FELL_BACK: set[str] = set()
 
@@ -128,7 +128,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
             canon = canonical(ir)
             source = codegen(backend).render(canon)
         # A Triton source does not spell its pointers' dtypes: the JIT specializes on them at the
-        # first launch, and the launcher keeps that compiled kernel (codegen/triton_launch.py).
+        # first launch, and the launcher keeps that compiled kernel (codegen/triton/launch.py).
         # So the dtypes (and the device) are part of what makes two kernels the same.
         signature = (tuple(str(p.dtype) for p in canon.params), str(device))
         built = distinct.get((source, signature))

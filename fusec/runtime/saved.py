@@ -139,7 +139,7 @@ def load(key: str, recompile: Callable[[], Any]):
 
 def _eager_on_failure(compiled) -> None:
     """A loaded program does not hold its groups' ATen graphs, which a Triton kernel that fails
-    to compile at its first launch runs instead (codegen/triton_launch.py, fusec/runtime/eager.py).
+    to compile at its first launch runs instead (codegen/triton/launch.py, fusec/runtime/eager.py).
     Should that happen, the program is compiled for real first: its driver tells the launcher
     (the same one: fusec/runtime/build.py shares it) which ATen ops to run."""
     for kernel in compiled.kernels:

@@ -1,0 +1,379 @@
+"""C++/OpenMP backend: PointwiseKernel -> C++ source -> shared library -> ctypes function.
+
+The kernel is one `extern "C"` function taking a pointer per buffer. Sizes, strides and offsets
+are compile-time constants (fusec compiles one schedule per input signature), which lets gcc
+unroll and vectorize freely. Half-precision values are converted to float on load and rounded
+back on store; integer arithmetic wraps as PyTorch's does (`-fwrapv`).
+
+Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++):
+
+    g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -shared -fPIC kernel.cpp -o kernel.so
+
+and the library is cached on disk by the hash of its source and the compiler command
+(fusec/cache.py), so a second process loads it without compiling.
+
+This file holds the compiler (discovery, flags, building, loading, launching) and the pointwise
+renderer; cpp/text.py spells the IR in C++, cpp/reduction.py renders reductions, cpu_plan.py
+holds the decisions the LLVM backend makes the same way.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from fusec import cache, ops
+from fusec.errors import CompileError, CompilerNotFoundError
+from fusec.ir import Index, PointwiseKernel
+
+from .. import elf, families, tools
+from .reduction import render_reduction
+from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
+                       prelude)
+from ..cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, sleef_symbols_in, summary
+from ..render import no_indexed_writes, render_template
+
+# -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
+# move or vectorize: with it, a loop with a select around exp/log1p (softplus, mish) stays scalar
+# (libm, one element per call); without it, gcc calls libmvec's 8-wide versions. Results are the
+# same functions' results; only the errno side effect is dropped.
+# -fno-thread-jumps: jump threading copies the rest of a loop body once per outcome of a branch
+# whose condition it can predict from an earlier one. `gelu(leaky_relu(relu(x)))` tests x < 0 in
+# relu and relu > 0 in leaky_relu; threaded, the body held two gelus, and once vectorized (both
+# sides of a select are computed) every element paid two exps: 2x eager's time for that chain
+# (KernelBench-style 23_ at 0.81x eager on one core). Vectorized loops have no branches to gain.
+# -fno-trapping-math: fusec never reads the floating-point exception flags, and an add or a
+# divide that may raise one is a side effect gcc keeps inside a branch: `c ? a / b : d` stays a
+# branch, and a loop with a branch is not vectorized (the prelude's tanh ran 20x slower). Results
+# are unchanged (clang's default is the same).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fwrapv", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math", "-fno-thread-jumps", "-std=c++17", "-shared", "-fPIC"]
+
+# Note (tiles for transposed reads): the loop order follows the first output's layout, so an input
+# laid out the other way (x.t() next to a row-major y) is read with a large stride on every inner
+# step: each element a different cache line, and by the time the next row wants the neighbouring
+# element that line is long gone. Cutting the iteration into ROW_TILE x TILE_CHUNK tiles keeps the
+# lines one tile touches (TILE_CHUNK of them per strided input) in L1 while ROW_TILE rows use them.
+ROW_TILE, TILE_CHUNK = 16, 64
+
+# ---- compiler discovery ------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def find_compiler() -> str:
+    """The C++ compiler to use, or a CompilerNotFoundError that names what was tried."""
+    wanted = os.environ.get("CXX")
+    if wanted:
+        found = shutil.which(wanted)
+        if found:
+            return found
+        raise CompilerNotFoundError(
+            f"fusec: the C++ backend needs a C++ compiler, but CXX={wanted!r} was not found. "
+            "Install it, point CXX at a compiler, or use backend='llvm' (no compiler needed).")
+    chosen_c = os.environ.get("CC")
+    if chosen_c and not shutil.which(chosen_c):
+        # CC names a C compiler, which the C++ backend cannot use itself; but a user who points
+        # it at something missing means "no compiler here", and gets the toolchain-free backend
+        raise CompilerNotFoundError(
+            f"fusec: the C++ backend needs a C++ compiler, but CC={chosen_c!r} was not found "
+            "(and CXX is not set). Set CXX to a C++ compiler, or use backend='llvm'.")
+    for name in ("g++", "c++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise CompilerNotFoundError(
+        "fusec: the C++ backend needs a C++ compiler and none was found (tried $CXX, g++, c++, "
+        "clang++). Install g++ (e.g. `apt-get install g++`), set CXX, or use backend='llvm' (no compiler needed).")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_id(path: str) -> str:
+    """The first line of `path --version` (part of every library's cache key), or the path
+    itself when the compiler does not answer in time (codegen/tools.py kills it then)."""
+    try:
+        out = tools.run([path, "--version"], "printing its version", min(30, tools.timeout()))
+        return out.stdout.splitlines()[0] if out.stdout else path
+    except CompileError:
+        return path
+
+
+@functools.lru_cache(maxsize=None)
+def vector_flags() -> list[str]:
+    """Vectors as wide as eager's own kernels use. On Intel's AVX-512 server CPUs gcc's
+    -march=native keeps to 256-bit vectors (gcc picks 512 on AMD's Zen 4 by itself), while torch
+    runs its AVX512 kernels there. So where torch reports the AVX512 capability (it respects
+    ATEN_CPU_CAPABILITY), fusec asks for 512-bit vectors too: sin x 4 on one thread of the GPU
+    machine's Xeon took 2.65 ms with it and 2.79 without (benchmarks/diagnostics/cpu_threads.py)."""
+    if platform.machine() not in ("x86_64", "AMD64") or \
+            torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return []
+    return ["-mprefer-vector-width=512"]
+
+
+@functools.lru_cache(maxsize=None)
+def math_flags() -> list[str]:
+    """Link glibc's vector math library where it exists, and torch's own SLEEF (eager's float32
+    vector math, exported by libtorch_cpu) where torch has it (see cpp_prelude.h), else nothing."""
+    flags = ["-DFUSEC_LIBMVEC", "-lmvec", "-lm"] if ctypes.util.find_library("mvec") else []
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    if sleef_symbols_in(os.path.join(torch_lib, "libtorch_cpu.so")):
+        flags += ["-DFUSEC_SLEEF", f"-L{torch_lib}", "-Wl,--push-state,--no-as-needed",
+                  "-ltorch_cpu", "-Wl,--pop-state", f"-Wl,-rpath,{torch_lib}"]
+    return flags
+
+
+@functools.lru_cache(maxsize=None)
+def host_cpu() -> str:
+    """What -march=native compiles for: a library built on one CPU may not run on another."""
+    fields = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    fields.append(line.strip())
+                if len(fields) >= 4:
+                    break
+    except OSError:
+        fields.append(platform.processor())
+    return "\n".join(fields)
+
+
+def available() -> bool:
+    try:
+        find_compiler()
+        return True
+    except CompilerNotFoundError:
+        return False
+
+
+def render(kernel) -> str:
+    """The kernel's C++ source: a kernel family's, if one takes it (codegen/families.py), else a
+    reduction (cpp/reduction.py) or a pointwise loop."""
+    special, notes = families.special(kernel, "cpp")
+    if special is not None:
+        return special
+    if not isinstance(kernel, PointwiseKernel):
+        return render_reduction(kernel, notes)
+    no_indexed_writes(kernel, "C++")
+    tile_rows = short_rows(kernel)
+    if tile_rows:
+        return render_short_rows(kernel, tile_rows)
+    shape = kernel.shape
+    rows = math.prod(shape[:-1])
+    inner = shape[-1]
+    chunk = inner if rows >= 64 or inner <= CHUNK else CHUNK
+    outer_dims = len(shape) - 1
+    strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE
+                      and l.gather is None})
+    row_tile = 1
+    pieces = any(l.valid for l in kernel.loads)  # a cat's loads are conditional: no tiles
+    if strided and rows >= 2 and inner >= 2 and not pieces:
+        row_tile, chunk = min(ROW_TILE, rows), min(TILE_CHUNK, inner)
+
+    row_setup = _row_coords(shape)
+
+    def index(idx: Index, label: str) -> str:
+        base = [str(idx.offset)] if idx.offset else []
+        base += [f"c{d} * {s}" for d, s in enumerate(idx.strides[:-1]) if s]
+        if base:
+            row_setup.append(f"const int64_t {label}_base = {' + '.join(base)};")
+        inner_term = {0: "", 1: "i"}.get(idx.strides[-1], f"i * {idx.strides[-1]}")
+        terms = ([f"{label}_base"] if base else []) + ([inner_term] if inner_term else [])
+        return " + ".join(terms) or "0"
+
+    body: list[str] = []
+    gathers: list[str] = []
+    for load in kernel.loads:
+        at = index(load.index, load.var.name)
+        ptr = f"{load.param}_ptr[{at}]"
+        if load.gather is not None:  # a gathered read: the row its index value names
+            ptr = f"{load.param}_ptr[{at} + {gather_offset(load)}]"
+        elif row_tile > 1 and load.param in strided:
+            # gcc will not vectorize a loop with a load this strided: copy the tile's part of
+            # the row into a small contiguous array first, then the main loop reads that
+            tile = f"{load.var.name}_tile"
+            gathers += [f"{CTYPE[load.dtype]} {tile}[CHUNK];",
+                        f"for (int64_t i = start; i < end; ++i) {tile}[i - start] = {ptr};"]
+            ptr = f"{tile}[i - start]"
+        value = convert(load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        if load.valid is not None:  # a piece of a cat: read only inside its range (ir.Load)
+            dim, lo, hi = load.valid
+            at = f"c{dim}" if dim < outer_dims else "i"
+            inside = " && ".join(([f"{at} >= {lo}"] if lo > 0 else [])
+                                 + ([f"{at} < {hi}"] if hi < shape[dim] else [])) or "true"
+            other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
+            value = f"({inside}) ? {value} : {other}"
+        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
+    body += [render_stmt(s) for s in kernel.stmts]
+    for k, store in enumerate(kernel.stores):
+        target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
+        body.append(f"{target} = {store_value(store.var, store.dtype)};")
+
+    params = _params(kernel)
+    return render_template(
+        "cpp_pointwise.cpp.j2",
+        name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, numel=kernel.numel, rows=rows, inner=inner,
+        chunk=max(chunk, 1), parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}", row_tile=row_tile,
+        tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
+                    f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
+        params=params, row_setup=row_setup, gathers=gathers, body=body)
+
+
+def _row_coords(shape: tuple[int, ...]) -> list[str]:
+    """The coordinates (c0, c1, ...) of `row` along the outer dims (all but the last), row-major:
+    each a division of what the dims before it left over."""
+    row_setup: list[str] = []
+    outer_dims = len(shape) - 1
+    rem = "row"
+    for d in range(outer_dims):
+        below = math.prod(shape[d + 1:-1])
+        row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
+                         else f"const int64_t c{d} = {rem};")
+        if d < outer_dims - 1:
+            row_setup.append(f"const int64_t r{d} = {rem} % {below};")
+            rem = f"r{d}"
+    return row_setup
+
+
+def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
+    """Short rows looped as flat runs of `tile_rows` rows (Note: short rows, cpu_plan.py): a flat
+    buffer is read at `base + f`, a broadcast row from its copy repeated over the run."""
+    inner = kernel.shape[-1]
+    repeats, body = [], []
+    for load in kernel.loads:
+        offset, step = load.index.offset, load.index.strides[-1]
+        if any(load.index.strides[:-1]):  # flat
+            ptr = f"{load.param}_ptr[{_plus(offset, 'base + f')}]"
+        else:  # the same row for every row: repeated once per thread, then read flat
+            rep, ctype = f"{load.var.name}_rep", CTYPE[load.dtype]
+            at = _plus(offset, {0: "", 1: "f % INNER"}.get(step, f"(f % INNER) * {step}")) or "0"
+            repeats += [f"{ctype} {rep}[TILE];",
+                        f"for (int64_t f = 0; f < TILE; ++f) {rep}[f] = {load.param}_ptr[{at}];"]
+            ptr = f"{rep}[f]"
+        value = convert(load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
+        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
+    body += [render_stmt(s) for s in kernel.stmts]
+    body += [f"{store.param}_ptr[{_plus(store.index.offset, 'base + f')}] = "
+             f"{store_value(store.var, store.dtype)};" for store in kernel.stores]
+    params = _params(kernel)
+    return render_template(
+        "cpp_short_rows.cpp.j2", name=kernel.name, summary=summary(kernel),
+        source_shape=kernel.source_shape, numel=kernel.numel, rows=math.prod(kernel.shape[:-1]),
+        inner=inner, tile_rows=tile_rows, parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}",
+        params=params, repeats=repeats, body=body)
+
+
+def _params(kernel: PointwiseKernel) -> list[str]:
+    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+            for p in kernel.params]
+
+
+def _plus(offset: int, term: str) -> str:
+    return " + ".join(t for t in (str(offset) if offset else "", term) if t)
+
+
+# ---- building and loading ----------------------------------------------------------------------
+
+def build(source: str, name: str) -> Path:
+    """Compile `source` into a shared library (or reuse the cached one). Returns its path."""
+    compiler = find_compiler()
+    flags = FLAGS + vector_flags() + math_flags()
+    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(flags), host_cpu())
+    lib = cache.cache_dir("cpp") / f"{name}-{key}.so"
+    src = lib.with_suffix(".cpp")
+
+    def make(tmp: Path) -> None:
+        cmd = [compiler, *flags, f"-I{TEMPLATES}", str(tmp.parent / src.name), "-o", str(tmp)]
+        result = tools.run(cmd, f"compiling kernel {name} ({src})")  # (time limit: tools.py)
+        if result.returncode != 0:
+            raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "
+                               f"{name} ({src}), exit status {result.returncode}:\n"
+                               f"{(result.stderr.strip() or result.stdout)[-4000:]}")
+    return cache.build_once(lib, source, ".cpp", make)
+
+
+def compile_object(source: str, name: str, arch: list[str], out: Path,
+                   compiler: str | None = None) -> None:
+    """Compile `source` to an object file for the CPU that `arch` names (["-march=haswell"])
+    instead of this one, with `compiler` (a cross compiler, say) or the usual one: compile only,
+    nothing is linked or loaded. tests/test_targets.py uses it to check that every kernel
+    compiles for CPU families other than the test machine's."""
+    flags = [f for f in FLAGS if f not in ("-march=native", "-shared")]
+    defines = [f for f in math_flags() if f.startswith("-D")]
+    src = out.with_suffix(".cpp")
+    src.write_text(source)
+    cmd = [compiler or find_compiler(), *flags, *arch, *defines, f"-I{TEMPLATES}", "-c", str(src), "-o", str(out)]
+    result = tools.run(cmd, f"compiling {name} for {' '.join(arch)}")
+    if result.returncode != 0:
+        raise CompileError(f"fusec: {os.path.basename(cmd[0])} {' '.join(arch)} failed to compile "
+                           f"{name} ({src}):\n{result.stderr[-4000:]}")
+
+
+def _load_library(lib: Path) -> ctypes.CDLL:
+    """dlopen a kernel library. The first one also loads the system's OpenMP runtime, which is
+    not the one inside torch's wheel: two thread pools then share the cores, and a pool whose
+    idle threads spin after a parallel loop starves the other (measured on 2 cores: a small MLP
+    call went from 0.1 ms to 2 ms). Unless the user chose a wait policy, our threads sleep at
+    once when idle (libgomp reads GOMP_SPINCOUNT when it loads).
+
+    The file is checked first (codegen/elf.py): dlopen maps a library cut short past its end,
+    and the first touch of the missing pages is SIGBUS. A library that fails the check or that
+    dlopen refuses is a CompileError: fusec/runtime/build.py deletes it and builds it again."""
+    try:
+        with open(lib, "rb") as f:
+            wrong = elf.problem(f.read(), "shared")
+    except OSError as err:
+        wrong = f"cannot be read ({err.strerror})"
+    if wrong:
+        raise CompileError(f"fusec: {lib} is not a loadable shared library: {wrong}")
+    chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+    if not chosen:
+        os.environ["GOMP_SPINCOUNT"] = "0"
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError as err:  # ("invalid ELF header", a missing dependency, ...)
+        raise CompileError(f"fusec: the loader refused {lib}: {err}") from None
+    finally:
+        if not chosen:
+            del os.environ["GOMP_SPINCOUNT"]
+
+
+class CppLauncher:
+    """Calls the compiled kernel with the data pointers of its tensors (inputs, then outputs).
+
+    The ctypes function is prepared once: its argument types say "one pointer per buffer", so a
+    call converts plain ints (`t.data_ptr()`) without building ctypes objects. `pointer_entry` is
+    that function itself: the runtime's straight-line program (fusec/runtime/writer.py) calls it
+    directly with the data pointers, skipping this class's `__call__` and its list.
+    """
+
+    def __init__(self, lib: Path, name: str, n_params: int):
+        self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
+        try:
+            self.fn = getattr(_load_library(lib), name)
+        except AttributeError:
+            raise CompileError(f"fusec: kernel {name} is missing from {lib}") from None
+        self.fn.argtypes = [ctypes.c_void_p] * n_params
+        self.fn.restype = None
+        self.pointer_entry = self.fn  # fn(*data_ptrs): what a prepared call site uses
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.fn(*[t.data_ptr() for t in tensors])
+
+
+def launcher(lib: Path, name: str, n_params: int) -> CppLauncher:
+    """Load a built library (fusec/runtime/build.py builds first, several at a time, then loads)."""
+    return CppLauncher(lib, name, n_params)
+
+
+def load(kernel: PointwiseKernel, source: str) -> CppLauncher:
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
+
+

@@ -1,0 +1,363 @@
+// ---- fusec C++ prelude: helpers the op table refers to (same names as codegen/triton/helpers.py)
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+// Vector math: glibc's libmvec has SIMD versions of the C math functions, but <math.h> only
+// announces them under -ffast-math. Announcing them here lets `#pragma omp simd` loops call e.g.
+// _ZGVdN8v_sinf (8 sines at once) instead of sinf 8 times; results stay within 4 ulp.
+// fusec defines FUSEC_LIBMVEC (and links -lmvec) only where the library exists.
+#ifdef FUSEC_LIBMVEC
+#define FUSEC_SIMD_MATH(name) \
+    _Pragma("omp declare simd notinbranch") extern "C" float name##f(float); \
+    _Pragma("omp declare simd notinbranch") extern "C" double name(double);
+FUSEC_SIMD_MATH(sin) FUSEC_SIMD_MATH(cos) FUSEC_SIMD_MATH(tan) FUSEC_SIMD_MATH(exp)
+FUSEC_SIMD_MATH(exp2) FUSEC_SIMD_MATH(expm1) FUSEC_SIMD_MATH(log) FUSEC_SIMD_MATH(log2)
+FUSEC_SIMD_MATH(log1p) FUSEC_SIMD_MATH(tanh) FUSEC_SIMD_MATH(erf)
+_Pragma("omp declare simd notinbranch") extern "C" float powf(float, float);
+_Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
+#undef FUSEC_SIMD_MATH
+#endif
+
+// Eager's float32 math: eager's CPU kernels compute exp, expm1, log, log2, log1p, sin, cos and
+// tan within 1 ulp (SLEEF's 1-ulp vector functions or MKL's), and libmvec's float versions are up
+// to 4 ulp off (expf 2.5, logf 3.8, tanf 2.9 over the float32 range: tests/test_math_accuracy.py,
+// docs/ops.md); in a long chain those errors add up to several times eager's. torch links SLEEF
+// into libtorch_cpu and exports it under the vector ABI names gcc calls
+// (`_ZGVeN16v_Sleef_expf_u10`: 16 exps at once with AVX-512, `_ZGVdN8v_...` 8 with AVX2). So
+// where fusec links torch's library (FUSEC_SLEEF, codegen/cpp/__init__.py math_flags) and the target has
+// AVX2, fusec_exp(float) and the others are SLEEF's: declared `omp declare simd`, a vectorized
+// loop calls the vector versions, and the scalar symbol (which torch does not export) is defined
+// here as one lane of the 8-wide call, so a loop's remainder gets the same answers as its vector
+// body. A short loop may be vectorized 4 lanes at a time (the SSE variant, `_ZGVbN4v_...`),
+// which torch does not export either: it is half of the 8-wide call. Doubles and the other
+// targets use the C library (libmvec where it is linked). tanh and erf are fusec's own (below).
+#if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
+#include <immintrin.h>
+#define FUSEC_SLEEF_DECLARE(name) \
+    extern "C" { \
+    _Pragma("omp declare simd notinbranch") float Sleef_##name##f_u10(float); \
+    __m256 _ZGVdN8v_Sleef_##name##f_u10(__m256); \
+    __attribute__((visibility("hidden"))) float fusec_sleef1_##name(float) \
+        __asm__("Sleef_" #name "f_u10"); \
+    float fusec_sleef1_##name(float x) { \
+        return _mm256_cvtss_f32(_ZGVdN8v_Sleef_##name##f_u10(_mm256_set1_ps(x))); } \
+    __attribute__((visibility("hidden"))) __m128 fusec_sleef4_##name(__m128) \
+        __asm__("_ZGVbN4v_Sleef_" #name "f_u10"); \
+    __m128 fusec_sleef4_##name(__m128 x) { \
+        return _mm256_castps256_ps128(_ZGVdN8v_Sleef_##name##f_u10( \
+            _mm256_insertf128_ps(_mm256_setzero_ps(), x, 0))); } \
+    }
+FUSEC_SLEEF_DECLARE(exp) FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
+FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p) FUSEC_SLEEF_DECLARE(sin)
+FUSEC_SLEEF_DECLARE(cos) FUSEC_SLEEF_DECLARE(tan)
+#undef FUSEC_SLEEF_DECLARE
+#define FUSEC_FLOAT_MATH(name, x) Sleef_##name##f_u10(x)
+#else
+#define FUSEC_FLOAT_MATH(name, x) std::name(x)
+#endif
+static inline float fusec_exp(float x) { return FUSEC_FLOAT_MATH(exp, x); }
+static inline double fusec_exp(double x) { return std::exp(x); }
+static inline float fusec_expm1(float x) { return FUSEC_FLOAT_MATH(expm1, x); }
+static inline double fusec_expm1(double x) { return std::expm1(x); }
+static inline float fusec_log(float x) { return FUSEC_FLOAT_MATH(log, x); }
+static inline double fusec_log(double x) { return std::log(x); }
+static inline float fusec_log2(float x) { return FUSEC_FLOAT_MATH(log2, x); }
+static inline double fusec_log2(double x) { return std::log2(x); }
+static inline float fusec_log1p(float x) { return FUSEC_FLOAT_MATH(log1p, x); }
+static inline double fusec_log1p(double x) { return std::log1p(x); }
+static inline float fusec_sin(float x) { return FUSEC_FLOAT_MATH(sin, x); }
+static inline double fusec_sin(double x) { return std::sin(x); }
+static inline float fusec_cos(float x) { return FUSEC_FLOAT_MATH(cos, x); }
+static inline double fusec_cos(double x) { return std::cos(x); }
+static inline float fusec_tan(float x) { return FUSEC_FLOAT_MATH(tan, x); }
+static inline double fusec_tan(double x) { return std::tan(x); }
+#undef FUSEC_FLOAT_MATH
+
+// float32 tanh and erf, computed in double: every step below is plain arithmetic (no library
+// call), so a vectorized loop runs it in vector registers on any x86-64 level, and the double
+// steps carry errors near 1e-11, far below float's 6e-8, so the one rounding to float at the end
+// is the only error that shows: 0.5 ulp and a hair (tests/test_math_accuracy.py measures it).
+// eager gets these from MKL within 1 ulp; libmvec's float versions are 1.4 (tanh) and 4 (erf)
+// ulp off, and SLEEF's 1-ulp erf took 10x eager's time. The polynomials were fitted at Chebyshev
+// nodes against 40-digit references (mpmath); each comment gives the fit's largest relative error.
+
+// FUSEC_FMA(a, b, c) = a * b + c, in one rounding where the CPU has fused multiply-add (fewer
+// instructions; the digits it saves are far below float's), else two.
+#ifdef __FMA__
+#define FUSEC_FMA(a, b, c) __builtin_fma(a, b, c)
+#else
+#define FUSEC_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+// c[0] x^(N-1) + ... + c[N-1], by Horner's rule (unrolled: a loop inside a vectorized loop would not be)
+template <int N> static inline double fusec_horner(double x, const double (&c)[N]) {
+    double p = c[0];
+#pragma GCC unroll 16
+    for (int i = 1; i < N; ++i) p = FUSEC_FMA(p, x, c[i]);
+    return p;
+}
+
+// e^y for |y| <= 32: y = k ln2 + r with |r| <= ln2/2 (Cody and Waite's two-part ln2 keeps
+// k ln2 exact), e^r by a degree-8 polynomial (1.1e-12), 2^k made from its bits.
+static inline double fusec_exp_f64(double y) {
+    static constexpr double P[] = {0x1.a17da35733787p-16, 0x1.a1aa80ce31c9ap-13,
+        0x1.6c162bfd07340p-10, 0x1.111080ac9c3f6p-7, 0x1.5555558893547p-5, 0x1.555555a26f236p-3,
+        0x1.ffffffffe7631p-2, 0x1.ffffffffd38acp-1, 0x1.000000000003cp+0};
+    const double shift = 0x1.8p52;  // adding it rounds to an integer, kept in the low bits
+    const double s = y * 0x1.71547652b82fep0 + shift;
+    const double k = s - shift;
+    const double r = (y - k * 0x1.62e42feep-1) - k * 0x1.a39ef35793c76p-33;
+    int64_t bits; std::memcpy(&bits, &s, 8);
+    const int64_t scale_bits = (bits - 0x4338000000000000LL + 1023) << 52;  // 2^k
+    double scale; std::memcpy(&scale, &scale_bits, 8);
+    return fusec_horner(r, P) * scale;
+}
+
+// tanh(x) = (e^2|x| - 1) / (e^2|x| + 1) with x's sign; below 2^-11 (where e - 1 would lose
+// digits) its series x - x^3/3 + 2x^5/15; from 9.5 on, tanh rounds to 1.
+static inline float fusec_tanh(float x) {
+    double d = std::fabs((double)x);
+    d = d > 9.5 ? 9.5 : d;
+    const double e = fusec_exp_f64(2.0 * d), t = d * d;
+    const bool small = d < 0x1p-11;
+    // the division's operands are selected, not its result: both sides are computed (a select,
+    // not a branch, so the loop vectorizes) and the division never sees a value it must not
+    const double num = small ? d * FUSEC_FMA(t, FUSEC_FMA(t, 2.0 / 15.0, -1.0 / 3.0), 1.0) : e - 1.0;
+    const double y = num / (small ? 1.0 : e + 1.0);
+    return x != x ? x : std::copysign((float)y, x);
+}
+static inline double fusec_tanh(double x) { return std::tanh(x); }
+
+// erf(x) below 1: x S(x^2), S of degree 7 (3.7e-11); from 1 to 4: 1 - e^-x^2 R(x), where
+// R(x) = erfc(x) e^(x^2) is smooth, of degree 12 (7.6e-9, times erfc <= 0.16); from 4 on, erf
+// rounds to 1.
+static inline float fusec_erf(float x) {
+    static constexpr double S[] = {-0x1.4497835c23f09p-17, 0x1.d89ff48674902p-14,
+        -0x1.bcd3a4940f634p-11, 0x1.562abda877a54p-8, -0x1.b829d0bbef567p-6, 0x1.ce2f0955e8b56p-4,
+        -0x1.81274666d37fbp-2, 0x1.20dd750405437p+0};
+    static constexpr double R[] = {0x1.c97357cddbfd8p-24, -0x1.e62976f0629e2p-19,
+        0x1.db085c677112cp-15, -0x1.1b59a708b9dbcp-11, 0x1.ce7e6ce0348bep-9, -0x1.127c959b01c07p-6,
+        0x1.ec5cf382218c0p-5, -0x1.56cbf83e1cb2ep-3, 0x1.7a699e30a8bfap-2, -0x1.50baf2f59cfc7p-1,
+        0x1.e7b16260e7940p-1, -0x1.1d1de6c8746fep+0, 0x1.feef405f4fab4p-1};
+    const double d = std::fabs((double)x);
+    const double c = d > 4.0 ? 4.0 : (d < 1.0 ? 1.0 : d);  // where the tail's formula holds
+    const double small = d * fusec_horner(d * d, S);  // d * d is exact: a float's square fits
+    const double tail = 1.0 - fusec_exp_f64(-c * c) * fusec_horner(c, R);
+    const float y = (float)(d < 1.0 ? small : (d >= 4.0 ? 1.0 : tail));
+    return x != x ? x : std::copysign(y, x);
+}
+static inline double fusec_erf(double x) { return std::erf(x); }
+
+// bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
+// The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
+// eager, and the row is kept inside the source's n rows, so no read ever leaves the buffer (the
+// compiled program checks the index values and raises eager's error: passes/check_gathers.py).
+static inline int64_t fusec_row(int64_t index, int64_t n) {
+    const int64_t row = index < 0 ? index + n : index;
+    return row < 0 ? 0 : (row >= n ? n - 1 : row);
+}
+
+static inline float fusec_bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+static inline uint16_t fusec_f32_to_bf16(float f) {
+    uint32_t bits; std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  // quiet NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+static inline float fusec_round_bf16(float f) { return fusec_bf16_to_f32(fusec_f32_to_bf16(f)); }
+#if defined(__GNUC__) && !defined(__clang__)
+// Sixteen floats at once (gcc's vector extensions; any x86-64 level, AArch64): each rounded to
+// bf16 exactly as fusec_round_bf16 rounds one, NaN included (a kernel family's lookup tables).
+typedef float fusec_v16f __attribute__((vector_size(64)));
+typedef int32_t fusec_v16i __attribute__((vector_size(64)));
+typedef uint32_t fusec_v16u __attribute__((vector_size(64)));
+static inline fusec_v16f fusec_round_bf16_v16(fusec_v16f f) {
+    fusec_v16u bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    const fusec_v16u nan = (fusec_v16u)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+    const fusec_v16u even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const fusec_v16u quiet = (bits | 0x400000u) & 0xffff0000u;  // a NaN, made quiet
+    bits = (nan & quiet) | (~nan & even);
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+// float16 is stored as its 16 bits too (uint16_t), and converted by the compiler's own half type
+// where it has one: _Float16 (gcc 12+ and clang on x86-64; vcvtph2ps/vcvtps2ph with F16C),
+// __fp16 (AArch64). Elsewhere (older gcc, or -DFUSEC_NO_FLOAT16) with integer bit operations
+// that round to nearest even exactly as torch does; codegen/llvm/templates/llvm_prelude.ll.j2 spells
+// the same steps in LLVM IR.
+#if !defined(FUSEC_NO_FLOAT16) && defined(__aarch64__)
+typedef __fp16 fusec_half;
+#elif !defined(FUSEC_NO_FLOAT16) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
+typedef _Float16 fusec_half;
+#else
+#define FUSEC_HALF_IN_BITS 1
+#endif
+static inline float fusec_f16_to_f32(uint16_t h) {
+#ifdef FUSEC_HALF_IN_BITS
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu, exponent = h & 0x7c00u;
+    uint32_t bits;
+    if (exponent == 0) {  // zero or subnormal: the mantissa counts steps of 2^-24, exactly
+        const float tiny = (float)em * 5.9604644775390625e-08f;
+        std::memcpy(&bits, &tiny, 4);
+    } else if (exponent == 0x7c00u) {  // inf or NaN: exponent all ones, payload kept
+        bits = (em << 13) | 0x7f800000u;
+    } else {  // normal: re-bias the exponent from 15 to 127
+        bits = (em << 13) + 0x38000000u;
+    }
+    bits |= sign;
+    float f; std::memcpy(&f, &bits, 4); return f;
+#else
+    fusec_half v; std::memcpy(&v, &h, 2); return (float)v;
+#endif
+}
+static inline uint16_t fusec_f32_to_f16(float f) {
+#ifdef FUSEC_HALF_IN_BITS
+    uint32_t bits; std::memcpy(&bits, &f, 4);
+    const uint32_t sign = (bits >> 16) & 0x8000u, a = bits & 0x7fffffffu;
+    uint32_t out;
+    if (a > 0x7f800000u) out = 0x7e00u;  // NaN: the quiet NaN, with f's sign
+    else if (a >= 0x477ff000u) out = 0x7c00u;  // rounds to 65536 or more: infinity
+    else if (a < 0x38800000u) {  // subnormal: |f| + 0.5 rounds |f| to a step of 2^-24
+        const float steps = std::fabs(f) + 0.5f;
+        uint32_t s; std::memcpy(&s, &steps, 4);
+        out = s - 0x3f000000u;
+    } else {  // normal: re-bias, round the 13 dropped bits to nearest even
+        out = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    }
+    return (uint16_t)(out | sign);
+#else
+    const fusec_half v = (fusec_half)f; uint16_t h; std::memcpy(&h, &v, 2); return h;
+#endif
+}
+static inline float fusec_round_f16(float f) { return fusec_f16_to_f32(fusec_f32_to_f16(f)); }
+
+// Division that rounds like torch: floor division matches Python's `//`.
+template <typename T> static inline T fusec_floordiv(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+        if (b == 0) return a / b;
+        T mod = std::fmod(a, b);
+        T div = (a - mod) / b;
+        if (mod != 0 && ((b < 0) != (mod < 0))) div -= 1;
+        if (div == 0) return std::copysign(T(0), a / b);
+        T floordiv = std::floor(div);
+        if (div - floordiv > T(0.5)) floordiv += 1;
+        return floordiv;
+    } else if constexpr (std::is_same_v<T, bool>) {
+        return a;
+    } else {
+        if (b == 0) return 0;  // eager raises ZeroDivisionError on CPU; a kernel cannot raise
+        if constexpr (std::is_signed_v<T>) {
+            if (b == -1) return (T)(0 - (std::make_unsigned_t<T>)a);  // no INT_MIN / -1 trap
+            T q = a / b;
+            if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+            return q;
+        } else {
+            return a / b;
+        }
+    }
+}
+template <typename T> static inline T fusec_truncdiv(T a, T b) {
+    if constexpr (std::is_floating_point_v<T>) {
+        return std::trunc(a / b);
+    } else if constexpr (std::is_same_v<T, bool>) {
+        return a;
+    } else {
+        if (b == 0) return 0;
+        if constexpr (std::is_signed_v<T>) {
+            if (b == -1) return (T)(0 - (std::make_unsigned_t<T>)a);
+        }
+        return a / b;
+    }
+}
+
+template <typename T> static inline T fusec_abs(T x) {
+    if constexpr (std::is_floating_point_v<T>) return std::fabs(x);
+    else if constexpr (std::is_unsigned_v<T> || std::is_same_v<T, bool>) return x;
+    else return (T)(x < 0 ? (T)(0 - (std::make_unsigned_t<T>)x) : x);
+}
+
+// NaN-propagating max/min, as torch.maximum/minimum and clamp.
+template <typename T> static inline T fusec_maximum(T a, T b) { return (a != a || a > b) ? a : b; }
+template <typename T> static inline T fusec_minimum(T a, T b) { return (a != a || a < b) ? a : b; }
+template <typename T> static inline T fusec_relu(T x) { return x < 0 ? T(0) : x; }
+
+template <typename T> static inline T fusec_sigmoid(T x) { return T(1) / (T(1) + fusec_exp(-x)); }
+template <typename T> static inline T fusec_rsqrt(T x) { return T(1) / std::sqrt(x); }
+template <typename T> static inline T fusec_gelu(T x) {
+    return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
+}
+// float gelu: eager's CPU kernel computes erf with Abramowitz & Stegun's formula 7.1.26
+// (|error| < 1.5e-7 next to 1 + erf, which is all gelu needs) from one exp, and so does this:
+// libmvec's exact erff took 1.7x eager's time for a gelu (KernelBench-style 23_ at 0.81x eager).
+template <> inline float fusec_gelu<float>(float x) {
+    const float z = std::fabs(x * 0.70710678118654752440f);
+    const float t = 1.0f / (1.0f + 0.3275911f * z);
+    const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t
+                        + 0.254829592f) * t;
+    const float erf_z = 1.0f - poly * std::exp(-z * z);
+    // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
+    // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
+    const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
+    return x == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN()
+                                                        : gelu;
+}
+template <typename T> static inline T fusec_gelu_tanh(T x) {
+    const T k = T(0.79788456080286535588);  // sqrt(2 / pi)
+    return T(0.5) * x * (T(1) + fusec_tanh(k * (x + T(0.044715) * x * x * x)));
+}
+template <typename T> static inline T fusec_floor(T x) {
+    if constexpr (std::is_floating_point_v<T>) return std::floor(x); else return x;
+}
+template <typename T> static inline T fusec_ceil(T x) {
+    if constexpr (std::is_floating_point_v<T>) return std::ceil(x); else return x;
+}
+template <typename T> static inline T fusec_trunc(T x) {
+    if constexpr (std::is_floating_point_v<T>) return std::trunc(x); else return x;
+}
+// shifts as torch defines them for every amount (C++ leaves b < 0 or b >= width undefined):
+// a << b is then 0; a >> b is a's sign for signed a, 0 for unsigned a
+template <typename T> static inline T fusec_lshift(T a, T b) {
+    constexpr int bits = sizeof(T) * 8;
+    if (b < 0 || b >= (T)bits) return 0;
+    return (T)((std::make_unsigned_t<T>)a << b);
+}
+template <typename T> static inline T fusec_rshift(T a, T b) {
+    constexpr int bits = sizeof(T) * 8;
+    if (b < 0 || b >= (T)bits) return std::is_signed_v<T> ? (T)(a < 0 ? -1 : 0) : (T)0;
+    return (T)(a >> b);
+}
+template <typename T> static inline T fusec_bitwise_not(T x) {
+    if constexpr (std::is_same_v<T, bool>) return !x; else return (T)~x;
+}
+
+// pow: floats use the C library; integers use exact repeated squaring with wraparound, and a
+// negative exponent gives what torch gives (1 for base 1, +-1 for base -1, else 0).
+template <typename T> static inline T fusec_pow(T base, T exp) {
+    if constexpr (std::is_floating_point_v<T>) {
+        return std::pow(base, exp);
+    } else if constexpr (std::is_same_v<T, bool>) {
+        return exp ? base : true;
+    } else {
+        if constexpr (std::is_signed_v<T>) {
+            if (exp < 0) {
+                if (base == 1) return 1;
+                if (base == -1) return (exp & 1) ? T(-1) : T(1);
+                return 0;
+            }
+        }
+        using U = std::make_unsigned_t<T>;
+        U result = 1, b = (U)base;
+        auto e = (std::make_unsigned_t<T>)exp;
+        while (e) { if (e & 1) result *= b; b *= b; e >>= 1; }
+        return (T)result;
+    }
+}
+// ---- end of prelude
