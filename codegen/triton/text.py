@@ -134,20 +134,6 @@ def piece_mask(load, shape, axes=None) -> str | None:
     return " & ".join(tests) or f"({at} >= 0)"  # (a piece that covers the whole dim)
 
 
-def rows_and_epilogue(kernel, r, lines) -> tuple:
-    """The loop plan's one phase (a kernel of one sum over K), the lines of the row values
-    computed before the K loop, and the epilogue after it, which starts from the finished sum
-    `sums` (rounded as the reduction `r` says). `lines(name)` spells one value."""
-    [phase] = kernel.plan.phases
-    row_lines = [t for name in kernel.plan.before for t in lines(name)]
-    epilogue = [t for name in phase.ready for t in lines(name)]
-    value = convert("sums", r.acc_dtype, r.var.dtype)
-    if r.round_to is not None:
-        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
-    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
-    return phase, row_lines, epilogue
-
-
 def gather_offset(load, position: str | None = None) -> str:
     """The offset of a gathered read's row (fusec.ir.Load's `gather`), as one expression: the
     index value `position` (default: the load's position var), counted from the end where

@@ -17,7 +17,7 @@ import torch
 
 from fusec.codegen.triton.pdl import pdl
 from fusec.codegen.triton.text import (TL, helpers_in, max_address, render_stmt, ops_summary,
-                                       convert, gather_offset, piece_mask, rows_and_epilogue)
+                                       convert, gather_offset, piece_mask)
 from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short
 
 from .int4_words import match_int4_words
@@ -36,6 +36,20 @@ from .render import render_template
 GEMV_MAX_M = 16  # activation rows kept in registers; extensions/quant_gemv/small_matmul.py stays below this
 GEMV_TILE = 8192  # f32 partial sums per program, [BLOCK_M, BLOCK_N, BLOCK_K]: 64 per thread
 GEMV_WEIGHT_TILE = 4096  # weight elements per program per iteration, [BLOCK_N, BLOCK_K]
+
+
+def rows_and_epilogue(kernel, r, lines) -> tuple:
+    """The loop plan's one phase (a kernel of one sum over K), the lines of the row values
+    computed before the K loop, and the epilogue after it, which starts from the finished sum
+    `sums` (rounded as the reduction `r` says). `lines(name)` spells one value."""
+    [phase] = kernel.plan.phases
+    row_lines = [t for name in kernel.plan.before for t in lines(name)]
+    epilogue = [t for name in phase.ready for t in lines(name)]
+    value = convert("sums", r.acc_dtype, r.var.dtype)
+    if r.round_to is not None:
+        value = convert(convert(value, r.var.dtype, r.round_to), r.round_to, r.var.dtype)
+    epilogue.insert(0, f"{r.var.name} = {value}  # {r.origin}")
+    return phase, row_lines, epilogue
 
 
 def gemv_fits(kernel) -> bool:

@@ -27,12 +27,12 @@ import torch
 
 from fusec.codegen.triton.pdl import pdl
 from fusec.codegen.triton.text import (helpers_in, max_address, render_stmt, ops_summary, convert,
-                                       current_arch, rows_and_epilogue)
+                                       current_arch)
 from fusec.ir import Index, Load, Reduce, Stmt
 
 from .int4_words import Int4Words
 from .render import render_template
-from .triton_gemv import SMS
+from .triton_gemv import SMS, rows_and_epilogue
 
 # Word lanes per program per iteration and partial sums per program: the hand-written kernel's
 # best configuration at M = 1 was 8 columns x 256 words x 8 warps (`PAIRS` in the template).
