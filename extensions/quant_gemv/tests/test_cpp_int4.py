@@ -2,7 +2,7 @@
 
 The table holds `(q - zero) * scale` for q = 0..15, each step rounded to bf16 as eager rounds it,
 so the weights are eager's bit for bit: one-hot activations read them back one by one. Around
-that, every case is compared with eager against a float64 product (tests/test_int4_words.py's
+that, every case is compared with eager against a float64 product (test_int4_words.py's
 bound), and what the table does not cover keeps the generic reduction loop.
 """
 import pytest

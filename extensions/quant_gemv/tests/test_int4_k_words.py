@@ -88,7 +88,7 @@ def test_one_token_of_one_sequence():
 
 
 def test_gptq_unpacked_in_int32_takes_the_same_kernel():
-    """tests/test_refine_views.py's form: no narrowing to int8, q - zero in int32, then
+    """test_refine_views.py's form: no narrowing to int8, q - zero in int32, then
     `.to(x.dtype)` before the scale."""
     from test_refine_views import SHIFTS, gptq as gptq_int32
     k, n, group = 512, 64, 64

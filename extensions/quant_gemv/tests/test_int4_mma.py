@@ -3,7 +3,7 @@ cores, K split over several programs and their float32 partial sums added by a s
 
 Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU, where
 tl.dot runs in float32 on the same exact bf16 values), checks that the tensor-core kernel was
-generated, and compares with eager against a float64 product (tests/test_int4_words.py's
+generated, and compares with eager against a float64 product (test_int4_words.py's
 `check`: the fused error may not exceed eager's by more than a bf16 rounding). The scale is
 applied to float32 sums, not rounded into each weight, so one-hot activations still read every
 weight back exactly as eager has it. Those tests, and infinities and overflow, are in

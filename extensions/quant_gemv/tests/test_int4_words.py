@@ -2,12 +2,12 @@
 packed-int4 GEMVs that read the weight as 32-bit words. With one activation row (M = 1) the group
 kernel takes it (zero point and scale once per group, exact up to float32 rounding); with 2-4 rows
 in groups smaller than 128 weights the word kernel (each weight dequantized and rounded to bf16 as
-eager does); 2-16 rows in groups of 128 or more go to tensor cores (tests/test_int4_mma.py).
+eager does); 2-16 rows in groups of 128 or more go to tensor cores (test_int4_mma.py).
 
 Every case compiles an int4 linear with backend="triton" (under the interpreter on a CPU), checks
 which kernel was generated (the word kernel says so in its source), and compares with eager
 against a float64 product of eager's dequantized bf16 weight: the fused error may not exceed
-eager's by more than a bf16 rounding (as tests/test_small_matmul.py does). One-hot activations
+eager's by more than a bf16 rounding (as test_small_matmul.py does). One-hot activations
 read single weights back exactly, so they check the dequantization bit for bit, nibble by nibble.
 Cases the word kernel does not cover must fall back to the byte-per-lane GEMV, and still match.
 """
@@ -112,7 +112,7 @@ def gemv(cf):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_reads_words(m, group):
     layer = Int4(37, 256, group)  # odd N: a masked last block of columns
-    # 2-4 rows in groups of 128: the tensor-core kernel (tests/test_int4_mma.py)
+    # 2-4 rows in groups of 128: the tensor-core kernel (test_int4_mma.py)
     path = GROUPS if m == 1 else MMA if group >= 128 else WORDS
     cf = check(layer, rand(m, 256, seed=m), path=path)
     assert "eight per 32-bit word" in cf.kernels[0].source or path == MMA

@@ -1,6 +1,6 @@
 """extensions/quant_gemv/packed_words.py + triton_gemv_packed_mma.py: GPTQ's and AWQ's int4 words
 (eight nibbles to an int32, packed along K or along N) at M = 2 to 16 multiplied on tensor cores,
-K split over several programs, as the packed-bytes int4 layer is (tests/test_int4_mma.py).
+K split over several programs, as the packed-bytes int4 layer is (test_int4_mma.py).
 
 Every case compiles the example layer with backend="triton" (under the interpreter on a CPU,
 where tl.dot runs in float32 on the same exact values), checks that the tensor-core kernel was

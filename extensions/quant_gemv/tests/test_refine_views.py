@@ -87,7 +87,7 @@ def test_gptq_weight_is_read_packed_by_one_gemv(target, m):
     assert torch.equal(gptq(x, qweight, qzeros, scales, SHIFTS), x @ want)
     # two kernels: the zero points unpacked (groups x N, small), and the GEMV, which reads the
     # packed words themselves: no kernel writes a weight-sized tensor (at one row on a GPU, the
-    # GEMV's K is cut in chunks and a third kernel adds them up: tests/test_int4_k_words.py)
+    # GEMV's K is cut in chunks and a third kernel adds them up: test_int4_k_words.py)
     split = device == "cuda" and m == 1
     cf = assert_matches(gptq, *args, backend=backend, kernels=3 if split else 2)
     (gemv,) = [kk for kk in cf.kernels if "qweight" in kk.source]

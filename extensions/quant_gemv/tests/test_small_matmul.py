@@ -2,7 +2,7 @@
 
 Every case runs on every backend (cpp, llvm, triton; Triton under its interpreter without a GPU),
 checks the kernel count, and compares with eager against a float64 reference: the fused error may
-not exceed eager's by more than the dtype's tolerance (tests/conftest.py, fusec.check.compare).
+not exceed eager's by more than the dtype's tolerance (the root conftest.py, fusec.check.compare).
 """
 import importlib
 import re
@@ -189,7 +189,7 @@ def test_int4_is_accurate_against_float64(target):
 def test_triton_gemv_uses_tensor_cores_from_two_rows_on_exact_bf16_products(monkeypatch):
     # M = 1: lane-by-lane products; M = 4 with bf16 activations and int8 weights: tl.dot of bf16
     # tiles (exact, see dot_terms); float32 activations are not bf16 numbers: lanes again.
-    # (Packed int4 at M <= 4 is read as 32-bit words instead, tests/test_int4_words.py; switched
+    # (Packed int4 at M <= 4 is read as 32-bit words instead, test_int4_words.py; switched
     # off here to test the byte path's dots.)
     monkeypatch.setenv("FUSEC_INT4_WORDS", "0")
     backend, device = "triton", TRITON_DEVICE
@@ -222,7 +222,7 @@ def test_triton_gemv_loop_masks_pairs_and_prefetch(k, monkeypatch):
     activations of a packed byte's two nibbles loaded as pairs and split in registers; the M = 1
     kernel prefetching the next chunk, except for a plain int8 weight. Each still matches eager,
     whole chunks or not. (The byte path for packed int4: the word path, which would take these
-    shapes, is switched off; tests/test_int4_words.py tests it.)"""
+    shapes, is switched off; test_int4_words.py tests it.)"""
     monkeypatch.setenv("FUSEC_INT4_WORDS", "0")
     backend, device = "triton", TRITON_DEVICE
     int4_k = k if k % 8 == 0 else 256

@@ -1,5 +1,11 @@
 """Shared fixtures. Every test compares fusec against eager PyTorch.
 
+The tests live in two kinds of folder: tests/ (the core) and extensions/<name>/tests/ (each
+extension's own). This file sits at the repository root so that pytest loads it for both, and a
+test module in either imports its helpers the same way: `from conftest import assert_matches`.
+Both folders are put on sys.path here, so a test may also borrow from a test module of the other
+folder (`from test_int4_words import Int4`), whichever file pytest happens to collect first.
+
 `target` runs a test once per backend: ("cpp", cpu), ("llvm", cpu) and ("triton", cuda) on a
 machine with a GPU, or ("triton", cpu) under Triton's interpreter otherwise (also on a GPU
 machine when TRITON_INTERPRET=1 is set). TRITON_INTERPRET must be set before
@@ -7,11 +13,18 @@ triton is imported, so it is set here, first thing, when there is no GPU.
 """
 import copy
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_ROOT = Path(__file__).resolve().parent
+for _folder in [_ROOT / "tests", *sorted(_ROOT.glob("extensions/*/tests"))]:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 import pytest  # noqa: E402
 
