@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fusec.capture.breaks import Break, Frame, dynamo_compile, innermost
 from fusec.capture.frontend import decompositions
-from fusec.capture.training import graph_compiler
+from fusec.capture.training import TrainingParts, graph_compiler, partitioner
 from fusec.errors import FusecError, GraphBreakError
 
 
@@ -45,7 +45,7 @@ class Region:
     #               function is the rest of f after the break at line 12)
     graph: fx.GraphModule
     ended_by: Break | None  # None: the function returned
-    parts: list = field(default_factory=list)
+    parts: list = field(default_factory=TrainingParts)  # .partitions: saved and recomputed
     last_run: int = 0  # a tick of the collector's clock, set on every call of the region
     examples: list | None = None  # the inputs of the forward part's last call, when kept
 
@@ -170,6 +170,7 @@ class Regions:
             compile_part = _keeping_inputs(compile_part, region)
         from torch._dynamo.backends.common import aot_autograd  # (Dynamo: imported when used)
         compiled = aot_autograd(fw_compiler=compile_part, bw_compiler=compile_part,
+                                partition_fn=partitioner(region.parts.partitions),
                                 decompositions=decompositions())(gm, example_inputs)
         clock = self._clock
 

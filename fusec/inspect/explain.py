@@ -56,6 +56,7 @@ from fusec.inspect.graphviz import dot_after, dot_before, render_svg
 from fusec.inspect.groups import (distinct_elements, fallback_rows, format_groups,  # noqa: F401
                                   format_refusals, group_rows, kernel_traffic, refusal_dicts)
 from fusec.inspect.listing import graph_listing, node_rows
+from fusec.inspect.training import region_entries, saved_for_backward, training_dicts, training_section
 from fusec.record import format_schedule
 
 
@@ -64,6 +65,8 @@ class Explanation:
     compiled: CompiledGraph
     # why the fusec.compile'd function explained compiled again, the last few (fusec/limits.py)
     recompiles: list[str] = field(default_factory=list)
+    # what its training programs saved for backward and recomputed (fusec/inspect/training.py)
+    training: list = field(default_factory=list)
 
     @property
     def kernels(self) -> list:
@@ -154,6 +157,7 @@ class Explanation:
             "layout": cg.passes.layout.to_dict() if cg.passes.layout is not None else None,
             "dot": {"before": self.dot("before"), "after": self.dot("after")},
             "recompiles": list(self.recompiles),
+            "training": training_dicts(self.training),
         }
 
     def __str__(self) -> str:
@@ -164,6 +168,7 @@ class Explanation:
         if self.recompiles:  # a fusec.compile'd function that compiled more than one program
             out.append("\n=== recompiles: why it compiled another program (newest last) ===")
             out += [f"  {i}. {reason}" for i, reason in enumerate(self.recompiles, 1)]
+        out += training_section(self.training, walk_note=True)
         out.append("\n=== captured ATen graph ===\n" + self.graph())
         changes = pass_changes(cg.captured.gm, gm, cg.stages())
         fuse_stages = [c["after"] for c in changes if c["after"].startswith("fuse")]
@@ -225,7 +230,7 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
             raise
         return explain_regions(model, inputs, kwargs, backend, cause)
     return Explanation(compile_graph(captured, chosen, record=True, label=label_of(model)),
-                       recompiles)
+                       recompiles, saved_for_backward(wrapped) if isinstance(wrapped, CompiledFunction) else [])
 
 
 def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
@@ -288,7 +293,8 @@ class RegionsExplanation:
                              "lines": [str(f) for f in r.lines()],
                              "ended_by": r.ended_by.to_dict() if r.ended_by else None,
                              "kernels": [k.name for k in r.kernels],
-                             "programs": [e.to_dict() for e in parts]}
+                             "programs": [e.to_dict() for e in parts],
+                             "training": training_dicts(region_entries(r))}
                             for r, parts in self.explanations()]}
 
     def __str__(self) -> str:
@@ -299,6 +305,7 @@ class RegionsExplanation:
             for name, e in zip(("forward", "backward"), parts):
                 text = str(e).replace("fusec explain", f"region {region.index}, {name} program", 1)
                 out.append("\n" + text)
+            out += training_section(region_entries(region))
             if region.ended_by is not None:
                 out.append("\n" + "\n".join(region.ended_by.describe()))
         return "\n".join(out)
