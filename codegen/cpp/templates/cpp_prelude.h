@@ -170,23 +170,6 @@ static inline uint16_t fusec_f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 static inline float fusec_round_bf16(float f) { return fusec_bf16_to_f32(fusec_f32_to_bf16(f)); }
-#if defined(__GNUC__) && !defined(__clang__)
-// Sixteen floats at once (gcc's vector extensions; any x86-64 level, AArch64): each rounded to
-// bf16 exactly as fusec_round_bf16 rounds one, NaN included (a kernel family's lookup tables).
-typedef float fusec_v16f __attribute__((vector_size(64)));
-typedef int32_t fusec_v16i __attribute__((vector_size(64)));
-typedef uint32_t fusec_v16u __attribute__((vector_size(64)));
-static inline fusec_v16f fusec_round_bf16_v16(fusec_v16f f) {
-    fusec_v16u bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    const fusec_v16u nan = (fusec_v16u)((bits & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
-    const fusec_v16u even = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const fusec_v16u quiet = (bits | 0x400000u) & 0xffff0000u;  // a NaN, made quiet
-    bits = (nan & quiet) | (~nan & even);
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
 
 // float16 is stored as its 16 bits too (uint16_t), and converted by the compiler's own half type
 // where it has one: _Float16 (gcc 12+ and clang on x86-64; vcvtph2ps/vcvtps2ph with F16C),
