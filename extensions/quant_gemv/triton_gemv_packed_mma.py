@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from fusec import env
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import convert, gather_offset, helpers_in, ops_summary, render_stmt
 from fusec.ir import Load, Reduce, Stmt
 
@@ -94,6 +94,7 @@ def render_gemv_packed_mma(kernel, pw: PackedWords, arch: int | None = None, why
         one2=hex(one_bits | one_bits << 16), half_max=torch.finfo(pw.half).max, native=native,
         pair_note="one packed FMA per two weights" if native else pair_note,
         block_n=b.block_n, num_warps=b.num_warps, split=b.split, per=b.per, chunk=b.chunk,
+        stages=b.stages, right=b.right,
         chunk_k=b.chunk_k, finish_n=FINISH_BLOCK_N, programs=-(-pw.n // b.block_n) * b.split,
         column_programs=b.column_programs, why=why, pdl=pdl(arch), helpers=sorted(helpers),
         params=[f"{q.name}_ptr" for q in kernel.params], args=[q.name for q in kernel.params],
@@ -103,7 +104,7 @@ def render_gemv_packed_mma(kernel, pw: PackedWords, arch: int | None = None, why
         words_at=words_at, zero_at=lambda cols, col: _group_value(pw, pw.zero, cols, col),
         scale_at=lambda cols, col: _group_value(pw, pw.scale, cols, col),
         row_lines=row_lines, epilogue=epilogue, stores=stores,
-        g_idx_at=pw.g_idx and at(pw, pw.g_idx, ["0", "0", "0", "w_start + xw", "t8[None, :]"]))
+        g_idx_at=pw.g_idx and at(pw, pw.g_idx, ["0", "0", "0", "w_start + gw", "t8[None, :]"]))
 
 
 class _Blocks(NamedTuple):
@@ -114,6 +115,8 @@ class _Blocks(NamedTuple):
     chunk: int  # a chunk: word rows (along K) or rows of K (along N)
     chunk_k: int  # rows of K per chunk
     column_programs: str  # the grid's first dim, as the launch spells it
+    stages: int = 1  # Triton's software pipelining of the chunk loop (num_stages)
+    right: bool = False  # the weight tiles as the dots' right operands (see the template)
 
 
 def _blocks(pw: PackedWords) -> _Blocks:

@@ -220,3 +220,20 @@ def test_switched_off_by_the_environment(monkeypatch):
     cf, _, _ = run(layer_of("awq", 256, 64, 128), torch.randn(2, 256, generator=gen(10)).to(BF16).to(DEV),
                    GENERIC)
     assert "FUSEC_INT4_MMA=0: the tensor-core kernel is switched off" in gemv(cf).source
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("right", [False, True])
+def test_both_operand_orders_and_pipelining(fmt, right, monkeypatch):
+    """The weight tiles as the dots' left operands ([columns, K], the sums [columns, M]) or right
+    ([K, columns] as the words lie, the sums [M, columns]), with Triton's pipelining on: the
+    block choice picks one per M on a GPU (packed_mma._blocks); both must give the same result."""
+    pm = importlib.import_module("fusec.extensions.quant_gemv.triton_gemv_packed_mma")
+    chosen = pm._blocks
+    monkeypatch.setattr(pm, "_blocks", lambda pw: chosen(pw)._replace(right=right, stages=2))
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")  # (a program saved by the other case is not this one)
+    n = 200 if fmt == "gptq" else 136
+    cf, _, _ = run(layer_of(fmt, 256, n, 128, seed=3), torch.randn(16, 256, generator=gen(16)).to(BF16).to(DEV))
+    source = gemv(cf).source
+    assert ("dot(x_tile(" in source or "dot(x, " in source) == right
+    assert "num_stages=2" in source
