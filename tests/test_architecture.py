@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import networkx as nx
@@ -45,6 +46,9 @@ PACKAGES = {"fusec": "fusec", "passes": "fusec.passes", "codegen": "fusec.codege
             "extensions": "fusec.extensions",
             "examples": "fusec.examples"}
 FACE = {"fusec", "fusec.cli", "fusec.demo"}  # plus fusec.examples.*: may import any room
+# folders beside a package that are not fusec: scripts run by hand (extensions/<name>/diagnostics/)
+# and an extension's own tests (extensions/<name>/tests/, collected by pytest, not installed)
+NOT_MODULES = {"diagnostics", "tests"}
 MAX_LINES = 400
 REASON = "Why this file is long:"
 
@@ -55,6 +59,8 @@ def modules() -> dict[str, Path]:
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if NOT_MODULES & set(parts[:-1]):
+                continue
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join([package, *parts])] = path
@@ -107,6 +113,19 @@ def test_the_graph_sees_the_imports_it_should():
     assert graph.has_edge("fusec.passes", "fusec.passes.dce")  # relative, in a package
     assert graph.has_edge("fusec.codegen.llvm", "fusec.codegen.llvm.compiler")  # `from . import x`
     assert len(graph) > 60 and graph.number_of_edges() > 150
+
+
+def test_the_skipped_folders_ship_nothing():
+    """A guard on the guard: the folders modules() skips (NOT_MODULES: an extension's tests/ and
+    diagnostics/) are no package pyproject.toml installs, so every rule here still reads all
+    that fusec ships; and an extension's own modules are read, its test modules are not."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        installed = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    assert not [p for p in installed if NOT_MODULES & set(p.split("."))]
+    found = modules()
+    assert "fusec.extensions.quant_gemv.family" in found
+    assert (ROOT / "extensions/quant_gemv/tests/test_small_matmul.py").exists()
+    assert not [name for name in found if ".tests." in name]
 
 
 def test_no_import_cycles():

@@ -220,7 +220,7 @@ def test_act_order_gptq_gathers_its_scales_inside_the_gemv(target, m):
     # three kernels: the check of g_idx, the zero points unpacked (groups x N, small), and the
     # GEMV, which reads the packed words and gathers scales and zero points itself: nothing
     # weight-sized is stored, and no gather runs in eager (at one row on a GPU the GEMV's K is
-    # cut in chunks, and a fourth kernel adds them up: tests/test_int4_k_words.py)
+    # cut in chunks, and a fourth kernel adds them up: extensions/quant_gemv/tests/)
     cf = assert_matches(layer, x, backend=backend, kernels=4 if device == "cuda" and m == 1 else 3)
     (gemv,) = [k for k in cf.kernels if "p_qweight" in k.source]
     assert "qweight" in gemv.source and sum(o == "aten.index.Tensor" for o in gemv.ops) == 2

@@ -26,7 +26,7 @@ def record(cf):
 
 def gemv(cf):
     """The kernel that reads the packed weight (on a GPU at M = 1, the chunks' kernel of
-    tests/test_int4_columns.py; a second kernel adds the chunks up)."""
+    extensions/quant_gemv/tests/test_int4_columns.py; a second kernel adds the chunks up)."""
     (k,) = [k for k in cf.kernels if "gemv" in k.name and "qweight" in k.source]
     return k
 

@@ -1,7 +1,7 @@
 """The door for kernel families (fusec/codegen/families.py): a family registered for a backend is
 asked before the general renderer, takes the kernels of its form, and declines the others with
 the near misses the general kernel's header then shows. The quantized GEMVs come through it
-(tests/test_small_matmul.py, tests/test_int4_*.py); this file checks the door itself, with small
+(extensions/quant_gemv/tests/); this file checks the door itself, with small
 families of its own, on the Triton backend (under the interpreter here)."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The op table (fusec/ops.py), row by row, on both backends, against eager PyTorch.
 
 Every test compiles a function with fusec, runs it, and compares each output with eager (floats
-against a float64 reference, integers and booleans exactly; see tests/conftest.py), and checks
+against a float64 reference, integers and booleans exactly; see the root conftest.py), and checks
 that the ops it is about really ran through the table (a row that silently became an eager extern
 would pass any comparison without testing anything).
 
