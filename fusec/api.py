@@ -34,7 +34,6 @@ from fusec import events
 from fusec.aliasing import AliasedCalls, alias_check, share_memory
 from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
-from fusec.capture.fingerprint import fingerprint
 from fusec.capture.torch_level import torch_level
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile, tensor_args
@@ -44,7 +43,8 @@ from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
 from fusec.fastpath import make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
-from fusec.runtime import saved
+from fusec.runtime.fast_start import saved
+from fusec.runtime.fast_start.fingerprint import fingerprint
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 from fusec.runtime.threads import one_at_a_time
 
@@ -315,7 +315,7 @@ class CompiledFunction:
     def __getstate__(self) -> dict:
         """A pickle (or a deep copy) keeps what `fusec.compile` was given, not the programs (they
         hold built kernels, locks and memory): the copy compiles, or loads the programs saved on
-        disk (fusec/runtime/saved.py), on its first call."""
+        disk (fusec/runtime/fast_start/saved.py), on its first call."""
         return {"fn": self.fn, "options": dict(backend=self.backend, cuda_graphs=self.cuda_graphs,
                                                check=self.check, fullgraph=self.fullgraph)}
 
@@ -360,7 +360,7 @@ class CompiledFunction:
 
     def _compile(self, args, kwargs, leaves, same: dict | None = None) -> CompiledGraph:
         """Compile the program for this call, or load the one a process before compiled for a
-        call just like it (fusec/runtime/saved.py, keyed by fusec/capture/fingerprint.py)."""
+        call just like it (fusec/runtime/fast_start/: saved.py, keyed by fingerprint.py)."""
         tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
         real = [t for t in tensors if not calls.is_cpu_scalar(t)]
         backend = None

@@ -15,7 +15,7 @@ Layout (one directory per user, mode 0700):
       llvm/<name>-<hash>.ll|.o|.json  the same for the LLVM backend
       triton/<name>-<hash>.py         a generated Triton module
       triton/<name>-<hash>.pyc        its compiled Python code, stamped with the module's hash
-      programs/<fingerprint>.pkl      a whole compiled program (fusec/runtime/saved.py), and its
+      programs/<fingerprint>.pkl      a whole compiled program (runtime/fast_start/saved.py), and its
       programs/<fingerprint>.json     signed manifest
 
 The key hashes everything that decides the artifact: the source text, the compiler and its flags.

@@ -90,7 +90,7 @@ REGISTERED: list[ExtensionPass] = []
 
 def register(extension: ExtensionPass) -> ExtensionPass:
     """Add a pass to the pipeline (one of the same name is replaced). Registered passes key the
-    saved programs (fusec/capture/fingerprint.py), as kernel families and graph rules do."""
+    saved programs (fusec/runtime/fast_start/fingerprint.py), as kernel families and graph rules do."""
     if extension.before not in [p.__name__ for p in PIPELINE]:
         raise ValueError(f"fusec: no core pass named {extension.before!r} to run {extension.name} before")
     unregister(extension.name)

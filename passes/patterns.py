@@ -125,7 +125,7 @@ def register(rule: Rule) -> Rule:
     """Add a rule of your own (docs/extending.md, "A graph rewrite"): passes/canonicalize.py
     applies it after its own rules, in every compile from now on; one of the same name is
     replaced. The programs fusec saves on disk are keyed by the registered rules' names
-    (capture/fingerprint.py), so a program made without the rule is not reused with it."""
+    (runtime/fast_start/fingerprint.py), so a program made without the rule is not reused with it."""
     REGISTERED[:] = [r for r in REGISTERED if r.name != rule.name] + [rule]
     return rule
 

@@ -357,7 +357,7 @@ def test_a_triton_kernel_that_fails_at_first_launch_runs_eagerly(fresh, monkeypa
 
 @pytest.mark.triton
 def test_a_saved_triton_program_whose_kernel_fails_runs_eagerly(fresh, monkeypatch):
-    """A program loaded from the saved-program cache (fusec/runtime/saved.py) holds no ATen
+    """A program loaded from the saved-program cache (fusec/runtime/fast_start/saved.py) holds no ATen
     graphs: its kernel's failure at the first launch compiles it for real, then falls back."""
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "1")
     x = X.to(TRITON_DEVICE)
@@ -370,7 +370,7 @@ def test_a_saved_triton_program_whose_kernel_fails_runs_eagerly(fresh, monkeypat
     def launch(*args):
         raise RuntimeError("pretend: no compile")
     # (the kernel's module, not a fusec function: a patched fusec function changes the saved
-    # programs' key, capture/fingerprint.py `settings`)
+    # programs' key, runtime/fast_start/fingerprint.py `settings`)
     monkeypatch.setattr(module, "launch", launch)
     loaded = cache.STATS["programs loaded"]
     cf = fusec.compile(softmax, backend="triton")

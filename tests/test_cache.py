@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(r'''
     import json, sys, time
     start = time.perf_counter()
     import torch
-    import fusec, fusec.api, fusec.cache, fusec.frontend, fusec.runtime.saved
+    import fusec, fusec.api, fusec.cache, fusec.frontend, fusec.runtime.fast_start.saved
     from fusec.check import compare
     import_s = time.perf_counter() - start
 
@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(r'''
         setattr(owner, name, wrapper)
     timed(fusec.frontend, "capture")       # torch.fx capture (make_fx under fake tensors)
     timed(fusec.api, "compile_graph")      # passes, render, build or load from the cache
-    timed(fusec.runtime.saved, "load")     # or the whole program, saved by a process before
+    timed(fusec.runtime.fast_start.saved, "load")     # or the whole program, saved by a process before
 
     def sin4(x):
         return torch.sin(torch.sin(torch.sin(torch.sin(x))))
@@ -139,7 +139,7 @@ def test_second_process_reuses_triton_module(triton_runs):
 
 def test_warm_cache_compiles_nothing_and_fusec_stages_are_quick(cpp_runs):
     """Regression guard for fusec's own part of a warm start, generous for a loaded 2-core
-    machine. The first process saved its program (fusec/runtime/saved.py), so the second one
+    machine. The first process saved its program (fusec/runtime/fast_start/saved.py), so the second one
     loads it and its kernels: nothing is captured, no pass runs, nothing is compiled."""
     first, second = cpp_runs.first, cpp_runs.second
     assert "capture" in first["stages"] and "compile_graph" in first["stages"]

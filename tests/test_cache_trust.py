@@ -370,13 +370,13 @@ def test_tilde_and_relative_paths_are_expanded(tmp_path, monkeypatch):
                                          ("on", True), (" yes ", True), ("", True)])
 def test_flag_spellings(monkeypatch, value, want):
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", value)
-    from fusec.runtime import saved
+    from fusec.runtime.fast_start import saved
     assert saved.enabled() is want
 
 
 @pytest.mark.parametrize("name, value, read", [
-    ("FUSEC_SAVED_PROGRAMS", "maybe", lambda: __import__("fusec.runtime.saved").runtime.saved.enabled()),
-    ("FUSEC_PDL", "2", lambda: __import__("fusec.codegen.triton.pdl").codegen.triton.pdl.pdl_enabled()),
+    ("FUSEC_SAVED_PROGRAMS", "maybe", lambda: __import__("fusec.runtime.fast_start.saved").runtime.fast_start.saved.enabled()),
+    ("FUSEC_PDL", "2", lambda: __import__("fusec.runtime.fast_start.pdl").runtime.fast_start.pdl.pdl_enabled()),
     ("FUSEC_PROGRESS", "loud", lambda: __import__("fusec.progress").progress.enabled()),
     ("FUSEC_COMPILE_JOBS", "many", lambda: __import__("fusec.runtime.build").runtime.build.jobs()),
     ("FUSEC_COMPILE_JOBS", "-2", lambda: __import__("fusec.runtime.build").runtime.build.jobs()),

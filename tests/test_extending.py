@@ -97,7 +97,7 @@ def test_a_new_backend_is_a_module_and_a_registration(fresh, monkeypatch):
 def test_a_graph_rewrite_is_a_pattern_and_a_replacement(fresh):
     """docs/extending.md, "A graph rewrite": a rule registered with canonicalize runs in every
     compile after it, shows in explain, keys the saved programs, and comes out again."""
-    from fusec.capture.fingerprint import environment
+    from fusec.runtime.fast_start.fingerprint import environment
     from fusec.passes import patterns
     from fusec.passes.patterns import Op, Rule, Var
 

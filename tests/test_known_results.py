@@ -1,5 +1,5 @@
-"""Known results (fusec/capture/known_results.py): a fingerprint remembers what slow fake calls
-(batch norm, convolutions, activations) returned, in the cache, and a later process is handed
+"""Known results (fusec/runtime/fast_start/known_results.py): a fingerprint remembers what slow
+fake calls (batch norm, convolutions, activations) returned, in the cache, and a later process is handed
 that result instead of running the call. The fingerprint's text must not change by a character,
 and calls that return an argument, or that the table cannot describe, must still run.
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusec.capture import known_results
-from fusec.capture.fingerprint import environment, trace_text
+from fusec.runtime.fast_start import known_results
+from fusec.runtime.fast_start.fingerprint import environment, trace_text
 
 from conftest import TRITON_DEVICE
 
@@ -150,8 +150,8 @@ def test_a_new_process_is_handed_the_known_results(tmp_path):
         import sys, torch
         sys.path.insert(0, sys.argv[1])
         from test_known_results import ConvNet
-        from fusec.capture import known_results
-        from fusec.capture.fingerprint import environment, fingerprint
+        from fusec.runtime.fast_start import known_results
+        from fusec.runtime.fast_start.fingerprint import environment, fingerprint
         torch.manual_seed(0)
         print(fingerprint(ConvNet().eval(), (torch.randn(2, 3, 9, 9),), {}, "cpp"),
               known_results.known(environment("cpp")).hits)

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fusec import passes
 from fusec.frontend import capture
-from fusec.capture.fingerprint import extensions
+from fusec.runtime.fast_start.fingerprint import extensions
 from fusec.graphmodule import copy_graph_module, looks_for
 from fusec.record import record_of
 

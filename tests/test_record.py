@@ -40,7 +40,7 @@ def test_the_memory_is_planned_once(monkeypatch):
         return plan(*args, **kwargs)
     monkeypatch.setattr("fusec.driver.plan_memory", counted)
     # this counts what the driver does: a program that an earlier run of this very test saved
-    # (fusec/runtime/saved.py) would be loaded instead, and nothing would be planned
+    # (fusec/runtime/fast_start/saved.py) would be loaded instead, and nothing would be planned
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
     cf = fusec.compile(f, backend="cpp")
     cf(torch.randn(8, 8))

@@ -1,5 +1,5 @@
-"""Saved programs (fusec/runtime/saved.py) and the fingerprint that keys them
-(fusec/capture/fingerprint.py): a second compile of the same call loads the program instead of
+"""Saved programs (fusec/runtime/fast_start/saved.py) and the fingerprint that keys them
+(fusec/runtime/fast_start/fingerprint.py): a second compile of the same call loads the program instead of
 capturing it, gives eager's results, and anything that changes what the call does (an attribute,
 an argument's value, the output's structure, aliasing, a closure's tensor, a setting of fusec)
 gives another key, or none, and a compile of its own.
@@ -18,8 +18,8 @@ import torch
 
 import fusec
 from fusec import cache
-from fusec.capture.fingerprint import environment, fingerprint, trace_text
-from fusec.runtime import saved
+from fusec.runtime.fast_start import saved
+from fusec.runtime.fast_start.fingerprint import environment, fingerprint, trace_text
 
 from conftest import TRITON_DEVICE
 

@@ -1,5 +1,6 @@
-"""codegen/triton/launch.py: after the first launch, a Triton kernel is called through its
-compiled kernel directly, unless a pointer lost the alignment the kernel was specialized for.
+"""fusec/runtime/fast_start/triton_launch.py: after the first launch, a Triton kernel is called
+through its compiled kernel directly, unless a pointer lost the alignment the kernel was
+specialized for.
 
 On a CPU (TRITON_INTERPRET=1) Triton returns no compiled kernel, so the fast path only runs on a
 GPU (tests/test_cuda_graphs.py and every triton test there). Here a stand-in module shows the
@@ -7,7 +8,7 @@ decisions: which calls go to the JIT and which to the bound kernel.
 """
 import torch
 
-from fusec.codegen.triton.launch import TritonLauncher
+from fusec.runtime.fast_start.triton_launch import TritonLauncher
 
 
 class FakeModule:

@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (codegen/triton/pdl.py): on sm_90 and newer every Triton kernel
-waits for the kernel before it, then lets the next one launch, before it touches memory.
+"""Programmatic dependent launch (fusec/runtime/fast_start/pdl.py): on sm_90 and newer every
+Triton kernel waits for the kernel before it, then lets the next one launch, before it touches
+memory.
 
 On a CPU the kernels are rendered for named GPUs and compiled offline (codegen/triton/target.py);
 on an sm_90 GPU the chained kernels run, alone and under a CUDA graph, against eager.
@@ -13,7 +14,7 @@ import fusec
 from conftest import GPU, TRITON_DEVICE
 from fusec.codegen import triton as triton_codegen
 from fusec.codegen.triton import target as triton_target
-from fusec.codegen.triton.pdl import pdl_fit
+from fusec.runtime.fast_start.pdl import pdl_fit
 from fusec.examples.llama_decode import TINY, Llama
 from test_triton_target import needs_tools
 
@@ -92,7 +93,7 @@ def test_cuda_chained_kernels_match_eager(cuda_graphs):
 
 def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
     """A GPU whose CUDA driver predates 12.3 could not keep the order inside a CUDA graph."""
-    from fusec.codegen.triton import pdl as triton_pdl
+    from fusec.runtime.fast_start import pdl as triton_pdl
     monkeypatch.setattr(triton_pdl, "current_arch", lambda: 90)
     monkeypatch.setattr(triton_pdl, "driver_version", lambda: 12020)
     on, why = triton_pdl.pdl_fit()
@@ -103,7 +104,7 @@ def test_an_old_driver_keeps_kernels_without_pdl(monkeypatch):
 
 
 def test_a_triton_without_grid_dependency_control_keeps_kernels_without_pdl(monkeypatch):
-    from fusec.codegen.triton import pdl as triton_pdl
+    from fusec.runtime.fast_start import pdl as triton_pdl
     monkeypatch.setattr(triton_pdl, "triton_has_pdl", lambda: False)
     on, why = triton_pdl.pdl_fit(90)
     assert not on and "no grid dependency control" in why

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from fusec import cache, ops
 from fusec.ir import Index, PointwiseKernel
+from fusec.runtime.fast_start.pdl import pdl as pdl_on
+from fusec.runtime.fast_start.triton_launch import TritonLauncher
 
 from .. import families
 from . import keys as triton_keys
 from ..render import render_template
-from .launch import TritonLauncher
-from .pdl import pdl as pdl_on  # (`pdl` here names the module)
 from .reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .reduction import render_reduction
 from .text import (helpers_in, max_address, render_stmt, ops_summary, block_size, convert,

@@ -4,7 +4,7 @@ Every Triton compile, even one that finds its binary in Triton's cache, keys tha
 `triton_key()`: Triton's version plus a sha256 of its Python sources and of its compiler library
 (`libtriton.so`, hundreds of MB). It is computed once per process and takes 0.4-0.45 s (an H200's
 host, and this project's CPU). `codegen/triton/__init__.py` already works it out in a thread while the model
-is captured. With a saved program (fusec/runtime/saved.py) nothing is captured, and a warm start
+is captured. With a saved program (fusec/runtime/fast_start/) nothing is captured, and a warm start
 of ResNet-50 spent 0.2 s of its 1.1 waiting for that hash.
 
 The key only changes when Triton's files do. So the first process that computes it writes it to

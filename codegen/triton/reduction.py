@@ -14,9 +14,9 @@ import torch
 
 from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
+from fusec.runtime.fast_start.pdl import pdl
 
 from ..render import render_template
-from .pdl import pdl
 from .text import TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset, literal
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import (TL, helpers_in, max_address, render_stmt, ops_summary,
                                        convert, gather_offset, piece_mask)
 from fusec.ir import Const, Index, Reduce, Stmt, short_dtype as short

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import (helpers_in, max_address, render_stmt, ops_summary, convert,
                                        current_arch)
 from fusec.ir import Index, Load, Reduce, Stmt

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import helpers_in, max_address, render_stmt, ops_summary, convert
 from fusec.ir import Load, Reduce, Stmt
 

@@ -21,7 +21,7 @@ import math
 from typing import NamedTuple
 
 from fusec import env
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import helpers_in, ops_summary
 from fusec.ir import Load, Reduce
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset
 from fusec.ir import Load, Reduce, Stmt
 

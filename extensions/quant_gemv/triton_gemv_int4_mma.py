@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from fusec import env
-from fusec.codegen.triton.pdl import pdl
+from fusec.runtime.fast_start.pdl import pdl
 from fusec.codegen.triton.text import helpers_in, ops_summary, current_arch
 from fusec.ir import Load, Reduce
 

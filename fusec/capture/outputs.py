@@ -65,7 +65,7 @@ class _Template:
         return f"{type(self.obj).__name__}({', '.join(self.names)})"
 
     def __reduce__(self):
-        """Pickled (in a saved program: fusec/runtime/saved.py) without the traced values: the
+        """Pickled (in a saved program: fusec/runtime/fast_start/saved.py) without the traced values: the
         attributes that held them are filled anew by every unflatten anyway."""
         bare = copy.copy(self.obj)
         for name in self.names:

@@ -259,7 +259,7 @@ def autograd_functions_inlined():
 # that patches functions in a global (torch.fx's `CURRENT_PATCHER`), and two threads tracing at
 # once failed with "CURRENT_PATCHER is None in finally block". So every trace in the process
 # runs under one lock, `CAPTURE_LOCK`, taken by `python_at_trace_time_refused`, which every
-# capture enters (frontend.py, fingerprint.py, training's first call). The lock is re-entrant:
+# capture enters (frontend.py, runtime/fast_start/fingerprint.py, training's first call). The lock is re-entrant:
 # AOT Autograd, tracing the training path, compiles its forward graph with a capture of its own.
 # What the context replaces (`print`, `Tensor.numpy`, jiterator's launcher) is put in place by
 # the outermost capture and put back, exactly as it was, when that capture ends; and the

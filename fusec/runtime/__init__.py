@@ -6,7 +6,8 @@
     cuda_graphs.py  replaying a whole program as one CUDA graph (`graph_blocker`, `CudaGraphRunner`)
     build.py        building a program's kernels: each distinct one once, several at a time
     launchers.py    loading a kernel from its cached file
-    saved.py        a compiled program kept on disk, loaded by a later process (no capture)
+    fast_start/     a second process skips capture and compilation: the call's fingerprint keys a
+                    program saved on disk; Triton kernels launched bound, overlapped (PDL)
 
 The names below are re-exported so that `fusec.runtime.graph_blocker`, `from fusec.runtime import
 load_launcher` (the generated wrapper's own import) and the like keep working. Modules inside

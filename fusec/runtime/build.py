@@ -115,7 +115,7 @@ def build_all(irs: list, backend: str, times: dict | None = None,
     with the same canonical source share one). Adds the seconds spent to `times` ("codegen":
     canonical IR and render, "build", "load"). `rendered`, where given, holds each kernel's
     (canonical IR, source) from an earlier render by this same fusec (a saved program,
-    fusec/runtime/saved.py), or None for a kernel to render here."""
+    fusec/runtime/fast_start/saved.py), or None for a kernel to render here."""
     times = {} if times is None else times
     tools.timeout()  # a bad FUSEC_BUILD_TIMEOUT is the user's error to fix, not a failed build
     start = time.perf_counter()
@@ -128,7 +128,8 @@ def build_all(irs: list, backend: str, times: dict | None = None,
             canon = canonical(ir)
             source = codegen(backend).render(canon)
         # A Triton source does not spell its pointers' dtypes: the JIT specializes on them at the
-        # first launch, and the launcher keeps that compiled kernel (codegen/triton/launch.py).
+        # first launch, and the launcher keeps that compiled kernel
+        # (fusec/runtime/fast_start/triton_launch.py).
         # So the dtypes (and the device) are part of what makes two kernels the same.
         signature = (tuple(str(p.dtype) for p in canon.params), str(device))
         built = distinct.get((source, signature))

@@ -12,7 +12,7 @@ from pathlib import Path
 from fusec import cache
 from fusec.codegen.cpp import CppLauncher
 from fusec.codegen.llvm import LlvmLauncher
-from fusec.codegen.triton.launch import TritonLauncher
+from fusec.runtime.fast_start.triton_launch import TritonLauncher
 from fusec.errors import FusecError
 
 

@@ -3,7 +3,7 @@
 A warm start (a new process, a program compiled before) spends most of its time capturing and
 running the passes again: make_fx, decompositions and functionalization cost about 0.35 ms per
 traced ATen op, and a ResNet-50 has a thousand. Their result is the same every time, so fusec
-keeps the program it compiled on disk (fusec/runtime/saved.py). What it needs is a key that
+keeps the program it compiled on disk (saved.py, beside this file). What it needs is a key that
 says "this call would capture the same graph", computed far faster than capturing it.
 
 `fingerprint` runs the program once more under fake tensors (no data, no arithmetic), with a
@@ -52,7 +52,7 @@ from fusec import cache
 from fusec.capture import outputs
 from fusec.codegen import backends
 from fusec.capture.calls import flatten_call, module_state
-from fusec.capture.known_results import Known, describe, known
+from fusec.runtime.fast_start.known_results import Known, describe, known
 from fusec.capture.tracing import (autograd_functions_inlined, compiling, dense_attention_masks,
                                    python_at_trace_time_refused)
 
@@ -347,7 +347,7 @@ def source_hash() -> str:
     """A hash of fusec's own code (every module and every template): a program saved by another
     version of fusec is never loaded."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # fusec/ (this file: fusec/runtime/fast_start/)
     templates = sorted({*root.rglob("*.j2"), *root.rglob("*.h"), *root.parent.glob("codegen/*/templates/*"),
                         *root.parent.glob("extensions/*/templates/*")})
     for name, path in [*_sources(), *((p.name, p) for p in templates)]:
@@ -358,7 +358,7 @@ def source_hash() -> str:
 
 def _sources():
     """(module name, file) for every module of fusec, passes, codegen and extensions included."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # fusec/ (this file: fusec/runtime/fast_start/)
     folders = ((root.parent / name, f"fusec.{name}") for name in ("passes", "codegen", "extensions"))
     for base, prefix in ((root, "fusec"), *folders):
         if not base.is_dir() or (prefix != "fusec" and (root / prefix.split(".")[1]).is_dir()):

@@ -3,7 +3,7 @@
 A warm start used to redo everything but the kernel builds: capture (make_fx under fake
 tensors), the passes, lowering. For a ResNet-50 on a GPU host that was 1.7 of its 2.4 seconds,
 spent to arrive at the program it arrived at last time. Now, after a compile, the driver's result
-is written to the cache under the call's fingerprint (fusec/capture/fingerprint.py):
+is written to the cache under the call's fingerprint (fingerprint.py, beside this file):
 
     ~/.cache/fusec/programs/<fingerprint>.pkl     kernel IRs and their rendered sources, the
                                                    program's steps, the memory plan, what the
@@ -139,7 +139,7 @@ def load(key: str, recompile: Callable[[], Any]):
 
 def _eager_on_failure(compiled) -> None:
     """A loaded program does not hold its groups' ATen graphs, which a Triton kernel that fails
-    to compile at its first launch runs instead (codegen/triton/launch.py, fusec/runtime/eager.py).
+    to compile at its first launch runs instead (triton_launch.py, fusec/runtime/eager.py).
     Should that happen, the program is compiled for real first: its driver tells the launcher
     (the same one: fusec/runtime/build.py shares it) which ATen ops to run."""
     for kernel in compiled.kernels:

@@ -42,7 +42,7 @@ import functools
 
 from fusec import env
 
-from .text import current_arch
+from fusec.codegen.triton.text import current_arch
 
 GRAPH_DRIVER = 12030  # CUDA 12.3: programmatic edges in captured graphs
 
