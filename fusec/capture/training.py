@@ -121,19 +121,23 @@ def remat_enabled() -> bool:
 def partitioner(decisions: list) -> Callable:
     """A partition_fn for AOT Autograd that appends its decision (a Partition) to `decisions`.
 
-    It runs the default partition first (it does not change the joint graph; the min-cut one
-    does: CSE, recompute tags), so the record holds the bytes the default would have saved."""
+    It also runs the default partition, on a copy of the joint graph (both partitioners may
+    rewrite the graph they are given and its nodes' tags), so that the record holds the bytes
+    the default would have saved."""
     from torch._functorch.partitioners import (default_partition,  # (imported when first used)
                                                min_cut_rematerialization_partition)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **options):
         forward_ops = _forward_nodes(joint, num_fwd_outputs)
-        fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **options)
-        default_saved = _saved(fw, bw)
         if not remat_enabled():
+            fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                       **options)
+            default_saved = _saved(fw, bw)
             decisions.append(Partition("default", default_saved, [], [], default_saved,
                                        *_result_bytes(fw, bw, num_fwd_outputs)))
             return fw, bw
+        default_saved = _saved(*default_partition(_copy(joint), joint_inputs,
+                                                  num_fwd_outputs=num_fwd_outputs, **options))
         options.pop("static_lifetime_input_nodes", None)  # (the default partition's own)
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                      num_fwd_outputs=num_fwd_outputs, **options)
@@ -146,6 +150,15 @@ def partitioner(decisions: list) -> Callable:
                                    default_saved, *_result_bytes(fw, bw, num_fwd_outputs)))
         return fw, bw
     return partition
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of gm whose nodes (and their meta dicts) are its own; the values in the meta
+    (fake tensors) are shared, not copied."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set[str]:

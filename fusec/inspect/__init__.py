@@ -8,6 +8,7 @@ what each pass decided.
     listing.py         the captured graph, one row per value, with the user's source lines
     changes.py         what each pass changed
     groups.py          the fusion groups, the bytes each kernel moves, refusals, extern calls
+    training.py        training: what is saved for backward and recomputed, a step's peak memory
     profile.py         `fusec.profile`: eager vs fused under torch.profiler
     instrument.py      the program and the graph, run so they can be measured
     measure.py         the profiler's events, read back: launches, times, peaks, bandwidth

@@ -210,11 +210,11 @@ def _ops(pairs: list) -> str:
 
 
 def _size(nbytes: int) -> str:
-    if nbytes < 10 * 1024:
+    if nbytes < 1 << 20:
         return f"{nbytes} bytes"
-    if nbytes < 10 * 1024 * 1024:
-        return f"{nbytes / 1024:.1f} KiB"
-    return f"{nbytes / 1024 / 1024:.1f} MiB"
+    if nbytes < 1 << 30:
+        return f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 __all__ = ["Peak", "estimated_peak", "format_partition", "peak_memory", "region_entries",
