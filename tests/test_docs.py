@@ -1,6 +1,6 @@
 """Every code block in the docs runs, so the docs never go stale.
 
-* Every ```python block of README.md and docs/**/*.md runs: a file's blocks run in order in one
+* Every ```python block of README.md, docs/**/*.md and extensions/**/*.md runs: a file's blocks run in order in one
   namespace (a block may use what an earlier one defined), in a fresh Python process per file,
   in a scratch directory, with TRITON_INTERPRET=1 (no GPU needed) and no FUSEC_LOG /
   FUSEC_DEBUG_DIR from the outside. Output listings are ```text blocks, never ```python.
@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "extensions").rglob("*.md"))]  # an extension's pages are docs too
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```\s*$", re.S | re.M)
 
 # bash blocks that start with fusec/python but are not run, keyed by (file, first line): why
@@ -251,13 +252,59 @@ def refresh(path: Path) -> int:
     return len(stale)
 
 
+# ---- the list of the pass pages, generated from the pipeline ---------------------------------------
+
+PASS_PAGES_DOC = "docs/architecture.md"
+PASS_PAGES_BEGIN = ("<!-- the pass pages, generated from passes.pipeline(): "
+                    "python tests/test_docs.py --pass-pages -->")
+PASS_PAGES_END = "<!-- end of the generated pass pages -->"
+PASS_PAGES = re.compile(re.escape(PASS_PAGES_BEGIN) + r"\n(.*?)\n?" + re.escape(PASS_PAGES_END), re.S)
+
+
+def pass_pages() -> str:
+    """The pass pages as docs/architecture.md lists them, in the order `passes.pipeline()` runs
+    the passes: a core pass links its page in docs/passes/; a pass an extension registered
+    (`ExtensionPass`, from a module of fusec.extensions.<folder>) is marked as that extension's
+    and links its page in the extension's own docs, extensions/<folder>/docs/<pass>.md. (A pass
+    registered from anywhere else, say a test's, has no page and is not listed.)"""
+    import textwrap
+    from fusec import passes
+    items = []
+    for p in passes.pipeline():
+        if not isinstance(p, passes.ExtensionPass):
+            items.append(f"[{p.__name__}](passes/{p.__name__}.md)")
+        elif p.module.startswith("fusec.extensions."):
+            folder = p.module.split(".")[2]
+            items.append(f"[{p.name}](../extensions/{folder}/docs/{p.name}.md) (extension {folder})")
+    return textwrap.fill(", ".join(items) + ".", width=100, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def write_pass_pages() -> bool:
+    """Rewrite the generated list in PASS_PAGES_DOC; returns whether it changed."""
+    path = ROOT / PASS_PAGES_DOC
+    text = path.read_text()
+    now = PASS_PAGES.sub(lambda m: f"{PASS_PAGES_BEGIN}\n{pass_pages()}\n{PASS_PAGES_END}", text, count=1)
+    if now != text:
+        path.write_text(now)
+    return now != text
+
+
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Rewrite the output blocks of docs whose code "
-                                     "prints something else now (see the module docstring).")
-    parser.add_argument("--refresh", nargs="+", required=True, metavar="FILE")
-    for name in parser.parse_args().refresh:
+                                     "prints something else now (see the module docstring), or "
+                                     "the generated list of the pass pages.")
+    parser.add_argument("--refresh", nargs="+", default=[], metavar="FILE")
+    parser.add_argument("--pass-pages", action="store_true",
+                        help=f"rewrite the list of the pass pages in {PASS_PAGES_DOC}")
+    args = parser.parse_args()
+    if not args.refresh and not args.pass_pages:
+        parser.error("nothing to do: give --refresh FILE... or --pass-pages")
+    for name in args.refresh:
         print(f"{name}: {refresh(ROOT / name)} output block(s) rewritten")
+    if args.pass_pages:
+        print(f"{PASS_PAGES_DOC}: {'rewritten' if write_pass_pages() else 'already up to date'}")
 
 
 # ---- the pass list, wherever a page spells it -----------------------------------------------------
@@ -308,3 +355,42 @@ def test_the_pass_list_check_sees_lists():
             "| dce | x |\n| cse, layout | y |\n\n[dce](dce.md), [cse](cse.md), [layout](layout.md), "
             "[schedule](s.md)\n")
     assert pass_lists(text, names) == [(2, names), (9, ["dce", "cse", "layout", "schedule"])]
+
+
+def test_the_pass_pages_are_generated_from_the_pipeline():
+    """docs/architecture.md's list of the pass pages is what `pass_pages()` makes of
+    `passes.pipeline()` (the extensions' passes included, each marked as its extension's), every
+    page it links exists, and docs/passes/ holds a page for each core pass and nothing else: an
+    extension's pass pages live in the extension."""
+    from fusec import passes
+    found = PASS_PAGES.search((ROOT / PASS_PAGES_DOC).read_text())
+    assert found, f"{PASS_PAGES_DOC} lost its generated list (its markers: {PASS_PAGES_BEGIN!r})"
+    assert found.group(1) == pass_pages(), (
+        f"{PASS_PAGES_DOC}'s list of the pass pages is not the pipeline's: "
+        "python tests/test_docs.py --pass-pages rewrites it")
+    extension_passes = [p for p in passes.pipeline() if isinstance(p, passes.ExtensionPass)
+                        and p.module.startswith("fusec.extensions.")]
+    assert {"sibling_gemvs", "small_matmul"} <= {p.name for p in extension_passes}
+    assert all(f"[{p.name}](../extensions/" in found.group(1) for p in extension_passes)
+    links = re.findall(r"\]\(([^)]+)\)", found.group(1))
+    assert len(links) == len(passes.PIPELINE) + len(extension_passes)
+    missing = [link for link in links if not (ROOT / "docs" / link).resolve().is_file()]
+    assert not missing, f"pass pages the list links that do not exist: {missing}"
+    core = {p.__name__ for p in passes.PIPELINE}
+    pages = {page.stem for page in (ROOT / "docs" / "passes").glob("*.md")}
+    assert pages == core, (f"docs/passes/ pages of no core pass: {sorted(pages - core)}; "
+                           f"core passes without a page: {sorted(core - pages)}")
+
+
+def test_the_pass_pages_list_marks_an_extensions_pass(monkeypatch):
+    """A pass registered from an extension's module is listed just before the core pass it
+    names, marked as that extension's and linked to its page in that extension's docs/."""
+    from fusec import passes
+    monkeypatch.setattr(passes, "REGISTERED", [passes.ExtensionPass(
+        "shuffle", "fusec.extensions.demo_family.shuffle", before="dce")])
+    text = pass_pages().replace("\n", " ")
+    assert ("[check_gathers](passes/check_gathers.md), [shuffle](../extensions/demo_family/docs/"
+            "shuffle.md) (extension demo_family), [dce](passes/dce.md)") in text
+    monkeypatch.setattr(passes, "REGISTERED", [passes.ExtensionPass(
+        "from_a_test", "tests.some_test", before="dce")])
+    assert "from_a_test" not in pass_pages()

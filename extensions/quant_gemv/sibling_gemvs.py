@@ -5,7 +5,7 @@ all read the normed hidden state, and so do an MLP's gate and up projections. At
 one token) each is a GEMV whose time is its weight's bytes over the memory bandwidth, but a
 narrow one cannot reach that speed on its own: Llama's key and value projections (1024 x 4096)
 are 8 MB each, too few programs to keep the GPU's memory busy for long, and every launch ends in
-a tail where most of the GPU is idle. Measured on an H100 (benchmarks/diagnostics/sibling_gemvs.py):
+a tail where most of the GPU is idle. Measured on an H100 (diagnostics/sibling_gemvs.py):
 q, k and v as three GEMVs take 30.9 us, one GEMV over the three weights 24.4 us.
 
 gpt-fast concatenates the weights by hand once (`wqkv`). A compiler cannot: the weights are the

@@ -71,13 +71,13 @@ SMALL_M_GPU = 16
 
 # A stored bf16/fp16 weight at M = 1 on these devices becomes a GEMV too: with the weight's loads
 # marked evict_first, the Triton GEMV streams a bf16 weight at 3.24 TB/s where cuBLAS's reaches
-# 2.99-3.04 on an H200 (benchmarks/diagnostics/gemv_variants.py). On a CPU the library wins.
+# 2.99-3.04 on an H200 (diagnostics/gemv_variants.py). On a CPU the library wins.
 STORED_GEMV_DEVICES = ("cuda",)
 
 # A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
 # (extensions/quant_gemv/refine_views.py). On an H200 that GEMV beat dequantizing for the library matmul up to
 # M = 4, was even at M = 8 and slower at M = 16: so up to 4 rows on a GPU
-# (`python benchmarks/diagnostics/awq_shapes.py --m 1,4,8,16`). On a CPU the GEMV keeps all
+# (`python extensions/quant_gemv/diagnostics/awq_shapes.py --m 1,4,8,16`). On a CPU the GEMV keeps all
 # SMALL_M rows: dequantizing for the library there took about eager's time, the GEMV a fifth
 # of it or less.
 SPLIT_COLUMNS_MAX_M = 4

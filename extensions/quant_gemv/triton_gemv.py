@@ -152,7 +152,7 @@ GEMV_STAGES = 3  # software-pipelining depth of the lane version's K loop (Trito
 # The lane version's loads do not feed a tl.dot, and Triton does not pipeline them (GEMV_STAGES
 # changed nothing): the kernel prefetches by hand, loading chunk i + 1 before multiplying chunk i.
 # That speeds up bf16 and packed int4 weights and slows a plain int8 one (one byte, nothing to
-# unpack), which is streamed without it (benchmarks/diagnostics/gemv_variants.py compares them).
+# unpack), which is streamed without it (diagnostics/gemv_variants.py compares them).
 # The weight's loads carry eviction_policy="evict_first": it is read once.
 GEMV_PREFETCH = True
 GEMV_PAIRS = True  # neighbouring activations loaded as pairs (paired_loads)

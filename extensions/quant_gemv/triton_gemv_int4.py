@@ -14,7 +14,7 @@ lane a 32-bit word, eight nibbles, and does the dequantization two nibbles at a 
 and newer) and the same three steps in float32 elsewhere (the interpreter, older GPUs, other
 vendors): decided here, when the kernel is rendered, and visible in its source. Each step rounds
 once to bf16, as eager's bf16 ops do, so the dequantized weights are eager's bit for bit; the
-products are accumulated in float32. `benchmarks/diagnostics/int4_gemv_words.py` holds the
+products are accumulated in float32. `diagnostics/int4_gemv_words.py` holds the
 hand-written kernel this one follows (1.35 TB/s on an H200 with two FMAs for an integer zero
 point; the third here makes any bf16 zero point exact).
 """
@@ -45,7 +45,7 @@ def gemv_word_blocks(m: int, n: int, words: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps). All M rows in one block; 8 output columns per
     program, fewer for narrow layers so that there are about 2 programs per SM (as gemv_blocks);
     BLOCK_W: 128 words (1024 weights), fewer when M rows of partial sums would not fit WORD_ACC.
-    Measured on an H200 at M = 1, K = N = 8192 (benchmarks/diagnostics/int4_words_variants.py):
+    Measured on an H200 at M = 1, K = N = 8192 (diagnostics/int4_words_variants.py):
     8 x 128 words x 4 warps 1.34-1.38 TB/s, 8 x 256 x 8 1.28-1.32, 16 x 64 x 4 1.35, 4 x 128 x 2
     1.33, 16 x 128 x 8 1.15, 16 x 256 x 8 0.91."""
     block_m = 1 << max(m - 1, 0).bit_length()

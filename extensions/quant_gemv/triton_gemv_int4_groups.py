@@ -10,7 +10,7 @@ closer to a float64 product than eager's kernel, not equal to it bit for bit, an
 program's rows again the exact way when a sum is not finite (an infinity or NaN among the
 activations, or an overflow of the fast form), so infinities and NaNs come where eager's do.
 
-Its tile is [LANES, WPL, ROWS] (benchmarks/diagnostics/int4_offset.py, where it was measured):
+Its tile is [LANES, WPL, ROWS] (diagnostics/int4_offset.py, where it was measured):
 a lane holds WPL neighbouring words of ROWS rows, and the activations of those words, widened
 once for every row. One warp per program. It is used at M = 1 when a lane's WPL words fit in one
 group; everything else keeps the word kernel (`groups_fit` says why).
@@ -31,7 +31,7 @@ from .triton_gemv import SMS
 from .triton_gemv_int4 import as_int32, bf16_bits, needs_int64, pair_math, row_code
 
 # ROWS x LANES x WARPS x WPL = 4 x 32 x 1 x 4 was the fastest at M = 1, K = N = 8192
-# (benchmarks/diagnostics/int4_offset.py compares the tiles); other widths want other ROWS. At
+# (diagnostics/int4_offset.py compares the tiles); other widths want other ROWS. At
 # about 96 registers an SM holds 16 of these one-warp programs, so ROWS is the fewest rows (at
 # least 2) that keep the grid within one wave of 16 programs per SM.
 LANES = 32

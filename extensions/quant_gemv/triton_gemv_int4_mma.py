@@ -39,8 +39,8 @@ MMA_MIN_M = 2
 MMA_MAX_M = 16  # tl.dot's smallest tile side: the M rows are padded to 16
 CHUNK_WORDS = 16  # words per row per dot chunk: 128 weights, tl.dot's K = 16 per nibble
 # Programs to aim for when splitting K: about 3 per SM of 128 columns, or with up to 8 rows 8 per
-# SM of 64 columns. Measured on an H100 (benchmarks/diagnostics/int4_mma_blocks.py,
-# docs/passes/small_matmul.md): at M = 16, K = N = 8192, 128 x 8 warps x 396 programs 0.0424-0.0428 ms, 64 x 4 x
+# SM of 64 columns. Measured on an H100 (diagnostics/int4_mma_blocks.py,
+# docs/small_matmul.md): at M = 16, K = N = 8192, 128 x 8 warps x 396 programs 0.0424-0.0428 ms, 64 x 4 x
 # 1056 0.0459-0.0463, without a split 0.095 and slower; at M = 2-8 64 x 4
 # x 1056 was 1-10% faster than 128 x 8 x 396 at each of 8192 x 8192, 4096 x 11008, 11008 x 4096
 # and 4096 x 4096, and at M = 16 1-8% slower.

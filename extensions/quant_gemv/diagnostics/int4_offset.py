@@ -1,6 +1,6 @@
 """A packed-int4 GEMV that dequantizes once per group, not once per weight: a hand-written experiment.
 
-    python benchmarks/diagnostics/int4_offset.py [--k 8192] [--n 8192] [--configs 4x128x4x4,...]
+    python extensions/quant_gemv/diagnostics/int4_offset.py [--k 8192] [--n 8192] [--configs 4x128x4x4,...]
 
 fusec's int4 word GEMV rounds every dequantized weight `(q - zero) * scale` to bf16, as eager
 does, which costs three bf16x2 steps per pair of nibbles and a widening of each to float32: about
@@ -44,9 +44,8 @@ from fusec.codegen.triton import target as triton_target
 from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int4_linear import Int4Linear  # noqa: E402
+from fusec.examples.int4_linear import Int4Linear  # noqa: E402
 from int4_sass import loop_summary  # noqa: E402
 
 

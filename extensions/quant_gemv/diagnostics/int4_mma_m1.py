@@ -1,6 +1,6 @@
 """The packed-int4 GEMV at M = 1 on tensor cores, with K shuffled freely: an experiment.
 
-    python benchmarks/diagnostics/int4_mma_m1.py [--k 8192] [--n 8192] [--configs 4x2,d4x4,s4x,...]
+    python extensions/quant_gemv/diagnostics/int4_mma_m1.py [--k 8192] [--n 8192] [--configs 4x2,d4x4,s4x,...]
                                                   [--debug]
 
 fusec's group kernel (extensions/quant_gemv/triton_gemv_int4_groups.py) spends about 4 instructions per
@@ -60,9 +60,8 @@ from fusec.codegen.triton import target as triton_target
 from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int4_linear import Int4Linear  # noqa: E402
+from fusec.examples.int4_linear import Int4Linear  # noqa: E402
 from int4_offset import errors  # noqa: E402 (the error against a float64 product)
 from int4_sass import loop_summary  # noqa: E402
 

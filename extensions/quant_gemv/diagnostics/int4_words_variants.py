@@ -1,6 +1,6 @@
 """Where fusec's generated int4 word GEMV loses time: its own source, timed with one thing changed.
 
-    python benchmarks/diagnostics/int4_words_variants.py [--k 8192] [--n 8192] [--m 1]
+    python extensions/quant_gemv/diagnostics/int4_words_variants.py [--k 8192] [--n 8192] [--m 1]
 
 fusec compiles a packed-int4 linear (examples/int4_linear.py, group 128, bf16 activations) to
 one Triton GEMV that reads the weight as 32-bit words (extensions/quant_gemv/triton_gemv_int4.py). This script
@@ -9,7 +9,7 @@ takes that kernel's generated module, edits its text, and times each edit on the
 
 * `as generated`;
 * `2 FMAs`: the dequantization without the exact `q = (128 + q) - 128` step (wrong values for a
-  fractional zero point: timing only), as benchmarks/diagnostics/int4_gemv_words.py's PAIRS kernel;
+  fractional zero point: timing only), as extensions/quant_gemv/diagnostics/int4_gemv_words.py's PAIRS kernel;
 * `no dequant`: the bf16 pairs multiplied as they come (timing only);
 * `groups gathered per word`: each word lane loads its group's zero point and scale itself;
 * `stages 1`: num_stages=1 at launch;
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -38,10 +37,8 @@ import torch
 import torch.nn.functional as F
 
 import fusec
+from fusec.examples.int4_linear import Int4Linear
 from fusec.timing import median_ms
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from int4_linear import Int4Linear  # noqa: E402
 
 
 def variants(source: str, n: int) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """What the GPU runs for fusec's int4 word GEMV: registers, spills and the loop's SASS, per variant.
 
-    python benchmarks/diagnostics/int4_sass.py [--k 8192] [--n 8192] [--out DIR] [--arch 90]
+    python extensions/quant_gemv/diagnostics/int4_sass.py [--k 8192] [--n 8192] [--out DIR] [--arch 90]
 
 int4_words_variants.py times edits of the generated kernel; this script looks at the machine code
 of the same edits, so a timing can be explained by an instruction count. For each variant it
@@ -36,8 +36,7 @@ from fusec.codegen import triton as triton_codegen
 from fusec.codegen.triton import target as triton_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from int4_linear import Int4Linear  # noqa: E402
+from fusec.examples.int4_linear import Int4Linear  # noqa: E402
 from int4_words_variants import variants, load  # noqa: E402
 
 SHOWN = ["as generated", "no dequant", "2 FMAs", "factored, f32", "prefetch x, zero, scale",

@@ -1,6 +1,6 @@
 """What limits the GEMV kernel: the same generated kernel with one thing changed at a time, on a GPU.
 
-    python benchmarks/diagnostics/gemv_variants.py [--cases int4:1,int8:1,int8:16,bf16:1]
+    python extensions/quant_gemv/diagnostics/gemv_variants.py [--cases int4:1,int8:1,int8:16,bf16:1]
 
 For each case (weight format : M rows, K = N = 8192) it compiles the layer with fusec, then again
 with the generated GEMV's text edited (extensions/quant_gemv/triton_gemv.py's output, before it is built) or

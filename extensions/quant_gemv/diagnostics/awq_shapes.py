@@ -1,6 +1,6 @@
 """AWQ's packed layer (examples/awq_linear.py) at decode shapes: eager, torch.compile and fusec.
 
-    python benchmarks/diagnostics/awq_shapes.py [--shapes 8192x8192,...] [--m 1,4,8,16]
+    python extensions/quant_gemv/diagnostics/awq_shapes.py [--shapes 8192x8192,...] [--m 1,4,8,16]
                                                 [--no-compile] [--source DIR] [--format gptq]
                                                 [--forms] [--graph] [--one-graph]
 

@@ -1,6 +1,6 @@
 """Would one GEMV over sibling weights beat one GEMV per weight? (a decode step's q/k/v, gate/up)
 
-    python benchmarks/diagnostics/sibling_gemvs.py
+    python extensions/quant_gemv/diagnostics/sibling_gemvs.py
 
 In a Llama layer the query, key and value projections read the same normed activation, and so
 do the MLP's gate and up projections. fusec runs one GEMV kernel per weight: the narrow key and

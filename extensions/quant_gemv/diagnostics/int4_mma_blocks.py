@@ -1,13 +1,13 @@
 """The generated tensor-core int4 GEMV (extensions/quant_gemv/triton_gemv_int4_mma.py) with other block sizes.
 
-    python benchmarks/diagnostics/int4_mma_blocks.py [--k 8192] [--n 8192] [--m 2,4,8,16]
+    python extensions/quant_gemv/diagnostics/int4_mma_blocks.py [--k 8192] [--n 8192] [--m 2,4,8,16]
                                                      [--configs 128x8x396x1,64x4x396x1,...]
 
 Each config is BLOCK_N x WARPS x TARGET_PROGRAMS x STAGES: the generated kernel's `mma_blocks`
 is replaced by one that returns it, the layer is compiled again (a new source, so a new kernel)
 and timed beside cuBLAS's bf16 F.linear of the same shape, fusec's word kernel
 (FUSEC_INT4_MMA=0, M <= 4) and the kernel as chosen. The measurements behind `mma_blocks`
-(docs/passes/small_matmul.md). Without a GPU each config is compiled for sm_90 and its main loop summarized.
+(extensions/quant_gemv/docs/small_matmul.md). Without a GPU each config is compiled for sm_90 and its main loop summarized.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 # a config replaces a function, which the saved program's fingerprint does not see: no saved
-# programs (fusec/runtime/saved.py), so that each compile renders its kernel again
+# programs (fusec/runtime/fast_start/saved.py), so that each compile renders its kernel again
 os.environ["FUSEC_SAVED_PROGRAMS"] = "0"
 
 import fusec  # noqa: E402 (first: on a machine without a GPU it switches Triton's interpreter on)

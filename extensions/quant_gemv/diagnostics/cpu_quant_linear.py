@@ -1,7 +1,7 @@
 """The quantized linears on this CPU: int8, packed int4, GPTQ and AWQ, one and four activation
 rows, both CPU backends.
 
-    python benchmarks/diagnostics/cpu_quant_linear.py [--sizes 2048,4096] [--rows 1,4]
+    python extensions/quant_gemv/diagnostics/cpu_quant_linear.py [--sizes 2048,4096] [--rows 1,4]
         [--formats int8,int4,gptq,awq] [--compile]
 
 For each weight format, size (K = N) and M, times eager and fusec's C++ and LLVM kernels side

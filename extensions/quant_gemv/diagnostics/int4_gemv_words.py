@@ -1,6 +1,6 @@
 """Where the packed-int4 GEMV's time goes: hand-written kernels that read the weight as 32-bit words.
 
-    python benchmarks/diagnostics/int4_gemv_words.py [--k 8192] [--n 8192] [--blocks 8x128x4,...]
+    python extensions/quant_gemv/diagnostics/int4_gemv_words.py [--k 8192] [--n 8192] [--blocks 8x128x4,...]
 
 fusec's int4 GEMV (extensions/quant_gemv/triton_gemv.py) loads the packed weight byte by byte and dequantizes
 each nibble in float32. It streams about 0.95 TB/s on an H200, against 2.66 for an int8 weight,

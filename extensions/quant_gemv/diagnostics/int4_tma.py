@@ -1,6 +1,6 @@
 """The packed-int4 group GEMV with its words brought in by the TMA: a hand-written experiment.
 
-    python benchmarks/diagnostics/int4_tma.py [--k 8192] [--n 8192] [--configs 4x1x3,...]
+    python extensions/quant_gemv/diagnostics/int4_tma.py [--k 8192] [--n 8192] [--configs 4x1x3,...]
 
 fusec's int4 group kernel (extensions/quant_gemv/triton_gemv_int4_groups.py) loads its words with ordinary
 16-byte loads into registers, one chunk ahead: the bytes in flight live in registers, so more of
@@ -32,9 +32,8 @@ import triton.language as tl
 from fusec.codegen.triton.helpers import fusec_bf16_to_f32, fusec_f32_to_bf16
 from fusec.timing import median_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int4_linear import Int4Linear  # noqa: E402
+from fusec.examples.int4_linear import Int4Linear  # noqa: E402
 from int4_offset import eight, errors, nibble_pairs  # noqa: E402 (the same unpacking)
 
 LANES, WPL = 32, 4
