@@ -29,6 +29,7 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
+from fusec.capture.breaks import innermost
 from fusec.capture.outputs import leaves
 from fusec.errors import FusecWarning, MismatchError
 from fusec.graphmodule import copy_graph_module
@@ -111,12 +112,17 @@ def compare_leaf(fused, eager, ref) -> str | None:
 
 def random_ops(gm) -> dict[int, str]:
     """{output index: the random op it depends on} for the graph's outputs computed from random
-    numbers (ops tagged `nondeterministic_seeded`: bernoulli, rand, randn_like, native_dropout)."""
+    numbers (ops tagged `nondeterministic_seeded`: bernoulli, rand, randn_like, native_dropout),
+    each op with the user's line that called it where the capture recorded it (check=True does:
+    `aten.rand_like.default at model.py:12 (noise = torch.rand_like(x))`)."""
     tainted: dict = {}
     for node in gm.graph.nodes:
         tags = getattr(node.target, "tags", ()) if node.op == "call_function" else ()
         if torch.Tag.nondeterministic_seeded in tags:
-            tainted[node] = str(node.target)
+            frame = innermost(node.meta.get("stack_trace"))
+            tainted[node] = str(node.target) + (f" at {frame} ({frame.code.strip()})" if frame
+                                                and frame.code else f" at {frame}" if frame
+                                                else "")
         else:
             found = next((tainted[a] for a in node.all_input_nodes if a in tainted), None)
             if found is not None:

@@ -11,14 +11,17 @@
                                   is a function returning a model: it is called with no arguments)
 
 The inputs come from `--inputs "randn(8, 64), randint(0, 10, (8,))"` (torch's tensor factories
-and dtypes by their bare names), else the file's `example_inputs()` or `get_inputs()`. A
-program without either is an error that says how to give them.
+and dtypes by their bare names; the text is parsed, never run as Python: see parse_inputs),
+else the file's `example_inputs()` or `get_inputs()`. A program without either is an error
+that says how to give them.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
+import operator
 from pathlib import Path
 
 import torch
@@ -33,17 +36,81 @@ _DTYPES = ("float16", "bfloat16", "float32", "float64", "float", "half", "double
            "uint8", "int16", "int32", "int64", "long", "int", "bool")
 
 
+# tensor methods --inputs may call on a factory's result (`randn(4, 8).t()`, `.half()`)
+_METHODS = ("to", "half", "float", "double", "bfloat16", "int", "long", "bool", "t",
+            "contiguous", "transpose", "permute", "reshape", "view", "expand", "requires_grad_")
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
 def parse_inputs(text: str, device: str = "cpu") -> tuple:
-    """`--inputs "randn(8, 64), randint(0, 10, (8,))"` -> the tensors (on `device`)."""
-    names = {name: getattr(torch, name) for name in (*_FACTORIES, *_DTYPES)}
-    names["torch"] = torch
+    """`--inputs "randn(8, 64), randint(0, 10, (8,))"` -> the tensors (on `device`).
+
+    The text is not run as Python: it is parsed (ast) and only these are evaluated, so a
+    command line cannot run arbitrary code: literals (numbers, strings, True/False/None, tuples,
+    lists), + - * / // ** on them, torch's tensor factories and dtypes by their bare names or as
+    `torch.<name>` (_FACTORIES, _DTYPES), keyword arguments, and a few tensor methods on a
+    factory's result (_METHODS: `randn(8, 4).t()`, `.half()`, `.to(bfloat16)`)."""
     try:
-        value = eval(f"({text},)", {"__builtins__": {}}, names)  # noqa: S307 (the user's own
-    except Exception as err:  # noqa: BLE001 (shown to the user)  command line, run as them)
+        tree = ast.parse(f"({text},)", mode="eval")
+        value = _evaluate(tree.body)
+    except Exception as err:  # noqa: BLE001 (shown to the user)
         raise FusecError(f"fusec: --inputs {text!r} is not a list of tensors: "
                          f"{type(err).__name__}: {err}. Write torch calls by their bare names, "
                          f"e.g. --inputs \"randn(8, 64), randint(0, 10, (8,))\"") from None
     return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in value)
+
+
+def _evaluate(node: ast.AST):
+    """One node of --inputs' parsed text, if it is one of the forms parse_inputs allows."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        items = [_evaluate(e) for e in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and isinstance(right, (int, float)) and abs(right) > 64:
+            raise ValueError(f"an exponent of {right} is too large for a size")
+        return _OPERATORS[type(node.op)](left, right)
+    if isinstance(node, ast.Call):
+        args = [_evaluate(a) for a in node.args]
+        kwargs = {k.arg: _evaluate(k.value) for k in node.keywords if k.arg is not None}
+        if len(kwargs) != len(node.keywords):
+            raise ValueError("**keyword unpacking is not allowed")
+        if isinstance(node.func, ast.Attribute) and not _is_torch_name(node.func):
+            if node.func.attr not in _METHODS:
+                raise ValueError(f".{node.func.attr}() is not one of the tensor methods allowed "
+                                 f"here ({', '.join(_METHODS)})")
+            owner = _evaluate(node.func.value)
+            if not isinstance(owner, torch.Tensor):
+                raise ValueError(f".{node.func.attr}() is allowed on a tensor only")
+            return getattr(owner, node.func.attr)(*args, **kwargs)
+        name = _name(node.func)
+        if name not in _FACTORIES:
+            raise ValueError(f"{ast.unparse(node.func)}() is not one of torch's tensor factories "
+                             f"({', '.join(_FACTORIES)})")
+        return getattr(torch, name)(*args, **kwargs)
+    name = _name(node)
+    if name in _DTYPES:
+        return getattr(torch, name)
+    raise ValueError(f"{ast.unparse(node)!r} is not allowed here (only literals, torch's tensor "
+                     "factories and dtypes)")
+
+
+def _is_torch_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+        node.value.id == "torch"
+
+
+def _name(node: ast.AST) -> str | None:
+    """`randn` or `torch.randn` -> "randn"; anything else -> None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if _is_torch_name(node) else None
 
 
 def _module_from_file(path: Path):
