@@ -46,7 +46,7 @@ import torch.fx as fx
 from fusec import ops
 from fusec.codegen import backends
 from fusec.codegen.cpu_plan import MIN_LAST
-from fusec.record import Refusal, record_of
+from fusec.record import Decision, Refusal, record_of
 
 from .grouping import (Group, gathered_from, broadcasts_to, creates_cycle, effect_edges, indexed_write,
                        inline_groups, is_cat, meta, op_name, outline)
@@ -94,6 +94,7 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             group_of[n] = merged
         return True
 
+    decisions = []
     changed = True
     while changed:
         changed = False
@@ -114,7 +115,36 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
                     g = group_of.get(other)
                     if g is not None and g is not group_of[node] and g.key == group_of[node].key:
                         changed |= try_merge(group_of[node], g, node, other)
+        if not changed:
+            changed = merge_siblings(graph, group_of, try_merge, decisions)
+    record_of(gm).fuse_reductions = decisions
     return _finish(gm, group_of, order, effects, refusals)
+
+
+def merge_siblings(graph: fx.Graph, group_of: dict, try_merge, decisions: list) -> bool:
+    """Merge independent reductions with equal keys that read different values; True if any did.
+
+    A norm's backward ends with two column sums over the same rows, the gradients of its weight
+    and bias: `sum(dy * xhat, [0])` and `sum(dy, [0])`. No data flows between them and they
+    read different values, so neither the data edges nor the same-operand rule above join them;
+    yet they walk the same rows with the same reduced dims, so one loop over the rows computes
+    both, and a value both read (dy) is loaded once. The merge obeys the same legality checks
+    as every other (`why_not_fuse`: no cycle, same device, ...); taken ones are recorded in
+    `record_of(gm).fuse_reductions`, refused ones with the other refusals."""
+    reductions = [n for n in graph.nodes if n in group_of and group_of[n].key is not None
+                  and ops.reduction(n) is not None]
+    for i, node in enumerate(reductions):
+        for other in reductions[i + 1:]:
+            a, b = group_of[node], group_of[other]
+            if a is b or a.key != b.key:
+                continue
+            if try_merge(a, b, node, other):
+                decisions.append(Decision(
+                    f"{node.name}, {other.name}", True,
+                    f"independent reductions of {a.key[0]} over dims {a.key[1]}: one loop over "
+                    "the rows computes both"))
+                return True
+    return False
 
 
 def _finish(gm, group_of, order, effects, refusals):

@@ -1,0 +1,123 @@
+"""Training's reductions in few kernels: norm backward (layer, RMS, group, batch), cross entropy
+and a GELU MLP compiled forward and backward (AOT Autograd) on every backend.
+
+Each case checks the gradients against eager's and bounds the number of kernels of the backward
+program (`train_parts[1]`) by the count fusec reaches today. The bounds are at most torch
+Inductor's count on the CPU for the same backward (torch 2.13: layer norm 4, RMS norm 4, group
+norm 6, batch norm 5, cross entropy 4, GELU MLP 3), except group norm (see BACKWARD_KERNELS).
+"""
+import pytest
+import torch
+from torch import nn
+
+import fusec
+
+
+def _norm(make, shape):
+    def case(device):
+        torch.manual_seed(0)
+        mod = make().to(device)
+        with torch.no_grad():  # weights that are not all ones: their gradients matter
+            for p in mod.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return mod, (torch.randn(*shape, device=device),)
+    return case
+
+
+def _cross_entropy(device):
+    torch.manual_seed(0)
+
+    class CrossEntropy(nn.Module):
+        def forward(self, x, t):
+            return nn.functional.cross_entropy(x, t)
+    return CrossEntropy(), (torch.randn(8, 10, device=device), torch.randint(0, 10, (8,), device=device))
+
+
+CASES = {
+    "layer_norm": _norm(lambda: nn.LayerNorm(16), (8, 16)),
+    "rms_norm": _norm(lambda: nn.RMSNorm(16), (8, 16)),
+    "group_norm": _norm(lambda: nn.GroupNorm(2, 4), (2, 4, 3, 3)),
+    "batch_norm": _norm(lambda: nn.BatchNorm2d(4), (2, 4, 3, 3)),
+    "cross_entropy": _cross_entropy,
+    "gelu_mlp": _norm(lambda: nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), (8, 16)),
+}
+
+# The most kernels the backward program may take, and why it takes that many.
+BACKWARD_KERNELS = {
+    # dx (two row sums and the pointwise math) + dgamma and dbeta (two column sums over the
+    # same rows, independent siblings: fuse_reductions.merge_siblings puts them in one kernel)
+    "layer_norm": (2, "dx with its row sum, and dgamma's column sum"),
+    # dgamma's column sum; dx's row sum; the row value broadcast back by `expand` (a view of a
+    # computed value ends a kernel, so the last pointwise ops run in a third)
+    "rms_norm": (3, "dgamma, dx's row sum, dx's pointwise tail after an expand view"),
+    # the reshapes between (N, C, HW) and (N, G, C/G, HW) are views of computed values, and each
+    # ends a kernel; the per-channel sums of dy and dy*x share one kernel (merge_siblings)
+    "group_norm": (7, "views of computed values between its reductions end kernels"),
+    "batch_norm": (4, "the per-channel sums, dx, and the running statistics' updates"),
+    "cross_entropy": (3, "the target mask, the scaled one-hot, the softmax gradient"),
+    "gelu_mlp": (2, "the bias gradient's column sum, the GELU backward"),
+}
+
+
+def _params_and_inputs_grads(mod, inputs):
+    return [p.grad for p in mod.parameters()] + [x.grad for x in inputs if x.is_floating_point()]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backward_matches_eager_in_few_kernels(case, target):
+    backend, device = target
+    mod, inputs = CASES[case](device)
+    ref_mod, ref_inputs = CASES[case](device)
+    for x in (*inputs, *ref_inputs):
+        if x.is_floating_point():
+            x.requires_grad_(True)
+    compiled = fusec.compile(mod, backend=backend)
+    out = compiled(*inputs)
+    (out if out.dim() == 0 else (out * out).sum()).backward()
+    ref = ref_mod(*ref_inputs)
+    (ref if ref.dim() == 0 else (ref * ref).sum()).backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    got, want = _params_and_inputs_grads(mod, inputs), _params_and_inputs_grads(ref_mod, ref_inputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    parts = getattr(compiled, "_compiled", compiled).train_parts
+    names = [k.name for k in parts[1].kernels]
+    most, why = BACKWARD_KERNELS[case]
+    assert 0 < len(names) <= most, (f"{case} backward: {len(names)} kernels {names}, expected at "
+                                    f"most {most} ({why})")
+
+
+def test_independent_sibling_reductions_share_a_kernel(target):
+    """Not a norm: three column sums over the same (rows, columns) of different values, with no
+    data between them, and a row sum of another shape. The column sums become one kernel (the
+    decision recorded with its reason); the row sum over other dims stays its own."""
+    backend, device = target
+
+    def f(a, b, c):
+        return (a * b).sum(0), torch.exp(c).sum(0), (a - c).sum(0), b.sum(1)
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(12, 5, device=device) for _ in range(3))
+    compiled = fusec.compile(f, backend=backend)
+    for g, w in zip(compiled(a, b, c), f(a, b, c)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(compiled.kernels) == 2, [k.name for k in compiled.kernels]
+    text = str(fusec.explain(f, a, b, c, backend=backend))
+    assert "independent reductions of (12, 5) over dims (0,): one loop over the rows computes both" in text
+
+
+def test_sibling_reductions_with_a_path_between_stay_apart():
+    """Two column sums over the same rows, but the second reads, through an extern (a matrix-vector
+    product, eager's), the first one's result: one kernel for both would need the extern's result
+    before it has run. The merge is refused, and explain says why."""
+    def f(x, y, w):
+        s = x.sum(0)
+        return s, (y * torch.mv(w, s)).sum(0)
+    torch.manual_seed(0)
+    x, y, w = torch.randn(12, 5), torch.randn(12, 5), torch.randn(5, 5)
+    compiled = fusec.compile(f, backend="cpp")
+    for g, want in zip(compiled(x, y, w), f(x, y, w)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+    # x's column sum; mv, decomposed to a row sum of w * s; y's column sum: three kernels
+    assert len(compiled.kernels) == 3, [k.name for k in compiled.kernels]
+    assert "would create a cycle" in str(fusec.explain(f, x, y, w, backend="cpp"))
