@@ -133,7 +133,8 @@ class CompiledFunction:
     def __repr__(self) -> str:
         what = f"fusec.compile({label_of(self.fn)}, backend={self.backend!r})"
         if self.breaks is not None:
-            return f"<{what}: compiled in regions by TorchDynamo ({self.breaks.cause.reason})>"
+            return (f"<{what}: compiled in regions by TorchDynamo ({self.breaks.cause.reason});"
+                    " print(cf.breaks) for the regions and breaks>")
         if not self.compiled:
             return f"<{what}: not called yet (it compiles at the first call)>"
         kernels = self.kernels
@@ -149,7 +150,7 @@ class CompiledFunction:
             return self.breaks.regions.kernels
         if self.last is None and self.train_parts:
             return [k for part in self.train_parts for k in part.kernels]
-        return self.last.kernels if self.last else []
+        return self.last.kernels if self.last else NothingCompiledYet()
 
     @property
     def schedule(self) -> str:
@@ -400,8 +401,10 @@ class CompiledFunction:
             # signature, and so the program, is for any tensors like these, aliased or not
         with gc_paused():  # (fusec/driver.py: tracing makes many objects and no garbage)
             with torch.no_grad():  # (inputs on two devices: capture says if an op mixes them)
-                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail, same=same,
-                                            reached=self._guards.reached)
+                # (check=True records the user's lines too: a check that cannot compare an
+                # output drawn from random numbers names the line that drew them)
+                captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail or
+                                            self.check, same=same, reached=self._guards.reached)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
@@ -466,8 +469,27 @@ class CompiledFunction:
         return call(*lifted, *tensor_args(args, kwargs, self.fn))
 
 
+class NothingCompiledYet(list):
+    """`cf.kernels` before the first call: an empty list (tests and loops read it as one) that
+    says, when printed, why it is empty: fusec compiles at the first call, for its inputs."""
+
+    def __repr__(self) -> str:
+        return ("[]  (nothing compiled yet: fusec compiles at the first call, cf(*inputs), "
+                "for those inputs' shapes and dtypes; then cf.kernels lists the kernels)")
+
+
 class CompiledModule(torch.nn.Module):
     """What `fusec.compile(module)` returns: a module whose forward runs the compiled program."""
+
+    def extra_repr(self) -> str:  # under the wrapped module's own lines: what fusec made of it
+        c = self._compiled
+        if c.breaks is not None:
+            return f"backend={c.backend!r}, compiled in regions by TorchDynamo (graph breaks)"
+        if not c.compiled and not c.train_parts:
+            return f"backend={c.backend!r}, not called yet (it compiles at the first call)"
+        names = [k.name for k in c.kernels]
+        return (f"backend={c.backend!r}, {len(names)} kernel(s) in the last program"
+                f"{': ' + ', '.join(names[:3]) if names else ''}{', ...' if len(names) > 3 else ''}")
 
     def __init__(self, module: torch.nn.Module, **options):
         super().__init__()

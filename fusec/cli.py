@@ -167,8 +167,11 @@ def _explain(ex, args) -> None:
                 written.append(f"graph_{stage}_fusion.svg")
         said = f"fusec: wrote {', '.join(written)} to {out}"
         if shutil.which("dot") is None:
-            said += (" (no .svg pictures: Graphviz's `dot` is not installed; install graphviz, "
+            said += (" (no .svg pictures: Graphviz's `dot` is not installed; install graphviz "
+                     "and run `dot -Tsvg graph_after_fusion.dot -o graph_after_fusion.svg`, "
                      "or paste a .dot file into any Graphviz viewer)")
+        elif len(written) < 4:
+            said += " (Graphviz's `dot` is installed but failed on a graph: no .svg for it)"
         print(said, file=sys.stderr)
     print(json.dumps(e.to_dict(), indent=1) if args.json else e)
 

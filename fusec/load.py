@@ -134,7 +134,14 @@ def _build(module, value):
     model factory taking no arguments) is called, anything else is used as it is."""
     if inspect.isclass(value) and issubclass(value, torch.nn.Module):
         init = getattr(module, "get_init_inputs", None)
-        return value(*init()) if callable(init) else value()
+        if callable(init):
+            return value(*init())
+        missing = _required_parameters(value.__init__)[1:]  # (less `self`)
+        if missing:
+            raise FusecError(f"fusec: {value.__name__}() needs {', '.join(p.name for p in missing)}"
+                             f": define get_init_inputs() next to it, returning the arguments to "
+                             f"build it with (KernelBench's form), or name a built module object")
+        return value()
     if inspect.isfunction(value) and not _required_parameters(value) and \
             _returns_module(value):
         return value()

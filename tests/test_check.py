@@ -88,7 +88,9 @@ def test_an_output_drawn_differently_is_named_and_not_judged(monkeypatch):
     said = [str(w.message) for w in said if issubclass(w.category, fusec.FusecWarning)]
     assert len(said) == 1 and "did not compare output 0" in said[0]
     assert "aten.rand_like.default" in said[0]
-    assert check.random_ops(cf.last.captured.gm) == {0: "aten.rand_like.default"}
+    (index, op), = check.random_ops(cf.last.captured.gm).items()
+    assert index == 0 and op.startswith("aten.rand_like.default at test_check.py:")
+    assert op.endswith("(return torch.rand_like(x) + x, x * 2)")  # the user's line
 
 
 def test_a_wrong_result_still_fails():

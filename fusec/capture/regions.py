@@ -307,6 +307,18 @@ class GraphBroken:
         self.regions.begin_call()
         return self.compiled(*args, **kwargs)
 
+    def __str__(self) -> str:  # print(cf.breaks): the regions and the breaks between them
+        return self.regions.summary()
+
+    def __repr__(self) -> str:
+        where = f" at {os.path.basename(self.cause.where)}" if self.cause.where else ""
+        return (f"<fusec graph breaks of {self.regions.label}: {len(self.regions.regions)} "
+                f"region(s), {len(self.regions.breaks)} break(s); one graph was impossible: "
+                f"{self.cause.reason}{where}; print() it for each region and break>")
+
+    def _repr_pretty_(self, p, cycle):
+        p.text(str(self))
+
 
 def collect_regions(model: Callable, inputs: tuple, kwargs: dict, compile_fn: Callable,
                     backend: str = "auto", label: str = "program", keep_inputs: bool = False,

@@ -1,0 +1,241 @@
+"""A user's first hour with fusec (issue 52): each thing a newcomer tripped on, as they typed it.
+
+    check=True on a non-tensor output crashed (`'float' object has no attribute 'shape'`), and on
+    train-mode dropout failed with a mismatch that did not say the cause was random numbers;
+    `fusec run /tmp/nosuch.py` ended in `ModuleNotFoundError: 'fusec.examples./tmp/nosuch'`;
+    the CLI took only files defining example(); `fusec kernels sin4 | head -1` ended in a
+    BrokenPipeError traceback; `print(cf.breaks)` showed `<... GraphBroken object at 0x...>`;
+    `cf.kernels` was silently `[]` before the first call.
+
+Deeper tests of the same code: tests/test_check.py (every backend, the comparison rules) and
+tests/test_cli.py (KernelBench files, --dot without Graphviz, progress bars).
+"""
+import collections
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fusec
+from fusec import check
+from fusec.cli import main as cli
+from fusec.load import parse_inputs
+
+Pair = collections.namedtuple("Pair", "value weight")
+
+
+# ---- check=True on any output ---------------------------------------------------------------------
+def test_check_with_a_number_among_the_outputs():
+    x = torch.randn(4)
+    y, half = fusec.compile(lambda x: (x.sin() * 2, 0.5), check=True)(x)
+    torch.testing.assert_close(y, x.sin() * 2)
+    assert half == 0.5
+
+
+@pytest.mark.parametrize("program, plain", [
+    (lambda x: (x.sin(), None), [None]),
+    (lambda x: (x.sin(), x.shape[0]), [4]),
+    (lambda x: {"y": x.cos(), "scale": 2.5, "tag": "cos", "more": [x + 1, 3]}, [2.5, "cos", 3]),
+    (lambda x: Pair(x.exp(), 1.0), [1.0]),
+])
+def test_check_with_none_int_dict_namedtuple(program, plain):
+    """Numbers, strings and None are compared by value and the structure comes back as eager's."""
+    x = torch.randn(4)
+    got = fusec.compile(program, check=True)(x)
+    want = program(x)
+    assert type(got) is type(want)
+    got_leaves, want_leaves = torch.utils._pytree.tree_flatten(got), \
+        torch.utils._pytree.tree_flatten(want)
+    assert got_leaves[1] == want_leaves[1]  # the same structure
+    assert [v for v in got_leaves[0] if not isinstance(v, torch.Tensor)] == plain
+    for g, w in zip(got_leaves[0], want_leaves[0]):
+        if isinstance(w, torch.Tensor):
+            torch.testing.assert_close(g, w)
+
+
+def test_check_still_catches_a_wrong_number():
+    """A plain value is judged, not waved through: a different number is a MismatchError."""
+    cf = fusec.compile(lambda x: (x.sin(), 0.5), check=True)
+    x = torch.randn(4)
+    cf(x)
+    with pytest.raises(fusec.MismatchError, match="output 1 .*0.25 where eager returns 0.5"):
+        check.check_outputs(cf, cf.last, (x,), {}, [x.sin(), 0.25])
+    assert math.isclose(check.TOLERANCE[torch.float32][0], 1.3e-6)
+
+
+def test_check_on_train_mode_dropout():
+    """The issue's repro: fusec runs dropout's random draw as the ATen call eager makes, so under
+    the same generator state the masks agree: the output is compared (no warning, no mismatch)
+    and is eager's own result from that seed."""
+    x = torch.randn(100)
+    drop = nn.Dropout(0.5).train()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusec.FusecWarning)
+        y = fusec.compile(drop, check=True)(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(y, drop(x))
+    assert 20 < int((y == 0).sum()) < 80  # it did drop
+
+
+def test_an_uncomparable_random_output_names_the_users_line(monkeypatch):
+    """Where random numbers cannot agree (made so here: eager's draw is shifted), the output is
+    not judged, and the warning names the op and the user's line that drew it, not a bare
+    'mismatch'; the other output is still compared."""
+    def noisy(x):
+        noise = torch.rand_like(x)  # the line the warning names
+        return noise + x, x * 2
+
+    cf = fusec.compile(noisy, check=True)
+    real_set = check._set_rng_state
+    calls = []
+
+    def shifted(state):
+        calls.append(1)
+        real_set(state)
+        if len(calls) == 1:
+            torch.rand(1)
+    monkeypatch.setattr(check, "_set_rng_state", shifted)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        cf(torch.randn(8))
+    said = [str(w.message) for w in said if issubclass(w.category, fusec.FusecWarning)]
+    assert len(said) == 1, said
+    assert "did not compare output 0" in said[0] and "random numbers" in said[0]
+    assert "aten.rand_like.default at test_first_hour.py:" in said[0]
+    assert "noise = torch.rand_like(x)" in said[0]
+
+
+# ---- the CLI on any model -------------------------------------------------------------------------
+MODEL_FILE = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((width,), 2.0))
+
+    def forward(self, x):
+        return torch.tanh(x) * self.scale
+
+def get_init_inputs():
+    return [32]
+
+def get_inputs():
+    return [torch.randn(4, 32)]
+
+def gelu_sum(x):
+    return torch.nn.functional.gelu(x).sum(-1)
+
+def example_inputs():
+    return (torch.randn(4, 32),)
+"""
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "my_model.py"
+    path.write_text(MODEL_FILE)
+    return path
+
+
+def run(capsys, *argv):
+    assert cli([*argv, "--backend", "cpp"]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_cli_on_a_users_file(model_file, capsys):
+    """A KernelBench-style Model (built from get_init_inputs(), fed get_inputs()), a function of
+    the file with the file's example_inputs(), and --inputs."""
+    assert "mul" in run(capsys, "kernels", str(model_file))
+    assert "gelu" in run(capsys, "explain", f"{model_file}:gelu_sum")
+    out = run(capsys, "kernels", f"{model_file}:gelu_sum", "--inputs", "randn(3, 5)")
+    assert "(3, 5)" in out or "3, 5" in out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["run", "/tmp/nosuch.py"], "fusec: no such file: /tmp/nosuch.py"),
+    (["run", "{model}:nope"], "has no 'nope'"),
+    (["run", "{plain}:NeedsArgs"], "NeedsArgs() needs width: define get_init_inputs()"),
+    (["run", "{plain}:f"], 'has no inputs: give them with --inputs "randn(8, 64)"'),
+    (["run", "{plain}:f", "--inputs", "__import__('os')"],
+     "__import__() is not one of torch's tensor factories"),
+])
+def test_clean_one_line_errors(argv, said, model_file, capsys):
+    plain = model_file.parent / "plain.py"
+    plain.write_text("import torch\n\ndef f(x):\n    return x * 2\n\n"
+                     "class NeedsArgs(torch.nn.Module):\n    def __init__(self, width):\n"
+                     "        super().__init__()\n")
+    argv = [a.format(model=model_file, plain=plain) for a in argv]
+    assert cli(argv + ["--backend", "cpp"]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and "ModuleNotFoundError" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_inputs_are_parsed_not_run():
+    """--inputs allows torch's factories, dtypes, literals and a few tensor methods, nothing else."""
+    a, b, c, n = parse_inputs("randn(8, 64), randint(0, 10, (8,)), "
+                              "torch.ones(2, 3, dtype=bfloat16).t(), 2**3")
+    assert a.shape == (8, 64) and b.dtype == torch.int64 and c.shape == (3, 2) and n == 8
+    assert c.dtype == torch.bfloat16
+    for bad in ("().__class__.__bases__", "open('/etc/passwd')", "torch.load('x')",
+                "randn(2).numpy()", "randn(2).__class__", "9**9**9"):
+        with pytest.raises(fusec.FusecError, match="is not a list of tensors"):
+            parse_inputs(bad)
+
+
+def test_a_closed_pipe_is_quiet():
+    """`fusec kernels sin4 | head -1`, as typed in a shell."""
+    done = subprocess.run(f"{sys.executable} -m fusec kernels sin4 --backend cpp | head -1",
+                          shell=True, capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("# ===== fused_")
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+# ---- readable objects -----------------------------------------------------------------------------
+def branchy(x):
+    y = x.sin()
+    if y.sum() > 0:
+        return y * 2
+    return y - 1
+
+
+def test_print_breaks_lists_regions_and_breaks():
+    cf = fusec.compile(branchy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cf(torch.ones(8))
+    text, short = str(cf.breaks), repr(cf.breaks)
+    assert "object at 0x" not in text and "object at 0x" not in short
+    assert "2 compiled region(s) with 1 graph break(s)" in text
+    assert "if y.sum() > 0:" in text  # the user's line
+    assert short.startswith("<fusec graph breaks of branchy: 2 region(s), 1 break(s)")
+    assert "print(cf.breaks)" in repr(cf)
+
+
+def test_kernels_before_the_first_call_say_why_they_are_empty():
+    """Kept a list (tests and loops read `cf.kernels == []`), but printed it says why."""
+    cf = fusec.compile(lambda x: x.sin())
+    assert cf.kernels == [] and not cf.kernels
+    assert "nothing compiled yet" in repr(cf.kernels) and "first call" in repr(cf.kernels)
+    cf(torch.randn(4))
+    assert repr(cf.kernels).startswith("[Kernel('fused_sin")
+
+
+def test_public_objects_print_readably():
+    x = torch.randn(4, 8)
+    module = fusec.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    assert "not called yet" in repr(module)
+    module(x)
+    assert "1 kernel(s) in the last program: fused_" in repr(module) and "tanh" in repr(module)
+    cf = fusec.compile(lambda x: x.sin() * 2)
+    cf(x)
+    explained = fusec.explain(lambda x: x.sin() * 2, x)
+    for thing in (cf, cf.kernels[0], cf.last, explained, module):
+        assert "object at 0x" not in repr(thing), repr(thing)
