@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import jinja2
-
 from fusec.errors import UnsupportedError
 
 BACKEND_PACKAGES = ("triton", "cpp", "llvm")
@@ -24,6 +22,7 @@ TEMPLATES = tuple(Path(__file__).parent / backend / "templates" for backend in B
 def environment(*folders: str) -> jinja2.Environment:
     """The environment over the backends' templates, after `folders` (a kernel family's own
     templates, which may include the core's partials: `{% include "triton_pdl_wait.j2" %}`)."""
+    import jinja2  # lazy: the first kernel rendered pays for it, not `import fusec`
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader([*folders, *map(str, TEMPLATES)]),
         undefined=jinja2.StrictUndefined,

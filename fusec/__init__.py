@@ -57,11 +57,39 @@ __all__ = [
 # import kernel_traffic` as before.)
 from fusec.capture import decompositions, frontend, outputs, rnn, training  # noqa: E402
 from fusec.inspect import explain as _explain_module  # noqa: E402
-from fusec.inspect import graphviz, plots, report_html, report_text  # noqa: E402
+from fusec.inspect import graphviz, plots  # noqa: E402
 from fusec.inspect import profile as _profile_module  # noqa: E402
 from fusec.runtime import build  # noqa: E402
 
 for _module in (decompositions, frontend, outputs, rnn, training, graphviz, log, plots,
-                report_html, report_text, build, _explain_module, _profile_module):
+                build, _explain_module, _profile_module):
     _sys.modules.setdefault(f"fusec.{_module.__name__.rpartition('.')[2]}", _module)
 del _module
+
+# The two report writers bring rich and jinja2 (~0.1 s), which only a report needs, so their old
+# names are answered when first asked for: `import fusec.report_html` and `fusec.report_text`
+# (attribute) import the module from its new home then, as the same module object.
+_MOVED_LATER = {"fusec.report_html": "fusec.inspect.report_html",
+                "fusec.report_text": "fusec.inspect.report_text"}
+
+
+class _OldName:
+    """An import finder and loader for the names in _MOVED_LATER: the module is its new home's."""
+
+    def find_spec(self, name, path=None, target=None):
+        return _importlib.util.spec_from_loader(name, self) if name in _MOVED_LATER else None
+
+    def create_module(self, spec):
+        return _importlib.import_module(_MOVED_LATER[spec.name])
+
+    def exec_module(self, module):
+        pass  # (already run, under its new name)
+
+
+_sys.meta_path.insert(0, _OldName())
+
+
+def __getattr__(name: str):
+    if f"fusec.{name}" in _MOVED_LATER:
+        return _importlib.import_module(f"fusec.{name}")
+    raise AttributeError(f"module 'fusec' has no attribute {name!r}")

@@ -26,6 +26,9 @@ SCRIPT = textwrap.dedent(r'''
     import torch
     import fusec, fusec.api, fusec.cache, fusec.frontend, fusec.runtime.fast_start.saved
     from fusec.check import compare
+    # torch's tracing machinery, which a process's first fusec call imports (a warm start's
+    # fingerprint makes fake tensors), not `import fusec` (issue 52): paid here, with the import
+    import torch._dynamo, torch._inductor
     import_s = time.perf_counter() - start
 
     # time the two halves of a compile without importing anything early
@@ -47,7 +50,7 @@ SCRIPT = textwrap.dedent(r'''
         return torch.sin(torch.sin(torch.sin(torch.sin(x))))
 
     x = torch.linspace(-3, 3, 1000)
-    dynamo_before = "torch._dynamo" in sys.modules
+    before = set(sys.modules)
     t = time.perf_counter()
     y = fusec.compile(sin4, backend=sys.argv[1])(x)
     elapsed = time.perf_counter() - t
@@ -55,7 +58,8 @@ SCRIPT = textwrap.dedent(r'''
     print(json.dumps({
         "stats": dict(fusec.cache.STATS), "ok": problem is None, "problem": problem,
         "elapsed": elapsed, "import": import_s, "stages": stages,
-        "dynamo_imported_by_call": not dynamo_before and "torch._dynamo" in sys.modules,
+        "heavy_imported_by_call": [m for m in ("networkx", "llvmlite", "jinja2")
+                                   if m in sys.modules and m not in before],
     }))
 ''')
 
@@ -132,9 +136,10 @@ def test_second_process_reuses_triton_module(triton_runs):
 # ---- (b) warm-cache latency ---------------------------------------------------------------------
 #
 # Measured in the child, from `fusec.compile(sin4)` to the result (1000 f32 on CPU, warm cache).
-# Since commit f4b47b0 torch's tracing imports (torch._dynamo / torch._inductor, which make_fx and
-# FakeTensorMode pull in, ~1.2-3 s on this 2-core machine) are paid by `import fusec`, not by the
-# first compile; without that, this latency was 1.3-2.8 s. A warm call now measures ~35-100 ms:
+# torch's tracing imports (torch._dynamo / torch._inductor, which make_fx and FakeTensorMode pull
+# in, ~1-3 s on this 2-core machine) are paid once per process by its first fusec call (since
+# issue 52; `import fusec` stays near torch's own import), so the child imports them before timing:
+# the target is fusec's own part of a warm call. It measures ~35-100 ms:
 # capture ~15-50 ms, passes ~5-20 ms, render ~2-7 ms, cache lookup + dlopen ~3-8 ms.
 
 def test_warm_cache_compiles_nothing_and_fusec_stages_are_quick(cpp_runs):
@@ -149,10 +154,12 @@ def test_warm_cache_compiles_nothing_and_fusec_stages_are_quick(cpp_runs):
 
 
 def test_warm_call_imports_nothing_heavy(cpp_runs):
-    """The warm-cache latency target (< 0.2 s, measured by benchmarks/compile_latency.py, not in
-    a timed test) depends on the first call importing none of torch's tracing machinery."""
+    """The warm-cache latency target (< 0.2 s after torch's tracing imports, measured by
+    benchmarks/compile_latency.py, not in a timed test) depends on a warm call importing none of
+    what compiling needs (fusion's networkx, LLVM's bindings, the templates' jinja2)."""
+    assert "jinja2" in cpp_runs.first["heavy_imported_by_call"]  # (the cold call renders)
     for run in (cpp_runs.second, cpp_runs.third):
-        assert not run["dynamo_imported_by_call"], run["stages"]
+        assert run["heavy_imported_by_call"] == [], run["stages"]
         assert run["stats"]["compiles"] == 0
 
 

@@ -1,18 +1,20 @@
-"""`import fusec` imports what a first call needs and nothing it may never need.
+"""`import fusec` imports fusec and torch, and nothing a first call may not need (issue 52).
 
-torch's tracing machinery (Dynamo and Inductor, which make_fx and FakeTensorMode pull in) is
-imported with fusec on purpose, so that a warm call stays quick (tests/test_cache.py); Inductor
-brings Triton. LLVM's bindings, networkx and transformers are imported when a program first
-needs them. (How
-long the import takes is measured by `python -X importtime -c "import fusec"`, not by a test: it
-depends on the machine's load.)
+torch's tracing machinery (Dynamo and Inductor, which make_fx and FakeTensorMode pull in, and
+Triton and sympy, which they bring: ~1-2 s on a 2-core CPU) is imported by the first call that
+captures a program or fingerprints it for a warm start, once per process; LLVM's bindings,
+networkx and transformers when a program first needs them; rich and jinja2 when a report is drawn
+or a kernel rendered. So `import fusec` (and `fusec --help`) costs little more than
+`import torch`. (How long the import takes is measured by `python -X importtime -c "import
+fusec"`, not by a test: it depends on the machine's load.)
 """
 import json
 import os
 import subprocess
 import sys
 
-HEAVY = ["llvmlite", "networkx", "transformers"]
+HEAVY = ["llvmlite", "networkx", "transformers", "triton", "rich", "jinja2", "sympy",
+         "torch._dynamo", "torch._inductor"]
 
 
 def imported_with(code: str) -> list[str]:
@@ -27,6 +29,17 @@ def test_import_fusec_imports_only_what_a_call_needs():
     assert imported_with("import fusec") == []
 
 
+def test_old_names_of_the_report_writers_import_them_when_asked():
+    """fusec.report_html / fusec.report_text (their names before inspect/) stay importable, as
+    the same module objects, without `import fusec` importing rich and jinja2 for them."""
+    code = ("import fusec, sys\nimport fusec.report_html as h\nfrom fusec.report_text import kernel_rows\n"
+            "assert h is sys.modules['fusec.inspect.report_html'] is fusec.report_html\n"
+            "assert fusec.report_text is sys.modules['fusec.inspect.report_text']")
+    assert {"rich", "jinja2"} <= set(imported_with(code))
+
+
 def test_the_first_compile_imports_what_it_needs():
     code = "import fusec, torch\nfusec.compile(lambda x: x.sin() * 2, backend='cpp')(torch.randn(4))"
-    assert "networkx" in imported_with(code)  # (fusion's graph algorithms, at the first compile)
+    heavy = imported_with(code)
+    assert "networkx" in heavy  # (fusion's graph algorithms, at the first compile)
+    assert "torch._dynamo" in heavy and "jinja2" in heavy  # (capture, and the kernel's template)

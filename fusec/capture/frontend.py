@@ -39,12 +39,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-# make_fx imports torch._dynamo and torch._inductor the first time it traces, and so does the
-# first fake tensor a warm start's fingerprint makes (~1.2-2.4 s on a 2-core CPU). Importing them
-# with fusec makes that a fixed cost of `import fusec`, so the first call of a program costs what
-# compiling (or, warm, loading) it costs: a warm call stays under 0.2 s (tests/test_cache.py).
-# (Measured: `import fusec` 2.3-2.5 s here, torch's own import 0.9 s; the rest is this line.)
-import torch._inductor  # noqa: E402,F401
+# make_fx imports torch._dynamo and torch._inductor (and, through them, Triton and sympy) the
+# first time it traces, and so does the first fake tensor a warm start's fingerprint makes
+# (FakeTensorMode() imports torch._dynamo.config): ~1-2 s on a 2-core CPU, paid once per process
+# by its first fusec call, not by `import fusec` (issue 52: `import fusec` costs little more than
+# torch's own import, so `fusec --help` and a script that only reads fusec are quick).
+# tests/test_import.py checks that `import fusec` leaves them unimported.
 
 from fusec import graphmodule
 from fusec.capture import decompositions as ours
