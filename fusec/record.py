@@ -180,6 +180,7 @@ class PassRecord:
     layout: Any = None  # passes/layout_plan.py LayoutPlan: channels-last or not, and why
     move_permutes: list[Decision] = field(default_factory=list)
     split_reductions: list[Decision] = field(default_factory=list)
+    fuse_pointwise: list[Decision] = field(default_factory=list)  # reshapes lifted onto loads
     fuse_reductions: list[Decision] = field(default_factory=list)  # sibling reductions merged
     refusals: list[Refusal] = field(default_factory=list)
     schedule: list[Step] = field(default_factory=list)

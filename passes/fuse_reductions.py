@@ -21,8 +21,8 @@ nothing; this pass decides which nodes share the kernel:
     fused_div_1 = self.fused_div_1(exp, sum)
 
 Every reduction group has a *key*: the shape it reduces and the reduced dims, e.g.
-((4096, 4096), (1,)). A merge (along a data edge, or of two reductions reading the same input) is
-legal when
+((4096, 4096), (1,)). A merge (along a data edge, of two reductions reading the same input, or,
+once neither is left, of independent reductions with equal keys: `merge_siblings`) is legal when
 
 1. the groups' keys agree (reductions over the same rows with the same reduced dims);
 2. every node fits the key's loop: an *element* node has a shape that broadcasts to the reduced

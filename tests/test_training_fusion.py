@@ -4,7 +4,7 @@ and a GELU MLP compiled forward and backward (AOT Autograd) on every backend.
 Each case checks the gradients against eager's and bounds the number of kernels of the backward
 program (`train_parts[1]`) by the count fusec reaches today. The bounds are at most torch
 Inductor's count on the CPU for the same backward (torch 2.13: layer norm 4, RMS norm 4, group
-norm 6, batch norm 5, cross entropy 4, GELU MLP 3), except group norm (see BACKWARD_KERNELS).
+norm 6, batch norm 5, cross entropy 4, GELU MLP 3).
 """
 import pytest
 import torch
@@ -46,14 +46,17 @@ CASES = {
 BACKWARD_KERNELS = {
     # dx (two row sums and the pointwise math) + dgamma and dbeta (two column sums over the
     # same rows, independent siblings: fuse_reductions.merge_siblings puts them in one kernel)
-    "layer_norm": (2, "dx with its row sum, and dgamma's column sum"),
+    "layer_norm": (2, "dx with its row sums; dgamma and dbeta's column sums in one kernel"),
     # dgamma's column sum; dx's row sum; the row value broadcast back by `expand` (a view of a
-    # computed value ends a kernel, so the last pointwise ops run in a third)
-    "rms_norm": (3, "dgamma, dx's row sum, dx's pointwise tail after an expand view"),
-    # the reshapes between (N, C, HW) and (N, G, C/G, HW) are views of computed values, and each
-    # ends a kernel; the per-channel sums of dy and dy*x share one kernel (merge_siblings)
-    "group_norm": (7, "views of computed values between its reductions end kernels"),
-    "batch_norm": (4, "the per-channel sums, dx, and the running statistics' updates"),
+    # value the row-sum kernel computes ends that kernel, so dx's last ops run in a third)
+    "rms_norm": (3, "dgamma; dx's row sum; dx's pointwise tail after an expand view"),
+    # the per-channel sums of dy * x and dy (siblings, with `view(dy * x)` lifted onto the loads
+    # by fuse_pointwise.lift_reshapes); the per-group sums; dx (rstd * gamma lifted through its
+    # unsqueeze into it); dgamma's and dbeta's column sums, over (N, G, C/G) and (N, C): two
+    # shapes, two kernels
+    "group_norm": (5, "channel sums, group sums, dx, dgamma, dbeta"),
+    # the per-channel sums of dy and dy * xhat; the per-channel scale; dx
+    "batch_norm": (3, "channel sums, channel scale, dx"),
     "cross_entropy": (3, "the target mask, the scaled one-hot, the softmax gradient"),
     "gelu_mlp": (2, "the bias gradient's column sum, the GELU backward"),
 }
@@ -121,3 +124,40 @@ def test_sibling_reductions_with_a_path_between_stay_apart():
     # x's column sum; mv, decomposed to a row sum of w * s; y's column sum: three kernels
     assert len(compiled.kernels) == 3, [k.name for k in compiled.kernels]
     assert "would create a cycle" in str(fusec.explain(f, x, y, w, backend="cpp"))
+
+
+def test_reshapes_of_pointwise_values_lift_onto_the_loads(target):
+    """Not a norm: a reshape that regroups dims (`view(a * b, ...)` summed over the merged dim)
+    and one that only inserts a dim of size 1 (`unsqueeze(p * q, -1)` broadcast over a new last
+    dim) each moved above their pointwise ops, onto the inputs: one kernel each, not two."""
+    backend, device = target
+    torch.manual_seed(0)
+
+    def regroup(a, b):
+        return (a * b).view(4, 3, 10).sum(-1)
+
+    def insert(p, q, x):
+        return (p * q).unsqueeze(-1) * x
+    a, b = torch.randn(4, 3, 2, 5, device=device), torch.randn(4, 3, 2, 5, device=device)
+    p, q, x = (torch.randn(4, 1, device=device), torch.randn(1, 3, device=device),
+               torch.randn(4, 3, 5, device=device))
+    for fn, args in ((regroup, (a, b)), (insert, (p, q, x))):
+        compiled = fusec.compile(fn, backend=backend)
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-5, atol=1e-5)
+        assert len(compiled.kernels) == 1, (fn.__name__, [k.name for k in compiled.kernels])
+        assert "moved above its pointwise ops onto the values they load" in \
+            str(fusec.explain(fn, *args, backend=backend))
+
+
+def test_reshape_of_a_value_read_elsewhere_stays():
+    """`a * b` is also a result of its own: it is computed and stored anyway, so its reshape
+    stays a view of the stored value: two kernels, the product's and the sum's (which reads
+    the product through the view)."""
+    def f(a, b):
+        m = a * b
+        return m, m.view(4, 3, 10).sum(-1)
+    a, b = torch.randn(4, 3, 2, 5), torch.randn(4, 3, 2, 5)
+    compiled = fusec.compile(f, backend="cpp")
+    for g, w in zip(compiled(a, b), f(a, b)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert [k.name for k in compiled.kernels] == ["fused_mul_0", "fused_sum_1"]

@@ -34,6 +34,7 @@ DECISIONS = {
     "pooling": ("{n} pooling(s) as reductions", "reduction", "kept"),
     "move_permutes": ("moved {n} permute(s) out of fusion's way", "moved", "kept"),
     "split_reductions": ("split {n} reduction(s) of few long rows in two", "split", "kept"),
+    "fuse_pointwise": ("{n} reshape(s) lifted onto loads", "lifted", "kept"),
     "fuse_reductions": ("{n} pair(s) of independent reductions over the same rows in one kernel",
                         "merged", "kept"),
 }
