@@ -4,13 +4,17 @@
   namespace (a block may use what an earlier one defined), in a fresh Python process per file,
   in a scratch directory, with TRITON_INTERPRET=1 (no GPU needed) and no FUSEC_LOG /
   FUSEC_DEBUG_DIR from the outside. Output listings are ```text blocks, never ```python.
-* A block's printed output is checked: a ```text output block right after a ```python block
-  (nothing but blank lines between) is what that block prints (stdout and stderr), compared
-  after `normalize` (times, ratios, addresses, hashes and scratch paths vary between runs), with
-  a line `...` standing for any number of lines. (A plain ``` or ```text block shows output of
-  code the page does not show in full; those are not checked yet: see docs/index.md.) When the code changes what it prints, the test
-  fails naming the block; `python tests/test_docs.py --refresh docs/page.md` rewrites every
-  block that no longer matches with what the code prints now.
+* A block's printed output is checked: an output block, fenced as ```text output (or ```cpp
+  output, any language followed by the word `output`), is what the nearest ```python or ```bash
+  block above it prints (stdout and stderr; prose may sit between), compared after `normalize`
+  (see VARIES: times, ratios, addresses, hashes, scratch paths and errors against eager vary
+  between runs and machines, so both sides have them replaced by a placeholder), with a line
+  `...` standing for any number of lines. When the code changes what it prints, the test fails
+  naming the block; `python tests/test_docs.py --refresh docs/page.md` rewrites every output
+  block that no longer matches with what the code prints now (`...` lines of blocks that still
+  match stay). A listing right after a python or bash block that is not an output block must say
+  why, in an HTML comment just before it: `<!-- not checked: printed on an H100 -->`
+  (test_every_listing_after_code_is_checked), so a reader sees which listings are checked.
 * Every ```bash block whose first command starts with `fusec ` or `python ` (after any
   `VAR=value` prefixes) runs with bash in a scratch directory (examples are named, not given as
   paths: `fusec explain sin4`), with `fusec` meaning this checkout's CLI, unless SKIP_BASH names it with
@@ -56,8 +60,15 @@ SKIP_LINES = {
 }
 
 
+def is_output(info: str) -> bool:
+    """Is a fence with this info string (what follows its language) an output block?"""
+    return "output" in info.split()
+
+
 def blocks(path: Path, lang: str) -> list[str]:
-    return [body for kind, _, body in FENCE.findall(path.read_text()) if kind == lang]
+    """The bodies of `path`'s code blocks in `lang` (output blocks are not code)."""
+    return [body for kind, info, body in FENCE.findall(path.read_text())
+            if kind == lang and not is_output(info)]
 
 
 def rel(path: Path) -> str:
@@ -75,17 +86,29 @@ def clean_env() -> dict:
     return env
 
 
+# Each block runs as lines of its page: compiled under the page's name with the page's line numbers,
+# and the page's code lines in linecache, so that a warning, a traceback or fusec's own messages
+# name `docs/page.md:34` and show that line's code, as they would for a script.
 RUNNER = r"""
-import contextlib, io, json, sys
+import contextlib, io, json, linecache, sys
 blocks = json.load(open(sys.argv[1]))
 namespace = {"__name__": "__main__"}
 printed = []
+pages = {}
+for where, code in blocks:
+    page, _, line = where.rpartition(":")
+    lines = pages.setdefault(page, [])
+    lines.extend(["\n"] * (int(line) - 1 + code.count("\n") - len(lines)))
+    lines[int(line) - 1:int(line) - 1 + code.count("\n")] = code.splitlines(True)
+for page, lines in pages.items():
+    linecache.cache[page] = (sum(map(len, lines)), None, lines, page)
 for i, (where, code) in enumerate(blocks):
     print(f"----- block {i + 1}/{len(blocks)} ({where})", flush=True)
+    page, _, line = where.rpartition(":")
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
-            exec(compile(code, where, "exec"), namespace)
+            exec(compile("\n" * (int(line) - 1) + code, page, "exec"), namespace)
     finally:
         sys.stdout.write(buffer.getvalue())
         printed.append(buffer.getvalue())
@@ -94,11 +117,16 @@ for i, (where, code) in enumerate(blocks):
 
 # what varies between runs of the same code, replaced before outputs are compared
 VARIES = [
+    # the cache directory in a cached file's path (~/.cache/fusec, or $FUSEC_CACHE_DIR)
+    (re.compile(r"(?:~|/[\w.@+-]+)(?:/[\w.@+-]+)*?(?=/(?:cpp|llvm|triton)/[\w.-]+-[0-9a-f]{20}\.)"),
+     "<cache>"),
     (re.compile(r"/tmp/[^\s'\")]*"), "<tmp>"),  # scratch directories and files
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x<address>"),
     (re.compile(r"\b[0-9a-f]{20}\b"), "<hash>"),  # content hashes in cache file names
     (re.compile(r"\d+(\.\d+)?(e-?\d+)?\s*(ms|us|µs|ns|s)\b"), "<time>"),
     (re.compile(r"\b\d+\.\d+x\b"), "<ratio>"),
+    # an error against eager or float64 (its rounding differs with the CPU's vector width)
+    (re.compile(r"\b\d\.\d+e-\d+\b"), "<error>"),
 ]
 
 
@@ -106,7 +134,8 @@ def normalize(text: str) -> list[str]:
     """`text`'s lines with what varies between runs replaced, trailing blanks dropped."""
     for pattern, stand_in in VARIES:
         text = pattern.sub(stand_in, text)
-    lines = [line.rstrip() for line in text.rstrip().splitlines()]
+    # a run of spaces counts as one: a table's column widths follow the numbers in it
+    lines = [re.sub(r" {2,}", " ", line.rstrip()) for line in text.rstrip().splitlines()]
     return lines
 
 
@@ -118,19 +147,33 @@ def matches(shown: str, printed: str) -> bool:
     return re.fullmatch(pattern, "".join(line + "\n" for line in got)) is not None
 
 
-def output_blocks(text: str) -> dict[int, re.Match]:
-    """{index of a python block in the file: the output block right after it}."""
-    fences = list(FENCE.finditer(text))
-    found, n = {}, -1
-    for a, b in zip(fences, fences[1:]):
-        if a.group(1) == "python":
-            n += 1
-            if b.group(1) == "text" and b.group(2).strip() == "output" \
-                    and not text[a.end():b.start()].strip():
-                found[n] = b
-    if fences and fences[-1].group(1) == "python":
-        n += 1
+def line_of(text: str, m: re.Match) -> int:
+    """The line number of a fence's opening line."""
+    return text[:m.start()].count("\n") + 1
+
+
+def code_and_outputs(text: str) -> list[tuple[str, int, re.Match, re.Match | None]]:
+    """Each ```python or ```bash block of `text` (output blocks are not code): (its language, its
+    index among the blocks of that language, its match, the output block that shows what it
+    prints or None). An output block belongs to the nearest python or bash block above it."""
+    found, count = [], {"python": 0, "bash": 0}
+    for m in FENCE.finditer(text):
+        if is_output(m.group(2)):
+            assert found, f"the output block at line {line_of(text, m)} has no code above it"
+            lang, i, code, shown = found[-1]
+            assert shown is None, (f"two output blocks (lines {line_of(text, shown)} and "
+                                   f"{line_of(text, m)}) for one code block: join them")
+            found[-1] = (lang, i, code, m)
+        elif m.group(1) in count:
+            found.append((m.group(1), count[m.group(1)], m, None))
+            count[m.group(1)] += 1
     return found
+
+
+def output_blocks(text: str, lang: str = "python") -> dict[int, re.Match]:
+    """{index of a `lang` block in the file: the output block that shows what it prints}."""
+    return {i: shown for kind, i, _, shown in code_and_outputs(text)
+            if kind == lang and shown is not None}
 
 
 def run_blocks(path: Path, where: Path):
@@ -138,7 +181,7 @@ def run_blocks(path: Path, where: Path):
     text = path.read_text()
     found = []
     for m in FENCE.finditer(text):
-        if m.group(1) == "python":
+        if m.group(1) == "python" and not is_output(m.group(2)):
             line = text[:m.start()].count("\n") + 2
             found.append((f"{rel(path)}:{line}", m.group(3)))
     (where / "blocks.json").write_text(json.dumps(found))
@@ -178,6 +221,11 @@ def test_the_output_check_catches_drift_and_refreshes(tmp_path):
     assert matches("took <time>\n...\nend", "took 1.5 ms\nmiddle\nlines\nend\n")
     assert matches("a 2.00x speedup at 0x7f00aa11bb22", "a 0.31x speedup at 0x55d0c0ffee00")
     assert not matches("fused_sin_0", "fused_cos_0")
+    assert matches("load('~/.cache/fusec/cpp/f-0123456789abcdef0123.so')  err 2.4e-07\n"
+                   "  launches     16   12\n  time   9.463 ms   48.283 ms",
+                   "load('/tmp/p/cache/cpp/f-fedcba9876543210fedc.so')  err 8.9e-08\n"
+                   "  launches   16     12\n  time    10.588 ms 37.886 ms")
+    assert not matches("  launches 16 12", "  launches 16 13")
     page = tmp_path / "page.md"
     page.write_text("```python\nprint('kept'); print('detail')\n```\n\n```text output\nkept\n...\n"
                     "```\n\n```python\nprint('new')\n```\n\n```text output\nold\n```\n")
@@ -224,16 +272,33 @@ def _id(value) -> str | None:
     return "-"  # the block's body: its first line is already in the id
 
 
-@pytest.mark.parametrize("key,body", bash_blocks(), ids=_id)
-def test_bash_blocks_run(key, body, tmp_path):
+def run_bash(body: str, where: Path) -> subprocess.CompletedProcess:
+    """Run a bash block in the directory `where`; its stdout holds stdout and stderr together,
+    as a terminal shows them."""
     lines = [line for line in body.splitlines() if line.strip() not in SKIP_LINES]
     # `fusec` is this checkout's CLI, whatever is installed on PATH
     script = (f'set -e\nfusec() {{ "{sys.executable}" -m fusec.cli "$@"; }}\n'
               + "\n".join(lines))
-    env = clean_env()
-    out = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, (out.stdout[-4000:] + "\n" + out.stderr[-8000:])
+    return subprocess.run(["bash", "-c", script], cwd=where, env=clean_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def bash_output_block(key: tuple, body: str) -> re.Match | None:
+    """The output block that shows what the bash block `body` of the page key[0] prints."""
+    text = (ROOT / key[0]).read_text()
+    return next((shown for kind, _, code, shown in code_and_outputs(text)
+                 if kind == "bash" and code.group(3) == body), None)
+
+
+@pytest.mark.parametrize("key,body", bash_blocks(), ids=_id)
+def test_bash_blocks_run(key, body, tmp_path):
+    out = run_bash(body, tmp_path)
+    assert out.returncode == 0, out.stdout[-12000:]
+    shown = bash_output_block(key, body)
+    assert shown is None or matches(shown.group(3), out.stdout), (
+        f"the output block at {key[0]}:{line_of((ROOT / key[0]).read_text(), shown)} no longer "
+        f"shows what `{key[1]}` prints (refresh it: python tests/test_docs.py --refresh {key[0]});"
+        f" it prints now:\n{out.stdout[:3000]}")
 
 
 def refresh(path: Path) -> int:
@@ -245,11 +310,100 @@ def refresh(path: Path) -> int:
     if out.returncode != 0:
         raise SystemExit(f"{rel(path)}: a block failed:\n{out.stderr[-4000:]}")
     text = path.read_text()
-    stale = stale_outputs(path, found, printed)
-    for _, block, now in sorted(stale, key=lambda s: -s[1].start()):
+    stale = [(block, now) for _, block, now in stale_outputs(path, found, printed)]
+    for kind, _, code, shown in code_and_outputs(text):
+        if kind == "bash" and shown is not None:
+            with tempfile.TemporaryDirectory() as scratch:
+                ran = run_bash(code.group(3), Path(scratch))
+            if ran.returncode != 0:
+                raise SystemExit(f"{rel(path)}:{line_of(text, code)}: the block failed:\n"
+                                 f"{ran.stdout[-4000:]}")
+            if not matches(shown.group(3), ran.stdout):
+                stale.append((shown, ran.stdout))
+    for block, now in sorted(stale, key=lambda s: -s[0].start()):
         text = text[:block.start(3)] + now.rstrip() + "\n" + text[block.end(3):]
     path.write_text(text)
     return len(stale)
+
+
+NOT_CHECKED = re.compile(r"<!-- not checked: [^>]*\S[^>]*-->\s*$")
+
+
+def unchecked_listings(text: str) -> list[int]:
+    """Line numbers of the listings of `text` that sit right after a python or bash block (only
+    blank lines and HTML comments between), are not output blocks, and carry no
+    `<!-- not checked: why -->` comment."""
+    fences, bad = list(FENCE.finditer(text)), []
+    for a, b in zip(fences, fences[1:]):
+        between = re.sub(r"<!--.*?-->", "", text[a.end():b.start()], flags=re.S)
+        if a.group(1) in ("python", "bash") and not is_output(a.group(2)) \
+                and not is_output(b.group(2)) and not between.strip() \
+                and not NOT_CHECKED.search(text[a.end():b.start()]):
+            bad.append(line_of(text, b))
+    return bad
+
+
+def test_every_listing_after_code_is_checked():
+    """A listing right after a code block shows what it prints: it is an output block (checked),
+    or an HTML comment before it says why it is not. An output block belongs to a block that
+    runs."""
+    bad = [f"  {rel(path)}:{line}" for path in DOCS for line in unchecked_listings(path.read_text())]
+    assert not bad, ("listings right after a code block that are neither ```text output blocks "
+                     "nor marked <!-- not checked: why -->:\n" + "\n".join(bad))
+    for path in DOCS:
+        text = path.read_text()
+        for kind, _, code, shown in code_and_outputs(text):
+            first = code.group(3).strip().splitlines()[0]
+            if shown is not None and kind == "bash":
+                assert (rel(path), first) not in SKIP_BASH and (rel(path), first) not in NOT_RUN, \
+                    f"{rel(path)}:{line_of(text, shown)}: an output block of a block that is not run"
+
+
+def test_the_listing_check_sees_unmarked_listings():
+    text = ("```python\nprint(1)\n```\n\n```\n1\n```\n\n```python\nprint(2)\n```\n"
+            "<!-- not checked: printed on a GPU -->\n```text\n2\n```\n\n```bash\nfusec x\n```\n"
+            "```text output\nx\n```\n\nprose\n\n```text\nnot after code\n```\n")
+    assert unchecked_listings(text) == [5]
+    assert [(kind, i, shown is not None) for kind, i, _, shown in code_and_outputs(text)] == [
+        ("python", 0, False), ("python", 1, False), ("bash", 0, True)]
+
+
+# ---- the README is a front door ------------------------------------------------------------------
+
+QUICK_START = ['pip install "torch==2.13.0" -e ".[dev]" && fusec demo', "python -m pytest -q"]
+# a benchmark figure: a speedup (1.6x, 2.3×), a time (12 ms, 40 µs) or a rate (GB/s, TFLOP/s, tokens/s)
+FIGURE = re.compile(r"\b\d+(?:\.\d+)?\s*(?:[x×](?!\w)|(?:ms|us|µs|ns)\b|(?:GB|TB|TFLOP|GFLOP|tokens?)/s\b)")
+
+
+def test_the_readme_first_screen_says_what_fusec_is_and_how_to_run_it():
+    """The first 40 lines: a paragraph that says what fusec is, the two Quick start commands
+    verbatim, one short example with its checked output, and what to read next."""
+    text = (ROOT / "README.md").read_text()
+    screen = "\n".join(text.splitlines()[:40])
+    assert re.search(r"^fusec is a \w[^\n]*compiler", screen, re.M), "no 'fusec is a ... compiler' paragraph"
+    assert "```bash\n" + "\n".join(QUICK_START) + "\n```" in screen, "the Quick start commands changed"
+    example = [(code, shown) for kind, _, code, shown in code_and_outputs(screen) if kind == "python"]
+    assert example and example[0][1] is not None, "no example with its output block"
+    assert len(example[0][0].group(3).splitlines()) <= 12, "the first example is longer than ~10 lines"
+    assert re.search(r"^## What to read next\n\n\* \[", screen, re.M), "no 'What to read next' list"
+
+
+def test_the_readme_maps_every_example():
+    """The README's map of the layout names every file of examples/."""
+    text = (ROOT / "README.md").read_text()
+    line = text[text.index("\nexamples/"):]
+    mapped = set(re.findall(r"\w+", line[:line.index("\n", line.index("python examples/"))]))
+    missing = sorted(p.stem for p in (ROOT / "examples").glob("*.py")
+                     if p.stem != "__init__" and p.stem not in mapped)
+    assert not missing, f"examples the README's map leaves out: {missing}"
+
+
+def test_the_readme_carries_at_most_three_benchmark_figures():
+    """The numbers live in docs/performance.md; the README may quote three at most."""
+    found = FIGURE.findall((ROOT / "README.md").read_text())
+    assert len(found) <= 3, f"{len(found)} benchmark figures in README.md: {found}"
+    assert FIGURE.findall("1.62× faster, 2.3x, 0.5 ms and 900 GB/s; not 0x1f, 3x3 kernel, max/s") \
+        == ["1.62×", "2.3x", "0.5 ms", "900 GB/s"]
 
 
 # ---- the list of the pass pages, generated from the pipeline ---------------------------------------
@@ -281,13 +435,53 @@ def pass_pages() -> str:
 
 
 def write_pass_pages() -> bool:
-    """Rewrite the generated list in PASS_PAGES_DOC; returns whether it changed."""
-    path = ROOT / PASS_PAGES_DOC
-    text = path.read_text()
-    now = PASS_PAGES.sub(lambda m: f"{PASS_PAGES_BEGIN}\n{pass_pages()}\n{PASS_PAGES_END}", text, count=1)
-    if now != text:
-        path.write_text(now)
-    return now != text
+    """Rewrite the generated list in PASS_PAGES_DOC and the passes of PIPELINE_DOC's diagram;
+    returns whether either changed."""
+    changed = False
+    for name, rewrite in ((PASS_PAGES_DOC, lambda text: PASS_PAGES.sub(
+            lambda m: f"{PASS_PAGES_BEGIN}\n{pass_pages()}\n{PASS_PAGES_END}", text, count=1)),
+                          (PIPELINE_DOC, lambda text: PIPELINE_LINES.sub(
+                              lambda m: pipeline_lines(), text, count=1))):
+        path = ROOT / name
+        text = path.read_text()
+        now = rewrite(text)
+        if now != text:
+            path.write_text(now)
+            changed = True
+    return changed
+
+
+PIPELINE_DOC = "docs/index.md"
+PIPELINE_MARK = ("<!-- the passes of this diagram are generated from passes.pipeline(): "
+                 "python tests/test_docs.py --pass-pages -->")
+PIPELINE_FIRST = "   │  passes/ (PIPELINE)    "
+PIPELINE_MORE = "   │                        "
+# from the diagram's passes line down to (not including) the line that says what a pass is
+PIPELINE_LINES = re.compile("^" + re.escape(PIPELINE_FIRST) + r".*?(?=^" + re.escape(PIPELINE_MORE)
+                            + r"each `def pass)", re.S | re.M)
+
+
+def pipeline_lines() -> str:
+    """The passes of docs/index.md's pipeline diagram, in the order `passes.pipeline()` runs them,
+    wrapped under the diagram's `passes/` label; an extension's pass is starred, and a last line
+    says whose it is."""
+    import textwrap
+    from fusec import passes
+    names, owners = [], []
+    for p in passes.pipeline():
+        if not isinstance(p, passes.ExtensionPass):
+            names.append(p.__name__)
+        elif p.module.startswith("fusec.extensions."):
+            names.append(p.name + "*")
+            if (folder := p.module.split(".")[2]) not in owners:
+                owners.append(folder)
+    lines = textwrap.wrap(" → ".join(names), width=100 - len(PIPELINE_FIRST),
+                          break_long_words=False, break_on_hyphens=False)
+    if owners:
+        lines.append("(* registered by " + ", ".join(f"extensions/{o}/" for o in owners) +
+                     ", before the pass it names)")
+    return "".join((PIPELINE_FIRST if i == 0 else PIPELINE_MORE) + line + "\n"
+                   for i, line in enumerate(lines))
 
 
 if __name__ == "__main__":
@@ -297,14 +491,16 @@ if __name__ == "__main__":
                                      "the generated list of the pass pages.")
     parser.add_argument("--refresh", nargs="+", default=[], metavar="FILE")
     parser.add_argument("--pass-pages", action="store_true",
-                        help=f"rewrite the list of the pass pages in {PASS_PAGES_DOC}")
+                        help=f"rewrite the list of the pass pages in {PASS_PAGES_DOC} and the "
+                        f"passes of the pipeline diagram in {PIPELINE_DOC}")
     args = parser.parse_args()
     if not args.refresh and not args.pass_pages:
         parser.error("nothing to do: give --refresh FILE... or --pass-pages")
     for name in args.refresh:
         print(f"{name}: {refresh(ROOT / name)} output block(s) rewritten")
     if args.pass_pages:
-        print(f"{PASS_PAGES_DOC}: {'rewritten' if write_pass_pages() else 'already up to date'}")
+        print(f"{PASS_PAGES_DOC}, {PIPELINE_DOC}: "
+              f"{'rewritten' if write_pass_pages() else 'already up to date'}")
 
 
 # ---- the pass list, wherever a page spells it -----------------------------------------------------
@@ -380,6 +576,19 @@ def test_the_pass_pages_are_generated_from_the_pipeline():
     pages = {page.stem for page in (ROOT / "docs" / "passes").glob("*.md")}
     assert pages == core, (f"docs/passes/ pages of no core pass: {sorted(pages - core)}; "
                            f"core passes without a page: {sorted(core - pages)}")
+
+
+def test_the_index_pipeline_is_generated_from_the_pipeline():
+    """docs/index.md's pipeline diagram names the passes `passes.pipeline()` runs, in its order
+    (the extensions' passes starred), as `pipeline_lines()` writes them, under its marker."""
+    text = (ROOT / PIPELINE_DOC).read_text()
+    assert PIPELINE_MARK + "\n```text\n" in text, f"{PIPELINE_DOC} lost its marker {PIPELINE_MARK!r}"
+    found = PIPELINE_LINES.search(text)
+    assert found, f"{PIPELINE_DOC}'s diagram lost its `passes/ (PIPELINE)` line"
+    assert found.group(0) == pipeline_lines(), (
+        f"{PIPELINE_DOC}'s pipeline is not passes.pipeline(): python tests/test_docs.py "
+        "--pass-pages rewrites it")
+    assert "sibling_gemvs* → small_matmul* → pad_matmul" in pipeline_lines()
 
 
 def test_the_pass_pages_list_marks_an_extensions_pass(monkeypatch):
