@@ -237,5 +237,6 @@ def test_public_objects_print_readably():
     cf = fusec.compile(lambda x: x.sin() * 2)
     cf(x)
     explained = fusec.explain(lambda x: x.sin() * 2, x)
-    for thing in (cf, cf.kernels[0], cf.last, explained, module):
+    assert repr(cf.last.program).startswith("<fusec Program: 1 step(s) (1 kernel(s))")
+    for thing in (cf, cf.kernels[0], cf.last, cf.last.program, explained, module):
         assert "object at 0x" not in repr(thing), repr(thing)

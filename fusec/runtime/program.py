@@ -49,6 +49,14 @@ class Program:
         self.producers = producers  # output slot -> the kernel (or op name) that produced it
         self.run: Callable | None = None  # the straight-line function, built by prepare()
 
+    def __repr__(self) -> str:
+        kernels = sum(isinstance(s, KernelStep) for s in self.steps)
+        pool = self.memory.pool_bytes if self.memory else 0
+        return (f"<fusec Program: {len(self.steps)} step(s) ({kernels} kernel(s)), "
+                f"{self.n_slots} slot(s), inputs {self.input_slots}, outputs "
+                f"{self.output_slots}, a {pool}-byte pool; .run.source is the straight-line "
+                f"function{'' if self.run else ' (written at the first call)'}>")
+
     def _bind_pool(self) -> None:
         kernels = [s for s in self.steps if isinstance(s, KernelStep)]
         device = kernels[0].device if kernels else torch.device("cpu")
