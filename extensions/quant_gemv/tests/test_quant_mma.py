@@ -226,14 +226,16 @@ def test_switched_off_by_the_environment(monkeypatch):
 @pytest.mark.parametrize("right", [False, True])
 def test_both_operand_orders_and_pipelining(fmt, right, monkeypatch):
     """The weight tiles as the dots' left operands ([columns, K], the sums [columns, M]) or right
-    ([K, columns] as the words lie, the sums [M, columns]), with Triton's pipelining on: the
-    block choice picks one per M on a GPU (packed_mma._blocks); both must give the same result."""
+    ([K, columns] as the words lie, the sums [M, columns]; along K with a word's nibbles p and
+    p + 4 joined as neighbours in K), with Triton's pipelining on: the block choice picks one per
+    format and M on a GPU (packed_mma._blocks); every way must give the same result."""
     pm = importlib.import_module("fusec.extensions.quant_gemv.triton_gemv_packed_mma")
     chosen = pm._blocks
-    monkeypatch.setattr(pm, "_blocks", lambda pw: chosen(pw)._replace(right=right, stages=2))
+    monkeypatch.setattr(pm, "_blocks", lambda pw: chosen(pw)._replace(right=right, stages=2, joined=right))
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")  # (a program saved by the other case is not this one)
     n = 200 if fmt == "gptq" else 136
     cf, _, _ = run(layer_of(fmt, 256, n, 128, seed=3), torch.randn(16, 256, generator=gen(16)).to(BF16).to(DEV))
     source = gemv(cf).source
     assert ("dot(x_tile(" in source or "dot(x, " in source) == right
     assert "num_stages=2" in source
+    assert ("tl.join(lo, hi)" in source) == (right and fmt == "gptq")
