@@ -285,7 +285,7 @@ def lift_reshapes(gm: fx.GraphModule) -> None:
     rows_one_by_one = bool(backend) and backends.get(backend).rows_one_by_one
     for view in [n for n in graph.nodes if n.op == "call_function" and n.target in LIFTED_VIEWS]:
         value = view.args[0]
-        if not (isinstance(value, fx.Node) and value.op == "call_function" and is_pointwise(value)):
+        if getattr(view, "_erased", False) or not (isinstance(value, fx.Node) and value.op == "call_function" and is_pointwise(value)):
             continue
         if not _liftable_op(value, view) or not any(
                 u.op == "call_function" and _fuses_with(u) for u in view.users):
@@ -298,9 +298,9 @@ def lift_reshapes(gm: fx.GraphModule) -> None:
         mode = mode or fake_mode_of(gm)
         made: list[fx.Node] = []
 
-        def add(target, args, like, name):
+        def add(target, args, like, name, kwargs=None):
             with graph.inserting_before(view):
-                new = graph.call_function(target, args, {})
+                new = graph.call_function(target, args, dict(kwargs or {}))
             made.append(new)
             new._rename(name)
             val = run_fake(mode, new)
@@ -309,20 +309,22 @@ def lift_reshapes(gm: fx.GraphModule) -> None:
             set_meta(new, val, like=like)
             return new
 
-        def lift(v: fx.Node) -> fx.Node:
+        def lift(v: fx.Node, v_out: tuple) -> fx.Node:
+            """v's values reshaped to v_out, from reshaped views of what its chain loads."""
             args = []
             for a in v.args:
-                if not isinstance(a, fx.Node) or not meta(a).shape:
+                if not _tensor_with_dims(a):
                     args.append(a)
-                elif _liftable_op(a, v):
-                    args.append(lift(a))
+                    continue
+                a_out = _reshaped(tuple(meta(a).shape), tuple(meta(v).shape), v_out)
+                if _liftable_op(a, v):
+                    args.append(lift(a, a_out))
                 else:
-                    args.append(add(torch.ops.aten.view.default,
-                                    (a, list(_reshaped(tuple(meta(a).shape), tuple(meta(v).shape), out))),
-                                    a, f"{a.name}_reshaped"))
-            return add(v.target, tuple(args), v, f"{v.name}_reshaped")
+                    args.append(add(torch.ops.aten.view.default, (a, list(a_out)), a,
+                                    f"{a.name}_reshaped"))
+            return add(v.target, tuple(args), v, f"{v.name}_reshaped", v.kwargs)
         try:
-            new = lift(value)
+            new = lift(value, out)
             problem = None
             if not same_strides(meta(new), meta(view)) and not all(
                     u.op == "call_function" and _fuses_with(u) for u in view.users):
@@ -360,26 +362,33 @@ def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bo
     """None if reshaping `value` to `out` can move above its pointwise ops, else why not."""
     if not all(isinstance(s, int) for s in (*out, *meta(value).shape)):
         return "symbolic sizes: the reshape of each input is not known"
-    todo = [value]
+    todo = [(value, out)]
     while todo:
-        v = todo.pop()
+        v, v_out = todo.pop()
         if rows_one_by_one and not ops.is_cheap(v) and any(
                 u.op == "call_function" and _fuses_with(u) and not is_pointwise(u) for u in view.users):
             return (f"{v.name} is costly and {view.name} is read by a reduction: moved into a CPU "
                     f"reduction kernel, it would be computed again in every pass over the row")
         for a in v.all_input_nodes:
-            if not meta(a).shape:
+            if not _tensor_with_dims(a):
                 continue
+            if not all(isinstance(size, int) for size in meta(a).shape):
+                return "symbolic sizes: the reshape of each input is not known"
+            a_out = _reshaped(tuple(meta(a).shape), tuple(meta(v).shape), v_out)
+            if a_out is None:
+                return (f"{a.name} {tuple(meta(a).shape)} broadcasts to {v.name} "
+                        f"{tuple(meta(v).shape)}, and the reshape to {v_out} regroups dims")
             if _liftable_op(a, v):
-                todo.append(a)
-                continue
-            if _computed_value(a):
+                todo.append((a, a_out))
+            elif _computed_value(a):
                 return (f"{a.name} is computed by a kernel: reshaping it would cut that kernel "
                         "instead")
-            if _reshaped(tuple(meta(a).shape), tuple(meta(v).shape), out) is None:
-                return (f"{a.name} {tuple(meta(a).shape)} broadcasts to {v.name} "
-                        f"{tuple(meta(v).shape)}, and the reshape to {out} regroups dims")
     return None
+
+
+def _tensor_with_dims(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("fusec"), TensorMeta) \
+        and len(meta(a).shape) > 0
 
 
 def _fuses_with(u: fx.Node) -> bool:

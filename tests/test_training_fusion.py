@@ -129,7 +129,8 @@ def test_sibling_reductions_with_a_path_between_stay_apart():
 def test_reshapes_of_pointwise_values_lift_onto_the_loads(target):
     """Not a norm: a reshape that regroups dims (`view(a * b, ...)` summed over the merged dim)
     and one that only inserts a dim of size 1 (`unsqueeze(p * q, -1)` broadcast over a new last
-    dim) each moved above their pointwise ops, onto the inputs: one kernel each, not two."""
+    dim, also through a chain of ops) each moved above their pointwise ops, onto the inputs: one
+    kernel each, not two."""
     backend, device = target
     torch.manual_seed(0)
 
@@ -138,10 +139,13 @@ def test_reshapes_of_pointwise_values_lift_onto_the_loads(target):
 
     def insert(p, q, x):
         return (p * q).unsqueeze(-1) * x
+
+    def chain(p, q, x):  # sin(p), (4, 1), broadcasts in the product: lifted with it
+        return (torch.sin(p) * q).unsqueeze(-1) * x
     a, b = torch.randn(4, 3, 2, 5, device=device), torch.randn(4, 3, 2, 5, device=device)
     p, q, x = (torch.randn(4, 1, device=device), torch.randn(1, 3, device=device),
                torch.randn(4, 3, 5, device=device))
-    for fn, args in ((regroup, (a, b)), (insert, (p, q, x))):
+    for fn, args in ((regroup, (a, b)), (insert, (p, q, x)), (chain, (p, q, x))):
         compiled = fusec.compile(fn, backend=backend)
         torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-5, atol=1e-5)
         assert len(compiled.kernels) == 1, (fn.__name__, [k.name for k in compiled.kernels])
