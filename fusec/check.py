@@ -12,7 +12,8 @@ element; the same rule is then applied to the whole tensor: the root-mean-square
 error may not exceed eager's by more than the tolerance.
 
 Integer and boolean results must match eager exactly, and NaNs must appear in the same places.
-A result that is not a tensor (a number, a string, None, a torch.Size) must equal eager's.
+A result that is not a tensor (a number, a string, None, a torch.Size) must equal eager's, and
+the results' structure (tuples, lists, dicts and their keys, namedtuples, dataclasses) be eager's.
 
 Random numbers: eager is run from the random-number state the compiled call started from, so a
 program that draws them the way eager does (dropout's `bernoulli`, `rand_like`, kept as ATen calls)
@@ -30,7 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fusec.capture.breaks import innermost
-from fusec.capture.outputs import leaves
+from fusec.capture.outputs import flatten
 from fusec.errors import FusecWarning, MismatchError
 from fusec.graphmodule import copy_graph_module
 
@@ -158,7 +159,7 @@ def check_outputs(compiled_fn, compiled, args, kwargs, flat_out, rng: tuple | No
         _set_rng_state(rng)
     try:
         with torch.no_grad():
-            eager = leaves(compiled_fn.fn(*args, **kwargs))
+            eager, eager_spec = flatten(compiled_fn.fn(*args, **kwargs))
     finally:
         if rng is not None:
             _set_rng_state(after)
@@ -171,6 +172,10 @@ def check_outputs(compiled_fn, compiled, args, kwargs, flat_out, rng: tuple | No
     if ref is not None and len(ref) != len(graph_index):
         ref = None  # (judged against eager alone)
     random = random_ops(compiled.captured.gm) if rng is not None else {}
+    spec = compiled.captured.out_spec
+    if spec is not None and eager_spec != spec:  # (a dict's keys, a tuple's length, a type)
+        raise MismatchError(f"fusec: the compiled function's output is shaped "
+                            f"{_structure(spec)}, eager's is {_structure(eager_spec)}")
     if len(eager) != len(flat_out):
         raise MismatchError(f"fusec: the compiled function returned {len(flat_out)} value(s) "
                             f"where eager returns {len(eager)}")
@@ -193,6 +198,14 @@ def check_outputs(compiled_fn, compiled, args, kwargs, flat_out, rng: tuple | No
             else:
                 who = f"step {producer}" if producer else "an input passed through"
             raise MismatchError(f"fusec: output {i} from {who} does not match eager: {problem}")
+
+
+def _structure(spec) -> str:
+    """An output structure in one line, a leaf as `*`: `{'y': *, 'n': [*, (*, *)]}`."""
+    try:
+        return pytree.treespec_pprint(spec)
+    except Exception:  # noqa: BLE001 (a type pytree cannot print: its plain text, on one line)
+        return " ".join(str(spec).split())
 
 
 def _aggregate_ok(err_f, err_e, ref_abs, rtol, atol) -> bool:

@@ -14,6 +14,7 @@ import collections
 import math
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -65,6 +66,17 @@ def test_check_still_catches_a_wrong_number():
     with pytest.raises(fusec.MismatchError, match="output 1 .*0.25 where eager returns 0.5"):
         check.check_outputs(cf, cf.last, (x,), {}, [x.sin(), 0.25])
     assert math.isclose(check.TOLERANCE[torch.float32][0], 1.3e-6)
+
+
+def test_check_compares_the_structure_too():
+    """Eager returning another structure (here: other dict keys) is a MismatchError that says so."""
+    cf = fusec.compile(lambda x: {"y": x.sin(), "n": 1}, check=True)
+    x = torch.randn(4)
+    out = cf(x)
+    other = types.SimpleNamespace(fn=lambda x: {"y": x.sin(), "count": 1})
+    said = r"output is shaped \{'y': \*, 'n': \*\}, eager's is \{'y': \*, 'count': \*\}"
+    with pytest.raises(fusec.MismatchError, match=said):
+        check.check_outputs(other, cf.last, (x,), {}, [out["y"], 1])
 
 
 def test_check_on_train_mode_dropout():
