@@ -94,7 +94,7 @@ def render_gemv_packed_mma(kernel, pw: PackedWords, arch: int | None = None, why
         one2=hex(one_bits | one_bits << 16), half_max=torch.finfo(pw.half).max, native=native,
         pair_note="one packed FMA per two weights" if native else pair_note,
         block_n=b.block_n, num_warps=b.num_warps, split=b.split, per=b.per, chunk=b.chunk,
-        stages=b.stages, right=b.right, joined=b.joined and b.right and along_k,
+        stages=b.stages, right=b.right, joined=b.joined and b.right,
         chunk_k=b.chunk_k, finish_n=FINISH_BLOCK_N, programs=-(-pw.n // b.block_n) * b.split,
         column_programs=b.column_programs, why=why, pdl=pdl(arch), helpers=sorted(helpers),
         params=[f"{q.name}_ptr" for q in kernel.params], args=[q.name for q in kernel.params],
@@ -117,7 +117,7 @@ class _Blocks(NamedTuple):
     column_programs: str  # the grid's first dim, as the launch spells it
     stages: int = 1  # Triton's software pipelining of the chunk loop (num_stages)
     right: bool = False  # the weight tiles as the dots' right operands (see the template)
-    joined: bool = False  # along K, right operands: a word's nibbles p and p + 4 as neighbours in K
+    joined: bool = False  # right operands: a word's nibbles p and p + 4 as neighbours (in K, or in N)
 
 
 def _blocks(pw: PackedWords) -> _Blocks:
