@@ -91,8 +91,8 @@ def run_example(ex: Example, backend: str = "auto", show_source: bool = True) ->
           + (f" + {r.externs} extern call(s)" if r.externs else "") + f"   [{r.backend}]")
     print(f"   max |fused - eager| = {r.max_error:.3g}")
     if r.eager_time is None:
-        print("   time: not timed (Triton's interpreter runs the kernels as Python on this CPU, "
-              "so a speedup would mean nothing; on a GPU they are timed)")
+        print("   time: interpreter: not timed (Triton's interpreter runs the kernels as Python "
+              "on this CPU, so a speedup would mean nothing; on a GPU they are timed)")
     else:
         print(f"   time: eager {r.eager_time}, fused {r.fused_time}: "
               f"{r.eager_ms / r.fused_ms:.2f}x (median of {r.eager_time.rounds} rounds, "
@@ -133,24 +133,45 @@ def run_demo(backend: str = "auto", device: str | None = None) -> list[Result]:
     return results
 
 
-def _summary(results: list[Result]) -> None:
+def _summary(results: list[Result], width: int | None = None) -> None:
+    """The summary table, fitted to `width` (default: the terminal's; a file gets it whole)."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # pragma: no cover
         return
-    table = Table(title="fusec demo: eager vs fused (median times)")
-    for col in ("example", "eager ops", "fused kernels", "max error", "eager ms", "fused ms",
-                "speedup"):
-        table.add_column(col, justify="right" if col != "example" else "left")
-    for r in results:
-        if r.eager_time is None:  # Triton's interpreter
-            times = ("not timed", "not timed", "-")
-        else:
-            times = (_cell(r.eager_time), _cell(r.fused_time), f"{r.eager_ms / r.fused_ms:.2f}x"
-                     + (" (?)" if r.doubts else ""))
-        table.add_row(r.name, str(r.eager_ops), str(r.kernels), f"{r.max_error:.2g}", *times)
-    Console(file=sys.stdout).print(table)
+    from fusec.inspect.report_text import fitted, natural_width
+    # Numbers never wrap. When nothing was timed (Triton's interpreter), the three time columns
+    # are one that says so; on a terminal too narrow for the rest, the eager and fused times go
+    # first (each example's lines above have them), and a file gets the whole table.
+    timed = any(r.eager_time is not None for r in results)
+    columns = ["example", "ATen ops", "kernels", "max error",
+               *(("eager ms", "fused ms", "speedup") if timed else ("time",))]
+
+    def build(shown: list[str]) -> Table:
+        table = Table(title="fusec demo: eager vs fused" + (" (median times)" if timed else ""))
+        for col in shown:
+            table.add_column(col, justify="left" if col == "example" else "right", no_wrap=True)
+        for r in results:
+            if not timed:
+                times = {"time": "interpreter: not timed"}
+            elif r.eager_time is None:  # Triton's interpreter
+                times = {"eager ms": "-", "fused ms": "-", "speedup": "interpreter: not timed"}
+            else:
+                times = {"eager ms": _cell(r.eager_time), "fused ms": _cell(r.fused_time),
+                         "speedup": f"{r.eager_ms / r.fused_ms:.2f}x" + (" (?)" if r.doubts else "")}
+            cells = {"example": r.name, "ATen ops": str(r.eager_ops), "kernels": str(r.kernels),
+                     "max error": f"{r.max_error:.2g}", **times}
+            table.add_row(*(cells[c] for c in shown))
+        return table
+
+    if width is None:
+        console = Console(file=sys.stdout)
+        width = console.width if console.is_terminal else natural_width(build(columns))
+    table, left_out = fitted(build, columns, ("fused ms", "eager ms"), width)
+    Console(file=sys.stdout, width=max(width, natural_width(table))).print(table)
+    if left_out:
+        print(f"(left out to fit {width} columns: {', '.join(left_out)}; see each example above)")
     if any(r.doubts for r in results):
         print("(?): the rounds of that row's times disagree, or the CPU is shared with other "
               "work: see the warnings above each example")

@@ -52,19 +52,29 @@ def measure(fn, *args, device: str = "cpu", budget_s: float = 0.25, warmup: int 
     return Timing(statistics.median(medians), min(medians), max(medians), rounds)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or `taskset`
+    narrows), else the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def busy_cores() -> str | None:
     """A sentence when torch's CPU threads outnumber the cores other work leaves free (the
-    1-minute load average, less the one this process is), else None."""
+    cores this process may use, less the 1-minute load average beyond the one this process
+    is), else None."""
     if not hasattr(os, "getloadavg"):
         return None
-    cores = os.cpu_count() or 1
-    free = cores - max(0.0, os.getloadavg()[0] - 1.0)
+    cores = usable_cores()
+    load = os.getloadavg()[0]
+    free = cores - max(0.0, load - 1.0)
     threads = torch.get_num_threads()
     if threads <= math.ceil(free):
         return None
-    return (f"torch uses {threads} threads but only about {max(free, 0):.1f} of this machine's "
-            f"{cores} cores are free (load average {os.getloadavg()[0]:.1f}): CPU times are "
-            "inflated and swing between runs")
+    return (f"torch uses {threads} threads but only about {max(free, 0):.1f} of the {cores} "
+            f"cores it may use are free (load average {load:.1f}): CPU times are inflated and "
+            "swing between runs")
 
 
 def interpreted(backend: str, device: str) -> bool:
@@ -78,9 +88,10 @@ def doubts(*timings: Timing, device: str = "cpu") -> list[str]:
     said = []
     worst = max((t.spread for t in timings), default=0.0)
     if worst > NOISY:
-        said.append(f"the timing rounds disagree by up to {100 * worst:.0f}% of their median: "
-                    "the machine is busy or the program is too short to time; rerun, and trust "
-                    "kernel counts and bytes over these times")
+        said.append(f"the timing rounds disagree by up to {100 * worst:.0f}% of their median "
+                    f"(more than {100 * NOISY:.0f}% is too wide to trust): the machine is busy or "
+                    "the program is too short to time; rerun, and trust kernel counts and bytes "
+                    "over these times")
     if torch.device(device).type == "cpu":
         busy = busy_cores()
         if busy:

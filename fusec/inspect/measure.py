@@ -4,10 +4,12 @@ achieved bandwidth against. `kernel_lines` turns it all into the report's per-ke
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -34,9 +36,47 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+# What torch.profiler's C++ side (Kineto, the CPU allocator) prints straight to the process's
+# stderr, where Python cannot catch it: a `USDT: ... profiler_start` / `profiler_stop` line for
+# every start and stop, and "[W... CPUAllocator.cpp] Memory block of unknown size was allocated
+# before the profiling started" for any tensor made before and freed during a profiled run.
+NATIVE_NOISE = ("USDT:", "Memory block of unknown size was allocated before the profiling started")
+
+
+@contextlib.contextmanager
+def native_noise_held_back():
+    """Runs the block with file descriptor 2 (stderr) pointed at a temporary file, then writes
+    back every line it caught except torch.profiler's noise (NATIVE_NOISE): a real error or
+    warning still shows, after the block. `FUSEC_LOG=debug` (or `all`) leaves stderr alone."""
+    from fusec.inspect.log import enabled  # (log imports explain, which imports this module's users)
+    if enabled("debug"):
+        yield
+        return
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to redirect (a daemon, a closed descriptor): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not any(n in line for n in NATIVE_NOISE))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 def run_profiler(fn: Callable, iters: int, label: str, cuda: bool):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), native_noise_held_back():
         warnings.simplefilter("ignore", UserWarning)  # "Profiler clears events at the end ..."
         with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
             for _ in range(iters):

@@ -117,7 +117,7 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     lines = kernel_lines(cg, f_events, o_events, iters, cuda, ceiling, errors)
     return ProfileReport(label, chosen, device.type, device_name, note, iters, eager_side,
                          fused_side, ceiling, lines, Explanation(cg), numerics, cuda_graph,
-                         tuple(said))
+                         tuple(said), interpreted(chosen, str(device)))
 
 
 def _device_of(tensors: list[torch.Tensor]) -> tuple[torch.device, str, str]:

@@ -72,11 +72,15 @@ class ProfileReport:
     numerics: str = ""  # the program's outputs against eager and a float64 reference
     cuda_graph: str = ""  # on CUDA: whether the compiled call replays one CUDA graph, or why not
     doubts: tuple = ()  # why the times should not be trusted, in sentences (fusec/timing.py)
+    interpreted: bool = False  # the kernels ran under Triton's interpreter: no speedup to report
 
     @property
     def speedup(self) -> float:
-        """Eager median time / fused median time (both timed without the profiler)."""
-        return self.eager.wall_ms / self.fused.wall_ms if self.fused.wall_ms else float("nan")
+        """Eager median time / fused median time (both timed without the profiler); nan under
+        Triton's interpreter, whose Python says nothing about the kernels' speed."""
+        if self.interpreted or not self.fused.wall_ms:
+            return float("nan")
+        return self.eager.wall_ms / self.fused.wall_ms
 
     # -- output ---------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -86,7 +90,7 @@ class ProfileReport:
                 "device_name": self.device_name, "note": self.note, "iters": self.iters,
                 "speedup": self.speedup, "copy_bandwidth": self.copy_bandwidth,
                 "numerics": self.numerics, "cuda_graph": self.cuda_graph,
-                "doubts": list(self.doubts),
+                "doubts": list(self.doubts), "interpreted": self.interpreted,
                 "eager": side(self.eager), "fused": side(self.fused),
                 "kernels": [dict(vars(k), intensity=k.intensity) for k in self.kernels]}
 
@@ -109,13 +113,13 @@ class ProfileReport:
         path.write_text(render_html(self), encoding="utf-8")
         return path
 
-    def rich(self):
-        """The report as rich renderables (what print() shows)."""
+    def rich(self, width: int = 160):
+        """The report as rich renderables (what print() shows), its tables fitted to `width`."""
         from fusec.inspect.report_text import renderables  # lazy: rich, when drawn
-        return renderables(self)
+        return renderables(self, width)
 
     def __rich_console__(self, console, options):
-        yield from self.rich()
+        yield from self.rich(options.max_width)
 
     def __str__(self) -> str:
         from fusec.inspect.report_text import to_text  # lazy: rich, when drawn

@@ -10,6 +10,7 @@ import io
 
 from rich import box
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -53,8 +54,9 @@ def summary_rows(report) -> list[tuple[str, str, str, str]]:
         (f"{dev} time in launches per call", ms(e.device_ms), ms(f.device_ms),
          change(e.device_ms, f.device_ms)),
         ("CPU-side time per call (profiled)", ms(e.cpu_ms), ms(f.cpu_ms), change(e.cpu_ms, f.cpu_ms)),
-        ("median time per call (not profiled)", ms(e.wall_ms), ms(f.wall_ms),
-         f"speedup {report.speedup:.2f}x"),
+        ("median time per call (not profiled)", ms(e.wall_ms),
+         *(("-", "interpreter: not timed") if getattr(report, "interpreted", False)
+           else (ms(f.wall_ms), f"speedup {report.speedup:.2f}x"))),
         ("peak memory allocated during a call", fmt_bytes(e.peak_bytes), fmt_bytes(f.peak_bytes),
          "-" if e.peak_bytes is None or f.peak_bytes is None
          else f"{(f.peak_bytes - e.peak_bytes) / 1e6:+.2f} MB"),
@@ -82,7 +84,71 @@ def kernel_rows(report) -> list[dict]:
     return rows
 
 
-def renderables(report) -> list:
+# The step table's columns: (header, what rich is told about it, the cell from a kernel_rows row).
+# Numbers never wrap; the step's name and the two text columns fold at a bounded width.
+STEP_COLUMNS = {
+    "step": (dict(max_width=24, overflow="fold"), lambda r: r["step"]),
+    "from (your code)": (dict(max_width=40, overflow="fold"), lambda r: r["from_short"]),
+    "ATen ops": (dict(max_width=26, overflow="fold"), lambda r: r["ops"]),
+    "eager": (dict(justify="right", no_wrap=True), lambda r: r["eager"]),
+    "fused": (dict(justify="right", no_wrap=True), lambda r: r["fused"]),
+    "bytes (eager)": (dict(justify="right", no_wrap=True),
+                      lambda r: f"{r['bytes']} ({r['eager_bytes']})" if r["kind"] == "kernel"
+                      else r["eager_bytes"]),
+    "bandwidth": (dict(justify="right", no_wrap=True), lambda r: r["bw"]),
+    "of ceiling": (dict(justify="right", no_wrap=True), lambda r: r["ceiling"]),
+    "max error vs f64": (dict(justify="right", no_wrap=True), lambda r: r["error"]),
+}
+# Which columns go first when the table is wider than the terminal: rich would otherwise squeeze
+# every column and cut the last ones (at 160 columns "max error vs f64" was lost, issue 52). The
+# step, its times and its error always stay.
+DROPPED_FIRST = ("of ceiling", "bandwidth", "ATen ops", "bytes (eager)", "from (your code)")
+
+
+def step_table(report, width: int) -> tuple[Table, list[str]]:
+    """One line per step of the fused program, with as many columns as fit in `width`
+    characters (dropped in DROPPED_FIRST's order), and the headers of those left out."""
+    rows = kernel_rows(report)
+
+    def build(shown: list[str]) -> Table:
+        table = Table(title=f"one line per step of the fused program (copy-bandwidth ceiling "
+                            f"{report.copy_bandwidth / 1e9:.1f} GB/s)", box=box.SIMPLE_HEAVY,
+                      title_justify="left")
+        for col in shown:
+            options = dict(STEP_COLUMNS[col][0])
+            if "max_width" in options:  # a folding column: as wide as its longest cell, up to that
+                longest = max([len(col), *(len(STEP_COLUMNS[col][1](r)) for r in rows)])
+                options["width"] = min(options.pop("max_width"), longest)
+            table.add_column(col, **options)
+        for r in rows:
+            style = "red" if r["numerics"] not in ("ok", "-") else None
+            table.add_row(*(STEP_COLUMNS[c][1](r) for c in shown), style=style)
+        return table
+    return fitted(build, list(STEP_COLUMNS), DROPPED_FIRST, width)
+
+
+def fitted(build, columns: list[str], dropped_first, width: int) -> tuple[Table, list[str]]:
+    """`build(shown columns)` with every column, or, when that is wider than `width`, without
+    the first of `dropped_first`, then the next, ...: (the table, the columns left out).
+    (rich would squeeze every column instead, and cut the last ones.)"""
+    left_out: list[str] = []
+    while True:
+        table = build([c for c in columns if c not in left_out])
+        more = [c for c in dropped_first if c not in left_out]
+        if not more or natural_width(table) <= width:
+            return table, [c for c in columns if c in left_out]
+        left_out.append(more[0])
+
+
+def natural_width(renderable) -> int:
+    """How wide `renderable` is drawn with all the room it wants (its folding columns have a
+    fixed width, so this is the width it needs)."""
+    console = Console(file=io.StringIO(), width=10_000, color_system=None)
+    return Measurement.get(console, console.options, renderable).maximum
+
+
+def renderables(report, width: int = 160) -> list:
+    """The report as rich renderables, its step table fitted to `width` characters."""
     title = (f"fusec profile: {report.name} — {report.backend} backend on {report.device.upper()} "
              f"({report.device_name}), {report.iters} profiled iterations")
     out: list = [Text(title, style="bold")]
@@ -103,20 +169,11 @@ def renderables(report) -> list:
         t.add_row(*row)
     out.append(t)
 
-    k = Table(title=f"one line per step of the fused program (copy-bandwidth ceiling "
-                    f"{report.copy_bandwidth / 1e9:.1f} GB/s)", box=box.SIMPLE_HEAVY,
-              title_justify="left")
-    k.add_column("step", no_wrap=True)
-    k.add_column("from (your code)", min_width=24, overflow="fold")
-    k.add_column("ATen ops", max_width=26, overflow="fold")
-    for col in ("eager", "fused", "bytes (eager)", "bandwidth", "of ceiling", "max error vs f64"):
-        k.add_column(col, justify="right", no_wrap=True)
-    for r in kernel_rows(report):
-        style = "red" if r["numerics"] not in ("ok", "-") else None
-        k.add_row(r["step"], r["from_short"], r["ops"], r["eager"], r["fused"],
-                  f"{r['bytes']} ({r['eager_bytes']})" if r["kind"] == "kernel" else r["eager_bytes"],
-                  r["bw"], r["ceiling"], r["error"], style=style)
+    k, left_out = step_table(report, width)
     out.append(k)
+    if left_out:
+        out.append(Text(f"(left out to fit {width} columns: {', '.join(left_out)}; a wider terminal, "
+                        "report.to_dict() or report.save_html() has them)"))
 
     bad = [r for r in kernel_rows(report) if r["numerics"] not in ("ok", "-")]
     for r in bad:
@@ -150,5 +207,5 @@ def to_text(report, width: int = 160) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None,
                       highlight=False)
-    console.print(Group(*renderables(report)))
+    console.print(Group(*renderables(report, width)))
     return buf.getvalue().rstrip() + "\n"
