@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                             "package.module:name")
         p.add_argument("--inputs", metavar="EXPR",
                        help='the inputs, as torch calls: "randn(8, 64), randint(0, 10, (8,))" '
-                            "(default: the file's example(), example_inputs() or get_inputs())")
+                            "(parsed, not run as Python: torch's tensor factories, dtypes and "
+                            "literals only; default: the file's example(), example_inputs() or "
+                            "get_inputs())")
         p.add_argument("--backend", default="auto", choices=["auto", "cpp", "llvm", "triton"])
         p.add_argument("--device", default=None if name != "profile" else "auto",
                        choices=["auto", "cpu", "cuda"],
