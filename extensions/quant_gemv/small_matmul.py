@@ -75,11 +75,12 @@ SMALL_M_GPU = 16
 STORED_GEMV_DEVICES = ("cuda",)
 
 # A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
-# (extensions/quant_gemv/refine_views.py). On an H200 that GEMV beat dequantizing for the library matmul up to
-# M = 4, was even at M = 8 and slower at M = 16: so up to 4 rows on a GPU
-# (`python extensions/quant_gemv/diagnostics/awq_shapes.py --m 1,4,8,16`). On a CPU the GEMV keeps all
-# SMALL_M rows: dequantizing for the library there took about eager's time, the GEMV a fifth
-# of it or less.
+# (extensions/quant_gemv/refine_views.py). On a GPU without the tensor-core kernel for such words
+# (triton_gemv_packed_mma.py: sm_80 and newer) the generic GEMV beat dequantizing for the library
+# matmul up to M = 4 only, so there it keeps up to 4 rows
+# (`python extensions/quant_gemv/diagnostics/awq_shapes.py --m 1,4,8,16`); with it, every
+# SMALL_M_GPU row (docs/performance.md). On a CPU the GEMV keeps all SMALL_M rows: dequantizing
+# for the library there took about eager's time, the GEMV a fifth of it or less.
 SPLIT_COLUMNS_MAX_M = 4
 SPLIT_COLUMNS_LIMITED = ("cuda",)  # the devices where that limit applies
 SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)
@@ -165,7 +166,7 @@ def _plan(node: fx.Node):
     if not stored and ops.classify(weight.target) != ops.POINTWISE and not _stacked(weight):
         return None, (f"M = {m}, but the weight comes from {weight.target} (not a "
                       "dequantization a kernel can compute): library matmul")
-    if out.device.type in SPLIT_COLUMNS_LIMITED and m > SPLIT_COLUMNS_MAX_M and _split_columns(b):
+    if _columns_limited(out.device) and m > SPLIT_COLUMNS_MAX_M and _split_columns(b):
         return None, (f"{SPLIT_DECLINED} (its columns in parts) at M = {m} > "
                       f"{SPLIT_COLUMNS_MAX_M}: dequantized once by one kernel, then the library "
                       "matmul, which measured faster on a GPU from M = 8 on "
@@ -274,6 +275,16 @@ def _layout_plan(x: fx.Node, b: fx.Node):
         return None
     return {"mode": "kn", "weight": weight, "inner": inner, "outer": outer, "parts": None,
             "refined": weight is not b}
+
+
+def _columns_limited(device: torch.device) -> bool:
+    """Whether SPLIT_COLUMNS_MAX_M applies on `device`: one of SPLIT_COLUMNS_LIMITED, and not a
+    GPU where the tensor-core kernel for words packed along N takes every row."""
+    if device.type not in SPLIT_COLUMNS_LIMITED:
+        return False
+    from .triton_gemv_packed_mma import packed_mma_enabled
+    from .triton_gemv_int4_mma import tensor_core_arch
+    return not (device.type == "cuda" and packed_mma_enabled() and tensor_core_arch(None)[0])
 
 
 def _split_columns(b: fx.Node) -> bool:

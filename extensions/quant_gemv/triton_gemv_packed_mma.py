@@ -30,11 +30,18 @@ from fusec.ir import Load, Reduce, Stmt
 from .packed_words import PackedWords, match_packed_words
 from .render import render_template
 from .triton_gemv_int4 import pair_math, row_code
-from .triton_gemv_int4_mma import (CHUNK_WORDS, FEW_ROWS, FEW_ROWS_TARGET, FINISH_BLOCK_N,
-                                   TARGET_PROGRAMS, mma_blocks, tensor_core_arch)
+from .triton_gemv import SMS
+from .triton_gemv_int4_mma import (CHUNK_WORDS, FEW_ROWS, FINISH_BLOCK_N, mma_blocks,
+                                   tensor_core_arch)
 
 # Along N: rows of K per chunk (a tl.dot's K side), the largest of these that divides a group.
-CHUNK_ROWS = (64, 32, 16)
+CHUNK_ROWS = (128, 64, 32, 16)
+# The blocks the sweep of docs/performance.md ("GPTQ and AWQ words on tensor cores") chose:
+# along K the int4 kernel's (mma_blocks), K in shares for about 6 programs per SM up to
+# FEW_ROWS rows; along N 16 word columns a program of 4 warps, a word's nibbles p and p + 4
+# joined as neighbouring columns, about 3 programs per SM at every M.
+FEW_ROWS_K_TARGET = 6 * SMS
+COLUMN_WORDS, COLUMN_TARGET = 16, 3 * SMS
 MAGIC = {torch.bfloat16: (128.0, 0x4300, 0x3F80, "bf16"), torch.float16: (1024.0, 0x6400, 0x3C00, "f16")}
 
 
@@ -55,16 +62,12 @@ def packed_mma_fit(kernel, pw: PackedWords, arch: int | None = None) -> tuple[bo
                   "tensor-core dots, the weight unpacked in registers and scaled once per group")
 
 
-def column_blocks(m: int, nw: int, k: int, chunk: int) -> tuple[int, int, int, int]:
-    """Along N: (word columns per program, num_warps, SPLIT, chunks per split), K split into
-    shares of whole chunks so that there are about as many programs as the int4 kernel aims for."""
-    block_j = 32 if nw >= 512 else 16
-    chunks = k // chunk
-    programs = -(-nw // block_j)
-    target = FEW_ROWS_TARGET if m <= FEW_ROWS else TARGET_PROGRAMS
+def k_shares(chunks: int, programs: int, target: int) -> tuple[int, int]:
+    """(SPLIT, chunks per share): K cut into shares of whole chunks so that `programs` column
+    programs times SPLIT come to about `target` programs."""
     split = max(1, min(chunks, -(-target // programs)))
     per = -(-chunks // split)
-    return block_j, 4, -(-chunks // per), per
+    return -(-chunks // per), per
 
 
 def render_gemv_packed_mma(kernel, pw: PackedWords, arch: int | None = None, why: str = "") -> str:
@@ -121,16 +124,20 @@ class _Blocks(NamedTuple):
 
 
 def _blocks(pw: PackedWords) -> _Blocks:
-    """Along K the int4 tensor-core kernel's blocks (mma_blocks, 16 words a chunk); along N
-    `column_blocks`, a chunk the largest of CHUNK_ROWS that divides a group."""
+    """Along K the int4 tensor-core kernel's blocks (mma_blocks, 16 words a chunk; with up to
+    FEW_ROWS rows FEW_ROWS_K_TARGET programs); along N COLUMN_WORDS word columns a program, the
+    nibble pairs joined, a chunk the largest of CHUNK_ROWS that divides a group."""
     if pw.along == "k":
         block_n, num_warps, split, per, _ = mma_blocks(pw.m, pw.n, pw.k // 8)
+        if pw.m <= FEW_ROWS:
+            split, per = k_shares(pw.k // 8 // CHUNK_WORDS, -(-pw.n // block_n), FEW_ROWS_K_TARGET)
         return _Blocks(block_n, num_warps, split, per, CHUNK_WORDS, 8 * CHUNK_WORDS,
                        f"triton.cdiv({pw.n}, {block_n})")
     chunk = max(c for c in CHUNK_ROWS if pw.group % c == 0)
-    block_j, num_warps, split, per = column_blocks(pw.m, pw.n // 8, pw.k, chunk)
-    return _Blocks(8 * block_j, num_warps, split, per, chunk, chunk,
-                   f"triton.cdiv({pw.n // 8}, {block_j})")
+    programs = -(-(pw.n // 8) // COLUMN_WORDS)
+    split, per = k_shares(pw.k // chunk, programs, COLUMN_TARGET)
+    return _Blocks(8 * COLUMN_WORDS, 4, split, per, chunk, chunk,
+                   f"triton.cdiv({pw.n // 8}, {COLUMN_WORDS})", right=True, joined=True)
 
 
 def at(pw: PackedWords, load: Load, coords: list[str]) -> str:
