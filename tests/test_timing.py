@@ -99,3 +99,9 @@ def test_profile_says_when_its_times_are_doubtful(monkeypatch):
     assert "torch uses 2 threads but 0.5 cores are free" in report.doubts
     assert "warning: torch uses 2 threads" in str(report)
     assert report.to_dict()["doubts"] == list(report.doubts)
+    # the median time of each side comes with its rounds' spread
+    for side in (report.eager, report.fused):
+        low, high = side.wall_rounds
+        assert low <= side.wall_ms <= high and side.wall_spread == (high - low) / side.wall_ms
+    [row] = [line for line in str(report).splitlines() if "median time per call" in line]
+    assert row.count("%") == 2 and row.count(" ±") == 2

@@ -55,7 +55,7 @@ from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import GraphBreakError
 from fusec.inspect.explain import Explanation, RegionsExplanation, capture_for, unwrap
 from fusec.inspect.groups import fmt_bytes
-from fusec.timing import doubts, interpreted, measure, median_ms
+from fusec.timing import Timing, doubts, interpreted, measure, median_ms
 
 from fusec.inspect.instrument import kernel_numerics, OpByOp, profiled_steps, run_steps
 from fusec.inspect.measure import measure_cuda_peak, kernel_lines, run_profiler, make_side, sync, copy_bandwidth
@@ -103,9 +103,11 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     cuda_graph = _cuda_graph_state(runs.user) if cuda else ""
 
     step("time eager and fused")
-    eager_wall, fused_wall, said = _median_times(runs, str(device), chosen, time_budget_s)
-    eager_side, fused_side, f_events, o_events = _profiled_sides(runs, iters, cuda, eager_wall,
-                                                                 fused_wall, step)
+    eager_time, fused_time, said = _median_times(runs, str(device), chosen, time_budget_s)
+    eager_side, fused_side, f_events, o_events = _profiled_sides(
+        runs, iters, cuda, eager_time.median_ms, fused_time.median_ms, step)
+    eager_side.wall_rounds = (eager_time.low_ms, eager_time.high_ms)
+    fused_side.wall_rounds = (fused_time.low_ms, fused_time.high_ms)
 
     step("compare with float64")
     errors = kernel_numerics(cg, tensors)
@@ -186,16 +188,16 @@ class _Runs:
 
 
 def _median_times(runs: _Runs, device: str, chosen: str,
-                  budget_s: float) -> tuple[float, float, list[str]]:
-    """(eager ms, fused ms, doubts): median times of an eager call and of the user's compiled
-    call, with what makes them doubtful (noise, Triton's interpreter)."""
+                  budget_s: float) -> tuple[Timing, Timing, list[str]]:
+    """(eager, fused, doubts): times of an eager call and of the user's compiled call (median
+    and rounds), with what makes them doubtful (noise, shared cores, Triton's interpreter)."""
     eager_time = measure(runs.eager, device=device, budget_s=budget_s, warmup=1)
     fused_time = measure(runs.fused_call, device=device, budget_s=budget_s, warmup=1)
     said = doubts(eager_time, fused_time, device=device)
     if interpreted(chosen, device):
         said.insert(0, "the kernels ran under Triton's interpreter (Python on the CPU): the fused "
                        "times are not the kernels' and the speedup means nothing")
-    return eager_time.median_ms, fused_time.median_ms, said
+    return eager_time, fused_time, said
 
 
 def _profiled_sides(runs: _Runs, iters: int, cuda: bool, eager_wall: float, fused_wall: float,

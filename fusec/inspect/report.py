@@ -27,6 +27,14 @@ class Side:
     peak_bytes: int | None  # memory allocated during a call, at its peak (beyond the inputs)
     by_name: list[dict] = field(default_factory=list)  # name, calls, ms per iteration
     trace: str = field(default="", repr=False)  # Chrome trace JSON
+    wall_rounds: tuple = ()  # (fastest, slowest) round's median of wall_ms (fusec/timing.py)
+
+    @property
+    def wall_spread(self) -> float | None:
+        """(slowest - fastest round) / median: how much wall_ms moved between rounds."""
+        if not self.wall_rounds or not self.wall_ms:
+            return None
+        return (self.wall_rounds[1] - self.wall_rounds[0]) / self.wall_ms
 
 
 @dataclass
