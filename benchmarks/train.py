@@ -15,7 +15,11 @@ losses are compared with eager's step by step.
 Columns, per model and system:
 * step ms: the median step time over the steps after `--warmup`, and the fastest and slowest
   of those steps (wall clock, the device synchronized after each step);
-* x eager: eager's median step time over this system's (above 1: faster than eager);
+* cpu ms: the median CPU time of the process per step (all its threads; time.process_time) over
+  the same steps: on a CPU shared with other work, wall-clock times grow with the time slices
+  other processes take, CPU time much less (it still grows with cache misses and spinning);
+* x eager: eager's median step time over this system's (above 1: faster than eager); x cpu:
+  the same ratio of CPU times;
 * first step s: the first step's time, compile included (fusec and torch.compile compile on
   their first call);
 * peak MB: on a GPU, torch.cuda.max_memory_allocated over the steps after the first, less the
@@ -148,22 +152,24 @@ def train(system: str, w, device: str, warmup: int, profile: bool = False) -> di
     run = compiled(system, model)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    losses, times, first = [], [], None
+    losses, times, cpu_times, first = [], [], [], None
     for i, batch in enumerate(w.batches):
         if i == 1:
             memory.reset()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = step(run, opt, batch, autocast)
         sync()
         seconds = time.perf_counter() - start
         first = seconds if first is None else first
         if i >= warmup:
             times.append(seconds * 1e3)
+            cpu_times.append((time.process_time() - cpu_start) * 1e3)
         losses.append(loss.item())
     result = {"losses": losses, "loss_last": losses[-1], "first_step_s": first,
               "step_ms": statistics.median(times) if times else None,
               "step_ms_min": min(times) if times else None,
               "step_ms_max": max(times) if times else None, "timed_steps": len(times),
+              "cpu_ms": statistics.median(cpu_times) if cpu_times else None,
               "peak_mb": memory.peak_mb() if len(w.batches) > 1 else None}
     if profile:
         result["profile"] = profiled(lambda: step(run, opt, w.batches[-1], autocast), device)
@@ -202,13 +208,15 @@ def compare(results: dict, tolerance: float) -> None:
         r["losses_match"] = diff <= r["loss_tol"]
         if r["step_ms"] and eager.get("step_ms"):
             r["x_eager"] = eager["step_ms"] / r["step_ms"]
+        if r.get("cpu_ms") and eager.get("cpu_ms"):
+            r["x_eager_cpu"] = eager["cpu_ms"] / r["cpu_ms"]
 
 
 def _f(value, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
-HEADER = (f"{'model':<9}{'system':<15}{'step ms':>9}{'min-max ms':>16}{'x eager':>9}"
+HEADER = (f"{'model':<9}{'system':<15}{'step ms':>9}{'min-max ms':>16}{'cpu ms':>8}{'x eager':>9}{'x cpu':>7}"
           f"{'first step s':>14}{'peak MB':>9}{'loss N':>9}  max |loss - eager| (tolerance)")
 
 
@@ -222,7 +230,9 @@ def row_text(model: str, system: str, r: dict) -> str:
         match = (f"{r['max_loss_diff']:.2g} ({r['loss_tol']:.1g}) "
                  f"{'ok' if r['losses_match'] else 'DIFFERENT'}")
     return (f"{model:<9}{system:<15}{_f(r['step_ms'], '.1f'):>9}{spread:>16}"
-            f"{_f(r.get('x_eager'), '.2f', '-'):>9}{r['first_step_s']:>14.2f}"
+            f"{_f(r.get('cpu_ms'), '.1f'):>8}"
+            f"{_f(r.get('x_eager'), '.2f', '-'):>9}{_f(r.get('x_eager_cpu'), '.2f', '-'):>7}"
+            f"{r['first_step_s']:>14.2f}"
             f"{_f(r['peak_mb'], '.0f'):>9}{r['loss_last']:>9.4f}  {match}")
 
 

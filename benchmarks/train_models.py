@@ -13,7 +13,7 @@ own forward and its loss are one module, so a compiler sees (and may fuse) the l
 | llama | HF Llama at Llama-2-7B's width (4096, MLP 11008, 32 heads), 2 layers, batch 4 x 512 | 2 layers of width 64, 4 heads sharing 2 key/value heads |
 | bert | HF BERT-base masked LM (15% of tokens masked), batch 8 x 512 | 2 layers of width 64 |
 | vit | ViT-B/16 on 224 x 224 images, batch 32 (torchvision's when it imports, else HF's) | 2 layers of width 64, 32 x 32 images in 8 x 8 patches |
-| resnet50 | resnet50 on 224 x 224 images, batch 64, channels-last (torchvision's when it imports, else HF's ResNet config, which is resnet50) | a bottleneck ResNet of one block per stage, widths 32-256, 32 x 32 images |
+| resnet50 | resnet50 on 224 x 224 images, batch 64, channels-last (torchvision's when it imports, else HF's ResNet config, which is resnet50) | a bottleneck ResNet of one block per stage, widths 32-256, 64 x 64 images |
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def resnet50(device, small, steps, layers=None, batch=None, seq=None) -> Workloa
     dims = dict(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
                 num_labels=CLASSES) if small else dict(num_labels=1000)  # the default: resnet50
     config = ResNetConfig(**dims)
-    size = 32 if small else 224
+    size = 64 if small else 224  # 64: the last stage's batch norms see 2 x 2 pixels, not one
     model = HFLoss(ResNetForImageClassification(config))
     return Workload("resnet50", model, _images(size, config.num_labels, batch, steps, device),
                     f"HF ResNet ({'resnet50' if not small else 'one bottleneck a stage'}), "
