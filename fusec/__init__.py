@@ -67,26 +67,11 @@ for _module in (decompositions, frontend, outputs, rnn, training, graphviz, log,
 del _module
 
 # The two report writers bring rich and jinja2 (~0.1 s), which only a report needs, so their old
-# names are answered when first asked for: `import fusec.report_html` and `fusec.report_text`
-# (attribute) import the module from its new home then, as the same module object.
+# names are two small files (fusec/report_html.py, report_text.py) that import the module from its
+# new home when first asked for, as the same module object; `fusec.report_text` as an attribute
+# imports it too.
 _MOVED_LATER = {"fusec.report_html": "fusec.inspect.report_html",
                 "fusec.report_text": "fusec.inspect.report_text"}
-
-
-class _OldName:
-    """An import finder and loader for the names in _MOVED_LATER: the module is its new home's."""
-
-    def find_spec(self, name, path=None, target=None):
-        return _importlib.util.spec_from_loader(name, self) if name in _MOVED_LATER else None
-
-    def create_module(self, spec):
-        return _importlib.import_module(_MOVED_LATER[spec.name])
-
-    def exec_module(self, module):
-        pass  # (already run, under its new name)
-
-
-_sys.meta_path.insert(0, _OldName())
 
 
 def __getattr__(name: str):

@@ -74,13 +74,10 @@ SMALL_M_GPU = 16
 # 2.99-3.04 on an H200 (diagnostics/gemv_variants.py). On a CPU the library wins.
 STORED_GEMV_DEVICES = ("cuda",)
 
-# A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8)
-# (extensions/quant_gemv/refine_views.py). On a GPU without the tensor-core kernel for such words
-# (triton_gemv_packed_mma.py: sm_80 and newer) the generic GEMV beat dequantizing for the library
-# matmul up to M = 4 only, so there it keeps up to 4 rows
-# (`python extensions/quant_gemv/diagnostics/awq_shapes.py --m 1,4,8,16`); with it, every
-# SMALL_M_GPU row (docs/performance.md). On a CPU the GEMV keeps all SMALL_M rows: dequantizing
-# for the library there took about eager's time, the GEMV a fifth of it or less.
+# A weight packed along N (AWQ) is computed with its columns in parts, (N/8, 8) (refine_views.py).
+# Without the tensor-core kernel for such words (triton_gemv_packed_mma.py, sm_80+) the generic
+# GEMV beat dequantizing for the library matmul up to M = 4 only (diagnostics/awq_shapes.py); with
+# it, every SMALL_M_GPU row (docs/performance.md). On a CPU the GEMV keeps all SMALL_M rows.
 SPLIT_COLUMNS_MAX_M = 4
 SPLIT_COLUMNS_LIMITED = ("cuda",)  # the devices where that limit applies
 SPLIT_DECLINED = "a weight packed along N"  # (how that decision's reason starts)
