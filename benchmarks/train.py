@@ -21,7 +21,8 @@ Columns, per model and system:
 * x eager: eager's median step time over this system's (above 1: faster than eager); x cpu:
   the same ratio of CPU times;
 * first step s: the first step's time, compile included (fusec and torch.compile compile on
-  their first call);
+  their first call; a later step that compiles again shows in the JSON's `steps_s`, every
+  step's seconds);
 * peak MB: on a GPU, torch.cuda.max_memory_allocated over the steps after the first, less the
   memory allocated before this system's copy of the model was made (so weights, gradients,
   optimizer state and activations count); on a CPU, the process's peak resident set (VmHWM,
@@ -152,7 +153,7 @@ def train(system: str, w, device: str, warmup: int, profile: bool = False) -> di
     run = compiled(system, model)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    losses, times, cpu_times, first = [], [], [], None
+    losses, times, cpu_times, first, every = [], [], [], None, []
     for i, batch in enumerate(w.batches):
         if i == 1:
             memory.reset()
@@ -161,11 +162,12 @@ def train(system: str, w, device: str, warmup: int, profile: bool = False) -> di
         sync()
         seconds = time.perf_counter() - start
         first = seconds if first is None else first
+        every.append(seconds)
         if i >= warmup:
             times.append(seconds * 1e3)
             cpu_times.append((time.process_time() - cpu_start) * 1e3)
         losses.append(loss.item())
-    result = {"losses": losses, "loss_last": losses[-1], "first_step_s": first,
+    result = {"losses": losses, "loss_last": losses[-1], "first_step_s": first, "steps_s": every,
               "step_ms": statistics.median(times) if times else None,
               "step_ms_min": min(times) if times else None,
               "step_ms_max": max(times) if times else None, "timed_steps": len(times),

@@ -23,6 +23,10 @@ import torch
 
 MODELS = ("gpt2", "llama", "bert", "vit", "resnet50")
 CLASSES = 10  # labels of the image models' small configs (1000 at full size)
+# what transformers' image classifiers write into their config at the first call with labels
+# when it is None: set here, so that the second call reads the same Python state as the first
+# (a compiler that guards on it would otherwise compile the step again at the second call)
+SINGLE_LABEL = "single_label_classification"
 
 
 @dataclass
@@ -153,7 +157,7 @@ def vit(device, small, steps, layers=None, batch=None, seq=None) -> Workload:
     if layers:
         dims["num_hidden_layers"] = layers
     config = ViTConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                       attn_implementation="sdpa", **dims)
+                       attn_implementation="sdpa", problem_type=SINGLE_LABEL, **dims)
     model = HFLoss(ViTForImageClassification(config))
     return Workload("vit", model, _images(config.image_size, config.num_labels, batch, steps,
                                           device),
@@ -171,13 +175,16 @@ def resnet50(device, small, steps, layers=None, batch=None, seq=None) -> Workloa
     from transformers import ResNetConfig, ResNetForImageClassification
     dims = dict(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
                 num_labels=CLASSES) if small else dict(num_labels=1000)  # the default: resnet50
-    config = ResNetConfig(**dims)
+    config = ResNetConfig(problem_type=SINGLE_LABEL, **dims)
     size = 64 if small else 224  # 64: the last stage's batch norms see 2 x 2 pixels, not one
     model = HFLoss(ResNetForImageClassification(config))
-    return Workload("resnet50", model, _images(size, config.num_labels, batch, steps, device),
+    if not small:  # as the torchvision one: convolutions in the layout a GPU wants
+        model = model.to(memory_format=torch.channels_last)
+    return Workload("resnet50", model, _images(size, config.num_labels, batch, steps, device,
+                                               channels_last=not small),
                     f"HF ResNet ({'resnet50' if not small else 'one bottleneck a stage'}), "
                     f"widths {config.hidden_sizes[0]}-{config.hidden_sizes[-1]}, "
-                    f"batch {batch} x {size}^2")
+                    f"batch {batch} x {size}^2{', channels-last' if not small else ''}")
 
 
 def workload(name: str, device: str, small: bool, steps: int, **sizes) -> Workload:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import train  # noqa: E402
 
 COLUMNS = {"model", "about", "system", "losses", "loss_last", "first_step_s", "step_ms",
-           "step_ms_min", "step_ms_max", "timed_steps", "cpu_ms", "peak_mb", "max_loss_diff", "loss_tol",
+           "step_ms_min", "step_ms_max", "steps_s", "timed_steps", "cpu_ms", "peak_mb", "max_loss_diff", "loss_tol",
            "losses_match", "x_eager", "x_eager_cpu"}
 
 
