@@ -364,3 +364,25 @@ def record_decisions(gm: fx.GraphModule, pass_name: str, decisions: list) -> fx.
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """A node the op table can compile, producing one tensor."""
+    return (node.op == "call_function" and isinstance(node.meta.get("fusec"), TensorMeta)
+            and (ops.normalize(node) is not None or is_cat(node) or indexed_write(node) is not None
+                 or ops.gathered_read(node) is not None)
+            and not (node.target is torch.ops.aten._to_copy.default
+                     and any(str(meta(a).device) != meta(node).device
+                             for a in node.all_input_nodes)))
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """Follow views (and pieces of split/unbind) back to the value they look into."""
+    while node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload) and ops.classify(node.target) == ops.VIEW:
+            node = node.args[0]
+        elif node.target is operator.getitem and ops.is_multi_view(node.args[0].target):
+            node = node.args[0].args[0]
+        else:
+            break
+    return node

@@ -69,7 +69,7 @@ from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
-from .fuse_pointwise import is_pointwise, view_root
+from .grouping import is_pointwise, view_root
 from .grouping import impure, meta
 from .layout import run_fake, same_strides, set_meta
 from .schedule import fake_mode_of
