@@ -124,6 +124,7 @@ VARIES = [
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x<address>"),
     (re.compile(r"\b[0-9a-f]{20}\b"), "<hash>"),  # content hashes in cache file names
     (re.compile(r"\d+(\.\d+)?(e-?\d+)?\s*(ms|us|µs|ns|s)\b"), "<time>"),
+    (re.compile(r"±\d+(\.\d+)?%"), "±<spread>"),  # the spread of a time over rounds
     # a ratio of two times, and which way it went ("1.57x less", "5.10x more")
     (re.compile(r"\b\d+\.\d+x\b(?: (?:more|less)\b)?"), "<ratio>"),
     # an error against eager or float64 (its rounding differs with the CPU's vector width)
@@ -227,7 +228,7 @@ def test_the_output_check_catches_drift_and_refreshes(tmp_path):
                    "load('/tmp/p/cache/cpp/f-fedcba9876543210fedc.so')  err 8.9e-08\n"
                    "  launches   16     12\n  time    10.588 ms 37.886 ms")
     assert not matches("  launches 16 12", "  launches 16 13")
-    assert matches("time 9.4 ms  5.10x more", "time 2.5 ms  3.93x less")
+    assert matches("time 9.4 ms ±3%  5.10x more", "time 2.5 ms ±725%  3.93x less")
     page = tmp_path / "page.md"
     page.write_text("```python\nprint('kept'); print('detail')\n```\n\n```text output\nkept\n...\n"
                     "```\n\n```python\nprint('new')\n```\n\n```text output\nold\n```\n")
