@@ -443,6 +443,12 @@ class CompiledFunction:
             if self._state_moved():
                 return self._call(args, kwargs)
             names = [ref.name for ref in self._state_refs]
+            if self.compiles:  # a training program again: say why, as `_compile_new` does
+                last = next((k for k in reversed(self.compiled) if k[:1] == ("train",)), None)
+                changed = self._guards.reason(key) or what_changed(
+                    last and last[1:], key[1:], names + self._names(args, kwargs))
+                remember(self.recompiles, f"training: {changed}")
+                events.publish("recompiled", label_of(self.fn), changed)
             device = calls.program_device([*lifted, *tensor_args(args, kwargs, self.fn)])
             backend = resolve_backend(self.backend, device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names,
@@ -461,6 +467,7 @@ class CompiledFunction:
                     raise
                 return self._graph_breaks(cause, args, kwargs)
             self.compiled[key] = entry
+            self.compiles += 1
             self.train_parts, self.last = entry[1], None
             return out
         call, parts = entry

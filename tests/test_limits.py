@@ -210,3 +210,17 @@ def test_a_lambda_does_not_pickle_and_says_why():
     cf = fusec.compile(lambda x: x + 1, backend="cpp")
     with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
         pickle.dumps(cf)
+
+
+def test_training_programs_count_and_say_why_they_compile_again():
+    """A training call (inputs or parameters that require grad) that needs a new program counts as
+    a compile and keeps its reason, as an inference call does (explain shows them)."""
+    model = torch.nn.Linear(4, 3)
+    cf = fusec.compile(model, backend="cpp")
+    inner = getattr(cf, "_compiled", cf)
+    cf(torch.randn(2, 4)).sum().backward()
+    cf(torch.randn(2, 4)).sum().backward()
+    assert inner.compiles == 1 and inner.recompiles == []
+    cf(torch.randn(5, 4)).sum().backward()
+    assert inner.compiles == 2
+    assert inner.recompiles[-1].startswith("training: ") and "(2, 4) -> (5, 4)" in inner.recompiles[-1]
