@@ -110,10 +110,11 @@ def test_the_step_table_fits_and_keeps_its_error_column(wide_report, width):
     text = to_text(wide_report, width=width)
     assert max(map(len, text.splitlines())) <= width
     table = text.split("one line per step")[1].split("outputs:")[0]
-    assert "max error vs f64" in table
+    assert ("max error vs f64" if width > 80 else "max error") in table  # (the header may wrap)
     for row in kernel_rows(wide_report):  # whole cells, not cut short with "…"
-        assert all(row[key] in table for key in ("eager", "fused", "error")), (row, table)
-        assert row["step"][:24] in table  # (a long name folds onto a second line at 24)
+        assert all(row[key] in table for key in ("step", "eager", "fused")), (row, table)
+        words = row["error"].split()  # (the cell may wrap at its spaces when narrow)
+        assert all(word in table for word in words), (row, table)
     if width >= 250:
         assert "left out" not in table and "of ceiling" in table
     else:
