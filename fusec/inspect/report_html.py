@@ -87,7 +87,7 @@ step by step, so each step has a name)</div>{% endif %}
 <a href="#eager">eager ops</a><a href="#explain">explain</a></nav>
 
 <div class="headline">
-  <div class="card"><div class="v">{{ "%.2f" | format(r.speedup) }}×</div>
+  <div class="card"><div class="v">{{ "%.2f×" | format(r.speedup) if r.speedup == r.speedup else "not timed" }}</div>
     <div class="k">speedup (median time per call)</div></div>
   <div class="card"><div class="v">{{ launches(r.eager.launches) }} → {{ launches(r.fused.launches) }}</div>
     <div class="k">kernel launches per call, eager → fused</div></div>
