@@ -130,9 +130,11 @@ def merge_siblings(graph: fx.Graph, group_of: dict, try_merge, decisions: list) 
     yet they walk the same rows with the same reduced dims, so one loop over the rows computes
     both, and a value both read (dy) is loaded once. The merge obeys the same legality checks
     as every other (`why_not_fuse`: no cycle, same device, ...); taken ones are recorded in
-    `record_of(gm).fuse_reductions`, refused ones with the other refusals."""
+    `record_of(gm).fuse_reductions`, refused ones with the other refusals. A matmul computed as a
+    sum (node meta "fusec_matmul", set by a kernel family's graph rewrite) is left alone: a family
+    matches a kernel that holds one such sum, so two siblings keep a kernel each."""
     reductions = [n for n in graph.nodes if n in group_of and group_of[n].key is not None
-                  and ops.reduction(n) is not None]
+                  and ops.reduction(n) is not None and "fusec_matmul" not in n.meta]
     for i, node in enumerate(reductions):
         for other in reductions[i + 1:]:
             a, b = group_of[node], group_of[other]

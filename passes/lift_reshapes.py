@@ -134,6 +134,9 @@ def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bo
     """None if reshaping `value` to `out` can move above its pointwise ops, else why not."""
     if not all(isinstance(s, int) for s in (*out, *meta(value).shape)):
         return "symbolic sizes: the reshape of each input is not known"
+    if _feeds_a_family_sum(view):
+        return (f"{view.name} feeds a matmul computed as a sum (a kernel family's form): the "
+                "family reads its operands as buffers laid out by its rewrite")
     todo = [(value, out)]
     while todo:
         v, v_out = todo.pop()
@@ -156,6 +159,22 @@ def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bo
                 return (f"{a.name} is computed by a kernel: reshaping it would cut that kernel "
                         "instead")
     return None
+
+
+def _feeds_a_family_sum(view: fx.Node) -> bool:
+    """Whether `view` reaches, through pointwise ops, a sum marked "fusec_matmul"."""
+    todo, seen = list(view.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen or u.op != "call_function":
+            continue
+        seen.add(u)
+        if "fusec_matmul" in u.meta:
+            return True
+        if is_pointwise(u) or (isinstance(u.target, torch._ops.OpOverload)
+                               and ops.classify(u.target) == ops.VIEW):
+            todo.extend(u.users)
+    return False
 
 
 def _tensor_with_dims(a) -> bool:
