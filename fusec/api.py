@@ -454,6 +454,8 @@ class CompiledFunction:
             entry = aot_compile(self.fn, args, kwargs, lifted, names,
                                 part_compiler(backend, self.check), self._guards.reached)
             try:  # AOT Autograd traces on the first call
+                # (an argument object holding tensors, a filled cache: a graph break, as capture)
+                calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])
                 with self._guards.recording(key) as recorded, \
                         tracing.python_at_trace_time_refused(), tracing.compiling(), \
                         tracing.dense_attention_masks(), torch_level():

@@ -150,3 +150,51 @@ def check_arguments(leaves: list, names: list[str]) -> None:
                 "its tensors directly, or register the type with torch.utils._pytree",
                 reason=f"argument {name!r} is a {kind} holding tensors, which one graph cannot "
                 "take")
+
+
+# Note (argument objects while tracing): an argument pytree cannot open that holds no tensors yet
+# (a fresh `DynamicCache`, which HF's GPT-2 hands every block when it is compiled block by block,
+# as FSDP2's per-block recipe does) passes `check_arguments`, but the program may put tensors
+# into it (the cache appends this block's keys). Tracing runs the program on fake tensors, so
+# the caller's object would end up holding them (a cache of fake tensors handed back to the user,
+# and AOT Autograd, which traces twice, finding the first trace's fake tensors in the second as
+# constants); and the compiled program, which only computes tensors, would never do it at all.
+# So tracing calls the program with a copy of each such object (`traced_copies`), the caller's
+# object stays as it was, and a program that wrote tensors into the copy is a graph break
+# (`check_copies`): TorchDynamo tracks what a program does to such objects and does it to the
+# caller's object, as eager does.
+
+
+def _is_object(leaf) -> bool:
+    """An argument pytree cannot open: not a tensor, a plain value, a type, a module, a random
+    generator (whose state the program must advance, not a copy's) or a function (which a
+    program calls, not fills)."""
+    return not isinstance(leaf, (torch.Tensor, *outputs.PLAIN, type, torch.nn.Module,
+                                 torch.Generator)) and not callable(leaf)
+
+
+def traced_copies(leaves: list) -> dict[int, object]:
+    """{position: a deep copy} of every argument object among `leaves` (see the Note above);
+    an object that cannot be copied is traced as itself."""
+    import copy
+    copies = {}
+    for i, leaf in enumerate(leaves):
+        if _is_object(leaf):
+            try:
+                copies[i] = copy.deepcopy(leaf)
+            except Exception:  # noqa: BLE001 (locks, handles ...: `check_copies` still looks)
+                copies[i] = leaf
+    return copies
+
+
+def check_copies(copies: dict[int, object]) -> None:
+    """After tracing: refuse, as a graph break, a program that put tensors into an argument
+    object (see the Note above)."""
+    for copied in copies.values():
+        if outputs.holds_tensors(copied):
+            kind = type(copied).__name__
+            raise GraphBreakError(
+                f"fusec: the program puts tensors into its argument, a {kind} (a cache filled "
+                "as it runs); a captured graph returns tensors but cannot change the caller's "
+                "objects",
+                reason=f"puts tensors into an argument {kind}, which one graph cannot do")

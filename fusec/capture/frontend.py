@@ -52,8 +52,9 @@ from fusec.capture import guards
 from fusec.capture import outputs
 # (`module_state`, `program_device`, `compiling`, ... are also importable from here, where they
 # lived before calls.py and tracing.py existed)
-from fusec.capture.calls import (check_arguments, check_devices, flatten_call,  # noqa: F401
-                                 is_cpu_scalar, module_state, program_device)
+from fusec.capture.calls import (check_arguments, check_copies, check_devices,  # noqa: F401
+                                 flatten_call, is_cpu_scalar, module_state, program_device,
+                                 traced_copies)
 from fusec.capture.inplace import mutated_temporaries, out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.torch_level import torch_level
@@ -114,12 +115,18 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
         new_leaves = list(leaves)
         for pos, t in zip(tensor_pos, tensors[n_lifted:]):
             new_leaves[pos] = t
+        copies = traced_copies(new_leaves)  # (Note: argument objects while tracing, calls.py)
+        for pos, copied in copies.items():
+            new_leaves[pos] = copied
         call_args, call_kwargs = rebuild(new_leaves)
         with RecurrentAsExtern(), guards.substituted(reached, tensors[n_own:n_lifted]):
             if module is not None:
                 params = dict(zip(lifted_names[:n_own], tensors[:n_own]))
-                return torch.func.functional_call(module, params, call_args, call_kwargs)
-            return fn(*call_args, **call_kwargs)
+                result = torch.func.functional_call(module, params, call_args, call_kwargs)
+            else:
+                result = fn(*call_args, **call_kwargs)
+        check_copies(copies)
+        return result
     return call
 
 
