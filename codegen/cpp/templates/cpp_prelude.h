@@ -151,7 +151,6 @@ static inline float fusec_erf(float x) {
 }
 static inline double fusec_erf(double x) { return std::erf(x); }
 
-// bfloat16 is stored as the top 16 bits of a float32; convert with round-to-nearest-even.
 // The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
 // eager, and the row is kept inside the source's n rows, so no read ever leaves the buffer (the
 // compiled program checks the index values and raises eager's error: passes/check_gathers.py).
@@ -160,67 +159,83 @@ static inline int64_t fusec_row(int64_t index, int64_t n) {
     return row < 0 ? 0 : (row >= n ? n - 1 : row);
 }
 
-static inline float fusec_bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16; float f; std::memcpy(&f, &bits, 4); return f;
+// Note (vectorized half precision): float16 and bfloat16 values live in memory as their 16 bits
+// (uint16_t) and in registers as float. Every conversion between the two is written below with
+// integer and float operations that have packed forms on every x86-64 level (SSE2's 32-bit
+// shifts, adds, compares and blends; AVX2's and AVX-512's wider ones): each case is computed and
+// the answer selected, with no branch. So a `#pragma omp simd` loop that loads, rounds or stores
+// half values converts 4, 8 or 16 of them per instruction. The compiler's own half type is not
+// used: gcc 12 converts `_Float16` one value at a time (vcvtsh2ss, or a libgcc call without
+// AVX512-FP16) and then leaves the whole loop scalar, which held float16 chains at 0.13x eager's
+// speed. The answers are torch's bit for bit, NaNs included (those of torch's vectorized
+// conversions, which every tensor longer than a few elements takes): tests/test_half_bits.py
+// and tests/test_half_vectorized.py check them, and the latter the packed instructions too.
+// codegen/llvm/templates/llvm_prelude.ll.j2 spells the same steps in LLVM IR.
+// c ? a : b as bit masks. gcc 12 keeps a `?:` of two integers as a branch when the loop also
+// calls a vector function it does not know (torch's SLEEF exp, above), and a loop with a branch is
+// not vectorized: the float16 sigmoid chain stayed scalar on AVX2 and AVX-512 that way.
+static inline int32_t fusec_select_bits(bool c, int32_t a, int32_t b) {
+    const int32_t all = -(int32_t)c;  // all ones where c holds
+    return (a & all) | (b & ~all);
 }
-static inline uint16_t fusec_f32_to_bf16(float f) {
-    uint32_t bits; std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  // quiet NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-static inline float fusec_round_bf16(float f) { return fusec_bf16_to_f32(fusec_f32_to_bf16(f)); }
+static inline uint32_t fusec_float_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+static inline float fusec_bits_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 
-// float16 is stored as its 16 bits too (uint16_t), and converted by the compiler's own half type
-// where it has one: _Float16 (gcc 12+ and clang on x86-64; vcvtph2ps/vcvtps2ph with F16C),
-// __fp16 (AArch64). Elsewhere (older gcc, or -DFUSEC_NO_FLOAT16) with integer bit operations
-// that round to nearest even exactly as torch does; codegen/llvm/templates/llvm_prelude.ll.j2 spells
-// the same steps in LLVM IR.
-#if !defined(FUSEC_NO_FLOAT16) && defined(__aarch64__)
-typedef __fp16 fusec_half;
-#elif !defined(FUSEC_NO_FLOAT16) && defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 12)
-typedef _Float16 fusec_half;
-#else
-#define FUSEC_HALF_IN_BITS 1
-#endif
+// bfloat16 is the top half of a float32: widening is a shift.
+static inline float fusec_bf16_to_f32(uint16_t v) { return fusec_bits_float((uint32_t)v << 16); }
+// float32 -> bfloat16 to nearest even: add 0x7fff plus the lowest kept bit, keep the top 16 bits
+// (a carry into the exponent is right, and the largest floats round up to infinity). A NaN
+// becomes 0xffff, as in torch's AVX2 and AVX-512 conversions.
+static inline uint32_t fusec_bf16_rounded_bits(float f) {
+    const uint32_t bits = fusec_float_bits(f);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return (uint32_t)fusec_select_bits(f != f, (int32_t)0xffff0000u, (int32_t)rounded);
+}
+static inline uint16_t fusec_f32_to_bf16(float f) { return (uint16_t)(fusec_bf16_rounded_bits(f) >> 16); }
+static inline float fusec_round_bf16(float f) { return fusec_bits_float(fusec_bf16_rounded_bits(f)); }
+
+// float16 -> float32 (IEEE half: 1 sign, 5 exponent, 10 mantissa bits), as vcvtph2ps does it:
+//   normal:     move exponent and mantissa up 13 bits, re-bias the exponent by 127 - 15 = 112
+//   inf/NaN:    exponent all ones; a NaN keeps its payload and is made quiet
+//   subnormal:  the mantissa counts steps of 2^-24 (an integer below 1024: converted exactly)
+// Integers are signed where either sign would do: SSE2 compares signed 32-bit integers only.
 static inline float fusec_f16_to_f32(uint16_t h) {
-#ifdef FUSEC_HALF_IN_BITS
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu, exponent = h & 0x7c00u;
-    uint32_t bits;
-    if (exponent == 0) {  // zero or subnormal: the mantissa counts steps of 2^-24, exactly
-        const float tiny = (float)em * 5.9604644775390625e-08f;
-        std::memcpy(&bits, &tiny, 4);
-    } else if (exponent == 0x7c00u) {  // inf or NaN: exponent all ones, payload kept
-        bits = (em << 13) | 0x7f800000u;
-    } else {  // normal: re-bias the exponent from 15 to 127
-        bits = (em << 13) + 0x38000000u;
-    }
-    bits |= sign;
-    float f; std::memcpy(&f, &bits, 4); return f;
-#else
-    fusec_half v; std::memcpy(&v, &h, 2); return (float)v;
-#endif
+    const int32_t em = h & 0x7fff, moved = em << 13;
+    const int32_t normal = moved + 0x38000000;
+    const int32_t special = moved | 0x7f800000 | fusec_select_bits(em > 0x7c00, 0x400000, 0);
+    const int32_t tiny = (int32_t)fusec_float_bits((float)em * 5.9604644775390625e-08f);
+    const int32_t magnitude =
+        fusec_select_bits(em < 0x400, tiny, fusec_select_bits(em >= 0x7c00, special, normal));
+    return fusec_bits_float((uint32_t)magnitude | ((uint32_t)(h & 0x8000) << 16));
 }
+// float32 -> float16 as vcvtps2ph rounds (to nearest even), from |f|'s bits a (below 2^31):
+//   normal:     add 0xfff plus the lowest kept bit, drop 13 mantissa bits
+//   too large:  |f| >= 65520 (halfway above the largest half, 65504) rounds to infinity
+//   subnormal:  |f| < 2^-14: adding 0.5, whose ulp is 2^-24 (a half subnormal's step), makes the
+//               float addition itself round to the nearest step
+//   NaN:        quiet, with the top 10 bits of its payload
+// fusec_round_f16 is fusec_f16_to_f32(fusec_f32_to_f16(f)) in one step (eager rounds every
+// float16 result; a fused chain does it in registers): the same cases, kept as float bits.
 static inline uint16_t fusec_f32_to_f16(float f) {
-#ifdef FUSEC_HALF_IN_BITS
-    uint32_t bits; std::memcpy(&bits, &f, 4);
-    const uint32_t sign = (bits >> 16) & 0x8000u, a = bits & 0x7fffffffu;
-    uint32_t out;
-    if (a > 0x7f800000u) out = 0x7e00u;  // NaN: the quiet NaN, with f's sign
-    else if (a >= 0x477ff000u) out = 0x7c00u;  // rounds to 65536 or more: infinity
-    else if (a < 0x38800000u) {  // subnormal: |f| + 0.5 rounds |f| to a step of 2^-24
-        const float steps = std::fabs(f) + 0.5f;
-        uint32_t s; std::memcpy(&s, &steps, 4);
-        out = s - 0x3f000000u;
-    } else {  // normal: re-bias, round the 13 dropped bits to nearest even
-        out = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
-    }
-    return (uint16_t)(out | sign);
-#else
-    const fusec_half v = (fusec_half)f; uint16_t h; std::memcpy(&h, &v, 2); return h;
-#endif
+    const uint32_t bits = fusec_float_bits(f);
+    const int32_t a = (int32_t)(bits & 0x7fffffffu);
+    const int32_t normal = (a - 0x38000000 + 0xfff + ((a >> 13) & 1)) >> 13;  // re-biased
+    const int32_t tiny = (int32_t)fusec_float_bits(fusec_bits_float(a) + 0.5f) - 0x3f000000;
+    const int32_t big = fusec_select_bits(a > 0x7f800000, 0x7e00 | ((a >> 13) & 0x3ff), 0x7c00);
+    const int32_t magnitude =
+        fusec_select_bits(a < 0x38800000, tiny, fusec_select_bits(a < 0x477ff000, normal, big));
+    return (uint16_t)((uint32_t)magnitude | ((bits >> 16) & 0x8000u));
 }
-static inline float fusec_round_f16(float f) { return fusec_f16_to_f32(fusec_f32_to_f16(f)); }
+static inline float fusec_round_f16(float f) {
+    const uint32_t bits = fusec_float_bits(f);
+    const int32_t a = (int32_t)(bits & 0x7fffffffu);
+    const int32_t normal = (a + 0xfff + ((a >> 13) & 1)) & ~0x1fff;
+    const int32_t tiny = (int32_t)fusec_float_bits((fusec_bits_float(a) + 0.5f) - 0.5f);
+    const int32_t big = fusec_select_bits(a > 0x7f800000, (a | 0x400000) & ~0x1fff, 0x7f800000);
+    const int32_t magnitude =
+        fusec_select_bits(a < 0x38800000, tiny, fusec_select_bits(a < 0x477ff000, normal, big));
+    return fusec_bits_float((uint32_t)magnitude | (bits & 0x80000000u));
+}
 
 // Division that rounds like torch: floor division matches Python's `//`.
 template <typename T> static inline T fusec_floordiv(T a, T b) {
