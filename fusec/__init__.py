@@ -13,33 +13,22 @@ The package is laid out in pipeline order (docs/architecture.md has the map): ca
 into an ATen graph) -> passes/ -> codegen/ -> runtime/ (build, load and run the program), with the
 driver (api.py, driver.py) and the data every stage shares (ir.py, ops.py, errors.py, cache.py,
 events.py) at this level, and inspect/ (explain, profile, logs, reports) reading all of it.
-This file is the public face: it names what `import fusec` gives.
+This file is the public face: it names what `import fusec` gives, and loads almost none of it
+(see "Note: a lazy face" below), so `import fusec` does not import torch.
 """
 import sys as _sys
+import threading as _threading
+import types as _types
+from importlib import import_module as _import_module
+from importlib.machinery import ModuleSpec as _ModuleSpec
 
-from fusec import device as _device  # first: it switches Triton's interpreter on without a GPU
-from fusec.api import CompiledFunction, CompiledModule, Kernel, compile, regions
-from fusec.capture.regions import Regions
+# errors.py imports nothing, so the error and warning classes are here at once (`except fusec.
+# FusecError` costs no import).
 from fusec.errors import (CompileError, CompilerNotFoundError, DeviceError, FallbackWarning,
                           FusecError, FusecWarning, GraphBreakError, GraphBreakWarning,
                           MismatchError, UnsupportedError)
-from fusec.inspect import log  # registers the FUSEC_LOG / FUSEC_DEBUG_DIR printer (events.py)
-from fusec.inspect.explain import explain
-from fusec.inspect.profile import profile
 
-import importlib as _importlib
-from importlib.util import find_spec as _find_spec
-from pathlib import Path as _Path
-
-# The extensions that ship with fusec (extensions/<name>/, installed as fusec.extensions.<name>)
-# plug into the core's doors: codegen/families.py for kernel families, passes.register for graph
-# passes. Each folder's `plugin.py` registers what it brings, by name, and its code loads when
-# first asked; the core names none of them.
-for _folder in _find_spec("fusec.extensions").submodule_search_locations:
-    for _plugin in sorted(_Path(_folder).glob("*/plugin.py")):
-        _importlib.import_module(f"fusec.extensions.{_plugin.parent.name}.plugin")
-
-TRITON_IMPORTED_BEFORE_FUSEC = _device.TRITON_IMPORTED_BEFORE_FUSEC
+TRITON_IMPORTED_BEFORE_FUSEC = "triton" in _sys.modules  # (fusec/device.py says why it matters)
 __version__ = "0.1.0"
 
 __all__ = [
@@ -49,32 +38,177 @@ __all__ = [
     "FallbackWarning",
 ]
 
+# Note: a lazy face. Importing the compiler means importing torch (~1 s on a small CPU) and, at
+# the first capture, torch's tracing machinery (Dynamo, Triton, sympy: ~1-2 s more). A script that
+# only asks `fusec --help`, or imports fusec to name `fusec.FusecError`, should pay none of it. So
+# this file names each public object by where it lives (PEP 562: the module's `__getattr__` runs
+# when a name is not yet here), and the first `fusec.compile` imports fusec.api, which brings the
+# core. Three things used to happen at `import fusec` and must still happen before they matter:
+#
+# 1. fusec/device.py switches Triton's interpreter on when there is no GPU, which Triton reads
+#    when it is imported: the finder below imports fusec.device just before anything (fusec,
+#    torch's tracing machinery or the user) first imports triton;
+# 2. the extensions register their kernel families and passes (each extensions/<name>/plugin.py),
+#    and fusec.inspect.log subscribes the FUSEC_LOG / FUSEC_DEBUG_DIR printer to fusec/events.py:
+#    the finder does both as soon as an import that brought the registries (fusec.passes,
+#    fusec.codegen.families) or the events finishes, so nothing reads them before: not
+#    `fusec.compile`, not `torch.compile(m, backend="fusec")` (fusec.dynamo, which Dynamo imports
+#    by name), not a test that imports fusec.passes alone;
+# 3. the old module names (below) answer as the same module objects as their new homes.
+#
+# tests/test_first_hour.py checks that `import fusec` imports no torch, that every name of
+# __all__ resolves and that the old names are the new modules.
+
+_PUBLIC = {"compile": "fusec.api", "regions": "fusec.api", "Kernel": "fusec.api",
+           "CompiledFunction": "fusec.api", "CompiledModule": "fusec.api",
+           "Regions": "fusec.capture.regions", "explain": "fusec.inspect.explain",
+           "profile": "fusec.inspect.profile"}
+
 # ---- where modules used to be ---------------------------------------------------------------------
 # Before fusec/ had rooms, these modules sat at its top level, and code outside this repository
 # imports them there (`from fusec.frontend import capture`, `fusec.log.compile_times`). Each old
-# name is the same module object as its new home, so importing or patching either is the same.
-# (`fusec.explain` and `fusec.profile` stay the functions; their modules answer `from fusec.explain
-# import kernel_traffic` as before.)
-from fusec.capture import decompositions, frontend, outputs, rnn, training  # noqa: E402
-from fusec.inspect import explain as _explain_module  # noqa: E402
-from fusec.inspect import graphviz, plots  # noqa: E402
-from fusec.inspect import profile as _profile_module  # noqa: E402
-from fusec.runtime import build  # noqa: E402
-
-for _module in (decompositions, frontend, outputs, rnn, training, graphviz, log, plots,
-                build, _explain_module, _profile_module):
-    _sys.modules.setdefault(f"fusec.{_module.__name__.rpartition('.')[2]}", _module)
-del _module
-
-# The two report writers bring rich and jinja2 (~0.1 s), which only a report needs, so their old
-# names are two small files (fusec/report_html.py, report_text.py) that import the module from its
-# new home when first asked for, as the same module object; `fusec.report_text` as an attribute
-# imports it too.
-_MOVED_LATER = {"fusec.report_html": "fusec.inspect.report_html",
-                "fusec.report_text": "fusec.inspect.report_text"}
+# name is the same module object as its new home, imported when first asked for, so importing or
+# patching either is the same. (`fusec.explain` and `fusec.profile` stay the functions; their
+# modules answer `from fusec.explain import kernel_traffic` as before.)
+_MOVED = {f"fusec.{old}": f"fusec.{room}.{old}" for room, olds in (
+    ("capture", ("decompositions", "frontend", "outputs", "rnn", "training")),
+    ("inspect", ("explain", "graphviz", "log", "plots", "profile", "report_html", "report_text")),
+    ("runtime", ("build",))) for old in olds}
 
 
 def __getattr__(name: str):
-    if f"fusec.{name}" in _MOVED_LATER:
-        return _importlib.import_module(f"fusec.{name}")
+    """`fusec.compile` and the other public names, imported from their homes when first asked
+    for; `fusec.cache`, `fusec.api`, ... (any submodule, old names included) imported likewise."""
+    if name in _PUBLIC:
+        value = globals()[name] = getattr(_import_module(_PUBLIC[name]), name)
+        return value
+    if not name.startswith("_"):
+        try:
+            return _import_module(f"fusec.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"fusec.{name}":
+                raise
     raise AttributeError(f"module 'fusec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Face(_types.ModuleType):
+    """The class of this module: the import system sets every module it loads as an attribute of
+    its package, which for the old name `fusec.explain` would hide the function `fusec.explain`
+    behind its module. A public name stays the public object."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _PUBLIC and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Face
+
+
+# ---- the finder that keeps the three promises of the note ----------------------------------------
+class _OldName:
+    """The loader of an old module name: the module it gives is its new home's, imported now."""
+
+    def __init__(self, home: str):
+        self.home = home
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        # The import system returns whatever sys.modules holds under the name after this runs.
+        _sys.modules[module.__name__] = _import_module(self.home)
+
+
+class _Counted:
+    """Wraps a fusec module's own loader to know when the outermost fusec import has finished
+    (the modules it brought are then whole): then the finder does what waits on them."""
+
+    def __init__(self, loader, finder: "_Finder"):
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader  # (as if never wrapped)
+        depth = getattr(self.finder.local, "depth", 0)
+        self.finder.local.depth = depth + 1
+        try:
+            self.loader.exec_module(module)
+        finally:
+            self.finder.local.depth = depth
+        if depth == 0:
+            self.finder.finished_import()
+
+
+class _Finder:
+    """A meta-path finder (docs.python.org: importlib, "finders"), first in sys.meta_path. It
+    finds nothing itself: it answers the old names, imports fusec.device before triton, and
+    watches fusec's own imports until the registries are filled."""
+
+    def __init__(self):
+        self.local = _threading.local()  # how deep this thread is in fusec imports
+        self.waiting = {"extensions", "log"}
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name == "triton":
+            _device_before_triton()
+        elif name in _MOVED:
+            return _ModuleSpec(name, _OldName(_MOVED[name]))
+        elif self.waiting and name.startswith("fusec."):
+            spec = self._their_spec(name, path, target)
+            if spec is not None and spec.loader is not None and \
+                    hasattr(spec.loader, "exec_module"):
+                spec.loader = _Counted(spec.loader, self)
+            return spec
+        return None
+
+    def _their_spec(self, name: str, path, target):
+        """The spec the finders after this one give (the installed package's own)."""
+        for finder in _sys.meta_path[_sys.meta_path.index(self) + 1:]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                return spec
+        return None
+
+    def finished_import(self) -> None:
+        """An outermost import of fusec modules finished: fill the registries it brought."""
+        if "extensions" in self.waiting and ("fusec.passes" in _sys.modules
+                                             or "fusec.codegen.families" in _sys.modules):
+            self.waiting.discard("extensions")
+            _register_extensions()
+        if "log" in self.waiting and "fusec.events" in _sys.modules:
+            self.waiting.discard("log")
+            _import_module("fusec.inspect.log")  # subscribes the FUSEC_LOG printer
+
+
+def _device_before_triton() -> None:
+    """Import fusec.device (it sets TRITON_INTERPRET=1 without a GPU) before triton is imported.
+    Not while torch itself is being imported (fusec.device needs a whole torch to ask for a GPU)."""
+    torch = _sys.modules.get("torch")
+    if "fusec.device" in _sys.modules or \
+            torch is not None and getattr(torch.__spec__, "_initializing", False):
+        return
+    _import_module("fusec.device")
+
+
+def _register_extensions() -> None:
+    """The extensions that ship with fusec (extensions/<name>/, installed as fusec.extensions.
+    <name>) plug into the core's doors: codegen/families.py for kernel families, passes.register
+    for graph passes. Each folder's `plugin.py` registers what it brings, by name, and its code
+    loads when first asked; the core names none of them."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    for folder in find_spec("fusec.extensions").submodule_search_locations:
+        for plugin in sorted(Path(folder).glob("*/plugin.py")):
+            _import_module(f"fusec.extensions.{plugin.parent.name}.plugin")
+
+
+_sys.meta_path.insert(0, _Finder())

@@ -36,16 +36,11 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 import fusec
-from fusec import progress as bars
-from fusec.codegen import backends
-from fusec.demo import run_demo, run_example
-from fusec.device import default_device
 from fusec.errors import FusecError
-from fusec.inspect.report import STAGES
-from fusec.load import load
+
+# torch and the compiler are imported by the command that needs them, after its arguments are
+# parsed: `fusec --help` and a mistyped option answer at once (fusec/__init__.py's "lazy face").
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +115,8 @@ def _with_progress_flag(args) -> int:
 
 
 def _run(args) -> int:
+    from fusec.demo import run_demo, run_example
+
     try:
         if args.command == "demo":
             run_demo(args.backend)
@@ -145,6 +142,12 @@ def _run(args) -> int:
 
 def _example(spec: str, device: str | None, small: bool = False, backend: str = "auto",
              inputs: str | None = None):
+    import torch
+
+    from fusec.codegen import backends
+    from fusec.device import default_device
+    from fusec.load import load
+
     if device is None:  # a GPU backend named on a GPU machine: its tensors on the GPU
         device = default_device() if backends.runs_on_gpus(backend) else "cpu"
     if device == "auto":  # the CPU backends' examples live on the CPU, also on a GPU machine
@@ -179,6 +182,9 @@ def _explain(ex, args) -> None:
 
 
 def _profile(ex, args) -> None:
+    from fusec import progress as bars
+    from fusec.inspect.report import STAGES
+
     with bars.session() as bar:  # None unless stderr is a terminal or --progress
         task = bar.add_task("profile", total=len(STAGES)) if bar else None
         seen: list[str] = []
