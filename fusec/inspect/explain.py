@@ -51,6 +51,7 @@ from fusec.codegen import backends
 from fusec.driver import CompiledGraph, compile_graph
 from fusec.errors import FusecError, GraphBreakError
 from fusec.inspect.changes import pass_changes
+from fusec.inspect import distributed
 from fusec.inspect.graphviz import dot_after, dot_before, render_svg
 # (kernel_traffic and distinct_elements are also importable from here, where they lived before)
 from fusec.inspect.groups import (distinct_elements, fallback_rows, format_groups,  # noqa: F401
@@ -210,8 +211,11 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
 
     `model` may be a plain function or module, one already wrapped by fusec.compile, or one
     returned by `torch.compile(..., backend="fusec")`. Returns an Explanation, or a
-    RegionsExplanation when the program runs in regions with graph breaks between them.
+    RegionsExplanation when the program runs in regions with graph breaks between them, or a
+    StepTimeline for a model under DDP or FSDP2 (fusec/inspect/distributed.py).
     """
+    if distributed.is_distributed(model):  # collectives live in hooks and autograd: run a step
+        return distributed.step_timeline(model, inputs, kwargs)
     torch_compiled = original(model)
     if torch_compiled is not None:  # torch.compile(..., backend="fusec"): Dynamo's regions
         collected = regions(model)

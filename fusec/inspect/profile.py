@@ -49,6 +49,7 @@ from torch.utils import _pytree as pytree
 from fusec.api import label_of, part_compiler
 from fusec.api import compile as fusec_compile
 from fusec.capture import calls
+from fusec.inspect import distributed
 from fusec.capture.regions import Regions, collect_regions, dynamo_compile, original
 from fusec.check import compare, float64_reference
 from fusec.driver import CompiledGraph, compile_graph
@@ -75,6 +76,8 @@ def profile(model, *inputs, backend: str = "auto", iters: int = 10, warmup: int 
     copy-bandwidth measurement (default 64 MB on the CPU, 256 MB on a GPU);
     progress: called with each stage's name as it starts (the CLI draws a progress bar).
     """
+    if distributed.is_distributed(model):  # DDP / FSDP2: one step, collectives between programs
+        return distributed.step_timeline(model, inputs, kwargs, times=True)
     step = progress or (lambda stage: None)
     options = dict(iters=iters, warmup=warmup, time_budget_s=time_budget_s,
                    copy_bytes=copy_bytes, progress=progress)
