@@ -176,6 +176,8 @@ def run_row(name: str, build, args) -> dict:
     fns = {"eager": lambda: model(*inputs)}
     compilers = {"inductor": lambda: torch.compile(model),
                  "fusec": lambda: fusec.compile(model, backend=args.backend)}
+    for other in args.also_backends:  # more fusec columns, timed in the same turns
+        compilers[f"fusec_{other}"] = lambda other=other: fusec.compile(model, backend=other)
     for key, make in compilers.items():
         try:
             start = time.perf_counter()
@@ -190,8 +192,8 @@ def run_row(name: str, build, args) -> dict:
             row[f"{key}_ok"] = ok
             if ok:
                 fns[key] = (lambda c=compiled: c(*inputs))
-            if key == "fusec":
-                row["kernels"] = len(compiled.kernels)
+            if key.startswith("fusec"):
+                row["kernels" + key[len("fusec"):]] = len(compiled.kernels)
         except Exception as exc:  # noqa: BLE001
             row[f"{key}_ok"] = False
             row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -210,9 +212,17 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], key: str = "fusec", also: bool = True) -> dict:
     """Geomeans of fusec's speed-up over rows where all three were timed, and the rows slower
-    than eager (at all, and by more than 10%)."""
+    than eager (at all, and by more than 10%). `key`: which fusec column ("fusec_llvm" for
+    `--also-backends llvm`); each other backend's summary is under "also"."""
+    others = sorted({k[:-3] for r in rows for k in r
+                     if k.startswith("fusec_") and k.endswith("_ms") and k != "fusec_ms"})
+    if also and others:
+        return {**summary(rows, key, False), "also": {o[len("fusec_"):]: summary(rows, o, False)
+                                                      for o in others}}
+    rows = [{**r, "fusec_ms": r[f"{key}_ms"]} if f"{key}_ms" in r else
+            {k: v for k, v in r.items() if k != "fusec_ms"} for r in rows]
     timed = [r for r in rows if all(f"{k}_ms" in r for k in ("eager", "inductor", "fusec"))]
     return {
         "rows": len(rows),
@@ -226,7 +236,17 @@ def summary(rows: list[dict]) -> dict:
         "slower_than_1.1x_eager": [r["name"] for r in rows if "fusec_ms" in r and "eager_ms" in r
                                    and r["fusec_ms"] > 1.1 * r["eager_ms"]],
         "not_ok": {r["name"]: r["status"] for r in rows if r["status"] != "ok"},
+        "slower_than_inductor": [r["name"] for r in timed if r["fusec_ms"] > r["inductor_ms"]],
     }
+
+
+def _also_lines(stats: dict) -> list[str]:
+    """One sentence per `--also-backends` backend (its geomeans and slow rows)."""
+    return [f"fusec {b}: geomean {s['geomean_vs_eager']:.2f}x eager and "
+            f"{s['geomean_vs_inductor']:.2f}x torch.compile over {s['timed']} timed rows. Slower "
+            f"than eager: {', '.join(s['slower_than_eager']) or 'none'}; by more than 10%: "
+            f"{', '.join(s['slower_than_1.1x_eager']) or 'none'}."
+            for b, s in stats.get("also", {}).items()]
 
 
 def print_table(rows: list[dict], stats: dict, title: str) -> None:
@@ -255,6 +275,8 @@ def print_table(rows: list[dict], stats: dict, title: str) -> None:
         f"{stats['inductor_geomean_vs_eager']:.2f}x eager). Slower than eager: "
         f"{', '.join(stats['slower_than_eager']) or 'none'}; by more than 10%: "
         f"{', '.join(stats['slower_than_1.1x_eager']) or 'none'}.")
+    for line in _also_lines(stats):
+        console.print(line)
     for name, status in stats["not_ok"].items():
         detail = next(r for r in rows if r["name"] == name)
         console.print(f"  {name}: {status}: "
@@ -266,25 +288,30 @@ def markdown(rows: list[dict], stats: dict, meta: dict) -> str:
     def ms(r, key):
         return f"{r[key]:.3f}" if key in r else "—"
 
-    def ratio(r, key):
-        return f"{r[key] / r['fusec_ms']:.2f}x" if key in r and "fusec_ms" in r else "—"
+    def ratio(r, key, of="fusec"):
+        return f"{r[key] / r[f'{of}_ms']:.2f}x" if key in r and f"{of}_ms" in r else "—"
+    also = list(stats.get("also", {}))
+    head = "".join(f" fusec {b} ms | {b} vs eager | {b} vs torch.compile |" for b in also)
     lines = [f"{meta['device_name']}, {meta['threads']} thread(s), torch {meta['torch']}, "
              f"{meta['scale']} scale, {meta['dtype']}, whole run {meta['wall_s']} s.", "",
-             "| row | kernels | fusec rel. err | eager ms | torch.compile ms | fusec ms | fusec vs eager | fusec vs torch.compile |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| row | kernels | fusec rel. err | eager ms | torch.compile ms | fusec ms | fusec vs eager | fusec vs torch.compile |" + head,
+             "|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(also)]
     for r in rows:
         err = r.get("fusec_rel_err")
         name = r["name"] + ("" if r["status"] == "ok" else f" ({r['status']})")
         lines.append(f"| {name} | {r.get('kernels', '—')} | "
                      f"{f'{err:.1e}' if isinstance(err, float) else '—'} | {ms(r, 'eager_ms')} | "
                      f"{ms(r, 'inductor_ms')} | {ms(r, 'fusec_ms')} | {ratio(r, 'eager_ms')} | "
-                     f"{ratio(r, 'inductor_ms')} |")
+                     f"{ratio(r, 'inductor_ms')} |"
+                     + "".join(f" {ms(r, f'fusec_{b}_ms')} | {ratio(r, 'eager_ms', f'fusec_{b}')} | "
+                               f"{ratio(r, 'inductor_ms', f'fusec_{b}')} |" for b in also))
     lines += ["", f"{stats['fusec_correct']}/{stats['rows']} rows match eager. Geomean over "
                   f"{stats['timed']} timed rows: fusec {stats['geomean_vs_eager']:.2f}x eager, "
                   f"{stats['geomean_vs_inductor']:.2f}x torch.compile (torch.compile "
                   f"{stats['inductor_geomean_vs_eager']:.2f}x eager). Slower than eager: "
                   f"{', '.join(stats['slower_than_eager']) or 'none'}; by more than 10%: "
                   f"{', '.join(stats['slower_than_1.1x_eager']) or 'none'}."]
+    lines += ["", *_also_lines(stats)] if also else []
     return "\n".join(lines) + "\n"
 
 
@@ -295,6 +322,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default="auto", help="fusec backend (auto, cpp, llvm, triton)")
+    parser.add_argument("--also-backends", default="", type=lambda s: [b for b in s.split(",") if b],
+                        help="more fusec backends as columns, timed in the same turns (llvm)")
     parser.add_argument("--only", default="", help="comma-separated name prefixes")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--skip-problems", action="store_true")

@@ -20,6 +20,56 @@ from fusec.ir import PointwiseKernel, contiguous_strides
 
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
 CHUNK = 8192
+
+# Note (threads for small kernels): an OpenMP parallel region costs the time it takes to wake
+# the other threads (the C++ backend's sleep at once when idle: cpp/_load_library) and to wait
+# for the last one at the end. On an idle 2-core machine that is a few microseconds; on a busy
+# one a woken thread may wait for a core, and the region for it: on this project's 2-core Xeon
+# under load, relu(hardswish(x)) over 32768 floats took 10-13 us on one thread and 0.1-8 ms on
+# two. So a kernel runs on one thread unless its work, counted in bytes, reaches PARALLEL_WORK:
+# the bytes it loads and stores per position (its dtypes' sizes), plus COSTLY_OP bytes for each
+# transcendental function it computes per position (one exp costs a float32 vector lane about
+# what moving 16 bytes does), times its positions. 512 KiB is 20-25 us of work on one core, where
+# one thread wake-up stops mattering. `thread_choice(kernel)` decides; both CPU backends ask it and
+# print its reason at the top of each kernel ("threads: 1 (225 KiB of work)"), so `fusec
+# explain` shows it.
+PARALLEL_WORK = 512 * 1024
+COSTLY_OP = 16
+COSTLY = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "tanh",
+          "sinh", "cosh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "erf",
+          "erfc", "erfinv", "sigmoid", "pow", "gelu", "gelu_tanh", "silu", "mish", "softplus",
+          "lgamma", "digamma", "fmod", "remainder"}
+
+
+def work_bytes(kernel) -> int:
+    """The kernel's work per call in bytes (Note: threads for small kernels): the distinct
+    elements it loads (a broadcast row counts once) and the ones it stores, plus COSTLY_OP for
+    each transcendental statement per position. A reduction counts its rows x k positions once
+    (its later passes re-read what is then in cache)."""
+    positions = kernel.numel
+    shape = kernel.shape if isinstance(kernel, PointwiseKernel) \
+        else tuple(kernel.row_shape) + tuple(kernel.k_shape)
+
+    def distinct(load) -> int:  # a broadcast (stride 0) re-reads what is in cache
+        if len(load.index.strides) != len(shape):
+            return positions
+        return math.prod(n for n, s in zip(shape, load.index.strides) if s)
+    loaded = sum(load.dtype.itemsize * distinct(load) for load in kernel.loads)
+    stored = sum(store.dtype.itemsize for store in kernel.stores) * positions
+    stmts = getattr(kernel, "stmts", None) or getattr(kernel, "body", ())
+    costly = sum(1 for s in stmts if str(getattr(s, "op", "")).split(".")[0] in COSTLY)
+    return loaded + stored + COSTLY_OP * costly * positions
+
+
+def thread_choice(kernel) -> tuple[bool, str]:
+    """(run on several threads?, why) for one CPU kernel (Note: threads for small kernels)."""
+    if getattr(kernel, "row_shape", None) is not None and kernel.rows <= 1:
+        return False, "threads: 1 (one row)"  # a reduction's threads split its rows
+    work = work_bytes(kernel)
+    size = f"{work / 1024:.0f} KiB" if work < 1 << 20 else f"{work / (1 << 20):.1f} MiB"
+    if work < PARALLEL_WORK:
+        return False, f"threads: 1 ({size} of work)"
+    return True, f"threads: all ({size} of work)"
 TILE_STRIDE = 16  # an inner stride of this many elements or more puts each step on a new line
 
 
@@ -53,6 +103,12 @@ def short_rows(kernel: PointwiseKernel) -> int:
 def summary(kernel: PointwiseKernel) -> str:
     names = [op.replace("aten.", "").split(".")[0] for op in kernel.ops]
     return f"fuses {len(names)} ATen op(s): {', '.join(names)}"
+
+
+def heading(kernel) -> str:
+    """The first line of a CPU kernel's source after its name: what it fuses and on how many
+    threads it runs, and why (Note: threads for small kernels)."""
+    return f"{summary(kernel)}; {thread_choice(kernel)[1]}"
 
 
 SUM_BLOCK_MIN = 256

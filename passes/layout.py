@@ -21,8 +21,10 @@ This pass tries the other layout and keeps it when the stated cost model says it
 3. every program output whose strides now differ from eager's gets a conversion back to exactly
    eager's strides (a `clone` pinned to them), so callers see what eager returns;
 4. the price: a conversion that reads a tensor some kernel writes anyway fuses into that kernel
-   (it only changes the order the kernel stores in) and is free; a conversion of a program input,
-   a weight or an extern's result is one extra pass over the tensor and one more kernel launch. Each convolution's gain is
+   (it only changes the order the kernel stores in): free on a GPU, and on a CPU the price of
+   storing its bytes out of order (Note: a fused conversion is not free, layout_plan.py); a
+   conversion of a program input, a weight or an extern's result is one extra pass over the
+   tensor and one more kernel launch (`conversion_cost`). Each convolution's gain is
    its estimated time (FLOPs / throughput) times (1 - 1/speedup), with the speedup measured per
    device, convolution kind and dtype (SPEEDUP in layout_plan.py). The channels-last graph is kept only when
    the gains exceed the extra passes; otherwise the captured graph is returned unchanged.
@@ -54,7 +56,7 @@ from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
 
 from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, PER_THREAD, SPEEDUP,  # noqa: F401
-                          ConvChoice, Conversion, LayoutPlan, speedup)
+                          ConvChoice, Conversion, LayoutPlan, conversion_cost, speedup)
 from .schedule import is_dense, fake_mode_of
 
 aten = torch.ops.aten
@@ -102,8 +104,7 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
 
     plan = LayoutPlan("channels_last", "", choices, conversions)
     plan.gain_s = sum(c.gain_s for c in choices)
-    plan.cost_s = sum(c.nbytes * 2 / BANDWIDTH[_kind(c)] + LAUNCH[_kind(c)]
-                      for c in conversions if not c.free)
+    plan.cost_s = sum(conversion_cost(c) for c in conversions)
     if forced == "channels_last":
         plan.reason = "FUSEC_LAYOUT=channels_last (cost model overridden)"
     elif plan.gain_s > plan.cost_s:

@@ -62,6 +62,28 @@ PER_THREAD = {"cpu"}  # devices whose FLOPS above are per thread
 BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)
 LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
 
+# Note (a fused conversion is not free on the CPU): a conversion whose input some kernel writes
+# anyway fuses into that kernel and only changes the order it stores in. On a GPU the stores of
+# neighbouring threads still land side by side, so it costs nothing. A CPU thread walks the
+# kernel's own (say NHWC) order, and each store to the NCHW copy lands H x W elements from the
+# last, on a new cache line: an NHWC -> NCHW epilogue over 450 KiB (2 x 64 x 30 x 30 f32) took
+# 65 us against 15 us for the same kernel storing in order (C++ backend, one thread of this
+# project's 2-core Xeon), about one more pass over its bytes at the transposing-copy bandwidth.
+# Priced as free, it made the layout pass choose channels-last for the small convolutions of
+# KernelBench level 2 (a conv2d of 8 -> 64 channels at 32 x 32 followed by HardSwish and ReLU):
+# three kernels where eager runs one convolution and one pointwise op, and 1.4x slower than eager.
+FUSED_CONVERSION = {"cpu": True, "cuda": False}  # does a fused conversion cost its bytes here?
+
+
+def conversion_cost(c: "Conversion") -> float:
+    """Estimated seconds one conversion adds per call: a pass of its own (read and write at the
+    transposing-copy bandwidth, plus a launch); fused into the kernel that writes its input, the
+    write side alone on a CPU and nothing on a GPU (Note: a fused conversion is not free)."""
+    kind = "cuda" if c.device.startswith("cuda") else "cpu"
+    if c.free:
+        return c.nbytes / BANDWIDTH[kind] if FUSED_CONVERSION[kind] else 0.0
+    return c.nbytes * 2 / BANDWIDTH[kind] + LAUNCH[kind]
+
 
 def speedup(device: str, spatial: int, transposed: bool, dtype: torch.dtype) -> tuple[float, str]:
     """(measured channels-last speedup, why) for one convolution."""
@@ -133,8 +155,13 @@ class LayoutPlan:
             lines.append(f"  {c.node:<24} {c.what}: {c.flops / 1e9:.3g} GFLOP, "
                          f"gain {c.gain_s * 1e3:.3f} ms  ({c.reason})")
         for c in self.conversions:
-            cost = "free: fuses into the kernel that writes it" if c.free else \
-                f"{c.nbytes} bytes, one extra pass"
+            if c.free and not conversion_cost(c):
+                cost = "free: fuses into the kernel that writes it"
+            elif c.free:
+                cost = (f"fuses into the kernel that writes it; its {c.nbytes} bytes are stored "
+                        f"out of order, {conversion_cost(c) * 1e3:.3f} ms")
+            else:
+                cost = f"{c.nbytes} bytes, one extra pass, {conversion_cost(c) * 1e3:.3f} ms"
             lines.append(f"  {c.node:<24} {c.source} -> {c.to}: {c.why} ({cost})")
         if self.tensors:
             lines.append("  tensors:")

@@ -37,7 +37,7 @@ from .. import elf, families, tools
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude)
-from ..cpu_plan import CHUNK, PARALLEL_THRESHOLD, TILE_STRIDE, short_rows, sleef_symbols_in, summary
+from ..cpu_plan import CHUNK, TILE_STRIDE, heading, short_rows, sleef_symbols_in, thread_choice
 from ..render import no_indexed_writes, render_template
 
 # -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
@@ -218,9 +218,9 @@ def render(kernel) -> str:
     params = _params(kernel)
     return render_template(
         "cpp_pointwise.cpp.j2",
-        name=kernel.name, summary=summary(kernel),
+        name=kernel.name, summary=heading(kernel),
         source_shape=kernel.source_shape, numel=kernel.numel, rows=rows, inner=inner,
-        chunk=max(chunk, 1), parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}", row_tile=row_tile,
+        chunk=max(chunk, 1), parallel=str(thread_choice(kernel)[0]).lower(), row_tile=row_tile,
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params, row_setup=row_setup, gathers=gathers, body=body)
@@ -264,9 +264,9 @@ def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
              f"{store_value(store.var, store.dtype)};" for store in kernel.stores]
     params = _params(kernel)
     return render_template(
-        "cpp_short_rows.cpp.j2", name=kernel.name, summary=summary(kernel),
+        "cpp_short_rows.cpp.j2", name=kernel.name, summary=heading(kernel),
         source_shape=kernel.source_shape, numel=kernel.numel, rows=math.prod(kernel.shape[:-1]),
-        inner=inner, tile_rows=tile_rows, parallel=f"ROWS * INNER >= {PARALLEL_THRESHOLD}",
+        inner=inner, tile_rows=tile_rows, parallel=str(thread_choice(kernel)[0]).lower(),
         params=params, repeats=repeats, body=body)
 
 

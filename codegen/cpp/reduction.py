@@ -23,8 +23,8 @@ from fusec.ir import Index, Reduce
 
 from . import columns as cpp_columns
 from .text import CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal
-from ..cpu_plan import (PARALLEL_THRESHOLD, TILE_STRIDE, column_blocks, column_sum_block,
-                       cpp_sum_block, sum_block, summary)
+from ..cpu_plan import (TILE_STRIDE, column_blocks, column_sum_block, cpp_sum_block, heading,
+                       sum_block, thread_choice)
 from ..render import render_template
 from ..unroll_rows import unrolled_or_same
 
@@ -65,15 +65,15 @@ def assemble(kernel, parts: ReductionLines, note: str) -> str:
                                                           parts.sections, parts.row_stores,
                                                           parts.producers)
         return render_template(
-            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=summary(kernel),
+            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=heading(kernel),
             source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-            k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}",
+            k=kernel.k, parallel=str(thread_choice(kernel)[0]).lower(),
             columns=parts.columns, last=kernel.row_shape[-1], params=params(kernel),
             arrays=arrays, sections=sections, stores=stores, unrolled=note)
     return render_template(
-        "cpp_reduction.cpp.j2", name=kernel.name, summary=summary(kernel),
+        "cpp_reduction.cpp.j2", name=kernel.name, summary=heading(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-        k=kernel.k, parallel=f"ROWS > 1 && ROWS * K >= {PARALLEL_THRESHOLD}", lanes=parts.lanes,
+        k=kernel.k, parallel=str(thread_choice(kernel)[0]).lower(), lanes=parts.lanes,
         last=kernel.row_shape[-1] if kernel.row_shape else 1,
         params=params(kernel), row_lines=parts.row_lines, sections=parts.sections,
         row_stores=parts.row_stores + parts.scatters, unrolled=note)

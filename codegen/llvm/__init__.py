@@ -55,7 +55,7 @@ from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf
-from ..cpu_plan import CHUNK, PARALLEL_THRESHOLD, column_blocks, summary
+from ..cpu_plan import CHUNK, column_blocks, heading, thread_choice
 from .compiler import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
@@ -119,10 +119,10 @@ def render(kernel, target: Target | None = None) -> str:
     for n, store in enumerate(kernel.stores):
         emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
     return finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, name=kernel.name,
-                   summary=summary(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
+                   summary=heading(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
                    rows=rows, inner=inner, chunk=chunk, chunks=chunks,
                    items=rows * chunks if kernel.numel else 0,
-                   parallel=str(kernel.numel >= PARALLEL_THRESHOLD and rows * chunks > 1).lower(),
+                   parallel=str(thread_choice(kernel)[0] and rows * chunks > 1).lower(),
                    params=kernel_params(kernel), row_setup=setup.lines, body=body.lines)
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from fusec.ir import Index, Stmt
 
-from ..cpu_plan import PARALLEL_THRESHOLD, column_sum_block, summary
+from ..cpu_plan import column_sum_block, heading, thread_choice
 from .compiler import Target
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, convert, coords, emit_load,
                       emit_stmt, emit_store, gather_row, index_sum, is_float)
@@ -63,9 +63,9 @@ def render_columns(kernel, columns: int, note: str, target: Target | None = None
     tiles = (kernel.rows // last) * blocks
     return finish(
         "llvm_reduction_columns.ll.j2", all_lines, target, name=kernel.name,
-        summary=summary(kernel), source_shape=kernel.source_shape,
+        summary=heading(kernel), source_shape=kernel.source_shape,
         reduce_dims=kernel.reduce_dims, rows=kernel.rows, k=kernel.k, tiles=tiles,
-        parallel=str(tiles > 1 and kernel.rows * kernel.k >= PARALLEL_THRESHOLD).lower(),
+        parallel=str(tiles > 1 and thread_choice(kernel)[0]).lower(),
         params=kernel_params(kernel), columns=columns, last=last, blocks=blocks,
         allocas=[f"%{name} = alloca [{columns} x {t}], align 64" for name, t in block.arrays.items()],
         top=block.top.lines, sections=sections, stores=stores, unrolled=note)

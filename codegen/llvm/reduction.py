@@ -14,7 +14,7 @@ import math
 from fusec import ops
 from fusec.ir import Index, Reduce, Stmt
 
-from ..cpu_plan import PARALLEL_THRESHOLD, sum_block, summary
+from ..cpu_plan import heading, sum_block, thread_choice
 from .compiler import Target
 from ..unroll_rows import unrolled_or_same
 
@@ -163,10 +163,10 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         s = kernel.stores[n]
         emit_store(row_stores, s.param, s.dtype, row.base(s.index, f"out{n}"), s.var, row.values)
     all_lines = row.top.lines + all_lines + row_stores.lines
-    return finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=summary(kernel),
+    return finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=heading(kernel),
                    source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
                    rows=kernel.rows, k=k,
-                   parallel=str(kernel.rows > 1 and kernel.rows * k >= PARALLEL_THRESHOLD).lower(),
+                   parallel=str(thread_choice(kernel)[0]).lower(),
                    params=kernel_params(kernel), row_lines=row.top.lines, sections=sections,
                    row_stores=row_stores.lines, unrolled=note)
 
