@@ -109,27 +109,46 @@ class _Face(_types.ModuleType):
 _sys.modules[__name__].__class__ = _Face
 
 
-# ---- the finder that keeps the three promises of the note ----------------------------------------
-class _OldName:
-    """The loader of an old module name: the module it gives is its new home's, imported now."""
+# ---- the finders that keep the note's promises ----------------------------------------------------
+# A meta-path finder (docs.python.org: importlib, "finders") is asked for each module an import
+# does not find in sys.modules. fusec puts one first in sys.meta_path until the core is whole
+# (promises 1 and 2), then takes it out. The old names (promise 3) are found like any module of
+# the package, by a path-entry finder for one more entry of fusec.__path__, which Python asks only
+# for fusec's modules. So once the core is loaded, an ordinary import (a kernel's first template,
+# an optional module torch looks for) runs none of this file.
+_OLD_NAMES_ENTRY = "<fusec's old module names>"  # (not a folder: only the hook below takes it)
 
-    def __init__(self, home: str):
-        self.home = home
+
+class _OldNames:
+    """The path-entry finder of the old module names, and their loader: the module it gives is
+    its new home's, imported now."""
+
+    @classmethod
+    def hook(cls, entry: str) -> "_OldNames":
+        if entry != _OLD_NAMES_ENTRY:
+            raise ImportError("only fusec's old module names")
+        return cls()
+
+    def find_spec(self, name: str, target=None):
+        return _ModuleSpec(name, self) if name in _MOVED else None
 
     def create_module(self, spec):
         return None
 
     def exec_module(self, module) -> None:
         # The import system returns whatever sys.modules holds under the name after this runs.
-        _sys.modules[module.__name__] = _import_module(self.home)
+        _sys.modules[module.__name__] = _import_module(_MOVED[module.__name__])
 
 
 class _Counted:
     """Wraps a fusec module's own loader to know when the outermost fusec import has finished
-    (the modules it brought are then whole): then the finder does what waits on them."""
+    (the modules it brought are then whole): then the first finder does what waits on them."""
 
-    def __init__(self, loader, finder: "_Finder"):
+    def __init__(self, loader, finder: "_UntilWhole"):
         self.loader, self.finder = loader, finder
+
+    def __getattr__(self, name: str):  # get_code, get_source, ...: runpy (`python -m`) asks
+        return getattr(self.loader, name)
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -146,10 +165,9 @@ class _Counted:
             self.finder.finished_import()
 
 
-class _Finder:
-    """A meta-path finder (docs.python.org: importlib, "finders"), first in sys.meta_path. It
-    finds nothing itself: it answers the old names, imports fusec.device before triton, and
-    watches fusec's own imports until the registries are filled."""
+class _UntilWhole:
+    """The first finder, until the core is whole. It finds nothing itself: it imports
+    fusec.device before triton, and watches fusec's own imports until the registries are filled."""
 
     def __init__(self):
         self.local = _threading.local()  # how deep this thread is in fusec imports
@@ -158,19 +176,17 @@ class _Finder:
     def find_spec(self, name: str, path=None, target=None):
         if name == "triton":
             _device_before_triton()
-        elif name in _MOVED:
-            return _ModuleSpec(name, _OldName(_MOVED[name]))
-        elif self.waiting and name.startswith("fusec."):
+        elif name.startswith("fusec."):
             spec = self._their_spec(name, path, target)
-            if spec is not None and spec.loader is not None and \
-                    hasattr(spec.loader, "exec_module"):
+            if spec is not None and hasattr(spec.loader, "exec_module"):
                 spec.loader = _Counted(spec.loader, self)
             return spec
         return None
 
     def _their_spec(self, name: str, path, target):
         """The spec the finders after this one give (the installed package's own)."""
-        for finder in _sys.meta_path[_sys.meta_path.index(self) + 1:]:
+        finders = _sys.meta_path
+        for finder in finders[finders.index(self) + 1:] if self in finders else ():
             find = getattr(finder, "find_spec", None)
             spec = find(name, path, target) if find else None
             if spec is not None:
@@ -178,7 +194,8 @@ class _Finder:
         return None
 
     def finished_import(self) -> None:
-        """An outermost import of fusec modules finished: fill the registries it brought."""
+        """An outermost import of fusec modules finished: fill the registries it brought; once
+        both are filled, import fusec.device (torch is there by then) and step out."""
         if "extensions" in self.waiting and ("fusec.passes" in _sys.modules
                                              or "fusec.codegen.families" in _sys.modules):
             self.waiting.discard("extensions")
@@ -186,6 +203,9 @@ class _Finder:
         if "log" in self.waiting and "fusec.events" in _sys.modules:
             self.waiting.discard("log")
             _import_module("fusec.inspect.log")  # subscribes the FUSEC_LOG printer
+        if not self.waiting and self in _sys.meta_path:
+            _import_module("fusec.device")
+            _sys.meta_path = [finder for finder in _sys.meta_path if finder is not self]
 
 
 def _device_before_triton() -> None:
@@ -211,4 +231,6 @@ def _register_extensions() -> None:
             _import_module(f"fusec.extensions.{plugin.parent.name}.plugin")
 
 
-_sys.meta_path.insert(0, _Finder())
+_sys.meta_path.insert(0, _UntilWhole())
+__path__.append(_OLD_NAMES_ENTRY)
+_sys.path_hooks.append(_OldNames.hook)

@@ -5,15 +5,18 @@
     `fusec run /tmp/nosuch.py` ended in `ModuleNotFoundError: 'fusec.examples./tmp/nosuch'`;
     the CLI took only files defining example(); `fusec kernels sin4 | head -1` ended in a
     BrokenPipeError traceback; `print(cf.breaks)` showed `<... GraphBroken object at 0x...>`;
-    `cf.kernels` was silently `[]` before the first call.
+    `cf.kernels` was silently `[]` before the first call; `import fusec` took 2.6-4 s and
+    `fusec --help` 3.8 s (now neither imports torch: fusec/__init__.py's "lazy face").
 
 Deeper tests of the same code: tests/test_check.py (every backend, the comparison rules) and
 tests/test_cli.py (KernelBench files, --dot without Graphviz, progress bars).
 """
 import collections
 import math
+import os
 import subprocess
 import sys
+import textwrap
 import types
 import warnings
 
@@ -252,3 +255,118 @@ def test_public_objects_print_readably():
     assert repr(cf.last.program).startswith("<fusec Program: 1 step(s) (1 kernel(s))")
     for thing in (cf, cf.kernels[0], cf.last, cf.last.program, explained, module):
         assert "object at 0x" not in repr(thing), repr(thing)
+
+
+# ---- import fusec costs nothing it does not need (fusec/__init__.py: "a lazy face") -----------------
+# What is asserted is the mechanism (which modules a fresh process holds), not a time: the time
+# depends on the machine's load (`python -X importtime -c "import fusec"` measures it).
+def child(code: str, **env) -> str:
+    """Run `code` in a fresh Python (its own import state) and return what it printed."""
+    base = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSEC_LOG")}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env={**base, "FUSEC_SAVED_PROGRAMS": "0", **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_import_fusec_and_fusec_help_import_no_torch():
+    child("""
+        import sys
+        import fusec
+        heavy = ["torch", "triton", "rich", "jinja2", "sympy", "llvmlite", "networkx", "numpy"]
+        assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
+        assert fusec.FusecError.__module__ == "fusec.errors"   # the errors are there at once
+        from fusec.cli import main
+        try:
+            main(["--help"])
+        except SystemExit as done:
+            assert done.code == 0
+        assert "torch" not in sys.modules
+    """)
+
+
+def test_every_public_name_resolves_and_old_names_are_the_new_modules():
+    """Each name of fusec.__all__ is the object of its home; each old module name (from before
+    fusec/ had rooms) is the very module of its new home, and fusec.explain / fusec.profile stay
+    the functions even after their old module names are imported."""
+    child("""
+        import sys
+        import fusec
+        homes = {"fusec.api": ["compile", "regions", "Kernel", "CompiledFunction",
+                               "CompiledModule"],
+                 "fusec.capture.regions": ["Regions"], "fusec.inspect.explain": ["explain"],
+                 "fusec.inspect.profile": ["profile"]}
+        lazy = {name for names in homes.values() for name in names}
+        assert lazy | {n for n in fusec.__all__ if n.endswith(("Error", "Warning"))} \\
+            == set(fusec.__all__)
+        assert set(fusec.__all__) <= set(dir(fusec))
+        for home, names in homes.items():
+            for name in names:
+                assert getattr(fusec, name) is getattr(__import__(home, fromlist=[name]), name)
+        import fusec.frontend, fusec.log, fusec.training, fusec.build, fusec.report_html
+        from fusec.explain import kernel_traffic
+        from fusec.profile import ProfileReport
+        for old, new in [("frontend", "capture.frontend"), ("decompositions", "capture.decompositions"),
+                         ("outputs", "capture.outputs"), ("rnn", "capture.rnn"),
+                         ("training", "capture.training"), ("graphviz", "inspect.graphviz"),
+                         ("log", "inspect.log"), ("plots", "inspect.plots"),
+                         ("build", "runtime.build"), ("explain", "inspect.explain"),
+                         ("profile", "inspect.profile"), ("report_html", "inspect.report_html"),
+                         ("report_text", "inspect.report_text")]:
+            module = __import__(f"fusec.{old}", fromlist=["_"])
+            assert module is sys.modules[f"fusec.{new}"] is sys.modules[f"fusec.{old}"], old
+            if old not in ("explain", "profile"):
+                assert getattr(fusec, old) is module
+        assert callable(fusec.explain) and fusec.explain.__module__ == "fusec.inspect.explain"
+        assert callable(fusec.profile) and fusec.profile.__module__ == "fusec.inspect.profile"
+        assert fusec.log.compile_times is sys.modules["fusec.inspect.log"].compile_times
+        assert fusec.cache.__name__ == "fusec.cache"  # a submodule, as an attribute, imports it
+        try:
+            fusec.no_such_thing
+        except AttributeError as err:
+            assert "no_such_thing" in str(err)
+        else:
+            raise AssertionError("fusec.no_such_thing resolved")
+    """)
+
+
+def test_the_registries_are_filled_by_whatever_import_brings_them():
+    """The extensions' plugins and the FUSEC_LOG printer are registered as soon as an import
+    brings the registries (fusec.passes, fusec.codegen.families) or the events: importing
+    fusec.passes alone is enough, no fusec.compile needed."""
+    said = child("""
+        import sys
+        from fusec import passes
+        from fusec.codegen import families
+        print(sorted(p.name for p in passes.pipeline() if isinstance(p, passes.ExtensionPass)))
+        print([f.name for f in families.REGISTRY])
+        from fusec import events                    # (what publishes the compile events)
+        print("fusec.inspect.log" in sys.modules)
+    """).splitlines()
+    assert {"sibling_gemvs", "small_matmul"} <= set(eval(said[0]))
+    assert eval(said[1]) and said[2] == "True"
+
+
+def test_triton_imported_after_fusec_still_interprets_without_a_gpu():
+    """`import fusec` no longer imports torch, so fusec/device.py (which switches Triton's
+    interpreter on without a GPU) runs just before triton is first imported, here by torch's
+    Dynamo (`torch.compile`), not by fusec. Then both fusec's Triton backend on CPU tensors and
+    `torch.compile(backend="fusec")` work, as they did when `import fusec` imported everything."""
+    said = child("""
+        import os, sys
+        import fusec
+        import torch
+        import torch._dynamo                     # imports triton
+        assert "triton" in sys.modules and "fusec.device" in sys.modules
+        assert not fusec.TRITON_IMPORTED_BEFORE_FUSEC
+        print(torch.cuda.is_available(), os.environ.get("TRITON_INTERPRET"))
+        x = torch.randn(64)
+        if not torch.cuda.is_available():
+            f = fusec.compile(lambda x: x.sin() * 2, backend="triton")
+            torch.testing.assert_close(f(x), x.sin() * 2)
+        g = torch.compile(lambda x: x.cos() + 1, backend="fusec")
+        torch.testing.assert_close(g(x), x.cos() + 1)
+        print("ok")
+    """).split()
+    assert said[-1] == "ok"
+    assert said[1] == ("None" if said[0] == "True" else "1")
