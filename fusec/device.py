@@ -4,7 +4,8 @@ Triton kernels on a CPU.
 Triton decides whether it interprets kernels on the CPU when it is imported (its own library
 functions are decorated then), and fusec's first capture imports it (through torch's tracing
 machinery). Without a GPU, interpreting is the only way Triton kernels can run, so this module,
-which fusec/__init__.py imports first, switches it on unless the user chose otherwise, and
+which fusec/__init__.py imports just before triton is first imported (by fusec, torch or the
+user: its "lazy face" note), switches it on unless the user chose otherwise, and
 remembers whether triton was imported before fusec (then it is too late to switch).
 """
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""`import fusec` imports fusec and torch, and nothing a first call may not need (issue 52).
+"""`import fusec` imports nothing a first call may not need (issue 52).
 
-torch's tracing machinery (Dynamo and Inductor, which make_fx and FakeTensorMode pull in, and
+`import fusec` alone imports no torch at all: fusec/__init__.py names its public objects lazily,
+and the first `fusec.compile` imports the compiler and torch (tests/test_first_hour.py checks
+that, the public names and the old module names). Then torch's tracing machinery (Dynamo and Inductor, which make_fx and FakeTensorMode pull in, and
 Triton and sympy, which they bring: ~1-2 s on a 2-core CPU) is imported by the first call that
 captures a program or fingerprints it for a warm start, once per process; LLVM's bindings,
 networkx and transformers when a program first needs them; rich and jinja2 when a report is drawn
-or a kernel rendered. So `import fusec` (and `fusec --help`) costs little more than
-`import torch`. (How long the import takes is measured by `python -X importtime -c "import
+or a kernel rendered. (How long the import takes is measured by `python -X importtime -c "import
 fusec"`, not by a test: it depends on the machine's load.)
 """
 import json
