@@ -166,6 +166,12 @@ def test_html_is_valid_and_self_contained(extern_report, tmp_path):
     assert "<link" not in text and "@import" not in text and "url(http" not in text
 
 
+# Where tests leave what a person looks at (the report's screenshot): <repo>/test-artifacts/
+# (git-ignored), or the folder FUSEC_ARTIFACTS names.
+ARTIFACTS = Path(os.environ.get("FUSEC_ARTIFACTS")
+                 or Path(__file__).resolve().parents[1] / "test-artifacts")
+
+
 def chromium() -> str | None:
     return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
                  if shutil.which(n)), None)
@@ -173,12 +179,16 @@ def chromium() -> str | None:
 
 @pytest.mark.skipif(chromium() is None, reason="no Chromium: `apt-get install -y chromium` to run "
                     "the browser test of the HTML report")
-def test_html_renders_in_headless_chromium(tmp_path):
+def test_html_renders_in_headless_chromium(tmp_path, capsys):
+    """The GPT-2 block's report in headless Chromium at 1280 px: its check script's findings, no
+    console errors, and a screenshot written to ARTIFACTS/html_report_1280.png (printed)."""
     from fusec.demo import load_example
     ex = load_example("gpt2_block").example()
     report = fusec.profile(ex.fn, *ex.inputs, name="gpt2_block", **FAST)
     page = report.save_html(tmp_path / "gpt2_block.html")
-    shot = tmp_path / "gpt2_block.png"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "html_report_1280.png"
+    shot.unlink(missing_ok=True)  # (a screenshot left by an earlier run proves nothing)
     base = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
             f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
             "--window-size=1280,3000"]
@@ -200,9 +210,9 @@ def test_html_renders_in_headless_chromium(tmp_path):
     snap = subprocess.run(base + [f"--screenshot={shot}", page.as_uri()], capture_output=True,
                           text=True, timeout=120)
     assert snap.returncode == 0 and shot.exists() and shot.stat().st_size > 20_000
-    keep = os.environ.get("FUSEC_SCREENSHOT")  # a person can ask to keep it
-    if keep:
-        shutil.copy(shot, keep)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with capsys.disabled():  # said also when pytest captures output
+        print(f"\nthe HTML report's screenshot (1280 px wide): {shot}")
 
 
 def test_cli_profile(tmp_path, capsys):
