@@ -36,12 +36,12 @@ from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
 from fusec.capture.torch_level import torch_level
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
-from fusec.capture.training import aot_compile, tensor_args
+from fusec.capture.training import aot_compile
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError
 from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
-from fusec.fastpath import make_fast_path
+from fusec.fastpath import PLAIN_TENSORS, make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
 from fusec.runtime.fast_start import saved
 from fusec.runtime.fast_start.fingerprint import fingerprint
@@ -204,7 +204,7 @@ class CompiledFunction:
             t.requires_grad for t in [*lifted, *leaves] if isinstance(t, torch.Tensor))
         if needs_grad:  # (one thread at a time: its first call compiles, as `_compile_new`)
             with self._lock:
-                return self._train(args, kwargs)
+                return self._train(args, kwargs, leaves, lifted)
         key = call_signature([*lifted, *leaves],
                          module.training if module is not None else False) + structure
         key += self._guards.key()  # the values of the Python state its program read
@@ -228,7 +228,7 @@ class CompiledFunction:
         flat_out = complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
-        elif plain and all(type(a) is torch.Tensor for a in args):
+        elif plain and all(type(a) in PLAIN_TENSORS for a in args):
             self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
@@ -430,12 +430,13 @@ class CompiledFunction:
         self._fast, self.last, self.train_parts = no_fast_path, None, []
         return self.breaks(args, kwargs)
 
-    def _train(self, args, kwargs):
+    def _train(self, args, kwargs, leaves: list, lifted: list):
         """Inputs or parameters require grad: compile forward and backward with AOT Autograd
-        (fusec/capture/training.py), one compiled pair per input signature."""
+        (fusec/capture/training.py), one compiled pair per input signature. `leaves` and
+        `lifted`: the call's flat arguments and the module's state, as `_call` found them (a
+        step of a small model is a few milliseconds: flattening a call again costs ~0.1 ms)."""
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
-        leaves, _, _ = calls.flatten_call(self.fn, args, kwargs)
-        lifted = self._state()
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         key = ("train",) + call_signature([*lifted, *leaves], module.training if module is not None else False)
         key += self._guards.key()  # the values of the Python state its program read
         entry = self.compiled.get(key)
@@ -449,7 +450,7 @@ class CompiledFunction:
                     last and last[1:], key[1:], names + self._names(args, kwargs))
                 remember(self.recompiles, f"training: {changed}")
                 events.publish("recompiled", label_of(self.fn), changed)
-            device = calls.program_device([*lifted, *tensor_args(args, kwargs, self.fn)])
+            device = calls.program_device([*lifted, *tensors])
             backend = resolve_backend(self.backend, device)
             entry = aot_compile(self.fn, args, kwargs, lifted, names,
                                 part_compiler(backend, self.check), self._guards.reached)
@@ -459,7 +460,7 @@ class CompiledFunction:
                 with self._guards.recording(key) as recorded, \
                         tracing.python_at_trace_time_refused(), tracing.compiling(), \
                         tracing.dense_attention_masks(), torch_level():
-                    out = entry[0](*lifted, *tensor_args(args, kwargs, self.fn))
+                    out = entry[0](*lifted, *tensors)
                 key = recorded.key
             except GraphBreakError as err:
                 return self._graph_breaks(err, args, kwargs)
@@ -475,7 +476,7 @@ class CompiledFunction:
         call, parts = entry
         self.train_parts = parts
         self.last = None
-        return call(*lifted, *tensor_args(args, kwargs, self.fn))
+        return call(*lifted, *tensors)
 
 
 class NothingCompiledYet(list):

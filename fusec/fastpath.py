@@ -32,6 +32,13 @@ class _Miss:
 MISS = _Miss()
 
 
+# The argument types a fast path is made for: plain tensors, and parameters (a Parameter is a
+# plain tensor to every op; AOT Autograd passes a module's parameters to a training program's
+# forward as they are). Each argument's guard checks the type it had; other subclasses take the
+# general path.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def no_fast_path(args: tuple) -> _Miss:
     """The fast path before the first call (and after a call that cannot take one)."""
     return MISS
@@ -63,7 +70,7 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     the program read (`m.scale`, a global flag: fusec/capture/guards.py `Guards.fast_lines`);
     none for a program that read none.
     """
-    glob = {"MISS": MISS, "Tensor": torch.Tensor, "run": run,
+    glob = {"MISS": MISS, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "run": run,
             "is_grad_enabled": torch.is_grad_enabled}
     n_args = len(tensors) - n_static
     args = [f"a{i}" for i in range(n_args)]
@@ -80,7 +87,8 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     for var, t in zip(state + args, tensors):
         dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
         glob[dtype], glob[device] = t.dtype, t.device
-        checks = ([f"type({var}) is not Tensor"] if var.startswith("a") else []) + [
+        kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"  # (the type it was)
+        checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + [
             f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}",
             f"{var}.dtype is not {dtype}",
             # is_cpu reads a flag; .device builds a torch.device to compare

@@ -55,8 +55,9 @@ BACKWARD_KERNELS = {
     # unsqueeze into it); dgamma's and dbeta's column sums, over (N, G, C/G) and (N, C): two
     # shapes, two kernels
     "group_norm": (5, "channel sums, group sums, dx, dgamma, dbeta"),
-    # the per-channel sums of dy and dy * xhat; the per-channel scale; dx
-    "batch_norm": (3, "channel sums, channel scale, dx"),
+    # the per-channel sums of dy and dy * (x - mean), the per-channel scales and dx: all in the
+    # sums' keepdim rows (capture/decompositions.py, batch_norm_backward), one kernel
+    "batch_norm": (1, "the channel sums, the scales and dx"),
     "cross_entropy": (3, "the target mask, the scaled one-hot, the softmax gradient"),
     "gelu_mlp": (2, "the bias gradient's column sum, the GELU backward"),
 }
@@ -89,6 +90,69 @@ def test_backward_matches_eager_in_few_kernels(case, target):
     most, why = BACKWARD_KERNELS[case]
     assert 0 < len(names) <= most, (f"{case} backward: {len(names)} kernels {names}, expected at "
                                     f"most {most} ({why})")
+
+
+class NormRelu(nn.Module):
+    """Batch norm then ReLU, as a CNN's block has them; with `residual`, two batch norms whose
+    sum goes through the ReLU (a bottleneck's last norm and its shortcut's)."""
+
+    def __init__(self, channels: int, residual: bool):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(channels)
+        self.shortcut = nn.BatchNorm2d(channels) if residual else None
+
+    def forward(self, x, y):
+        out = self.norm(x)
+        return torch.relu(out + self.shortcut(y) if self.shortcut is not None else out)
+
+
+# (N, C, H, W), a residual or not: odd channel counts, a batch of one (batch norm in training
+# needs more than one value per channel: 1 x 3 x 3 has 9), a 2 x 2 image
+BATCH_NORM_TRAINING = [((2, 5, 3, 3), False), ((1, 3, 3, 3), False), ((4, 7, 2, 2), True),
+                       ((3, 4, 5, 5), True)]
+
+
+@pytest.mark.parametrize("shape,residual", BATCH_NORM_TRAINING)
+def test_batch_norm_training_in_one_kernel_each_way(target, shape, residual):
+    """Batch norm in training (AOT Autograd's `_native_batch_norm_legit_functional`, the
+    running statistics returned to be copied into the buffers) is one reduction kernel with
+    the ReLU, the residual's sum and the new running statistics in it; its backward
+    (`native_batch_norm_backward`, ReLU's backward before it) is one kernel for both norms'
+    sums and dx. Two steps: outputs, every gradient, the running statistics and the step
+    counter equal eager's."""
+    backend, device = target
+
+    def make():
+        torch.manual_seed(0)
+        mod = NormRelu(shape[1], residual).to(device)
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return mod
+    mod, ref = make(), make()
+    compiled = fusec.compile(mod, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = (torch.randn(shape, generator=gen).mul_(2).add_(0.5).to(device) for _ in range(2))
+        grad = torch.randn(shape, generator=gen).to(device)
+        xs = [t.clone().requires_grad_(True) for t in (x, y)]
+        xr = [t.clone().requires_grad_(True) for t in (x, y)]
+        out, want = compiled(*xs), ref(*xr)
+        out.backward(grad)
+        want.backward(grad)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(xs, xr):
+            torch.testing.assert_close(g.grad, w.grad, rtol=1e-4, atol=1e-5)
+    for g, w in zip(mod.parameters(), ref.parameters()):
+        torch.testing.assert_close(g.grad, w.grad, rtol=1e-4, atol=1e-5)
+    for (name, g), w in zip(mod.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    forward, backward = (part.kernels for part in compiled._compiled.train_parts)
+    norms = 2 if residual else 1
+    # the norm(s) with their statistics and the ReLU; each num_batches_tracked += 1
+    assert len(forward) == 1 + norms, [k.name for k in forward]
+    assert len(backward) == 1, [k.name for k in backward]
 
 
 def test_independent_sibling_reductions_share_a_kernel(target):

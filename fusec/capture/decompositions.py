@@ -347,6 +347,14 @@ def batch_norm_batch_statistics(x, weight, bias, eps):
     channels, then pointwise: one reduction kernel and its epilogue instead of eager's two
     kernels. Returns (out, mean, 1 / std) as eager does; float32 and float64 only (for half
     inputs eager's statistics dtypes differ between devices)."""
+    out, mean, rstd, _ = _batch_statistics(x, weight, bias, eps)
+    channels = [x.shape[1]]
+    return out, aten.view.default(mean, channels), aten.view.default(rstd, channels)
+
+
+def _batch_statistics(x, weight, bias, eps):
+    """(out, mean, 1 / std, biased variance), the last three of shape (1, C, 1, ...): the
+    reduction's own rows (keepdim), so that what is computed from them fits its kernel."""
     dims = [0] + list(range(2, x.dim()))
     var, mean = _var(x, dims, 0, True)
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
@@ -356,7 +364,79 @@ def batch_norm_batch_statistics(x, weight, bias, eps):
         out = aten.mul.Tensor(out, aten.view.default(weight, shape))
     if bias is not None:
         out = aten.add.Tensor(out, aten.view.default(bias, shape))
-    return out, aten.view.default(mean, [x.shape[1]]), aten.view.default(rstd, [x.shape[1]])
+    return out, mean, rstd, var
+
+
+@register(aten._native_batch_norm_legit_functional.default)
+def batch_norm_training(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm in training, as AOT Autograd's functionalization leaves it: the batch's
+    statistics normalize x (as `batch_norm_batch_statistics`), and the new running statistics
+    are returned, for the program to copy into the module's buffers:
+
+        new_running_mean = momentum * mean + (1 - momentum) * running_mean
+        new_running_var  = momentum * var * n / (n - 1) + (1 - momentum) * running_var
+
+    (n: the values per channel; eager's running variance is the unbiased one). Each new
+    statistic is pointwise on the reduction's results, computed in their keepdim shape
+    (1, C, 1, ...), the rows of the reduction's loop, and viewed as (C,) only at the end (a
+    (C,) value would not fit that loop: it broadcasts along the last dim), so fusion computes
+    it in the reduction kernel: one reduction kernel (mean, variance, running statistics) and
+    one pointwise kernel (the normalization, with what follows it, a ReLU or a residual add),
+    where the op as an extern call is eager's kernel plus copies of what it returns. Only
+    float32 and float64 with statistics of x's dtype (eager keeps float32 statistics for half
+    inputs, computed its own way): other cases stay the op."""
+    if not training or running_mean is None or running_var is None \
+            or x.dtype not in (torch.float32, torch.float64) \
+            or running_mean.dtype != x.dtype or running_var.dtype != x.dtype:
+        return NotImplemented
+    out, mean, rstd, var = _batch_statistics(x, weight, bias, eps)
+    n = x.numel() // x.shape[1]
+    unbiased = aten.mul.Tensor(var, n / (n - 1)) if n > 1 else aten.div.Tensor(var, 0)
+    shape, channels = list(mean.shape), [x.shape[1]]
+    new_mean = aten.add.Tensor(aten.mul.Tensor(mean, momentum), aten.mul.Tensor(
+        aten.view.default(running_mean, shape), 1 - momentum))
+    new_var = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(
+        aten.view.default(running_var, shape), 1 - momentum))
+    return (out, *(aten.view.default(t, channels) for t in (mean, rstd, new_mean, new_var)))
+
+
+@register(aten.native_batch_norm_backward.default)
+def batch_norm_backward(dy, x, weight, running_mean, running_var, mean, rstd, train, eps,
+                        output_mask):
+    """Batch norm's backward in training, torch's formula written in the reduction's own rows:
+
+        sum_dy = sum(dy, dims, keepdim)                 dot = sum(dy * (x - mean), dims, keepdim)
+        dx     = (dy - (x - mean) * dot / n * rstd**2 - sum_dy / n) * rstd * weight
+        dweight = dot * rstd                            dbias = sum_dy
+
+    torch's decomposition sums to (C,) and computes the per-channel scales there, then reshapes
+    them to (1, C, 1, ...) to broadcast over dx: each reshape of a computed (C,) value ends a
+    kernel (three kernels a layer: the sums, the scales, dx). Here the sums keep their dims and
+    the per-channel math stays in that shape (the (C,) weight and statistics are views that fold
+    into loads), so the sums, the scales and dx (with what produced dy: a ReLU's backward, a
+    residual's sum) are one reduction kernel; only dweight and dbias are viewed as (C,) at the
+    end. Training mode, float32 and float64 only (eager computes half inputs in float32, and the
+    eval-mode backward is pointwise already): other cases are torch's decomposition."""
+    if not train or mean is None or rstd is None or x.dtype not in (torch.float32, torch.float64) \
+            or dy.dtype != x.dtype or mean.dtype != x.dtype or rstd.dtype != x.dtype \
+            or (weight is not None and weight.dtype != x.dtype):
+        return NotImplemented
+    dims = [0] + list(range(2, x.dim()))
+    shape, channels = [1, x.shape[1]] + [1] * (x.dim() - 2), [x.shape[1]]
+    norm = 1.0 / (x.numel() // x.shape[1])
+    mean, rstd = aten.view.default(mean, shape), aten.view.default(rstd, shape)
+    centered = aten.sub.Tensor(x, mean)
+    sum_dy = aten.sum.dim_IntList(dy, dims, True)
+    dot = aten.sum.dim_IntList(aten.mul.Tensor(dy, centered), dims, True)
+    proj_scale = aten.mul.Tensor(aten.mul.Tensor(dot, norm), aten.mul.Tensor(rstd, rstd))
+    grad_scale = rstd if weight is None else aten.mul.Tensor(
+        rstd, aten.view.default(weight, shape))
+    dx = aten.mul.Tensor(aten.sub.Tensor(
+        aten.sub.Tensor(dy, aten.mul.Tensor(centered, proj_scale)),
+        aten.mul.Tensor(sum_dy, norm)), grad_scale)
+    dweight = aten.view.default(aten.mul.Tensor(dot, rstd), channels) if output_mask[1] else None
+    dbias = aten.view.default(sum_dy, channels) if output_mask[2] else None
+    return dx, dweight, dbias
 
 
 # Note (attention stays eager's): torch's core table decomposes CPU flash attention

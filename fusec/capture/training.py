@@ -255,6 +255,7 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     inputs AOT Autograd passes are fake tensors) and keeps one program per input signature.
     """
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
+        read_through_aliases(gm)
         compiled = compile_fn(with_source_lines(gm))
         parts.append(compiled)
 
@@ -266,6 +267,31 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
         run._boxed_call = True
         return run
     return compile_part
+
+
+def read_through_aliases(gm: torch.fx.GraphModule) -> None:
+    """Readers of `alias(v)` read `v` itself, in place (the alias stays for the graph's output).
+
+    Autograd saves an op's *result* for its backward through an alias (`relu`'s backward
+    reads `alias(relu)`: `le(alias, 0)` is the mask the partitioner saves). An alias has its
+    value's shape and strides, but to fusion it is a view of a computed value, which ends that
+    value's kernel: the mask would be a kernel of its own, reading back what the kernel before
+    it stored. In these functional graphs nothing writes a computed value after it is made, so
+    the alias and the value are the same numbers everywhere."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.alias.default \
+                or not isinstance(node.args[0], torch.fx.Node) \
+                or node.args[0].op != "call_function":
+            continue
+        for user in list(node.users):
+            if user.op != "output":
+                user.replace_input_with(node, node.args[0])
+                changed = True
+        if not node.users:
+            gm.graph.erase_node(node)
+    if changed:
+        gm.recompile()
 
 
 def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
