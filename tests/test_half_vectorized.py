@@ -78,18 +78,29 @@ def _packed(asm: str, op: str, reg: str) -> list[str]:
     return re.findall(rf"^\s+v?{op}\s[^\n]*%{reg}\d+[^\n]*$", asm, re.M)
 
 
-# scalar half conversions: AVX512-FP16's one-value forms, or a call into libgcc
-SCALAR = re.compile(r"\b(vcvtsh2ss|vcvtss2sh|__extendhfsf2|__truncsfhf2|__truncsfbf2|__extendbfsf2)\b")
+# half conversions by a call into libgcc, one value at a time
+SCALAR = re.compile(r"\b(__extendhfsf2|__truncsfhf2|__truncsfbf2|__extendbfsf2)\b")
 
 
 def _assert_vectorized(asm: str, half, reg: str, where: str) -> None:
+    """Packed conversions and packed math on `reg` registers, and no one-value conversion. A
+    conversion is either the hardware's (F16C's vcvtph2ps/vcvtps2ph, or AVX512-FP16's `x` forms)
+    or integer code (shifts by 13 or 16 bits each way); the math is float (mulps, addps) or,
+    where LLVM proves it gives the same bits, AVX512-FP16's own (vmulph, vaddph, on half as
+    many bits)."""
     shift = SHIFT[half]
-    for op, what in ((f"pslld\\s+\\${shift},", "widening shift"),
-                     (f"psr[al]d\\s+\\${shift},", "narrowing shift"),  # logical or arithmetic
-                     ("mulps", "float multiply"), ("addps", "float add")):
-        assert _packed(asm, op, reg), f"{where}: no packed {what} ({op}) on {reg} registers"
+    hardware = _packed(asm, "cvtph2psx?", reg) and _packed(asm, "cvtps2phx?", reg)
+    if not hardware:
+        assert _packed(asm, f"pslld\\s+\\${shift},", reg), f"{where}: no packed widening on {reg}"
+        assert _packed(asm, f"psr[al]d\\s+\\${shift},", reg), f"{where}: no packed narrowing on {reg}"
+    for op, what in (("mul", "multiply"), ("add", "add")):  # (16 halves fill a ymm register)
+        assert _packed(asm, f"{op}ps", reg) or _packed(asm, f"{op}ph", "[xyz]mm"), \
+            f"{where}: no packed {what} on {reg} registers"
     found = SCALAR.search(asm)
     assert found is None, f"{where}: converts one value at a time ({found.group(0)})"
+    # AVX512-FP16's one-value conversions only next to packed ones (a loop's last few elements)
+    if re.search(r"\bvcvt(sh2ss|ss2sh)\b", asm):
+        assert hardware, f"{where}: converts one value at a time (vcvtsh2ss)"
 
 
 @X86
@@ -136,6 +147,8 @@ def test_llvm_loop_is_vectorized_for(name, half):
     ir = _kernel(half)
     asm = llvm.assembly(llvm.render(ir, target), ir.name, target)
     _assert_vectorized(asm, half, reg, f"LLVM for {cpu}")
+    if half == torch.float16 and name != "x86-64":  # F16C: the hardware converts (ir.has_f16c)
+        assert _packed(asm, "cvtps2phx?", reg), f"LLVM for {cpu}: float16 not converted by F16C"
 
 
 # ---- answers, bit for bit ------------------------------------------------------------------------

@@ -34,10 +34,14 @@ from ..render import render_template
 #
 # Note (half precision): float16 and bfloat16 values are computed in float (ops.register_dtype)
 # and travel as their 16 bits, an i16: loads widen them with @fusec_widen, stores narrow with
-# @fusec_narrow (llvm_prelude.ll.j2), both integer bit operations. LLVM's own `half` and `bfloat`
-# types are never written: whether the code generator accepts them depends on the CPU it targets
-# (with AVX-512 BF16, LLVM 15-22 abort on `fptrunc float to bfloat`; without it, the conversion
-# becomes a call to a libgcc routine that older systems lack). Integer code is legal everywhere.
+# @fusec_narrow (llvm_prelude.ll.j2), integer bit operations that vectorize on every target.
+# LLVM's own `bfloat` type is never written, and `half` only inside the float16 helpers of a
+# target with F16C (has_f16c), where `fpext`/`fptrunc` become vcvtph2ps/vcvtps2ph, 16 values per
+# instruction, with torch's answers bit for bit: a float16 chain rounds after every op as eager
+# does, and the integer rounding took 6x eager's time there. Elsewhere whether the code generator
+# accepts those types depends on the CPU it targets (with AVX-512 BF16, LLVM 15-22 abort on
+# `fptrunc float to bfloat`; without F16C, `half` becomes a call to a libgcc routine that older
+# systems lack); integer code is legal everywhere.
 TYPE = {
     torch.float16: "i16", torch.bfloat16: "i16", torch.float32: "float",
     torch.float64: "double", torch.int8: "i8", torch.uint8: "i8", torch.int16: "i16",
@@ -376,10 +380,28 @@ def declarations(lines: list[str], defined: set[str], target: Target | None = No
 HELPERS = re.compile(r"@(fusec_\w+)\.(\w+)\(")
 
 
-def prelude(lines: list[str]) -> tuple[str, set[str]]:
+# x86-64 CPUs (LLVM's names) that have F16C, for targets named without a feature list
+F16C_CPUS = {"x86-64-v3", "x86-64-v4", "haswell", "broadwell", "skylake", "skylake-avx512",
+             "cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake",
+             "alderlake", "sapphirerapids", "graniterapids", "znver1", "znver2", "znver3", "znver4"}
+
+
+def has_f16c(target: Target | None = None) -> bool:
+    """Whether `target` (this CPU by default) converts float16 in hardware (F16C: vcvtph2ps and
+    vcvtps2ph, 4 to 16 values per instruction; every x86-64 CPU with AVX2 has it). Then the float16
+    helpers are LLVM's own `fpext`/`fptrunc` through `half` (Note: half precision), which the
+    code generator turns into those instructions; elsewhere they are integer operations."""
+    target = target or host()
+    if not target.triple.startswith("x86_64"):
+        return False
+    features = target.features.split(",")
+    return "+f16c" in features or ("-f16c" not in features and target.cpu in F16C_CPUS)
+
+
+def prelude(lines: list[str], target: Target | None = None) -> tuple[str, set[str]]:
     """The helper functions (llvm_prelude.ll.j2) this kernel calls, rendered for the types it
-    calls them with, and the set of names they define. A helper may call another (tanh-GELU calls
-    `fusec_tanh`): those are added until nothing new is called."""
+    calls them with and for `target`, and the set of names they define. A helper may call another
+    (tanh-GELU calls `fusec_tanh`): those are added until nothing new is called."""
     wanted = {(name, short) for line in lines for name, short in HELPERS.findall(line)}
     if not wanted:
         return "", set()
@@ -391,7 +413,8 @@ def prelude(lines: list[str]) -> tuple[str, set[str]]:
             helpers.append(dict(name=name, D=short, T=TYPE[dtype], S=SUFFIX[dtype],
                                 kind=kind(dtype),
                                 c=_helper_constants(dtype) if is_float(dtype) else {}))
-        text = render_template("llvm_prelude.ll.j2", helpers=helpers, tables=prelude_tables())
+        text = render_template("llvm_prelude.ll.j2", helpers=helpers, tables=prelude_tables(),
+                               f16c=has_f16c(target))
         called = wanted | set(HELPERS.findall(text))
         if called == wanted:
             break
@@ -449,7 +472,7 @@ def function_attributes(target: Target | None = None) -> str:
 
 
 def finish(template: str, lines: list[str], target: Target | None, **context) -> str:
-    helper_text, defined = prelude(lines)
+    helper_text, defined = prelude(lines, target)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
     context.update(prelude=helper_text, declarations=declarations(decl_lines, defined, target),
                    function_attributes=function_attributes(target))
