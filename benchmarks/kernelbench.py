@@ -176,7 +176,7 @@ def run_row(name: str, build, args) -> dict:
     fns = {"eager": lambda: model(*inputs)}
     compilers = {"inductor": lambda: torch.compile(model),
                  "fusec": lambda: fusec.compile(model, backend=args.backend)}
-    for other in args.also_backends:  # more fusec columns, timed in the same turns
+    for other in getattr(args, "also_backends", ()):  # more fusec columns, timed in the same turns
         compilers[f"fusec_{other}"] = lambda other=other: fusec.compile(model, backend=other)
     for key, make in compilers.items():
         try:
