@@ -237,6 +237,55 @@ static inline float fusec_round_f16(float f) {
     return fusec_bits_float((uint32_t)magnitude | (bits & 0x80000000u));
 }
 
+// A block of n float16 values converted by the CPU (Note: float16 blocks, codegen/cpp/half_blocks.py):
+// F16C's vcvtph2ps/vcvtps2ph, 16 at a time with AVX-512 and 8 with AVX2 (rounding to nearest
+// even, NaN payloads as torch's, which uses the same instructions); the last few, and CPUs
+// without F16C, by the integer functions above, which give the same bits.
+#if defined(__F16C__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#define FUSEC_BLOCK 256
+static inline void fusec_f16_to_f32_block(const uint16_t* in, float* out, int64_t n) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(in + k))));
+#endif
+#if defined(__F16C__) && defined(__x86_64__)
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + k))));
+#endif
+    for (; k < n; ++k) out[k] = fusec_f16_to_f32(in[k]);
+}
+static inline void fusec_f32_to_f16_block(const float* in, uint16_t* out, int64_t n) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16)
+        _mm256_storeu_si256((__m256i*)(out + k),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(in + k), _MM_FROUND_TO_NEAREST_INT));
+#endif
+#if defined(__F16C__) && defined(__x86_64__)
+    for (; k + 8 <= n; k += 8)
+        _mm_storeu_si128((__m128i*)(out + k),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(in + k), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; k < n; ++k) out[k] = fusec_f32_to_f16(in[k]);
+}
+static inline void fusec_round_f16_block(float* values, int64_t n) {
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= n; k += 16)
+        _mm512_storeu_ps(values + k, _mm512_cvtph_ps(
+            _mm512_cvtps_ph(_mm512_loadu_ps(values + k), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+#if defined(__F16C__) && defined(__x86_64__)
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(values + k, _mm256_cvtph_ps(
+            _mm256_cvtps_ph(_mm256_loadu_ps(values + k), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+    for (; k < n; ++k) values[k] = fusec_round_f16(values[k]);
+}
+
 // Division that rounds like torch: floor division matches Python's `//`.
 template <typename T> static inline T fusec_floordiv(T a, T b) {
     if constexpr (std::is_floating_point_v<T>) {
@@ -282,10 +331,9 @@ template <typename T> static inline T fusec_abs(T x) {
     else return (T)(x < 0 ? (T)(0 - (std::make_unsigned_t<T>)x) : x);
 }
 
-// NaN-propagating max/min, as torch.maximum/minimum and clamp.
-// NaN propagates (a NaN a is kept; a NaN b loses every comparison and is kept). Two selects, not
-// one with `||`: with -fno-thread-jumps gcc 12 left a loop of clamp(clamp(x)) scalar with `||`
-// (HardSwish, hardtanh: 6x eager's time over 32768 floats).
+// NaN-propagating max/min, as torch.maximum/minimum and clamp (a NaN a is kept; a NaN b loses
+// every comparison and is kept). Two selects, not one with `||`: with -fno-thread-jumps gcc 12
+// left a loop of clamp(clamp(x)) scalar with `||` (HardSwish: 6x eager's time over 32768 floats).
 template <typename T> static inline T fusec_maximum(T a, T b) { T r = a > b ? a : b; return a != a ? a : r; }
 template <typename T> static inline T fusec_minimum(T a, T b) { T r = a < b ? a : b; return a != a ? a : r; }
 template <typename T> static inline T fusec_relu(T x) { return x < 0 ? T(0) : x; }
