@@ -164,6 +164,7 @@ class PassRecord:
     backend: str | None = None
     skipped: list[str] = field(default_factory=list)  # passes with nothing to look at (passes/__init__.py)
     extensions: dict[str, list] = field(default_factory=dict)  # registered passes' decisions, by pass
+    picks: list[Decision] = field(default_factory=list)  # gathers/scatters of one position a row
     fold_constants: list[Folded] = field(default_factory=list)
     dce: list[str] = field(default_factory=list)  # names of the nodes removed
     cse: list[Merge] = field(default_factory=list)

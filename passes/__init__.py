@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+    PIPELINE = [picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
                 pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 A pass that only rewrites some ops says which (`@looks_for(aten.mm.default, ...)`, from
@@ -38,6 +38,7 @@ from .fuse_reductions import fuse_reductions
 from .layout import layout
 from .pad_matmul import pad_matmul
 from .move_permutes import move_permutes
+from .picks import picks
 from .pooling import pooling
 from .reinplace import reinplace
 from .schedule import schedule
@@ -45,7 +46,7 @@ from .simplify import simplify
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+PIPELINE = [picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
             pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

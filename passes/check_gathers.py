@@ -71,11 +71,13 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
                                       "nothing to check"))
             continue
         checked.add(key)
-        checks.append(_add_check(graph, mode, index, gather, node))
+        what = (f"every value of {index.name} must be in [{gather.lowest}, {gather.size}) "
+                f"({node.name} reads rows of {gather.source.name})")
+        checks.append((range_check(graph, mode, index, gather.lowest, gather.size, node), what))
         decisions.append(Decision(node.name, True, f"checks {index.name} once: every value in "
                                   f"[{gather.lowest}, {gather.size})"))
     if checks:
-        _assert_all(graph, mode, checks)
+        assert_all(graph, mode, checks)
     record_of(gm).check_gathers = decisions
     if decisions:
         graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
@@ -122,24 +124,23 @@ def _set_index(node: fx.Node, gather: ops.Gather, index: fx.Node) -> None:
     node.args = tuple(args)
 
 
-def _add_check(graph: fx.Graph, mode, index: fx.Node, gather: ops.Gather, like: fx.Node):
-    """(ok, what): ok = all(lowest <= index < size), computed right after the index."""
-    source = gather.source.name
-    what = (f"every value of {index.name} must be in [{gather.lowest}, {gather.size}) "
-            f"({like.name} reads rows of {source})")
+def range_check(graph: fx.Graph, mode, index: fx.Node, lowest: int, size: int,
+                like: fx.Node) -> fx.Node:
+    """ok = all(lowest <= index < size), computed right after the index (also used by
+    passes/picks.py for the positions a gather or scatter picks)."""
     with graph.inserting_after(index):
-        low = _add(graph, mode, aten.ge.Scalar, (index, gather.lowest), like)
+        low = _add(graph, mode, aten.ge.Scalar, (index, lowest), like)
     with graph.inserting_after(low):
-        high = _add(graph, mode, aten.lt.Scalar, (index, gather.size), like)
+        high = _add(graph, mode, aten.lt.Scalar, (index, size), like)
     with graph.inserting_after(high):
         both = _add(graph, mode, aten.logical_and.default, (low, high), like)
     with graph.inserting_after(both):
-        return _add(graph, mode, aten.all.default, (both,), like), what
+        return _add(graph, mode, aten.all.default, (both,), like)
 
 
-def _assert_all(graph: fx.Graph, mode, checks: list) -> None:
-    """One `_assert_async` for the whole program, of all its checks and-ed together (one call
-    fewer per checked index: a decoding step checks its token and its position)."""
+def assert_all(graph: fx.Graph, mode, checks: list) -> None:
+    """One `_assert_async` for the whole program, of all its checks (ok, what) and-ed together
+    (one call fewer per checked index: a decoding step checks its token and its position)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     checks = sorted(checks, key=lambda c: order[c[0]])
     ok = checks[0][0]

@@ -58,16 +58,16 @@ def test_optimizer_step_on_the_gpu(name, foreach):
     kw = dict(SGD=dict(momentum=0.9), Adam={}, AdamW=dict(weight_decay=0.1))[name]
     cls = getattr(torch.optim, name)
 
-    def train(how: str):
+    def train(how: str):  # tests/test_optimizer_step.py's model, loss and batches, on CUDA
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
-                                    torch.nn.Linear(128, 8)).cuda()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4)).cuda()
         opt = cls(model.parameters(), lr=0.05, foreach=foreach, **kw)
         step = {"eager": opt.step, "aot_eager": torch.compile(opt.step, backend="aot_eager"),
                 "fusec": fusec.compile(opt.step) if how == "fusec" else None}[how]
-        gen = torch.Generator(device="cuda").manual_seed(1)
+        gen = torch.Generator().manual_seed(1)
         for _ in range(10):
-            model(torch.randn(16, 64, device="cuda", generator=gen)).pow(2).sum().backward()
+            model(torch.randn(5, 8, generator=gen).cuda()).pow(2).sum().backward()
             step()
             opt.zero_grad()
         torch._dynamo.reset()

@@ -23,6 +23,8 @@ from fusec.record import folded_view, record_of
 # (passes/__init__.py, `register`) keeps its decisions in `record.extensions` and may give its
 # words as DECISION_WORDS in its module (`decision_words`).
 DECISIONS = {
+    "picks": ("{n} gather(s)/scatter(s) of one position a row as comparisons with the position",
+              "rewritten", "kept"),
     "constant_gathers": ("{n} gather(s) by a constant index moved onto constants", "moved", "kept"),
     "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
                       "dropped", "done", "kept"),
