@@ -54,8 +54,10 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=1.6e-2, atol=1e-3)  # torch.testing's rtol for bfloat16; atol for weights near 0
 
 WAYS = {
+    # (fusec(fsdp), TorchDynamo's path for a sharded model, on the CNN only: through Dynamo,
+    # the whole GPT-2 costs this file most of a minute more on a 2-core machine)
     "gpt2": ["eager-ddp", "ddp(fusec)", "fusec(ddp)", "eager-fsdp", "fsdp(fusec blocks)",
-             "fusec(fsdp)", "eager-fsdp+bf16", "fsdp(fusec blocks)+bf16", "eager-ddp+autocast",
+             "eager-fsdp+bf16", "fsdp(fusec blocks)+bf16", "eager-ddp+autocast",
              "ddp(fusec)+autocast"],
     "cnn": ["eager-ddp", "ddp(fusec)", "fusec(ddp)", "eager-fsdp", "fsdp(fusec blocks)",
             "fusec(fsdp)", "eager-ddp+ckpt", "ddp(fusec)+ckpt", "eager-fsdp+wrapper",
@@ -228,12 +230,19 @@ def spawn(model_name: str, ways: list, out: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One spawn per model, shared by the tests below (each spawn pays its compiles once)."""
-    made = {}
+    made, failed = {}, {}
 
     def get(model_name: str) -> dict:
+        if model_name in failed:  # (one spawn per model, even when it failed)
+            pytest.fail(f"the {model_name} processes failed (see the first test that ran "
+                        f"them): {failed[model_name]}")
         if model_name not in made:
             out = tmp_path_factory.mktemp(model_name) / "results.pt"
-            made[model_name] = spawn(model_name, WAYS[model_name], out)
+            try:
+                made[model_name] = spawn(model_name, WAYS[model_name], out)
+            except BaseException as err:
+                failed[model_name] = str(err).strip().splitlines()[-1][:300] if str(err) else repr(err)
+                raise
         return made[model_name]
     return get
 
@@ -322,11 +331,12 @@ def test_blocks_that_fill_a_cache():
 
 def test_benchmark_runs_under_torchrun(tmp_path):
     """benchmarks/distributed.py under torchrun, 2 processes on this CPU, 2 steps, small GPT-2,
-    DDP: every system trains, its losses within tolerance of eager's, the JSON says so."""
+    FSDP2 with compiled blocks (one block's program to compile: the cheapest wrapper to run):
+    every system trains, its losses within tolerance of eager's, the JSON says so."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "benchmarks" / "distributed.py"), "--model", "gpt2", "--wrap", "ddp",
+           str(ROOT / "benchmarks" / "distributed.py"), "--model", "gpt2", "--wrap", "fsdp2",
            "--systems", "eager,fusec", "--steps", "2", "--warmup", "1", "--small",
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
