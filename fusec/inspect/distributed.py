@@ -5,9 +5,10 @@ and it is torch.distributed that does it, not fusec's kernels:
 
     DistributedDataParallel   the forward broadcasts rank 0's buffers (batch norm's running
                               statistics; `broadcast_buffers=True`, the default); in the backward,
-                              each *bucket* of gradients (about 25 MB of them, in reverse order of
-                              the parameters) is all-reduced as soon as its last gradient is
-                              computed, while the rest of the backward goes on.
+                              each *bucket* of gradients (25 MB by default, the first one
+                              smaller; the parameters in about the reverse order of their use)
+                              is all-reduced as soon as its last gradient is computed, while the
+                              rest of the backward goes on.
                               `fusec.compile(DDP(model))` goes through TorchDynamo, whose DDP
                               optimizer splits the graph at the buckets' edges, so that each
                               region's backward completes a bucket; `DDP(fusec.compile(model))`
@@ -131,13 +132,18 @@ def step_timeline(model, inputs: tuple, kwargs: dict, times: bool = False) -> St
     and say what ran (see the module doc)."""
     import torch.distributed as dist
     params = [p for p in model.parameters()]
-    grads = [p.grad for p in params]
+    # the step's gradients are not the user's: put back each .grad, its values too (DDP copies
+    # the reduced gradients into the existing .grad tensors)
+    grads = [(p.grad, p.grad.detach().clone() if p.grad is not None else None) for p in params]
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _loss(model(*inputs, **kwargs)).backward()
     finally:
-        for p, g in zip(params, grads):  # the step's gradients are not the user's
-            p.grad = g
+        with torch.no_grad():
+            for p, (grad, values) in zip(params, grads):
+                p.grad = grad
+                if grad is not None:
+                    grad.copy_(values)
     ready = dist.is_available() and dist.is_initialized()
     return StepTimeline(dist.get_rank() if ready else 0, dist.get_world_size() if ready else 1,
                         str(dist.get_backend()) if ready else "not initialized",
