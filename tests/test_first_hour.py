@@ -370,3 +370,41 @@ def test_triton_imported_after_fusec_still_interprets_without_a_gpu():
     """).split()
     assert said[-1] == "ok"
     assert said[1] == ("None" if said[0] == "True" else "1")
+
+
+# ---- torch.compile's regions under the user's names ------------------------------------------------
+def test_torch_compile_regions_have_the_users_names():
+    """`explain` of `torch.compile(nn.Sequential(...), backend="fusec")` titled its region
+    "inner" (torch's wrapper around the module, which Dynamo traces) and named the inputs
+    `args_0, args_1, args_2`: now the module's forward, its parameters as fusec names its own
+    (`p_0_weight`) and the forward's argument (`input`, which torch.fx would rename: `input_`)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    opt = torch.compile(model, backend="fusec")
+    with torch.no_grad():
+        opt(torch.ones(2, 8))
+    text = str(fusec.explain(opt))
+    assert "region 1: Sequential.forward: 2 torch op(s)" in text and "region 1: inner" not in text
+    assert "linear(input_, p_0_weight, p_0_bias)" in text  # Dynamo's graph, as listed
+    assert first_inputs(text) == ["p_0_weight", "p_0_bias", "input_"]  # the ATen graph's
+    assert "args_0" not in text
+
+
+def test_graph_break_regions_name_a_functions_inputs():
+    """fusec.compile of a function with a graph break runs Dynamo's regions too: their forward
+    programs take the function's own argument names."""
+    def scaled(x, scale):
+        y = x.sin() * scale
+        if y.sum() > 0:
+            return y.cos()
+        return y
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = str(fusec.explain(scaled, torch.ones(8), torch.ones(8), backend="cpp"))
+    assert "region 1: scaled" in text
+    assert first_inputs(text) == ["x", "scale"]
+
+
+def first_inputs(explained: str) -> list[str]:
+    """The input names of the first captured ATen graph in `explain`'s text."""
+    block = explained.split("=== captured ATen graph ===\ninputs:\n", 1)[1].split("ops:", 1)[0]
+    return [line.split()[0] for line in block.splitlines() if line.strip()]

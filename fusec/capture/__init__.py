@@ -10,6 +10,7 @@
     training.py        a program that needs gradients: AOT Autograd's forward and backward
     breaks.py          why a program cannot be one graph, in the user's words
     regions.py         a program in regions: TorchDynamo's graphs, each compiled
+    dynamo_names.py    a region's function and inputs under the user's names (Dynamo's sources)
 
 Nothing here imports the driver (fusec/api.py, fusec/driver.py): training and regions are handed
 the compiler they use (`fusec.api.part_compiler`).

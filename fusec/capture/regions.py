@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec.capture.breaks import Break, Frame, dynamo_compile, innermost
+from fusec.capture.dynamo_names import input_names, named_forward, traced_frame, traced_function
 from fusec.capture.frontend import decompositions
 from fusec.capture.training import TrainingParts, graph_compiler, partitioner
 from fusec.errors import FusecError, GraphBreakError
@@ -48,6 +49,7 @@ class Region:
     parts: list = field(default_factory=TrainingParts)  # .partitions: saved and recomputed
     last_run: int = 0  # a tick of the collector's clock, set on every call of the region
     examples: list | None = None  # the inputs of the forward part's last call, when kept
+    inputs: list = field(default_factory=list)  # the user's name of each input of `graph`
 
     @property
     def kernels(self) -> list:
@@ -100,10 +102,12 @@ class Region:
             y = mul(sin, 2)  # f.py:4  y = torch.sin(x) * 2
         """
         rows = []
+        placeholders = [n for n in self.graph.graph.nodes if n.op == "placeholder"]
+        named = dict(zip(placeholders, self.inputs))  # (Dynamo's `l_x_` is the user's `x`)
         for node in self.graph_ops():
             target = node.target if isinstance(node.target, str) else \
                 getattr(node.target, "__name__", str(node.target))
-            args = ", ".join(_arg(a) for a in node.args)
+            args = ", ".join(_arg(a, named) for a in node.args)
             frame = innermost(node.meta.get("stack_trace"))
             where = f"  # {frame}  {frame.code}" if frame else ""
             rows.append(f"  {node.name} = {target}({args}){where}")
@@ -123,11 +127,11 @@ class Region:
                          for name, part in self.compiled_parts()) or "(not compiled yet)"
 
 
-def _arg(a) -> str:
+def _arg(a, named: dict) -> str:
     if isinstance(a, fx.Node):
-        return a.name
+        return named.get(a, a.name)
     if isinstance(a, (list, tuple)):
-        return "[" + ", ".join(_arg(x) for x in a) + "]"
+        return "[" + ", ".join(_arg(x, named) for x in a) + "]"
     return repr(a)
 
 
@@ -161,11 +165,13 @@ class Regions:
     def __call__(self, gm: fx.GraphModule, example_inputs) -> Callable:
         """Dynamo calls this once per graph it captured: compile it with AOT Autograd and fusec,
         and return a callable that also notes that the region ran."""
-        function = _traced_function()
+        tx = traced_frame()  # the user's names for the function and its inputs: dynamo_names.py
+        function = traced_function(tx)
         region = Region(len(self.regions) + 1, function, gm,
-                        Break.of(getattr(gm, "compile_subgraph_reason", None), function))
+                        Break.of(getattr(gm, "compile_subgraph_reason", None), function),
+                        inputs=input_names(gm, tx))
         self.regions.append(region)
-        compile_part = graph_compiler(self.compile_fn, region.parts)
+        compile_part = graph_compiler(named_forward(self.compile_fn, region.inputs), region.parts)
         if self.keep_inputs:
             compile_part = _keeping_inputs(compile_part, region)
         from torch._dynamo.backends.common import aot_autograd  # (Dynamo: imported when used)
@@ -280,16 +286,6 @@ def _keeping_inputs(compile_part: Callable, region: Region) -> Callable:
         keep._boxed_call = True
         return keep
     return compile_and_keep
-
-
-def _traced_function() -> str:
-    """The name of the Python function Dynamo is tracing right now (while it calls a backend)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-        return tx.f_code.co_name
-    except Exception:  # an older torch, or called outside Dynamo
-        return "?"
 
 
 
