@@ -329,6 +329,29 @@ def test_blocks_that_fill_a_cache():
         torch.testing.assert_close(p.grad, q.grad, **FP32, msg=name)
 
 
+def test_checkpoint_inside_a_compiled_block_recomputes():
+    """torch.utils.checkpoint inside a program fusec compiles for training: traced through, it
+    would be computed right but its activations saved anyway; so it is a graph break, and
+    TorchDynamo's checkpoint region tells AOT Autograd's partitioner to recompute them
+    (fusec/capture/tracing.py). The gradients are eager's, and nothing of the block's body is
+    saved for the backward. One process: the `+ckpt` ways above run it under DDP."""
+    import fusec
+    torch.manual_seed(0)
+    block, ref = Block(3, 8, ckpt=True), Block(3, 8, ckpt=True)
+    ref.load_state_dict(block.state_dict())
+    compiled = fusec.compile(block, backend="cpp")
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.warns(fusec.GraphBreakWarning, match="torch.utils.checkpoint"):
+        compiled(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    for p, q in zip(block.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **FP32)
+    partitions = [p for r in fusec.regions(compiled).regions for p in r.parts.partitions]
+    assert partitions and all(p.saved_bytes == 0 for p in partitions), \
+        [[s.name for s in p.saved if s.counted] for p in partitions]
+    assert any(op == "convolution" for p in partitions for _, op in p.recomputed)
+
+
 def test_benchmark_runs_under_torchrun(tmp_path):
     """benchmarks/distributed.py under torchrun, 2 processes on this CPU, 2 steps, small GPT-2,
     FSDP2 with compiled blocks (one block's program to compile: the cheapest wrapper to run):

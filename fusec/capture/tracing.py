@@ -327,12 +327,42 @@ def _refuse_python():
         raise _runs_python("a jiterator kernel (torch.cuda.jiterator)", "it runs its own CUDA "
                            "code on the tensors, which hold no data while tracing", _user_caller())
 
+    # torch.utils.checkpoint in a program traced for training: tracing runs through it, so AOT
+    # Autograd's partitioner never learns which activations the user asked to recompute, and
+    # saves them all (right answers, but the memory the checkpoint was there to save is spent).
+    # TorchDynamo turns a checkpoint into a tagged region whose activations the partitioner
+    # recomputes in the backward: a graph break. (Under torch.no_grad, an inference capture,
+    # a checkpoint saves nothing and traces as its function.)
+    from torch.utils import checkpoint as ckpt
+    real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, \
+        ckpt.CheckpointFunction
+
+    def refuse_checkpoint():
+        if _tracing_here() and torch.is_grad_enabled():
+            raise _runs_python("torch.utils.checkpoint", "its activations are recomputed in the "
+                               "backward, which TorchDynamo's checkpoint regions tell the "
+                               "partitioner and a traced graph cannot", _user_caller())
+
+    def generator_(*args, **kwargs):
+        refuse_checkpoint()
+        return real_generator(*args, **kwargs)
+
+    class CheckpointFunction_:  # (checkpoint() calls only its `apply`)
+        @staticmethod
+        def apply(*args):
+            refuse_checkpoint()
+            return real_function.apply(*args)
+
     builtins.print, torch.Tensor.numpy = print_, numpy_
+    ckpt._checkpoint_without_reentrant_generator = generator_
+    ckpt.CheckpointFunction = CheckpointFunction_
     if real_jiterator is not None:
         torch._C._cuda_jiterator_compile_and_launch_kernel = jiterator_
 
     def restore():
         builtins.print = real_print
+        ckpt._checkpoint_without_reentrant_generator = real_generator
+        ckpt.CheckpointFunction = real_function
         if real_jiterator is not None:
             torch._C._cuda_jiterator_compile_and_launch_kernel = real_jiterator
         if had_numpy:
