@@ -70,6 +70,11 @@ each way keeps the pieces where the next kernel can read them.
                          whole rows of the view's dim t and is computed by elementwise ops from
                          values in memory: the views move onto those, as for a stack.
     views of a stack     two reshapes of a stack as one view.
+    cast after a view    to(view(x, S), dtype) -> view(to(x, dtype), S) for a contiguous x that
+                         a kernel computes: the cast then joins x's kernel (a reshape read
+                         back ends a kernel, passes/fuse_pointwise.py), and the view is of the
+                         cast's result. Autocast's backward writes every gradient so: the
+                         gradient of `logits.float()` reshaped, then cast back to bfloat16.
 
 Each is exact: every element gets the same ops on the same values as in eager, so NaN and
 infinity come out where eager's do. Only elementwise ops of the op table (fusec/ops.py) move,
@@ -785,5 +790,32 @@ VIEW_OF_VIEW = Rule(
        exact=False),
     _view_of_view, "two reshapes of {x} as one view")
 
+
+
+def _cast_after_view(b: Builder, m: Match) -> fx.Node | Declined:
+    """to(view(x, S), dtype) -> view(to(x, dtype), S) for a computed, contiguous x."""
+    kw = m.cast.kwargs
+    x_meta = m.x.meta.get("fusec") if isinstance(m.x, fx.Node) else None
+    if len(m.cast.args) != 1 or "dtype" not in kw or not isinstance(x_meta, TensorMeta) \
+            or kw.get("layout", torch.strided) != torch.strided \
+            or str(kw.get("device", x_meta.device)) != str(x_meta.device) \
+            or kw.get("memory_format", torch.preserve_format) != torch.preserve_format \
+            or set(kw) - {"dtype", "layout", "device", "memory_format"}:
+        return Declined(f"a cast that also changes device or layout ({dict(kw)})")
+    x = m.x
+    if not isinstance(x, fx.Node) or not _contiguous(x) or not (
+            ops.normalize(x) is not None or ops.reduction(x) is not None):
+        return Declined(f"{getattr(x, 'name', x)} is not a contiguous value a kernel computes")
+    cast = b(aten._to_copy.default, x, dtype=kw["dtype"])
+    return b(m.view.target, cast, m.shape)
+
+
+CAST_AFTER_VIEW = Rule(
+    "cast after a view",
+    Op(aten._to_copy.default, Op(RESHAPES, Var("x"), Var("shape"), name="view"), name="cast",
+       exact=False),
+    _cast_after_view, "the cast of a reshape of {x} as the reshape of its cast")
+
 RULES = [VIEW_CHAIN, BATCH_OF_ONE, CONTRACTION, SCALE_AFTER_T, SCALE_AFTER, SCALE_AFTER_BIAS,
-         MATH_INTO_STACK, STACK_READERS, VIEW_OF_VIEW, MATH_OUT_OF_CAT, CAT_OF_VIEWS]
+         MATH_INTO_STACK, STACK_READERS, VIEW_OF_VIEW, MATH_OUT_OF_CAT, CAT_OF_VIEWS,
+         CAST_AFTER_VIEW]

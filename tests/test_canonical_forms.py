@@ -381,3 +381,37 @@ def test_cat_rules_decide_as_they_say_and_match_eager():
         taken, cf = decisions(f, *args)
         assert any(t == took and why.startswith(says) for t, why in taken), (name, taken)
         torch.testing.assert_close(cf(*args), f(*args))
+
+
+# ---- cast after a view --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_a_cast_of_a_reshape_joins_the_kernel_that_computes_the_value(backend):
+    """Autocast's backward writes a gradient as the reshape of a float32 value cast back to
+    bfloat16; the cast moves before the reshape, into the kernel that computes the value, so no
+    float32 tensor is stored for it (a softmax here: the cast is in its kernel's epilogue)."""
+    dev = "cpu" if backend != "triton" else TRITON_DEVICE
+    x = torch.randn(6, 35, device=dev)
+    x[1, 2] = float("nan")
+
+    def f(x):
+        return torch.softmax(x * 2, -1).view(2, 3, 35).to(torch.bfloat16)
+
+    cf = fusec.compile(f, backend=backend)
+    torch.testing.assert_close(cf(x), f(x), equal_nan=True)
+    assert len(cf.kernels) == 1, [k.name for k in cf.kernels]  # the softmax and its cast
+    rec = [d for d in record_of(cf.last.gm).canonicalize if "cast after a view" in d.why]
+    assert rec and rec[0].taken
+
+
+def test_a_cast_of_a_reshape_of_a_library_result_stays():
+    """The cast of a view of a matmul's result stays where it is: it reads the matmul's result
+    through the view inside the next kernel, which a cast moved before the view would not."""
+    a, b = torch.randn(6, 8), torch.randn(8, 5)
+
+    def f(a, b):
+        return torch.softmax((a @ b).view(2, 3, 5).to(torch.float64), -1)
+
+    cf = fusec.compile(f, backend="cpp")
+    torch.testing.assert_close(cf(a, b), f(a, b))
+    rec = [d for d in record_of(cf.last.gm).canonicalize if "cast after a view" in d.why]
+    assert rec and not rec[0].taken and "not a contiguous value a kernel computes" in rec[0].why
