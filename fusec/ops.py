@@ -127,7 +127,7 @@ _ROWS = [
        llvm=_LL_MAX),
     Op("clamp_max", "fusec_minimum({0}, {1})", "fusec_minimum({0}, {1})",
        llvm=_LL_MIN),
-    Op("where", "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", promote_from=(1, 2),
+    Op("where", "tl.where({0}, {1}, {2})", "fusec_select({0}, {1}, {2})", promote_from=(1, 2),
        llvm='select i1 {0}, {T} {1}, {T} {2}'),
     # transcendental functions (integers become floats first)
     Op("exp", "fusec_exp({0})", "fusec_exp({0})", promote=F,

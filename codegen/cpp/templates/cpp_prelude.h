@@ -116,18 +116,42 @@ static inline double fusec_exp_f64(double y) {
     return fusec_horner(r, P) * scale;
 }
 
+// c ? a : b for any arithmetic type, as bit masks (the op table's `where`, and the selects below).
+// The same gcc 12 limit as fusec_select_bits above, for floats: a float `?:` that gcc cannot turn
+// into a min/max (NaNs forbid it) stays a branch in a loop that also calls torch's SLEEF exp, and
+// the loop is not vectorized: softplus's where(x > 20, x, log1p(exp(x))) and clamp-then-exp ran
+// one value at a time, 1.5-6x eager's time (KernelBench-style 12_, 23_, 38_ on one thread).
+template <typename T> static inline T fusec_select(bool c, T a, T b) {
+    if constexpr (std::is_same_v<T, bool>) {
+        return (c && a) || (!c && b);
+    } else {
+        using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4,
+                  uint32_t, std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
+        static_assert(sizeof(U) == sizeof(T));
+        U x, y;
+        std::memcpy(&x, &a, sizeof(T));
+        std::memcpy(&y, &b, sizeof(T));
+        const U all = U(0) - U(c);  // all ones where c holds
+        const U r = (x & all) | (y & U(~all));
+        T out;
+        std::memcpy(&out, &r, sizeof(T));
+        return out;
+    }
+}
+
 // tanh(x) = (e^2|x| - 1) / (e^2|x| + 1) with x's sign; below 2^-11 (where e - 1 would lose
 // digits) its series x - x^3/3 + 2x^5/15; from 9.5 on, tanh rounds to 1.
 static inline float fusec_tanh(float x) {
     double d = std::fabs((double)x);
-    d = d > 9.5 ? 9.5 : d;
+    d = fusec_select(d > 9.5, 9.5, d);
     const double e = fusec_exp_f64(2.0 * d), t = d * d;
     const bool small = d < 0x1p-11;
     // the division's operands are selected, not its result: both sides are computed (a select,
     // not a branch, so the loop vectorizes) and the division never sees a value it must not
-    const double num = small ? d * FUSEC_FMA(t, FUSEC_FMA(t, 2.0 / 15.0, -1.0 / 3.0), 1.0) : e - 1.0;
-    const double y = num / (small ? 1.0 : e + 1.0);
-    return x != x ? x : std::copysign((float)y, x);
+    const double series = d * FUSEC_FMA(t, FUSEC_FMA(t, 2.0 / 15.0, -1.0 / 3.0), 1.0);
+    const double num = fusec_select(small, series, e - 1.0);
+    const double y = num / fusec_select(small, 1.0, e + 1.0);
+    return fusec_select(x != x, x, std::copysign((float)y, x));
 }
 static inline double fusec_tanh(double x) { return std::tanh(x); }
 
@@ -143,11 +167,12 @@ static inline float fusec_erf(float x) {
         0x1.ec5cf382218c0p-5, -0x1.56cbf83e1cb2ep-3, 0x1.7a699e30a8bfap-2, -0x1.50baf2f59cfc7p-1,
         0x1.e7b16260e7940p-1, -0x1.1d1de6c8746fep+0, 0x1.feef405f4fab4p-1};
     const double d = std::fabs((double)x);
-    const double c = d > 4.0 ? 4.0 : (d < 1.0 ? 1.0 : d);  // where the tail's formula holds
+    // where the tail's formula holds
+    const double c = fusec_select(d > 4.0, 4.0, fusec_select(d < 1.0, 1.0, d));
     const double small = d * fusec_horner(d * d, S);  // d * d is exact: a float's square fits
     const double tail = 1.0 - fusec_exp_f64(-c * c) * fusec_horner(c, R);
-    const float y = (float)(d < 1.0 ? small : (d >= 4.0 ? 1.0 : tail));
-    return x != x ? x : std::copysign(y, x);
+    const float y = (float)fusec_select(d < 1.0, small, fusec_select(d >= 4.0, 1.0, tail));
+    return fusec_select(x != x, x, std::copysign(y, x));
 }
 static inline double fusec_erf(double x) { return std::erf(x); }
 
@@ -332,11 +357,14 @@ template <typename T> static inline T fusec_abs(T x) {
 }
 
 // NaN-propagating max/min, as torch.maximum/minimum and clamp (a NaN a is kept; a NaN b loses
-// every comparison and is kept). Two selects, not one with `||`: with -fno-thread-jumps gcc 12
-// left a loop of clamp(clamp(x)) scalar with `||` (HardSwish: 6x eager's time over 32768 floats).
-template <typename T> static inline T fusec_maximum(T a, T b) { T r = a > b ? a : b; return a != a ? a : r; }
-template <typename T> static inline T fusec_minimum(T a, T b) { T r = a < b ? a : b; return a != a ? a : r; }
-template <typename T> static inline T fusec_relu(T x) { return x < 0 ? T(0) : x; }
+// every comparison and is kept), as two selects.
+template <typename T> static inline T fusec_maximum(T a, T b) {
+    return fusec_select(a != a, a, fusec_select(a > b, a, b));
+}
+template <typename T> static inline T fusec_minimum(T a, T b) {
+    return fusec_select(a != a, a, fusec_select(a < b, a, b));
+}
+template <typename T> static inline T fusec_relu(T x) { return fusec_select(x < 0, T(0), x); }
 
 template <typename T> static inline T fusec_sigmoid(T x) { return T(1) / (T(1) + fusec_exp(-x)); }
 template <typename T> static inline T fusec_rsqrt(T x) { return T(1) / std::sqrt(x); }
@@ -355,8 +383,8 @@ template <> inline float fusec_gelu<float>(float x) {
     // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
     // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
     const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
-    return x == std::numeric_limits<float>::infinity() ? std::numeric_limits<float>::quiet_NaN()
-                                                        : gelu;
+    return fusec_select(x == std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN(), gelu);
 }
 template <typename T> static inline T fusec_gelu_tanh(T x) {
     const T k = T(0.79788456080286535588);  // sqrt(2 / pi)
@@ -391,7 +419,13 @@ template <typename T> static inline T fusec_bitwise_not(T x) {
 // negative exponent gives what torch gives (1 for base 1, +-1 for base -1, else 0).
 template <typename T> static inline T fusec_pow(T base, T exp) {
     if constexpr (std::is_floating_point_v<T>) {
-        return std::pow(base, exp);
+        // C's pow, also where gcc's vectorizer spells pow(x, 0.5) as sqrt(x), which answers -0
+        // for -0 and NaN for -inf (pow: +0 and +inf). Eager's float16 x ** 0.5 is pow's
+        // (fusec/ops.py _pow_scalar); the other dtypes' are sqrt rows, never this.
+        const T r = std::pow(base, exp);
+        const bool root = exp == T(0.5);
+        return (root && base == -std::numeric_limits<T>::infinity()) ? std::numeric_limits<T>::infinity()
+                                                                    : ((root && base == T(0)) ? T(0) : r);
     } else if constexpr (std::is_same_v<T, bool>) {
         return exp ? base : true;
     } else {
