@@ -34,6 +34,7 @@ from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf, families, tools
+from . import half_blocks
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude)
@@ -189,6 +190,7 @@ def render(kernel) -> str:
 
     body: list[str] = []
     gathers: list[str] = []
+    reads, writes = [], []  # (for half_blocks: the same reads and writes, a block at a time)
     for load in kernel.loads:
         at = index(load.index, load.var.name)
         ptr = f"{load.param}_ptr[{at}]"
@@ -209,11 +211,15 @@ def render(kernel) -> str:
                                  + ([f"{at} < {hi}"] if hi < shape[dim] else [])) or "true"
             other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
             value = f"({inside}) ? {value} : {other}"
+        reads.append((load, ptr, value))
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
     body += [render_stmt(s) for s in kernel.stmts]
     for k, store in enumerate(kernel.stores):
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
+        writes.append((store, target))
         body.append(f"{target} = {store_value(store.var, store.dtype)};")
+    # float16 on a CPU with F16C: a block at a time, the hardware converting (Note: float16 blocks)
+    blocks = half_blocks.block_loop(kernel, reads, writes) if half_blocks.applies(kernel, row_tile) else []
 
     params = _params(kernel)
     return render_template(
@@ -223,7 +229,7 @@ def render(kernel) -> str:
         chunk=max(chunk, 1), parallel=str(thread_choice(kernel)[0]).lower(), row_tile=row_tile,
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
-        params=params, row_setup=row_setup, gathers=gathers, body=body)
+        params=params, row_setup=row_setup, gathers=gathers, body=body, blocks=blocks)
 
 
 def _row_coords(shape: tuple[int, ...]) -> list[str]:

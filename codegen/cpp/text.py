@@ -69,12 +69,14 @@ def _operand(o, dtype) -> str:
     return convert(o.name, o.dtype, dtype)
 
 
-def render_stmt(s: Stmt) -> str:
+def render_stmt(s: Stmt, round_f16: bool = True) -> str:
+    """`const T v = expr;` for statement s, rounded as eager rounds its result; with
+    round_f16=False a float16 rounding is left to the caller (cpp/half_blocks.py)."""
     row = ops.OPS[s.op]
     args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
     expr = row.cpp.format(*args)
     expr = convert(f"({expr})", s.result_dtype, s.var.dtype)
-    if s.round_to == torch.float16:
+    if s.round_to == torch.float16 and round_f16:
         expr = f"fusec_round_f16({expr})"
     elif s.round_to == torch.bfloat16:
         expr = f"fusec_round_bf16({expr})"
