@@ -97,7 +97,7 @@ _ROWS = [
        llvm='f: fmul {T} {1}, {2}\nfsub {T} {0}, {t0} || i: mul {T} {1}, {2}\nsub {T} {0}, {t0}'),
     Op("mul", "{0} * {1}", "{0} * {1}",
        llvm='f: fmul {T} {0}, {1} || i: mul {T} {0}, {1}'),
-    Op("truediv", "{0} / {1}", "{0} / {1}", promote=F,
+    Op("truediv", "fusec_div({0}, {1})", "{0} / {1}", promote=F,
        llvm='fdiv {T} {0}, {1}'),
     Op("floordiv", "fusec_floordiv({0}, {1})", "fusec_floordiv({0}, {1})",
        llvm='f,s,u: call {T} @fusec_floordiv.{D}({T} {0}, {T} {1}) || b: select i1 {1}, i1 {0}, i1 {0}'),
@@ -107,7 +107,7 @@ _ROWS = [
        llvm='f: fneg {T} {0} || i: sub {T} 0, {0}'),
     Op("abs", "fusec_abs({0})", "fusec_abs({0})",
        llvm='f: call {T} @llvm.fabs.{S}({T} {0}) || s: call {T} @llvm.abs.{S}({T} {0}, i1 false) || u,b: {0}'),
-    Op("reciprocal", "1.0 / {0}", "1 / {0}", promote=F,
+    Op("reciprocal", "fusec_div(1.0, {0})", "1 / {0}", promote=F,
        llvm='fdiv {T} 1.0, {0}'),
     # x ** 2 and x ** 3 as eager's PowKernel computes them: (x * x) and (x * x) * x
     Op("square", "({0} * {0})", "({0} * {0})", promote=F,

@@ -96,7 +96,12 @@ def test_scatter_of_a_value_is_a_select(backend):
         return torch.scatter(y * 3, 1, i, -1.5) + 1
 
     cf = fusec.compile(f, backend=backend)
-    torch.testing.assert_close(cf(y, idx), f(y, idx))
+    # against a float64 reference, as DESIGN.md asks where rounding matters: the kernel may keep
+    # 3y in float32 where eager rounds it to float16 first (Triton's compiled kernels on a GPU
+    # do, for one or two of these 45 values), so it may be closer, never further beyond
+    # float16's tolerance; a wrong pick would be off by about 3y + 2.5
+    got, want, ref = cf(y, idx).double(), f(y, idx).double(), f(y.double(), idx)
+    assert ((got - ref).abs() <= (want - ref).abs() + 1e-5 + 1e-3 * ref.abs()).all()
     assert "aten.scatter" not in cf.source()
     assert len([k for k in cf.kernels if "all" not in k.name]) == 1
 

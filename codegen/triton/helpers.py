@@ -140,8 +140,20 @@ def fusec_exp_shift(x, m):
 
 
 @triton.jit
+def fusec_div(a, b):
+    # a / b rounded to nearest, as IEEE 754 and eager's CUDA kernels round it. Triton's `/` on
+    # float32 is PTX div.full.f32, up to 2 ulp off (an exact quotient such as 4.6875 / 0.9375
+    # can come out 1 ulp above 5.0), and a training step's optimizer turns such ulps into
+    # different parameters; tl.div_rn is div.rn.f32. Other dtypes: `/` already rounds so.
+    q = a / b
+    if q.dtype == tl.float32:
+        q = tl.div_rn(a, b)
+    return q
+
+
+@triton.jit
 def fusec_sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
+    return fusec_div(1.0, 1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -155,7 +167,7 @@ def fusec_sqrt(x):
 
 @triton.jit
 def fusec_rsqrt(x):
-    return 1.0 / fusec_sqrt(x)
+    return fusec_div(1.0, fusec_sqrt(x))
 
 
 @triton.jit
