@@ -1,7 +1,7 @@
 """What the quantized-GEMV extension brings to the core, registered through the core's doors.
 
-fusec/__init__.py imports the `plugin.py` of every folder of extensions/ when fusec is imported;
-this one registers, by name (nothing here imports the rest of the folder):
+fusec/__init__.py imports the `plugin.py` of every folder of extensions/ when the core's
+registries are first imported (the first compile, or an import of fusec.passes); this one registers, by name (nothing here imports the rest of the folder):
 
 * the kernel family (codegen/families.py): its door, family.py, loads when a backend first
   offers it a kernel that computes a matmul as a sum (`ReductionKernel.matmul`);
