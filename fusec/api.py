@@ -547,13 +547,13 @@ def _dynamo_first(fn) -> str | None:
     module = owner if isinstance(owner, torch.nn.Module) else fn
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return "DistributedDataParallel (its gradient all-reduce is prepared in Python each step)"
-    if _is_fsdp(module):
+    if is_fsdp(module):
         return ("a module sharded by FSDP (fully_shard): its parameters are gathered and freed "
                 "by hooks around each block")
     return None
 
 
-def _is_fsdp(module) -> bool:
+def is_fsdp(module) -> bool:
     """A module wrapped by FSDP2's `fully_shard` (or FSDP1). (torch.distributed is imported only
     where it is already loaded: a program that never used it does not pay for it here.)"""
     import sys

@@ -1,6 +1,10 @@
 """Decompositions fusec adds to torch's core ATen table, so composite ops become reductions
 plus pointwise ops that fusion can see.
 
+Why this file is long: it is one table, every op fusec decomposes its own way (reductions,
+norms in inference and training, forward and backward), registered in one dict that capture
+reads; split, a reader would look in several files for what one op becomes.
+
 The core ATen opset keeps `_softmax`, `native_layer_norm`, `var` ... as single ops (a backend
 might have one fast kernel for each). fusec would rather see their parts:
 

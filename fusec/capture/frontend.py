@@ -1,5 +1,9 @@
 """Front end: turn a Python function or nn.Module into an ATen-level torch.fx graph.
 
+Why this file is long: it is capture's one path, from the caller's arguments to an annotated
+graph (tracing, lifting, naming, the argument objects a program fills); split, a reader would
+follow one capture across files.
+
 We trace with `make_fx` under fake tensors (no real computation happens) and torch's core ATen
 decompositions, so a few hundred ATen ops reduce to a small core set (`silu` becomes
 `sigmoid` and `mul`, `F.linear` becomes `permute` and `addmm` ...). `functionalize` removes in-place

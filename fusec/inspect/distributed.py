@@ -47,11 +47,11 @@ _UNIT = re.compile(r"^FSDP::(pre_forward|pre_backward|post_backward_reduce|all_g
 
 def is_distributed(model) -> bool:
     """Is `model` (or what fusec.compile wrapped) a DDP or FSDP module, or does it hold one?"""
-    from fusec.api import CompiledModule, _is_fsdp  # (inspect reads the core)
+    from fusec.api import CompiledModule, is_fsdp  # (inspect reads the core)
     inner = model._orig_mod if isinstance(model, CompiledModule) else model
     if not isinstance(inner, torch.nn.Module):
         return False
-    return any(isinstance(m, torch.nn.parallel.DistributedDataParallel) or _is_fsdp(m)
+    return any(isinstance(m, torch.nn.parallel.DistributedDataParallel) or is_fsdp(m)
                for m in inner.modules())
 
 
