@@ -221,17 +221,19 @@ def _backends():
 
 
 @pytest.fixture
-def compiled(monkeypatch):
+def compiled(monkeypatch, tmp_path):
     def compile(fn, backend, arch):
-        if arch is not None:  # the C++ backend built for an older CPU than this one
+        if arch is not None:  # the C++ backend built for an older CPU than this one, in a cache
+            # directory of its own (fusec keeps built kernels in memory by directory and source)
             monkeypatch.setattr(cpp, "FLAGS", [f for f in cpp.FLAGS if f != "-march=native"] + arch)
+            monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / arch[0].lstrip("-")))
         return fusec.compile(fn, backend=backend)
     return compile
 
 
 @pytest.mark.parametrize("label,backend,arch", _backends(), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("half", HALVES, ids=str)
-def test_conversions_are_torchs_bit_for_bit(half, label, backend, arch, compiled):
+def test_conversions_are_torchs_bit_for_bit(half, label, backend, arch, compiled, tmp_path):
     patterns = _every_pattern(half)
     _same_bits(compiled(_widen, backend, arch)(patterns), _widen(patterns))
     x = _narrowing_inputs(half)
@@ -240,6 +242,8 @@ def test_conversions_are_torchs_bit_for_bit(half, label, backend, arch, compiled
     _same_bits(compiled(narrow, backend, arch)(x), narrow(x), nan_bits)
     rounded = lambda x: _round_in_registers(x, half)  # noqa: E731
     _same_bits(compiled(rounded, backend, arch)(x), rounded(x), nan_bits)
+    if arch is not None:  # the kernels that ran are the ones built for `arch`
+        assert list(tmp_path.rglob("*.so")), f"nothing was built for {arch}"
 
 
 # ---- whole kernels against eager -----------------------------------------------------------------
