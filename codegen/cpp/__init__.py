@@ -145,6 +145,13 @@ def host_cpu() -> str:
     return "\n".join(fields)
 
 
+@functools.lru_cache(maxsize=None)
+def host_has_f16c() -> bool:
+    """Whether this CPU converts float16 in hardware (kernels are built with -march=native)."""
+    flags = next((line for line in host_cpu().splitlines() if line.startswith("flags")), "")
+    return "f16c" in flags.split()
+
+
 def available() -> bool:
     try:
         find_compiler()
@@ -219,7 +226,8 @@ def render(kernel) -> str:
         writes.append((store, target))
         body.append(f"{target} = {store_value(store.var, store.dtype)};")
     # float16 on a CPU with F16C: a block at a time, the hardware converting (Note: float16 blocks)
-    blocks = half_blocks.block_loop(kernel, reads, writes) if half_blocks.applies(kernel, row_tile) else []
+    blocks = half_blocks.block_loop(kernel, reads, writes) \
+        if half_blocks.applies(kernel, row_tile, host_has_f16c()) else []
 
     params = _params(kernel)
     return render_template(

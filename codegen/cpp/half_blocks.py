@@ -24,7 +24,6 @@ reads) keep the one-loop form with the integer conversions, and so do reductions
 """
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -33,17 +32,10 @@ from fusec.ir import PointwiseKernel
 
 from .text import CTYPE, render_stmt, store_value
 
-@functools.lru_cache(maxsize=None)
-def host_has_f16c() -> bool:
-    """Whether this CPU converts float16 in hardware (kernels are built with -march=native)."""
-    from . import host_cpu  # (lazy: the package imports this module)
-    flags = next((line for line in host_cpu().splitlines() if line.startswith("flags")), "")
-    return "f16c" in flags.split()
-
-
-def applies(kernel: PointwiseKernel, row_tile: int) -> bool:
-    """Whether `kernel` runs in blocks (see the Note above)."""
-    if not host_has_f16c() or row_tile > 1 or \
+def applies(kernel: PointwiseKernel, row_tile: int, f16c: bool) -> bool:
+    """Whether `kernel` runs in blocks (see the Note above); `f16c`: whether the CPU the kernel
+    is built for converts float16 in hardware (codegen/cpp/__init__.py, `host_has_f16c`)."""
+    if not f16c or row_tile > 1 or \
             any(l.valid is not None or l.gather is not None for l in kernel.loads):
         return False  # (a gathered read's position is another load's value: one loop reads both)
     if not any(s.round_to == torch.float16 for s in kernel.stmts):
@@ -56,7 +48,12 @@ def applies(kernel: PointwiseKernel, row_tile: int) -> bool:
 def block_loop(kernel: PointwiseKernel, reads: list[tuple], writes: list[tuple]) -> list[str]:
     """The lines that replace the one inner loop. `reads` holds (load, element, value) for each
     load: the element it reads and its value in registers (C++ in terms of `i`); `writes` holds
-    (store, target) for each store."""
+    (store, target) for each store.
+
+    Why this function is long: it writes one block loop in order, segment by segment (the
+    statements up to each float16 rounding, the values each segment hands the next through a
+    block buffer, the hardware conversions between them), and each step reads what the step
+    before decided; cut apart, the pieces would pass that state around."""
     # segments: the statements up to and including each float16 rounding, then the rest
     segments: list[list] = [[]]
     for s in kernel.stmts:
