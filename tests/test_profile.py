@@ -205,6 +205,8 @@ def test_html_renders_in_headless_chromium(tmp_path, capsys):
         assert result["graphs"] == 2
     assert result["graphs_fit"] == result["graphs"]  # every graph scaled into its box
     assert result["page_width"] <= result["window_width"]  # no horizontal scroll at 1280 px
+    assert result["wide_tables"] >= 1 and result["wide_tables_fit"] == result["wide_tables"]
+    assert result["label_overlaps"] == 0  # the roofline's kernel names do not overlap
     console = [l for l in dom.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
     assert console == []
     snap = subprocess.run(base + [f"--screenshot={shot}", page.as_uri()], capture_output=True,

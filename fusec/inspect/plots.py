@@ -67,6 +67,33 @@ def _tick(v: float) -> str:
     return f"{v:.0e}".replace("e-0", "e-")
 
 
+LABEL_CHAR_W, LABEL_H = 6.3, 13  # px of an 11 px label: a character's width, a line's height
+
+
+def _label_place(x: float, y: float, chars: int, placed: list, frame: tuple) -> tuple:
+    """(x, y, text-anchor) of a point's label: beside the point, on the right if it fits inside
+    the frame, else on the left, moved up or down a line at a time until it overlaps no label
+    already placed (appended to `placed`); the nearest free place wins."""
+    w = chars * LABEL_CHAR_W
+    x0, y0, x1, y1 = frame
+    sides = [side for side, fits in ((("start", x + 9), x + 9 + w <= x1),
+                                     (("end", x - 9), x - 9 - w >= x0)) if fits]
+    sides = sides or [("start", x + 9)]
+    for step in range(0, 40):
+        dy = (step + 1) // 2 * LABEL_H * (1 if step % 2 else -1)
+        for anchor, lx in sides:
+            bx = lx if anchor == "start" else lx - w
+            box = (bx, y + 4 + dy - LABEL_H + 2, bx + w, y + 4 + dy + 2)
+            if box[1] < y0 or box[3] > y1 + 12:
+                continue
+            if all(box[2] <= b[0] or b[2] <= box[0] or box[3] <= b[1] or b[3] <= box[1]
+                   for b in placed):
+                placed.append(box)
+                return lx, y + 4 + dy, anchor
+    placed.append((x + 9, y - 8, x + 9 + w, y + 6))
+    return x + 9, y + 4, "start"
+
+
 def roofline(points: list[tuple[str, float, float]], ceiling: float, title: str,
              width: int = 820, height: int = 420) -> str:
     """points: (name, arithmetic intensity in flop/byte, achieved bandwidth in bytes/s).
@@ -116,13 +143,15 @@ def roofline(points: list[tuple[str, float, float]], ceiling: float, title: str,
                'stroke-width="2" stroke-dasharray="6 4"/>')
     out.append(f'<text x="{left + pw - 4}" y="{yc - 6:.1f}" text-anchor="end" {FONT} '
                f'font-size="11" fill="#c0392b">copy ceiling {ceiling / 1e9:.1f} GB/s</text>')
-    for i, (name, ai, bw) in enumerate(pts):
+    placed: list[tuple[float, float, float, float]] = []  # label boxes drawn so far
+    for name, ai, bw in sorted(pts, key=lambda p: p[2], reverse=True):
         x, y = sx(ai), sy(bw / 1e9)
         out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="6" fill="{FUSED}" fill-opacity="0.8" '
                    f'stroke="#1b4f91"><title>{escape(name)}: {ai:.3g} op/B, '
                    f'{bw / 1e9:.2f} GB/s</title></circle>')
-        out.append(f'<text x="{x + 9:.1f}" y="{y + 4 + 12 * (i % 2):.1f}" {FONT} '
-                   f'font-size="11">{escape(name)}</text>')
+        lx, ly, anchor = _label_place(x, y, len(name), placed, (left, top, left + pw, top + ph))
+        out.append(f'<text class="label" x="{lx:.1f}" y="{ly:.1f}" text-anchor="{anchor}" '
+                   f'{FONT} font-size="11">{escape(name)}</text>')
     if not pts:
         out.append(f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle" {FONT} '
                    'font-size="12" fill="#888">no kernel with a measured time</text>')

@@ -51,11 +51,12 @@ table { border-collapse: collapse; font-size: 13px; margin: 6px 0 10px; }
 th, td { border-bottom: 1px solid #e3e3e3; padding: 4px 10px; text-align: left; vertical-align: top; }
 th { background: #f4f5f7; font-weight: 600; }
 td.num, th.num { text-align: right; white-space: nowrap; font-variant-numeric: tabular-nums; }
+th.num, td.wrap { white-space: normal; }  /* a long heading (or error note) wraps */
 td.code, span.code { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
 tr.extern td:first-child { color: #b22; }
-td.src { min-width: 240px; max-width: 340px; }
+td.src { min-width: 200px; max-width: 300px; }
 td.src div { margin-bottom: 3px; }
-td.step { min-width: 210px; max-width: 260px; overflow-wrap: anywhere; }
+td.step { min-width: 170px; max-width: 260px; overflow-wrap: anywhere; }
 td.ops { max-width: 170px; }
 .wide { overflow-x: auto; max-width: 100%; }
 .explain { font-size: 13px; color: #444; max-width: 900px; }
@@ -120,7 +121,7 @@ profiler.</p>
 <td class="code src">{% for line in k.from_lines %}<div>{{ line }}</div>{% endfor %}</td><td class="ops">{{ k.ops }}</td><td class="num">{{ k.eager }}</td>
 <td class="num">{{ k.fused }}</td><td class="num">{{ k.bytes }}</td><td class="num">{{ k.eager_bytes }}</td>
 <td class="num">{{ k.bw }}</td><td class="num">{{ k.ceiling }}</td>
-<td class="num" title="{{ k.numerics }}">{{ k.error }}</td></tr>
+<td class="num wrap" title="{{ k.numerics }}">{{ k.error }}</td></tr>
 {% endfor %}
 </table></div>
 <p class="explain"><b>eager</b> is the time of the same ATen ops run one by one; <b>fused</b> the
@@ -194,7 +195,19 @@ Perfetto or chrome://tracing; fused kernels appear by name.</p>
     var box = g.parentNode.getBoundingClientRect(), r = g.getBoundingClientRect();
     return r.width > 0 && r.height > 0 && r.width <= box.width + 1;
   });
+  var wide = Array.prototype.slice.call(document.querySelectorAll(".wide"));
+  var tablesFit = wide.filter(function (w) { return w.scrollWidth <= w.clientWidth + 1; });
+  var overlaps = 0;  // pairs of point labels in a plot whose boxes overlap
+  plots.forEach(function (s) {
+    var boxes = Array.prototype.slice.call(s.querySelectorAll("text.label")).map(function (t) {
+      return t.getBoundingClientRect(); });
+    for (var i = 0; i < boxes.length; i++) for (var j = i + 1; j < boxes.length; j++) {
+      var a = boxes[i], b = boxes[j];
+      if (a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1) overlaps++;
+    }
+  });
   document.body.setAttribute("data-render-check", JSON.stringify({
+    wide_tables: wide.length, wide_tables_fit: tablesFit.length, label_overlaps: overlaps,
     plots: plots.length, drawn: drawn.length,
     tables: document.querySelectorAll("table").length,
     graphs: graphs.length, graphs_fit: fit.length,
