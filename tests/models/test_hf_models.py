@@ -314,15 +314,15 @@ def test_one_token_bf16_step_runs_its_linears_as_gemvs(monkeypatch, name):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_through_a_compiled_forward(name):
     """The way people speed up `model.generate`: `model.forward = fusec.compile(model.forward)`.
-    generate passes its DynamicCache back in on every step; one graph cannot take it (calls.py,
-    `_check_arguments`), so fusec compiles the forward in regions through Dynamo, and the greedy
-    tokens are eager's."""
+    generate passes its DynamicCache back in on every step and the forward fills it; one graph
+    cannot (capture traces on a copy of the cache and sees the program put tensors into it), so
+    fusec compiles the forward in regions through Dynamo, and the greedy tokens are eager's."""
     model, ids = build(name)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False)
     compiled = copy.deepcopy(model)
     compiled.forward = fusec.compile(compiled.forward, backend="cpp")
-    with torch.no_grad(), pytest.warns(UserWarning, match="DynamicCache holding tensors"):
+    with torch.no_grad(), pytest.warns(UserWarning, match="puts tensors into an argument DynamicCache"):
         got = compiled.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
     assert compiled.forward.kernels, "the regions were compiled by fusec"
