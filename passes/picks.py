@@ -41,7 +41,7 @@ from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
 from .check_gathers import assert_all, range_check
-from .grouping import is_pointwise
+from .grouping import is_pointwise, view_root
 from .layout import run_fake, set_meta
 from .schedule import fake_mode_of
 
@@ -122,7 +122,7 @@ def _declined(node: fx.Node) -> str | None:
         if not isinstance(value, (int, float)) or isinstance(value, bool) \
                 or (isinstance(value, float) and not src.dtype.is_floating_point):
             return f"the value {value!r} is not a number of {src.dtype}"
-    elif not is_pointwise(source):
+    elif not is_pointwise(view_root(source)):  # (a view of a computed value is computed)
         return (f"{source.name} is read from memory (an input or a library call's result): "
                 "one value per row beats reading every row")
     return None

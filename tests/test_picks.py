@@ -73,6 +73,20 @@ def test_gather_of_a_computed_row_is_a_reduction(backend):
     assert "extern aten.gather" not in cf.source()
 
 
+@pytest.mark.parametrize("spelling", ["gather", "take_along_dim", "nll_loss"])
+def test_other_spellings_of_the_pick(spelling):
+    """take_along_dim gathers from an expand of the log-probabilities (a view of a computed
+    value is still computed in a kernel); nll_loss of log_softmax is cross-entropy."""
+    x, t = torch.randn(9, 13), torch.randint(0, 13, (9,))
+    f = {"gather": lambda x, t: -torch.log_softmax(x, -1).gather(1, t[:, None]).mean(),
+         "take_along_dim": lambda x, t: -torch.take_along_dim(torch.log_softmax(x, -1),
+                                                              t[:, None], 1).mean(),
+         "nll_loss": lambda x, t: F.nll_loss(F.log_softmax(x, -1), t)}[spelling]
+    cf = fusec.compile(f, backend="cpp")
+    torch.testing.assert_close(cf(x, t), f(x, t))
+    assert "extern aten.gather" not in cf.source()
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gather_along_dim_0_and_integers(backend):
     x = torch.randint(-50, 50, (7, 5), dtype=torch.int32)
