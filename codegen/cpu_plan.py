@@ -16,6 +16,7 @@ import os
 import platform
 
 from fusec.ir import PointwiseKernel, contiguous_strides
+from fusec.symbolic import hint
 
 
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
@@ -65,7 +66,7 @@ def thread_choice(kernel) -> tuple[bool, str]:
     """(run on several threads?, why) for one CPU kernel (Note: threads for small kernels)."""
     if getattr(kernel, "row_shape", None) is not None and kernel.rows <= 1:
         return False, "threads: 1 (one row)"  # a reduction's threads split its rows
-    work = work_bytes(kernel)
+    work = hint(work_bytes(kernel))  # a heuristic: the traced size decides, unguarded
     size = f"{work / 1024:.0f} KiB" if work < 1 << 20 else f"{work / (1 << 20):.1f} MiB"
     if work < PARALLEL_WORK:
         return False, f"threads: 1 ({size} of work)"

@@ -22,6 +22,8 @@ The graph order is already topological, so the order of steps is the graph's. Me
 from __future__ import annotations
 
 import torch
+
+from fusec.symbolic import hashable
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -202,7 +204,7 @@ def _root(mode, m: TensorMeta, stride, roots: dict) -> torch.Tensor:
     (views and externs are replayed on it to learn their strides), so buffers that look alike
     share one: a model's layers make the same shapes again and again, and each new fake tensor
     costs a trip through the fake mode's dispatcher."""
-    key = (tuple(m.shape), tuple(stride), m.dtype, str(m.device))
+    key = (hashable(m.shape), hashable(stride), m.dtype, str(m.device))
     if key not in roots:
         with mode:
             roots[key] = torch.empty_strided(m.shape, stride, dtype=m.dtype, device=m.device)

@@ -368,23 +368,24 @@ class CppLauncher:
     directly with the data pointers, skipping this class's `__call__` and its list.
     """
 
-    def __init__(self, lib: Path, name: str, n_params: int):
+    def __init__(self, lib: Path, name: str, n_params: int, n_sizes: int = 0):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
+        self.n_sizes = n_sizes  # int64 size arguments after the pointers (fusec/symbolic.py)
         try:
             self.fn = getattr(_load_library(lib), name)
         except AttributeError:
             raise CompileError(f"fusec: kernel {name} is missing from {lib}") from None
-        self.fn.argtypes = [ctypes.c_void_p] * n_params
+        self.fn.argtypes = [ctypes.c_void_p] * n_params + [ctypes.c_int64] * n_sizes
         self.fn.restype = None
         self.pointer_entry = self.fn  # fn(*data_ptrs): what a prepared call site uses
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        self.fn(*[t.data_ptr() for t in tensors])
+    def __call__(self, *args) -> None:  # its tensors, then its sizes (ints)
+        self.fn(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
 
 
-def launcher(lib: Path, name: str, n_params: int) -> CppLauncher:
+def launcher(lib: Path, name: str, n_params: int, n_sizes: int = 0) -> CppLauncher:
     """Load a built library (fusec/runtime/build.py builds first, several at a time, then loads)."""
-    return CppLauncher(lib, name, n_params)
+    return CppLauncher(lib, name, n_params, n_sizes)
 
 
 def load(kernel: PointwiseKernel, source: str) -> CppLauncher:

@@ -205,8 +205,9 @@ def threads() -> int:
 class LlvmLauncher:
     """Calls a JIT-compiled kernel: one call over all its work, or split across threads."""
 
-    def __init__(self, lib: Path, name: str, n_params: int):
+    def __init__(self, lib: Path, name: str, n_params: int, n_sizes: int = 0):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
+        self.n_sizes = n_sizes  # int64 size arguments after the pointers (fusec/symbolic.py)
         llvm = llvm_binding()
         tm = target_machine()  # an execution engine owns (and frees) its target machine
         empty = llvm.parse_assembly("")
@@ -261,9 +262,9 @@ class LlvmLauncher:
             f.result()
 
 
-def launcher(obj: Path, name: str, n_params: int) -> LlvmLauncher:
+def launcher(obj: Path, name: str, n_params: int, n_sizes: int = 0) -> LlvmLauncher:
     """Load a built object file (fusec/runtime/build.py builds first, several at a time, then loads)."""
-    return LlvmLauncher(obj, name, n_params)
+    return LlvmLauncher(obj, name, n_params, n_sizes)
 
 
 def load(kernel, source: str) -> LlvmLauncher:

@@ -290,7 +290,7 @@ def torch_device_type(device) -> str:
     return device.type if hasattr(device, "type") else str(device).split(":")[0]
 
 
-def launcher(path: Path, name: str, n_params: int):
+def launcher(path: Path, name: str, n_params: int, n_sizes: int = 0):
     """Import a written module (once per process) and wrap its `launch` in a TritonLauncher."""
     for thread in _KEYS:
         thread.join()  # (prepare: Triton's key, worked out while the model was captured)

@@ -66,6 +66,7 @@ from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  #
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.capture.tracing import refuse_mixed_dtypes
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
+from fusec import symbolic
 from fusec.ir import meta_of
 
 
@@ -84,6 +85,10 @@ class Captured:
     # flat output index -> a non-tensor value the program returns as is (None, a number)
     output_constants: dict = None
     seconds: float = 0.0  # how long capturing took
+    # a program for a shape family (fusec/symbolic.py): the ShapeEnv whose symbols its sizes are,
+    # and {flat input: dims} that were traced as symbols; None and {} for one input signature
+    shape_env: Any = None
+    dynamic: dict = None
 
 
 
@@ -136,7 +141,7 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
 
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             stack_traces: bool = False, same: dict | None = None,
-            reached: list = ()) -> Captured:
+            reached: list = (), dynamic: dict | None = None) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
 
     stack_traces: also record, on every node, the user's source line that produced it
@@ -147,6 +152,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     one as a change of the other, as eager does; input i's placeholder goes unread.
     reached: state the program reaches through globals and closures, lifted after the module's
     own (capture/guards.py: `Guards.reached`).
+    dynamic: {flat input index (lifted state first): dims} to trace as symbols, for a program that
+    serves every size of those dims (fusec/symbolic.py); its guards are on the ShapeEnv.
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
@@ -166,15 +173,16 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
                          lifted_names, reached)
     flat_fn, seen = _flat_outputs(call, same)
-    gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names)
+    gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names, dynamic)
 
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
+    env = symbolic.name_sizes(gm) if dynamic else None
     if device.type != "cpu":
         scalars_to_device(gm, device)
     return Captured(gm, lifted, lifted_names, user_names, seen["spec"], dict(seen["aliases"]),
-                    dict(seen["constants"]), time.perf_counter() - start)
+                    dict(seen["constants"]), time.perf_counter() - start, env, dict(dynamic or {}))
 
 
 def _flat_outputs(call: Callable, same: dict | None) -> tuple[Callable, dict]:
@@ -203,17 +211,19 @@ def _flat_outputs(call: Callable, same: dict | None) -> tuple[Callable, dict]:
 
 
 def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Module | None,
-           stack_traces: bool, user_names: list[str]) -> fx.GraphModule:
+           stack_traces: bool, user_names: list[str], dynamic: dict | None = None) -> fx.GraphModule:
     """make_fx of `flat_fn` on fake copies of `example`, functionalized and decomposed; torch's
     internal failures become one clear line, and a program that leaves new tensors on its module's
     attributes is refused (a graph cannot replay that side effect)."""
     # Our own fake mode, with no ShapeEnv: `.item()` or `nonzero` then fail while tracing, at the
     # user's line, instead of becoming symbolic values that no static schedule could run. Tensors
     # the program reaches by itself (a closure's, a global's) become constants of the graph.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # A program for a shape family traces its dynamic dims as symbols of a ShapeEnv
+    # (fusec/symbolic.py): then `.item()` still fails, but sizes compute symbolically.
+    mode = symbolic.fake_mode() if dynamic else FakeTensorMode(allow_non_fake_inputs=True)
     attributes = tensor_attributes(module)
     try:
-        fakes = [mode.from_tensor(t) for t in example]
+        fakes = [symbolic.fake_input(mode, t, (dynamic or {}).get(i)) for i, t in enumerate(example)]
         with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
                 dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
                 graphmodule.lazily():

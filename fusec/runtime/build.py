@@ -58,6 +58,7 @@ from fusec.codegen import backends
 from fusec.codegen import tools
 from fusec.errors import CompileError, CompilerNotFoundError, UnsupportedError
 from fusec.ir import canonical
+from fusec.symbolic import size_params
 from fusec.runtime.threads import finish_within
 
 # If a CPU backend cannot build a kernel (gcc fails, or LLVM's code generator dies in its
@@ -300,13 +301,13 @@ def load_or_rebuild(backend: str, source: str, ir, path) -> tuple[Any, Any]:
     file never stays under a key) and the error is a CompileError."""
     module = codegen(backend)
     try:
-        return module.launcher(path, ir.name, len(ir.params)), path
+        return module.launcher(path, ir.name, len(ir.params), len(size_params(ir))), path
     except (CompileError, OSError) as err:
         cache.log(f"{os.path.basename(str(path))} did not load ({err}): building it again")
         discard(path)
     path = module.build(source, ir.name)
     try:
-        return module.launcher(path, ir.name, len(ir.params)), path
+        return module.launcher(path, ir.name, len(ir.params), len(size_params(ir))), path
     except (CompileError, OSError) as err:
         discard(path)
         raise CompileError(f"fusec: kernel {ir.name} was built again and still does not load: "

@@ -16,7 +16,7 @@ from fusec.runtime.fast_start.triton_launch import TritonLauncher
 from fusec.errors import FusecError
 
 
-def load_launcher(path: str, name: str = "", n_params: int = 0):
+def load_launcher(path: str, name: str = "", n_params: int = 0, n_sizes: int = 0):
     """A kernel launcher from its cached artifact: a C++ shared library, an LLVM object file or a
     Triton module. Only a file this user built is loaded (fusec/cache.py: a binary with its
     signed manifest, a module this user owns and nobody else can write)."""
@@ -24,13 +24,13 @@ def load_launcher(path: str, name: str = "", n_params: int = 0):
     if why:
         raise FusecError(f"fusec: not loading {path}: {why}; compile the program again")
     if path.endswith(".so"):
-        return CppLauncher(Path(path), name, n_params)
+        return CppLauncher(Path(path), name, n_params, n_sizes)
     if path.endswith(".o"):  # LLVM object code, loaded by llvmlite's JIT
-        return LlvmLauncher(Path(path), name, n_params)
+        return LlvmLauncher(Path(path), name, n_params, n_sizes)
     spec = importlib.util.spec_from_file_location(f"fusec_wrapper_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return TritonLauncher(module, Path(path), name, n_params)
+    return TritonLauncher(module, Path(path), name, n_params, n_sizes)
 
 
 def _untrusted(path: str) -> str | None:

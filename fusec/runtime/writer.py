@@ -190,7 +190,9 @@ def _loaded(launcher) -> str | None:
     """The Python that loads `launcher` again from its cached file (fusec/runtime/launchers.py)."""
     if not hasattr(launcher, "lib"):
         return None
-    return f"load_launcher({str(launcher.lib)!r}, {launcher.name!r}, {launcher.n_params})"
+    sizes = getattr(launcher, "n_sizes", 0)
+    return (f"load_launcher({str(launcher.lib)!r}, {launcher.name!r}, {launcher.n_params}"
+            + (f", {sizes})" if sizes else ")"))
 
 
 def _pool_view(w: _Writer, buf: OutputBuffer) -> str:

@@ -38,9 +38,10 @@ ALIGNMENT = 16  # bytes: what Triton specializes pointer arguments on
 
 
 class TritonLauncher:
-    def __init__(self, module, path: Path, name: str, n_params: int):
+    def __init__(self, module, path: Path, name: str, n_params: int, n_sizes: int = 0):
         self.module = module
         self.lib, self.name, self.n_params = path, name, n_params  # for the printed wrapper
+        self.n_sizes = n_sizes  # size arguments (ints) after the tensors (fusec/symbolic.py)
         self.fast = None
         self.aligned: tuple[bool, ...] = ()
         # the CPU work of one call, in launches: more than one where the module launches several

@@ -1,0 +1,157 @@
+"""Symbolic sizes: what fusec does with a size that is a torch.SymInt.
+
+A program compiled for a shape family sees its dynamic sizes as symbols (`s0` rows, `64 * s0`
+elements) from torch's ShapeEnv. A SymInt computes like an int, and a decision on it
+(`if n_rows == 1`) is answered by the size it was traced with and recorded as a guard, which
+every later call checks. What a SymInt cannot do is be a dict key; `hashable` gives its sympy
+expression for that.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def hashable(x):
+    """`x` (an int, a SymInt, or a tuple/list of them) as something a dict can key on: a SymInt
+    becomes its sympy expression (`s0`, `64*s0`), which two equal sizes share."""
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    if isinstance(x, (tuple, list)):
+        return tuple(hashable(v) for v in x)
+    return x
+
+
+def is_symbolic(x) -> bool:
+    """True when `x` (a size or a tuple of them) holds a size that is a symbol."""
+    if isinstance(x, torch.SymInt):
+        return not isinstance(x.node.maybe_as_int(), int)
+    if isinstance(x, (tuple, list)):
+        return any(is_symbolic(v) for v in x)
+    return False
+
+
+def hint(x):
+    """The size `x` was traced with, without a guard: for heuristics only (a thread count, a
+    block size), decisions that change how fast a kernel runs, never what it computes. A decision
+    that changes the result must compare the SymInt itself, so that the comparison is guarded."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return x.node.require_hint() if hasattr(x.node, "require_hint") else x.node.hint
+    if isinstance(x, (tuple, list)):
+        return type(x)(hint(v) for v in x)
+    return x
+
+
+# ---- sizes in generated code --------------------------------------------------------------------
+#
+# Note: sizes as symbols in kernels. Lowering and rendering work on SymInts, so every decision
+# taken on a size is guarded (a renderer's `if n < 8` holds for the whole shape family or the
+# program recompiles). A SymInt prints as its sympy expression over torch's symbol names (`s26`,
+# `64*s26`); `c_expr`/`py_expr` print one for C/C++ or Python/Triton where the expression needs
+# more than + and * (FloorDiv, Mod, Max). `size_params(ir)` lists the symbols a kernel takes as
+# arguments: after its pointers, in sorted order, each an int64 (`int64_t s26` in C++, `s26` in
+# Triton, `i64 %s26` in LLVM IR). The program (fusec/runtime/writer.py) binds each symbol once
+# per call from an input's size and passes it to every kernel that takes it. `name_sizes` (at
+# capture) records which input size each symbol is (`x.size(0)`), for the program and for
+# comments in the kernels.
+
+def symbols_of(obj, seen=None) -> set:
+    """The sympy symbols of every SymInt inside `obj` (an IR, a dataclass, tuples, lists...)."""
+    import dataclasses
+    out = set()
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(obj.node.expr.free_symbols)
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        for v in obj:
+            out |= symbols_of(v)
+        return out
+    if isinstance(obj, dict):
+        return symbols_of(list(obj.values()))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            out |= symbols_of(getattr(obj, f.name))
+    return out
+
+
+def size_params(ir) -> list[str]:
+    """The size arguments a kernel takes (Note: sizes as symbols in kernels), in order."""
+    return sorted((s.name for s in symbols_of(ir)), key=lambda n: (len(n), n))
+
+
+def c_expr(x) -> str:
+    """A size (int or SymInt) as a C/C++ expression."""
+    if not isinstance(x, torch.SymInt):
+        return str(x)
+    from torch.utils._sympy.printers import CppPrinter
+    return CppPrinter().doprint(x.node.expr)
+
+
+def py_expr(x) -> str:
+    """A size (int or SymInt) as a Python (and Triton) expression."""
+    if not isinstance(x, torch.SymInt):
+        return str(x)
+    from torch.utils._sympy.printers import PythonPrinter
+    return PythonPrinter().doprint(x.node.expr)
+
+
+def shape_env_of(x):
+    """The ShapeEnv behind a SymInt (or the first SymInt inside a tuple or list), else None."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return x.node.shape_env
+    if isinstance(x, (tuple, list)):
+        for v in x:
+            env = shape_env_of(v)
+            if env is not None:
+                return env
+    return None
+
+
+def size_names(env) -> dict:
+    """{sympy symbol: where it comes from, as a name (`x_size0`)} for a ShapeEnv (set by capture)."""
+    return getattr(env, "fusec_names", None) or {}
+
+
+def set_size_names(env, names: dict) -> None:
+    env.fusec_names = dict(names)
+
+
+# ---- capture ------------------------------------------------------------------------------------
+
+def fake_mode():
+    """A fake tensor mode with a ShapeEnv: sizes traced as symbols compute symbolically, and each
+    decision on one is recorded as a guard. Sizes 0 and 1 are never symbols (torch specializes
+    them: a broadcast dim is not the same program as a real one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+
+def fake_input(mode, t: torch.Tensor, dims=None):
+    """`t` as a fake tensor of `mode`: the sizes in `dims` as symbols, every other size as is."""
+    if mode.shape_env is None:
+        return mode.from_tensor(t)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    dims = set(dims or ())
+    ctx = StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC
+                       for d in range(t.dim())])
+    return mode.from_tensor(t, symbolic_context=ctx)
+
+
+def name_sizes(gm):
+    """Name every symbol after the first input size or stride it is (Note: sizes as names):
+    dim 0 of placeholder `x` is `x_size0`. Returns the ShapeEnv (None when no input has one)."""
+    env, names = None, {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for kind, values in (("size", val.shape), ("stride", val.stride())):
+            for d, v in enumerate(values):
+                if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+                    env = env or v.node.shape_env
+                    names.setdefault(v.node.expr, f"{node.name}_{kind}{d}")
+    if env is not None:
+        set_size_names(env, names)
+    return env
