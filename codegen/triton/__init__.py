@@ -301,7 +301,7 @@ def launcher(path: Path, name: str, n_params: int, n_sizes: int = 0):
         module = importlib.util.module_from_spec(spec)
         exec(_bytecode(path), module.__dict__)  # (as exec_module, without compiling)
         sys.modules[module_name] = module
-    return TritonLauncher(module, path, name, n_params)
+    return TritonLauncher(module, path, name, n_params, n_sizes)
 
 
 def _bytecode(path: Path):
