@@ -30,7 +30,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fusec import check as _check
-from fusec import events
+from fusec import dynamic, events
+from fusec.dynamic import Family
 from fusec.aliasing import AliasedCalls, alias_check, share_memory
 from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
@@ -39,7 +40,7 @@ from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
-from fusec.errors import FusecError, GraphBreakError
+from fusec.errors import FusecError, GraphBreakError, UnsupportedError
 from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
 from fusec.fastpath import PLAIN_TENSORS, make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
@@ -99,8 +100,10 @@ class CompiledFunction:
     """What `fusec.compile(fn)` returns: call it like `fn`."""
 
     def __init__(self, fn: Callable, backend: str = "auto", cuda_graphs: str | bool = "auto",
-                 check: bool = False, fullgraph: bool = False):
+                 check: bool = False, fullgraph: bool = False, dynamic: bool | None = None):
         check_backend(backend)
+        self.dynamic = dynamic  # None: sizes that change become symbols (fusec/dynamic.py)
+        self.families: list[Family] = []  # programs for shape families, most recent last
         self.fn = fn
         self.backend = backend
         self.cuda_graphs = cuda_graphs
@@ -209,6 +212,11 @@ class CompiledFunction:
                          module.training if module is not None else False) + structure
         key += self._guards.key()  # the values of the Python state its program read
         compiled = self.compiled.get(key)
+        family = None
+        if compiled is None and self.families:  # a program for every size of some dims?
+            family = self._family_for([*lifted, *(l for l in leaves if isinstance(l, torch.Tensor))],
+                                      key)
+            compiled = family.compiled if family is not None else None
         if compiled is None:
             if self._state_moved():
                 return self._call(args, kwargs)
@@ -228,7 +236,8 @@ class CompiledFunction:
         flat_out = complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
-        elif plain and all(type(a) in PLAIN_TENSORS for a in args):
+        elif plain and family is None and compiled.captured.shape_env is None \
+                and all(type(a) in PLAIN_TENSORS for a in args):
             self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
@@ -265,10 +274,16 @@ class CompiledFunction:
                 return _Instead(self._eager)
             if self.compiles:
                 changed = self._changed(key, args, kwargs)
+                broken, self._broken = getattr(self, "_broken", None), None
+                if broken:  # (fusec/dynamic.py: the shape family's program did not serve it)
+                    changed += f"; the shape family's guard {broken} failed"
                 remember(self.recompiles, changed)
                 events.publish("recompiled", label_of(self.fn), changed)
+            tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
+            dims = {} if same else self._dynamic_dims(key, tensors)
             try:
-                compiled, key = self._compile_recorded(key, args, kwargs, leaves, same)
+                compiled, key = self._compile_dynamic(key, args, kwargs, leaves, tensors, dims) \
+                    if dims else self._compile_recorded(key, args, kwargs, leaves, same)
             except GraphBreakError as err:
                 out = self._graph_breaks(err, args, kwargs)
                 return _Instead(lambda *_: out)
@@ -276,6 +291,69 @@ class CompiledFunction:
             compiled.program.prepare()  # its pool bound now, before two threads can run it
             self.compiled[key] = compiled
             return compiled
+
+    # -- shape families (fusec/dynamic.py) -----------------------------------------------------
+    def _family_for(self, tensors: list, key: tuple) -> Family | None:
+        """The shape family program that serves this call (its guards hold), else None; a family
+        whose guards this call broke says which, for the recompile's reason."""
+        rest = _rest_of(key)
+        for family in reversed(self.families):
+            if family.key != dynamic.family_key(tensors, family.dims, rest):
+                continue
+            if family.check(tensors):
+                return family
+            self._broken = dynamic.failed_guard(family.compiled.captured, tensors)
+        return None
+
+    def _dynamic_dims(self, key: tuple, tensors: list) -> dict:
+        """{flat tensor position: dims} to compile as symbols for this new signature, by the
+        policy (fusec/dynamic.py): the dims marked dynamic, every dim with dynamic=True, and
+        with dynamic=None the dims whose sizes differ from an earlier call alike in all else."""
+        if self.dynamic is False or self.check:
+            return {}
+        n_static = len(self._state_refs)
+        dims = {i: frozenset(d for d in dynamic.marked_dims(t) if t.shape[d] >= 2)
+                for i, t in enumerate(tensors) if i >= n_static and dynamic.marked_dims(t)}
+        if self.dynamic:
+            dims = {i: frozenset(ds) | dims.get(i, frozenset())
+                    for i, ds in dynamic.all_dims(tensors, n_static).items()}
+        else:
+            rest, new = _rest_of(key), _tensor_entries(key)
+            for old_key in reversed(self.compiled):
+                if old_key[:1] == ("train",) or _rest_of(old_key) != rest:
+                    continue
+                changed = dynamic.changed_dims(_tensor_entries(old_key), new, n_static)
+                if changed:
+                    dims = {i: changed.get(i, frozenset()) | dims.get(i, frozenset())
+                            for i in set(changed) | set(dims)}
+                    break
+            for family in self.families:  # a family whose guards broke: its dims again
+                if family.key == dynamic.family_key(tensors, family.dims, rest):
+                    dims = {i: family.dims.get(i, frozenset()) | dims.get(i, frozenset())
+                            for i in set(family.dims) | set(dims)}
+        dims = {i: frozenset(d for d in ds if tensors[i].shape[d] >= 2) for i, ds in dims.items()}
+        return {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
+
+    def _compile_dynamic(self, key, args, kwargs, leaves, tensors: list, dims: dict):
+        """Compile the program for a shape family (`dims` as symbols) and keep it as one; where
+        that fails, the program for this call's sizes alone, and the reason in `recompiles`."""
+        try:
+            with self._guards.recording(key) as recorded:
+                compiled = self._capture_and_compile(args, kwargs, None, events.wants_detail(),
+                                                     True, tensors, None, dims)
+        except (GraphBreakError, UnsupportedError):
+            raise
+        except Exception as err:  # noqa: BLE001 (the static program is always there)
+            remember(self.recompiles, f"could not compile for every size ({type(err).__name__}: "
+                                      f"{str(err).splitlines()[0][:200]}); compiled for this size")
+            return self._compile_recorded(key, args, kwargs, leaves)
+        if compiled.captured.shape_env is None:  # (no size became a symbol after all)
+            return compiled, recorded.key
+        check, texts = dynamic.guard_check(compiled.captured)
+        family = Family(dims, dynamic.family_key(tensors, dims, _rest_of(recorded.key)), compiled,
+                        check, texts)
+        self.families.append(family)
+        return compiled, recorded.key
 
     def _eager(self, args: tuple, kwargs: dict):
         return self.fn(*args, **kwargs)
@@ -395,7 +473,7 @@ class CompiledFunction:
 
     def _capture_and_compile(self, args, kwargs, backend: str | None, detail: bool = False,
                              has_real: bool = True, tensors: list | None = None,
-                             same: dict | None = None) -> CompiledGraph:
+                             same: dict | None = None, dims: dict | None = None) -> CompiledGraph:
         if share_memory(args, kwargs, self._state()):  # traced as distinct tensors (unless
             args, kwargs = saved.placeholders(args, kwargs)()  # `same` says otherwise): the
             # signature, and so the program, is for any tensors like these, aliased or not
@@ -404,7 +482,8 @@ class CompiledFunction:
                 # (check=True records the user's lines too: a check that cannot compare an
                 # output drawn from random numbers names the line that drew them)
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail or
-                                            self.check, same=same, reached=self._guards.reached)
+                                            self.check, same=same, reached=self._guards.reached,
+                                            dynamic=dims)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
@@ -529,6 +608,21 @@ class _Instead:
         self.result = result
 
 
+def _is_tensor_entry(entry) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 5 and isinstance(entry[2], torch.dtype)
+
+
+def _rest_of(key: tuple) -> tuple:
+    """A signature without its tensors' entries: the grad flag, non-tensor values, the call's
+    structure and the Python state's values."""
+    return tuple(e for e in key if not _is_tensor_entry(e))
+
+
+def _tensor_entries(key: tuple) -> list:
+    """(shape, dtype, device) of each tensor in a signature."""
+    return [(e[0], e[2], e[3]) for e in key if _is_tensor_entry(e)]
+
+
 def _dynamo_first(fn) -> str | None:
     """Why `fn` goes to TorchDynamo from the start (None: fusec captures it itself).
 
@@ -581,7 +675,8 @@ def label_of(fn) -> str:
 
 
 def compile(fn: Callable | None = None, *, backend: str = "auto",
-            cuda_graphs: str | bool = "auto", fullgraph: bool = False, check: bool = False):
+            cuda_graphs: str | bool = "auto", fullgraph: bool = False, check: bool = False,
+            dynamic: bool | None = None):
     """Compile a function or nn.Module into fused kernels.
 
     Use as `fusec.compile(fn)`, `@fusec.compile`, or `@fusec.compile(backend="cpp", check=True)`.
@@ -593,8 +688,12 @@ def compile(fn: Callable | None = None, *, backend: str = "auto",
     program captured whole calls straight into its schedule either way.
     check: also run eager PyTorch on every call and raise fusec.MismatchError if a fused result
     is further from a float64 reference than eager's result is (beyond the dtype's tolerance).
+    dynamic: None (the default): a dim whose size changes between calls becomes a symbol, and one
+    program serves every size of it (fusec/dynamic.py); True: every dim of the arguments is a
+    symbol from the first call; False: every new size compiles a program of its own.
     """
-    options = dict(backend=backend, cuda_graphs=cuda_graphs, fullgraph=fullgraph, check=check)
+    options = dict(backend=backend, cuda_graphs=cuda_graphs, fullgraph=fullgraph, check=check,
+                   dynamic=dynamic)
     if fn is None:
         return lambda f: compile(f, **options)
     if isinstance(fn, torch.nn.Module):

@@ -175,8 +175,11 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     groups, irs = lower_groups(gm)
     # the memory plan, once: the outputs written over a dying input (which needs the lowered
     # kernels' indices) first, then the pool for every other intermediate buffer
-    inplace = plan_inplace(gm, {node.target: ir for node, ir in zip(groups, irs)}, backend)
-    memory = plan_memory(gm, skip=set(inplace))
+    if captured.shape_env is None:
+        inplace = plan_inplace(gm, {node.target: ir for node, ir in zip(groups, irs)}, backend)
+        memory = plan_memory(gm, skip=set(inplace))
+    else:  # a shape family's program: every buffer is allocated per call, at this call's size
+        inplace, memory = {}, None  # (a pool with symbolic offsets is not written yet)
     times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/runtime/build.py)
     kernels: dict[str, Kernel] = {}

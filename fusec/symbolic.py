@@ -77,6 +77,35 @@ def size_params(ir) -> list[str]:
     return sorted((s.name for s in symbols_of(ir)), key=lambda n: (len(n), n))
 
 
+def size_symbols(ir) -> tuple:
+    """The sympy symbols of `size_params(ir)`, in the same order."""
+    by_name = {s.name: s for s in symbols_of(ir)}
+    return tuple(by_name[n] for n in size_params(ir))
+
+
+def symbols_in_order(*objs) -> tuple:
+    """The symbols of the SymInts in `objs`, in size_params order (the kernel's size arguments
+    are those of its IR, whose layouts these are: the same set, so the same order)."""
+    found = set()
+    for obj in objs:
+        found |= symbols_of(obj)
+    return tuple(sorted(found, key=lambda s: (len(s.name), s.name)))
+
+
+def evaluate(obj, values: dict):
+    """`obj` (a size, a tuple of them, a Layout...) with every SymInt replaced by its value, given
+    {symbol: value} for this call."""
+    import dataclasses
+    if isinstance(obj, torch.SymInt):
+        return int(obj.node.expr.xreplace(values))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(evaluate(v, values) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: evaluate(getattr(obj, f.name), values)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
 def c_expr(x) -> str:
     """A size (int or SymInt) as a C/C++ expression."""
     if not isinstance(x, torch.SymInt):
@@ -85,12 +114,18 @@ def c_expr(x) -> str:
     return CppPrinter().doprint(x.node.expr)
 
 
-def py_expr(x) -> str:
-    """A size (int or SymInt) as a Python (and Triton) expression."""
+def py_expr(x, names: dict | None = None) -> str:
+    """A size (int or SymInt) as a Python (and Triton) expression; `names` ({symbol: local name})
+    renames its symbols (the program's `x_size0` for torch's `s26`)."""
     if not isinstance(x, torch.SymInt):
         return str(x)
     from torch.utils._sympy.printers import PythonPrinter
-    return PythonPrinter().doprint(x.node.expr)
+    expr = x.node.expr
+    if names:
+        import sympy
+        expr = expr.xreplace({s: sympy.Symbol(names[s], integer=True) for s in expr.free_symbols
+                              if s in names})
+    return PythonPrinter().doprint(expr)
 
 
 def shape_env_of(x):

@@ -24,7 +24,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from fusec import cache
+from fusec import cache, symbolic
 from fusec.errors import CompileError, FallbackWarning, FusecError  # noqa: F401 (FallbackWarning: its old home)
 from fusec.ir import Layout
 
@@ -42,19 +42,26 @@ class EagerGroup:
         self.name, self.sub = name, sub
         self.inputs = [(at[l.root], l) for l in in_layouts]
         self.outputs = [(at[l.root], l) for l in out_layouts]
+        self.n_params = len(params)
+        self.symbols = symbolic.symbols_in_order(in_layouts, out_layouts)
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        outs = self.sub(*[view(tensors[i], l) for i, l in self.inputs])
+    def __call__(self, *args) -> None:
+        tensors, sizes = args[:self.n_params], args[self.n_params:]  # (sizes: a shape family's)
+        values = dict(zip(self.symbols, sizes)) if self.symbols else None
+        outs = self.sub(*[view(tensors[i], l, values) for i, l in self.inputs])
         for (i, layout), value in zip(self.outputs, outs):
-            view(tensors[i], layout).copy_(value)
+            view(tensors[i], layout, values).copy_(value)
 
     def __repr__(self) -> str:
         return f"EagerGroup({self.name})"
 
 
-def view(root: torch.Tensor, layout: Layout) -> torch.Tensor:
+def view(root: torch.Tensor, layout: Layout, sizes: dict | None = None) -> torch.Tensor:
     """The tensor `layout` describes, over `root`'s memory: what a kernel's index expressions
-    read (offset and strides in elements, from the root buffer's first element)."""
+    read (offset and strides in elements, from the root buffer's first element). `sizes` gives
+    the values of a shape family's symbols on this call."""
+    if sizes is not None:
+        layout = symbolic.evaluate(layout, sizes)
     return root.as_strided(layout.shape, layout.stride, root.storage_offset() + layout.offset)
 
 

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import size_names, size_symbols
+
 from fusec.record import MemoryPlan, folded_view, group_info, layout_of, owns_buffer
 from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
 from fusec.runtime.writer import straight_line
@@ -154,7 +156,8 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
             # launch unless every output is empty (a reduction over an empty dim still writes
             # its rows: the identity of the reduction)
             out_numel = max((math.prod(w.shape) for w in writes), default=0)
-            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device, out_numel))
+            steps.append(KernelStep(kernel.name, kernel.launcher, reads, writes, device, out_numel,
+                                    size_symbols(kernel.ir)))
         elif node.op == "call_function" and "fusec_views" in node.meta:
             continue  # split/unbind: its pieces are views, read in place
         elif node.op == "call_function" and node in materialize:
@@ -176,8 +179,26 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
             producers[slot(node.name)] = str(node.target)
     outputs = [slot(a.name) for a in output.args[0]]
     program = Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
+    program.size_bindings = size_bindings(gm)
     program.slot_names = [None] * len(slot_of)
     for name, index in slot_of.items():
         program.slot_names[index] = name
     return program
 
+
+def size_bindings(gm: fx.GraphModule) -> list[tuple]:
+    """For a program over a shape family (fusec/symbolic.py): where each size symbol is read on a
+    call, as (symbol, its name, input position, "size" or "stride", dim); [] for a static one."""
+    out, seen = [], set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for kind, values in (("size", val.shape), ("stride", val.stride())):
+            for d, v in enumerate(values):
+                if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol and v.node.expr not in seen:
+                    seen.add(v.node.expr)
+                    name = size_names(v.node.shape_env).get(v.node.expr) or f"{node.name}_{kind}{d}"
+                    out.append((v.node.expr, name, k, kind, d))
+    return out

@@ -35,8 +35,9 @@ class OutputBuffer:
 
 class KernelStep:
     def __init__(self, name: str, launcher: Callable, reads: list[int], writes: list[OutputBuffer],
-                 device: str, numel: int):
+                 device: str, numel: int, sizes: tuple = ()):
         self.name, self.launcher, self.reads, self.writes = name, launcher, reads, writes
+        self.sizes = sizes  # the size symbols it takes after its pointers (fusec/symbolic.py)
         self.device = torch.device(device)
         self.numel = numel
 

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from fusec.ir import Layout
+from fusec.symbolic import is_symbolic, py_expr
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
                                  OutputBuffer, SlotRef, ViewStep, own_storage, settle)
 
@@ -49,6 +50,9 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
     if names:
         w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs",
                ", ".join(w.value_name(slot) for slot in program.input_slots))
+    for symbol, name, k, kind, d in getattr(program, "size_bindings", ()):
+        w.sizes[symbol] = name  # (Note: sizes as symbols in kernels, fusec/symbolic.py)
+        w.line(f"{name} = {names[k]}.{kind}({d})", "a size of this call's shape family")
     for slot, tensor in program.constants:
         w.names[slot] = w.bind(tensor, "constant")
     last = last_uses(program)
@@ -119,6 +123,15 @@ class _Writer:
         self.spelled: dict[str, str] = {"empty_like": "torch.empty_like",
                                         "empty_strided": "torch.empty_strided"}
         self.setup: list[str] = []
+        self.sizes: dict = {}  # size symbol -> the local that holds its value on this call
+
+    def size(self, x) -> str:
+        """A size, a shape or a stride tuple as Python: a symbolic one over this call's sizes."""
+        if isinstance(x, (tuple, list)):
+            inner = [self.size(v) for v in x]
+            text = ", ".join(inner)
+            return f"({text}{',' if len(inner) == 1 else ''})" if isinstance(x, tuple) else f"[{text}]"
+        return py_expr(x, self.sizes)
 
     def define(self, slot: int) -> str:
         self.names[slot] = f"s{slot}"
@@ -162,7 +175,7 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
         view = step.planned.get(buf.slot)
         if buf.inplace is not None:  # written over an input read here for the last time
             source = w.names[buf.inplace]
-            w.line(f"{w.define(buf.slot)} = {source}.as_strided({buf.shape}, {buf.stride}, "
+            w.line(f"{w.define(buf.slot)} = {source}.as_strided({w.size(buf.shape)}, {w.size(buf.stride)}, "
                    f"{source}.storage_offset())",
                    f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
                    f"its last use")
@@ -177,13 +190,14 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
         w.line("pass", f"{step.name}: every output is empty, nothing to launch")
         return
     tensors = [w.names[r] for r in step.reads] + [w.names[b.slot] for b in step.writes]
+    sizes = [w.sizes[s] for s in getattr(step, "sizes", ())]  # after the pointers, as ints
     entry = getattr(step.launcher, "pointer_entry", None)
     loaded = _loaded(step.launcher)
     if entry is not None:  # a C function: called with the data pointers, as ints
         name = w.bind(entry, step.name, loaded and loaded + ".pointer_entry")
-        w.line(f"{name}({', '.join(t + '.data_ptr()' for t in tensors)})")
+        w.line(f"{name}({', '.join([t + '.data_ptr()' for t in tensors] + sizes)})")
     else:  # a Python launcher (Triton's grid launch, the LLVM backend's): called with tensors
-        w.line(f"{w.bind(step.launcher, step.name, loaded)}({', '.join(tensors)})")
+        w.line(f"{w.bind(step.launcher, step.name, loaded)}({', '.join(tensors + sizes)})")
 
 
 def _loaded(launcher) -> str | None:
@@ -214,6 +228,9 @@ def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
     which makes it the cheapest allocation from Python (~0.2 us less than `empty_strided` with
     `dtype=` and `device=`). Buffers with other strides use `empty_strided`.
     """
+    if is_symbolic(buf.shape) or is_symbolic(buf.stride):  # a shape family's: this call's sizes
+        return (f"empty_strided({w.size(buf.shape)}, {w.size(buf.stride)}, "
+                f"dtype={w.bind(buf.dtype, 'dtype')}, device={w.bind(device, 'device')})")
     meta = torch.empty((), dtype=buf.dtype, device="meta").expand(buf.shape)
     if tuple(torch.empty_like(meta).stride()) == tuple(buf.stride):
         like = torch.empty((), dtype=buf.dtype, device=device).expand(buf.shape)
@@ -237,8 +254,17 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
         return _emit_any(w, step)
     call = f"{w.bind(step.target, step.name)}({', '.join(args)})"
     if step.planned is not None:  # ATen picks its result's strides: settle them as planned
-        call = f"{_settle(w)}({call}, {w.bind(step.planned, 'layout')})"
+        call = f"{_settle(w)}({call}, {_planned(w, step.planned)})"
     w.line(f"{w.define(step.out_slot)} = {call}")
+
+
+def _planned(w: _Writer, planned: Layout) -> str:
+    """The planned layout of a result: a global, or, in a shape family's program, made on each
+    call from this call's sizes."""
+    if is_symbolic(planned.shape) or is_symbolic(planned.stride):
+        return (f"{w.bind(Layout, 'Layout', 'Layout')}({planned.root!r}, {w.size(planned.shape)}, "
+                f"{w.size(planned.stride)})")
+    return w.bind(planned, 'layout')
 
 
 class _NotWritable(Exception):
@@ -249,9 +275,11 @@ def _argument(w: _Writer, a: Any) -> str:
     """An extern call's argument as an expression: a slot's name, a literal, or a global."""
     if isinstance(a, SlotRef):
         return w.names[a.slot]
+    if isinstance(a, torch.SymInt):  # a size of the shape family (`view(x_size0 * 64)`)
+        return w.size(a)
     if type(a) in (int, bool, str) or a is None or (type(a) is float and math.isfinite(a)):
         return repr(a)
-    if isinstance(a, (list, tuple)) and _holds_slots(a):
+    if isinstance(a, (list, tuple)) and (_holds_slots(a) or is_symbolic(a)):
         if type(a) is not tuple and not isinstance(a, list):
             raise _NotWritable(type(a))  # a named tuple: left to ExternStep itself
         inner = [_argument(w, v) for v in a]
@@ -271,14 +299,15 @@ def _holds_slots(a: Any) -> bool:
 
 def _emit_view(w: _Writer, step: ViewStep) -> None:
     root, lay = w.names[step.root], step.layout
-    w.line(f"{w.define(step.out_slot)} = {root}.as_strided({lay.shape}, {lay.stride}, "
-           f"{root}.storage_offset() + {lay.offset})", w.value_name(step.out_slot))
+    w.line(f"{w.define(step.out_slot)} = {root}.as_strided({w.size(lay.shape)}, "
+           f"{w.size(lay.stride)}, {root}.storage_offset() + {w.size(lay.offset)})",
+           w.value_name(step.out_slot))
 
 
 def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
     item = f"{w.names[step.src]}[{step.index!r}]"
     if step.planned is not None:  # as for an extern's result: settle the strides as planned
-        item = f"{_settle(w)}({item}, {w.bind(step.planned, 'layout')})"
+        item = f"{_settle(w)}({item}, {_planned(w, step.planned)})"
     w.line(f"{w.define(step.out_slot)} = {item}")
 
 

@@ -1,0 +1,125 @@
+"""Shape families: one program for every size of a dim that changes (issue 51's policy).
+
+torch.compile's policy, which fusec follows: the first call compiles for its exact sizes (a
+static program: every size a constant, the fastest code). When a later call differs from an
+earlier one only in some sizes, those dims become *dynamic*: the program is compiled once more,
+with those sizes as symbols (fusec/symbolic.py), and serves every later call of that family:
+
+    f(torch.randn(8, 64))     compile 1: static, (8, 64)
+    f(torch.randn(13, 64))    compile 2: dim 0 of x changed -> x.size(0) is a symbol s0
+    f(torch.randn(500, 64))   no compile: the family's guards hold (s0 >= 2, ...)
+
+`fusec.compile(fn, dynamic=True)` makes every dim of the arguments (not the parameters) a symbol
+from the first call; `dynamic=False` compiles every new size (the old behaviour);
+`torch._dynamo.mark_dynamic(x, 0)` marks a dim dynamic from the first call. Sizes 0 and 1 are
+never symbols: a program for them is its own (torch specializes them too).
+
+A family is checked on each call by its guards: what compiling assumed about the sizes (the
+ShapeEnv's guards, as one Python expression over the inputs' sizes and strides). A call that
+breaks one compiles again, and `fusec.explain` / `FUSEC_LOG=recompiles` say which guard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass
+class Family:
+    """One program for a shape family: the dims that are symbols, its key, its guard check."""
+
+    dims: dict  # flat tensor position -> frozenset of dims that are symbols
+    key: tuple
+    compiled: Any
+    check: Callable  # check(tensors) -> True when the program serves these inputs
+    guards: list = field(default_factory=list)  # the guards, as text, for explain
+
+
+def marked_dims(t: torch.Tensor) -> set:
+    """Dims the user marked dynamic (`torch._dynamo.mark_dynamic` / `maybe_mark_dynamic`)."""
+    return set(getattr(t, "_dynamo_dynamic_indices", ()) or ()) | \
+        set(getattr(t, "_dynamo_weak_dynamic_indices", ()) or ())
+
+
+def family_key(tensors: list, dims: dict, rest: tuple) -> tuple:
+    """What every call of one family shares: each tensor's dtype, device, rank, requires_grad and
+    its static sizes (a dynamic dim's size and every stride are the guards' business)."""
+    key = []
+    for i, t in enumerate(tensors):
+        dyn = dims.get(i, ())
+        key.append((t.dtype, t.device, t.requires_grad,
+                    tuple(None if d in dyn else n for d, n in enumerate(t.shape))))
+    return tuple(key) + rest
+
+
+def changed_dims(old: list, new: list, n_static: int) -> dict:
+    """{flat position: dims} whose sizes differ between two calls with tensors alike in all but
+    sizes (`old`, `new`: per tensor (shape, dtype, device)), counting only the caller's tensors
+    (positions from `n_static` on) and only sizes of 2 or more on both sides. {} when the calls
+    differ in anything else."""
+    if len(old) != len(new):
+        return {}
+    dims = {}
+    for i, (a, b) in enumerate(zip(old, new)):
+        (sa, da, va), (sb, db, vb) = a, b
+        if da != db or va != vb or len(sa) != len(sb):
+            return {}
+        diff = {d for d, (x, y) in enumerate(zip(sa, sb)) if x != y}
+        if diff and i < n_static:
+            return {}  # a parameter changed size: that is another model, not another size
+        if any(min(sa[d], sb[d]) < 2 for d in diff):
+            return {}  # 0 and 1 are their own programs
+        if diff:
+            dims[i] = frozenset(diff)
+    return dims
+
+
+def all_dims(tensors: list, n_static: int) -> dict:
+    """dynamic=True: every dim of size >= 2 of the caller's tensors."""
+    return {i: frozenset(d for d, n in enumerate(t.shape) if n >= 2)
+            for i, t in enumerate(tensors) if i >= n_static and t.dim()}
+
+
+def guard_check(captured) -> tuple[Callable, list[str]]:
+    """The family's guards as one function of the flat input tensors, and as text. They are the
+    ShapeEnv's guards after compiling (capture, passes, lowering and rendering all add theirs),
+    plus every static size and stride of the inputs."""
+    env = captured.shape_env
+    fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    code = env.produce_guards_expression(fakes, ignore_static=False)
+    texts = [str(g.expr) for g in env.guards]
+    if not code:
+        return (lambda tensors: True), texts
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    names = [f"t{i}" for i in range(len(fakes))]
+    fn = eval(f"lambda L: {code}", dict(SYMPY_INTERP))  # noqa: S307 (our own guard text)
+
+    def check(tensors) -> bool:
+        return bool(fn(dict(zip(names, tensors))))
+    return check, texts
+
+
+def failed_guard(captured, tensors) -> str:
+    """Which guard a call broke, as text (for the recompile's reason)."""
+    env = captured.shape_env
+    fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    try:
+        exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
+    except Exception:  # noqa: BLE001 (a reason is a courtesy: never fail a call for it)
+        return "a guard of the shape family"
+    values = {f"t{i}": t for i, t in enumerate(tensors)}
+    for expr in exprs:
+        try:
+            if not eval(expr, dict(SYMPY_INTERP), {"L": values}):  # noqa: S307
+                return expr.replace("L['", "").replace("']", "")
+        except Exception:  # noqa: BLE001
+            continue
+    return "a guard of the shape family"
+
+
+def _sources(n: int) -> list:
+    from torch._dynamo.source import LocalSource
+    return [LocalSource(f"t{i}") for i in range(n)]

@@ -1,0 +1,58 @@
+"""Test helper for symbolic sizes before the runtime binds them (issue 51): compile a program of
+ONE kernel for a shape family, then launch that kernel directly on inputs of other sizes.
+
+    out = run_one_kernel(fn, example, dynamic={0: {0}}, backend="cpp", inputs=[x2])
+
+`dynamic` is {flat input index: dims traced as symbols}. The kernel's parameters are its
+pointers (inputs by placeholder name, outputs freshly allocated like eager's results), then its
+size arguments (fusec.symbolic.size_params), each bound from the input size it stands for.
+"""
+from __future__ import annotations
+
+import torch
+
+from fusec.capture.frontend import capture
+from fusec.driver import compile_graph
+from fusec.symbolic import size_params
+
+
+def compile_one(fn, example, dynamic, backend):
+    captured = capture(fn, tuple(example), dynamic=dynamic)
+    compiled = compile_graph(captured, backend)
+    assert len(compiled.kernels) == 1, [k.name for k in compiled.kernels]
+    kernel = compiled.kernels[0]
+    if kernel.built.error is not None:
+        raise kernel.built.error
+    return captured, compiled, kernel
+
+
+def bind_sizes(captured, inputs) -> dict:
+    """{symbol name: its value for these inputs}."""
+    values = {}
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    for node, real in zip(placeholders, inputs):
+        fake = node.meta["val"]
+        for fake_sizes, real_sizes in ((fake.shape, real.shape), (fake.stride(), real.stride())):
+            for f, r in zip(fake_sizes, real_sizes):
+                if isinstance(f, torch.SymInt) and f.node.expr.is_Symbol:
+                    values.setdefault(f.node.expr.name, int(r))
+    return values
+
+
+def run_one_kernel(fn, example, dynamic, backend, inputs, compiled_once=None):
+    captured, compiled, kernel = compiled_once or compile_one(fn, example, dynamic, backend)
+    expected = fn(*inputs)
+    expected = expected if isinstance(expected, (tuple, list)) else [expected]
+    names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    by_name = dict(zip(names, inputs))
+    outs = [torch.empty_like(e) for e in expected]
+    args, k = [], 0
+    for p in kernel.ir.params:
+        if p.is_output:
+            args.append(outs[k])
+            k += 1
+        else:
+            args.append(by_name[p.name])
+    sizes = bind_sizes(captured, inputs)
+    kernel.launcher(*args, *[sizes[s] for s in size_params(kernel.ir)])
+    return outs, expected, (captured, compiled, kernel)
