@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import hint
 from fusec import ops
 from fusec.record import group_info
 from fusec.ir import (Index, Keep, Layout, LoopPlan, OnlineVariance, Phase, Reduce, ReductionKernel,
@@ -301,7 +302,7 @@ def keep_choice(kernel: ReductionKernel, plan: LoopPlan) -> Keep | None:
     outs = [n for n in plan.element_stores  # where a value can wait: see the note above
             if params.count(kernel.stores[n].param) == 1 and all(kernel.stores[n].index.strides)
             and all(l.param != kernel.stores[n].param for l in kernel.loads)
-            and kernel.k * kernel.stores[n].dtype.itemsize <= STASH_MAX_ROW_BYTES]
+            and hint(kernel.k) * kernel.stores[n].dtype.itemsize <= STASH_MAX_ROW_BYTES]  # (speed only)
     elements = {kernel.stores[n].var.name for n in plan.element_stores}
     best, gain = None, 0
     for name in plan.phases[-1].loop:

@@ -69,8 +69,9 @@ def changed_dims(old: list, new: list, n_static: int) -> dict:
         diff = {d for d, (x, y) in enumerate(zip(sa, sb)) if x != y}
         if diff and i < n_static:
             return {}  # a parameter changed size: that is another model, not another size
-        if any(min(sa[d], sb[d]) < 2 for d in diff):
-            return {}  # 0 and 1 are their own programs
+        if any(sa[d] == 0 or sb[d] < 2 for d in diff):
+            return {}  # 0 and 1 are their own programs (a call of size 1 after one of size 5)
+        # (one of size 5 after one of size 1 compiles the family: 1 was its own program anyway)
         if diff:
             dims[i] = frozenset(diff)
     return dims

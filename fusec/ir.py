@@ -27,6 +27,7 @@ from typing import Union
 
 import torch
 
+from fusec.symbolic import hashable
 from fusec.loop_plan import (Keep, LoopPlan, OnlineSoftmax, OnlineVariance,  # noqa: F401 (part of the IR)
                               Phase)
 
@@ -60,6 +61,9 @@ class TensorMeta:
 
     def __str__(self) -> str:
         return f"{short_dtype(self.dtype)}[{', '.join(map(str, self.shape))}]"
+
+    def __hash__(self) -> int:  # (a SymInt is no dict key: its sympy expression is, fusec/symbolic.py)
+        return hash((hashable(self.shape), self.dtype, hashable(self.stride), self.device))
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class Layout:
     stride: tuple[int, ...]
     offset: int = 0
 
+    def __hash__(self) -> int:
+        return hash((self.root, hashable(self.shape), hashable(self.stride), hashable(self.offset)))
+
 
 @dataclass(frozen=True)
 class Index:
@@ -104,6 +111,9 @@ class Index:
 
     offset: int
     strides: tuple[int, ...]
+
+    def __hash__(self) -> int:
+        return hash((hashable(self.offset), hashable(self.strides)))
 
     def is_flat(self, shape: tuple[int, ...]) -> bool:
         """True when the index is simply the flat position (contiguous over the whole space)."""

@@ -157,7 +157,44 @@ def fake_mode():
     them: a broadcast dim is not the same program as a real one)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    env = ShapeEnv()
+    env.guards = _Guards(env.guards)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+
+
+class _Guards(list):
+    """The ShapeEnv's list of guards, which also notes where in fusec (or in the user's program)
+    each guard was decided: `where[i]` is "file:line" of the deciding line, for explain."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.where: list[str] = ["" for _ in self]
+
+    def append(self, guard) -> None:
+        super().append(guard)
+        self.where.append(_decided_at())
+
+
+def _decided_at() -> str:
+    """The innermost frame outside torch and sympy: the line whose comparison made the guard."""
+    import os
+    import sys
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(part in name for part in (os.sep + "torch" + os.sep, os.sep + "sympy" + os.sep,
+                                             "symbolic.py", os.sep + "contextlib")):
+            parts = name.split(os.sep)
+            short = os.sep.join(parts[-2:])
+            return f"{short}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
+def guards_with_places(env) -> list[tuple[str, str]]:
+    """[(guard as text, where it was decided)] for a ShapeEnv made by `fake_mode`."""
+    where = getattr(env.guards, "where", None) or [""] * len(env.guards)
+    return [(str(g.expr), w) for g, w in zip(env.guards, where)]
 
 
 def fake_input(mode, t: torch.Tensor, dims=None):

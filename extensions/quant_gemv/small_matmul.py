@@ -53,6 +53,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import is_symbolic
 from fusec import ops
 from fusec.record import Decision
 
@@ -145,6 +146,8 @@ def _plan(node: fx.Node):
     if bias is not None and not isinstance(val(bias), torch.Tensor):
         return None, "a scalar bias: library matmul"
     (m, k), n = xv.shape, bv.shape[1]
+    if is_symbolic((m, k, n)):  # a shape family's: its rows can be many (1 row is its own program)
+        return None, "sizes are symbols (a shape family): library matmul"
     if not out.dtype.is_floating_point:
         return None, f"{out.dtype} matmul: library matmul"
     if m == 0 or n == 0 or k == 0:
