@@ -236,8 +236,9 @@ class CompiledFunction:
         flat_out = complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
-        elif plain and family is None and compiled.captured.shape_env is None \
-                and all(type(a) in PLAIN_TENSORS for a in args):
+        elif plain and all(type(a) in PLAIN_TENSORS for a in args):
+            if compiled.captured.shape_env is not None:  # one fast path for the whole family
+                key = ("family", id(compiled))
             self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 

@@ -83,39 +83,53 @@ def all_dims(tensors: list, n_static: int) -> dict:
             for i, t in enumerate(tensors) if i >= n_static and t.dim()}
 
 
-def guard_check(captured) -> tuple[Callable, list[str]]:
-    """The family's guards as one function of the flat input tensors, and as text. They are the
-    ShapeEnv's guards after compiling (capture, passes, lowering and rendering all add theirs),
-    plus every static size and stride of the inputs."""
+def guard_expression(captured) -> str:
+    """The family's guards as one Python expression over `L['t0']`, `L['t1']`... (the flat input
+    tensors): the ShapeEnv's guards after compiling (capture, passes, lowering and rendering all
+    add theirs) and every static size and stride of the inputs. Storage offsets are left out:
+    kernels read through data pointers, which include them."""
+    exprs = _guard_list(captured)
+    return " and ".join(f"({e})" if " or " in e else e for e in exprs) or "True"
+
+
+def _guard_list(captured) -> list[str]:
     env = captured.shape_env
     fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    code = env.produce_guards_expression(fakes, ignore_static=False)
-    texts = [str(g.expr) for g in env.guards]
-    if not code:
-        return (lambda tensors: True), texts
+    exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
+    return [e for e in exprs if "storage_offset()" not in e]
+
+
+def guard_check(captured) -> tuple[Callable, list[str]]:
+    """The family's guards (`guard_expression`) as a function of the flat input tensors, and
+    the ShapeEnv's own guards as text with where each was decided, for explain."""
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-    names = [f"t{i}" for i in range(len(fakes))]
+    from fusec.symbolic import guards_with_places
+    code = guard_expression(captured)
     fn = eval(f"lambda L: {code}", dict(SYMPY_INTERP))  # noqa: S307 (our own guard text)
+    n = sum(1 for node in captured.gm.graph.nodes if node.op == "placeholder")
+    names = [f"t{i}" for i in range(n)]
 
     def check(tensors) -> bool:
         return bool(fn(dict(zip(names, tensors))))
+    texts = [f"{g}  ({where})" if where else g for g, where in guards_with_places(captured.shape_env)]
     return check, texts
 
 
 def failed_guard(captured, tensors) -> str:
     """Which guard a call broke, as text (for the recompile's reason)."""
-    env = captured.shape_env
-    fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
     from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
     try:
-        exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
+        exprs = _guard_list(captured)
     except Exception:  # noqa: BLE001 (a reason is a courtesy: never fail a call for it)
         return "a guard of the shape family"
     values = {f"t{i}": t for i, t in enumerate(tensors)}
+    names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     for expr in exprs:
         try:
             if not eval(expr, dict(SYMPY_INTERP), {"L": values}):  # noqa: S307
-                return expr.replace("L['", "").replace("']", "")
+                for i in reversed(range(len(names))):  # (t12 before t1)
+                    expr = expr.replace(f"L['t{i}']", names[i])
+                return expr
         except Exception:  # noqa: BLE001
             continue
     return "a guard of the shape family"

@@ -45,7 +45,8 @@ def no_fast_path(args: tuple) -> _Miss:
 
 
 def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, module,
-             mutated: tuple = (), python_state: tuple = ((), {})) -> Callable:
+             mutated: tuple = (), python_state: tuple = ((), {}),
+             sizes: str | None = None) -> Callable:
     """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
 
     A guard in the sense of TorchDynamo's, written out as straight-line Python and compiled, so
@@ -69,6 +70,10 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     none checks nothing more. `python_state`: (lines, their globals) that check the Python state
     the program read (`m.scale`, a global flag: fusec/capture/guards.py `Guards.fast_lines`);
     none for a program that read none.
+
+    `sizes`: for a program over a shape family (fusec/dynamic.py), its guards as one Python
+    expression over `L['t0']`, `L['t1']`... (the ShapeEnv's, with every static size and stride):
+    each tensor's sizes and strides are then checked by it instead of by constants.
     """
     glob = {"MISS": MISS, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "run": run,
             "is_grad_enabled": torch.is_grad_enabled}
@@ -88,8 +93,9 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
         glob[dtype], glob[device] = t.dtype, t.device
         kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"  # (the type it was)
-        checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + [
-            f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}",
+        shape = [f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}"] \
+            if sizes is None else [f"{var}.dim() != {t.dim()}"]  # (sizes: the family's guards)
+        checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + shape + [
             f"{var}.dtype is not {dtype}",
             # is_cpu reads a flag; .device builds a torch.device to compare
             f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
@@ -97,6 +103,10 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         rows = [" or ".join(checks[i:i + 3]) for i in range(0, len(checks), 3)]
         lines += [f"if ({rows[0]}", *[f"        or {row}" for row in rows[1:-1]],
                   f"        or {rows[-1]}):", "    return MISS"]
+    if sizes is not None:
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP  # (Eq, Mod, FloorDiv...)
+        glob.update({k: v for k, v in SYMPY_INTERP.items() if k not in glob})
+        lines += _family_lines(state + args, sizes)
     if any(t.requires_grad for t in tensors):
         lines += ["if is_grad_enabled():  # an inference program: training takes `_call`",
                   "    return MISS"]
@@ -111,6 +121,22 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     fast = glob["fast"]
     fast.source, fast.run = source, run
     return fast
+
+
+def _family_lines(names: list[str], code: str) -> list[str]:
+    """The shape family's guard expression (see `guarded_call`) over the fast path's names: each
+    tensor's sizes and strides read once (`z0 = a0.shape`, `y0 = a0.stride()`)."""
+    import re
+    used = sorted({int(k) for k in re.findall(r"L\['t(\d+)'\]", code)})
+    lines = []
+    for k in used:
+        if f"L['t{k}'].size()" in code:
+            lines.append(f"z{k} = {names[k]}.shape")
+        if f"L['t{k}'].stride()" in code:
+            lines.append(f"y{k} = {names[k]}.stride()")
+        code = code.replace(f"L['t{k}'].size()", f"z{k}").replace(f"L['t{k}'].stride()", f"y{k}")
+        code = code.replace(f"L['t{k}']", names[k])
+    return lines + [f"if not ({code}):", "    return MISS  # the shape family's guards"]
 
 
 def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
@@ -129,8 +155,12 @@ def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
             return pack(complete(compiled, owner._run(compiled, tensors, n_static), tensors))
     else:  # steps run directly: the straight-line function returns the user's outputs itself
         run = _direct_runner(compiled.program, captured)
+    sizes = None
+    if captured.shape_env is not None:  # a shape family's program: its guards check the sizes
+        from fusec.dynamic import guard_expression
+        sizes = guard_expression(captured)
     return guarded_call(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
-                    mutated_inputs(compiled.program), python_state)
+                    mutated_inputs(compiled.program), python_state, sizes)
 
 
 def complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:

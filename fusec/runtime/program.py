@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from fusec.ir import TensorMeta
 from fusec.symbolic import size_names, size_symbols
 
 from fusec.record import MemoryPlan, folded_view, group_info, layout_of, owns_buffer
@@ -180,6 +181,9 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
     outputs = [slot(a.name) for a in output.args[0]]
     program = Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
     program.size_bindings = size_bindings(gm)
+    metas = [n.meta.get("fusec") for n in nodes if n.op == "placeholder"]
+    program.input_metas = [m if isinstance(m, TensorMeta) else None for m in metas]
+    program.input_ranks = [len(m.shape) if isinstance(m, TensorMeta) else None for m in metas]
     program.slot_names = [None] * len(slot_of)
     for name, index in slot_of.items():
         program.slot_names[index] = name

@@ -50,9 +50,7 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
     if names:
         w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs",
                ", ".join(w.value_name(slot) for slot in program.input_slots))
-    for symbol, name, k, kind, d in getattr(program, "size_bindings", ()):
-        w.sizes[symbol] = name  # (Note: sizes as symbols in kernels, fusec/symbolic.py)
-        w.line(f"{name} = {names[k]}.{kind}({d})", "a size of this call's shape family")
+    _bind_sizes(w, program, names)
     for slot, tensor in program.constants:
         w.names[slot] = w.bind(tensor, "constant")
     last = last_uses(program)
@@ -65,6 +63,27 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
             w.line(f"del {', '.join(dead)}", "last use")
     w.line("return " + _result(w, program, aliases, constants, form))
     return w.build()
+
+
+def _bind_sizes(w: "_Writer", program: "Program", names: list[str]) -> None:
+    """A shape family's program reads each size symbol from its input once per call (Note: sizes
+    as symbols in kernels, fusec/symbolic.py): `x_size0, x_size1 = s0.shape` when every size of
+    `x` is one, else `x_size0 = s0.shape[0]`; strides alike."""
+    by_input: dict = {}
+    for symbol, name, k, kind, d in getattr(program, "size_bindings", ()):
+        w.sizes[symbol] = name
+        by_input.setdefault((k, kind), {})[d] = name
+    w.inputs_of_sizes = {}
+    for (k, kind), dims in by_input.items():
+        attr = "shape" if kind == "size" else "stride()"
+        rank = w.program.input_ranks[k] if hasattr(w.program, "input_ranks") else None
+        if rank is not None and len(dims) == rank:
+            targets = [dims[d] for d in range(rank)]
+            w.line(f"{', '.join(targets)}{',' if rank == 1 else ''} = {names[k]}.{attr}",
+                   "this call's sizes (a shape family's program)")
+        else:
+            for d, name in sorted(dims.items()):
+                w.line(f"{name} = {names[k]}.{attr}[{d}]", "a size of this call (a shape family's program)")
 
 
 def step_reads(step) -> list[int]:
@@ -229,6 +248,9 @@ def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
     `dtype=` and `device=`). Buffers with other strides use `empty_strided`.
     """
     if is_symbolic(buf.shape) or is_symbolic(buf.stride):  # a shape family's: this call's sizes
+        same = _input_like(w, buf, device)
+        if same is not None:  # an input with this very layout: the cheapest allocation
+            return f"empty_like({same})"
         return (f"empty_strided({w.size(buf.shape)}, {w.size(buf.stride)}, "
                 f"dtype={w.bind(buf.dtype, 'dtype')}, device={w.bind(device, 'device')})")
     meta = torch.empty((), dtype=buf.dtype, device="meta").expand(buf.shape)
@@ -238,6 +260,21 @@ def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
         return f"empty_like({w.bind(like, 'like', spelled)})"
     return (f"empty_strided({buf.shape}, {buf.stride}, dtype={w.bind(buf.dtype, 'dtype')}, "
             f"device={w.bind(device, 'device')})")
+
+
+def _input_like(w: _Writer, buf: OutputBuffer, device) -> str | None:
+    """The local of a program input whose shape, strides (as expressions), dtype and device are
+    `buf`'s, if any: `empty_like` of it makes a buffer like `buf` (its guards fix its layout)."""
+    from fusec.ir import contiguous_strides
+    from fusec.symbolic import hashable
+    if hashable(tuple(buf.stride)) != hashable(contiguous_strides(tuple(buf.shape))):
+        return None  # (empty_like keeps only a dense input's strides: contiguous ones are sure)
+    want = (hashable(tuple(buf.shape)), hashable(tuple(buf.stride)), buf.dtype, str(device))
+    for slot, meta in zip(w.program.input_slots, getattr(w.program, "input_metas", ())):
+        if meta is not None and (hashable(tuple(meta.shape)), hashable(tuple(meta.stride)),
+                                 meta.dtype, str(meta.device)) == want and slot in w.names:
+            return w.names[slot]
+    return None
 
 
 def _emit_extern(w: _Writer, step: ExternStep) -> None:
