@@ -306,6 +306,24 @@ class CompiledFunction:
             self._broken = dynamic.failed_guard(family.compiled.captured, tensors)
         return None
 
+    def family_dims(self, args: tuple, kwargs: dict) -> dict | None:
+        """The dims a call like this one runs with as symbols (its shape family's), or None when
+        it runs a program of its own signature (fusec.explain compiles the same one)."""
+        leaves = calls.flatten_call(self.fn, args, kwargs)[0]
+        tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
+        module = self.fn if isinstance(self.fn, torch.nn.Module) else None
+        key = call_signature([*self._state(), *leaves],
+                             module.training if module is not None else False)
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            key += ()
+        else:
+            key += (tuple(calls.flatten_call(self.fn, args, kwargs)[1]),)
+        key += self._guards.key()
+        if key in self.compiled and self.compiled[key].captured.shape_env is None:
+            return None
+        family = self._family_for(tensors, key)
+        return dict(family.dims) if family is not None else None
+
     def _dynamic_dims(self, key: tuple, tensors: list) -> dict:
         """{flat tensor position: dims} to compile as symbols for this new signature, by the
         policy (fusec/dynamic.py): the dims marked dynamic, every dim with dynamic=True, and

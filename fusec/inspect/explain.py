@@ -68,6 +68,8 @@ class Explanation:
     recompiles: list[str] = field(default_factory=list)
     # what its training programs saved for backward and recomputed (fusec/inspect/training.py)
     training: list = field(default_factory=list)
+    # the program is for a shape family (fusec/dynamic.py): its symbols and guards
+    family: dict | None = None
 
     @property
     def kernels(self) -> list:
@@ -158,6 +160,7 @@ class Explanation:
             "layout": cg.passes.layout.to_dict() if cg.passes.layout is not None else None,
             "dot": {"before": self.dot("before"), "after": self.dot("after")},
             "recompiles": list(self.recompiles),
+            "family": self.family,
             "training": training_dicts(self.training),
         }
 
@@ -169,6 +172,12 @@ class Explanation:
         if self.recompiles:  # a fusec.compile'd function that compiled more than one program
             out.append("\n=== recompiles: why it compiled another program (newest last) ===")
             out += [f"  {i}. {reason}" for i, reason in enumerate(self.recompiles, 1)]
+        if self.family is not None:
+            out.append("\n=== shape family: one program for every size these guards allow ===")
+            out += [f"  {s['symbol']} = {s['source']}  (named {s['name']} in the program)"
+                    for s in self.family["symbols"]]
+            out.append("  guards (what compiling assumed; a call that breaks one compiles again):")
+            out += [f"    {g}" for g in self.family["guards"]] or ["    none beyond the sizes"]
         out += training_section(self.training, walk_note=True)
         out.append("\n=== captured ATen graph ===\n" + self.graph())
         changes = pass_changes(cg.captured.gm, gm, cg.stages())
@@ -226,15 +235,33 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
     fullgraph = getattr(getattr(model, "_compiled", model), "fullgraph", False)
     wrapped = getattr(model, "_compiled", model)  # a fusec.compile'd one: why it recompiled
     recompiles = list(wrapped.recompiles) if isinstance(wrapped, CompiledFunction) else []
+    dims = wrapped.family_dims(inputs, kwargs) if isinstance(wrapped, CompiledFunction) else None
     model, backend = unwrap(model, backend)
     try:
-        captured, chosen = capture_for(model, inputs, kwargs, backend)
+        captured, chosen = capture_for(model, inputs, kwargs, backend, dims)
     except GraphBreakError as cause:
         if fullgraph:
             raise
         return explain_regions(model, inputs, kwargs, backend, cause)
-    return Explanation(compile_graph(captured, chosen, record=True, label=label_of(model)),
-                       recompiles, saved_for_backward(wrapped) if isinstance(wrapped, CompiledFunction) else [])
+    compiled = compile_graph(captured, chosen, record=True, label=label_of(model))
+    return Explanation(compiled, recompiles,
+                       saved_for_backward(wrapped) if isinstance(wrapped, CompiledFunction) else [],
+                       family_info(captured))
+
+
+def family_info(captured) -> dict | None:
+    """A shape family's symbols (which input size each is) and guards (with the line that
+    decided each), for explain; None for a program of one signature."""
+    if captured.shape_env is None:
+        return None
+    from fusec.runtime.program import size_bindings
+    from fusec.symbolic import guards_with_places
+    symbols = [{"symbol": str(sym), "name": name,
+                "source": f"{name.rsplit('_', 1)[0]}.{kind}({d})"}
+               for sym, name, _, kind, d in size_bindings(captured.gm)]
+    guards = [f"{g}  ({where})" if where else g
+              for g, where in guards_with_places(captured.shape_env)]
+    return {"symbols": symbols, "guards": guards}
 
 
 def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
@@ -329,11 +356,12 @@ def unwrap(model, backend: str):
     return model, backend
 
 
-def capture_for(model, inputs: tuple, kwargs: dict, backend: str):
-    """Pick the backend for the inputs' device and capture with source lines recorded."""
+def capture_for(model, inputs: tuple, kwargs: dict, backend: str, dynamic: dict | None = None):
+    """Pick the backend for the inputs' device and capture with source lines recorded (and, for
+    a shape family's program, `dynamic` dims as symbols)."""
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     chosen = resolve_backend(backend, device)
     with torch.no_grad():
-        captured = capture(model, inputs, kwargs, stack_traces=True)
+        captured = capture(model, inputs, kwargs, stack_traces=True, dynamic=dynamic)
     return captured, chosen

@@ -9,6 +9,7 @@ from math import prod
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import hint
 from fusec import ops
 from fusec.ir import short_dtype
 from fusec.record import group_info
@@ -75,6 +76,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
+    n = hint(n)  # (a shape family's: at the size it was traced with)
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
