@@ -71,8 +71,11 @@ def measure(n: int, with_torch_compile: bool, rounds: int, per_round: int) -> di
     x = torch.randn(n)
     args = (x,)
     cf = fusec.compile(sin, backend="cpp")
+    # a shape family's program (fusec/dynamic.py): the size is a symbol, read from x per call
+    family = fusec.compile(sin, backend="cpp", dynamic=True)
     for _ in range(2):  # the first call compiles, the second takes the fast path
         torch.testing.assert_close(cf(x), torch.sin(x))
+        torch.testing.assert_close(family(x), torch.sin(x))
     kernel = cf.kernels[0].launcher.pointer_entry
     out = torch.empty_like(x)
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
@@ -84,11 +87,15 @@ def measure(n: int, with_torch_compile: bool, rounds: int, per_round: int) -> di
     rows = {
         "eager torch.sin": lambda: torch.sin(x),
         "fusec (cpp), whole call": lambda: cf(x),
+        "fusec (cpp), every size (dynamic=True)": lambda: family(x),
     }
     if with_torch_compile:
         compiled = torch.compile(sin)
         compiled(x)
         rows["torch.compile (inductor)"] = lambda: compiled(x)
+        compiled_dynamic = torch.compile(sin, dynamic=True)
+        compiled_dynamic(x)
+        rows["torch.compile (inductor), dynamic=True"] = lambda: compiled_dynamic(x)
     rows.update({
         "  guard": lambda: guard(args),
         "  allocation": lambda: empty_like(like),
@@ -102,6 +109,8 @@ def measure(n: int, with_torch_compile: bool, rounds: int, per_round: int) -> di
     work = max(us["  kernel launch"] - us["  empty C call"], 0.0)
     parts = us["  guard"] + us["  allocation"] + us["  kernel launch"]
     us["  Python glue (the rest)"] = max(us["fusec (cpp), whole call"] - parts, 0.0)
+    us["  a shape family's extra cost (every size - whole call)"] = \
+        us["fusec (cpp), every size (dynamic=True)"] - us["fusec (cpp), whole call"]
     return {"n": n, "torch": torch.__version__, "timer_floor_us": floor, "medians_us": us,
             "kernel_work_us": work, "fusec_overhead_us": us["fusec (cpp), whole call"] - work,
             "kernel": cf.kernels[0].name}
@@ -118,7 +127,9 @@ def print_table(result: dict) -> None:
     table.add_column("")
     table.add_column("us", justify="right")
     table.add_column("vs eager", justify="right")
-    order = ["eager torch.sin", "fusec (cpp), whole call", "torch.compile (inductor)",
+    order = ["eager torch.sin", "fusec (cpp), whole call", "fusec (cpp), every size (dynamic=True)",
+             "  a shape family's extra cost (every size - whole call)",
+             "torch.compile (inductor)", "torch.compile (inductor), dynamic=True",
              "  guard", "  allocation", "  kernel launch", "  empty C call",
              "  Python glue (the rest)"]
     for name in order:
