@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from fusec.symbolic import hint
+from fusec.symbolic import hashable, hint
 from fusec import ops
 from fusec.record import group_info
 from fusec.ir import (Index, Keep, Layout, LoopPlan, OnlineVariance, Phase, Reduce, ReductionKernel,
@@ -224,10 +224,11 @@ def _row_order(outer: list[int], shape, in_layouts) -> list[int]:
     are neighbours in memory. Only which program computes which row changes, not the arithmetic.
     """
     for layout in in_layouts:
-        if tuple(layout.shape) != tuple(shape):
+        if hashable(tuple(layout.shape)) != hashable(tuple(shape)):
             continue  # a row value, or a broadcast one
-        if all(st for st, n in zip(layout.stride, shape) if n > 1):
-            return sorted(range(len(outer)), key=lambda i: -layout.stride[outer[i]])
+        strides = hint(layout.stride)  # (the order of the rows changes no result: unguarded)
+        if all(st for st, n in zip(strides, hint(shape)) if n > 1):
+            return sorted(range(len(outer)), key=lambda i: -strides[outer[i]])
     return list(range(len(outer)))
 
 

@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+    PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
                 pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 A pass that only rewrites some ops says which (`@looks_for(aten.mm.default, ...)`, from
@@ -35,6 +35,7 @@ from .filled_slices import filled_slices
 from .fold_constants import fold_constants
 from .fuse_pointwise import fuse_pointwise
 from .fuse_reductions import fuse_reductions
+from .inline_sizes import inline_sizes
 from .layout import layout
 from .pad_matmul import pad_matmul
 from .move_permutes import move_permutes
@@ -46,7 +47,7 @@ from .simplify import simplify
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
             pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

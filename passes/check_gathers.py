@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import hashable
 from fusec import ops
 from fusec.graphmodule import looks_for
 from fusec.ir import meta_of
@@ -60,7 +61,7 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             _set_index(node, gather, index)
             decisions.append(Decision(node.name, True, f"reads {index.name} as it is: its cast to "
                                       f"{meta(gather.index).dtype} names the same rows"))
-        key = (index, gather.lowest, gather.size)
+        key = (index, hashable(gather.lowest), hashable(gather.size))
         if key in checked:
             continue
         known = _constant(gm, index)

@@ -38,6 +38,7 @@ from fusec import ops
 from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision
+from fusec.symbolic import is_symbolic
 
 from .grouping import constant_node, is_cat, new_node, record_decisions, val
 
@@ -87,6 +88,9 @@ SAFE_INTEGER_OPS = {"bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "
 
 def _why_not(cat: fx.Node, chains) -> str | None:
     out = val(cat)
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if is_symbolic(out.shape[dim % out.dim()]):
+        return "the cat's dim has a symbolic size (a shape family): no constant mask can pick"
     for (_, chain), piece in zip(chains, cat.args[0]):
         unsafe = [n for n in chain if not val(n).dtype.is_floating_point
                   and ops.normalize(n)[0].name not in SAFE_INTEGER_OPS]

@@ -45,6 +45,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import is_symbolic
 from fusec import ops
 from fusec.record import Folded, record_of
 
@@ -83,6 +84,8 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         if not node.all_input_nodes and not _creates_tensor(node):
             continue
         val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and is_symbolic(tuple(val.shape)):
+            continue  # its size is a shape family's symbol: computed on each call, as sized
         if isinstance(val, torch.Tensor) and val.numel() > MAX_ELEMENTS:
             continue  # not computed while compiling at all: it could not be kept anyway
         try:

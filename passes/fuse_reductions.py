@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fusec.symbolic import hint
 from fusec import ops
 from fusec.codegen import backends
 from fusec.codegen.cpu_plan import MIN_LAST
@@ -357,9 +358,11 @@ def scalar_row_math(inside: set, key: tuple) -> str | None:
     if not reds or meta(reds[0]).device != "cpu" or not shape or not dims:
         return None
     operand = meta(ops.reduction(reds[0]).operand)
-    inner = min(range(len(shape)), key=lambda d: (abs(operand.stride[d]) if shape[d] > 1 else 1 << 62))
+    # (a heuristic: a shape family's sizes decide by the size they were traced with, unguarded)
+    strides, sizes = hint(operand.stride), hint(shape)
+    inner = min(range(len(shape)), key=lambda d: (abs(strides[d]) if sizes[d] > 1 else 1 << 62))
     rows = 1
-    for d, size in enumerate(shape):
+    for d, size in enumerate(sizes):
         rows *= size if d not in dims else 1
     if inner in dims or rows < SCALAR_ROWS_MIN or rows_side_by_side(operand, shape, dims):
         return None

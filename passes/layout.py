@@ -50,6 +50,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import hint
 from fusec import env, ops
 from fusec.graphmodule import copy_graph_module, looks_for
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
@@ -103,8 +104,9 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
 
     plan = LayoutPlan("channels_last", "", choices, conversions)
-    plan.gain_s = sum(c.gain_s for c in choices)
-    plan.cost_s = sum(conversion_cost(c) for c in conversions)
+    # estimates: a shape family's decide at the sizes it was traced with, unguarded (speed only)
+    plan.gain_s = hint(sum(c.gain_s for c in choices))
+    plan.cost_s = hint(sum(conversion_cost(c) for c in conversions))
     if forced == "channels_last":
         plan.reason = "FUSEC_LAYOUT=channels_last (cost model overridden)"
     elif plan.gain_s > plan.cost_s:
@@ -311,7 +313,8 @@ def _price_conv(node: fx.Node) -> ConvChoice:
         gain = (_nbytes(x) + _nbytes(out)) / bandwidth * (1 - 1 / s)
         reason = (f"depthwise conv2d {short_dtype(out.dtype)} on {kind}: cuDNN's channels-last "
                   f"kernel measured {s:.1f}x faster than eager's NCHW one")
-    return ConvChoice(node.name, what, float(flops), s, gain, reason)
+    # (estimates: a shape family's at the sizes it was traced with, unguarded)
+    return ConvChoice(node.name, what, float(hint(flops)), s, hint(gain), reason)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -409,11 +409,21 @@ def _factory_on_default_device(node: fx.Node) -> bool:
 
 def _propagate(gm: fx.GraphModule) -> None:
     """Recompute every node's fake value (and meta) after the graph changed."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    traced = next((n.meta["val"].fake_mode for n in placeholders
+                   if getattr(n.meta.get("val"), "fake_mode", None) is not None
+                   and n.meta["val"].fake_mode.shape_env is not None), None)
+    if traced is not None:  # a shape family's graph: its own fake values, symbols and all
+        gm.recompile()
+        FakeTensorProp(gm, traced).propagate_dont_convert_inputs(
+            *[n.meta["val"] for n in placeholders])
+        annotate(gm)
+        return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(),
                                       dtype=n.meta["val"].dtype, device=n.meta["val"].device)
-                  for n in gm.graph.nodes if n.op == "placeholder"]
+                  for n in placeholders]
     gm.recompile()
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     annotate(gm)
