@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fusec import cache, ops
 from fusec.ir import Index, PointwiseKernel
+from fusec.symbolic import hint, py_expr, size_params
 from fusec.runtime.fast_start.pdl import pdl as pdl_on
 from fusec.runtime.fast_start.triton_launch import TritonLauncher
 
@@ -34,13 +35,16 @@ from ..render import render_template
 from .reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read as triton.X)
 from .reduction import render_reduction
 from .text import (helpers_in, max_address, render_stmt, ops_summary, block_size, convert,
-                          gather_offset, piece_mask)
+                   gather_offset, piece_mask, size, same, cdiv, needs_int64, is_flat,
+                   size_arguments)
 
 
 def render(kernel, arch: int | None = None) -> str:
     """The kernel's module source. `arch` (80, 90, ...) renders it for that NVIDIA GPU instead
     of this process's (codegen/triton/target.py): only a kernel family's choices depend on it."""
-    special, notes = families.special(kernel, "triton", arch)  # a kernel family's, if one takes it
+    special, notes = None, []
+    if not size_params(kernel):  # (a family's kernels take no sizes: a shape family's are general)
+        special, notes = families.special(kernel, "triton", arch)  # a kernel family's, if one takes it
     if special is not None:
         return special
     if not isinstance(kernel, PointwiseKernel):
@@ -51,36 +55,39 @@ def render(kernel, arch: int | None = None) -> str:
     shape = kernel.shape
     numel = kernel.numel
     widths = tuple(a.dtype.itemsize for a in [*kernel.loads, *kernel.stores])
-    block, num_warps = block_size(numel, widths)
-    flat = [l.index.is_flat(shape) for l in kernel.loads] + \
-           [s.index.is_flat(shape) for s in kernel.stores]
+    # (from the traced sizes where they are symbols: see the note on shape families in text.py)
+    block, num_warps = block_size(hint(numel), widths)
+    flat = [is_flat(l.index, shape) for l in kernel.loads] + \
+           [is_flat(s.index, shape) for s in kernel.stores]
     coords = []
     if not all(flat) or any(l.valid for l in kernel.loads):
         for d in range(len(shape)):
             below = math.prod(shape[d + 1:])
-            expr = "offsets" if below == 1 else f"(offsets // {below})"
-            coords.append(f"i{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}"))
+            expr = "offsets" if same(below, 1) else f"(offsets // {size(below)})"
+            coords.append(f"i{d} = {expr}" + ("" if d == 0 else f" % {size(shape[d])}"))
 
     def index(idx: Index) -> str:
-        if idx.is_flat(shape):
+        if is_flat(idx, shape):
             return "offsets"
-        terms = [f"i{d}" if s == 1 else f"i{d} * {s}" for d, s in enumerate(idx.strides) if s]
+        terms = [f"i{d}" if same(s, 1) else f"i{d} * {size(s)}"
+                 for d, s in enumerate(idx.strides) if not same(s, 0)]
         if not terms:  # every lane reads one element: still a block of addresses, for the mask
             terms = ["tl.zeros_like(offsets)"]
-        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
+        return " + ".join(([size(idx.offset)] if not same(idx.offset, 0) else []) + terms)
 
     loads, body, stores = pointwise_lines(kernel, index, "[BLOCK_SIZE]")
-    big = max([numel] + [max_address(a.index, shape) + _reach(a) for a in [*kernel.loads, *kernel.stores]]) \
-        >= 2 ** 31 - 1
+    big = needs_int64([numel] + [max_address(a.index, shape) + _reach(a)
+                                 for a in [*kernel.loads, *kernel.stores]])
     helpers = helpers_in(loads + body + stores)
     return render_template(
         "triton_pointwise.py.j2",
         name=kernel.name, summary=ops_summary(kernel), source_shape=kernel.source_shape,
-        loop_shape=shape, numel=numel, block=block, blocks=-(-numel // block),
-        num_warps=num_warps, helpers=sorted(helpers),
+        loop_shape=shape, numel=numel, numel_text=py_expr(numel), block=block,
+        blocks=cdiv(numel, block, "cdiv"), num_warps=num_warps, helpers=sorted(helpers),
         params=[f"{p.name}_ptr" for p in kernel.params], args=[p.name for p in kernel.params],
         block_start="pid.to(tl.int64) * BLOCK_SIZE" if big else "pid * BLOCK_SIZE",
-        coords=coords, loads=loads, body=body, stores=stores, pdl=pdl_on(arch))
+        coords=coords, loads=loads, body=body, stores=stores, pdl=pdl_on(arch),
+        **size_arguments(kernel, [("n_elements", numel, False)]))
 
 
 # Note (tiled pointwise kernels): a 1-D block of consecutive positions suits tensors that are
@@ -103,14 +110,15 @@ def tiling(kernel: PointwiseKernel) -> tuple[int, int] | None:
     xdim = len(shape) - 1
     along: list[int] = []  # for each access, the loop dim along which it is contiguous
     for a in [*kernel.loads, *kernel.stores]:
-        unit = [d for d, st in enumerate(a.index.strides) if st == 1 and shape[d] > 1]
+        unit = [d for d, st in enumerate(a.index.strides) if same(st, 1) and hint(shape[d]) > 1]
         if unit:
             along.append(unit[-1])
     others = [d for d in along if d != xdim]
-    if not others or xdim not in along or shape[xdim] < TILE_MIN:
+    # (a choice of speed: the traced sizes decide where sizes are symbols; both forms are right)
+    if not others or xdim not in along or hint(shape[xdim]) < TILE_MIN:
         return None
     ydim = max(set(others), key=others.count)
-    if shape[ydim] < TILE_MIN:
+    if hint(shape[ydim]) < TILE_MIN:
         return None
     return ydim, xdim
 
@@ -118,40 +126,48 @@ def tiling(kernel: PointwiseKernel) -> tuple[int, int] | None:
 def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None = None) -> str:
     shape = kernel.shape
     ysize, xsize = shape[ydim], shape[xdim]
-    yblock = min(64, 1 << (ysize - 1).bit_length())
-    xblock = min(64, 1 << (xsize - 1).bit_length())
-    y_tiles, x_tiles = -(-ysize // yblock), -(-xsize // xblock)
+    yblock = min(64, 1 << (hint(ysize) - 1).bit_length())
+    xblock = min(64, 1 << (hint(xsize) - 1).bit_length())
+    # (as (n + block - 1) // block: Triton's `//` rounds toward zero, so -(-n // block) is not it)
+    y_tiles, x_tiles = (ysize + yblock - 1) // yblock, (xsize + xblock - 1) // xblock
     others = [d for d in range(len(shape)) if d not in (ydim, xdim)]
+    programs = y_tiles * x_tiles * math.prod(shape[d] for d in others)
     rest = []
     for j, d in enumerate(others):
         below = math.prod(shape[o] for o in others[j + 1:])
-        expr = "rest" if below == 1 else f"(rest // {below})"
-        rest.append(f"i{d} = {expr}" + ("" if j == 0 else f" % {shape[d]}"))
-    big = max([kernel.numel] + [max_address(a.index, shape) + _reach(a)
-                                for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+        expr = "rest" if same(below, 1) else f"(rest // {size(below)})"
+        rest.append(f"i{d} = {expr}" + ("" if j == 0 else f" % {size(shape[d])}"))
+    big = needs_int64([kernel.numel] + [max_address(a.index, shape) + _reach(a)
+                                        for a in [*kernel.loads, *kernel.stores]])
     block = "[YBLOCK, XBLOCK]"
 
     def index(idx: Index) -> str:
-        terms = [f"i{d}" if st == 1 else f"i{d} * {st}" for d, st in enumerate(idx.strides) if st]
+        terms = [f"i{d}" if same(st, 1) else f"i{d} * {size(st)}"
+                 for d, st in enumerate(idx.strides) if not same(st, 0)]
         if not any(t.split(" ")[0] in (f"i{ydim}", f"i{xdim}") for t in terms):
             terms.append(f"tl.zeros({block}, tl.int32)")  # the same element in every lane
-        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms)
+        return " + ".join(([size(idx.offset)] if not same(idx.offset, 0) else []) + terms)
 
     loads, body, stores = pointwise_lines(kernel, index, block)
     names = [p.name for p in kernel.params]
-    along = {d: [a.param for a in [*kernel.loads, *kernel.stores] if a.index.strides[d] == 1]
+    along = {d: [a.param for a in [*kernel.loads, *kernel.stores] if same(a.index.strides[d], 1)]
              for d in (ydim, xdim)}
     why = "; ".join(f"dim {d}: {', '.join(dict.fromkeys(along[d]))}" for d in (ydim, xdim))
+    sized = size_arguments(kernel, [("y_tiles", y_tiles, False), ("x_tiles", x_tiles, False)]
+                           if size_params(kernel) else [])
+    if sized["sizes"]:  # the tile counts are computed first thing in the kernel (size_lines)
+        y_tiles, x_tiles = "y_tiles", "x_tiles"
     return render_template(
         "triton_pointwise_tiled.py.j2",
         name=kernel.name, summary=ops_summary(kernel), source_shape=kernel.source_shape,
-        loop_shape=shape, numel=kernel.numel, ydim=ydim, xdim=xdim, ysize=ysize, xsize=xsize,
-        yblock=yblock, xblock=xblock, y_tiles=y_tiles, x_tiles=x_tiles,
-        programs=y_tiles * x_tiles * math.prod(shape[d] for d in others),
+        loop_shape=shape, numel=kernel.numel, ydim=ydim, xdim=xdim, ysize=size(ysize),
+        xsize=size(xsize), yblock=yblock, xblock=xblock, y_tiles=y_tiles, x_tiles=x_tiles,
+        xy_tiles=f"({x_tiles} * {y_tiles})" if sized["sizes"] else x_tiles * y_tiles,
+        programs=py_expr(programs),
         pid="tl.program_id(axis=0).to(tl.int64)" if big else "tl.program_id(axis=0)",
         rest=rest, why=why, num_warps=4, helpers=sorted(helpers_in(loads + body + stores)),
         params=[f"{n}_ptr" for n in names], args=names, loads=loads, body=body, stores=stores,
-        pdl=pdl_on(arch))
+        pdl=pdl_on(arch), **sized)
 
 
 def _reach(access) -> int:
@@ -333,4 +349,5 @@ def _bytecode(path: Path):
 
 def load(kernel: PointwiseKernel, source: str):
     """Write the module into the cache (if not already there, intact) and import its launcher."""
-    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params),
+                    len(size_params(kernel)))

@@ -15,9 +15,11 @@ import torch
 from fusec import ops
 from fusec.ir import Index, OnlineSoftmax, OnlineVariance, Reduce
 from fusec.runtime.fast_start.pdl import pdl
+from fusec.symbolic import hint, is_symbolic, py_expr
 
 from ..render import render_template
-from .text import TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset, literal
+from .text import (TL, helpers_in, max_address, render_stmt, ops_summary, convert, gather_offset,
+                   literal, size, same, needs_int64, size_arguments)
 
 
 # ---- reductions ------------------------------------------------------------------------------
@@ -42,23 +44,32 @@ COLUMN_RBLOCK = 64
 def is_column_reduction(kernel) -> bool:
     """True when every load that varies along k is contiguous across rows and strided along k."""
     n_rows = len(kernel.row_shape)
-    varying = [l.index.strides for l in kernel.loads if any(l.index.strides[n_rows:])]
+    # (strides compared as expressions, without a guard: both forms are right for every size)
+    varying = [l.index.strides for l in kernel.loads
+               if any(not same(st, 0) for st in l.index.strides[n_rows:])]
     return bool(varying) and n_rows > 0 and all(
-        st[n_rows - 1] == 1 and st[-1] not in (0, 1) for st in varying)
+        same(st[n_rows - 1], 1) and not same(st[-1], 0) and not same(st[-1], 1) for st in varying)
 
 
-def reduction_blocks(rows: int, k: int, column: bool = False) -> tuple[bool, int, int, int]:
+def reduction_blocks(rows: int, k: int, column: bool = False,
+                     k_fixed: bool = True) -> tuple[bool, int, int, int]:
     """(persistent, XBLOCK, RBLOCK, num_warps): a whole short row per program when it fits,
     several rows per program when rows are short, 2048-wide chunks for long rows; a warp per
     1024 elements of the tile (32 per thread: on an H200, 4 warps ran a 4096-wide softmax 2-4%
     faster than 8 or 16, and a 4096-wide layer norm 1% faster). L2 eviction hints (evict_first
     for rows read once, evict_last for a weight every row reads) made that layer norm 1.5%
-    slower there, so there are none."""
-    persistent = k <= PERSISTENT_MAX_K
+    slower there, so there are none.
+
+    `rows` and `k` are the traced sizes where they are symbols (fusec/symbolic.py, `hint`);
+    `k_fixed` is False when k is a symbol. A row in registers holds at most RBLOCK elements, right only
+    for k up to RBLOCK, so such a k loops over the row (in chunks of its traced size's power of
+    two, at most 2048): every k takes the same kernel, and no guard narrows the shape family."""
+    persistent = k_fixed and k <= PERSISTENT_MAX_K
     if column and rows >= COLUMN_XBLOCK and k > COLUMN_RBLOCK:
         # see the note on column reductions above
         return False, COLUMN_XBLOCK, COLUMN_RBLOCK, 4
-    rblock = max(1 << max(k - 1, 0).bit_length(), 2) if persistent else LOOP_RBLOCK
+    rblock = max(1 << max(k - 1, 0).bit_length(), 2)
+    rblock = rblock if persistent else min(rblock, LOOP_RBLOCK)
     xblock = max(1, min(4096 // rblock, 1 << max(rows - 1, 0).bit_length()))
     num_warps = max(1, min(16, (xblock * rblock) // 1024))
     return persistent, xblock, rblock, num_warps
@@ -70,8 +81,8 @@ def render_reduction(kernel, arch: int | None = None, notes: list[str] = ()) -> 
     `notes`: what the kernel families declined and why (codegen/families.py), for the header.
     The steps: the block sizes, each value's line, the stores, the loops over the row, the
     header's note, and the template that puts them together."""
-    persistent, xblock, rblock, num_warps = reduction_blocks(kernel.rows, kernel.k,
-                                                             is_column_reduction(kernel))
+    persistent, xblock, rblock, num_warps = reduction_blocks(
+        hint(kernel.rows), hint(kernel.k), is_column_reduction(kernel), not is_symbolic(kernel.k))
     spell = _Lines(kernel)
     stores_elem, stores_row = _store_lines(spell)
     row_lines = _coords("r", "rows", kernel.row_shape)
@@ -85,16 +96,18 @@ def render_reduction(kernel, arch: int | None = None, notes: list[str] = ()) -> 
     note = _passes_note(loops, passes, notes)
     helpers = helpers_in(row_lines + [l for sec in loops for part in ("before", "body", "after")
                                        for l in sec[part]])
-    big = max([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
-                                for a in [*kernel.loads, *kernel.stores]]) >= 2 ** 31 - 1
+    big = needs_int64([kernel.numel] + [max_address(a.index, kernel.row_shape + kernel.k_shape)
+                                        for a in [*kernel.loads, *kernel.stores]])
     return render_template(
         "triton_reduction.py.j2", name=kernel.name, summary=ops_summary(kernel),
         source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-        k=kernel.k, xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
+        k=kernel.k, rows_text=py_expr(kernel.rows),
+        xblock=xblock, rblock=rblock, num_warps=num_warps, persistent=persistent,
         helpers=sorted(helpers), params=[f"{p.name}_ptr" for p in kernel.params],
         args=[p.name for p in kernel.params], passes=note,
         row_start="pid.to(tl.int64) * XBLOCK" if big else "pid * XBLOCK",
-        row_lines=row_lines, sections=loops, pdl=pdl(arch))
+        row_lines=row_lines, sections=loops, pdl=pdl(arch),
+        **size_arguments(kernel, [("n_rows", kernel.rows, False), ("n_k", kernel.k, True)]))
 
 
 def _coords(prefix: str, var: str, shape) -> list[str]:
@@ -102,8 +115,8 @@ def _coords(prefix: str, var: str, shape) -> list[str]:
     out = []
     for d in range(len(shape)):
         below = math.prod(shape[d + 1:])
-        expr = var if below == 1 else f"({var} // {below})"
-        out.append(f"{prefix}{d} = {expr}" + ("" if d == 0 else f" % {shape[d]}"))
+        expr = var if same(below, 1) else f"({var} // {size(below)})"
+        out.append(f"{prefix}{d} = {expr}" + ("" if d == 0 else f" % {size(shape[d])}"))
     return out
 
 
@@ -131,12 +144,13 @@ class _Lines:
     def index(self, idx: Index) -> tuple[str, str]:
         """(address expression, mask) for an index over (row dims..., k dims...)."""
         n_rows = self.n_rows
-        terms = [f"r{d}" if s == 1 else f"r{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
-        kterms = [f"k{d}" if s == 1 else f"k{d} * {s}"
-                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        terms = [f"r{d}" if same(s, 1) else f"r{d} * {size(s)}"
+                 for d, s in enumerate(idx.strides[:n_rows]) if not same(s, 0)]
+        kterms = [f"k{d}" if same(s, 1) else f"k{d} * {size(s)}"
+                  for d, s in enumerate(idx.strides[n_rows:]) if not same(s, 0)]
         mask = "mask" if terms and kterms else ("k_mask" if kterms else "row_mask")
         terms = terms + kterms or ["tl.zeros_like(rows)"]
-        return " + ".join(([str(idx.offset)] if idx.offset else []) + terms), mask
+        return " + ".join(([size(idx.offset)] if not same(idx.offset, 0) else []) + terms), mask
 
     def line(self, name: str) -> str:
         """The line that computes value `name` (a load or a statement)."""

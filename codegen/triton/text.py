@@ -5,6 +5,7 @@ triton/reduction.py, and those of the kernel families: codegen/families.py) writ
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -13,6 +14,7 @@ import torch
 
 from fusec import ops
 from fusec.ir import Const, Index, PointwiseKernel, Stmt
+from fusec.symbolic import hashable, hint, is_symbolic, py_expr, shape_env_of, size_params
 
 
 def current_arch() -> int | None:
@@ -112,6 +114,124 @@ def helpers_in(lines: list[str]) -> set[str]:
     return {name for line in lines for name in re.findall(r"\bfusec_\w+", line)}
 
 
+# ---- sizes that may be symbols (Note: sizes as symbols in kernels, fusec/symbolic.py) --------------
+#
+# Note: Triton kernels for a shape family. A size that is a symbol (`s26`) is an argument of the
+# kernel, after its pointers, and every size the kernel text needs is spelled from the symbols
+# (`offsets // s26`, `i0 * (64*s26)`). Block sizes and warps are constexprs, so they come from the
+# sizes the program was traced with (`hint`): any block is right for every size, since masks
+# switch off the lanes past the end. The renderers choose the simpler of two forms that are both
+# right (no mask term, `offsets` for a contiguous index) by comparing expressions as text
+# (`same`), which adds no guard: a size that merely happens to equal another gets the general
+# form. Only a choice that decides what the code computes compares the SymInt itself (a guard):
+# 32-bit positions (`needs_int64`). The module's `launch` computes its grid per call from the
+# sizes, and the kernel takes nothing else that depends on them (its element and row counts are
+# computed inside it), so Triton's specialization of the size arguments (== 1, a multiple of 16)
+# is all that one compiled kernel assumes (fusec/runtime/fast_start/triton_launch.py).
+
+def size(x) -> str:
+    """A size (int or SymInt) as kernel text: an int as itself, a symbol by its name, anything
+    more in parentheses (`(64*s26)`), so that it can stand in any expression."""
+    text = py_expr(x)
+    if not is_symbolic(x) or x.node.expr.is_Symbol:
+        return text
+    return f"({text})"
+
+
+def same(a, b) -> bool:
+    """Whether two sizes are the same expression (`s26` and `s26`, 64 and 64), without a guard:
+    False for `s26` and 64 even when the traced s26 was 64."""
+    return hashable(a) == hashable(b)
+
+
+def cdiv(n, block: int, ceil: str = "triton.cdiv") -> str:
+    """ceil(n / block) as text: a number when n is one, else `ceil(n, block)`."""
+    if not is_symbolic(n):
+        return str(-(-hint(n) // block))
+    return f"{ceil}({py_expr(n)}, {block})"
+
+
+def may_be_less(a, b) -> bool:
+    """a < b for two ints; for sizes that are symbols, whether they differ as expressions (no
+    guard): for a test that may be left out where it always holds, and is right either way."""
+    if is_symbolic(a) or is_symbolic(b):
+        return not same(a, b)
+    return a < b
+
+
+def needs_int64(values) -> bool:
+    """Whether any of `values` (element counts and offsets) may reach 2**31 - 1, so that positions
+    must be computed in 64 bits. This decides what the kernel computes, so a symbolic value is
+    compared as a SymInt: the guard (`64*s26 < 2147483647`) keeps the 32-bit kernel for the sizes
+    below, and a call past it compiles again."""
+    return any(v >= 2 ** 31 - 1 for v in values)
+
+
+def flat_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape` (ir.contiguous_strides without comparing
+    sizes: a symbol is never 0)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step = step * (n if is_symbolic(n) or n > 0 else 1)
+    return tuple(reversed(strides))
+
+
+def is_flat(index: Index, shape) -> bool:
+    """Index.is_flat, compared as expressions (no guard)."""
+    return same(index.offset, 0) and same(index.strides, flat_strides(shape))
+
+
+def size_arguments(kernel, counts: list[tuple[str, object, bool]]) -> dict:
+    """The template's words for the kernel's integer arguments. `counts`: (name, value, whether
+    it is a tl.constexpr) for the counts the kernel reads (`n_elements`, `n_rows`, `n_k`). Without
+    symbols the kernel takes them as arguments, as always. With symbols it takes the sizes
+    (`size_params`) instead and computes each count that depends on them (`n_rows = 3*s26`)
+    first thing: then its integer arguments are the sizes alone, and Triton's specialization of
+    them is all a compiled kernel assumes (Note: Triton kernels for a shape family)."""
+    sizes = size_params(kernel)
+    if not sizes:
+        return dict(sizes=[], size_lines=[], ahead_params="*dtypes",
+                    count_params=[n + (": tl.constexpr" if cx else "") for n, v, cx in counts],
+                    count_args=[py_expr(v) for n, v, cx in counts])
+    fixed = [(n, v) for n, v, cx in counts if cx and not is_symbolic(v)]  # constexprs still
+    # compile_ahead's sizes: each of the kind Triton specializes the traced size as (a multiple
+    # of 16 or not), so that compiling ahead makes the kernel the first launch most likely needs
+    traced = traced_sizes(kernel)
+    kinds = [f"{s}={16 if traced.get(s, 1) % 16 == 0 else 17}" for s in sizes]
+    return dict(sizes=sizes,
+                size_lines=[f"{n} = {py_expr(v)}" for n, v, cx in counts if (n, v) not in fixed],
+                count_params=sizes + [f"{n}: tl.constexpr" for n, v in fixed],
+                count_args=sizes + [py_expr(v) for n, v in fixed],
+                ahead_params="*dtypes, " + ", ".join(kinds))
+
+
+def traced_sizes(kernel) -> dict[str, int]:
+    """{symbol name: the size it was traced with} for the symbols of `kernel` (no guard)."""
+    env = shape_env_of(_first_symint(kernel))
+    if env is None:
+        return {}
+    values = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.12)
+    return {str(s): int(v) for s, v in values.items()}
+
+
+def _first_symint(obj):
+    """The first SymInt inside `obj` (the kernel IR's dataclasses, tuples and lists), or None."""
+    if isinstance(obj, torch.SymInt):
+        return obj if is_symbolic(obj) else None
+    if isinstance(obj, (tuple, list)):
+        items = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return None
+    for item in items:
+        found = _first_symint(item)
+        if found is not None:
+            return found
+    return None
+
+
 def max_address(index: Index, shape: tuple[int, ...]) -> int:
     """The largest element offset an index reaches: decides between 32- and 64-bit arithmetic."""
     return abs(index.offset) + sum((size - 1) * abs(st) for size, st in zip(shape, index.strides))
@@ -130,7 +250,8 @@ def piece_mask(load, shape, axes=None) -> str | None:
         return None
     dim, lo, hi = load.valid
     at = axes[dim] if axes else f"i{dim}"
-    tests = ([f"({at} >= {lo})"] if lo > 0 else []) + ([f"({at} < {hi})"] if hi < shape[dim] else [])
+    tests = ([f"({at} >= {size(lo)})"] if may_be_less(0, lo) else []) + \
+        ([f"({at} < {size(hi)})"] if may_be_less(hi, shape[dim]) else [])
     return " & ".join(tests) or f"({at} >= 0)"  # (a piece that covers the whole dim)
 
 
@@ -139,9 +260,9 @@ def gather_offset(load, position: str | None = None) -> str:
     index value `position` (default: the load's position var), counted from the end where
     negative, kept inside the source (passes/check_gathers.py reports a value out of range),
     times the row's stride, in 64 bits where the source is that large."""
-    pos, stride, size = load.gather
+    pos, stride, n = load.gather
     pos = position or pos
-    row = f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size}, {pos}), 0), {size - 1})"
-    if stride * size >= 2 ** 31:
+    row = f"tl.minimum(tl.maximum(tl.where({pos} < 0, {pos} + {size(n)}, {pos}), 0), {size(n - 1)})"
+    if stride * n >= 2 ** 31:  # (a guard where it is a symbol: it decides what is computed)
         row += ".to(tl.int64)"
-    return row if stride == 1 else f"{row} * {stride}"
+    return row if same(stride, 1) else f"{row} * {size(stride)}"

@@ -18,6 +18,16 @@ strides can start anywhere in its storage. So TritonLauncher
    specialized for aligned loads, so that call goes through the JIT again (it compiles or finds
    the unaligned version).
 
+Sizes. A kernel compiled for a shape family (fusec/symbolic.py) takes its sizes after the
+tensors, `launcher(x, out, s0)`, and its module computes the grid from them per call, so `bind`
+gives a function of the sizes too. Triton specializes each integer argument as well: a 1 is
+compiled in as a constant, a multiple of 16 lets it assume the divisibility, a value past 32 bits
+is an int64. A compiled kernel is right only for sizes of the kinds it was compiled for (the
+module passes the kernel nothing else that depends on the sizes: codegen/triton/text.py, Note:
+Triton kernels for a shape family), so the launcher keeps one bound kernel per kind of the sizes
+(`size_kinds`), each bound after the JIT's launch for the first call of its kind, and each with
+the pointer alignment of that call.
+
 Under TRITON_INTERPRET=1 there is no compiled kernel (launch returns None) and every call takes
 the JIT path, which is how the tests on a CPU run.
 
@@ -37,6 +47,16 @@ from pathlib import Path
 ALIGNMENT = 16  # bytes: what Triton specializes pointer arguments on
 
 
+def size_kinds(sizes) -> tuple:
+    """What Triton specializes an integer argument on, for each size: 1 (a constant), or whether
+    it is a multiple of 16 and whether it fits 32 bits."""
+    return tuple(1 if v == 1 else (v % 16 == 0, v < 2 ** 31) for v in sizes)
+
+
+def _aligned(tensors) -> tuple[bool, ...]:
+    return tuple(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+
+
 class TritonLauncher:
     def __init__(self, module, path: Path, name: str, n_params: int, n_sizes: int = 0):
         self.module = module
@@ -44,6 +64,8 @@ class TritonLauncher:
         self.n_sizes = n_sizes  # size arguments (ints) after the tensors (fusec/symbolic.py)
         self.fast = None
         self.aligned: tuple[bool, ...] = ()
+        # with sizes: {size_kinds: (bound kernel, alignment)}, once a compiled kernel is bound
+        self.bound: dict[tuple, tuple] = {}
         # the CPU work of one call, in launches: more than one where the module launches several
         # kernels or allocates (fusec/runtime/cuda_graphs.py, graph_blocker)
         self.cpu_launches = getattr(module, "CPU_LAUNCHES", 1)
@@ -52,9 +74,12 @@ class TritonLauncher:
         self.fallback = None
         self.launched = False
 
-    def __call__(self, *tensors) -> None:
+    def __call__(self, *tensors) -> None:  # (the tensors, then the sizes, if any)
         fast = self.fast
         if fast is not None:
+            if self.bound:  # a kernel that takes sizes (see "Sizes" above)
+                self._sized(tensors)
+                return
             for t, was in zip(tensors, self.aligned):
                 if was and t.data_ptr() % ALIGNMENT:
                     break  # specialized for an aligned pointer: let the JIT pick the right kernel
@@ -74,7 +99,28 @@ class TritonLauncher:
             return
         self.launched = True
         # (a module that launches two kernels returns both, and binds both)
-        if compiled is not None and hasattr(self.module, "bind") and all(
-                hasattr(c, "run") for c in (compiled if isinstance(compiled, tuple) else [compiled])):
-            self.aligned = tuple(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
+        if self._bindable(compiled):
+            self.aligned = _aligned(tensors[:len(tensors) - self.n_sizes])
             self.fast = self.module.bind(compiled)
+            if self.n_sizes:
+                self.bound[size_kinds(tensors[-self.n_sizes:])] = (self.fast, self.aligned)
+
+    def _bindable(self, compiled) -> bool:
+        return compiled is not None and hasattr(self.module, "bind") and all(
+            hasattr(c, "run") for c in (compiled if isinstance(compiled, tuple) else [compiled]))
+
+    def _sized(self, args) -> None:
+        """A call of a kernel that takes sizes: the bound kernel of its sizes' kinds, unless a
+        pointer it was specialized on as aligned is not now; else the JIT, and a first call of
+        new kinds binds the kernel the JIT compiled for them."""
+        kinds = size_kinds(args[-self.n_sizes:])
+        fast, aligned = self.bound.get(kinds, (None, ()))
+        if fast is not None:
+            if not any(was and t.data_ptr() % ALIGNMENT for t, was in zip(args, aligned)):
+                fast(*args)
+                return
+            self.module.launch(*args)
+            return
+        compiled = self.module.launch(*args)
+        if self._bindable(compiled):
+            self.bound[kinds] = (self.module.bind(compiled), _aligned(args[:-self.n_sizes]))
