@@ -6,6 +6,7 @@ triton/reduction.py, and those of the kernel families: codegen/families.py) writ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -56,7 +57,12 @@ def block_size(numel: int, itemsizes: tuple[int, ...] = ()) -> tuple[int, int]:
 
 
 def literal(value, dtype: torch.dtype) -> str:
-    """A constant of exactly `dtype` (bare literals would be typed int32/float32 by Triton)."""
+    """A constant of exactly `dtype` (bare literals would be typed int32/float32 by Triton). A
+    size in a shape family's program (`x / x.shape[-1]`: passes/inline_sizes.py) is an expression
+    of the kernel's size arguments, converted to `dtype` where the kernel runs."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
+            value.node.expr.free_symbols:
+        return f"tl.full([1], {_printer().doprint(value.node.expr)}, {TL[dtype]})"
     if dtype == torch.bool:
         return f"tl.full([1], {1 if value else 0}, tl.int1)"
     if dtype.is_floating_point:
@@ -65,6 +71,20 @@ def literal(value, dtype: torch.dtype) -> str:
         return text if dtype == torch.float32 else f"tl.full([1], {text}, {TL[dtype]})"
     value = torch.tensor(value).to(dtype).item()
     return f"tl.full([1], {value}, {TL[dtype]})"
+
+
+@functools.cache
+def _printer():
+    """Python's spelling of a size expression (torch's PythonPrinter), except that an int made
+    float is the int itself: Triton's arithmetic makes it a float where it meets one (`1.0 / s26`),
+    and `literal` converts the result to its dtype. (Made when first needed: it imports sympy.)"""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    class TritonPrinter(PythonPrinter):
+        def _print_ToFloat(self, expr):
+            return f"({self._print(expr.args[0])})"
+
+    return TritonPrinter()
 
 
 SMALL_INTS = (torch.int8, torch.uint8, torch.int16)  # exact in float32 through the bit trick
