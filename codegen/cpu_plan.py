@@ -16,7 +16,7 @@ import os
 import platform
 
 from fusec.ir import PointwiseKernel, contiguous_strides
-from fusec.symbolic import hint
+from fusec.symbolic import c_expr, hint, is_symbolic
 
 
 PARALLEL_THRESHOLD = 1 << 15  # below this many elements, threads cost more than they save
@@ -62,16 +62,53 @@ def work_bytes(kernel) -> int:
     return loaded + stored + COSTLY_OP * costly * positions
 
 
+def _amount(work: int) -> str:
+    return f"{work / 1024:.0f} KiB" if work < 1 << 20 else f"{work / (1 << 20):.1f} MiB"
+
+
 def thread_choice(kernel) -> tuple[bool, str]:
-    """(run on several threads?, why) for one CPU kernel (Note: threads for small kernels)."""
-    if getattr(kernel, "row_shape", None) is not None and kernel.rows <= 1:
+    """(run on several threads?, why) for one CPU kernel (Note: threads for small kernels). For a
+    kernel whose work depends on sizes that are arguments, the answer at the traced size and a
+    reason that says the kernel chooses per call (`work_per_call`)."""
+    if getattr(kernel, "row_shape", None) is not None and not is_symbolic(kernel.rows) \
+            and kernel.rows <= 1:
         return False, "threads: 1 (one row)"  # a reduction's threads split its rows
     work = hint(work_bytes(kernel))  # a heuristic: the traced size decides, unguarded
-    size = f"{work / 1024:.0f} KiB" if work < 1 << 20 else f"{work / (1 << 20):.1f} MiB"
+    if work_per_call(kernel) is not None:
+        return work >= PARALLEL_WORK, (f"threads: chosen per call (all from {_amount(PARALLEL_WORK)}"
+                                       f" of work; {_amount(work)} at the traced size)")
     if work < PARALLEL_WORK:
-        return False, f"threads: 1 ({size} of work)"
-    return True, f"threads: all ({size} of work)"
+        return False, f"threads: 1 ({_amount(work)} of work)"
+    return True, f"threads: all ({_amount(work)} of work)"
+
+
+def work_per_call(kernel):
+    """The kernel's work in bytes as a SymInt when it depends on sizes that are arguments (then
+    the kernel decides on threads at each call, comparing it with PARALLEL_WORK), else None."""
+    if getattr(kernel, "row_shape", None) is not None and not is_symbolic(kernel.rows) \
+            and kernel.rows <= 1:
+        return None  # one row: one thread at every size
+    work = work_bytes(kernel)
+    return work if is_symbolic(work) else None
+
+
+def thread_condition(kernel) -> str:
+    """The C/C++ condition under which the kernel runs on several threads: `true` or `false` when
+    its sizes are numbers (thread_choice), else a comparison of its work at this call's sizes with
+    PARALLEL_WORK (Note: threads for small kernels), in terms of its size arguments."""
+    work = work_per_call(kernel)
+    if work is None:
+        return str(thread_choice(kernel)[0]).lower()
+    return f"{c_expr(work)} >= {PARALLEL_WORK}"
+
+
 TILE_STRIDE = 16  # an inner stride of this many elements or more puts each step on a new line
+
+
+def at_most(most: int, n) -> int:
+    """min(most, n) for a size n that is a number; `most` for one that is a size argument (a
+    tile longer than a call's rows is cut at their end, so every size is right)."""
+    return most if is_symbolic(n) else min(most, n)
 
 
 # Note (short rows): a loop over one row of a (rows, inner) space vectorizes only when the row
@@ -89,8 +126,13 @@ def short_rows(kernel: PointwiseKernel) -> int:
     """Rows per flat run when the kernel's rows are short and every buffer is flat or a
     broadcast row (see Note: short rows); 0 when the row-by-row loop is the plan."""
     shape = kernel.shape
-    if len(shape) < 2 or not 1 <= shape[-1] < SHORT_ROW or math.prod(shape[:-1]) < 2:
+    if len(shape) < 2 or is_symbolic(shape[-1]):
+        # a row whose length is an argument is never short here: the repeated rows are arrays
+        # of TILE_ROWS x INNER values, a length known when compiling (Note: sizes as arguments
+        # in C++, codegen/cpp/text.py), and a guard on it would serve only short rows
         return 0
+    if not 1 <= shape[-1] < SHORT_ROW or hint(math.prod(shape[:-1])) < 2:
+        return 0  # (one row is looped as well either way: the traced rows decide, unguarded)
     flat = contiguous_strides(shape)
     for load in kernel.loads:
         if load.valid is not None or load.gather is not None \
@@ -98,7 +140,9 @@ def short_rows(kernel: PointwiseKernel) -> int:
             return 0
     if any(store.index.strides != flat for store in kernel.stores):
         return 0
-    return max(1, min(math.prod(shape[:-1]), SHORT_TILE // shape[-1]))
+    # (rows that are an argument: runs of SHORT_TILE positions, the last one cut at the end of
+    # the space, so every number of rows is right)
+    return max(1, at_most(SHORT_TILE // shape[-1], math.prod(shape[:-1])))
 
 
 def summary(kernel: PointwiseKernel) -> str:
@@ -117,7 +161,11 @@ SUM_BLOCK_MIN = 256
 
 def sum_block(k: int) -> int:
     """Block length for a float sum over k values (0: no blocking): about sqrt(k), so the
-    values summed in a row, per block and across blocks, both stay near sqrt(k)."""
+    values summed in a row, per block and across blocks, both stay near sqrt(k). A k that is a
+    size argument is blocked at every size (a later call may sum a million values): blocks as
+    long as the traced k asks for, and at least SUM_BLOCK_MIN."""
+    if is_symbolic(k):
+        return sum_block(max(hint(k), SUM_BLOCK_MIN + 1))
     if k <= SUM_BLOCK_MIN:
         return 0
     return max(SUM_BLOCK_MIN, 1 << math.isqrt(k - 1).bit_length())
@@ -147,6 +195,8 @@ def cpp_sum_block(k: int, narrowest: int = 4) -> int:
     """The C++ kernels' block for a float sum over k values, in a loop whose narrowest load is
     `narrowest` bytes wide (see the note above; 0: none)."""
     least = CPP_SUM_BLOCK_MIN * max(1, 4 // narrowest)
+    if is_symbolic(k):  # blocked at every size, as sum_block does
+        return max(sum_block(k), least)
     return 0 if k <= least else max(sum_block(k), least)
 
 
@@ -166,7 +216,9 @@ def column_blocks(kernel) -> int:
     from a row to the next) and some read of a row's values moves along k too, so that the
     values of one row lie at least a row of rows apart: the loops are best turned inside out
     (Note: rows side by side). Else 0."""
-    if not kernel.row_shape or kernel.row_shape[-1] < MIN_LAST or not kernel.k:
+    # (a heuristic: a last row dim that is an argument is judged at its traced size; the
+    # blocks' last one is cut at the end of the row, so every size is right)
+    if not kernel.row_shape or hint(kernel.row_shape[-1]) < MIN_LAST or not kernel.k:
         return 0
     n_rows = len(kernel.row_shape)
     accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
@@ -180,7 +232,7 @@ def column_blocks(kernel) -> int:
 
 def column_sum_block(kernel) -> int:
     """Block length of a long float sum in this layout (Note: rows side by side)."""
-    return COLUMN_SUM_BLOCK if kernel.k > COLUMN_SUM_BLOCK else 0
+    return COLUMN_SUM_BLOCK if is_symbolic(kernel.k) or kernel.k > COLUMN_SUM_BLOCK else 0
 
 
 # Note (eager's vector math): for float32, eager's CPU kernels compute exp, expm1, log, log2 and

@@ -2,8 +2,10 @@
 
 The kernel is one `extern "C"` function taking a pointer per buffer. Sizes, strides and offsets
 are compile-time constants (fusec compiles one schedule per input signature), which lets gcc
-unroll and vectorize freely. Half-precision values are converted to float on load and rounded
-back on store; integer arithmetic wraps as PyTorch's does (`-fwrapv`).
+unroll and vectorize freely; a shape family's kernel takes its symbolic sizes as `int64_t`
+arguments after the pointers (cpp/text.py, Note: sizes as arguments in C++). Half-precision
+values are converted to float on load and rounded back on store; integer arithmetic wraps as
+PyTorch's does (`-fwrapv`).
 
 Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++):
 
@@ -37,8 +39,11 @@ from .. import elf, families, tools
 from . import half_blocks
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
-                       prelude)
-from ..cpu_plan import CHUNK, TILE_STRIDE, heading, short_rows, sleef_symbols_in, thread_choice
+                       prelude, kernel_sizes, params, plus, size, size_kw, sizes_line, times,
+                       with_size_helpers)
+from ..cpu_plan import (CHUNK, TILE_STRIDE, at_most, heading, short_rows, sleef_symbols_in,
+                        thread_condition)
+from fusec.symbolic import hint, is_symbolic
 from ..render import no_indexed_writes, render_template
 
 # -fno-math-errno: fusec never reads errno, and a math call that may set it is a store gcc cannot
@@ -163,35 +168,43 @@ def available() -> bool:
 def render(kernel) -> str:
     """The kernel's C++ source: a kernel family's, if one takes it (codegen/families.py), else a
     reduction (cpp/reduction.py) or a pointwise loop."""
-    special, notes = families.special(kernel, "cpp")
+    # (kernel families spell sizes as numbers: a shape family's kernel takes the general path)
+    special, notes = (None, []) if kernel_sizes(kernel) else families.special(kernel, "cpp")
     if special is not None:
         return special
     if not isinstance(kernel, PointwiseKernel):
-        return render_reduction(kernel, notes)
+        return with_size_helpers(render_reduction(kernel, notes))
     no_indexed_writes(kernel, "C++")
     tile_rows = short_rows(kernel)
-    if tile_rows:
-        return render_short_rows(kernel, tile_rows)
+    text = render_short_rows(kernel, tile_rows) if tile_rows else render_pointwise(kernel)
+    return with_size_helpers(text)
+
+
+def render_pointwise(kernel: PointwiseKernel) -> str:
+    """The row-by-row loop: (row block, chunk) tiles across threads, a simd loop over a chunk.
+    How it is cut (CHUNK, ROW_TILE) changes only the speed: with sizes that are arguments, the
+    traced sizes decide (Note: sizes as arguments in C++, cpp/text.py)."""
     shape = kernel.shape
     rows = math.prod(shape[:-1])
     inner = shape[-1]
-    chunk = inner if rows >= 64 or inner <= CHUNK else CHUNK
+    # (CHUNK stays a number where the row's length is an argument: tiles copy CHUNK values)
+    chunk = CHUNK if is_symbolic(inner) else inner if hint(rows) >= 64 or inner <= CHUNK else CHUNK
     outer_dims = len(shape) - 1
-    strided = sorted({l.param for l in kernel.loads if abs(l.index.strides[-1]) >= TILE_STRIDE
+    strided = sorted({l.param for l in kernel.loads if abs(hint(l.index.strides[-1])) >= TILE_STRIDE
                       and l.gather is None})
     row_tile = 1
     pieces = any(l.valid for l in kernel.loads)  # a cat's loads are conditional: no tiles
-    if strided and rows >= 2 and inner >= 2 and not pieces:
-        row_tile, chunk = min(ROW_TILE, rows), min(TILE_CHUNK, inner)
+    if strided and hint(rows) >= 2 and hint(inner) >= 2 and not pieces:
+        row_tile, chunk = at_most(ROW_TILE, rows), at_most(TILE_CHUNK, inner)
 
     row_setup = _row_coords(shape)
 
     def index(idx: Index, label: str) -> str:
-        base = [str(idx.offset)] if idx.offset else []
-        base += [f"c{d} * {s}" for d, s in enumerate(idx.strides[:-1]) if s]
+        base = [size(idx.offset)] if idx.offset else []
+        base += [f"c{d} * {size(s)}" for d, s in enumerate(idx.strides[:-1]) if s]
         if base:
             row_setup.append(f"const int64_t {label}_base = {' + '.join(base)};")
-        inner_term = {0: "", 1: "i"}.get(idx.strides[-1], f"i * {idx.strides[-1]}")
+        inner_term = times("i", idx.strides[-1])
         terms = ([f"{label}_base"] if base else []) + ([inner_term] if inner_term else [])
         return " + ".join(terms) or "0"
 
@@ -214,8 +227,8 @@ def render(kernel) -> str:
         if load.valid is not None:  # a piece of a cat: read only inside its range (ir.Load)
             dim, lo, hi = load.valid
             at = f"c{dim}" if dim < outer_dims else "i"
-            inside = " && ".join(([f"{at} >= {lo}"] if lo > 0 else [])
-                                 + ([f"{at} < {hi}"] if hi < shape[dim] else [])) or "true"
+            inside = " && ".join(([f"{at} >= {size(lo)}"] if lo > 0 else [])
+                                 + ([f"{at} < {size(hi)}"] if hi < shape[dim] else [])) or "true"
             other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
             value = f"({inside}) ? {value} : {other}"
         reads.append((load, ptr, value))
@@ -229,15 +242,14 @@ def render(kernel) -> str:
     blocks = half_blocks.block_loop(kernel, reads, writes) \
         if half_blocks.applies(kernel, row_tile, host_has_f16c()) else []
 
-    params = _params(kernel)
     return render_template(
         "cpp_pointwise.cpp.j2",
-        name=kernel.name, summary=heading(kernel),
-        source_shape=kernel.source_shape, numel=kernel.numel, rows=rows, inner=inner,
-        chunk=max(chunk, 1), parallel=str(thread_choice(kernel)[0]).lower(), row_tile=row_tile,
+        name=kernel.name, summary=heading(kernel), sizes=sizes_line(kernel), const=size_kw(kernel),
+        source_shape=kernel.source_shape, numel=kernel.numel, rows=size(rows), inner=size(inner),
+        chunk=max(chunk, 1), parallel=thread_condition(kernel), row_tile=row_tile,
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
-        params=params, row_setup=row_setup, gathers=gathers, body=body, blocks=blocks)
+        params=params(kernel), row_setup=row_setup, gathers=gathers, body=body, blocks=blocks)
 
 
 def _row_coords(shape: tuple[int, ...]) -> list[str]:
@@ -247,7 +259,7 @@ def _row_coords(shape: tuple[int, ...]) -> list[str]:
     outer_dims = len(shape) - 1
     rem = "row"
     for d in range(outer_dims):
-        below = math.prod(shape[d + 1:-1])
+        below = size(math.prod(shape[d + 1:-1]))
         row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
                          else f"const int64_t c{d} = {rem};")
         if d < outer_dims - 1:
@@ -259,38 +271,33 @@ def _row_coords(shape: tuple[int, ...]) -> list[str]:
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:
     """Short rows looped as flat runs of `tile_rows` rows (Note: short rows, cpu_plan.py): a flat
     buffer is read at `base + f`, a broadcast row from its copy repeated over the run."""
-    inner = kernel.shape[-1]
+    inner = kernel.shape[-1]  # (a number: cpu_plan.short_rows declines a row length that is not)
     repeats, body = [], []
     for load in kernel.loads:
         offset, step = load.index.offset, load.index.strides[-1]
         if any(load.index.strides[:-1]):  # flat
-            ptr = f"{load.param}_ptr[{_plus(offset, 'base + f')}]"
+            ptr = f"{load.param}_ptr[{plus(offset, 'base + f')}]"
         else:  # the same row for every row: repeated once per thread, then read flat
             rep, ctype = f"{load.var.name}_rep", CTYPE[load.dtype]
-            at = _plus(offset, {0: "", 1: "f % INNER"}.get(step, f"(f % INNER) * {step}")) or "0"
+            unit = not is_symbolic(step) and step == 1
+            at = plus(offset, "f % INNER" if unit else times("(f % INNER)", step)) or "0"
             repeats += [f"{ctype} {rep}[TILE];",
                         f"for (int64_t f = 0; f < TILE; ++f) {rep}[f] = {load.param}_ptr[{at}];"]
             ptr = f"{rep}[f]"
         value = convert(load_value(ptr, load.dtype), ops.register_dtype(load.dtype), load.var.dtype)
         body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
     body += [render_stmt(s) for s in kernel.stmts]
-    body += [f"{store.param}_ptr[{_plus(store.index.offset, 'base + f')}] = "
+    body += [f"{store.param}_ptr[{plus(store.index.offset, 'base + f')}] = "
              f"{store_value(store.var, store.dtype)};" for store in kernel.stores]
-    params = _params(kernel)
     return render_template(
         "cpp_short_rows.cpp.j2", name=kernel.name, summary=heading(kernel),
-        source_shape=kernel.source_shape, numel=kernel.numel, rows=math.prod(kernel.shape[:-1]),
-        inner=inner, tile_rows=tile_rows, parallel=str(thread_choice(kernel)[0]).lower(),
-        params=params, repeats=repeats, body=body)
+        sizes=sizes_line(kernel), const=size_kw(kernel),
+        source_shape=kernel.source_shape, numel=kernel.numel,
+        rows=size(math.prod(kernel.shape[:-1])),
+        inner=inner, tile_rows=tile_rows, parallel=thread_condition(kernel),
+        params=params(kernel), repeats=repeats, body=body)
 
 
-def _params(kernel: PointwiseKernel) -> list[str]:
-    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
-            for p in kernel.params]
-
-
-def _plus(offset: int, term: str) -> str:
-    return " + ".join(t for t in (str(offset) if offset else "", term) if t)
 
 
 # ---- building and loading ----------------------------------------------------------------------
@@ -389,6 +396,4 @@ def launcher(lib: Path, name: str, n_params: int, n_sizes: int = 0) -> CppLaunch
 
 
 def load(kernel: PointwiseKernel, source: str) -> CppLauncher:
-    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
-
-
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params), len(kernel_sizes(kernel)))

@@ -20,11 +20,13 @@ import torch
 
 from fusec import ops
 from fusec.ir import Index, Reduce
+from fusec.symbolic import hint, is_symbolic
 
 from . import columns as cpp_columns
-from .text import CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal
+from .text import (CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal,
+                   params, size, size_kw, sizes_line, times)
 from ..cpu_plan import (TILE_STRIDE, column_blocks, column_sum_block, cpp_sum_block, heading,
-                       sum_block, thread_choice)
+                       sum_block, thread_condition)
 from ..render import render_template
 from ..unroll_rows import unrolled_or_same
 
@@ -38,7 +40,9 @@ def render_reduction(kernel, notes: list[str] = ()) -> str:
     last loop that recomputes and stores the element values (softmax's division, say). A matmul's
     few activation rows are first unrolled into one loop (unroll_rows.py). `notes`: what the
     kernel families declined and why (codegen/families.py), for the kernel's header."""
-    kernel, note = unrolled_or_same(kernel)
+    # (a number of activation rows that is an argument is not unrolled: one copy per row needs
+    # the number when compiling, and a guard on it would serve only a few batch sizes)
+    kernel, note = (kernel, "") if is_symbolic(kernel.row_shape[:1]) else unrolled_or_same(kernel)
     return assemble(kernel, reduction_lines(kernel), "\n".join(n for n in (note, *notes) if n))
 
 
@@ -60,23 +64,23 @@ class ReductionLines:
 
 def assemble(kernel, parts: ReductionLines, note: str) -> str:
     """The kernel's source: `parts` in the row-by-row template, or the inside-out one."""
+    common = dict(name=kernel.name, summary=heading(kernel), sizes=sizes_line(kernel),
+                  const=size_kw(kernel), source_shape=kernel.source_shape,
+                  reduce_dims=kernel.reduce_dims, rows=size(kernel.rows), k=size(kernel.k),
+                  parallel=thread_condition(kernel), params=params(kernel), unrolled=note)
     if parts.columns:
         arrays, sections, stores = cpp_columns.inside_out(kernel, parts.row_lines, parts.k_coords,
                                                           parts.sections, parts.row_stores,
                                                           parts.producers)
         return render_template(
-            "cpp_reduction_columns.cpp.j2", name=kernel.name, summary=heading(kernel),
-            source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-            k=kernel.k, parallel=str(thread_choice(kernel)[0]).lower(),
-            columns=parts.columns, last=kernel.row_shape[-1], params=params(kernel),
-            arrays=arrays, sections=sections, stores=stores, unrolled=note)
+            "cpp_reduction_columns.cpp.j2", **common,
+            columns=parts.columns, last=size(kernel.row_shape[-1]),
+            arrays=arrays, sections=sections, stores=stores)
     return render_template(
-        "cpp_reduction.cpp.j2", name=kernel.name, summary=heading(kernel),
-        source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims, rows=kernel.rows,
-        k=kernel.k, parallel=str(thread_choice(kernel)[0]).lower(), lanes=parts.lanes,
-        last=kernel.row_shape[-1] if kernel.row_shape else 1,
-        params=params(kernel), row_lines=parts.row_lines, sections=parts.sections,
-        row_stores=parts.row_stores + parts.scatters, unrolled=note)
+        "cpp_reduction.cpp.j2", **common, lanes=parts.lanes,
+        last=size(kernel.row_shape[-1]) if kernel.row_shape else 1,
+        row_lines=parts.row_lines, sections=parts.sections,
+        row_stores=parts.row_stores + parts.scatters)
 
 
 def reduction_lines(kernel, allow_columns: bool = True) -> ReductionLines:
@@ -125,17 +129,15 @@ class _Rows:
     def index(self, idx: Index, label: str) -> str:
         """An access's address inside the k loop; its row part becomes a `_base` row line."""
         kernel, n_rows = self.kernel, self.n_rows
-        base = ([str(idx.offset)] if idx.offset else []) + \
-            [f"c{d} * {s}" for d, s in enumerate(idx.strides[:n_rows]) if s]
+        base = ([size(idx.offset)] if idx.offset else []) + \
+            [f"c{d} * {size(s)}" for d, s in enumerate(idx.strides[:n_rows]) if s]
         if base:
             self.row_lines.append(f"const int64_t {label}_base = {' + '.join(base)};")
-        kterms = [f"q{d}" if s == 1 else f"q{d} * {s}"
-                  for d, s in enumerate(idx.strides[n_rows:]) if s]
+        kterms = [times(f"q{d}", s) for d, s in enumerate(idx.strides[n_rows:]) if s]
         if len(kernel.k_shape) > 1 and flat_k(idx.strides[n_rows:], kernel.k_shape):
             # contiguous over all of k (group norm's (C/G, H*W)): the address is k itself;
             # gcc cannot see that q0 * 1024 + q1 is k again and would gather element by element
-            last = idx.strides[-1]
-            kterms = ["k" if last == 1 else f"k * {last}"]
+            kterms = [times("k", idx.strides[-1])]
         return " + ".join(([f"{label}_base"] if base else []) + kterms) or "0"
 
     # Note (rows reduced across a strided axis): softmax over the channels of an NCHW tensor
@@ -144,14 +146,17 @@ class _Rows:
     # between memory and a small contiguous array once per row (the rows next to each other share
     # those cache lines, so the copies hit L1); the row's phases then run on the array, vectorized.
     def k_strided(self, idx: Index) -> bool:
-        """Whether an access steps across cache lines along k (note above)."""
-        ks = [abs(s) for s in idx.strides[self.n_rows:] if s]
+        """Whether an access steps across cache lines along k (note above; a stride that is an
+        argument is judged at its traced size: the answer changes only the speed)."""
+        ks = [abs(hint(s)) for s in idx.strides[self.n_rows:] if s]
         return bool(ks) and min(ks) >= TILE_STRIDE
 
     def strided_k(self, idx: Index) -> bool:
-        """Whether an access is copied to or from a row array (note above)."""
+        """Whether an access is copied to or from a row array (note above). Not where K is an
+        argument: the copy is an array of K values on the stack, whose length must be a number
+        no larger than REDUCTION_TILE_MAX (a guard on it would serve only short rows)."""
         return not self.lanes and not self.columns and self.k_strided(idx) \
-            and self.kernel.k <= REDUCTION_TILE_MAX
+            and not is_symbolic(self.kernel.k) and self.kernel.k <= REDUCTION_TILE_MAX
 
     def target(self, n: int) -> str:
         """Store n's address, its `_base` row line written once (a row copy's element when the
@@ -350,7 +355,8 @@ def _phase_pragma(kernel, reds, lanes: int, blocked, kblock: int) -> str:
     accumulators where they allow one, or full unrolling when rows run in lanes."""
     pragma = ""
     if lanes:  # vectorized across the lanes instead: the k loop runs inside each lane
-        pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" if kernel.k <= LANES_UNROLL_K else ""
+        pragma = f"#pragma GCC unroll {LANES_UNROLL_K}" \
+            if not is_symbolic(kernel.k) and kernel.k <= LANES_UNROLL_K else ""
     elif _maxmin(reds):
         clauses = [f"reduction({'max' if r.op == 'amax' else 'min'}:acc_{r.var.name})"
                    for r in reds]
@@ -365,11 +371,6 @@ def _phase_pragma(kernel, reds, lanes: int, blocked, kblock: int) -> str:
             names = ["acc_" + r.var.name + ("_blk" if r in blocked and kblock else "") for r in reds]
             pragma = f"#pragma omp simd reduction({op}:{', '.join(names)})"
     return pragma
-
-
-def params(kernel) -> list[str]:
-    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
-            for p in kernel.params]
 
 
 
@@ -387,12 +388,14 @@ LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loo
 
 
 def lane_blocks(kernel, k_strided) -> int:
-    """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0."""
-    if not kernel.row_shape or kernel.row_shape[-1] < 8 or not kernel.k:
+    """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0.
+    Sizes that are arguments: the last row dim is judged at its traced size (the last block is
+    cut at the row's end), and a K that is one is never short enough to unroll."""
+    if not kernel.row_shape or hint(kernel.row_shape[-1]) < 8 or not kernel.k:
         return 0
     plan = kernel.plan
     several = len(plan.phases) != 1 or bool(plan.element_stores)
-    if several and kernel.k > LANES_UNROLL_K:
+    if several and (is_symbolic(kernel.k) or kernel.k > LANES_UNROLL_K):
         return 0  # several k loops (phases, a last pass) that gcc cannot unroll away
     reds = [i for i in kernel.body if isinstance(i, Reduce)]
     if several and any(phase.ready for phase in plan.phases[:-1]):
@@ -429,8 +432,14 @@ def _coords(prefix: str, var: str, shape) -> list[str]:
     out = []
     for d in range(len(shape)):
         below = math.prod(shape[d + 1:])
-        expr = var if below == 1 else f"(uint64_t){var} / {below}u"
+        expr = var if below == 1 else f"(uint64_t){var} / {_unsigned(below)}"
         if d:
-            expr = f"({expr}) % {shape[d]}u" if below != 1 else f"(uint64_t){var} % {shape[d]}u"
+            expr = f"({expr}) % {_unsigned(shape[d])}" if below != 1 \
+                else f"(uint64_t){var} % {_unsigned(shape[d])}"
         out.append(f"const int64_t {prefix}{d} = {expr};")
     return out
+
+
+def _unsigned(n) -> str:
+    """A size as an unsigned C++ operand: `1024u`, or `(uint64_t)s26` for one that is an argument."""
+    return f"(uint64_t){size(n)}" if is_symbolic(n) else f"{n}u"

@@ -12,6 +12,7 @@ import torch
 
 from fusec import ops
 from fusec.ir import Const, Stmt, Var
+from fusec.symbolic import c_expr, is_symbolic, shape_env_of, size_names, size_params
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -24,17 +25,115 @@ CTYPE = {
 
 
 
+# ---- sizes -------------------------------------------------------------------------------------
+#
+# Note (sizes as arguments in C++): a kernel compiled for a shape family (fusec/symbolic.py, Note:
+# sizes as symbols in kernels) takes each symbol as an `int64_t` argument after its pointers,
+# named as the symbol (`int64_t s26`), and every size, stride and offset of its IR is an int or
+# an expression over those names (`64L*s26`). The kernel's named sizes (ROWS, INNER, K, ...) are
+# then `const` values computed from the arguments instead of `constexpr` numbers; what must be a
+# number when compiling (an array's length, a block length, an unroll count) is decided from the
+# traced size (`fusec.symbolic.hint`) only where every other size computes the same answer, and
+# each renderer says where it declines instead. A kernel without symbols is spelled as before.
+
+def size(x) -> str:
+    """A size, stride or offset (an int, or a SymInt of a shape family) as a C++ operand: an int
+    as itself, a symbol as its name, an expression over symbols in parentheses (it goes into
+    products and sums: `c0 * (3L + s26)`)."""
+    if not is_symbolic(x):
+        return str(int(x))
+    text = c_expr(x)
+    return text if x.node.expr.is_Symbol else f"({text})"
+
+
+def kernel_sizes(kernel) -> list[str]:
+    """fusec.symbolic.size_params(kernel), worked out once per kernel object: it walks the whole
+    IR (about a millisecond for a layer norm), and a render asks several times."""
+    names = kernel.__dict__.get("_cpp_size_params")
+    if names is None:
+        names = kernel.__dict__["_cpp_size_params"] = size_params(kernel)
+    return names
+
+
+def size_kw(kernel) -> str:
+    """`constexpr` for the named sizes of a kernel with none but numbers, `const` for one that
+    takes sizes as arguments (Note: sizes as arguments in C++)."""
+    return "const" if kernel_sizes(kernel) else "constexpr"
+
+
+def size_args(kernel) -> list[str]:
+    """The kernel's size parameters, after its pointers (Note: sizes as arguments in C++)."""
+    return [f"int64_t {name}" for name in kernel_sizes(kernel)]
+
+
+def params(kernel) -> list[str]:
+    """The kernel's parameters: a pointer per buffer (inputs const), then its sizes."""
+    return [f"{'' if p.is_output else 'const '}{CTYPE[p.dtype]}* __restrict__ {p.name}_ptr"
+            for p in kernel.params] + size_args(kernel)
+
+
+def times(var: str, stride) -> str:
+    """`var` times a stride, spelled short: nothing for 0, `var` for 1."""
+    if is_symbolic(stride):
+        return f"{var} * {size(stride)}"
+    return {0: "", 1: var}.get(stride, f"{var} * {stride}")
+
+
+def plus(offset, term: str) -> str:
+    """`offset + term`, without a 0 offset (or an empty term)."""
+    return " + ".join(t for t in (size(offset) if offset else "", term) if t)
+
+
+def sizes_line(kernel) -> str:
+    """A comment naming the kernel's size arguments and the input size each one is
+    (fusec.symbolic.size_names: `s26 = x_size0`), or "" for a kernel without them."""
+    names = kernel_sizes(kernel)
+    if not names:
+        return ""
+    env = shape_env_of(tuple(kernel.source_shape))  # (capture named the symbols on it)
+    where = {s.name: n for s, n in size_names(env).items()} if env is not None else {}
+    said = ", ".join(f"{n} = {where[n]}" if n in where else n for n in names)
+    return f"Sizes are arguments (one compile for every size of them): {said}."
+
+
+# c_expr spells a floor division as c10's (torch's C++ headers); a kernel includes no torch
+# header, so one that divides gets the same function (it floors, as Python's // does).
+FLOOR_DIV = ("namespace c10 {  // a floor division of sizes, as torch's C++ printer spells it\n"
+             "inline int64_t div_floor_integer(int64_t a, int64_t b) {\n"
+             "    const int64_t q = a / b;\n"
+             "    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;\n"
+             "}\n"
+             "}  // namespace c10\n")
+
+
+def with_size_helpers(source: str) -> str:
+    """`source` with the helpers its size expressions call defined after the prelude's include."""
+    if "c10::div_floor_integer" not in source:
+        return source
+    marker = '#include "cpp_prelude.h"'
+    head, sep, tail = source.partition(marker)
+    line_end = tail.index("\n") + 1
+    return head + sep + tail[:line_end] + FLOOR_DIV + tail[line_end:]
+
+
 # ---- rendering ---------------------------------------------------------------------------------
 
 def gather_offset(load) -> str:
     """The offset of a gathered read's row (fusec.ir.Load's `gather`): the index value, counted
     from the end where negative and kept inside the source (fusec_row, cpp_prelude.h;
     passes/check_gathers.py reports a value out of range), times the row's stride."""
-    pos, stride, size = load.gather
-    return f"fusec_row({pos}, {size})" + ("" if stride == 1 else f" * {stride}")
+    pos, stride, n = load.gather
+    unit = not is_symbolic(stride) and stride == 1
+    return f"fusec_row({pos}, {size(n)})" + ("" if unit else f" * {size(stride)}")
 
 
 def literal(value, dtype: torch.dtype) -> str:
+    if isinstance(value, (torch.SymInt, torch.SymFloat)) and value.node.expr.free_symbols:
+        # a value computed from sizes (a mean's divisor n, 1 / n): its expression, converted
+        from torch.utils._sympy.printers import CppPrinter
+        ctype = CTYPE[dtype] if not dtype.is_floating_point else \
+            "double" if dtype == torch.float64 else "float"
+        return f"static_cast<{ctype}>({CppPrinter().doprint(value.node.expr)})"
     if dtype == torch.bool:
         return "true" if value else "false"
     if dtype.is_floating_point:
