@@ -71,10 +71,30 @@ def functional_batch_norm(input, running_mean, running_var, weight=None, bias=No
     return batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
+# Note (composites that read sizes as numbers). For a program over a shape family (sizes as
+# symbols, fusec/dynamic.py), a C++ composite that reads its input's sizes as plain integers
+# (`sizes()`, not `sym_sizes()`) turns every symbol it reads into the number it was traced with
+# (a guard `Eq(s0, 5)`): the whole program becomes one size again. `F.linear` of a 3-D input with
+# a bias does (it flattens the input for addmm), and so does `F.pad`. For symbolic inputs they
+# are written here with the same ops, over symbolic sizes; a static program traces as before.
+def linear(input, weight, bias=None):
+    if bias is None or input.dim() <= 2 or not _symbolic(input):
+        return NotImplemented
+    if input.is_contiguous():  # what the composite does: one addmm over the flattened rows
+        rows = input.reshape(-1, input.shape[-1])
+        return torch.addmm(bias, rows, weight.t()).view(*input.shape[:-1], weight.shape[0])
+    return torch.matmul(input, weight.t()) + bias
+
+
+def _symbolic(t) -> bool:
+    return any(isinstance(n, torch.SymInt) and not n.node.expr.is_number for n in t.shape)
+
+
 TORCH_LEVEL = {torch.instance_norm: instance_norm,
                torch.nn.functional.instance_norm: functional_instance_norm,
                torch.batch_norm: batch_norm,
-               torch.nn.functional.batch_norm: functional_batch_norm}
+               torch.nn.functional.batch_norm: functional_batch_norm,
+               torch.nn.functional.linear: linear, torch._C._nn.linear: linear}
 
 
 class _TorchLevel(torch.overrides.TorchFunctionMode):
