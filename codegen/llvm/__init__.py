@@ -29,12 +29,23 @@ resolve those names. Results stay within 4 ulp, like the C++ backend's.
 
 Threads
 -------
-A kernel takes, after its buffers, a range of work items `[first, last)`: tiles of rows for a
+A kernel takes, after its buffers (and its sizes, where they are arguments: see below), a range of
+work items `[first, last)`: tiles of rows for a
 pointwise kernel, rows for a reduction (blocks of rows for one turned inside out). LlvmLauncher cuts the work into one range per core and
 runs them on a thread pool; ctypes releases the GIL while the machine code runs, so the threads
 really run in parallel, like the OpenMP loops of the C++ backend.
 
-The backend in five files: llvm/ir.py writes instructions, llvm/reduction.py renders reductions,
+Sizes as arguments
+------------------
+A kernel compiled for a shape family (fusec/symbolic.py) takes one `i64` per size that is a
+symbol, between its buffers and its range: `(ptr %x_ptr, ptr %out_ptr, i64 %s26, i64
+%tile_first, i64 %tile_last)`. Its entry block computes the sizes it uses from them once
+(`%size.3 = mul nsw i64 %s26, 64`, llvm/sizes.py); where the amount of work depends on them,
+the kernel exports `@<name>.tiles_for(i64 %s26)` in place of the constant `@<name>.tiles` (and
+`@<name>.parallel_for` in place of `@<name>.parallel`), which the launcher asks at each launch.
+
+The backend in six files: llvm/ir.py writes instructions, llvm/sizes.py sizes that are symbols,
+llvm/reduction.py renders reductions,
 llvm/columns.py those whose rows lie side by side (the loops turned inside out), llvm/jit.py
 drives llvmlite (optimize, compile, cache), and this file renders pointwise kernels, loads object
 files and launches them.
@@ -55,7 +66,7 @@ from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf
-from ..cpu_plan import CHUNK, column_blocks, heading, thread_choice
+from ..cpu_plan import CHUNK, column_blocks, heading, thread_choice, work_per_call
 from .compiler import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
@@ -64,6 +75,8 @@ from .jit import (assembly, available, build, check_symbols, llvm_binding,  # no
                        object_code, optimized_ir, target_machine, triple_and_layout)
 from .columns import render_columns
 from .reduction import render_reduction
+from .sizes import hinted, known, launch_functions
+from fusec.symbolic import hint, is_symbolic, size_params
 from ..unroll_rows import unrolled_or_same
 from ..render import no_indexed_writes, render_template
 
@@ -74,8 +87,11 @@ def render(kernel, target: Target | None = None) -> str:
     vector functions the IR declares; the rest is the same for every CPU."""
     if not isinstance(kernel, PointwiseKernel):
         # rows side by side, their values far apart: the loops turned inside out (llvm/columns.py)
-        unrolled, note = unrolled_or_same(kernel)
-        columns = column_blocks(unrolled)
+        unrolled, note = unrolled_or_same(kernel) if not is_symbolic(kernel.row_shape[:1]) \
+            else (kernel, "")  # (M activation rows unrolled: a fixed M, not a shape family's)
+        # a layout, which the traced sizes choose; but its loops need k > 0 (a guard if k is
+        # a symbol that could be 0)
+        columns = column_blocks(hinted(unrolled)) if unrolled.k else 0
         if columns:
             return render_columns(unrolled, columns, note, target)
         return render_reduction(kernel, target)
@@ -83,8 +99,12 @@ def render(kernel, target: Target | None = None) -> str:
     counter = new_counter()
     shape = kernel.shape
     rows, inner = math.prod(shape[:-1]), shape[-1]
-    chunk = max(inner if rows >= 64 or inner <= CHUNK else CHUNK, 1)
-    chunks = max(-(-inner // chunk), 1)
+    # a whole row per tile, or chunks of CHUNK positions: a heuristic (any chunk computes the
+    # same), so rows that are a symbol decide by their traced number (llvm/sizes.py); a row
+    # whose length is a symbol is cut in chunks, as many as its length at each call asks for
+    whole = known(inner) is not None and (hint(rows) >= 64 or inner <= CHUNK)
+    chunk = max(inner, 1) if whole else CHUNK
+    chunks = 1 if whole else (inner + CHUNK - 1) // CHUNK  # (rounded up; no sign to fix up)
     setup = Emitter(counter)
     c = coords(setup, "%row", shape[:-1], "c") if len(shape) > 1 else []
 
@@ -118,11 +138,15 @@ def render(kernel, target: Target | None = None) -> str:
         emit_stmt(body, s, values)
     for n, store in enumerate(kernel.stores):
         emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
-    return finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, name=kernel.name,
+    # (with sizes that are symbols, rows * chunks is 0 exactly when the space is empty: no guard)
+    items = rows * chunks if known(kernel.numel) != 0 else 0
+    # the sizes the code uses, as operands (a number, or a value the entry block computes)
+    code = dict(inner=setup.size(inner), chunk=setup.size(chunk), chunks=setup.size(chunks))
+    return finish("llvm_pointwise.ll.j2", setup.lines + body.lines, target, counter,
+                   launch_functions(kernel, items, work_per_call(kernel)), name=kernel.name,
                    summary=heading(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
-                   rows=rows, inner=inner, chunk=chunk, chunks=chunks,
-                   items=rows * chunks if kernel.numel else 0,
-                   parallel=str(thread_choice(kernel)[0] and rows * chunks > 1).lower(),
+                   rows=rows, inner=inner, chunk=chunk, chunks=chunks, items=items, code=code,
+                   parallel=str(thread_choice(kernel)[0] and hint(items) > 1).lower(),
                    params=kernel_params(kernel), row_setup=setup.lines, body=body.lines)
 
 
@@ -134,9 +158,9 @@ def emit_piece(e: Emitter, load, at: str, coord: str, values: dict[str, str]) ->
     drops it: a load that cannot fault, which the vectorizer can still widen."""
     _, lo, hi = load.valid
     name = load.var.name
-    inside = e.emit(f"icmp slt i64 {coord}, {hi}", name + ".in")  # (the last piece: always)
-    if lo:
-        above = e.emit(f"icmp sge i64 {coord}, {lo}", name + ".in")
+    inside = e.emit(f"icmp slt i64 {coord}, {e.size(hi)}", name + ".in")  # (the last: always)
+    if known(lo) != 0:
+        above = e.emit(f"icmp sge i64 {coord}, {e.size(lo)}", name + ".in")
         inside = e.emit(f"and i1 {inside}, {above}", name + ".in")
     safe = e.emit(f"select i1 {inside}, i64 {at}, i64 0", name + ".at")
     emit_load(e, load.param, load.dtype, safe, load.var, values)
@@ -172,21 +196,23 @@ _TRAMPOLINES: dict[int, tuple] = {}
 _INIT = threading.Lock()
 
 
-def omp_trampoline(n_params: int) -> int:
-    """The address of the OpenMP body (llvm_parallel.ll.j2) for kernels of n_params pointers,
-    compiled on first use and kept (with its execution engine) for the life of the process."""
+def omp_trampoline(n_params: int, n_sizes: int = 0) -> int:
+    """The address of the OpenMP body (llvm_parallel.ll.j2) for kernels of n_params pointers
+    (and n_sizes size arguments), compiled on first use and kept (with its execution engine) for
+    the life of the process."""
     llvm = llvm_binding()  # (takes the lock itself)
+    key = (n_params, n_sizes) if n_sizes else n_params
     with _INIT:
-        if n_params not in _TRAMPOLINES:
-            name = f"fusec_omp_trampoline_{n_params}"
+        if key not in _TRAMPOLINES:
+            name = f"fusec_omp_trampoline_{n_params}" + (f"_{n_sizes}" if n_sizes else "")
             module = llvm.parse_assembly(render_template("llvm_parallel.ll.j2", name=name,
-                                                         n=n_params))
+                                                         n=n_params, m=n_sizes))
             module.triple = triple_and_layout()[0]
             module.verify()
             engine = llvm.create_mcjit_compiler(module, target_machine())
             engine.finalize_object()
-            _TRAMPOLINES[n_params] = (engine, engine.get_function_address(name))
-        return _TRAMPOLINES[n_params][1]
+            _TRAMPOLINES[key] = (engine, engine.get_function_address(name))
+        return _TRAMPOLINES[key][1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,7 +229,17 @@ def threads() -> int:
 
 
 class LlvmLauncher:
-    """Calls a JIT-compiled kernel: one call over all its work, or split across threads."""
+    """Calls a JIT-compiled kernel: one call over all its work, or split across threads.
+
+    The kernel's C signature is `void name(void *buffers[n_params]..., int64_t sizes[n_sizes]...,
+    int64_t first, int64_t last)`: its buffers, then one int64 per size that is a symbol (in
+    fusec.symbolic.size_params order; none for a kernel of fixed sizes), then the range of work
+    items [first, last) this call computes. The launcher is called the same way without the
+    range: `launcher(*tensors, *sizes)`. How much work there is (`work`) and whether threads pay
+    off (`parallel`) are constants of the object file, read once; for a kernel whose sizes are
+    arguments either may instead be a function of the sizes (`tiles_for`, `parallel_for`:
+    llvm/sizes.py launch_functions), asked at each launch.
+    """
 
     def __init__(self, lib: Path, name: str, n_params: int, n_sizes: int = 0):
         self.lib, self.name, self.n_params = lib, name, n_params  # for the printed wrapper
@@ -226,38 +262,71 @@ class LlvmLauncher:
         address = self.engine.get_function_address(name)
         if not address:
             raise CompileError(f"fusec: kernel {name} is missing from {lib}")
-        proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_params, ctypes.c_int64,
-                                 ctypes.c_int64)
+        proto = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * n_params,
+                                 *[ctypes.c_int64] * n_sizes, ctypes.c_int64, ctypes.c_int64)
         self.fn = proto(address)
-        self.frame_type = ctypes.c_int64 * (4 + n_params)
+        # the OpenMP trampoline's frame (llvm_parallel.ll.j2): 4 words, the pointers, the sizes
+        self.frame_type = ctypes.c_int64 * (4 + n_params + n_sizes)
         self.address = address
-        tiles, parallel = (self.engine.get_global_value_address(f"{name}.{g}")
-                           for g in ("tiles", "parallel"))
-        if not (tiles and parallel):  # (read at address 0: a crash, not an error)
-            raise CompileError(f"fusec: kernel {name}'s globals are missing from {lib}")
-        self.work = ctypes.c_int64.from_address(tiles).value
-        self.parallel = ctypes.c_bool.from_address(parallel).value
+        self.work, self.tiles_for = self._answer("tiles", ctypes.c_int64)
+        self.parallel, self.parallel_for = self._answer("parallel", ctypes.c_bool)
+        self.plans: dict[tuple, tuple[int, bool]] = {}  # sizes -> (work, parallel), asked once
 
-    def parts(self) -> int:
+    def _answer(self, what: str, kind) -> tuple:
+        """(the constant `@<name>.<what>`, None), or (None, the function `@<name>.<what>_for` of
+        the sizes) where the kernel's answer depends on them (see the class docstring)."""
+        if self.n_sizes:
+            function = self.engine.get_function_address(f"{self.name}.{what}_for")
+            if function:
+                return None, ctypes.CFUNCTYPE(kind, *[ctypes.c_int64] * self.n_sizes)(function)
+        at = self.engine.get_global_value_address(f"{self.name}.{what}")
+        if not at:  # (read at address 0: a crash, not an error)
+            raise CompileError(f"fusec: kernel {self.name}'s {what} is missing from {self.lib}")
+        return kind.from_address(at).value, None
+
+    def plan(self, sizes: tuple) -> tuple[int, bool]:
+        """(how much work, whether threads pay off) at these sizes: the kernel's functions of its
+        sizes, asked once per distinct sizes (a served model sees the same few sizes again and
+        again, and a ctypes call costs half a microsecond) and remembered, a few thousand at most."""
+        work = self.work if self.tiles_for is None else self.tiles_for(*sizes)
+        parallel = self.parallel if self.parallel_for is None else self.parallel_for(*sizes)
+        if len(self.plans) >= 4096:
+            self.plans.clear()
+        self.plans[sizes] = work, parallel
+        return work, parallel
+
+    def parts(self, work: int | None = None, parallel: bool | None = None) -> int:
         """How many threads this launch uses: torch's intra-op thread count (torch.set_num_threads
-        applies, as it does to the C++ backend's OpenMP), at most one per unit of work."""
-        return min(torch.get_num_threads(), self.work) if self.parallel else 1
+        applies, as it does to the C++ backend's OpenMP), at most one per unit of work. (`work`
+        and `parallel`: this launch's, for a kernel whose sizes are arguments.)"""
+        work = self.work if work is None else work
+        parallel = self.parallel if parallel is None else parallel
+        return min(torch.get_num_threads(), work) if parallel else 1
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
-        ptrs = [t.data_ptr() for t in tensors]
-        parts = self.parts()
+    def __call__(self, *args) -> None:
+        """Run the kernel over all its work: `args` are its tensors, then its sizes (ints)."""
+        if self.n_sizes:
+            sizes, args = args[self.n_params:], args[:self.n_params]
+            plan = self.plans.get(sizes)
+            if plan is None:
+                plan = self.plan(sizes)
+            parts = self.parts(*plan)
+            work = plan[0]
+        else:
+            sizes, work, parts = (), self.work, self.parts()
+        ptrs = [t.data_ptr() for t in args]
         if parts <= 1:
-            self.fn(*ptrs, 0, self.work)
+            self.fn(*ptrs, *sizes, 0, work)
             return
         gomp = gomp_parallel()
         if gomp is not None:
-            frame = self.frame_type(0, parts, self.work, self.address, *ptrs)
-            gomp(omp_trampoline(self.n_params), ctypes.addressof(frame), parts, 0)
+            frame = self.frame_type(0, parts, work, self.address, *ptrs, *sizes)
+            gomp(omp_trampoline(self.n_params, self.n_sizes), ctypes.addressof(frame), parts, 0)
             return
-        step = -(-self.work // parts)
-        ranges = [(lo, min(lo + step, self.work)) for lo in range(0, self.work, step)]
-        futures = [_pool().submit(self.fn, *ptrs, lo, hi) for lo, hi in ranges[1:]]
-        self.fn(*ptrs, *ranges[0])  # this thread takes the first range itself
+        step = -(-work // parts)
+        ranges = [(lo, min(lo + step, work)) for lo in range(0, work, step)]
+        futures = [_pool().submit(self.fn, *ptrs, *sizes, lo, hi) for lo, hi in ranges[1:]]
+        self.fn(*ptrs, *sizes, *ranges[0])  # this thread takes the first range itself
         for f in futures:
             f.result()
 
@@ -268,4 +337,5 @@ def launcher(obj: Path, name: str, n_params: int, n_sizes: int = 0) -> LlvmLaunc
 
 
 def load(kernel, source: str) -> LlvmLauncher:
-    return launcher(build(source, kernel.name), kernel.name, len(kernel.params))
+    return launcher(build(source, kernel.name), kernel.name, len(kernel.params),
+                    len(size_params(kernel)))

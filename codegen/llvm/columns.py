@@ -28,8 +28,13 @@ from typing import NamedTuple
 
 from fusec.ir import Index, Stmt
 
-from ..cpu_plan import column_sum_block, heading, thread_choice
+from math import prod
+
+from fusec.symbolic import hint
+
+from ..cpu_plan import column_sum_block, heading, thread_choice, work_per_call
 from .compiler import Target
+from .sizes import launch_functions
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, convert, coords, emit_load,
                       emit_stmt, emit_store, gather_row, index_sum, is_float)
 from .reduction import Accumulator
@@ -59,14 +64,16 @@ def render_columns(kernel, columns: int, note: str, target: Target | None = None
         stores = rows.section()
         all_lines += rows.e.lines
     last = block.last
-    blocks = -(-last // columns)
-    tiles = (kernel.rows // last) * blocks
+    blocks = (last + columns - 1) // columns  # (rounded up; no sign to fix up)
+    tiles = prod(kernel.row_shape[:-1]) * blocks
+    code = dict(last=block.top.size(last), blocks=block.top.size(blocks))
     return finish(
-        "llvm_reduction_columns.ll.j2", all_lines, target, name=kernel.name,
+        "llvm_reduction_columns.ll.j2", all_lines, target, block.counter,
+        launch_functions(kernel, tiles, work_per_call(kernel)), name=kernel.name,
         summary=heading(kernel), source_shape=kernel.source_shape,
         reduce_dims=kernel.reduce_dims, rows=kernel.rows, k=kernel.k, tiles=tiles,
-        parallel=str(tiles > 1 and thread_choice(kernel)[0]).lower(),
-        params=kernel_params(kernel), columns=columns, last=last, blocks=blocks,
+        parallel=str(hint(tiles) > 1 and thread_choice(kernel)[0]).lower(),
+        params=kernel_params(kernel), columns=columns, last=last, blocks=blocks, code=code,
         allocas=[f"%{name} = alloca [{columns} x {t}], align 64" for name, t in block.arrays.items()],
         top=block.top.lines, sections=sections, stores=stores, unrolled=note)
 
@@ -216,7 +223,7 @@ def _phase_section(block: _Block, phase, kept: list[str]) -> tuple[dict, list[st
         id=p.sid, comment=f"phase {phase.number}: " + ", ".join(a.r.op for a in accs),
         init=init.section(), kblock=kblock if blocked else 0,
         block_init=block_init.section(), block_after=block_after.section(),
-        k_lines=kc.lines, body=body.section(), after=after.section(), k=kernel.k)
+        k_lines=kc.lines, body=body.section(), after=after.section(), k=kc.size(kernel.k))
     lines = init.e.lines + block_init.e.lines + block_after.e.lines + kc.lines + \
         body.e.lines + after.e.lines
     return section, lines, defined
@@ -320,5 +327,6 @@ def _store_section(block: _Block, kept: list[str]) -> tuple[dict, list[str]] | N
     if keep:
         comment += f" ({keep.value} read back from where the last phase kept it)"
     section = dict(id=sid, comment=comment, init=None, kblock=0, block_init=None,
-                   block_after=None, k_lines=kc.lines, body=body.section(), after=None, k=kernel.k)
+                   block_after=None, k_lines=kc.lines, body=body.section(), after=None,
+                   k=kc.size(kernel.k))
     return section, kc.lines + body.e.lines

@@ -26,6 +26,7 @@ from fusec.ir import Const, Stmt, Var
 from . import compiler as llvm_build
 from ..cpu_plan import SLEEF, sleef_symbols_in  # (Note: eager's vector math)
 from .compiler import Target, host
+from .sizes import Sizes, known, size_arguments
 from ..render import render_template
 
 # ---- types -------------------------------------------------------------------------------------
@@ -97,15 +98,35 @@ def literal(value, dtype: torch.dtype) -> str:
 
 # ---- instruction emission ----------------------------------------------------------------------
 
+class Counter:
+    """What the Emitters of one kernel function share: the count that keeps SSA names unique,
+    and the function's size values (llvm/sizes.py), whose instructions go in its entry block."""
+
+    def __init__(self):
+        self._count = itertools.count()
+        self.sizes = Sizes(self._count)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        return next(self._count)
+
+
 class Emitter:
     """Collects the instructions of one block of code. SSA names must be unique in a function,
     so temporaries get a counter shared by the whole kernel, and values recomputed inside a
     phase's loop get that phase's suffix (`%v3_exp.p1`)."""
 
-    def __init__(self, counter, suffix: str = ""):
+    def __init__(self, counter: Counter, suffix: str = ""):
         self.lines: list[str] = []
         self.counter = counter
         self.suffix = suffix
+
+    def size(self, x) -> str:
+        """Size `x` (an int or a SymInt) as an i64 operand: its number, or the value the
+        kernel's entry block computes from its size arguments (llvm/sizes.py)."""
+        return self.counter.sizes.operand(x)
 
     def emit(self, rhs: str, base: str, comment: str = "") -> str:
         name = f"%{base}{self.suffix}.{next(self.counter)}"
@@ -216,6 +237,8 @@ def emit_stmt(e: Emitter, s: Stmt, values: dict[str, str]) -> None:
 
 
 def _operand(e: Emitter, o, dtype: torch.dtype, values: dict[str, str]) -> str:
+    if isinstance(o, Const) and known(o.value) is None:  # a size (a mean's count): an i64 value
+        return convert(e, e.size(o.value), torch.int64, dtype, "size")
     if isinstance(o, Const):
         return literal(o.value, dtype)
     return convert(e, values[o.name], o.dtype, dtype, o.name)
@@ -241,13 +264,14 @@ def gather_row(e: Emitter, load, position_dtype: torch.dtype, values: dict[str, 
     if position_dtype != torch.int64:
         at = e.emit(f"sext {TYPE[position_dtype]} {at} to i64", name)
     negative = e.emit(f"icmp slt i64 {at}, 0", name)
-    wrapped = e.emit(f"add nsw i64 {at}, {size}", name)
+    wrapped = e.emit(f"add nsw i64 {at}, {e.size(size)}", name)
     at = e.emit(f"select i1 {negative}, i64 {wrapped}, i64 {at}", name)
     below = e.emit(f"icmp slt i64 {at}, 0", name)
     at = e.emit(f"select i1 {below}, i64 0, i64 {at}", name)
-    above = e.emit(f"icmp sgt i64 {at}, {size - 1}", name)
-    at = e.emit(f"select i1 {above}, i64 {size - 1}, i64 {at}", name)
-    return at if stride == 1 else e.emit(f"mul nsw i64 {at}, {stride}", name)
+    last = e.size(size - 1)
+    above = e.emit(f"icmp sgt i64 {at}, {last}", name)
+    at = e.emit(f"select i1 {above}, i64 {last}, i64 {at}", name)
+    return at if known(stride) == 1 else e.emit(f"mul nsw i64 {at}, {e.size(stride)}", name)
 
 
 def emit_store(e: Emitter, param: str, storage: torch.dtype, index: str, var: Var,
@@ -261,12 +285,15 @@ def emit_store(e: Emitter, param: str, storage: torch.dtype, index: str, var: Va
 
 
 def index_sum(e: Emitter, terms: list[tuple[str, int]], offset: int, base: str) -> str:
-    """offset + sum(value * stride) as i64 instructions (or a constant)."""
-    acc = str(offset) if offset else None
+    """offset + sum(value * stride) as i64 instructions (or a constant). Strides and offset may
+    be sizes that are symbols (llvm/sizes.py): a term is left out only where it is 0 for every
+    size, and a stride multiplies only where it is not 1 for every size."""
+    acc = e.size(offset) if known(offset) != 0 else None
     for value, stride in terms:
-        if not stride:
+        if known(stride) == 0:
             continue
-        term = value if stride == 1 else e.emit(f"mul nsw i64 {value}, {stride}", base)
+        term = value if known(stride) == 1 else e.emit(f"mul nsw i64 {value}, {e.size(stride)}",
+                                                       base)
         acc = term if acc is None else e.emit(f"add nsw i64 {acc}, {term}", base)
     return acc or "0"
 
@@ -276,9 +303,10 @@ def coords(e: Emitter, flat: str, shape: tuple[int, ...], prefix: str) -> list[s
     out = []
     for d in range(len(shape)):
         below = math.prod(shape[d + 1:])
-        value = flat if below == 1 else e.named(f"{prefix}{d}.q", f"udiv i64 {flat}, {below}")
+        value = flat if known(below) == 1 else \
+            e.named(f"{prefix}{d}.q", f"udiv i64 {flat}, {e.size(below)}")
         if d:
-            value = e.named(f"{prefix}{d}", f"urem i64 {value}, {shape[d]}")
+            value = e.named(f"{prefix}{d}", f"urem i64 {value}, {e.size(shape[d])}")
         out.append(value)
     return out
 
@@ -453,7 +481,10 @@ def _helper_constants(dtype) -> dict:
 
 
 def kernel_params(kernel) -> list[str]:
-    return [f"ptr noalias {'' if p.is_output else 'readonly '}%{p.name}_ptr" for p in kernel.params]
+    """The kernel's parameters: its buffers, then one i64 per size that is a symbol (in the
+    order of fusec.symbolic.size_params; none for a kernel of fixed sizes)."""
+    return [f"ptr noalias {'' if p.is_output else 'readonly '}%{p.name}_ptr"
+            for p in kernel.params] + size_arguments(kernel)
 
 
 
@@ -471,13 +502,20 @@ def function_attributes(target: Target | None = None) -> str:
     return "nounwind"
 
 
-def finish(template: str, lines: list[str], target: Target | None, **context) -> str:
+def finish(template: str, lines: list[str], target: Target | None, counter: Counter,
+           launch: dict, **context) -> str:
+    """Render the kernel's template with what every kernel has: the helpers and declarations its
+    instructions call, its attributes, its size values (`sizes`, the entry block's lines) and
+    the functions the launcher asks where the amount of work depends on the sizes (`launch`:
+    llvm/sizes.py launch_functions)."""
+    sizes = counter.sizes.lines
+    lines = lines + sizes + [line for f in launch.values() if f for line in f["lines"]]
     helper_text, defined = prelude(lines, target)
     decl_lines = lines + helper_text.splitlines() + ["call i64 @llvm.umin.i64(i64 %a, i64 %b)"]
     context.update(prelude=helper_text, declarations=declarations(decl_lines, defined, target),
-                   function_attributes=function_attributes(target))
+                   function_attributes=function_attributes(target), sizes=sizes, **launch)
     return render_template(template, **context)
 
 
-def new_counter():
-    return itertools.count()
+def new_counter() -> Counter:
+    return Counter()

@@ -14,8 +14,11 @@ import math
 from fusec import ops
 from fusec.ir import Index, Reduce, Stmt
 
-from ..cpu_plan import heading, sum_block, thread_choice
+from fusec.symbolic import is_symbolic
+
+from ..cpu_plan import heading, sum_block, thread_choice, work_per_call
 from .compiler import Target
+from .sizes import known, launch_functions
 from ..unroll_rows import unrolled_or_same
 
 from .ir import (Emitter, SUFFIX, TYPE, new_counter, finish, kernel_params, convert, coords, emit_load, gather_row,
@@ -144,7 +147,10 @@ def render_reduction(kernel, target: Target | None = None) -> str:
     then a last loop that recomputes and stores the element values (softmax's division, say).
     Python decides everything here (which values each loop needs, the accumulators and their
     phi nodes, blocking of long float sums); the template only lays out the blocks."""
-    kernel, note = unrolled_or_same(kernel)  # a matmul's few activation rows: one loop
+    if not is_symbolic(kernel.row_shape[:1]):  # (a fixed number of rows to unroll)
+        kernel, note = unrolled_or_same(kernel)  # a matmul's few activation rows: one loop
+    else:
+        note = ""
     row = _Row(kernel, new_counter())
     plan, k = kernel.plan, kernel.k
     for name in plan.before:  # row values needing no reduction: once per row, before the loops
@@ -163,9 +169,11 @@ def render_reduction(kernel, target: Target | None = None) -> str:
         s = kernel.stores[n]
         emit_store(row_stores, s.param, s.dtype, row.base(s.index, f"out{n}"), s.var, row.values)
     all_lines = row.top.lines + all_lines + row_stores.lines
-    return finish("llvm_reduction.ll.j2", all_lines, target, name=kernel.name, summary=heading(kernel),
+    return finish("llvm_reduction.ll.j2", all_lines, target, row.counter,
+                   launch_functions(kernel, kernel.rows, work_per_call(kernel)), name=kernel.name,
+                   summary=heading(kernel),
                    source_shape=kernel.source_shape, reduce_dims=kernel.reduce_dims,
-                   rows=kernel.rows, k=k,
+                   rows=kernel.rows, k=k, code=dict(k=row.top.size(k)),
                    parallel=str(thread_choice(kernel)[0]).lower(),
                    params=kernel_params(kernel), row_lines=row.top.lines, sections=sections,
                    row_stores=row_stores.lines, unrolled=note)
@@ -272,9 +280,10 @@ def _phase_section(row: _Row, phase, last: bool) -> tuple[dict, list[str]]:
         row.row_value(code.after, name)
     # where a block ends: K a multiple of the block gives every block the same constant
     # trip count, so the vectorizer needs no remainder loop (less code, faster to compile)
-    block_end = [f"%{sid}.k.end = add i64 %{sid}.kb, {kblock}"] if kblock and k % kblock == 0 \
+    block_end = [f"%{sid}.k.end = add i64 %{sid}.kb, {kblock}"] \
+        if kblock and known(k) is not None and k % kblock == 0 \
         else [f"%{sid}.kb.end = add i64 %{sid}.kb, {kblock}",
-              f"%{sid}.k.end = call i64 @llvm.umin.i64(i64 %{sid}.kb.end, i64 {k})"]
+              f"%{sid}.k.end = call i64 @llvm.umin.i64(i64 %{sid}.kb.end, i64 {code.after.size(k)})"]
     sec = dict(id=sid, comment=f"phase {phase.number}: " + ", ".join(a.r.op for a in reds),
                before=code.before.lines, phis=code.phis.lines, body=code.body.lines,
                after=code.after.lines, kblock=kblock, block_phis=code.block_phis.lines,
