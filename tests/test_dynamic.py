@@ -1,0 +1,364 @@
+"""Shape families through the public API (issue 51), on every backend: one program for every
+size of a dim that changes (fusec/dynamic.py has the policy, fusec/symbolic.py the symbols).
+
+Each test calls `fusec.compile(fn, backend=...)` with inputs of many sizes and checks three
+things: every result is eager's (against a float64 reference, as conftest.assert_matches does),
+the number of programs compiled stays small (static first, then one family; sizes 0 and 1 are
+their own programs), and no kernel fell back to eager ATen (a FallbackWarning, or a kernel whose
+`built.error` is set): a family whose kernels do not build would be correct but not compiled.
+
+The Triton backend runs under Triton's interpreter on CPU tensors here (conftest.py), where one
+launch costs milliseconds, so its tests call fewer sizes; the C++ and LLVM ones call them all.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import re
+import warnings
+
+import pytest
+import torch
+
+import fusec
+from conftest import TRITON_DEVICE
+from fusec.check import compare
+
+BACKENDS = ["cpp", "llvm", "triton"]
+DEVICE = {"cpp": "cpu", "llvm": "cpu", "triton": TRITON_DEVICE}
+INTERPRETED = TRITON_DEVICE == "cpu"  # Triton under its interpreter: milliseconds a launch
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _reference(fn, args):
+    """fn on float64 copies of the floating-point inputs (None where that does not run)."""
+    wide = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+    try:
+        with torch.no_grad():
+            return torch.utils._pytree.tree_leaves(fn(*wide))
+    except Exception:  # noqa: BLE001 (an op without a float64 kernel: eager is the reference)
+        return None
+
+
+def same_as_eager(cf, fn, *args) -> None:
+    """cf(*args) is eager's fn(*args): every output, judged against a float64 reference."""
+    got = torch.utils._pytree.tree_leaves(cf(*args))
+    with torch.no_grad():
+        want = torch.utils._pytree.tree_leaves(fn(*args))
+    ref = _reference(fn, args)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        r = ref[i] if ref is not None and ref[i].dtype == torch.float64 else None
+        problem = compare(g.cpu(), w.cpu(), None if r is None else r.cpu())
+        assert problem is None, (f"output {i} for sizes {[tuple(a.shape) for a in args]}: "
+                                 f"{problem}")
+
+
+def fell_back(cf) -> list[str]:
+    """Names of the kernels, in every program cf compiled, that run eagerly (not built)."""
+    cf = getattr(cf, "_compiled", cf)
+    return [k.name for compiled in cf.compiled.values() for k in compiled.kernels
+            if k.built.error is not None]
+
+
+@contextlib.contextmanager
+def all_built(cf):
+    """The calls inside compile every kernel: no FallbackWarning, no kernel left unbuilt."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield
+    said = [str(w.message).splitlines()[0] for w in seen
+            if issubclass(w.category, fusec.FallbackWarning)]
+    assert not said, f"kernels fell back to eager: {said}"
+    assert not fell_back(cf), f"kernels not built: {fell_back(cf)}"
+
+
+def compiles(cf) -> int:
+    return getattr(cf, "_compiled", cf).compiles
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (MiB), from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_sizes(backend, fn, make, sizes, **options):
+    """Compile fn, call it with make(n, device) for each n, compare each with eager; the
+    compiled function."""
+    cf = fusec.compile(fn, backend=backend, **options)
+    with all_built(cf):
+        for n in sizes:
+            args = make(n, DEVICE[backend])
+            same_as_eager(cf, fn, *(args if isinstance(args, tuple) else (args,)))
+    return cf
+
+
+def pointwise_sum(x):
+    return (torch.sin(x) * 2 + x).sum(-1)
+
+
+# -- 1. 500 batch sizes: two or three programs, bounded memory ---------------------------------
+@pytest.mark.parametrize("dynamic, most", [(True, 2), (None, 3)])
+def test_500_batch_sizes(backend, dynamic, most):
+    """Every batch size 1..500 in random order: dynamic=True compiles the family and the size-1
+    program; the default policy one static program more (the first size)."""
+    # under Triton's interpreter a launch costs milliseconds: 60 sizes there, 500 elsewhere
+    count = 60 if backend == "triton" and INTERPRETED else 500
+    sizes = random.Random(51).sample(range(1, 501), count)
+    if 1 not in sizes:
+        sizes[count // 2] = 1
+    device = DEVICE[backend]
+    cf = fusec.compile(pointwise_sum, backend=backend, dynamic=dynamic)
+    with all_built(cf):
+        same_as_eager(cf, pointwise_sum, torch.randn(sizes[0], 64, device=device))
+        before = rss_mib()
+        for n in sizes[1:]:
+            same_as_eager(cf, pointwise_sum, torch.randn(n, 64, device=device))
+    grew = rss_mib() - before
+    assert cf.compiles <= most, cf.recompiles
+    assert grew < 50, f"RSS grew {grew:.1f} MiB over {count} sizes"
+
+
+# -- 2. sizes, broadcasts, equal dims, strides, reductions, GEMV rows, dtypes --------------------
+def test_sizes_zero_one_and_primes(backend):
+    sizes = [0, 1, 2, 3, 7, 13, 127, 1031]
+    cf = run_sizes(backend, pointwise_sum, lambda n, d: torch.randn(n, 64, device=d), sizes)
+    assert cf.compiles <= 3, cf.recompiles  # 0, 1, then the family (2 onwards)
+
+
+def test_a_dim_that_becomes_one_broadcasts(backend):
+    """y's dim 0 follows x's, then becomes 1: the family's guard (they are equal) breaks, and
+    the call compiles a program that broadcasts."""
+    def add(x, y):
+        return torch.relu(x + y) * 3
+    pairs = [(4, 4), (5, 5), (6, 1), (9, 9), (7, 1), (8, 1)]
+    cf = run_sizes(backend, add, lambda n, d: (torch.randn(pairs[n][0], 8, device=d),
+                                               torch.randn(pairs[n][1], 8, device=d)),
+                   range(len(pairs)))
+    assert cf.compiles <= 3, cf.recompiles
+    assert any("guard" in r for r in cf.recompiles), cf.recompiles
+
+
+def test_dims_that_must_stay_equal(backend):
+    """x + y with both dims changing together; a call where they differ raises as eager does
+    (never a result), and the family still serves the calls after it."""
+    def add(x, y):
+        return (x + y).sum(-1)
+    device = DEVICE[backend]
+    cf = fusec.compile(add, backend=backend)
+    with all_built(cf):
+        for n in (4, 5, 6):
+            same_as_eager(cf, add, torch.randn(n, 8, device=device), torch.randn(n, 8, device=device))
+        x, y = torch.randn(6, 8, device=device), torch.randn(7, 8, device=device)
+        with pytest.raises(RuntimeError):
+            add(x, y)
+        with pytest.raises(Exception, match="size"):
+            cf(x, y)
+        same_as_eager(cf, add, torch.randn(9, 8, device=device), torch.randn(9, 8, device=device))
+    assert cf.compiles == 2, cf.recompiles
+
+
+def test_a_matmul_whose_dims_must_match(backend):
+    """x @ x.T (one symbol on both sides), and x @ y whose inner dims differ in one call."""
+    def gram(x):
+        return torch.relu(x @ x.T) + 1
+    run_sizes(backend, gram, lambda n, d: torch.randn(n, 8, device=d), [4, 5, 11])
+
+    def mm(x, y):
+        return (x @ y).relu()
+    device = DEVICE[backend]
+    cf = run_sizes(backend, mm, lambda n, d: (torch.randn(n, 8, device=d),
+                                              torch.randn(8, 5, device=d)), [4, 5, 6])
+    x, y = torch.randn(6, 8, device=device), torch.randn(9, 5, device=device)
+    with pytest.raises(RuntimeError):
+        mm(x, y)
+    with pytest.raises(Exception, match="reduction dim|mat1 and mat2|size|shape"):
+        cf(x, y)
+    same_as_eager(cf, mm, torch.randn(7, 8, device=device), torch.randn(8, 5, device=device))
+
+
+def test_strides_that_change_with_the_size(backend):
+    """A transposed input (strides (1, n)), a slice of a fixed buffer (x[:, :n]: the row stride
+    stays, the size changes; at n = 40 the slice is the whole buffer, contiguous, which breaks
+    the family's guard that the row stride is not the row's size) and a slice inside the
+    function."""
+    run_sizes(backend, lambda x: torch.sin(x) * 2,
+              lambda n, d: torch.randn(64, n, device=d).T, [4, 5, 9, 33])
+    big = torch.randn(8, 40, device=DEVICE[backend])
+    cf = run_sizes(backend, lambda x: torch.exp(x) - x, lambda n, d: big[:, :n],
+                   [4, 6, 10, 34, 40, 17])
+    assert cf.compiles <= 3, cf.recompiles
+    run_sizes(backend, lambda x: torch.exp(x[:, : x.shape[1] // 2]),
+              lambda n, d: torch.randn(8, n, device=d), [4, 6, 10, 34])
+
+
+REDUCTIONS = {
+    "sum_0": (lambda x: x.sum(0) * 2, 0),
+    "softmax_0": (lambda x: torch.softmax(x, 0), 0),
+    "var_0": (lambda x: x.var(0), 0),
+    "sum_last": (lambda x: x.sum(-1) * 2, 1),
+    "softmax_last": (lambda x: torch.softmax(x, -1), 1),
+    "var_last": (lambda x: x.var(-1), 1),
+}
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_a_reduction_over_the_dynamic_dim(backend, name):
+    fn, dim = REDUCTIONS[name]
+    sizes = [3, 5, 9, 130] if dim == 0 else [3, 5, 9, 1030]
+    shape = (lambda n: (n, 16)) if dim == 0 else (lambda n: (4, n))
+    cf = run_sizes(backend, fn, lambda n, d: torch.randn(*shape(n), device=d), sizes)
+    assert cf.compiles == 2 and len(cf.families) == 1, cf.recompiles
+
+
+def test_gemv_rows_1_to_16(backend):
+    w = torch.randn(256, 32, device=DEVICE[backend])
+
+    def gemv(x):
+        return torch.relu(x @ w) * 2
+    cf = run_sizes(backend, gemv, lambda m, d: torch.randn(m, 256, device=d), range(1, 17))
+    assert cf.compiles <= 2, cf.recompiles  # one row is its own program, then the family
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_dtypes(backend, dtype):
+    if dtype == torch.int64:
+        fn, make = (lambda x: x * 3 + 1), (lambda n, d: torch.randint(-9, 9, (n, 16), device=d))
+    else:
+        fn = lambda x: (torch.sin(x) * 2 + x).sum(-1)  # noqa: E731
+        make = lambda n, d: torch.randn(n, 16, device=d, dtype=dtype)  # noqa: E731
+    cf = run_sizes(backend, fn, make, [3, 5, 9])
+    assert cf.compiles == 2, cf.recompiles
+
+
+def test_nan_inputs(backend):
+    def make(n, d):
+        x = torch.randn(n, 16, device=d)
+        x[0] = float("nan")  # a row of NaNs
+        x[1:, 3] = float("nan")  # and one in every other row
+        return x
+    run_sizes(backend, lambda x: torch.softmax(x, -1) + x.amax(-1, keepdim=True), make,
+              [3, 5, 9])
+
+
+def test_non_contiguous_inputs(backend):
+    run_sizes(backend, lambda x: torch.sin(x) + x.sum(-1, keepdim=True),
+              lambda n, d: torch.randn(n, 32, device=d)[::2, ::3], [6, 10, 18])
+
+
+# -- 3. the policy's knobs ---------------------------------------------------------------------
+def test_mark_dynamic_makes_the_first_compile_a_family(backend):
+    x = torch.randn(10, 64, device=DEVICE[backend])
+    torch._dynamo.mark_dynamic(x, 0)
+    cf = fusec.compile(pointwise_sum, backend=backend)
+    with all_built(cf):
+        same_as_eager(cf, pointwise_sum, x)
+        assert len(cf.families) == 1 and cf.families[0].dims == {0: frozenset({0})}
+        same_as_eager(cf, pointwise_sum, torch.randn(11, 64, device=DEVICE[backend]))
+    assert cf.compiles == 1, cf.recompiles
+
+
+def test_dynamic_false_compiles_every_size(backend):
+    cf = run_sizes(backend, pointwise_sum, lambda n, d: torch.randn(n, 64, device=d), [3, 4, 5],
+                   dynamic=False)
+    assert cf.compiles == 3 and not cf.families, cf.recompiles
+
+
+# -- 4. a broken guard recompiles, and says which ------------------------------------------------
+def test_a_broken_guard_is_named(backend, monkeypatch, capsys):
+    monkeypatch.setenv("FUSEC_LOG", "recompiles")
+    device = DEVICE[backend]
+    cf = fusec.compile(lambda x, y: (x + y).sum(-1), backend=backend)
+    for n in (4, 5):
+        cf(torch.randn(n, 8, device=device), torch.randn(n, 8, device=device))
+    capsys.readouterr()
+    cf(torch.randn(6, 8, device=device), torch.randn(1, 8, device=device))  # y's dim 0 is 1 now
+    reason = cf.recompiles[-1]
+    assert "guard" in reason and "y.size()[0] == x.size()[0]" in reason, reason
+    err = capsys.readouterr().err
+    assert "[fusec recompiles]" in err and "guard y.size()[0] == x.size()[0] failed" in err, err
+
+
+# -- 5. explain and the kernels show the symbols -------------------------------------------------
+def test_explain_shows_the_family(backend):
+    device = DEVICE[backend]
+    cf = fusec.compile(lambda x, y: torch.softmax(x + y, -1), backend=backend)
+    with all_built(cf):
+        for n in (4, 5):
+            cf(torch.randn(n, 8, device=device), torch.randn(n, 8, device=device))
+    e = fusec.explain(cf, torch.randn(7, 8, device=device), torch.randn(7, 8, device=device))
+    family = e.to_dict()["family"]
+    assert family is not None
+    [symbol] = family["symbols"]
+    assert symbol["source"] == "x.size(0)" and symbol["name"] == "x_size0", symbol
+    assert any("Eq(" in g for g in family["guards"]), family["guards"]  # x's dim 0 is y's
+    text = str(e)
+    assert "shape family" in text and "guards" in text and symbol["symbol"] in text
+    s = symbol["symbol"]
+    spelled = {"cpp": f"int64_t {s}", "llvm": f"i64 %{s}", "triton": f"_ptr, {s}"}[backend]
+    assert any(spelled in k.source for k in cf.kernels), [k.source[:600] for k in cf.kernels]
+    assert "x_size0 = " in cf.last.program.run.source  # the program binds it from x's shape
+
+
+# -- 6. transformers models: prompt lengths 1..512 -------------------------------------------------
+def _models():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=512)).eval()
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=512)).eval()
+    return {"gpt2": gpt2, "llama": llama}
+
+
+@pytest.fixture(scope="module")
+def models():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (transformers' notes on the small config's token ids)
+        return _models()
+
+
+LENGTHS = random.Random(0).sample([1, 2, 7, 13, 33, 64, 100, 255, 511, 512], 10)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+# (the default policy on C++ and LLVM, dynamic=True on C++ only: the file's CPU budget)
+@pytest.mark.parametrize("model_backend, dynamic, most", [("cpp", None, 3), ("cpp", True, 2),
+                                                          ("llvm", None, 3)])
+def test_transformers_prompt_lengths(models, name, model_backend, dynamic, most):
+    model = models[name]
+    cf = fusec.compile(copy.deepcopy(model), backend=model_backend, dynamic=dynamic)
+    with all_built(cf), torch.no_grad():
+        for length in LENGTHS:
+            ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+            got, want = cf(ids).logits, model(ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"length {length}: {m}")
+    assert compiles(cf) <= most, cf._compiled.recompiles
+
+
+# -- 7. the family's fast path -------------------------------------------------------------------
+def test_the_family_fast_path_is_taken(backend):
+    device = DEVICE[backend]
+    cf = fusec.compile(pointwise_sum, backend=backend)
+    with all_built(cf):
+        for n in (8, 13):
+            same_as_eager(cf, pointwise_sum, torch.randn(n, 64, device=device))
+        assert "shape family" in cf._fast.source, cf._fast.source
+        general = []
+        call = cf._call
+        cf._call = lambda *a: (general.append(a), call(*a))[1]
+        same_as_eager(cf, pointwise_sum, torch.randn(21, 64, device=device))
+    assert not general, "a call of a third size took the general path"
+    assert re.search(r"x_size0\b", cf.last.program.run.source)
+    assert cf.compiles == 2
