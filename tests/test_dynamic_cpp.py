@@ -186,3 +186,21 @@ def test_batch_sizes_through_fusec_compile():
     assert sized, [k.source for k in last.kernels]
     for k in sized:
         assert all(f"int64_t {a}" in k.source for a in size_params(k.ir))
+
+
+def test_gathers_of_every_size():
+    """An embedding whose table and index count are both symbols (`dynamic=True`): the gathered
+    row is kept inside a table of s rows (`fusec_row(i, s)`), one program for every size."""
+    fn = lambda i, w: F.embedding(i, w) * 2  # noqa: E731
+    cf = fusec.compile(fn, backend="cpp", dynamic=True)
+    count = events.watch(_Compiles())
+    try:
+        for n, rows in [(20, 30), (2, 3), (7, 13), (1031, 127), (5000, 2)]:
+            i = torch.randint(0, rows, (n,), generator=torch.Generator().manual_seed(n))
+            w = _randn(rows, 16, seed=rows)
+            assert torch.equal(cf(i, w), fn(i, w)), (n, rows)
+    finally:
+        events.unwatch(count)
+    assert len(count.programs) == 1, len(count.programs)
+    gathers = [k for k in count.programs[0].kernels if "fusec_row(" in k.source]
+    assert gathers and all(size_params(k.ir) for k in gathers)
