@@ -220,6 +220,28 @@ def test_a_reduction_over_the_dynamic_dim(backend, name):
     assert cf.compiles == 2 and len(cf.families) == 1, cf.recompiles
 
 
+# programs where the symbol reaches more than a loop bound: a value (a mean's count, a size
+# times x), a view's shape, a cat's offset, an arange's length, an index
+SYMBOL_USES = {
+    "mean_0": (lambda x: x.mean(0), (lambda n: (n, 16))),
+    "size_as_value": (lambda x: x * x.shape[0] + x.shape[1], (lambda n: (n, 16))),
+    "view": (lambda x: x.view(-1, 2, 32).sum(1), (lambda n: (n, 64))),
+    "layer_norm_last": (lambda x: torch.nn.functional.layer_norm(x, (x.shape[-1],)),
+                        (lambda n: (3, n))),
+    "cat_0": (lambda x: torch.cat([x, x * 2], 0).sum(-1), (lambda n: (n, 16))),
+    "arange": (lambda x: x + torch.arange(x.shape[0], dtype=x.dtype, device=x.device)[:, None],
+               (lambda n: (n, 16))),
+    "argmax_0": (lambda x: x.argmax(0), (lambda n: (n, 16))),
+}
+
+
+@pytest.mark.parametrize("name", list(SYMBOL_USES))
+def test_a_symbol_used_beyond_a_loop_bound(backend, name):
+    fn, shape = SYMBOL_USES[name]
+    cf = run_sizes(backend, fn, lambda n, d: torch.randn(*shape(n), device=d), [5, 9, 31, 2])
+    assert cf.compiles == 2 and len(cf.families) == 1, cf.recompiles
+
+
 def test_gemv_rows_1_to_16(backend):
     w = torch.randn(256, 32, device=DEVICE[backend])
 
