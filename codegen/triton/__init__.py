@@ -199,12 +199,12 @@ def pointwise_lines(kernel: PointwiseKernel, index, block: str) -> tuple[list, l
         value, where = convert(s.var.name, s.var.dtype, s.dtype), "mask"
         addr = index(s.index)
         if s.scatter is not None:  # an indexed write: `cache[:, :, pos] = k` (fusec.ir.Store)
-            pos, stride, size = s.scatter
-            stores += [f"# write at position {pos} along the buffer's dim of {size} (negative: "
+            pos, stride, n = s.scatter
+            stores += [f"# write at position {pos} along the buffer's dim of {n} (negative: "
                        "from the end; outside it: nothing, where eager would raise)",
-                       f"{pos}_at = tl.where({pos} < 0, {pos} + {size}, {pos})"]
-            addr = f"{addr} + {pos}_at * {stride}"
-            where = f"mask & ({pos}_at >= 0) & ({pos}_at < {size})"
+                       f"{pos}_at = tl.where({pos} < 0, {pos} + {size(n)}, {pos})"]
+            addr = f"{addr} + {pos}_at * {size(stride)}"
+            where = f"mask & ({pos}_at >= 0) & ({pos}_at < {size(n)})"
         stores.append(f"tl.store({s.param}_ptr + {addr}, {value}, mask={where})")
     return loads, body, stores
 
