@@ -16,6 +16,7 @@ sizes, as Triton specializes them) is checked with a stand-in module, as tests/t
 does: on a CPU Triton returns no compiled kernel to bind.
 """
 import re
+from pathlib import Path
 
 import pytest
 import sympy
@@ -182,6 +183,27 @@ def test_static_kernel_is_unchanged():
     assert "n_elements, BLOCK_SIZE: tl.constexpr):" in source
     assert "grid = (triton.cdiv(37, 128),)" in source and "def compile_ahead(*dtypes):" in source
     assert "    run = compiled[(triton.cdiv(37, 128), 1, 1)]" in source
+
+
+def _nvidia_tools() -> bool:
+    try:
+        import triton
+        return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _nvidia_tools(), reason="this Triton has no NVIDIA tools (ptxas)")
+@pytest.mark.parametrize("name", ["transposed_batch", "softmax_k", "layer_norm_k"])
+def test_kernel_with_sizes_compiles_for_sm_90(name):
+    """Triton's compiler (not its interpreter) takes the kernels: sizes as integer arguments, the
+    counts and tile counts computed from them, a looped row of a dynamic length (codegen/triton/
+    target.py compiles for the sizes the program was traced at)."""
+    from fusec.codegen.triton import target
+    _, fn, make, dynamic, example, _ = next(c for c in CASES if c[0] == name)
+    _, _, kernel = compile_one(fn, make(example), dynamic, "triton")
+    sass = target.assembly(kernel.ir, kernel.ir.name, "sm_90")
+    assert "0 bytes spilled" in sass.splitlines()[0], sass.splitlines()[0]
 
 
 # ---- the launcher: one bound kernel per kind of sizes -------------------------------------------

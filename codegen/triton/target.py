@@ -57,21 +57,27 @@ def assembly(ir, name: str, target: str = DEFAULT) -> str:
     rendered as fusec renders it for that GPU, with a one-line summary on top."""
     from fusec.codegen import triton as triton_codegen
     arch = arch_of(target)
+    from fusec.symbolic import size_params
+
+    from .text import traced_sizes
     source = triton_codegen.render(ir, arch=arch)
+    traced = traced_sizes(ir)  # a shape family's kernel: compiled for the sizes it was traced at
     done = compile_for(source, name, [str(p.dtype).removeprefix("torch.") for p in ir.params],
-                       arch)
+                       arch, [traced[s] for s in size_params(ir)])
     return (f"// {name} on {target} (Triton {done['triton']}): {done['regs']} registers per "
             f"thread, {done['spills']} bytes spilled, {done['instructions']} instructions\n"
             + done["sass"])
 
 
-def compile_for(source: str, name: str, dtypes: list[str], arch: int) -> dict:
+def compile_for(source: str, name: str, dtypes: list[str], arch: int, sizes=()) -> dict:
     """Compile kernel `name` of the module `source` for sm_<arch> in a child process; returns
-    {"sass", "ptx", "regs", "spills", "instructions", "triton"}. `dtypes` are its tensors'."""
+    {"sass", "ptx", "regs", "spills", "instructions", "triton"}. `dtypes` are its tensors',
+    `sizes` the values of its size arguments (a kernel of a shape family: fusec/symbolic.py)."""
     with tempfile.TemporaryDirectory(prefix="fusec-target-") as tmp:
         path = Path(tmp) / f"{name}.py"
         path.write_text(source)
-        job = json.dumps(dict(path=str(path), name=name, dtypes=dtypes, arch=arch))
+        job = json.dumps(dict(path=str(path), name=name, dtypes=dtypes, arch=arch,
+                              sizes=list(sizes)))
         env = dict(os.environ, TRITON_INTERPRET="0")  # "0": fusec would switch it on without a GPU
         try:
             done = subprocess.run([sys.executable, "-m", "fusec.codegen.triton.target"],
@@ -154,7 +160,8 @@ def _child() -> None:
     for attr in [a for a in vars(module) if a.startswith(job["name"].removesuffix("_finish"))]:
         if isinstance(getattr(module, attr), triton.runtime.JITFunction):
             setattr(module, attr, recorder if attr == job["name"] else _Recorder())
-    module.launch(*[torch.empty(64, dtype=getattr(torch, d)) for d in job["dtypes"]])
+    module.launch(*[torch.empty(64, dtype=getattr(torch, d)) for d in job["dtypes"]],
+                  *job.get("sizes", ()))
     if recorder.call is None:
         raise SystemExit(f"launch() did not launch {job['name']}")
     signature, constants, options, pointers = _signature(fn, *recorder.call)
