@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fusec import cache, ops
 from fusec.ir import Index, PointwiseKernel
-from fusec.symbolic import hint, py_expr, size_params
+from fusec.symbolic import hint, py_expr
 from fusec.runtime.fast_start.pdl import pdl as pdl_on
 from fusec.runtime.fast_start.triton_launch import TritonLauncher
 
@@ -36,14 +36,14 @@ from .reduction import PERSISTENT_MAX_K, is_column_reduction  # noqa: F401 (read
 from .reduction import render_reduction
 from .text import (helpers_in, max_address, render_stmt, ops_summary, block_size, convert,
                    gather_offset, piece_mask, size, same, cdiv, needs_int64, is_flat,
-                   size_arguments)
+                   size_arguments, kernel_sizes)
 
 
 def render(kernel, arch: int | None = None) -> str:
     """The kernel's module source. `arch` (80, 90, ...) renders it for that NVIDIA GPU instead
     of this process's (codegen/triton/target.py): only a kernel family's choices depend on it."""
     special, notes = None, []
-    if not size_params(kernel):  # (a family's kernels take no sizes: a shape family's are general)
+    if not kernel_sizes(kernel):  # (a family's kernels take no sizes: a shape family's are general)
         special, notes = families.special(kernel, "triton", arch)  # a kernel family's, if one takes it
     if special is not None:
         return special
@@ -154,7 +154,7 @@ def render_tiled(kernel: PointwiseKernel, ydim: int, xdim: int, arch: int | None
              for d in (ydim, xdim)}
     why = "; ".join(f"dim {d}: {', '.join(dict.fromkeys(along[d]))}" for d in (ydim, xdim))
     sized = size_arguments(kernel, [("y_tiles", y_tiles, False), ("x_tiles", x_tiles, False)]
-                           if size_params(kernel) else [])
+                           if kernel_sizes(kernel) else [])
     if sized["sizes"]:  # the tile counts are computed first thing in the kernel (size_lines)
         y_tiles, x_tiles = "y_tiles", "x_tiles"
     return render_template(
@@ -350,4 +350,4 @@ def _bytecode(path: Path):
 def load(kernel: PointwiseKernel, source: str):
     """Write the module into the cache (if not already there, intact) and import its launcher."""
     return launcher(build(source, kernel.name), kernel.name, len(kernel.params),
-                    len(size_params(kernel)))
+                    len(kernel_sizes(kernel)))

@@ -69,7 +69,8 @@ def reduction_blocks(rows: int, k: int, column: bool = False,
         # see the note on column reductions above
         return False, COLUMN_XBLOCK, COLUMN_RBLOCK, 4
     rblock = max(1 << max(k - 1, 0).bit_length(), 2)
-    rblock = rblock if persistent else min(rblock, LOOP_RBLOCK)
+    if not persistent:
+        rblock = LOOP_RBLOCK if k_fixed else min(rblock, LOOP_RBLOCK)
     xblock = max(1, min(4096 // rblock, 1 << max(rows - 1, 0).bit_length()))
     num_warps = max(1, min(16, (xblock * rblock) // 1024))
     return persistent, xblock, rblock, num_warps

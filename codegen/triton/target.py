@@ -57,13 +57,11 @@ def assembly(ir, name: str, target: str = DEFAULT) -> str:
     rendered as fusec renders it for that GPU, with a one-line summary on top."""
     from fusec.codegen import triton as triton_codegen
     arch = arch_of(target)
-    from fusec.symbolic import size_params
-
-    from .text import traced_sizes
+    from .text import kernel_sizes, traced_sizes
     source = triton_codegen.render(ir, arch=arch)
     traced = traced_sizes(ir)  # a shape family's kernel: compiled for the sizes it was traced at
     done = compile_for(source, name, [str(p.dtype).removeprefix("torch.") for p in ir.params],
-                       arch, [traced[s] for s in size_params(ir)])
+                       arch, [traced[s] for s in kernel_sizes(ir)])
     return (f"// {name} on {target} (Triton {done['triton']}): {done['regs']} registers per "
             f"thread, {done['spills']} bytes spilled, {done['instructions']} instructions\n"
             + done["sass"])

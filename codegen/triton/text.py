@@ -5,11 +5,11 @@ triton/reduction.py, and those of the kernel families: codegen/families.py) writ
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
 import re
+import weakref
 
 import torch
 
@@ -202,6 +202,25 @@ def is_flat(index: Index, shape) -> bool:
     return same(index.offset, 0) and same(index.strides, flat_strides(shape))
 
 
+def kernel_sizes(kernel) -> list[str]:
+    """fusec.symbolic.size_params(kernel), worked out once per kernel object, and only after a
+    quick look for any SymInt at all (a static kernel's IR has none: the full walk would add
+    half a render's time to each)."""
+    known = _SIZES.get(id(kernel))
+    if known is not None and known[0]() is kernel:
+        return known[1]
+    sizes = size_params(kernel) if _first_symint(kernel) is not None else []
+    try:
+        _SIZES[id(kernel)] = (weakref.ref(kernel, lambda _, key=id(kernel): _SIZES.pop(key, None)),
+                              sizes)
+    except TypeError:  # (an object that takes no weak reference: not remembered)
+        pass
+    return sizes
+
+
+_SIZES: dict[int, tuple] = {}  # id(kernel) -> (weak reference to it, its size arguments)
+
+
 def size_arguments(kernel, counts: list[tuple[str, object, bool]]) -> dict:
     """The template's words for the kernel's integer arguments. `counts`: (name, value, whether
     it is a tl.constexpr) for the counts the kernel reads (`n_elements`, `n_rows`, `n_k`). Without
@@ -209,7 +228,7 @@ def size_arguments(kernel, counts: list[tuple[str, object, bool]]) -> dict:
     (`size_params`) instead and computes each count that depends on them (`n_rows = 3*s26`)
     first thing: then its integer arguments are the sizes alone, and Triton's specialization of
     them is all a compiled kernel assumes (Note: Triton kernels for a shape family)."""
-    sizes = size_params(kernel)
+    sizes = kernel_sizes(kernel)
     if not sizes:
         return dict(sizes=[], size_lines=[], ahead_params="*dtypes",
                     count_params=[n + (": tl.constexpr" if cx else "") for n, v, cx in counts],
@@ -235,16 +254,21 @@ def traced_sizes(kernel) -> dict[str, int]:
     return {str(s): int(v) for s, v in values.items()}
 
 
-def _first_symint(obj):
-    """The first SymInt inside `obj` (the kernel IR's dataclasses, tuples and lists), or None."""
+def _first_symint(obj, _leaves=(int, float, str, bool, type(None), torch.dtype)):
+    """The first SymInt with a symbol inside `obj` (the kernel IR's objects, tuples, lists,
+    dicts), or None."""
+    if isinstance(obj, _leaves):
+        return None
     if isinstance(obj, torch.SymInt):
         return obj if is_symbolic(obj) else None
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, (torch.SymFloat, torch.SymBool)):
+        return obj if obj.node.expr.free_symbols else None
+    if isinstance(obj, (tuple, list, set, frozenset)):
         items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = obj.values()
     else:
-        return None
+        items = getattr(obj, "__dict__", {}).values()
     for item in items:
         found = _first_symint(item)
         if found is not None:
