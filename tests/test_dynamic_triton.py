@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TRITON_DEVICE
-from dynamic_harness import compile_one, run_one_kernel
+from dynamic_harness import bind_sizes, compile_one, run_one_kernel
 from fusec.check import compare
+from fusec.ir import family
 from fusec.runtime.fast_start.triton_launch import TritonLauncher, size_kinds
 from fusec.symbolic import size_params
 
@@ -251,6 +252,41 @@ def test_launcher_with_sizes_checks_alignment():
     launcher(base[1:], base[:64], 5)  # 4 bytes in: the kernel was specialized for aligned
     launcher(base[:64], base[:64], 5)
     assert [c[0] for c in m.calls] == ["jit", "jit", "fast"]
+
+
+class _Recorder:
+    """Stands in for a compiled kernel (`compiled[grid](*args)`) or for the @triton.jit one
+    (`kernel[grid](*args, **kwargs)`): keeps the grid and the arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((tuple(grid), args, kwargs))
+
+
+@pytest.mark.parametrize("name", ["broadcast_row", "transposed_batch", "softmax_k", "sum_rows"])
+def test_bind_launches_what_launch_does(name, monkeypatch):
+    """The fast path (`bind`, run on a GPU only) computes the grid from the sizes at each call and
+    passes the compiled kernel the arguments the JIT's launch passes, constexprs included."""
+    _, fn, make, dynamic, example, _ = next(c for c in CASES if c[0] == name)
+    captured, _, kernel = compile_one(fn, make(example), dynamic, "triton")
+    module = kernel.launcher.module
+    jit, compiled = _Recorder(), _Recorder()
+    monkeypatch.setattr(module, family(kernel.ir.name), jit)  # (the module is the canonical one)
+    fast = module.bind(compiled)
+    for n in (5, 64, 300):
+        inputs = make(n)
+        outs = [torch.empty_like(e) for e in
+                (lambda r: r if isinstance(r, (tuple, list)) else [r])(fn(*inputs))]
+        sizes = bind_sizes(captured, inputs)
+        args = [*inputs, *outs, *[sizes[s] for s in size_params(kernel.ir)]]
+        module.launch(*args)
+        fast(*args)
+        (grid, jit_args, kwargs), (fast_grid, fast_args, _) = jit.calls[-1], compiled.calls[-1]
+        constexprs = [v for k, v in kwargs.items()
+                      if k not in ("num_warps", "enable_fp_fusion", "launch_pdl")]
+        assert fast_grid == (*grid, 1, 1)[:3] and list(fast_args) == [*jit_args, *constexprs]
 
 
 def test_size_kinds_follow_triton():
