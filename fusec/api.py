@@ -104,6 +104,10 @@ class CompiledFunction:
         check_backend(backend)
         self.dynamic = dynamic  # None: sizes that change become symbols (fusec/dynamic.py)
         self.families: list[Family] = []  # programs for shape families, most recent last
+        # for a graph handed over with symbolic sizes (fusec/dynamic.py `from_examples`): the
+        # dims compiled as symbols from the first call, and the int arguments that are sizes
+        self.seed_dims: dict = {}
+        self.derived: dict = {}
         self.fn = fn
         self.backend = backend
         self.cuda_graphs = cuda_graphs
@@ -210,6 +214,12 @@ class CompiledFunction:
                 return self._train(args, kwargs, leaves, lifted)
         key = call_signature([*lifted, *leaves],
                          module.training if module is not None else False) + structure
+        if self.derived:  # ints that are sizes of tensor arguments: where from, not the value
+            entries = list(key)
+            mine = entries[1 + len(lifted):1 + len(lifted) + len(leaves)]
+            dynamic.derive(mine, leaves, self.derived)
+            entries[1 + len(lifted):1 + len(lifted) + len(leaves)] = mine
+            key = tuple(entries)
         key += self._guards.key()  # the values of the Python state its program read
         compiled = self.compiled.get(key)
         family = None
@@ -333,6 +343,8 @@ class CompiledFunction:
         n_static = len(self._state_refs)
         dims = {i: frozenset(d for d in dynamic.marked_dims(t) if t.shape[d] >= 2)
                 for i, t in enumerate(tensors) if i >= n_static and dynamic.marked_dims(t)}
+        for i, ds in self.seed_dims.items():  # (a graph handed over with symbolic sizes)
+            dims[n_static + i] = dims.get(n_static + i, frozenset()) | ds
         if self.dynamic:
             dims = {i: frozenset(ds) | dims.get(i, frozenset())
                     for i, ds in dynamic.all_dims(tensors, n_static).items()}
@@ -502,7 +514,7 @@ class CompiledFunction:
                 # output drawn from random numbers names the line that drew them)
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail or
                                             self.check, same=same, reached=self._guards.reached,
-                                            dynamic=dims)
+                                            dynamic=dims, derived=self.derived if dims else None)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them

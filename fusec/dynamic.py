@@ -83,6 +83,36 @@ def all_dims(tensors: list, n_static: int) -> dict:
             for i, t in enumerate(tensors) if i >= n_static and t.dim()}
 
 
+def from_examples(example_inputs) -> tuple[dict, dict]:
+    """What a graph handed over with symbolic sizes (TorchDynamo's after a size changed, through
+    AOT Autograd: fake tensors with SymInt sizes, and SymInt arguments) says about its calls:
+    ({flat tensor position: dims that are symbols}, {argument position: (argument position of
+    a tensor, dim)} for each int argument that is a size of a tensor argument). The program is
+    then compiled for the family from its first call, and such an int is read from its tensor
+    (capture/frontend.py `flat_callable`'s `derived`), not kept as a value of the signature."""
+    dims, derived, where, k = {}, {}, {}, 0
+    for i, e in enumerate(example_inputs):
+        if isinstance(e, torch.Tensor):
+            for d, n in enumerate(e.shape):
+                if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                    dims.setdefault(k, set()).add(d)
+                    where.setdefault(n.node.expr, (i, d))
+            k += 1
+    for i, e in enumerate(example_inputs):
+        if isinstance(e, torch.SymInt) and e.node.expr in where:
+            derived[i] = where[e.node.expr]
+    return {t: frozenset(ds) for t, ds in dims.items()}, derived
+
+
+def derive(key_entries: list, leaves: list, derived: dict) -> None:
+    """Replace, in a signature's entries for `leaves`, each derived int (see `from_examples`)
+    by where it comes from, when it is that size on this call (else it stays a value)."""
+    for i, (j, d) in derived.items():
+        if i < len(leaves) and j < len(leaves) and isinstance(leaves[j], torch.Tensor) \
+                and leaves[j].dim() > d and leaves[i] == leaves[j].shape[d]:
+            key_entries[i] = ("size of", j, d)
+
+
 def guard_expression(captured) -> str:
     """The family's guards as one Python expression over `L['t0']`, `L['t1']`... (the flat input
     tensors): the ShapeEnv's guards after compiling (capture, passes, lowering and rendering all

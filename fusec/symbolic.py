@@ -14,7 +14,7 @@ import torch
 def hashable(x):
     """`x` (an int, a SymInt, or a tuple/list of them) as something a dict can key on: a SymInt
     becomes its sympy expression (`s0`, `64*s0`), which two equal sizes share."""
-    if isinstance(x, torch.SymInt):
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return x.node.expr
     if isinstance(x, (tuple, list)):
         return tuple(hashable(v) for v in x)
@@ -54,21 +54,31 @@ def hint(x):
 # capture) records which input size each symbol is (`x.size(0)`), for the program and for
 # comments in the kernels.
 
-def symbols_of(obj, seen=None) -> set:
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_LEAVES = (str, int, float, bool, type(None), torch.dtype, torch.device)
+_FIELDS: dict = {}  # dataclass type -> its field names
+
+
+def symbols_of(obj) -> set:
     """The sympy symbols of every SymInt inside `obj` (an IR, a dataclass, tuples, lists...)."""
     import dataclasses
-    out = set()
-    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return set(obj.node.expr.free_symbols)
-    if isinstance(obj, (tuple, list, set, frozenset)):
-        for v in obj:
-            out |= symbols_of(v)
-        return out
-    if isinstance(obj, dict):
-        return symbols_of(list(obj.values()))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            out |= symbols_of(getattr(obj, f.name))
+    out, stack = set(), [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _LEAVES) and not isinstance(x, _SYM):
+            continue
+        if isinstance(x, _SYM):
+            out |= x.node.expr.free_symbols
+        elif isinstance(x, (tuple, list, set, frozenset)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        else:
+            names = _FIELDS.get(type(x))
+            if names is None:
+                names = _FIELDS[type(x)] = tuple(f.name for f in dataclasses.fields(x)) \
+                    if dataclasses.is_dataclass(x) and not isinstance(x, type) else ()
+            stack.extend(getattr(x, n) for n in names)
     return out
 
 

@@ -16,9 +16,11 @@ each replacement in `record_of(gm).cse` as a `Merge(removed, kept)` (fusec/recor
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from fusec.record import Merge, record_of
+from fusec.symbolic import hashable
 
 from .grouping import impure
 
@@ -54,4 +56,6 @@ def _freeze(value):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
     if isinstance(value, float) and value != value:
         return ("nan",)  # NaN != NaN, but two NaN constants are the same argument
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("size", hashable(value))  # (hashing the SymFloat itself would pin its value)
     return value

@@ -108,7 +108,7 @@ def decompositions() -> dict:
 
 
 def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: list[int],
-                  lifted_names: list[str], reached: list = ()) -> Callable:
+                  lifted_names: list[str], reached: list = (), derived: dict | None = None) -> Callable:
     """fn as a function of flat tensors: the lifted parameters and buffers first, then the
     caller's tensors (other arguments stay as the caller gave them). Recurrent layers inside
     run as one op each (capture/rnn.py).
@@ -124,6 +124,8 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
         new_leaves = list(leaves)
         for pos, t in zip(tensor_pos, tensors[n_lifted:]):
             new_leaves[pos] = t
+        for pos, (of, d) in (derived or {}).items():  # an int that is a size: as a symbol
+            new_leaves[pos] = new_leaves[of].shape[d]
         copies = traced_copies(new_leaves)  # (Note: argument objects while tracing, calls.py)
         for pos, copied in copies.items():
             new_leaves[pos] = copied
@@ -141,7 +143,8 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
 
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             stack_traces: bool = False, same: dict | None = None,
-            reached: list = (), dynamic: dict | None = None) -> Captured:
+            reached: list = (), dynamic: dict | None = None,
+            derived: dict | None = None) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
 
     stack_traces: also record, on every node, the user's source line that produced it
@@ -154,6 +157,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     own (capture/guards.py: `Guards.reached`).
     dynamic: {flat input index (lifted state first): dims} to trace as symbols, for a program that
     serves every size of those dims (fusec/symbolic.py); its guards are on the ShapeEnv.
+    derived: {argument leaf: (tensor leaf, dim)}: int arguments traced as that tensor's size.
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
@@ -171,7 +175,7 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
 
     traced = _anchor(fn) if stack_traces else fn
     call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
-                         lifted_names, reached)
+                         lifted_names, reached, derived)
     flat_fn, seen = _flat_outputs(call, same)
     gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names, dynamic)
 

@@ -29,7 +29,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 # Python values returned as they are (not computed by the program): None, numbers, strings ...
-PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+         torch.SymInt, torch.SymFloat, torch.SymBool)  # (a SymInt: a size of a shape family)
 
 
 class _Object:

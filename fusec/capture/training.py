@@ -25,6 +25,7 @@ import torch
 from torch.fx import traceback as fx_traceback
 from torch.utils import _pytree as pytree
 
+from fusec import dynamic
 from fusec import env
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.breaks import innermost
@@ -257,6 +258,9 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
         read_through_aliases(gm)
         compiled = compile_fn(with_source_lines(gm))
+        # a graph with symbolic sizes (TorchDynamo's, once a size changed): a shape family's
+        # program from its first call (fusec/dynamic.py, from_examples)
+        compiled.seed_dims, compiled.derived = dynamic.from_examples(example_inputs)
         parts.append(compiled)
 
         def run(args):  # AOT Autograd's boxed convention: one list, which we may clear
