@@ -91,6 +91,8 @@ CASES = [
     ("layer_norm_k", lambda x: F.layer_norm(x, (x.shape[-1],)), lambda n: [_randn(6, n)],
      {0: {1}}, 40, SIZES),
     ("times_its_size", lambda x: x * x.shape[0] - 1, lambda n: [_randn(n, 4)], {0: {0}}, 37, SIZES),
+    ("size_as_float", lambda x: x * (1.0 / x.shape[0]) + x.shape[0] / 2, lambda n: [_randn(n, 4)],
+     {0: {0}}, 37, SIZES),
     ("argmax_k", lambda x: x.argmax(-1), lambda n: [_randn(9, n)], {0: {1}}, 40, SIZES),
     ("sum_over_rows", lambda x: (x * 2).sum(0), lambda n: [_randn(n, 70)], {0: {0}}, 300, SIZES),
     ("columns_last_dynamic", lambda x: x.sum(0), lambda n: [_randn(40, n)], {0: {1}}, 100, SIZES),
