@@ -54,8 +54,8 @@ class Backend:
     def build(self, source: str, name: str):
         return self.module.build(source, name)
 
-    def launcher(self, path, name: str, n_params: int):
-        return self.module.launcher(path, name, n_params)
+    def launcher(self, path, name: str, n_params: int, n_sizes: int = 0):
+        return self.module.launcher(path, name, n_params, n_sizes)
 
     def available(self) -> bool:
         available = getattr(self.module, "available", None)

@@ -104,8 +104,7 @@ def layout(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
 
     plan = LayoutPlan("channels_last", "", choices, conversions)
-    # estimates: a shape family's decide at the sizes it was traced with, unguarded (speed only)
-    plan.gain_s = hint(sum(c.gain_s for c in choices))
+    plan.gain_s = hint(sum(c.gain_s for c in choices))  # (estimates: at the traced sizes)
     plan.cost_s = hint(sum(conversion_cost(c) for c in conversions))
     if forced == "channels_last":
         plan.reason = "FUSEC_LAYOUT=channels_last (cost model overridden)"
@@ -313,7 +312,6 @@ def _price_conv(node: fx.Node) -> ConvChoice:
         gain = (_nbytes(x) + _nbytes(out)) / bandwidth * (1 - 1 / s)
         reason = (f"depthwise conv2d {short_dtype(out.dtype)} on {kind}: cuDNN's channels-last "
                   f"kernel measured {s:.1f}x faster than eager's NCHW one")
-    # (estimates: a shape family's at the sizes it was traced with, unguarded)
     return ConvChoice(node.name, what, float(hint(flops)), s, hint(gain), reason)
 
 

@@ -332,8 +332,8 @@ def test_a_kernel_no_cpu_backend_builds_runs_eagerly(fresh, monkeypatch, backend
 def test_a_triton_kernel_that_fails_at_first_launch_runs_eagerly(fresh, monkeypatch, fn):
     real = triton_codegen.launcher
 
-    def failing_module(path, name, n_params):
-        launcher = real(path, name, n_params)
+    def failing_module(path, name, n_params, n_sizes=0):
+        launcher = real(path, name, n_params, n_sizes)
         module = type(sys)(launcher.module.__name__)  # a copy: the real module stays intact
         vars(module).update(vars(launcher.module))
 

@@ -53,9 +53,9 @@ import math
 import torch
 import torch.fx as fx
 
-from fusec.symbolic import is_symbolic
 from fusec import ops
 from fusec.record import Decision
+from fusec.symbolic import is_symbolic
 
 from . import packed_chunks, refine_views
 from fusec.passes.grouping import new_node, record_decisions, val
@@ -146,12 +146,11 @@ def _plan(node: fx.Node):
     if bias is not None and not isinstance(val(bias), torch.Tensor):
         return None, "a scalar bias: library matmul"
     (m, k), n = xv.shape, bv.shape[1]
-    if is_symbolic((m, k, n)):  # a shape family's: its rows can be many (1 row is its own program)
+    if is_symbolic((m, k, n)):  # (a shape family's: 1 row is a program of its own)
         return None, "sizes are symbols (a shape family): library matmul"
-    if not out.dtype.is_floating_point:
-        return None, f"{out.dtype} matmul: library matmul"
-    if m == 0 or n == 0 or k == 0:
-        return None, "an empty operand: library matmul"
+    if not out.dtype.is_floating_point or m == 0 or n == 0 or k == 0:
+        return None, (f"{out.dtype} matmul: library matmul" if not out.dtype.is_floating_point
+                      else "an empty operand: library matmul")
     small = SMALL_M_GPU if out.device.type == "cuda" else SMALL_M
     if m > small:
         return None, (f"M = {m} rows > {small}: a tiled library GEMM reuses each weight "

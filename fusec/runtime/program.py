@@ -180,14 +180,20 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
             producers[slot(node.name)] = str(node.target)
     outputs = [slot(a.name) for a in output.args[0]]
     program = Program(len(slot_of), input_slots, constants, steps, outputs, producers, memory)
-    program.size_bindings = size_bindings(gm)
-    metas = [n.meta.get("fusec") for n in nodes if n.op == "placeholder"]
-    program.input_metas = [m if isinstance(m, TensorMeta) else None for m in metas]
-    program.input_ranks = [len(m.shape) if isinstance(m, TensorMeta) else None for m in metas]
+    describe_inputs(program, gm)
     program.slot_names = [None] * len(slot_of)
     for name, index in slot_of.items():
         program.slot_names[index] = name
     return program
+
+
+def describe_inputs(program: Program, gm: fx.GraphModule) -> None:
+    """What the writer needs of the inputs of a shape family's program: where each size symbol
+    is read (`size_bindings`), each input's meta and rank."""
+    program.size_bindings = size_bindings(gm)
+    metas = [n.meta.get("fusec") for n in gm.graph.nodes if n.op == "placeholder"]
+    program.input_metas = [m if isinstance(m, TensorMeta) else None for m in metas]
+    program.input_ranks = [len(m.shape) if isinstance(m, TensorMeta) else None for m in metas]
 
 
 def size_bindings(gm: fx.GraphModule) -> list[tuple]:

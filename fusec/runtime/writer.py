@@ -8,6 +8,10 @@ the result as `program.run`. See "Note: the per-call path" below for why.
 spelled as Python (`_fused_sin_0 = load_launcher(...)`), then the very text `run` was compiled
 from, then `call(x, w)`, which calls it. One writer makes both, so what is shown is what runs;
 exec the text and `call(...)` gives the same result (tests/test_wrapper.py).
+
+Why this file is long: one writer spells every kind of step twice over (the text that runs, the
+globals it reads as Python), for static programs and for shape families alike; split, a reader
+would chase how one line of `run` is made across files.
 """
 from __future__ import annotations
 
