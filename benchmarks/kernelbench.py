@@ -153,6 +153,21 @@ def time_side_by_side(fns: dict, device: str, rounds: int, budget_s: float) -> d
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def dynamic_batch(compiled, inputs):
+    """`compiled`, first called with dim 0 of every input marked dynamic
+    (`torch._dynamo.mark_dynamic`): its program is one for every batch size (fusec/dynamic.py),
+    and calls at the benchmark's shape run that program."""
+    marked = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] >= 2:
+            t = t.clone()
+            torch._dynamo.mark_dynamic(t, 0)
+        marked.append(t)
+    with torch.no_grad():
+        compiled(*marked)
+    return compiled
+
+
 def run_row(name: str, build, args) -> dict:
     """Build, check and time one problem or model; never raises."""
     import fusec
@@ -178,6 +193,9 @@ def run_row(name: str, build, args) -> dict:
                  "fusec": lambda: fusec.compile(model, backend=args.backend)}
     for other in getattr(args, "also_backends", ()):  # more fusec columns, timed in the same turns
         compilers[f"fusec_{other}"] = lambda other=other: fusec.compile(model, backend=other)
+    if getattr(args, "dynamic", False):  # the same, compiled for every batch size (dim 0 a symbol)
+        compilers["fusec_dynamic"] = lambda: dynamic_batch(fusec.compile(model, backend=args.backend),
+                                                           inputs)
     for key, make in compilers.items():
         try:
             start = time.perf_counter()
@@ -325,6 +343,8 @@ def main() -> None:
     parser.add_argument("--also-backends", default="", type=lambda s: [b for b in s.split(",") if b],
                         help="more fusec backends as columns, timed in the same turns (llvm)")
     parser.add_argument("--only", default="", help="comma-separated name prefixes")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also time fusec compiled for every batch size (dim 0 a symbol)")
     parser.add_argument("--skip-models", action="store_true")
     parser.add_argument("--skip-problems", action="store_true")
     parser.add_argument("--more-models", action="store_true",
