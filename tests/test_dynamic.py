@@ -295,6 +295,27 @@ def test_dynamic_false_compiles_every_size(backend):
     assert cf.compiles == 3 and not cf.families, cf.recompiles
 
 
+def test_torch_compile_hands_fusec_one_symbolic_graph(backend):
+    """torch.compile(backend="fusec") follows Dynamo's policy: its first graph is static, and
+    after a second size Dynamo hands over a graph with symbolic sizes, which fusec compiles once
+    (fusec/dynamic.py `from_examples`) and which serves every later size."""
+    torch._dynamo.reset()
+
+    def f(x):
+        return torch.softmax(x, -1) * 2 + 1
+    opt = torch.compile(f, backend="fusec", options={"backend": backend})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in (8, 13, 21, 300, 2):
+            same_as_eager(opt, f, torch.randn(n, 64, device=DEVICE[backend]))
+    assert not [w for w in seen if issubclass(w.category, fusec.FallbackWarning)]
+    parts = [part for region in fusec.regions(opt).regions for part in region.parts]
+    assert len(fusec.regions(opt).regions) == 2, str(fusec.regions(opt))
+    assert sum(part.compiles for part in parts) == 2, [part.recompiles for part in parts]
+    assert not [name for part in parts for name in fell_back(part)]
+    torch._dynamo.reset()
+
+
 # -- 4. a broken guard recompiles, and says which ------------------------------------------------
 def test_a_broken_guard_is_named(backend, monkeypatch, capsys):
     monkeypatch.setenv("FUSEC_LOG", "recompiles")
