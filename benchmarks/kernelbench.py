@@ -212,6 +212,10 @@ def run_row(name: str, build, args) -> dict:
                 fns[key] = (lambda c=compiled: c(*inputs))
             if key.startswith("fusec"):
                 row["kernels" + key[len("fusec"):]] = len(compiled.kernels)
+            if key == "fusec_dynamic":  # did it compile for every batch size, and if not, why
+                inner = getattr(compiled, "_compiled", compiled)
+                row["dynamic_families"] = len(inner.families)
+                row["dynamic_notes"] = inner.recompiles[-2:]
         except Exception as exc:  # noqa: BLE001
             row[f"{key}_ok"] = False
             row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -108,6 +108,7 @@ class CompiledFunction:
         # dims compiled as symbols from the first call, and the int arguments that are sizes
         self.seed_dims: dict = {}
         self.derived: dict = {}
+        self._pinned: set = set()  # dims that tracing pinned to numbers: not tried again
         self.fn = fn
         self.backend = backend
         self.cuda_graphs = cuda_graphs
@@ -363,7 +364,8 @@ class CompiledFunction:
                     dims = {i: family.dims.get(i, frozenset()) | dims.get(i, frozenset())
                             for i in set(family.dims) | set(dims)}
         dims = {i: frozenset(d for d in ds if tensors[i].shape[d] >= 2) for i, ds in dims.items()}
-        return {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
+        dims = {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
+        return {} if tuple(sorted(dims.items())) in self._pinned else dims
 
     def _compile_dynamic(self, key, args, kwargs, leaves, tensors: list, dims: dict):
         """Compile the program for a shape family (`dims` as symbols) and keep it as one; where
@@ -372,13 +374,14 @@ class CompiledFunction:
             with self._guards.recording(key) as recorded:
                 compiled = self._capture_and_compile(args, kwargs, None, events.wants_detail(),
                                                      True, tensors, None, dims)
-        except (GraphBreakError, UnsupportedError):
-            raise
         except Exception as err:  # noqa: BLE001 (the static program is always there)
             remember(self.recompiles, f"could not compile for every size ({type(err).__name__}: "
                                       f"{str(err).splitlines()[0][:200]}); compiled for this size")
             return self._compile_recorded(key, args, kwargs, leaves)
-        if compiled.captured.shape_env is None:  # (no size became a symbol after all)
+        if compiled.captured.shape_env is None:  # (tracing pinned every symbol: no family)
+            self._pinned.add(tuple(sorted(dims.items())))
+            remember(self.recompiles, "no size stayed a symbol while tracing (an op read each "
+                                      "as a number): compiled for this size")
             return compiled, recorded.key
         check, texts = dynamic.guard_check(compiled.captured)
         family = Family(dims, dynamic.family_key(tensors, dims, _rest_of(recorded.key)), compiled,
@@ -437,6 +440,8 @@ class CompiledFunction:
         call runs normally (it compiles and warms up), the second captures, later ones replay."""
         if self.cuda_graphs is False or compiled.graph_blocker is not None:
             return compiled.program(tensors)
+        if compiled.captured.shape_env is not None:  # a shape family: one CUDA graph per size
+            return self._run_sized(compiled, tensors, n_static)
         if compiled.runner is not None:
             out = compiled.runner(tensors)
             if out is not None:
@@ -447,6 +452,32 @@ class CompiledFunction:
             return compiled.program(tensors)
         compiled.runner = CudaGraphRunner(compiled.program, tensors, n_static)
         return compiled.runner(tensors)
+
+    GRAPHS_PER_FAMILY = 8  # CUDA graphs a shape family's program keeps (the sizes used last)
+
+    def _run_sized(self, compiled: "CompiledGraph", tensors: list, n_static: int) -> list:
+        """A shape family's program on CUDA: a CUDA graph is captured for each size, as
+        reduce-overhead does per size bucket (the second call of that size captures), and the
+        GRAPHS_PER_FAMILY sizes used last keep theirs; other sizes run step by step."""
+        size = tuple((tuple(t.shape), tuple(t.stride())) for t in tensors[n_static:])
+        runners = compiled.__dict__.setdefault("sized_runners", OrderedDict())
+        calls = compiled.__dict__.setdefault("sized_calls", {})
+        runner = runners.get(size)
+        if runner is not None:
+            runners.move_to_end(size)
+            out = runner(tensors)
+            if out is not None:
+                return out
+            del runners[size]  # a parameter moved: capture again
+        calls[size] = calls.get(size, 0) + 1
+        if calls[size] < 2:
+            if len(calls) > 4 * self.GRAPHS_PER_FAMILY:
+                calls.clear()  # (a bounded memory of sizes seen once)
+            return compiled.program(tensors)
+        runners[size] = CudaGraphRunner(compiled.program, tensors, n_static)
+        while len(runners) > self.GRAPHS_PER_FAMILY:
+            runners.popitem(last=False)
+        return runners[size](tensors)
 
     def _state(self) -> list[torch.Tensor]:
         """The module's parameters and buffers now (an optimizer may have replaced them)."""

@@ -183,6 +183,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     _rename_placeholders(gm, lifted_ph + user_names)
     annotate(gm)
     env = symbolic.name_sizes(gm) if dynamic else None
+    if dynamic and env is None:  # tracing pinned every symbol to its size: one signature's
+        return capture(fn, args, kwargs, stack_traces, same, reached)  # program, traced as one
     if device.type != "cpu":
         scalars_to_device(gm, device)
     return Captured(gm, lifted, lifted_names, user_names, seen["spec"], dict(seen["aliases"]),
