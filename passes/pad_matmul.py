@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import is_symbolic
 from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
@@ -69,6 +70,8 @@ def _plan(node: fx.Node):
     if out.device.type not in PAD_DEVICES or out.dtype not in _DTYPES:
         return None, f"{out.dtype} on {out.device.type}: no alignment to win"
     (m, k), n = av.shape, bv.shape[1]
+    if is_symbolic((m, k, n)):
+        return None, "sizes are symbols (a shape family): their alignment changes with the size"
     align = ALIGN_BYTES // out.element_size()
     pads = (-m % align, -k % align, -n % align)
     if not any(pads):

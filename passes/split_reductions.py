@@ -59,6 +59,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import is_symbolic
 from fusec import ops
 from fusec.record import Decision, record_of
 
@@ -101,6 +102,9 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             decisions.append(Decision(node.name, True, why))
             continue
         rows, k, per_program, programs = programs_of(node, red)
+        if is_symbolic((rows, k)):  # (a shape family's: its rows may be many; no guard on them)
+            decisions.append(Decision(node.name, False, "sizes are symbols: not split"))
+            continue
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
             continue
         spread = spread_columns(node, rows, per_program)

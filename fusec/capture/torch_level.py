@@ -86,6 +86,18 @@ def linear(input, weight, bias=None):
     return torch.matmul(input, weight.t()) + bias
 
 
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """On CUDA, SDPA picks its kernel (flash, memory-efficient, cuDNN) by reading the sizes as
+    numbers, which pins a shape family's symbols (or fails under fake tensors). For symbolic
+    inputs on CUDA it is traced as torch's own math formulation, which fusion then fuses (its
+    softmax one kernel); a static program keeps the library's attention kernel."""
+    if not query.is_cuda or not _symbolic(query) or dropout_p:
+        return NotImplemented
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
 def _symbolic(t) -> bool:
     return any(isinstance(n, torch.SymInt) and not n.node.expr.is_number for n in t.shape)
 
@@ -94,7 +106,8 @@ TORCH_LEVEL = {torch.instance_norm: instance_norm,
                torch.nn.functional.instance_norm: functional_instance_norm,
                torch.batch_norm: batch_norm,
                torch.nn.functional.batch_norm: functional_batch_norm,
-               torch.nn.functional.linear: linear, torch._C._nn.linear: linear}
+               torch.nn.functional.linear: linear, torch._C._nn.linear: linear,
+               torch.nn.functional.scaled_dot_product_attention: scaled_dot_product_attention}
 
 
 class _TorchLevel(torch.overrides.TorchFunctionMode):

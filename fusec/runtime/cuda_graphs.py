@@ -12,6 +12,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fusec.symbolic import hint
 from fusec.ir import TensorMeta
 from fusec.runtime.program import Program
 from fusec.runtime.steps import ExternStep, KernelStep, SlotRef, ViewStep
@@ -80,7 +81,8 @@ def graph_blocker(program: Program, gm: fx.GraphModule, n_inputs: int,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     copied = sum(_bytes(n) for n in placeholders[n_static:]) \
         + sum(_bytes(n) for n in gm.graph.output_node().all_input_nodes)
-    copy_us, gpu_us = copied / COPY_BYTES_PER_US, gpu_floor_us(program, gm)
+    copied = hint(copied)  # (a shape family's: estimated at the traced sizes, unguarded)
+    copy_us, gpu_us = copied / COPY_BYTES_PER_US, hint(gpu_floor_us(program, gm))
     kernels, externs, cpu_us = cpu_estimate(program)
     if cpu_us <= gpu_us + copy_us:
         return (f"its {kernels} launches and {externs} ATen calls (~{cpu_us:.0f} us of CPU) hide "
