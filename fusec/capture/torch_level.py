@@ -78,6 +78,8 @@ def functional_batch_norm(input, running_mean, running_var, weight=None, bias=No
 # a bias does (it flattens the input for addmm), and so does `F.pad`. For symbolic inputs they
 # are written here with the same ops, over symbolic sizes; a static program traces as before.
 def linear(input, weight, bias=None):
+    if bias is None and input.is_cuda and _symbolic(input):
+        return matmul(input, weight.t())
     if bias is None or input.dim() <= 2 or not _symbolic(input):
         return NotImplemented
     if input.is_contiguous():  # what the composite does: one addmm over the flattened rows
@@ -98,6 +100,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query, key, value, attn_mask, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
+def matmul(a, b):
+    """On CUDA, `matmul`'s composite reads sizes as numbers too (it pinned every transformer's
+    projections and rotary products): for symbolic inputs it is written as the mm or bmm it
+    folds to, over symbolic sizes. Other shapes (vectors) keep torch's own."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not a.is_cuda \
+            or not (_symbolic(a) or _symbolic(b)) or a.dim() < 2 or b.dim() < 2:
+        return NotImplemented
+    if b.dim() == 2:  # (..., m, k) @ (k, n): the rows of every batch in one mm
+        rows = a.reshape(-1, a.shape[-1])
+        return torch.mm(rows, b).view(*a.shape[:-1], b.shape[-1])
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return torch.bmm(a3, b3).view(*batch, a.shape[-2], b.shape[-1])
+
+
 def _symbolic(t) -> bool:
     return any(isinstance(n, torch.SymInt) and not n.node.expr.is_number for n in t.shape)
 
@@ -107,7 +125,8 @@ TORCH_LEVEL = {torch.instance_norm: instance_norm,
                torch.batch_norm: batch_norm,
                torch.nn.functional.batch_norm: functional_batch_norm,
                torch.nn.functional.linear: linear, torch._C._nn.linear: linear,
-               torch.nn.functional.scaled_dot_product_attention: scaled_dot_product_attention}
+               torch.nn.functional.scaled_dot_product_attention: scaled_dot_product_attention,
+               torch.matmul: matmul, torch.Tensor.__matmul__: matmul, torch.Tensor.matmul: matmul}
 
 
 class _TorchLevel(torch.overrides.TorchFunctionMode):
