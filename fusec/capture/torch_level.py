@@ -10,6 +10,7 @@ torch's own composite should run after all.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -96,8 +97,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     softmax one kernel); a static program keeps the library's attention kernel."""
     if not query.is_cuda or not _symbolic(query) or dropout_p:
         return NotImplemented
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, 0.0, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    return attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+def attention(q, k, v, mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """softmax(q @ k^T * scale + mask) @ v, as F.scaled_dot_product_attention defines it, from
+    ops that keep sizes symbolic (torch's own math kernel reads them as numbers too)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:  # grouped heads: each key head serves several
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask
+    return matmul(torch.softmax(scores, dim=-1), v)
 
 
 def matmul(a, b):
