@@ -248,15 +248,17 @@ class CompiledFunction:
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
         elif plain and all(type(a) in PLAIN_TENSORS for a in args):
-            if compiled.captured.shape_env is not None:  # one fast path for the whole family
-                key = ("family", id(compiled))
-            self._fast = self._fast_paths.get(key) or self._fast_path(key, compiled, tensors, len(args))
+            kept = ("family", id(compiled)) if compiled.captured.shape_env is not None else key
+            # (one fast path for a whole family, checking the Python state this call's key holds)
+            self._fast = self._fast_paths.get(kept) or self._fast_path(key, compiled, tensors,
+                                                                       len(args), kept)
         return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
 
     def _fast_path(self, key: tuple, compiled: "CompiledGraph", tensors: list,
-                   n_args: int) -> Callable:
-        """The fast path for calls like this one (fusec/fastpath.py), kept for its signature."""
-        self._fast_paths[key] = fast = make_fast_path(compiled, tensors, n_args, self,
+                   n_args: int, kept: tuple | None = None) -> Callable:
+        """The fast path for calls like this one (fusec/fastpath.py), kept for its signature (or,
+        `kept`, for its shape family)."""
+        self._fast_paths[kept or key] = fast = make_fast_path(compiled, tensors, n_args, self,
                                                       self._state_refs, self._module,
                                                       self._guards.fast_lines(key))
         return fast

@@ -179,6 +179,7 @@ def programs_of(node: fx.Node, red: ops.ReductionCall) -> tuple[int, int, int, i
     (rows side by side in memory, each row's elements strided), with the strides the layout
     pass chose."""
     shape, strides = meta(red.operand).shape, meta(red.operand).stride  # after the layout pass
+    shape, strides = hint(shape), hint(strides)  # (a heuristic: a family's at its traced sizes)
     k = rows = 1
     for d, size in enumerate(shape):
         if d in red.dims:

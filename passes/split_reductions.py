@@ -102,7 +102,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             decisions.append(Decision(node.name, True, why))
             continue
         rows, k, per_program, programs = programs_of(node, red)
-        if is_symbolic((rows, k)):  # (a shape family's: its rows may be many; no guard on them)
+        if is_symbolic(meta(red.operand).shape):  # (a shape family's: no guard on its sizes)
             decisions.append(Decision(node.name, False, "sizes are symbols: not split"))
             continue
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:

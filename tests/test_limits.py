@@ -44,7 +44,7 @@ def _rss_bytes() -> int:
 def test_500_batch_sizes_stop_compiling_at_the_limit():
     """The issue's case: a function called with 500 batch sizes compiled 500 programs and kept
     189 MiB. Now: 8 programs, one warning naming what changed, eager's answers after that."""
-    cf = fusec.compile(softmax, backend="cpp")
+    cf = fusec.compile(softmax, backend="cpp", dynamic=False)  # (families: tests/test_dynamic.py)
     xs = [torch.randn(n, 64) for n in range(1, 501)]
     for x in xs[:3]:  # (warm: the first compiles load the backend)
         cf(x)
@@ -71,7 +71,7 @@ def test_500_batch_sizes_stop_compiling_at_the_limit():
 
 def test_the_limit_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", "2")
-    cf = fusec.compile(scaled, backend="cpp")
+    cf = fusec.compile(scaled, backend="cpp", dynamic=False)
     with pytest.warns(UserWarning, match=r"recompile limit .*x: shape \(3,\) -> \(4,\)"):
         for n in (2, 3, 4, 5):
             x = torch.randn(n)
@@ -81,11 +81,11 @@ def test_the_limit_comes_from_the_environment(monkeypatch):
 
 def test_dtype_and_stride_changes_are_named(monkeypatch):
     monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", "1")
-    cf = fusec.compile(scaled, backend="cpp")
+    cf = fusec.compile(scaled, backend="cpp", dynamic=False)
     cf(torch.randn(4, 4))
     with pytest.warns(UserWarning, match=r"x: strides \(4, 1\) -> \(1, 4\)"):
         cf(torch.randn(4, 4).t())
-    cf = fusec.compile(scaled, backend="cpp")
+    cf = fusec.compile(scaled, backend="cpp", dynamic=False)
     cf(torch.randn(4))
     with pytest.warns(UserWarning, match=r"x: dtype torch.float32 -> torch.float64"):
         cf(torch.randn(4, dtype=torch.float64))
@@ -95,14 +95,14 @@ def test_dtype_and_stride_changes_are_named(monkeypatch):
 def test_a_bad_limit_is_an_error_naming_the_variable(value, monkeypatch):
     monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", value)
     with pytest.raises(FusecError, match="FUSEC_RECOMPILE_LIMIT"):
-        fusec.compile(scaled, backend="cpp")(torch.randn(3))
+        fusec.compile(scaled, backend="cpp", dynamic=False)(torch.randn(3))
 
 
 def test_lowering_the_limit_drops_the_least_recently_called_programs(monkeypatch):
     """FUSEC_RECOMPILE_LIMIT is read on every new signature; lowered, it also bounds the
     programs kept: the least recently called go first, with their fast paths."""
     monkeypatch.setenv("FUSEC_RECOMPILE_LIMIT", "4")
-    cf = fusec.compile(scaled, backend="cpp")
+    cf = fusec.compile(scaled, backend="cpp", dynamic=False)
     xs = {n: torch.randn(n) for n in (1, 2, 3, 4, 5)}
     for n in (1, 2, 3, 4):
         cf(xs[n])

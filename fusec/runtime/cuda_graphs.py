@@ -125,8 +125,9 @@ def gpu_floor_us(program: Program, gm: fx.GraphModule) -> float:
             moved = sum(slot_bytes(r.slot) for r in refs) + slot_bytes(step.out_slot)
             shapes = [_meta(slot_nodes[r.slot]) for r in refs if r.slot < len(slot_nodes)]
             out = _meta(slot_nodes[step.out_slot]) if step.out_slot < len(slot_nodes) else None
-            total += max(moved / HBM_BYTES_PER_US, _flops_us(step, shapes, out))
-    return total
+            # (an estimate: a shape family's at the sizes it was traced with, unguarded)
+            total += max(hint(moved) / HBM_BYTES_PER_US, hint(_flops_us(step, shapes, out)))
+    return hint(total)
 
 
 def _meta(node) -> TensorMeta | None:
