@@ -174,8 +174,8 @@ class Explanation:
             out += [f"  {i}. {reason}" for i, reason in enumerate(self.recompiles, 1)]
         if self.family is not None:
             out.append("\n=== shape family: one program for every size these guards allow ===")
-            out += [f"  {s['symbol']} = {s['source']}  (named {s['name']} in the program)"
-                    for s in self.family["symbols"]]
+            out += [f"  {s['symbol']} = {s['source']}, {s['range']}  (named {s['name']} in the "
+                    "program)" for s in self.family["symbols"]]
             out.append("  guards (what compiling assumed; a call that breaks one compiles again):")
             out += [f"    {g}" for g in self.family["guards"]] or ["    none beyond the sizes"]
         out += training_section(self.training, walk_note=True)
@@ -257,11 +257,23 @@ def family_info(captured) -> dict | None:
     from fusec.runtime.program import size_bindings
     from fusec.symbolic import guards_with_places
     symbols = [{"symbol": str(sym), "name": name,
-                "source": f"{name.rsplit('_', 1)[0]}.{kind}({d})"}
+                "source": f"{name.rsplit('_', 1)[0]}.{kind}({d})",
+                "range": _range(captured.shape_env, sym)}
                for sym, name, _, kind, d in size_bindings(captured.gm)]
     guards = [f"{g}  ({where})" if where else g
               for g, where in guards_with_places(captured.shape_env)]
     return {"symbols": symbols, "guards": guards}
+
+
+def _range(env, sym) -> str:
+    """The sizes a symbol may take in its family, from what compiling assumed (`2 or more`:
+    0 and 1 are programs of their own; a guard such as `s0 < 132` bounds it above)."""
+    bounds = getattr(env, "var_to_range", {}).get(sym)
+    if bounds is None:
+        return "any"
+    low, high = bounds.lower, bounds.upper
+    top = None if not getattr(high, "is_finite", True) or str(high) in ("oo", "int_oo") else high
+    return f"{low} or more" if top is None else f"{low} to {top}"
 
 
 def explain_regions(model, inputs: tuple, kwargs: dict, backend: str,
