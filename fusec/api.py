@@ -432,7 +432,8 @@ class CompiledFunction:
         hold built kernels, locks and memory): the copy compiles, or loads the programs saved on
         disk (fusec/runtime/fast_start/saved.py), on its first call."""
         return {"fn": self.fn, "options": dict(backend=self.backend, cuda_graphs=self.cuda_graphs,
-                                               check=self.check, fullgraph=self.fullgraph)}
+                                               check=self.check, fullgraph=self.fullgraph,
+                                               dynamic=self.dynamic)}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fn"], **state["options"])
