@@ -141,6 +141,9 @@ class Explanation:
         return llvm.assembly(llvm.render(k.ir, chosen), k.name, chosen)
 
     def to_dict(self) -> dict:
+        return plain_data(self._dict())
+
+    def _dict(self) -> dict:
         gm = self.compiled.gm
         cg = self.compiled
         return {
@@ -263,6 +266,21 @@ def family_info(captured) -> dict | None:
     guards = [f"{g}  ({where})" if where else g
               for g, where in guards_with_places(captured.shape_env)]
     return {"symbols": symbols, "guards": guards}
+
+
+def plain_data(value):
+    """`value` with every size that is a symbol (a shape family's SymInt) as its text (`s26`), so
+    explain's dict is plain data (json.dumps takes it)."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        items = [plain_data(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 def _range(env, sym) -> str:
