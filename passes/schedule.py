@@ -22,14 +22,13 @@ The graph order is already topological, so the order of steps is the graph's. Me
 from __future__ import annotations
 
 import torch
-
-from fusec.symbolic import hashable
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusec import ops
 from fusec.ir import Layout, TensorMeta, contiguous_strides
 from fusec.record import Step, format_schedule, record_of
+from fusec.symbolic import hashable
 
 from .grouping import indexed_write
 

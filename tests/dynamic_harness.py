@@ -9,9 +9,11 @@ size arguments (fusec.symbolic.size_params), each bound from the input size it s
 """
 from __future__ import annotations
 
+import sympy
 import torch
 
 from fusec.capture.frontend import capture
+from fusec.check import compare
 from fusec.driver import compile_graph
 from fusec.symbolic import size_params
 
@@ -56,3 +58,33 @@ def run_one_kernel(fn, example, dynamic, backend, inputs, compiled_once=None):
     sizes = bind_sizes(captured, inputs)
     kernel.launcher(*args, *[sizes[s] for s in size_params(kernel.ir)])
     return outs, expected, (captured, compiled, kernel)
+
+
+def randn(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    """Seeded inputs: normal floats, or integers in [-50, 50) for an integer dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=gen).to(dtype)
+    else:
+        t = torch.randint(-50, 50, shape, generator=gen).to(dtype)
+    return t.to(device)
+
+
+def guards_pinning(captured) -> list[str]:
+    """The guards that pin a symbol to one number (`Eq(s26, 37)`): none may remain."""
+    out = []
+    for g in captured.shape_env.guards:
+        expr = g.expr
+        if isinstance(expr, sympy.Eq) and (expr.lhs.is_Number or expr.rhs.is_Number):
+            out.append(str(expr))
+    return out
+
+
+def check_outputs(what: str, fn, inputs, outs, expected, source: str) -> None:
+    """Each output as close to eager's as the project's check allows, judged against a float64
+    reference (fusec.check.compare)."""
+    wide = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
+    wide = wide if isinstance(wide, (tuple, list)) else [wide]
+    for got, want, ref in zip(outs, expected, wide):
+        problem = compare(got, want, ref if want.is_floating_point() else None)
+        assert problem is None, f"{what}: {problem}\n{source}"

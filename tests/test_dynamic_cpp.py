@@ -11,12 +11,12 @@ must still be right), and one large enough that the kernel runs on several threa
 no guard pins a symbol to one number.
 """
 import pytest
-import sympy
 import torch
 import torch.nn.functional as F
 
 import fusec
-from dynamic_harness import compile_one, run_one_kernel
+from dynamic_harness import check_outputs, compile_one, guards_pinning, run_one_kernel
+from dynamic_harness import randn as _randn
 from fusec import events
 from fusec.check import compare
 from fusec.codegen.cpu_plan import PARALLEL_WORK, work_bytes
@@ -25,11 +25,6 @@ from fusec.symbolic import hint, size_params
 SIZES = [2, 3, 7, 13, 127, 1031]
 
 
-def _randn(*shape, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(-50, 50, shape, generator=gen).to(dtype)
 
 
 # (id, fn, inputs(n) -> list of tensors, dynamic {input: dims}, example n, sizes launched)
@@ -95,14 +90,6 @@ CASES = [
 ]
 
 
-def _guards_pinning(captured) -> list[str]:
-    """The guards that pin a symbol to one number (`Eq(s26, 37)`): none may remain."""
-    out = []
-    for g in captured.shape_env.guards:
-        expr = g.expr
-        if isinstance(expr, sympy.Eq) and (expr.lhs.is_Number or expr.rhs.is_Number):
-            out.append(str(expr))
-    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -119,12 +106,8 @@ def test_one_build_for_every_size(case):
         inputs = make(n)
         outs, expected, again = run_one_kernel(fn, None, dynamic, "cpp", inputs, compiled_once=once)
         assert again[2] is kernel and kernel.launcher.lib == lib  # the same build, launched
-        wide = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
-        wide = wide if isinstance(wide, (tuple, list)) else [wide]
-        for got, want, ref in zip(outs, expected, wide):
-            problem = compare(got, want, ref if want.is_floating_point() else None)
-            assert problem is None, f"{name} at n={n}: {problem}\n{kernel.source}"
-    assert not _guards_pinning(captured), _guards_pinning(captured)
+        check_outputs(f"{name} at n={n}", fn, inputs, outs, expected, kernel.source)
+    assert not guards_pinning(captured), guards_pinning(captured)
 
 
 def test_threads_chosen_per_call():

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._sympy import functions as sym
 
-from dynamic_harness import bind_sizes, compile_one, run_one_kernel
-from fusec.check import compare
+from dynamic_harness import bind_sizes, check_outputs, compile_one, guards_pinning, run_one_kernel
+from dynamic_harness import randn as _randn
 from fusec.codegen import llvm
 from fusec.codegen.llvm.sizes import Sizes
 from fusec.symbolic import size_params
@@ -29,11 +29,6 @@ from fusec.symbolic import size_params
 SIZES = [1, 2, 3, 7, 13, 127, 1031]
 
 
-def _randn(*shape, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(-50, 50, shape, generator=gen).to(dtype)
 
 
 # (id, fn, inputs(n) -> list of tensors, dynamic {input: dims}, example n, sizes launched)
@@ -97,14 +92,6 @@ CASES = [
 ]
 
 
-def _guards_pinning(captured) -> list[str]:
-    """The guards that pin a symbol to one number (`Eq(s26, 37)`): none may remain."""
-    out = []
-    for g in captured.shape_env.guards:
-        expr = g.expr
-        if isinstance(expr, sympy.Eq) and (expr.lhs.is_Number or expr.rhs.is_Number):
-            out.append(str(expr))
-    return out
 
 
 def _in_family(captured, inputs) -> None:
@@ -117,12 +104,6 @@ def _in_family(captured, inputs) -> None:
         assert bool(expr), f"sizes {values} break the guard {g.expr}: not in the family"
 
 
-def _check(name, fn, inputs, outs, expected, source):
-    wide = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
-    wide = wide if isinstance(wide, (tuple, list)) else [wide]
-    for got, want, ref in zip(outs, expected, wide):
-        problem = compare(got, want, ref if want.is_floating_point() else None)
-        assert problem is None, f"{name}: {problem}\n{source}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -140,8 +121,8 @@ def test_one_build_for_every_size(case):
         outs, expected, again = run_one_kernel(fn, None, dynamic, "llvm", inputs, compiled_once=once)
         assert again[2] is kernel  # the same build, launched again
         assert kernel.launcher.lib == obj and kernel.launcher.address == fn_address
-        _check(f"{name} at n={n}", fn, inputs, outs, expected, kernel.source)
-    assert not _guards_pinning(captured), _guards_pinning(captured)
+        check_outputs(f"{name} at n={n}", fn, inputs, outs, expected, kernel.source)
+    assert not guards_pinning(captured), guards_pinning(captured)
 
 
 def _sized_launch(kernel, n_rows):
@@ -168,7 +149,7 @@ def test_work_and_threads_are_asked_per_call():
     assert work == 20000 and parallel
     for n in (10, 20000):
         outs, expected, _ = run_one_kernel(fn, None, {0: {0}}, "llvm", make(n), compiled_once=once)
-        _check(f"n={n}", fn, make(n), outs, expected, src)
+        check_outputs(f"n={n}", fn, make(n), outs, expected, src)
 
 
 @pytest.mark.parametrize("parts", [2, 3, 7])
@@ -189,7 +170,7 @@ def test_any_number_of_parts_with_sizes(parts, openmp, monkeypatch):
         for n in (5, 333, 1000):
             outs, expected, _ = run_one_kernel(fn, None, dynamic, "llvm", make(n),
                                                compiled_once=once)
-            _check(f"n={n}", fn, make(n), outs, expected, once[2].source)
+            check_outputs(f"n={n}", fn, make(n), outs, expected, once[2].source)
     if openmp:  # trampolines keyed by (pointers, sizes) for kernels that take sizes
         assert (2, 1) in llvm._TRAMPOLINES
 

@@ -19,12 +19,12 @@ import re
 from pathlib import Path
 
 import pytest
-import sympy
 import torch
 import torch.nn.functional as F
 
 from conftest import TRITON_DEVICE
-from dynamic_harness import bind_sizes, compile_one, run_one_kernel
+from dynamic_harness import bind_sizes, check_outputs, compile_one, guards_pinning, run_one_kernel
+from dynamic_harness import randn as _any_randn
 from fusec.check import compare
 from fusec.ir import family
 from fusec.runtime.fast_start.triton_launch import TritonLauncher, size_kinds
@@ -36,13 +36,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 SIZES = [2, 3, 7, 13, 127, 1031]
 
 
+
+
 def _randn(*shape, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        t = torch.randn(shape, generator=gen).to(dtype)
-    else:
-        t = torch.randint(-50, 50, shape, generator=gen).to(dtype)
-    return t.to(TRITON_DEVICE)
+    return _any_randn(*shape, dtype=dtype, seed=seed, device=TRITON_DEVICE)
 
 
 # (id, fn, inputs(n) -> list of tensors, dynamic {input: dims}, example n, sizes launched)
@@ -107,14 +104,6 @@ CASES = [
 ]
 
 
-def _guards_pinning(captured) -> list[str]:
-    """The guards that pin a symbol to one number (`Eq(s26, 37)`): none may remain."""
-    out = []
-    for g in captured.shape_env.guards:
-        expr = g.expr
-        if isinstance(expr, sympy.Eq) and (expr.lhs.is_Number or expr.rhs.is_Number):
-            out.append(str(expr))
-    return out
 
 
 def _signature(source: str, name: str) -> list[str]:
@@ -144,12 +133,8 @@ def test_one_build_for_every_size(case):
                                                compiled_once=once)
         # the same module, launched at this size
         assert again[2] is kernel and kernel.launcher.module is module and kernel.launcher.lib == lib
-        wide = fn(*[t.double() if t.is_floating_point() else t for t in inputs])
-        wide = wide if isinstance(wide, (tuple, list)) else [wide]
-        for got, want, ref in zip(outs, expected, wide):
-            problem = compare(got, want, ref if want.is_floating_point() else None)
-            assert problem is None, f"{name} at n={n}: {problem}\n{source}"
-    assert not _guards_pinning(captured), _guards_pinning(captured)
+        check_outputs(f"{name} at n={n}", fn, inputs, outs, expected, source)
+    assert not guards_pinning(captured), guards_pinning(captured)
 
 
 def test_row_longer_than_its_block_is_looped():
