@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import fusec
+from fusec.symbolic import size_params
 from fusec import ops
 from fusec.codegen import cpp, llvm
 from fusec.codegen.llvm import compiler as llvm_build
@@ -141,6 +142,28 @@ def by_program():
             found[label] = [k.ir for k in fusec.explain(fn, *inputs, backend="llvm").compiled.kernels]
     finally:
         frontend.decompositions = original
+    found.update(dynamic_programs())
+    return found
+
+
+def dynamic_programs() -> dict:
+    """Kernels of shape families (docs/dynamic.md): their sizes are arguments, not constants, and
+    every target must compile those too (a row count that is a symbol, a reduced dim that is)."""
+    from fusec.capture.frontend import capture
+    from fusec.driver import compile_graph
+    found = {}
+    for dt in FLOATS:
+        x, y = randf((37, 24), dt, "cpu", seed=1), randf((37, 24), dt, "cpu", seed=2)
+        for label, fn, inputs, dims in (
+                ("float_unary", _float_unary, (x,), {0: {0}}),
+                ("float_binary", _float_binary, (x, y), {0: {0, 1}, 1: {0, 1}}),
+                ("float_reductions", _float_reductions, (x,), {0: {0, 1}}),
+                ("column_reductions", _column_reductions, (x,), {0: {0}}),
+                ("cats", _cats, (x, y), {0: {0}, 1: {0}})):
+            compiled = compile_graph(capture(fn, inputs, dynamic=dims), "llvm")
+            irs = [k.ir for k in compiled.kernels]
+            assert any(size_params(ir) for ir in irs), f"{label}: no kernel takes a size"
+            found[f"dynamic_{label}_{dt}"] = irs
     return found
 
 
