@@ -274,6 +274,10 @@ class CompiledFunction:
             compiled = self.compiled.get(self._guards.compiled_meanwhile(key))
             if compiled is not None:
                 return compiled
+            tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
+            family = self._family_for(tensors, key) if self.families and not same else None
+            if family is not None:  # another thread compiled a family that serves this call
+                return family.compiled
             limit = recompile_limit()
             for old in trim(self.compiled, limit):  # (only when the limit was lowered)
                 if self._fast_paths.pop(old, None) is self._fast:
@@ -293,7 +297,6 @@ class CompiledFunction:
                     changed += f"; the shape family's guard {broken} failed"
                 remember(self.recompiles, changed)
                 events.publish("recompiled", label_of(self.fn), changed)
-            tensors = [*self._state(), *(l for l in leaves if isinstance(l, torch.Tensor))]
             dims = {} if same else self._dynamic_dims(key, tensors)
             try:
                 compiled, key = self._compile_dynamic(key, args, kwargs, leaves, tensors, dims) \
