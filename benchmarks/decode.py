@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
                                 [--systems eager,torch.compile,reduce-overhead,fusec] [--batch 1]
-                                [--fit] [--json out.json]
+                                [--fit] [--prefill N] [--json out.json]
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). `--formats ...,awq` adds AWQ's packing (eight nibbles
@@ -23,6 +23,14 @@ each next token wins by a margin as a trained model's does, then quantizes them 
 prompt is the passage's first 8 tokens, and "same tokens as eager" then asks whether each system
 decodes what eager decodes (and the last column whether eager decodes the rest of the passage).
 
+`--prefill N` serves N requests instead, each a prompt of a random length (2 to 128 tokens, one
+seed) prefilled in one forward (examples/llama_decode.py `Prefill`: the whole prompt's keys and
+values written into the cache at once), then `--steps` greedy tokens decoded one at a time. Each
+new prompt length is a new shape: the table gives how many programs each system compiled for the
+prefill (fusec: a shape family after the second length, docs/dynamic.md; torch.compile: automatic
+dynamic shapes), the median prefill time, decode tokens/s and whether every request's tokens
+equal eager's.
+
 Systems: eager; torch.compile (default); torch.compile(mode="reduce-overhead") (CUDA graphs);
 fusec, whose step is captured as one CUDA graph by this script: the model writes its KV cache in
 place, and fusec's own CUDA-graph runner launches such programs step by step
@@ -39,7 +47,7 @@ import time
 import torch
 
 import fusec
-from fusec.examples.llama_decode import REAL, TINY, Llama
+from fusec.examples.llama_decode import REAL, TINY, Llama, Prefill
 from fusec.examples.llama_fit import PASSAGE, encode, fitted, with_format
 
 PROMPT = [1, 5, 9, 14, 2, 7, 3, 11]
@@ -90,6 +98,95 @@ def decode(step, model, steps: int, device, batch: int = 1, prompt_ids=PROMPT) -
     return [t[0] if batch == 1 else t for t in tokens], seconds
 
 
+def serve(prefill, step, model, prompts: list, steps: int, device) -> tuple[list, list, float]:
+    """Each prompt (B, T) prefilled at once, then `steps` tokens decoded from position T. Returns
+    (tokens per request, prefill seconds per request, decode seconds in all)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    positions = [torch.tensor([i], device=device) for i in range(model.cfg["max_seq"])]
+    tokens, prefill_s, decode_s = [], [], 0.0
+    with torch.no_grad():
+        for prompt in prompts:
+            model.reset()
+            sync()
+            t0 = time.perf_counter()
+            tok = prefill(prompt).argmax(-1)
+            sync()
+            t1 = time.perf_counter()
+            out = [tok]
+            for i in range(prompt.shape[1], prompt.shape[1] + steps - 1):
+                tok = step(tok, positions[i]).argmax(-1)
+                out.append(tok)
+            sync()
+            prefill_s.append(t1 - t0)
+            decode_s += time.perf_counter() - t1
+            tokens.append(torch.stack(out).tolist())
+    return tokens, prefill_s, decode_s
+
+
+def prefill_compiles(system: str, compiled_prefill) -> int | None:
+    """How many programs `system` compiled for the prefill so far."""
+    if system == "fusec":
+        return compiled_prefill._compiled.compiles
+    if system in ("torch.compile", "reduce-overhead"):
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+    return None
+
+
+def make_prefill(system: str, model):
+    prefill = Prefill(model)
+    if system == "eager":
+        return prefill
+    if system == "torch.compile":
+        return torch.compile(prefill)
+    if system == "reduce-overhead":
+        return torch.compile(prefill, mode="reduce-overhead")
+    if system == "fusec":
+        return fusec.compile(prefill)
+    raise ValueError(system)
+
+
+def main_prefill(args, cfg, device) -> list:
+    """`--prefill N` (see the module docstring)."""
+    import random
+    import statistics
+    rng = random.Random(0)
+    top = min(128, cfg["max_seq"] - args.steps)
+    lengths = [rng.randint(2, top) for _ in range(args.prefill)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg["vocab"], (args.batch, n), generator=gen).to(device)
+               for n in lengths]
+    print(f"{args.prefill} requests, prompt lengths {lengths}, {args.steps} tokens each", flush=True)
+    print(f"{'format':6s} {'system':16s} {'prefill compiles':>16s} {'prefill ms':>10s} "
+          f"{'decode tok/s':>12s}  same tokens as eager", flush=True)
+    results = []
+    for fmt in args.formats.split(","):
+        model = Llama(cfg, fmt, device=device).eval()
+        reference = None
+        for system in args.systems.split(","):
+            torch._dynamo.reset()
+            from torch._dynamo.utils import counters
+            counters.clear()
+            t0 = time.perf_counter()
+            prefill, step = make_prefill(system, model), make(system, model, device, args.batch)
+            serve(prefill, step, model, prompts[:1], 2, device)  # warm up (compiles)
+            warm = time.perf_counter() - t0
+            tokens, prefill_s, decode_s = serve(prefill, step, model, prompts, args.steps, device)
+            if system == "eager":
+                reference = tokens
+            same = None if reference is None else tokens == reference
+            row = dict(format=fmt, system=system, lengths=lengths,
+                       prefill_compiles=prefill_compiles(system, prefill),
+                       prefill_ms=1e3 * statistics.median(prefill_s),
+                       decode_tokens_per_s=args.batch * len(prompts) * (args.steps - 1) / decode_s,
+                       same=same, warmup_s=warm)
+            results.append(row)
+            print(f"{fmt:6s} {system:16s} {str(row['prefill_compiles']):>16s} "
+                  f"{row['prefill_ms']:10.3f} {row['decode_tokens_per_s']:12.1f}  {same}", flush=True)
+            del prefill, step
+    return results
+
+
 def make(system: str, model, device, batch: int = 1):
     if system == "eager":
         return model
@@ -113,6 +210,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--fit", action="store_true",
                    help="fit the weights to a passage first (examples/llama_fit.py)")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="serve this many requests: prompts of random lengths prefilled at once")
     p.add_argument("--json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,8 +219,15 @@ def main() -> None:
     cfg = dict(REAL if size == "real" else TINY)
     if args.layers:
         cfg["layers"] = args.layers
-    cfg["max_seq"] = max(cfg["max_seq"], len(PROMPT) + args.steps)
+    cfg["max_seq"] = max(cfg["max_seq"], (128 if args.prefill else len(PROMPT)) + args.steps)
     cfg["batch"] = args.batch
+    if args.prefill:
+        results = main_prefill(args, cfg, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(cfg=cfg, device=torch.cuda.get_device_name() if device == "cuda"
+                               else "cpu", torch=torch.__version__, results=results), f, indent=1)
+        return
     prompt, passage, base, fit = PROMPT, None, None, None
     if args.fit:
         passage = encode(PASSAGE)[:len(PROMPT) + args.steps]

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.record import group_info
+from fusec.symbolic import is_symbolic, text
 from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, Store, TensorMeta,
                       Var)
 
@@ -367,7 +368,8 @@ def ident(name: str) -> str:
 
 
 def origin_of(node: fx.Node) -> str:
-    args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
+    args = ", ".join(a.name if isinstance(a, fx.Node) else text(a) if is_symbolic(a)
+                     else repr(a) for a in node.args)
     return f"{node.name} = {node.target}({args})"
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import torch
+
 from fusec.errors import UnsupportedError
 
 BACKEND_PACKAGES = ("triton", "cpp", "llvm")
@@ -29,7 +31,16 @@ def environment(*folders: str) -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
+        # a size of a shape family prints by the name of the input size it is (`x_size0`), in
+        # code and comments alike (fusec.symbolic.text)
+        finalize=_readable,
     )
+
+
+def _readable(value):
+    """(the templates' finalize: every `{{ value }}` goes through it)"""
+    from fusec.symbolic import text
+    return text(value) if isinstance(value, (tuple, list, torch.SymInt, torch.SymFloat)) else value
 
 
 def render_template(template: str, **context) -> str:

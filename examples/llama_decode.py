@@ -111,6 +111,50 @@ class Block(torch.nn.Module):
         x = self.mlp_norm(h)
         return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def prefill(self, h, pos, cos, sin, mask):
+        """A prompt of T tokens at once: h (B, T, dim) at positions `pos` (T,), each query seeing
+        the cache up to its own position (`mask` (T, max_seq)). T is a prompt's length, a new
+        one on almost every request: the size a shape family keeps a symbol (docs/dynamic.md)."""
+        b, t = h.shape[0], h.shape[1]
+        x = self.attn_norm(h)
+        q = self.wq(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        group = self.heads // self.kv_heads
+        qg = q.reshape(b, self.kv_heads, group * t, self.head_dim)
+        scores = (qg @ self.k_cache.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.view(b, self.kv_heads, group, t, -1).masked_fill(~mask, float("-inf"))
+        attn = torch.softmax(scores.float(), dim=-1).to(h.dtype).view(b, self.kv_heads, group * t, -1)
+        attn = (attn @ self.v_cache).view(b, self.heads, t, self.head_dim)
+        h = h + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
+        x = self.mlp_norm(h)
+        return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Prefill(torch.nn.Module):
+    """forward(tokens (B, T) int64) -> logits (B, vocab) of the prompt's last position, after
+    writing the prompt's keys and values into `model`'s cache (positions 0 .. T-1); decoding then
+    goes on with `model` itself from position T."""
+
+    def __init__(self, model: "Llama"):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        m = self.model
+        t = tokens.shape[1]
+        pos = m.positions[:t]
+        h = F.embedding(tokens, m.embed)
+        cos, sin = m.cos[:t].view(1, 1, t, -1), m.sin[:t].view(1, 1, t, -1)
+        mask = (m.positions.view(1, -1) <= pos.view(-1, 1)).view(1, 1, 1, t, -1)
+        for layer in m.layers:
+            h = layer.prefill(h, pos, cos, sin, mask)
+        return m.lm_head(m.norm(h[:, -1])).float()
+
 
 class Llama(torch.nn.Module):
     """forward(token (B,) int64, pos (1,) int64) -> logits (B, vocab) for that one position."""

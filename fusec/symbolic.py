@@ -8,7 +8,16 @@ expression for that.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# A shape family's passes put sizes (SymInts) straight into the arguments of the nodes they make
+# (`view(x, [s0, 8, 2, 64])`), which is what fusec's program writer prints (inline_sizes.py);
+# torch.fx warns about each such node, once per place in torch, with advice for Dynamo's own
+# graphs that does not apply here. Only that message is silenced.
+warnings.filterwarnings("ignore", message=r"Raw SymInt value .* passed as argument to Graph",
+                        category=UserWarning)
 
 
 def hashable(x):
@@ -83,14 +92,35 @@ def symbols_of(obj) -> set:
 
 
 def size_params(ir) -> list[str]:
-    """The size arguments a kernel takes (Note: sizes as symbols in kernels), in order."""
-    return sorted((s.name for s in symbols_of(ir)), key=lambda n: (len(n), n))
+    """The size arguments a kernel takes (Note: sizes as symbols in kernels), in order: each
+    symbol by the name of the input size it is (`x_size0`), in the order of torch's names."""
+    names = size_names(_first_env(ir))
+    return [names.get(s, s.name) for s in size_symbols(ir)]
 
 
 def size_symbols(ir) -> tuple:
-    """The sympy symbols of `size_params(ir)`, in the same order."""
-    by_name = {s.name: s for s in symbols_of(ir)}
-    return tuple(by_name[n] for n in size_params(ir))
+    """The sympy symbols of `size_params(ir)`, in the same order (torch's names sorted: `s9`
+    before `s26`)."""
+    return tuple(sorted(symbols_of(ir), key=lambda s: (len(s.name), s.name)))
+
+
+def _first_env(obj):
+    """The ShapeEnv of the first SymInt inside `obj` (an IR, a dataclass...), else None."""
+    import dataclasses
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _SYM):
+            return x.node.shape_env
+        if isinstance(x, _LEAVES):
+            continue
+        if isinstance(x, (tuple, list, set, frozenset)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+    return None
 
 
 def symbols_in_order(*objs) -> tuple:
@@ -117,25 +147,56 @@ def evaluate(obj, values: dict):
 
 
 def c_expr(x) -> str:
-    """A size (int or SymInt) as a C/C++ expression."""
+    """A size (int or SymInt) as a C/C++ expression, its symbols by their names (`x_size0`)."""
     if not isinstance(x, torch.SymInt):
         return str(x)
     from torch.utils._sympy.printers import CppPrinter
-    return CppPrinter().doprint(x.node.expr)
+    return CppPrinter().doprint(named(x))
 
 
 def py_expr(x, names: dict | None = None) -> str:
-    """A size (int or SymInt) as a Python (and Triton) expression; `names` ({symbol: local name})
-    renames its symbols (the program's `x_size0` for torch's `s26`)."""
+    """A size (int or SymInt) as a Python (and Triton) expression, its symbols by their names
+    (`x_size0`), or by `names` ({symbol: local name}) where given."""
     if not isinstance(x, torch.SymInt):
         return str(x)
     from torch.utils._sympy.printers import PythonPrinter
-    expr = x.node.expr
-    if names:
-        import sympy
-        expr = expr.xreplace({s: sympy.Symbol(names[s], integer=True) for s in expr.free_symbols
-                              if s in names})
-    return PythonPrinter().doprint(expr)
+    return PythonPrinter().doprint(named(x, names))
+
+
+def named(x, names: dict | None = None):
+    """The sympy expression of SymInt (or SymFloat) `x` with each symbol renamed to the input size it is
+    (`s26` -> `x_size0`, `name_sizes`), so that generated code reads `x_size0 * 64`."""
+    return rename(x.node.expr, size_names(x.node.shape_env) if names is None else names)
+
+
+def rename(expr, names: dict):
+    """Sympy expression `expr` with its symbols renamed by `names` ({symbol: name})."""
+    if not names:
+        return expr
+    import sympy
+    return expr.xreplace({s: sympy.Symbol(names[s], integer=True, positive=True)
+                          for s in expr.free_symbols if s in names})
+
+
+def text(x) -> str:
+    """`x` (a size, a tuple or list of sizes, anything else) as a reader should see it in a
+    kernel's source or comments: symbols by their names (`(x_size0, 37)`), the rest as `str`."""
+    return str(_readable(x))
+
+
+class _Said(str):
+    """A text that is its own repr, so that a tuple of them prints as `(x_size0, 37)`."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _readable(x):
+    if isinstance(x, _SYM):
+        return _Said(named(x)) if x.node.expr.free_symbols else x.node.expr
+    if isinstance(x, (tuple, list)) and any(isinstance(v, (_SYM, tuple, list)) for v in x):
+        return type(x)(_readable(v) for v in x)
+    return x
 
 
 def shape_env_of(x):
@@ -202,9 +263,10 @@ def _decided_at() -> str:
 
 
 def guards_with_places(env) -> list[tuple[str, str]]:
-    """[(guard as text, where it was decided)] for a ShapeEnv made by `fake_mode`."""
+    """[(guard as text, where it was decided)] for a ShapeEnv made by `fake_mode`; the guard's
+    symbols by their names (`Eq(x_size0, y_size0)`)."""
     where = getattr(env.guards, "where", None) or [""] * len(env.guards)
-    return [(str(g.expr), w) for g, w in zip(env.guards, where)]
+    return [(str(rename(g.expr, size_names(env))), w) for g, w in zip(env.guards, where)]
 
 
 def fake_input(mode, t: torch.Tensor, dims=None):
@@ -231,9 +293,14 @@ def name_sizes(gm):
             continue
         for kind, values in (("size", val.shape), ("stride", val.stride())):
             for d, v in enumerate(values):
-                if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
-                    env = env or v.node.shape_env
-                    names.setdefault(v.node.expr, f"{node.name}_{kind}{d}")
+                if not isinstance(v, torch.SymInt):
+                    continue
+                # (the symbol the size was created as, and the one it is now: a guard such as
+                # Eq(s26, s93) replaces y's s93 by x's s26, but explain still prints s93's)
+                for expr in (getattr(v.node, "_expr", None), v.node.expr):
+                    if expr is not None and expr.is_Symbol:
+                        env = env or v.node.shape_env
+                        names.setdefault(expr, f"{node.name}_{kind}{d}")
     if env is not None:
         set_size_names(env, names)
     return env

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fusec.symbolic import hint
+from fusec.symbolic import hashable, hint
 from fusec import ops
 from fusec.codegen import backends
 from fusec.codegen.cpu_plan import MIN_LAST
@@ -114,12 +114,20 @@ def fuse_reductions(gm: fx.GraphModule) -> fx.GraphModule:
                 operand = ops.reduction(node).operand
                 for other in operand.users:
                     g = group_of.get(other)
-                    if g is not None and g is not group_of[node] and g.key == group_of[node].key:
+                    if g is not None and g is not group_of[node] and same_key(g.key, group_of[node].key):
                         changed |= try_merge(group_of[node], g, node, other)
         if not changed:
             changed = merge_siblings(graph, group_of, try_merge, decisions)
     record_of(gm).fuse_reductions = decisions
     return _finish(gm, group_of, order, effects, refusals)
+
+
+def same_key(a, b) -> bool:
+    """Whether two groups' reduction keys (iteration shape, reduced dims) are the same. In a
+    shape family the shapes hold symbols: they are compared as expressions, so `(s0, 64)` and
+    `(64, 64)` differ without a guard (comparing the SymInts would guard `s0 != 64` and narrow
+    the family for a fusion that was never going to apply to every size)."""
+    return hashable(a) == hashable(b)
 
 
 def merge_siblings(graph: fx.Graph, group_of: dict, try_merge, decisions: list) -> bool:
@@ -139,7 +147,7 @@ def merge_siblings(graph: fx.Graph, group_of: dict, try_merge, decisions: list) 
     for i, node in enumerate(reductions):
         for other in reductions[i + 1:]:
             a, b = group_of[node], group_of[other]
-            if a is b or a.key != b.key:
+            if a is b or not same_key(a.key, b.key):
                 continue
             if try_merge(a, b, node, other):
                 decisions.append(Decision(
@@ -269,7 +277,7 @@ def space(node: fx.Node, key: tuple, inside: set) -> str:
 
 def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
                  rows_one_by_one: bool | None = None) -> str | None:
-    if a.key is not None and b.key is not None and a.key != b.key:
+    if a.key is not None and b.key is not None and not same_key(a.key, b.key):
         return (f"different reductions: {a.key[0]} over dims {a.key[1]} vs {b.key[0]} over dims "
                 f"{b.key[1]}")
     key = a.key or b.key

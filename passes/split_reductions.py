@@ -59,7 +59,7 @@ import math
 import torch
 import torch.fx as fx
 
-from fusec.symbolic import is_symbolic
+from fusec.symbolic import hint, is_symbolic
 from fusec import ops
 from fusec.record import Decision, record_of
 
@@ -101,10 +101,7 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             _split(gm, node, red, d, chunks, mode, views)
             decisions.append(Decision(node.name, True, why))
             continue
-        rows, k, per_program, programs = programs_of(node, red)
-        if is_symbolic(meta(red.operand).shape):  # (a shape family's: no guard on its sizes)
-            decisions.append(Decision(node.name, False, "sizes are symbols: not split"))
-            continue
+        rows, k, per_program, programs = programs_of(node, red)  # (at a family's traced sizes)
         if programs >= FEW_PROGRAMS or per_program * k < LONG_PROGRAM:
             continue
         spread = spread_columns(node, rows, per_program)
@@ -117,8 +114,11 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         plan = choose_split(node, red, rows, k, per_program)
         if plan is None:
+            static = [d for d in red.dims if not is_symbolic(meta(red.operand).shape[d])]
             decisions.append(Decision(node.name, False, "no reduced dim divides into chunks of "
-                                      f"at least {MIN_CHUNK} elements"))
+                                      f"at least {MIN_CHUNK} elements" if static else
+                                      "every reduced size is a symbol: no chunk count divides "
+                                      "all the sizes it may take"))
             continue
         d, chunks = plan
         mode = mode or fake_mode_of(gm)
@@ -151,12 +151,18 @@ def split_reductions(gm: fx.GraphModule) -> fx.GraphModule:
 def choose_split(node: fx.Node, red: ops.ReductionCall, rows: int, k: int,
                  per_program: int) -> tuple[int, int] | None:
     """(dim, number of chunks) or None: the reduced dim with the largest stride, cut in the
-    fewest chunks that make TARGET_PROGRAMS programs (or as many as MIN_CHUNK allows)."""
+    fewest chunks that make TARGET_PROGRAMS programs (or as many as MIN_CHUNK allows).
+
+    In a shape family (fusec/dynamic.py) only a reduced dim of a fixed size is cut, so that the
+    chunks divide it at every size the program serves; `rows`, `k` and the strides are the
+    traced sizes' (fuse_reductions.programs_of), so the choice takes no guard: a batch of 64
+    where 16 was traced runs the same cut, with more programs than it needed."""
     m = meta(red.operand)
-    candidates = [d for d in red.dims if m.shape[d] > 1]
+    candidates = [d for d in red.dims if not is_symbolic(m.shape[d]) and m.shape[d] > 1]
     if not candidates:
         return None
-    d = max(candidates, key=lambda d: (abs(m.stride[d]), -d))
+    strides = hint(m.stride)
+    d = max(candidates, key=lambda d: (abs(strides[d]), -d))
     best = None
     for chunks in range(2, m.shape[d] + 1):
         if m.shape[d] % chunks:

@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
+from fusec.symbolic import hashable
 
 from .grouping import meta
 from .layout import run_fake, set_meta
@@ -64,7 +65,7 @@ class Unflattener:
 
     def __call__(self, value: fx.Node, dim: int, parts: tuple) -> fx.Node:
         """`value` viewed with dim `dim` cut in `parts` (sizes whose product is its length)."""
-        key = (value, dim, tuple(parts))
+        key = (value, dim, hashable(parts))
         if key in self.memo:
             return self.memo[key]
         shape = list(meta(value).shape)
@@ -87,11 +88,11 @@ class Unflattener:
             new = self.add(value.target, tuple(args), dict(value.kwargs), like=value,
                            name=f"{value.name}_cut")
         else:
-            new = self.views.get((value, tuple(new_shape)))
+            new = self.views.get((value, hashable(new_shape)))  # (a family's sizes are symbols)
             if new is None or getattr(new, "_erased", False):
                 new = self.add(aten.view.default, (value, new_shape), like=value,
                                name=f"{value.name}_cut")
-                self.views[(value, tuple(new_shape))] = new
+                self.views[(value, hashable(new_shape))] = new
         self.memo[key] = new
         return new
 
@@ -105,7 +106,7 @@ class Unflattener:
         passes them on to that input; anything else takes the cuts one dim at a time
         (`__call__`)."""
         runs = [tuple(r) for r in runs]
-        key = (value, "refine", tuple(runs))
+        key = (value, "refine", hashable(runs))
         if key in self.memo:
             return self.memo[key]
         fine = [p for r in runs for p in r]

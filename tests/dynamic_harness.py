@@ -5,7 +5,7 @@ ONE kernel for a shape family, then launch that kernel directly on inputs of oth
 
 `dynamic` is {flat input index: dims traced as symbols}. The kernel's parameters are its
 pointers (inputs by placeholder name, outputs freshly allocated like eager's results), then its
-size arguments (fusec.symbolic.size_params), each bound from the input size it stands for.
+size arguments (fusec.symbolic.size_params: named `x_size0`, in the order of size_symbols), each bound from the input size it stands for.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from fusec.capture.frontend import capture
 from fusec.check import compare
 from fusec.driver import compile_graph
-from fusec.symbolic import size_params
+from fusec.symbolic import size_symbols
 
 
 def compile_one(fn, example, dynamic, backend):
@@ -29,7 +29,7 @@ def compile_one(fn, example, dynamic, backend):
 
 
 def bind_sizes(captured, inputs) -> dict:
-    """{symbol name: its value for these inputs}."""
+    """{symbol: its value for these inputs}."""
     values = {}
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     for node, real in zip(placeholders, inputs):
@@ -37,7 +37,7 @@ def bind_sizes(captured, inputs) -> dict:
         for fake_sizes, real_sizes in ((fake.shape, real.shape), (fake.stride(), real.stride())):
             for f, r in zip(fake_sizes, real_sizes):
                 if isinstance(f, torch.SymInt) and f.node.expr.is_Symbol:
-                    values.setdefault(f.node.expr.name, int(r))
+                    values.setdefault(f.node.expr, int(r))
     return values
 
 
@@ -56,7 +56,7 @@ def run_one_kernel(fn, example, dynamic, backend, inputs, compiled_once=None):
         else:
             args.append(by_name[p.name])
     sizes = bind_sizes(captured, inputs)
-    kernel.launcher(*args, *[sizes[s] for s in size_params(kernel.ir)])
+    kernel.launcher(*args, *[sizes[s] for s in size_symbols(kernel.ir)])
     return outs, expected, (captured, compiled, kernel)
 
 

@@ -346,7 +346,8 @@ def test_explain_shows_the_family(backend):
     assert any("Eq(" in g for g in family["guards"]), family["guards"]  # x's dim 0 is y's
     text = str(e)
     assert "shape family" in text and "guards" in text and symbol["symbol"] in text
-    s = symbol["symbol"]
+    assert any("Eq(x_size0, y_size0)" in g for g in family["guards"]), family["guards"]
+    s = symbol["name"]  # (kernels name each size after the input size it is, as the program does)
     spelled = {"cpp": f"int64_t {s}", "llvm": f"i64 %{s}", "triton": f"_ptr, {s}"}[backend]
     assert any(spelled in k.source for k in cf.kernels), [k.source[:600] for k in cf.kernels]
     assert "x_size0 = " in cf.last.program.run.source  # the program binds it from x's shape
@@ -388,6 +389,29 @@ def test_transformers_prompt_lengths(models, name, model_backend, dynamic, most)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"length {length}: {m}")
     assert compiles(cf) <= most, cf._compiled.recompiles
+
+
+def test_prefill_of_every_prompt_length_compiles_once():
+    """benchmarks/decode.py --prefill's model: a whole prompt at once writes its keys and values
+    into the model's cache (in place) and returns the last position's logits. Prompts of many
+    lengths: the static program, then one family; the logits and the cache are eager's."""
+    from fusec.examples.llama_decode import TINY, Llama, Prefill
+    model = Llama(dict(TINY, max_seq=48), "bf16").eval()
+    prefill = Prefill(model)
+    cf = fusec.compile(prefill, backend="cpp")
+    with all_built(cf), torch.no_grad():
+        for length in (5, 9, 40, 3):
+            tokens = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+            model.reset()
+            want = prefill(tokens)
+            caches = [t.clone() for layer in model.layers for t in (layer.k_cache, layer.v_cache)]
+            model.reset()
+            got = cf(tokens)
+            torch.testing.assert_close(got, want, msg=lambda m: f"length {length}: {m}")
+            for c, layer_cache in zip(caches, [t for layer in model.layers
+                                               for t in (layer.k_cache, layer.v_cache)]):
+                torch.testing.assert_close(layer_cache, c, msg=lambda m: f"cache, length {length}: {m}")
+    assert compiles(cf) == 2, cf._compiled.recompiles
 
 
 # -- 7. the family's fast path -------------------------------------------------------------------

@@ -100,7 +100,7 @@ def _in_family(captured, inputs) -> None:
     env = captured.shape_env
     for g in env.guards:
         expr = g.expr.xreplace(env.replacements)  # (a symbol found equal to another: that one)
-        expr = expr.xreplace({s: values[s.name] for s in expr.free_symbols})
+        expr = expr.xreplace({s: values[s] for s in expr.free_symbols})
         assert bool(expr), f"sizes {values} break the guard {g.expr}: not in the family"
 
 

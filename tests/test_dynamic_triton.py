@@ -28,7 +28,7 @@ from dynamic_harness import randn as _any_randn
 from fusec.check import compare
 from fusec.ir import family
 from fusec.runtime.fast_start.triton_launch import TritonLauncher, size_kinds
-from fusec.symbolic import size_params
+from fusec.symbolic import size_params, size_symbols
 
 # (the interpreter computes masked-off lanes too: 0 / 0 there warns, and is never stored)
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -267,7 +267,7 @@ def test_bind_launches_what_launch_does(name, monkeypatch):
         outs = [torch.empty_like(e) for e in
                 (lambda r: r if isinstance(r, (tuple, list)) else [r])(fn(*inputs))]
         sizes = bind_sizes(captured, inputs)
-        args = [*inputs, *outs, *[sizes[s] for s in size_params(kernel.ir)]]
+        args = [*inputs, *outs, *[sizes[s] for s in size_symbols(kernel.ir)]]
         module.launch(*args)
         fast(*args)
         (grid, jit_args, kwargs), (fast_grid, fast_args, _) = jit.calls[-1], compiled.calls[-1]

@@ -290,3 +290,26 @@ def test_a_variance_split_twice_still_reads_its_input_once(target, split_here):
                                       for line in variance), lines
     readers = [s for s in cf.last.schedule if s.kind == "kernel" and "x" in s.reads]
     assert len(readers) == 1, [(s.name, s.reads) for s in cf.last.schedule]
+
+
+def test_a_shape_familys_group_norm_splits_along_its_fixed_sizes(target, split_here):
+    """With the batch a symbol (a shape family, fusec/dynamic.py), the statistics still split:
+    the cut is along a reduced dim of a fixed size, so its chunks divide it at every batch size,
+    and the one program serves batches it was not traced at."""
+    backend, device = target
+    norm = torch.nn.GroupNorm(4, 16).to(device)
+
+    def f(x):
+        return torch.relu(norm(x)).mean(dim=(1, 2, 3))
+
+    cf = fusec.compile(f, backend=backend)
+    first = _randn((3, 16, 24, 32), device)
+    torch._dynamo.mark_dynamic(first, 0)
+    with torch.no_grad():
+        for n in (3, 2, 5, 8):
+            x = first if n == 3 else _randn((n, 16, 24, 32), device, seed=n)
+            torch.testing.assert_close(cf(x), f(x), rtol=1e-4, atol=1e-5)
+    assert cf.compiles == 1 and len(cf.families) == 1, cf.recompiles
+    with torch.no_grad():
+        _, lines = split_details(cf, first, backend=backend)
+    assert sum(": split: " in line for line in lines) == 3, lines

@@ -12,7 +12,7 @@ import torch
 
 from fusec import ops
 from fusec.ir import Const, Stmt, Var
-from fusec.symbolic import c_expr, is_symbolic, shape_env_of, size_names, size_params
+from fusec.symbolic import c_expr, is_symbolic, named, size_params
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -29,8 +29,8 @@ CTYPE = {
 #
 # Note (sizes as arguments in C++): a kernel compiled for a shape family (fusec/symbolic.py, Note:
 # sizes as symbols in kernels) takes each symbol as an `int64_t` argument after its pointers,
-# named as the symbol (`int64_t s26`), and every size, stride and offset of its IR is an int or
-# an expression over those names (`64L*s26`). The kernel's named sizes (ROWS, INNER, K, ...) are
+# named as the symbol (`int64_t x_size0`), and every size, stride and offset of its IR is an int or
+# an expression over those names (`64L*x_size0`). The kernel's named sizes (ROWS, INNER, K, ...) are
 # then `const` values computed from the arguments instead of `constexpr` numbers; what must be a
 # number when compiling (an array's length, a block length, an unroll count) is decided from the
 # traced size (`fusec.symbolic.hint`) only where every other size computes the same answer, and
@@ -39,7 +39,7 @@ CTYPE = {
 def size(x) -> str:
     """A size, stride or offset (an int, or a SymInt of a shape family) as a C++ operand: an int
     as itself, a symbol as its name, an expression over symbols in parentheses (it goes into
-    products and sums: `c0 * (3L + s26)`)."""
+    products and sums: `c0 * (3L + x_size0)`)."""
     if not is_symbolic(x):
         return str(int(x))
     text = c_expr(x)
@@ -86,14 +86,19 @@ def plus(offset, term: str) -> str:
 
 def sizes_line(kernel) -> str:
     """A comment naming the kernel's size arguments and the input size each one is
-    (fusec.symbolic.size_names: `s26 = x_size0`), or "" for a kernel without them."""
+    (`x_size0 is x.size(0)`: fusec.symbolic.name_sizes), or "" for a kernel without them."""
     names = kernel_sizes(kernel)
     if not names:
         return ""
-    env = shape_env_of(tuple(kernel.source_shape))  # (capture named the symbols on it)
-    where = {s.name: n for s, n in size_names(env).items()} if env is not None else {}
-    said = ", ".join(f"{n} = {where[n]}" if n in where else n for n in names)
+    said = ", ".join(size_source(n) for n in names)
     return f"Sizes are arguments (one compile for every size of them): {said}."
+
+
+def size_source(name: str) -> str:
+    """`x_size0` -> `x_size0 is x.size(0)`; a name of another form as it is."""
+    import re
+    m = re.fullmatch(r"(\w+)_(size|stride)(\d+)", name)
+    return f"{name} is {m[1]}.{m[2]}({m[3]})" if m else name
 
 
 # c_expr spells a floor division as c10's (torch's C++ headers); a kernel includes no torch
@@ -133,7 +138,7 @@ def literal(value, dtype: torch.dtype) -> str:
         from torch.utils._sympy.printers import CppPrinter
         ctype = CTYPE[dtype] if not dtype.is_floating_point else \
             "double" if dtype == torch.float64 else "float"
-        return f"static_cast<{ctype}>({CppPrinter().doprint(value.node.expr)})"
+        return f"static_cast<{ctype}>({CppPrinter().doprint(named(value))})"
     if dtype == torch.bool:
         return "true" if value else "false"
     if dtype.is_floating_point:

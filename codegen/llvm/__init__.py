@@ -38,10 +38,10 @@ really run in parallel, like the OpenMP loops of the C++ backend.
 Sizes as arguments
 ------------------
 A kernel compiled for a shape family (fusec/symbolic.py) takes one `i64` per size that is a
-symbol, between its buffers and its range: `(ptr %x_ptr, ptr %out_ptr, i64 %s26, i64
+symbol, between its buffers and its range: `(ptr %x_ptr, ptr %out_ptr, i64 %x_size0, i64
 %tile_first, i64 %tile_last)`. Its entry block computes the sizes it uses from them once
-(`%size.3 = mul nsw i64 %s26, 64`, llvm/sizes.py); where the amount of work depends on them,
-the kernel exports `@<name>.tiles_for(i64 %s26)` in place of the constant `@<name>.tiles` (and
+(`%size.3 = mul nsw i64 %x_size0, 64`, llvm/sizes.py); where the amount of work depends on them,
+the kernel exports `@<name>.tiles_for(i64 %x_size0)` in place of the constant `@<name>.tiles` (and
 `@<name>.parallel_for` in place of `@<name>.parallel`), which the launcher asks at each launch.
 
 The backend in six files: llvm/ir.py writes instructions, llvm/sizes.py sizes that are symbols,

@@ -2,13 +2,13 @@
 kernel's size arguments, computed once at the top of the kernel.
 
 A kernel compiled for a shape family takes, after its pointers, one `i64` per symbol
-(`i64 %s26`, in the order fusec.symbolic.size_params gives). LLVM IR has no expressions, only
-instructions, so a size such as `64*s26` cannot be written where a number was (`mul i64 %chunk,
-64*s26` does not parse): it becomes an SSA value defined in the function's entry block, which
+(`i64 %x_size0`, in the order fusec.symbolic.size_params gives). LLVM IR has no expressions, only
+instructions, so a size such as `64*x_size0` cannot be written where a number was (`mul i64 %chunk,
+64*x_size0` does not parse): it becomes an SSA value defined in the function's entry block, which
 comes before every other block and so may be used anywhere in the function:
 
     entry:
-      %size.3 = mul nsw i64 %s26, 64        ; 64*s26
+      %size.3 = mul nsw i64 %x_size0, 64        ; 64*x_size0
       ...
     tile:
       %start = mul i64 %chunk, %size.3
@@ -18,7 +18,7 @@ with no symbols renders exactly as before), else the SSA value, written the firs
 asked for. Integer division and remainder round towards minus infinity (Python's `//` and `%`,
 sympy's FloorDiv and Mod); LLVM's `sdiv`/`srem` round towards zero, so where an operand may be
 negative a fix-up follows them. Sizes themselves are never negative, but an offset can be
-(`s26 - 3`), so the fix-up is left out only where sympy proves both operands non-negative.
+(`x_size0 - 3`), so the fix-up is left out only where sympy proves both operands non-negative.
 
 Decisions that only change speed (how long a chunk is, whether threads pay off, which layout a
 reduction takes) are made on `hinted(kernel)`: the kernel with every symbol replaced by the size
@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from fusec.symbolic import hint, is_symbolic, size_params
+from fusec.symbolic import hint, is_symbolic, named, size_params, text
 
 
 def known(x):
@@ -63,7 +63,7 @@ def hinted(obj):
 
 
 def size_arguments(kernel) -> list[str]:
-    """The kernel's size parameters as LLVM IR (`i64 %s26`), after its pointers."""
+    """The kernel's size parameters as LLVM IR (`i64 %x_size0`), after its pointers."""
     return [f"i64 %{name}" for name in size_params(kernel)]
 
 
@@ -83,7 +83,7 @@ class Sizes:
         value = known(x)
         if value is not None and not hasattr(value, "free_symbols"):
             return str(value)
-        return self._expr(x.node.expr if isinstance(x, torch.SymInt) else x)
+        return self._expr(named(x) if isinstance(x, torch.SymInt) else x)
 
     def _expr(self, expr) -> str:
         import sympy
@@ -105,7 +105,7 @@ class Sizes:
         args = expr.args
         if isinstance(expr, (sympy.Add, sympy.Mul)):
             op = "add" if isinstance(expr, sympy.Add) else "mul"
-            # numbers last (`mul nsw i64 %s26, 64`), the rest in sympy's order
+            # numbers last (`mul nsw i64 %x_size0, 64`), the rest in sympy's order
             terms = sorted(args, key=lambda a: a.is_Number)
             acc = self._expr(terms[0])
             for term in terms[1:]:
@@ -176,15 +176,15 @@ def launch_functions(kernel, tiles, work) -> dict:
         sizes = Sizes(itertools.count())
         if suffix == "parallel_for":
             value = sizes._emit(f"icmp sge i64 {sizes.operand(value)}, {PARALLEL_WORK}",
-                                f"{value} >= {PARALLEL_WORK}")
+                                f"{text(value)} >= {PARALLEL_WORK}")
         else:
             value = sizes.operand(value)
         return dict(name=f"{kernel.name}.{suffix}", type=ty, params=size_arguments(kernel),
                     lines=sizes.lines, value=value, comment=comment)
 
     return dict(
-        tiles_for=function("tiles_for", "i64", tiles, f"how much work there is: {tiles} tiles")
+        tiles_for=function("tiles_for", "i64", tiles, f"how much work there is: {text(tiles)} tiles")
         if is_symbolic(tiles) else None,
         parallel_for=function("parallel_for", "i1", work,
-                              f"whether threads pay off: {work} bytes of work, at least "
+                              f"whether threads pay off: {text(work)} bytes of work, at least "
                               f"{PARALLEL_WORK}") if work is not None else None)

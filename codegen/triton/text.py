@@ -15,7 +15,8 @@ import torch
 
 from fusec import ops
 from fusec.ir import Const, Index, PointwiseKernel, Stmt
-from fusec.symbolic import hashable, hint, is_symbolic, py_expr, shape_env_of, size_params
+from fusec.symbolic import (hashable, hint, is_symbolic, named, py_expr, shape_env_of, size_names,
+                            size_params)
 
 
 def current_arch() -> int | None:
@@ -62,7 +63,7 @@ def literal(value, dtype: torch.dtype) -> str:
     of the kernel's size arguments, converted to `dtype` where the kernel runs."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
             value.node.expr.free_symbols:
-        return f"tl.full([1], {_printer().doprint(value.node.expr)}, {TL[dtype]})"
+        return f"tl.full([1], {_printer().doprint(named(value))}, {TL[dtype]})"
     if dtype == torch.bool:
         return f"tl.full([1], {1 if value else 0}, tl.int1)"
     if dtype.is_floating_point:
@@ -76,7 +77,7 @@ def literal(value, dtype: torch.dtype) -> str:
 @functools.cache
 def _printer():
     """Python's spelling of a size expression (torch's PythonPrinter), except that an int made
-    float is the int itself: Triton's arithmetic makes it a float where it meets one (`1.0 / s26`),
+    float is the int itself: Triton's arithmetic makes it a float where it meets one (`1.0 / x_size0`),
     and `literal` converts the result to its dtype. (Made when first needed: it imports sympy.)"""
     from torch.utils._sympy.printers import PythonPrinter
 
@@ -136,9 +137,9 @@ def helpers_in(lines: list[str]) -> set[str]:
 
 # ---- sizes that may be symbols (Note: sizes as symbols in kernels, fusec/symbolic.py) --------------
 #
-# Note: Triton kernels for a shape family. A size that is a symbol (`s26`) is an argument of the
+# Note: Triton kernels for a shape family. A size that is a symbol (`x_size0`) is an argument of the
 # kernel, after its pointers, and every size the kernel text needs is spelled from the symbols
-# (`offsets // s26`, `i0 * (64*s26)`). Block sizes and warps are constexprs, so they come from the
+# (`offsets // x_size0`, `i0 * (64*x_size0)`). Block sizes and warps are constexprs, so they come from the
 # sizes the program was traced with (`hint`): any block is right for every size, since masks
 # switch off the lanes past the end. The renderers choose the simpler of two forms that are both
 # right (no mask term, `offsets` for a contiguous index) by comparing expressions as text
@@ -151,7 +152,7 @@ def helpers_in(lines: list[str]) -> set[str]:
 
 def size(x) -> str:
     """A size (int or SymInt) as kernel text: an int as itself, a symbol by its name, anything
-    more in parentheses (`(64*s26)`), so that it can stand in any expression."""
+    more in parentheses (`(64*x_size0)`), so that it can stand in any expression."""
     text = py_expr(x)
     if not is_symbolic(x) or x.node.expr.is_Symbol:
         return text
@@ -159,8 +160,8 @@ def size(x) -> str:
 
 
 def same(a, b) -> bool:
-    """Whether two sizes are the same expression (`s26` and `s26`, 64 and 64), without a guard:
-    False for `s26` and 64 even when the traced s26 was 64."""
+    """Whether two sizes are the same expression (`x_size0` and `x_size0`, 64 and 64), without a guard:
+    False for `x_size0` and 64 even when the traced x_size0 was 64."""
     return hashable(a) == hashable(b)
 
 
@@ -182,7 +183,7 @@ def may_be_less(a, b) -> bool:
 def needs_int64(values) -> bool:
     """Whether any of `values` (element counts and offsets) may reach 2**31 - 1, so that positions
     must be computed in 64 bits. This decides what the kernel computes, so a symbolic value is
-    compared as a SymInt: the guard (`64*s26 < 2147483647`) keeps the 32-bit kernel for the sizes
+    compared as a SymInt: the guard (`64*x_size0 < 2147483647`) keeps the 32-bit kernel for the sizes
     below, and a call past it compiles again."""
     return any(v >= 2 ** 31 - 1 for v in values)
 
@@ -225,7 +226,7 @@ def size_arguments(kernel, counts: list[tuple[str, object, bool]]) -> dict:
     """The template's words for the kernel's integer arguments. `counts`: (name, value, whether
     it is a tl.constexpr) for the counts the kernel reads (`n_elements`, `n_rows`, `n_k`). Without
     symbols the kernel takes them as arguments, as always. With symbols it takes the sizes
-    (`size_params`) instead and computes each count that depends on them (`n_rows = 3*s26`)
+    (`size_params`) instead and computes each count that depends on them (`n_rows = 3*x_size0`)
     first thing: then its integer arguments are the sizes alone, and Triton's specialization of
     them is all a compiled kernel assumes (Note: Triton kernels for a shape family)."""
     sizes = kernel_sizes(kernel)
@@ -246,12 +247,14 @@ def size_arguments(kernel, counts: list[tuple[str, object, bool]]) -> dict:
 
 
 def traced_sizes(kernel) -> dict[str, int]:
-    """{symbol name: the size it was traced with} for the symbols of `kernel` (no guard)."""
+    """{size argument's name (`x_size0`, as `kernel_sizes` gives): the size it was traced with}
+    for the symbols of `kernel` (no guard)."""
     env = shape_env_of(_first_symint(kernel))
     if env is None:
         return {}
     values = getattr(env, "backed_var_to_val", None) or env.var_to_val  # (renamed in torch 2.12)
-    return {str(s): int(v) for s, v in values.items()}
+    names = size_names(env)
+    return {names.get(s, str(s)): int(v) for s, v in values.items()}
 
 
 def _first_symint(obj, _leaves=(int, float, str, bool, type(None), torch.dtype)):

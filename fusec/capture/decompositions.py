@@ -33,6 +33,8 @@ import torch
 from torch._decomp import get_decompositions
 from torch._prims_common import reduction_dims, suggest_memory_format
 
+from fusec.symbolic import hint
+
 aten = torch.ops.aten
 
 FROM_TORCH = [
@@ -265,7 +267,7 @@ def native_group_norm(x, weight, bias, n, c, hw, groups, eps):
     rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
     stats = (aten.view.default(narrow(mean), [n, groups]), aten.view.default(narrow(rstd), [n, groups]))
     if x.device.type in GROUP_NORM_PER_CHANNEL_DEVICES \
-            and (c // groups) * math.prod(spatial) >= GROUP_NORM_LONG_ROWS:
+            and hint((c // groups) * math.prod(spatial)) >= GROUP_NORM_LONG_ROWS:  # (no guard)
         # (see the note on group norm per channel below)
         def per_channel(t):
             t = aten.expand.default(aten.view.default(t, [n, groups, 1]), [n, groups, c // groups])

@@ -177,8 +177,8 @@ class Explanation:
             out += [f"  {i}. {reason}" for i, reason in enumerate(self.recompiles, 1)]
         if self.family is not None:
             out.append("\n=== shape family: one program for every size these guards allow ===")
-            out += [f"  {s['symbol']} = {s['source']}, {s['range']}  (named {s['name']} in the "
-                    "program)" for s in self.family["symbols"]]
+            out += [f"  {s['name']} = {s['source']}, {s['range']}  ({s['symbol']} in the graphs "
+                    "below)" for s in self.family["symbols"]]
             out.append("  guards (what compiling assumed; a call that breaks one compiles again):")
             out += [f"    {g}" for g in self.family["guards"]] or ["    none beyond the sizes"]
         out += training_section(self.training, walk_note=True)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec.ir import Layout
-from fusec.symbolic import is_symbolic, py_expr
+from fusec.symbolic import hint, is_symbolic, py_expr
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
                                  OutputBuffer, SlotRef, ViewStep, own_storage, settle)
 
@@ -208,7 +208,7 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
                    f"{buf.offset + buf.nbytes})")
         else:
             w.line(f"{w.define(buf.slot)} = {_allocation(w, buf, step.device)}",
-                   f"{w.value_name(buf.slot)}: a fresh {buf.shape} {buf.dtype} buffer")
+                   f"{w.value_name(buf.slot)}: a fresh {w.size(buf.shape)} {buf.dtype} buffer")
     if not step.numel:
         w.line("pass", f"{step.name}: every output is empty, nothing to launch")
         return
@@ -257,12 +257,14 @@ def _allocation(w: _Writer, buf: OutputBuffer, device: torch.device) -> str:
             return f"empty_like({same})"
         return (f"empty_strided({w.size(buf.shape)}, {w.size(buf.stride)}, "
                 f"dtype={w.bind(buf.dtype, 'dtype')}, device={w.bind(device, 'device')})")
-    meta = torch.empty((), dtype=buf.dtype, device="meta").expand(buf.shape)
-    if tuple(torch.empty_like(meta).stride()) == tuple(buf.stride):
-        like = torch.empty((), dtype=buf.dtype, device=device).expand(buf.shape)
-        spelled = f"torch.empty((), dtype={buf.dtype}, device={str(device)!r}).expand({buf.shape})"
+    shape, stride = hint(tuple(buf.shape)), hint(tuple(buf.stride))  # (a size fixed by a guard
+    # may still be a SymInt of the family's ShapeEnv: its value, no new guard)
+    meta = torch.empty((), dtype=buf.dtype, device="meta").expand(shape)
+    if tuple(torch.empty_like(meta).stride()) == stride:
+        like = torch.empty((), dtype=buf.dtype, device=device).expand(shape)
+        spelled = f"torch.empty((), dtype={buf.dtype}, device={str(device)!r}).expand({shape})"
         return f"empty_like({w.bind(like, 'like', spelled)})"
-    return (f"empty_strided({buf.shape}, {buf.stride}, dtype={w.bind(buf.dtype, 'dtype')}, "
+    return (f"empty_strided({shape}, {stride}, dtype={w.bind(buf.dtype, 'dtype')}, "
             f"device={w.bind(device, 'device')})")
 
 
