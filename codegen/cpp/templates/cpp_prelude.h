@@ -77,43 +77,48 @@ static inline float fusec_tan(float x) { return FUSEC_FLOAT_MATH(tan, x); }
 static inline double fusec_tan(double x) { return std::tan(x); }
 #undef FUSEC_FLOAT_MATH
 
-// float32 tanh and erf, computed in double: every step below is plain arithmetic (no library
-// call), so a vectorized loop runs it in vector registers on any x86-64 level, and the double
-// steps carry errors near 1e-11, far below float's 6e-8, so the one rounding to float at the end
-// is the only error that shows: 0.5 ulp and a hair (tests/test_math_accuracy.py measures it).
-// eager gets these from MKL within 1 ulp; libmvec's float versions are 1.4 (tanh) and 4 (erf)
-// ulp off, and SLEEF's 1-ulp erf took 10x eager's time. The polynomials were fitted at Chebyshev
-// nodes against 40-digit references (mpmath); each comment gives the fit's largest relative error.
+// float32 tanh and erf, computed in float: 16 lanes to an AVX-512 register (double gets 8), from
+// plain arithmetic (no library call), with selects instead of branches, so a loop over them
+// vectorizes on every x86-64 level. Eager gets both from MKL/SLEEF within 1 ulp; libmvec's float
+// versions are 1.4 (tanh) and 4 (erf) ulp off, and SLEEF's 1-ulp erf took 10x eager's time.
+// Within 1 ulp needs care in float: every float step rounds by up to half an ulp, as the last one
+// does, so the steps whose errors would reach the answer at full size are arranged so they do not
+// (a small correction added last, errors scaled down by a factor < 1, or a rounding error kept as
+// a second float). tests/test_math_accuracy.py measures them; docs/ops.md gives the results.
+// The polynomials are weighted minimax fits (Lawson's iteration at 600 Chebyshev nodes, references
+// from mpmath at 30 digits), their coefficients rounded to float one at a time from the constant
+// term up, the rest refitted after each; each comment gives the fit's largest error. The tables
+// are doubles holding float values: the LLVM prelude reads them from here (llvm/ir.py
+// prelude_tables), and static_asserts check that each value is a float's.
 
-// FUSEC_FMA(a, b, c) = a * b + c, in one rounding where the CPU has fused multiply-add (fewer
-// instructions; the digits it saves are far below float's), else two.
-#ifdef __FMA__
-#define FUSEC_FMA(a, b, c) __builtin_fma(a, b, c)
+// FUSEC_FMAF(a, b, c) = a * b + c in one rounding where the CPU has fused multiply-add, else two:
+// the results differ in the last bit between such targets (the LLVM prelude's fmuladd does the same).
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#define FUSEC_FMAF(a, b, c) __builtin_fmaf(a, b, c)
 #else
-#define FUSEC_FMA(a, b, c) ((a) * (b) + (c))
+#define FUSEC_FMAF(a, b, c) ((a) * (b) + (c))
 #endif
-// c[0] x^(N-1) + ... + c[N-1], by Horner's rule (unrolled: a loop inside a vectorized loop would not be)
-template <int N> static inline double fusec_horner(double x, const double (&c)[N]) {
-    double p = c[0];
+template <int N> constexpr bool fusec_floats(const double (&c)[N]) {
+    for (int i = 0; i < N; ++i) if ((double)(float)c[i] != c[i]) return false;
+    return true;
+}
+// c[0] x^(N-1) + ... + c[N-1] in float, by Horner's rule (unrolled: a loop inside a vectorized
+// loop would not be)
+template <int N> static inline float fusec_horner_f32(float x, const double (&c)[N]) {
+    float p = (float)c[0];
 #pragma GCC unroll 16
-    for (int i = 1; i < N; ++i) p = FUSEC_FMA(p, x, c[i]);
+    for (int i = 1; i < N; ++i) p = FUSEC_FMAF(p, x, (float)c[i]);
     return p;
 }
+static inline float fusec_bits_f32(uint32_t bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 
-// e^y for |y| <= 32: y = k ln2 + r with |r| <= ln2/2 (Cody and Waite's two-part ln2 keeps
-// k ln2 exact), e^r by a degree-8 polynomial (1.1e-12), 2^k made from its bits.
-static inline double fusec_exp_f64(double y) {
-    static constexpr double P[] = {0x1.a17da35733787p-16, 0x1.a1aa80ce31c9ap-13,
-        0x1.6c162bfd07340p-10, 0x1.111080ac9c3f6p-7, 0x1.5555558893547p-5, 0x1.555555a26f236p-3,
-        0x1.ffffffffe7631p-2, 0x1.ffffffffd38acp-1, 0x1.000000000003cp+0};
-    const double shift = 0x1.8p52;  // adding it rounds to an integer, kept in the low bits
-    const double s = y * 0x1.71547652b82fep0 + shift;
-    const double k = s - shift;
-    const double r = (y - k * 0x1.62e42feep-1) - k * 0x1.a39ef35793c76p-33;
-    int64_t bits; std::memcpy(&bits, &s, 8);
-    const int64_t scale_bits = (bits - 0x4338000000000000LL + 1023) << 52;  // 2^k
-    double scale; std::memcpy(&scale, &scale_bits, 8);
-    return fusec_horner(r, P) * scale;
+// e^r - 1 for |r| <= ln2/2 (and a little more): r + r^2 Q(r), Q of degree 4 (absolute error
+// 3.4e-9 e^r). Both functions below compute e^y as 2^k (1 + this), with y = k ln2 + r.
+static inline float fusec_expm1_reduced(float r) {
+    static constexpr double Q[] = {0x1.6a4b82p-10, 0x1.123e58p-7, 0x1.5558bap-5, 0x1.55548cp-3,
+        0x1.fffffcp-2};
+    static_assert(fusec_floats(Q));
+    return FUSEC_FMAF(r * r, fusec_horner_f32(r, Q), r);
 }
 
 // c ? a : b for any arithmetic type, as bit masks (the op table's `where`, and the selects below).
@@ -139,40 +144,66 @@ template <typename T> static inline T fusec_select(bool c, T a, T b) {
     }
 }
 
-// tanh(x) = (e^2|x| - 1) / (e^2|x| + 1) with x's sign; below 2^-11 (where e - 1 would lose
-// digits) its series x - x^3/3 + 2x^5/15; from 9.5 on, tanh rounds to 1.
+// tanh in float (a = |x|; the sign is put back at the end, so tanh(-0) = -0):
+//   a < 0.5625: a + a w, w = a^2 P(a^2), P of degree 4 (relative error 1.4e-9); |w| < 0.1, so
+//     w's own rounding errors reach the answer a tenth of their size.
+//   above: 1 - 2 / (e^2a + 1), with e^2a = 2^k (1 + p) (fusec_expm1_reduced; 2a - k ln2 by
+//     Cody and Waite's two-part ln2, whose first product and difference are exact), so that
+//     2 / (e^2a + 1) = 2^(1-k) / s, s = (1 + 2^-k) + p. s's rounding error is kept (s_lo: Fast2Sum,
+//     exact as 1 + 2^-k > |p|), and so is that of 1 - q0 (lo); the division's rounding reaches the
+//     answer times q <= 0.5. From 9.5 on, a is clamped: tanh rounds to 1 from 9.01 on.
 static inline float fusec_tanh(float x) {
-    double d = std::fabs((double)x);
-    d = fusec_select(d > 9.5, 9.5, d);
-    const double e = fusec_exp_f64(2.0 * d), t = d * d;
-    const bool small = d < 0x1p-11;
-    // the division's operands are selected, not its result: both sides are computed (a select,
-    // not a branch, so the loop vectorizes) and the division never sees a value it must not
-    const double series = d * FUSEC_FMA(t, FUSEC_FMA(t, 2.0 / 15.0, -1.0 / 3.0), 1.0);
-    const double num = fusec_select(small, series, e - 1.0);
-    const double y = num / fusec_select(small, 1.0, e + 1.0);
-    return fusec_select(x != x, x, std::copysign((float)y, x));
+    static constexpr double P[] = {-0x1.94768ep-8, 0x1.581736p-6, -0x1.b90648p-5, 0x1.110c60p-3,
+        -0x1.555548p-2};
+    static_assert(fusec_floats(P));
+    const float a = std::fabs(x);
+    const float z = a * a;
+    const float small = FUSEC_FMAF(a, z * fusec_horner_f32(z, P), a);
+    const float t = 2.0f * fusec_select(a < 9.5f, a, 9.5f);
+    const float shift = 0x1.8p23f;  // adding it rounds to an integer, kept in the low bits
+    const float k_shifted = FUSEC_FMAF(t, 0x1.715476p0f, shift);
+    const float k = k_shifted - shift;  // round(t / ln2): 0 <= k <= 27
+    uint32_t k_bits; std::memcpy(&k_bits, &k_shifted, 4);
+    const uint32_t k_exponent = k_bits << 23;  // k moved to the exponent field (shift's bits leave)
+    const float p = fusec_expm1_reduced(FUSEC_FMAF(-k, 0x1.7f7d1cp-20f, FUSEC_FMAF(-k, 0x1.62e4p-1f, t)));
+    const float c = 1.0f + fusec_bits_f32(0x3f800000u - k_exponent);  // 1 + 2^-k
+    const float s_hi = c + p, s_lo = (c - s_hi) + p;                   // s = s_hi + s_lo exactly
+    const float inv = 1.0f / s_hi;
+    const float q0 = inv * fusec_bits_f32(0x40000000u - k_exponent);   // 2^(1-k) / s_hi
+    const float hi = 1.0f - q0, lo = (1.0f - hi) - q0;                  // 1 - q0 = hi + lo exactly
+    // 1 - 2^(1-k) / (s_hi + s_lo) = 1 - q0 (1 - s_lo / s_hi), to within float's digits
+    const float large = hi + FUSEC_FMAF(q0, s_lo * inv, lo);
+    // NaN fails the test, and `small` passes it on
+    return std::copysign(fusec_select(a >= 0.5625f, large, small), x);
 }
 static inline double fusec_tanh(double x) { return std::tanh(x); }
 
-// erf(x) below 1: x S(x^2), S of degree 7 (3.7e-11); from 1 to 4: 1 - e^-x^2 R(x), where
-// R(x) = erfc(x) e^(x^2) is smooth, of degree 12 (7.6e-9, times erfc <= 0.16); from 4 on, erf
-// rounds to 1.
+// erf in float (a = |x|, the sign put back at the end):
+//   a < 1: a + a w, w = S(a^2) = erf(a) / a - 1, S of degree 7 (relative error 9.5e-10).
+//   above: 1 - e^-a^2 R(a), R(a) = erfc(a) e^(a^2), smooth, of degree 12 in a - 2.4609375
+//     (relative error 1.6e-8). Every error of this side reaches the answer times erfc(a) <= 0.16,
+//     the rounding of a^2 too (e^-a^2 is then off by a^2's rounding error, relatively).
+//     From 3.921875 on, a is clamped: erf rounds to 1 from 3.919 on.
 static inline float fusec_erf(float x) {
-    static constexpr double S[] = {-0x1.4497835c23f09p-17, 0x1.d89ff48674902p-14,
-        -0x1.bcd3a4940f634p-11, 0x1.562abda877a54p-8, -0x1.b829d0bbef567p-6, 0x1.ce2f0955e8b56p-4,
-        -0x1.81274666d37fbp-2, 0x1.20dd750405437p+0};
-    static constexpr double R[] = {0x1.c97357cddbfd8p-24, -0x1.e62976f0629e2p-19,
-        0x1.db085c677112cp-15, -0x1.1b59a708b9dbcp-11, 0x1.ce7e6ce0348bep-9, -0x1.127c959b01c07p-6,
-        0x1.ec5cf382218c0p-5, -0x1.56cbf83e1cb2ep-3, 0x1.7a699e30a8bfap-2, -0x1.50baf2f59cfc7p-1,
-        0x1.e7b16260e7940p-1, -0x1.1d1de6c8746fep+0, 0x1.feef405f4fab4p-1};
-    const double d = std::fabs((double)x);
-    // where the tail's formula holds
-    const double c = fusec_select(d > 4.0, 4.0, fusec_select(d < 1.0, 1.0, d));
-    const double small = d * fusec_horner(d * d, S);  // d * d is exact: a float's square fits
-    const double tail = 1.0 - fusec_exp_f64(-c * c) * fusec_horner(c, R);
-    const float y = (float)fusec_select(d < 1.0, small, fusec_select(d >= 4.0, 1.0, tail));
-    return fusec_select(x != x, x, std::copysign(y, x));
+    static constexpr double S[] = {-0x1.217f0ap-19, 0x1.6981f6p-14, -0x1.a99294p-11,
+        0x1.5482a0p-8, -0x1.b8044ap-6, 0x1.ce2d74p-4, -0x1.812740p-2, 0x1.06eba8p-3};
+    static constexpr double R[] = {0x1.1f122cp-23, -0x1.d0fba6p-22, 0x1.fa2038p-21,
+        -0x1.271b7cp-18, 0x1.305326p-16, -0x1.0dc0d6p-14, 0x1.dc350cp-13, -0x1.9b879ap-11,
+        0x1.56d888p-9, -0x1.1333b0p-7, 0x1.a852acp-6, -0x1.38a8ccp-4, 0x1.b5c216p-3};
+    static_assert(fusec_floats(S) && fusec_floats(R));
+    const float a = std::fabs(x);
+    const float small = FUSEC_FMAF(a, fusec_horner_f32(a * a, S), a);
+    const float b = fusec_select(a < 3.921875f, a, 3.921875f);
+    const float z = b * b;
+    const float shift = 0x1.8p23f;
+    const float k_shifted = FUSEC_FMAF(-z, 0x1.715476p0f, shift);
+    const float k = k_shifted - shift;  // round(-z / ln2): -22 <= k <= 0
+    uint32_t k_bits; std::memcpy(&k_bits, &k_shifted, 4);
+    const float p = fusec_expm1_reduced(FUSEC_FMAF(-k, 0x1.7f7d1cp-20f, FUSEC_FMAF(-k, 0x1.62e4p-1f, -z)));
+    const float r = fusec_horner_f32(b - 2.4609375f, R);
+    const float erfc = FUSEC_FMAF(p, r, r) * fusec_bits_f32(0x3f800000u + (k_bits << 23));  // * 2^k
+    // NaN fails the test, and `small` passes it on
+    return std::copysign(fusec_select(a >= 1.0f, 1.0f - erfc, small), x);
 }
 static inline double fusec_erf(double x) { return std::erf(x); }
 
