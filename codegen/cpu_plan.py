@@ -243,8 +243,8 @@ def column_sum_block(kernel) -> int:
 # float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
 # same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
 # sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
-# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in double
-# (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
+# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in float within
+# 1 ulp (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
 # Both CPU backends call the same functions: cpp/__init__.py links them (`math_flags`), llvm/ir.py
 # declares them (`vector_variant`).
 SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}

@@ -454,8 +454,9 @@ def prelude(lines: list[str], target: Target | None = None) -> tuple[str, set[st
 
 @functools.lru_cache(maxsize=None)
 def prelude_tables() -> dict[str, list[str]]:
-    """The polynomial coefficients of the C++ prelude's double-precision helpers (fusec_exp_f64,
-    fusec_erf: `static constexpr double P[] = {...}`), as LLVM double constants, read from
+    """The polynomial coefficients of the C++ prelude's tanh and erf helpers
+    (fusec_expm1_reduced, fusec_tanh, fusec_erf: `static constexpr double P[] = {...}`, each a
+    float written exactly as a double), as LLVM constants, read from
     codegen/cpp/templates/cpp_prelude.h so that both backends compute with the same numbers:
     {"fusec_erf.S": [...]}."""
     text = (pathlib.Path(__file__).parent.parent / "cpp" / "templates" / "cpp_prelude.h").read_text()
