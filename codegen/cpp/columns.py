@@ -37,13 +37,28 @@ this file does it:
   * a long float sum is blocked as before (Note: long float sums), with blocks of
     COLUMN_SUM_BLOCK = 64 values (cpu_plan.py): each lane adds a block's values one after
     another, so short blocks keep its rounding error near the vectorized kernel's (which adds
-    64-128 per lane and block), and ending a block costs one vector addition into doubles.
+    64-128 per lane and block), and ending a block costs one vector addition into doubles;
+  * a float max or min takes a NaN like a larger value and then keeps it (cpp/reduction.py,
+    `_value_reduce`), so a lane needs no NaN flag beside its accumulator.
+
+Every lane loop is an innermost loop of one block's rows with nothing in it that stops gcc's
+vectorizer (no branch, no call without a SIMD version, every array and pointer moving by one
+element per lane, all values of one width or widened by the vector conversions of the prelude),
+so gcc 12 vectorizes each one with the target's widest vectors on baseline x86-64 (SSE2),
+x86-64-v3 (AVX2) and x86-64-v4 (AVX-512); a loop that only fills or copies an array may become a
+memset or memcpy instead. tests/test_cpp_columns_vector.py reads gcc's own report for each.
+Each lane loop is preceded by a comment line that says what it does for the block's rows.
+
+This kernel also serves the short rows that cpp/reduction.py once ran as "lanes of rows" (a k
+loop inside a vectorized loop over 16 rows: softmax over 8-16 channels): gcc 12 vectorized that
+outer loop only for SSE2 when it held several k loops, and left it scalar with AVX2 and AVX-512.
 """
 from __future__ import annotations
 
 import re
 
 from fusec.ir import Reduce
+from fusec.symbolic import is_symbolic
 
 from .text import CTYPE
 
@@ -51,10 +66,12 @@ _DECLARATION = re.compile(r"^(?P<type>[\w:<> ]+?) (?P<name>acc_\w+) = (?P<init>.
 _ACCUMULATOR = re.compile(r"\b(acc_\w+)\b")
 
 
-def lane_loop(lines: list[str], head: list[str]) -> list[str]:
+def lane_loop(lines: list[str], head: list[str], what: str = "") -> list[str]:
     """One vectorized loop over the block's rows: `head` (the row's coordinates and kept values)
-    then `lines`, each accumulator read and written as its lane's entry."""
-    out = ["#pragma omp simd", "for (int64_t lane = 0; lane < lanes; ++lane) {"]
+    then `lines`, each accumulator read and written as its lane's entry; `what` is the comment
+    line above it (the loop inside k has its comment in the template)."""
+    out = [f"// {what}"] if what else []
+    out += ["#pragma omp simd", "for (int64_t lane = 0; lane < lanes; ++lane) {"]
     out += ["    " + line for line in head]
     out += ["    " + _ACCUMULATOR.sub(r"\1[lane]", line) for line in lines]
     return out + ["}"]
@@ -65,10 +82,12 @@ def inside_out(kernel, row_lines: list[str], k_coords: list[str], sections: list
     """The generic kernel's sections (cpp/reduction.py) as lane loops: (arrays declared once per
     block, sections with their lines in lane loops, the row stores' lane loop)."""
     arrays: list[str] = []
-    kept: list[str] = []  # row values of earlier phases, read back at the top of each lane loop
+    kept: dict[str, str] = {}  # row values of earlier phases, read back in the lane loops that use them
     out = []
-    for section in sections:
-        head = row_lines + kept
+
+    def head(lines: list[str]) -> list[str]:  # a lane loop's first lines: where its row is, kept values
+        return row_lines + [line for name, line in kept.items() if _uses(lines, name)]
+    for n, section in enumerate(sections):
 
         def declared(lines):
             inits = []
@@ -82,26 +101,54 @@ def inside_out(kernel, row_lines: list[str], k_coords: list[str], sections: list
         body = section["body"][len(k_coords):] if section["body"][:len(k_coords)] == k_coords \
             else section["body"]
         ready = []
-        for name in section.get("defines", []):
+        later = [line for later in sections[n + 1:] for part in _PARTS for line in later[part]]
+        later += row_stores
+        defines = [name for name in section.get("defines", []) if _uses(later, name)]
+        for name in defines:
             ctype = CTYPE[producers[name].var.dtype]
             arrays.append(f"{ctype} {name}_l[COLUMNS];")
             ready.append(f"{name}_l[lane] = {name};")
         init = declared(section["before"])
+        kept_after = " (kept for the loops below)" if ready else ""
         out.append({
             "comment": section["comment"],
-            "init": lane_loop(init, []) if init else [],
+            "init": lane_loop(init, [], "each row of the block: its accumulators start") if init else [],
             "kblock": section["kblock"],
-            "block_init": lane_loop(declared(section["block_before"]), [])
+            "block_init": lane_loop(declared(section["block_before"]), [],
+                                    "each row of the block: a new block sum starts")
             if section["block_before"] else [],
             "k_coords": [line for line in k_coords],
-            "body": lane_loop(body, head),
-            "block_after": lane_loop(section["block_after"], []) if section["block_after"] else [],
-            "after": lane_loop(section["after"] + ready, head) if section["after"] or ready else [],
+            "body": lane_loop(body, head(body)),
+            "block_after": lane_loop(section["block_after"], [],
+                                     "each row of the block: the block sum into its double total")
+            if section["block_after"] else [],
+            "after": lane_loop(section["after"] + ready, head(section["after"]),
+                               "each row of the block: its results of this phase" + kept_after)
+            if section["after"] or ready else [],
         })
-        kept = kept + [f"const {CTYPE[producers[n].var.dtype]} {n} = {n}_l[lane];"
-                       for n in section.get("defines", [])]
-    stores = lane_loop(row_stores, row_lines + kept) if row_stores else []
+        kept.update({name: f"const {CTYPE[producers[name].var.dtype]} {name} = {name}_l[lane];"
+                     for name in defines})
+    stores = lane_loop(row_stores, head(row_stores), "each row of the block: its outputs") \
+        if row_stores else []
     return arrays, out, stores
+
+
+_PARTS = ("before", "block_before", "body", "block_after", "after")  # a section's lines
+
+
+def _uses(lines: list[str], name: str) -> bool:
+    """Whether any of `lines` reads the value `name`: only those a later loop reads are kept in
+    an array (a kept bool beside double lanes is a vector of another width, which gcc 12 does
+    not vectorize on baseline x86-64), and a lane loop reads back only the ones it uses."""
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    return any(word.search(line) for line in lines)
+
+
+def full_blocks(kernel, columns: int) -> bool:
+    """Whether every block of rows is full (the row count side by side is a number that COLUMNS
+    divides): then each lane loop runs exactly COLUMNS times, a count gcc knows when compiling."""
+    last = kernel.row_shape[-1]
+    return not is_symbolic(last) and last % columns == 0
 
 
 def defines(phase, producers) -> list[str]:

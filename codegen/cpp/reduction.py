@@ -75,6 +75,7 @@ def assemble(kernel, parts: ReductionLines, note: str) -> str:
         return render_template(
             "cpp_reduction_columns.cpp.j2", **common,
             columns=parts.columns, last=size(kernel.row_shape[-1]),
+            full_blocks=cpp_columns.full_blocks(kernel, parts.columns),
             arrays=arrays, sections=sections, stores=stores)
     return render_template(
         "cpp_reduction.cpp.j2", **common, lanes=parts.lanes,
@@ -113,10 +114,11 @@ class _Rows:
         self.n_rows = n_rows = len(kernel.row_shape)
         self.row_lines = _coords("c", "row", kernel.row_shape)
         self.k_coords = _coords("q", "k", kernel.k_shape)
-        self.lanes = lane_blocks(kernel, self.k_strided)
-        # rows side by side with their values far apart, beyond what lanes manage: the loops turned
-        # inside out (cpp/columns.py), the k loop outside and a block of rows in the SIMD lanes
-        self.columns = 0 if self.lanes or not allow_columns else column_blocks(kernel)
+        # rows side by side with their values far apart: the loops turned inside out (cpp/columns.py),
+        # the k loop outside and a block of rows in the SIMD lanes; lanes of rows only where a
+        # kernel family asks for no columns (Note: lanes of rows)
+        self.columns = column_blocks(kernel) if allow_columns else 0
+        self.lanes = 0 if self.columns else lane_blocks(kernel, self.k_strided)
         if self.lanes or self.columns:
             # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
             # the lane, so every address is linear in the lane and gcc vectorizes across lanes.
@@ -239,9 +241,9 @@ def phase_section(kernel, phase, last: bool, lines: dict, producers: dict, k_coo
         loop.body.append(f"{target(keep.store)} = {keep.value};  // {why}")
     for r in reds:
         if ops.REDUCTIONS[r.op].returns_index:
-            _index_reduce(loop, r, columns)
+            _index_reduce(loop, r, columns, _int32_positions(kernel, r))
         else:
-            _value_reduce(loop, r, maxmin)
+            _value_reduce(loop, r, maxmin, columns)
     loop.after += [lines[n] for n in phase.ready]
     kblock, blocked, block_before, block_after = _blocked_sums(kernel, reds, columns, loop)
     pragma = _phase_pragma(kernel, reds, lanes, blocked, kblock)
@@ -267,7 +269,14 @@ def _maxmin(reds) -> bool:
                               for r in reds)
 
 
-def _index_reduce(loop: _PhaseLines, r, columns: int) -> None:
+def _int32_positions(kernel, r) -> bool:
+    """Whether an index reduction's running position may be an int32_t: its values are at
+    most 4 bytes wide and K is a number below 2**31 (see `_index_reduce`)."""
+    return ops.register_dtype(r.operand.dtype).itemsize <= 4 and not is_symbolic(kernel.k) \
+        and kernel.k < 2 ** 31
+
+
+def _index_reduce(loop: _PhaseLines, r, columns: int, int32_at: bool = False) -> None:
     """An argmax or argmin: the running best value and where it was seen; a NaN wins, and a
     tie keeps the first position, as in eager."""
     red = ops.REDUCTIONS[r.op]
@@ -276,36 +285,50 @@ def _index_reduce(loop: _PhaseLines, r, columns: int) -> None:
     cmp = ">" if r.op == "argmax" else "<"
     loop.before.append(f"{CTYPE[r.operand.dtype]} {acc} = "
                        f"{literal(red.init(r.operand.dtype), r.operand.dtype)};")
-    loop.before.append(f"int64_t {acc}_at = 0;")
     nan = f"({x} != {x})" if r.operand.dtype.is_floating_point else "false"
     at = f"{acc}_at"
     if columns:
-        # selects, not a branch, so the lane loop is vectorized: the running best
-        # moves only on a strictly better value (a tie keeps the first; a NaN never
-        # enters it), and beside it the first NaN's position, which wins at the end
+        # selects, not a branch, so the lane loop is vectorized: the running best moves on
+        # a strictly better value (a tie keeps the first) or on the first NaN, which then
+        # stays (nothing compares better than it, and it is no longer a number to replace).
+        # Inside out (cpp/columns.py) the position is as wide as the values where K allows:
+        # then the compares' masks select it directly, and gcc 12 vectorizes the loop on
+        # baseline x86-64 (SSE2 has no 64-bit integer compare and no narrowing of masks)
+        position = "int32_t" if int32_at else "int64_t"
+        loop.before.append(f"{position} {acc}_at = 0;")
         take = f"take_{r.var.name}"
-        loop.body += [f"const bool {take} = {x} {cmp} {acc};",
-                      f"{acc} = {take} ? {x} : {acc};",
-                      f"{acc}_at = {take} ? k : {acc}_at;"]
+        better = f"({x} {cmp} {acc})"
         if r.operand.dtype.is_floating_point:
-            loop.before.append(f"int64_t {acc}_nan_at = INT64_MAX;")
-            loop.body.append(f"{acc}_nan_at = ({nan} && k < {acc}_nan_at) ? k : {acc}_nan_at;")
-            at = f"({acc}_nan_at != INT64_MAX ? {acc}_nan_at : {acc}_at)"
+            better = f"{better} | ({nan} & ({acc} == {acc}))"
+        k = "(int32_t)k" if int32_at else "k"
+        loop.body += [f"const bool {take} = {better};",
+                      f"{acc} = {take} ? {x} : {acc};",
+                      f"{acc}_at = {take} ? {k} : {acc}_at;"]
+        at = f"(int64_t){acc}_at" if int32_at else at
     else:
+        loop.before.append(f"int64_t {acc}_at = 0;")
         loop.before.append(f"bool {acc}_seen = false;")
         loop.body.append(f"if (!({acc} != {acc}) && (!{acc}_seen || {x} {cmp} {acc} || "
                          f"{nan})) {{ {acc} = {x}; {acc}_at = k; {acc}_seen = true; }}")
     loop.after.append(f"const int64_t {r.var.name} = {at};  // {r.origin}")
 
 
-def _value_reduce(loop: _PhaseLines, r, maxmin: bool) -> None:
+def _value_reduce(loop: _PhaseLines, r, maxmin: bool, columns: int = 0) -> None:
     """A reduction to a value: its accumulator, its update at each k (for a phase of plain
     max/min, a select the compiler vectorizes; else the op table's combine), its result."""
     red = ops.REDUCTIONS[r.op]
     acc = f"acc_{r.var.name}"
     x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
     loop.before.append(f"{CTYPE[r.acc_dtype]} {acc} = {literal(red.init(r.acc_dtype), r.acc_dtype)};")
-    if maxmin:
+    if maxmin and columns and r.acc_dtype.is_floating_point:
+        # inside out, each lane's accumulator is an array entry (cpp/columns.py): a NaN is taken
+        # like a larger value and then kept (nothing compares above it), so no NaN flag is needed;
+        # an int flag beside double lanes is a vector of another width, and gcc 12 then leaves
+        # the loop scalar on baseline x86-64 (SSE2)
+        cmp = ">" if r.op == "amax" else "<"
+        loop.body.append(f"{acc} = (({x} {cmp} {acc}) | ({x} != {x})) ? {x} : {acc};")
+        value = convert(acc, r.acc_dtype, r.var.dtype)
+    elif maxmin:
         # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
         # amax propagates and a compare-and-select would skip)
         cmp = ">" if r.op == "amax" else "<"
@@ -382,7 +405,10 @@ def _phase_pragma(kernel, reds, lanes: int, blocked, kblock: int) -> str:
 # when the row runs a single inner k loop (one-phase kernels without a last pass: amax/amin/sum/
 # mean over channels, with any pointwise prologue and row epilogue), or when its k loops are short
 # enough (K <= LANES_UNROLL_K) to be unrolled away (softmax over 16 channels); other rows use the
-# row copies of the note "rows reduced across a strided axis".
+# row copies of the note "rows reduced across a strided axis". Only where a kernel family asks for
+# no columns (`allow_columns=False`): else such rows are turned inside out (cpp/columns.py), whose
+# loops gcc 12 vectorizes on every x86-64 level, where it left this outer loop scalar with AVX2
+# and AVX-512 when it held several k loops (a softmax) and on every level for a max with its NaN flag.
 LANES = 16
 LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loops are fine
 
@@ -441,5 +467,5 @@ def _coords(prefix: str, var: str, shape) -> list[str]:
 
 
 def _unsigned(n) -> str:
-    """A size as an unsigned C++ operand: `1024u`, or `(uint64_t)s26` for one that is an argument."""
+    """A size as an unsigned C++ operand: `1024u`, or `(uint64_t)x_size0` for one that is an argument."""
     return f"(uint64_t){size(n)}" if is_symbolic(n) else f"{n}u"
