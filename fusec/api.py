@@ -293,8 +293,11 @@ class CompiledFunction:
             if self.compiles:
                 changed = self._changed(key, args, kwargs)
                 broken, self._broken = getattr(self, "_broken", None), None
-                if broken:  # (fusec/dynamic.py: the shape family's program did not serve it)
-                    changed += f"; the shape family's guard {broken} failed"
+                if broken:  # (fusec/dynamic.py: the shape family's program did not serve it;
+                    # `changed` compares with the last signature compiled, not the last call's:
+                    # a fast-path call is not written down)
+                    changed = (f"outside the shape family (its guard {broken} failed); against "
+                               f"the last program compiled: {changed}")
                 remember(self.recompiles, changed)
                 events.publish("recompiled", label_of(self.fn), changed)
             dims = {} if same else self._dynamic_dims(key, tensors)
