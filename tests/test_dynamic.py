@@ -414,6 +414,33 @@ def test_prefill_of_every_prompt_length_compiles_once():
     assert compiles(cf) == 2, cf._compiled.recompiles
 
 
+@pytest.mark.parametrize("mask", ["none", "float", "bool", "causal"])
+def test_attention_of_a_family_is_torchs_sdpa(mask, monkeypatch):
+    """On CUDA, SDPA reads sizes as numbers while tracing; a family traces it as one call of
+    fusec::attention (capture/torch_level.py), torch's own SDPA at run time. Switched on for
+    the CPU here: the program calls it, the sizes stay symbols, the answers are eager's."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("fusec.capture.torch_level"), "SDPA_READS_SIZES",
+                        ("cuda", "cpu"))
+    import torch.nn.functional as F
+
+    def f(q, k, v, m):
+        if mask == "causal":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask == "none" else m)
+        return torch.relu(out) * 2
+
+    cf = fusec.compile(f, backend="cpp")
+    with all_built(cf), torch.no_grad():
+        for n in (5, 9, 13):
+            q, k, v = (torch.randn(2, 4, n, 16) for _ in range(3))
+            m = torch.randn(2, 1, n, n) if mask == "float" else torch.rand(2, 1, n, n) > 0.3
+            same_as_eager(cf, f, q, k, v, m)
+    assert compiles(cf) == 2 and len(cf.families) == 1, cf.recompiles
+    assert "_fusec_attention_default(" in cf.last.program.run.source
+
+
 # -- 7. the family's fast path -------------------------------------------------------------------
 def test_the_family_fast_path_is_taken(backend):
     device = DEVICE[backend]

@@ -89,15 +89,53 @@ def linear(input, weight, bias=None):
     return torch.matmul(input, weight.t()) + bias
 
 
+SDPA_READS_SIZES = ("cuda",)  # devices whose SDPA reads sizes as numbers while tracing
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """On CUDA, SDPA picks its kernel (flash, memory-efficient, cuDNN) by reading the sizes as
     numbers, which pins a shape family's symbols (or fails under fake tensors). For symbolic
-    inputs on CUDA it is traced as torch's own math formulation, which fusion then fuses (its
-    softmax one kernel); a static program keeps the library's attention kernel."""
-    if not query.is_cuda or not _symbolic(query) or dropout_p:
+    inputs on CUDA it is traced as one call of `fusec::attention` (below), whose fake answer
+    knows only the output's shape: at run time it is torch's own SDPA, which picks its kernel
+    for each call's sizes, as a static program's library call does."""
+    if query.device.type not in SDPA_READS_SIZES or not _symbolic(query) or dropout_p:
         return NotImplemented
-    return attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    if query.dim() != 4 or (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, attn_mask))):
+        # (fusec::attention has no backward: a training graph gets the math formulation, which
+        # autograd differentiates and fusion fuses)
+        return attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+
+
+@torch.library.custom_op("fusec::attention", mutates_args=())
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+         attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+         enable_gqa: bool) -> torch.Tensor:
+    """F.scaled_dot_product_attention of (B, H, L, E) inputs, its output laid out as the fused
+    kernels (flash, memory-efficient) write it: (B, L, H, E) in memory, seen as (B, H, L, E). A
+    kernel that answers in another layout (the math one) is copied into that one, so the layout
+    is the one the fake answer promised whichever kernel torch picks for these sizes."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa)
+    want = _attention_out(query, value)
+    if out.stride() != want.stride():
+        want.copy_(out)
+        return want
+    return out
+
+
+@sdpa.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    return _attention_out(query, value)
+
+
+def _attention_out(query, value):
+    """An empty (B, H, L, E) output stored as (B, L, H, E)."""
+    b, h, length = query.shape[0], query.shape[1], query.shape[2]
+    return query.new_empty((b, length, h, value.shape[-1])).transpose(1, 2)
 
 
 def attention(q, k, v, mask=None, is_causal=False, scale=None, enable_gqa=False):
