@@ -432,11 +432,31 @@ def lane_blocks(kernel, k_strided) -> int:
         return 0  # a long float sum: one lane would add its K values one after another
     n_rows = len(kernel.row_shape)
     accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
+    if short_rows(kernel):
+        # Note (short rows): a few values per row (a pool's window), the rows' values interleaved
+        # or a stride apart: the k loop is unrolled away and LANES rows run in the lanes, each
+        # load LANES values SHORT_ROW_STRIDE or fewer apart (gcc's strided/interleaved loads)
+        if all(idx.strides[n_rows - 1] in range(SHORT_ROW_STRIDE + 1) for idx in accesses):
+            return LANES
+        return 0
     if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
         return 0
     if not any(k_strided(l.index) and l.index.strides[n_rows - 1] == 1 for l in kernel.loads):
         return 0
     return LANES
+
+
+# Note (short rows): a reduction of K <= SHORT_ROW_K values per row known when compiling (a 2x2 or
+# 2x2x2 pool written as a view and an amax/mean, passes/pooling.py) walked row by row spends its
+# time on the row's overhead, with a k loop too short to vectorize. Rows whose last row dim moves
+# the reads by a few elements (2 for a 2-wide window) run in lanes instead, the k loop unrolled.
+SHORT_ROW_K = 16
+SHORT_ROW_STRIDE = 4
+
+
+def short_rows(kernel) -> bool:
+    """Whether the kernel's rows are short and of a size known when compiling (note above)."""
+    return not is_symbolic(kernel.k) and 1 < kernel.k <= min(SHORT_ROW_K, LANES_UNROLL_K)
 
 
 

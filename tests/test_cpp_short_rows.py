@@ -1,0 +1,122 @@
+"""Reductions of a few values per row on the C++ backend (pool windows), rows run in SIMD lanes.
+
+With passes/pooling.py switched on for the CPU, `max_pool2d(x, 2)` is an amax over the last dims
+of a view: thousands of rows of K = 4 (8 for a 3-D pool), neighbouring rows 2 elements apart.
+codegen/cpp/reduction.py (note "short rows") runs LANES such rows side by side, one per lane, with
+the k loop unrolled inside. Checked here: eager's answers (NaN in a max pool, infinities, odd
+sizes whose last row or column the pool drops, float16/bfloat16, 3-D pools, a contiguous short
+row), that the kernel takes the lanes form, and that gcc vectorizes the lane loop on x86-64,
+x86-64-v3 and x86-64-v4 (its own report, as tests/test_cpp_columns_vector.py reads it).
+"""
+import importlib
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+from conftest import assert_matches
+from fusec.codegen import cpp, llvm
+from fusec.codegen.llvm import compiler as llvm_build
+
+pooling = importlib.import_module("fusec.passes.pooling")
+
+
+@pytest.fixture(autouse=True)
+def pools_here(monkeypatch):
+    monkeypatch.setattr(pooling, "POOL_DEVICES", ("cpu", "cuda"))
+
+
+def _values(*shape, dtype=torch.float32, special=False):
+    torch.manual_seed(0)
+    x = torch.randn(*shape) * 3
+    if special:
+        flat = x.view(-1)
+        for i, v in enumerate([float("nan"), float("inf"), -float("inf"), float("nan")]):
+            flat[(i * 53 + 5) % flat.numel()] = v
+    return x.to(dtype)
+
+
+CASES = {
+    "avg_sigmoid": (lambda x: torch.sigmoid(F.avg_pool2d(x, 2)), 4),
+    "tanh_max": (lambda x: F.max_pool2d(torch.tanh(x) * 2, 2), 4),
+    "max_clamp": (lambda x: torch.clamp(F.max_pool2d(x, 2), -1, 1), 4),
+    "max3d": (lambda x: F.max_pool3d(x, 2), 5),
+    "avg3d": (lambda x: F.avg_pool3d(x * 3, 2) + 1, 5),
+    "short_inner_sum": (lambda x: x.sum(-1), 4),  # contiguous short rows
+}
+
+
+def _shape(ndim, odd=False):
+    return (2, 3, 33, 35) if ndim == 4 and odd else (2, 3, 32, 34) if ndim == 4 else \
+        ((2, 3, 5, 33, 35) if odd else (2, 3, 4, 32, 34))
+
+
+def _source(cf) -> str:
+    return "\n".join(k.source for k in cf.kernels)
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_float32_matches_eager_and_runs_in_lanes(name, odd):
+    fn, ndim = CASES[name]
+    x = _values(*_shape(ndim, odd), special=True)
+    if name == "short_inner_sum":
+        x = _values(2, 3, 40, 4)
+    cf = assert_matches(fn, x, backend="cpp")
+    assert "LANES" in _source(cf), _source(cf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("name", ["avg_sigmoid", "tanh_max", "max3d"])
+def test_other_float_dtypes_match_eager(name, dtype):
+    fn, ndim = CASES[name]
+    assert_matches(fn, _values(*_shape(ndim, True), dtype=dtype, special=True), backend="cpp")
+
+
+def test_non_contiguous_input():
+    x = _values(2, 34, 32, 3).permute(0, 3, 1, 2)  # channels last
+    assert_matches(CASES["tanh_max"][0], x, backend="cpp")
+    assert_matches(CASES["avg_sigmoid"][0], _values(2, 3, 40, 40)[:, :, 3:37, 1:35], backend="cpp")
+
+
+X86 = pytest.mark.skipif(llvm_build.NAMED_TARGETS["x86-64"].triple != llvm.host().triple,
+                         reason="x86-64 targets are checked on an x86-64 machine")
+TARGETS = {
+    "x86-64": (["-march=x86-64"], 16),
+    "x86-64-v3": (["-march=x86-64-v3"], 32),
+    "x86-64-v4": (["-march=x86-64-v4", "-mprefer-vector-width=512"], 64),
+}
+
+
+@X86
+@pytest.mark.skipif(not cpp.available(), reason="no C++ compiler")
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("name", ["avg_sigmoid", "tanh_max", "max3d", "avg3d"])
+def test_lane_loop_is_vectorized_for(name, target, tmp_path):
+    fn, ndim = CASES[name]
+    arch, width = TARGETS[target]
+    compiler = cpp.find_compiler()
+    probe = subprocess.run([compiler, *arch, "-x", "c++", "-fsyntax-only", "-"],
+                           input="int f() { return 0; }", capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{compiler} does not know {' '.join(arch)}")
+    kernels = fusec.explain(fn, _values(*_shape(ndim)), backend="cpp").compiled.kernels
+    sources = [cpp.render(k.ir) for k in kernels]
+    (source,) = [s for s in sources if "LANES" in s]
+    src = tmp_path / "kernel.cpp"
+    src.write_text(source)
+    flags = [f for f in cpp.FLAGS if f not in ("-march=native", "-shared")]
+    defines = [f for f in cpp.math_flags() if f.startswith("-D")]
+    out = subprocess.run([compiler, *flags, *arch, *defines, f"-I{cpp.TEMPLATES}", "-S", str(src),
+                          "-o", str(tmp_path / "kernel.s"), "-fopt-info-vec-optimized"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = source.splitlines()
+    first = next(n for n, t in enumerate(lines) if t.strip() == "#pragma omp simd") + 1
+    last = len(lines) - 2  # the lane loop runs to the block loop's end
+    said = [line for line in out.stderr.splitlines()
+            if any(f"kernel.cpp:{n + 1}:" in line for n in range(first, last + 1))]
+    assert any(f"loop vectorized using {width} byte vectors" in line for line in said), \
+        "\n".join(said) + "\n" + source
