@@ -120,3 +120,11 @@ def test_lane_loop_is_vectorized_for(name, target, tmp_path):
             if any(f"kernel.cpp:{n + 1}:" in line for n in range(first, last + 1))]
     assert any(f"loop vectorized using {width} byte vectors" in line for line in said), \
         "\n".join(said) + "\n" + source
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 16, 16), (2, 3, 4, 8, 8), (2, 3, 4, 8, 13)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_fewer_rows_side_by_side_than_lanes(shape):
+    """8, 4 or 6 rows side by side: fewer lanes, a power of two (constant when every block is full)."""
+    cf = assert_matches(CASES["max3d"][0], _values(*shape, special=True), backend="cpp")
+    assert "LANES" in _source(cf), _source(cf)

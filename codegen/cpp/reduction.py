@@ -79,6 +79,8 @@ def assemble(kernel, parts: ReductionLines, note: str) -> str:
             arrays=arrays, sections=sections, stores=stores)
     return render_template(
         "cpp_reduction.cpp.j2", **common, lanes=parts.lanes,
+        full_lanes=bool(parts.lanes) and not is_symbolic(kernel.row_shape[-1])
+        and kernel.row_shape[-1] % parts.lanes == 0,
         last=size(kernel.row_shape[-1]) if kernel.row_shape else 1,
         row_lines=parts.row_lines, sections=parts.sections,
         row_stores=parts.row_stores + parts.scatters)
@@ -417,7 +419,8 @@ def lane_blocks(kernel, k_strided) -> int:
     """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0.
     Sizes that are arguments: the last row dim is judged at its traced size (the last block is
     cut at the row's end), and a K that is one is never short enough to unroll."""
-    if not kernel.row_shape or hint(kernel.row_shape[-1]) < 8 or not kernel.k:
+    if not kernel.row_shape or not kernel.k or hint(kernel.row_shape[-1]) < (
+            SHORT_ROW_MIN_LAST if short_rows(kernel) else 8):
         return 0
     plan = kernel.plan
     several = len(plan.phases) != 1 or bool(plan.element_stores)
@@ -436,8 +439,11 @@ def lane_blocks(kernel, k_strided) -> int:
         # Note (short rows): a few values per row (a pool's window), the rows' values interleaved
         # or a stride apart: the k loop is unrolled away and LANES rows run in the lanes, each
         # load LANES values SHORT_ROW_STRIDE or fewer apart (gcc's strided/interleaved loads)
+        # (fewer rows side by side than LANES, 8 in a 3-D pool's row: as many lanes as fill
+        # every block, a power of two, so that the lane count is a constant)
         if all(idx.strides[n_rows - 1] in range(SHORT_ROW_STRIDE + 1) for idx in accesses):
-            return LANES
+            last = hint(kernel.row_shape[-1])
+            return LANES if last >= LANES else 1 << (last.bit_length() - 1)
         return 0
     if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
         return 0
@@ -452,6 +458,7 @@ def lane_blocks(kernel, k_strided) -> int:
 # the reads by a few elements (2 for a 2-wide window) run in lanes instead, the k loop unrolled.
 SHORT_ROW_K = 16
 SHORT_ROW_STRIDE = 4
+SHORT_ROW_MIN_LAST = 4  # fewer rows side by side fill too few lanes
 
 
 def short_rows(kernel) -> bool:
