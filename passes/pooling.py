@@ -16,9 +16,9 @@ unflatten.py) and the work after it its epilogue, in one kernel (passes/fuse_red
 kernel that wants one (`CONTIGUOUS_ONLY` in passes/layout.py). torch.compile's Inductor lowers
 such pools the same way.
 
-Only where it is the same computation: on GPU devices (POOL_DEVICES: on a CPU eager's vectorized
-pooling kernels are fast, and a reduction kernel of four-element rows is not), floating-point
-inputs, stride equal to the kernel size, no padding, dilation 1, `ceil_mode=False` (an image that
+Only where it is the same computation: on the devices of POOL_DEVICES (GPUs, and CPUs since
+their C++ and LLVM reduction kernels run rows of a few elements side by side in SIMD lanes:
+codegen/cpp/reduction.py, "short rows"), floating-point inputs, stride equal to the kernel size, no padding, dilation 1, `ceil_mode=False` (an image that
 the windows do not tile exactly loses its last rows and columns, as in eager: a slice, which is a
 view too), and for a max pool no reader of the indices (`return_indices=True` keeps eager's
 kernel). NaN propagates as in eager: fusec's amax returns NaN for a window that holds one.
@@ -41,7 +41,7 @@ from .unflatten import Unflattener
 
 aten = torch.ops.aten
 
-POOL_DEVICES = ("cuda",)
+POOL_DEVICES = ("cuda", "cpu")
 MAX_POOLS = {aten.max_pool2d_with_indices.default: 2, aten.max_pool3d_with_indices.default: 3}
 AVG_POOLS = {aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
 
