@@ -25,7 +25,8 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.record import group_info
-from fusec.symbolic import is_symbolic, text
+from fusec.symbolic import hint, is_symbolic, text
+from fusec.sizes import equal_if_so, is_one
 from fusec.ir import (Const, Index, Layout, Load, Param, PointwiseKernel, Stmt, Store, TensorMeta,
                       Var)
 
@@ -381,7 +382,7 @@ def broadcast_strides(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]
     strides = []
     for d, size in enumerate(shape):
         j = d - pad
-        if j < 0 or layout.shape[j] == 1:
+        if j < 0 or is_one(layout.shape[j]):
             strides.append(0)
         elif layout.shape[j] == size:
             strides.append(layout.stride[j])
@@ -399,7 +400,8 @@ def loop_order(strides: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
     >>> loop_order((1, 64), (64, 32))
     [1, 0]
     """
-    return sorted(range(len(shape)), key=lambda d: -strides[d] if shape[d] != 1 else 0)
+    # (by the traced strides: the order changes how fast, never what is computed: unguarded)
+    return sorted(range(len(shape)), key=lambda d: -hint(strides[d]) if not is_one(shape[d]) else 0)
 
 
 def coalesce(shape: tuple[int, ...], tensors: list[tuple[int, ...]]):
@@ -414,11 +416,11 @@ def coalesce(shape: tuple[int, ...], tensors: list[tuple[int, ...]]):
     """
     if 0 in shape:
         return (0,), [(0,) for _ in tensors]
-    dims = [d for d, size in enumerate(shape) if size != 1]
+    dims = [d for d, size in enumerate(shape) if not is_one(size)]
     sizes: list[int] = []
     strides: list[list[int]] = [[] for _ in tensors]
     for d in dims:
-        if sizes and all(t[d] * shape[d] == s[-1] for t, s in zip(tensors, strides)):
+        if sizes and all(equal_if_so(t[d] * shape[d], s[-1]) for t, s in zip(tensors, strides)):
             sizes[-1] *= shape[d]
             for t, s in zip(tensors, strides):
                 s[-1] = t[d]

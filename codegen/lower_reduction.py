@@ -200,14 +200,15 @@ def _memory_order(dims: tuple[int, ...], shape, sub: fx.GraphModule, in_layouts)
     if len(dims) < 2 or any(ops.reduction(n) is not None and ops.reduction(n).op.returns_index
                             for n in sub.graph.nodes if n.op == "call_function"):
         return dims
+    sizes = hint(shape)  # (the order of the additions changes no result: unguarded)
     for layout in in_layouts:
         pad = len(shape) - len(layout.shape)
-        if pad < 0 or any(n not in (1, s) for n, s in zip(layout.shape, shape[pad:])):
+        if pad < 0 or any(n not in (1, s) for n, s in zip(hint(layout.shape), sizes[pad:])):
             continue  # a row value, read over the rows only (a (C,) mean of an (N, C, 1, 1) group)
-        full = broadcast_strides(layout, shape)
+        full = hint(broadcast_strides(layout, shape))
         # an element tensor: it varies along every reduced dim (a dim of length 1, such as the
         # one split_reductions leaves inside a chunk, has no stride to order by)
-        if all(full[d] for d in dims if shape[d] > 1):
+        if all(full[d] for d in dims if sizes[d] > 1):
             return tuple(sorted(dims, key=lambda d: (-full[d], d)))
     return dims
 

@@ -379,7 +379,7 @@ class CompiledFunction:
         """Compile the program for a shape family (`dims` as symbols) and keep it as one; where
         that fails, the program for this call's sizes alone, and the reason in `recompiles`."""
         try:
-            with self._guards.recording(key) as recorded:
+            with self._guards.recording(key) as recorded, dynamic.ones_in_family():
                 compiled = self._capture_and_compile(args, kwargs, None, events.wants_detail(),
                                                      True, tensors, None, dims)
         except Exception as err:  # noqa: BLE001 (the static program is always there)

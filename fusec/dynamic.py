@@ -11,8 +11,10 @@ with those sizes as symbols (fusec/symbolic.py), and serves every later call of 
 
 `fusec.compile(fn, dynamic=True)` makes every dim of the arguments (not the parameters) a symbol
 from the first call; `dynamic=False` compiles every new size (the old behaviour);
-`torch._dynamo.mark_dynamic(x, 0)` marks a dim dynamic from the first call. Sizes 0 and 1 are
-never symbols: a program for them is its own (torch specializes them too).
+`torch._dynamo.mark_dynamic(x, 0)` marks a dim dynamic from the first call. A size of 0 or 1
+never *makes* a symbol (the call of size 1 after one of size 5 compiles for its own sizes, the
+dims are broadcast ones), but a family, once there, serves a size of 1 as well where nothing in
+the program depends on it (Note: a size of 1 in a family).
 
 A family is checked on each call by its guards: what compiling assumed about the sizes (the
 ShapeEnv's guards, as one Python expression over the inputs' sizes and strides). A call that
@@ -20,6 +22,8 @@ breaks one compiles again, and `fusec.explain` / `FUSEC_LOG=recompiles` say whic
 """
 from __future__ import annotations
 
+import contextlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +39,31 @@ class Family:
     compiled: Any
     check: Callable  # check(tensors) -> True when the program serves these inputs
     guards: list = field(default_factory=list)  # the guards, as text, for explain
+
+
+# Note: a size of 1 in a family. torch's ShapeEnv gives a size symbol the range "2 or more" and
+# adds the guard `2 <= s0`: a size of 1 may be a broadcast, which is another program. So a model
+# called with prompt lengths 1..512 compiled three programs (the first length, the family, and 1).
+# A family is compiled under torch's `backed_size_oblivious` instead (`ones_in_family`), with each
+# symbol's range "1 or more" (fusec.symbolic.fake_input): a question "is this size 1?" that
+# nothing forces is answered "no" without a guard (torch's size-oblivious reasoning: the code for
+# a size of 2 or more computes the right values for 1 too, a loop that runs once). A question
+# that decides what is computed (a broadcast between two symbols, a reshape that is a view only
+# at 1, the program's own `if x.size(0) == 1`) still guards, as `Ne(x_size0, 1)` or
+# `Eq(x_size0, y_size0)`; a call of size 1 then breaks the guard and compiles its own program,
+# and the reason names the line that asked (`_asked_if_one`). fusec's own passes ask through
+# fusec/sizes.py (is_one, same_size, equal_if_so, ...), which add no such guard. Size 0 stays
+# outside every family (the guard `1 <= x.size()[0]`): a kernel over nothing is its own program.
+# (The switch is torch's global config, set only while a family compiles.)
+
+
+@contextmanager
+def ones_in_family(on: bool = True):
+    """While a shape family compiles (`on`): "is this size 1?" without a reason to ask is "no",
+    with no guard (Note: a size of 1 in a family)."""
+    import torch.fx.experimental._config as config
+    with config.patch(backed_size_oblivious=True) if on else contextlib.nullcontext():
+        yield
 
 
 def marked_dims(t: torch.Tensor) -> set:
@@ -125,8 +154,17 @@ def guard_expression(captured) -> str:
 def _guard_list(captured) -> list[str]:
     env = captured.shape_env
     fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
-    return [e for e in exprs if "storage_offset()" not in e]
+    with ones_in_family():
+        exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
+    exprs = [e for e in exprs if "storage_offset()" not in e]
+    seen = set()
+    for i, fake in enumerate(fakes):  # (no size 0 in a family: Note: a size of 1 in a family)
+        for d, n in enumerate(getattr(fake, "shape", ())):
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol and n.node.expr not in seen:
+                seen.add(n.node.expr)
+                if f"1 <= L['t{i}'].size()[{d}]" not in exprs:  # (its range says so already)
+                    exprs.append(f"1 <= L['t{i}'].size()[{d}]")
+    return exprs
 
 
 def guard_check(captured) -> tuple[Callable, list[str]]:
@@ -159,10 +197,22 @@ def failed_guard(captured, tensors) -> str:
             if not eval(expr, dict(SYMPY_INTERP), {"L": values}):  # noqa: S307
                 for i in reversed(range(len(names))):  # (t12 before t1)
                     expr = expr.replace(f"L['t{i}']", names[i])
-                return expr
+                return expr + _asked_if_one(captured, expr)
         except Exception:  # noqa: BLE001
             continue
     return "a guard of the shape family"
+
+
+def _asked_if_one(captured, expr: str) -> str:
+    """Where the program asked whether a size is 1, when the broken guard is that answer (`x !=
+    1`) or the bound `2 <=` it left (Note: a size of 1 in a family): ` (1 is kept out by a question
+    asked at integrations/sdpa_attention.py:149)`, so a user sees which line keeps 1 out."""
+    import re
+    from fusec.symbolic import where_one_left
+    found = re.fullmatch(r"2 <= (\w+)\.size\(\)\[(\d+)\]|(\w+)\.size\(\)\[(\d+)\] != 1", expr)
+    name = found and f"{found[1] or found[3]}_size{found[2] or found[4]}"
+    where = found and where_one_left(captured.shape_env, name)
+    return f" (1 is kept out by a question asked at {where})" if where else ""
 
 
 def _sources(n: int) -> list:

@@ -230,7 +230,24 @@ def fake_mode():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     env = ShapeEnv()
     env.guards = _Guards(env.guards)
+    env.fusec_ones_out = {}  # symbol -> the line whose question kept 1 out of its range
+    update = env._update_var_to_range
+
+    def noting_where_one_left(symbol, bounds, *args, **kwargs):  # (an instance's own method)
+        if bounds.lower >= 2 and symbol not in env.fusec_ones_out:
+            env.fusec_ones_out[symbol] = _decided_at()
+        return update(symbol, bounds, *args, **kwargs)
+    env._update_var_to_range = noting_where_one_left
     return FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+
+
+def where_one_left(env, name: str) -> str:
+    """The line whose question ("is it 1?", "is it more than 1?") kept a size of 1 out of the
+    family of symbol `name` (`x_size0`), or "" (Note: a size of 1 in a family, fusec/dynamic.py)."""
+    names = size_names(env)
+    asked = [where for g, where in guards_with_places(env) if g == f"Ne({name}, 1)"]
+    return next((where for sym, where in getattr(env, "fusec_ones_out", {}).items()
+                 if names.get(sym, str(sym)) == name), asked[0] if asked else "")
 
 
 class _Guards(list):
@@ -247,14 +264,17 @@ class _Guards(list):
 
 
 def _decided_at() -> str:
-    """The innermost frame outside torch and sympy: the line whose comparison made the guard."""
+    """The innermost frame outside torch and sympy, and outside capture's wrappers around every
+    op (tracing.py, torch_level.py, rnn.py, which only pass the call on): the line whose
+    comparison made the guard, the user's own line where an op of theirs decided it."""
     import os
     import sys
     frame = sys._getframe(2)
+    passing_on = tuple(os.sep + os.path.join("capture", f) for f in ("tracing.py", "torch_level.py", "rnn.py"))
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in (os.sep + "torch" + os.sep, os.sep + "sympy" + os.sep,
-                                             "symbolic.py", os.sep + "contextlib")):
+                                             "symbolic.py", os.sep + "contextlib", *passing_on)):
             parts = name.split(os.sep)
             short = os.sep.join(parts[-2:])
             return f"{short}:{frame.f_lineno}"
@@ -278,7 +298,14 @@ def fake_input(mode, t: torch.Tensor, dims=None):
     ctx = StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC
                        for d in range(t.dim())])
-    return mode.from_tensor(t, symbolic_context=ctx)
+    fake = mode.from_tensor(t, symbolic_context=ctx)
+    import torch.fx.experimental._config as config
+    if config.backed_size_oblivious:  # (a family: sizes from 1 up, Note: a size of 1 in a family)
+        from torch.utils._sympy.numbers import int_oo
+        for n in fake.shape:
+            if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                mode.shape_env.constrain_symbol_range(n.node.expr, 1, int_oo)
+    return fake
 
 
 def name_sizes(gm):

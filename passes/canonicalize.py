@@ -97,6 +97,7 @@ import torch.fx as fx
 
 from fusec import ops
 from fusec.ir import TensorMeta
+from fusec.sizes import is_one, same_shape
 
 from .grouping import record_decisions
 from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
@@ -143,11 +144,11 @@ def _dims_after(node: fx.Node, dims: list) -> list | None:
         new[a], new[b] = new[b], new[a]
         return new
     # unsqueeze, squeeze and view alike: the dims of size other than one keep their order
-    keep = [d for d, n in zip(dims, src.shape) if n != 1]
-    if [n for n in src.shape if n != 1] != [n for n in out.shape if n != 1]:
+    keep = [d for d, n in zip(dims, src.shape) if not is_one(n)]
+    if not same_shape([n for n in src.shape if not is_one(n)], [n for n in out.shape if not is_one(n)]):
         return None  # a view that splits or merges dims
     it = iter(keep)
-    return [next(it) if n != 1 else None for n in out.shape]
+    return [next(it) if not is_one(n) else None for n in out.shape]
 
 
 def _chain(node: fx.Node) -> tuple[fx.Node, list] | None:

@@ -42,6 +42,7 @@ from fusec.record import Refusal, record_of
 from .grouping import (Group, broadcasts_to, creates_cycle, effect_edges, gathered_from, indexed_write, is_cat,
                        is_pointwise, meta, numel_rank, outline, view_root)
 from .lift_reshapes import lift_reshapes
+from fusec.sizes import at_least_as_large, same_shape, same_size
 
 
 def fuse_pointwise(gm: fx.GraphModule) -> fx.GraphModule:
@@ -125,8 +126,8 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict) -> str | None:
     if a.device != b.device:
         return f"different devices ({a.device} vs {b.device})"
     sa, sb = a.shape, b.shape
-    if sa != sb:
-        big, small_group = (sb, a) if numel_rank(sb) >= numel_rank(sa) else (sa, b)
+    if not same_shape(sa, sb):
+        big, small_group = (sb, a) if at_least_as_large(sb, sa) else (sa, b)
         small = small_group.shape
         if not broadcasts_to(small, big):
             return f"different iteration space {small} vs {big}"
@@ -202,7 +203,7 @@ def _full_rank(g: Group) -> bool:
 def _matching_perm(a: Group, a_view: fx.Node, b: Group, b_view: fx.Node) -> list[int] | None:
     """The permutation p of b's dims with b.shape[p[d]] == a.shape[d] under which b reads its
     view with the strides a reads its own: None if there is none, or the groups differ in size."""
-    if a.device != b.device or numel_rank(a.shape)[0] != numel_rank(b.shape)[0] \
+    if a.device != b.device or not same_size(numel_rank(a.shape)[0], numel_rank(b.shape)[0]) \
             or len(a.shape) != len(b.shape) or not _full_rank(a) or not _full_rank(b) \
             or meta(a_view).shape != a.shape or meta(b_view).shape != b.shape:
         return None

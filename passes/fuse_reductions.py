@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fusec.symbolic import hashable, hint
+from fusec.sizes import same_shape
 from fusec import ops
 from fusec.codegen import backends
 from fusec.codegen.cpu_plan import MIN_LAST
@@ -318,7 +319,7 @@ def why_not_fuse(a: Group, b: Group, order: dict, effects: dict,
             return f"different iteration space {m} vs the reduction's {shape}"
         stored = any(u not in inside for u in n.users)
         padded = (1,) * (len(shape) - len(m)) + tuple(m)
-        if stored and padded not in (tuple(shape), keep_shape(key)):
+        if stored and not (same_shape(padded, shape) or same_shape(padded, keep_shape(key))):
             return (f"{n.name} {m} is used outside and is neither a whole element tensor "
                     f"{shape} nor a whole row tensor {keep_shape(key)}")
     slow = scalar_row_math(inside, key) if rows_one_by_one is not False else None

@@ -20,6 +20,7 @@ from fusec.ops import indexed_write  # noqa: F401 (passes import it from here)
 from fusec.graphmodule import graph_module
 from fusec.ir import TensorMeta
 from fusec.record import GroupInfo, Refusal, group_info, record_of, set_group_info
+from fusec.sizes import is_one, largest_shape
 
 MAX_NAME_OPS = 6
 
@@ -40,7 +41,7 @@ class Group:
             return self.key[0]
         if self.space is not None:
             return self.space
-        return max((loop_shape(n) for n in self.nodes), key=numel_rank)
+        return largest_shape(loop_shape(n) for n in self.nodes)
 
     @property
     def device(self) -> str:
@@ -96,7 +97,7 @@ def creates_cycle(a: Group, b: Group, order: dict, effects: dict) -> bool:
 def broadcasts_to(small: tuple[int, ...], big: tuple[int, ...]) -> bool:
     if len(small) > len(big):
         return False
-    return all(s == 1 or s == b for s, b in zip(reversed(small), reversed(big)))
+    return all(is_one(s) or s == b for s, b in zip(reversed(small), reversed(big)))
 
 
 def numel_rank(shape: tuple[int, ...]):

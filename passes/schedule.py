@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fusec import ops
 from fusec.ir import Layout, TensorMeta, contiguous_strides
 from fusec.record import Step, format_schedule, record_of
-from fusec.symbolic import hashable
+from fusec.symbolic import hashable, hint
+from fusec.sizes import is_one, same_size
 
 from .grouping import indexed_write
 
@@ -181,10 +182,12 @@ def _written_buffer(gm: fx.GraphModule, item: fx.Node) -> fx.Node | None:
 
 def is_dense(m: TensorMeta) -> bool:
     """Non-overlapping and dense: some permutation of the dims is contiguous."""
-    dims = sorted((st, sz) for st, sz in zip(m.stride, m.shape) if sz != 1)
+    # (ordered by the traced strides: the equalities below, guarded, make it dense at every size)
+    dims = sorted(((st, sz) for st, sz in zip(m.stride, m.shape) if not is_one(sz)),
+                  key=lambda pair: hint(pair[0]))
     expected = 1
     for st, sz in dims:
-        if st != expected:
+        if not same_size(st, expected):
             return False
         expected *= sz
     return True

@@ -32,7 +32,7 @@ from fusec import ops
 from fusec.ir import TensorMeta
 from fusec.symbolic import hashable
 
-from .grouping import meta
+from .grouping import broadcasts_to, meta
 from .layout import run_fake, set_meta
 
 aten = torch.ops.aten
@@ -255,7 +255,7 @@ def pushable(value: fx.Node) -> bool:
         return False
     shape = tuple(meta(value).shape)
     return all(isinstance(a.meta.get("fusec"), TensorMeta)
-               and _broadcasts(tuple(meta(a).shape), shape) for a in tensors)
+               and broadcasts_to(tuple(meta(a).shape), shape) for a in tensors)
 
 
 def regroups(value: fx.Node, new_shape: list[int]) -> list[tuple[int, tuple]] | None:
@@ -310,8 +310,3 @@ def unflattens(value: fx.Node) -> tuple[int, tuple] | None:
             return e, parts
     return None
 
-
-def _broadcasts(small: tuple, big: tuple) -> bool:
-    if len(small) > len(big):
-        return False
-    return all(s in (1, b) for s, b in zip(small, big[len(big) - len(small):]))

@@ -43,6 +43,7 @@ from fusec.record import Decision
 
 from fusec.passes.grouping import new_node, record_decisions, val
 from .small_matmul import STORED_GEMV_DEVICES  # noqa: F401 (read from the module at run time)
+from fusec.sizes import is_one
 
 aten = torch.ops.aten
 
@@ -93,7 +94,7 @@ def _stored_weight(node: fx.Node):
     else:
         x, b = node.args
     xv, bv = val(x), val(b)
-    if not (isinstance(xv, torch.Tensor) and isinstance(bv, torch.Tensor)) or xv.shape[0] != 1:
+    if not (isinstance(xv, torch.Tensor) and isinstance(bv, torch.Tensor)) or not is_one(xv.shape[0]):
         return None, None
     is_t = b.op == "call_function" and (b.target is aten.t.default or (
         b.target is aten.permute.default and list(b.args[1]) == [1, 0]))

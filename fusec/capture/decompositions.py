@@ -106,7 +106,7 @@ def _var(x, dim, correction, keepdim):
     mean = aten.div.Tensor(aten.sum.dim_IntList(x, dims, True), n)
     dev = aten.sub.Tensor(x, mean)
     var = aten.div.Tensor(aten.sum.dim_IntList(aten.mul.Tensor(dev, dev), dims, keepdim),
-                          max(0, n - correction))
+                          torch.sym_max(0, n - correction))  # (no guard on a size symbol)
     return var, mean if keepdim else aten.squeeze.dims(mean, dims)
 
 

@@ -49,6 +49,7 @@ from fusec.codegen.llvm import compiler as llvm_build
 from fusec.codegen.triton import target as triton_target
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, compile_graph
+from fusec.dynamic import ones_in_family
 from fusec.errors import FusecError, GraphBreakError
 from fusec.inspect.changes import pass_changes
 from fusec.inspect import distributed
@@ -241,12 +242,14 @@ def explain(model, *inputs, backend: str = "auto", **kwargs):
     dims = wrapped.family_dims(inputs, kwargs) if isinstance(wrapped, CompiledFunction) else None
     model, backend = unwrap(model, backend)
     try:
-        captured, chosen = capture_for(model, inputs, kwargs, backend, dims)
+        with ones_in_family(bool(dims)):  # (a family compiles as fusec.compile compiles it)
+            captured, chosen = capture_for(model, inputs, kwargs, backend, dims)
     except GraphBreakError as cause:
         if fullgraph:
             raise
         return explain_regions(model, inputs, kwargs, backend, cause)
-    compiled = compile_graph(captured, chosen, record=True, label=label_of(model))
+    with ones_in_family(bool(dims)):
+        compiled = compile_graph(captured, chosen, record=True, label=label_of(model))
     return Explanation(compiled, recompiles,
                        saved_for_backward(wrapped) if isinstance(wrapped, CompiledFunction) else [],
                        family_info(captured))
@@ -284,12 +287,12 @@ def plain_data(value):
 
 
 def _range(env, sym) -> str:
-    """The sizes a symbol may take in its family, from what compiling assumed (`2 or more`:
-    0 and 1 are programs of their own; a guard such as `s0 < 132` bounds it above)."""
+    """The sizes a symbol may take in its family, from what compiling assumed (`1 or more`; `2 or
+    more` where a guard keeps 1 out; a guard such as `s0 < 132` bounds it above)."""
     bounds = getattr(env, "var_to_range", {}).get(sym)
     if bounds is None:
         return "any"
-    low, high = bounds.lower, bounds.upper
+    low, high = max(bounds.lower, 1), bounds.upper
     top = None if not getattr(high, "is_finite", True) or str(high) in ("oo", "int_oo") else high
     return f"{low} or more" if top is None else f"{low} to {top}"
 
