@@ -245,7 +245,7 @@ def phase_section(kernel, phase, last: bool, lines: dict, producers: dict, k_coo
         if ops.REDUCTIONS[r.op].returns_index:
             _index_reduce(loop, r, columns, _int32_positions(kernel, r))
         else:
-            _value_reduce(loop, r, maxmin, columns)
+            _value_reduce(loop, r, maxmin, columns, lanes)
     loop.after += [lines[n] for n in phase.ready]
     kblock, blocked, block_before, block_after = _blocked_sums(kernel, reds, columns, loop)
     pragma = _phase_pragma(kernel, reds, lanes, blocked, kblock)
@@ -315,9 +315,12 @@ def _index_reduce(loop: _PhaseLines, r, columns: int, int32_at: bool = False) ->
     loop.after.append(f"const int64_t {r.var.name} = {at};  // {r.origin}")
 
 
-def _value_reduce(loop: _PhaseLines, r, maxmin: bool, columns: int = 0) -> None:
+def _value_reduce(loop: _PhaseLines, r, maxmin: bool, columns: int = 0, lanes: int = 0) -> None:
     """A reduction to a value: its accumulator, its update at each k (for a phase of plain
-    max/min, a select the compiler vectorizes; else the op table's combine), its result."""
+    max/min, a select the compiler vectorizes; else the op table's combine), its result. With
+    rows in `lanes`, the selects are fusec_select's bit masks: a float `?:` in a lane loop that
+    also calls SLEEF's exp stays a branch under gcc 12, and the lane loop scalar (cpp_prelude.h,
+    fusec_select: a softmax before a max pool, KernelBench-style 25_)."""
     red = ops.REDUCTIONS[r.op]
     acc = f"acc_{r.var.name}"
     x = convert(r.operand.name, r.operand.dtype, r.acc_dtype)
@@ -334,13 +337,15 @@ def _value_reduce(loop: _PhaseLines, r, maxmin: bool, columns: int = 0) -> None:
         # a plain max/min the compiler vectorizes, plus a flag for NaN (which torch's
         # amax propagates and a compare-and-select would skip)
         cmp = ">" if r.op == "amax" else "<"
-        loop.body.append(f"{acc} = ({x} {cmp} {acc}) ? {x} : {acc};")
+        select = "fusec_select({}, {}, {})" if lanes else "({}) ? {} : {}"
+        loop.body.append(f"{acc} = " + select.format(f"{x} {cmp} {acc}", x, acc) + ";")
         value = convert(acc, r.acc_dtype, r.var.dtype)
         if r.acc_dtype.is_floating_point:
             # an int, not a bool: gcc vectorizes a bool |-reduction ~9x slower
             loop.before.append(f"int {acc}_nan = 0;")
             loop.body.append(f"{acc}_nan |= ({x} != {x});")
-            value = f"({acc}_nan ? std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN() : {value})"
+            nan = f"std::numeric_limits<{CTYPE[r.acc_dtype]}>::quiet_NaN()"
+            value = "(" + select.format(f"{acc}_nan", nan, value) + ")"
     else:
         loop.body.append(f"{acc} = {red.combine.format(acc=acc, x=x)};")
         value = convert(acc, r.acc_dtype, r.var.dtype)
