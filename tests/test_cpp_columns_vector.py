@@ -12,24 +12,22 @@ one row per SIMD lane, each row's accumulators in small arrays. Two things can g
 * speed: one lane loop that gcc leaves scalar makes the whole kernel several times slower than
   eager (softmax over 16 channels ran at 0.4x eager on AVX-512 when its rows ran in 16 lanes
   with the k loops inside each). So each kernel is compiled to assembly for baseline x86-64
-  (SSE2), x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), and gcc's own report must say that every lane
-  loop inside a k loop is vectorized with the target's widest vectors, and that every other lane
-  loop (accumulators set, results kept, outputs stored) is vectorized too or became a memset or
-  memcpy. Compiling for a CPU this machine lacks is fine: nothing compiled that way runs.
+  (SSE2), x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), and gcc's own report (read by
+  tests/gcc_vector_report.py) must say that every lane loop inside a k loop is vectorized with
+  the target's widest vectors, and that every other lane loop (accumulators set, results kept,
+  outputs stored) is vectorized too or became a memset or memcpy. Compiling for a CPU this
+  machine lacks is fine: nothing compiled that way runs.
 
 Two float64 kernels are known to keep one loop scalar on baseline x86-64 only (SSE2 has no
 64-bit integer compare or select): an argmax's k loop (its int64 position) and logsumexp's row
 guard (the op table's where, a 64-bit bit-mask select); they are marked xfail there.
 """
-import re
-import subprocess
-
 import pytest
 import torch
 
 from conftest import assert_matches
-from fusec.codegen import cpp, llvm
-from fusec.codegen.llvm import compiler as llvm_build
+from fusec.codegen import cpp
+from gcc_vector_report import LEVELS, NEEDS_CPP, X86, compile_report, simd_loops
 
 REDUCTIONS = {
     "softmax": lambda x: torch.softmax(x, 1),
@@ -118,14 +116,6 @@ def test_non_contiguous_inputs(name):
 
 # ---- loops gcc vectorizes ------------------------------------------------------------------------
 
-X86 = pytest.mark.skipif(llvm_build.NAMED_TARGETS["x86-64"].triple != llvm.host().triple,
-                         reason="x86-64 targets are checked on an x86-64 machine")
-# name: (gcc flags, the vector register's bytes)
-TARGETS = {
-    "x86-64": (["-march=x86-64"], 16),
-    "x86-64-v3": (["-march=x86-64-v3"], 32),
-    "x86-64-v4": (["-march=x86-64-v4", "-mprefer-vector-width=512"], 64),
-}
 # (reduction, dtype, shape): the KernelBench-style rows (softmax over 16 and 8 channels, a ragged
 # block), long blocked float sums, every kind of phase; each compiled for every target
 KERNELS = [
@@ -162,60 +152,31 @@ def _kernel_source(name, dtype, shape) -> str:
     return source
 
 
-def _lane_loops(lines: list[str]) -> list[tuple[int, int, bool]]:
-    """(first line, last line, inside a k loop) of every `#pragma omp simd` loop, 0-based."""
-    loops = []
-    for n, text in enumerate(lines):
-        if text.strip() != "#pragma omp simd":
-            continue
-        indent = lines[n + 1][:len(lines[n + 1]) - len(lines[n + 1].lstrip())]
-        last = next(m for m in range(n + 1, len(lines)) if lines[m] == indent + "}")
-        in_k = "each k step" in lines[n - 1]
-        loops.append((n + 1, last, in_k))
-    return loops
-
-
 @X86
-@pytest.mark.skipif(not cpp.available(), reason="no C++ compiler")
-@pytest.mark.parametrize("target", list(TARGETS))
+@NEEDS_CPP
+@pytest.mark.parametrize("target", LEVELS)
 @pytest.mark.parametrize("case", KERNELS, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-{'x'.join(map(str, c[2]))}")
 def test_every_lane_loop_is_vectorized_for(case, target, tmp_path, request):
     name, dtype, shape = case
     if target == "x86-64" and (name, dtype) in SSE2_SCALAR:
         request.applymarker(pytest.mark.xfail(strict=True, reason="SSE2: 64-bit select"))
-    arch, width = TARGETS[target]
-    compiler = cpp.find_compiler()
-    probe = subprocess.run([compiler, *arch, "-x", "c++", "-fsyntax-only", "-"],
-                           input="int f() { return 0; }", capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{compiler} does not know {' '.join(arch)}")
-    source = _kernel_source(name, dtype, shape)
-    src = tmp_path / "kernel.cpp"
-    src.write_text(source)
-    flags = [f for f in cpp.FLAGS if f not in ("-march=native", "-shared")]
-    defines = [f for f in cpp.math_flags() if f.startswith("-D")]
-    out = subprocess.run([compiler, *flags, *arch, *defines, f"-I{cpp.TEMPLATES}", "-S", str(src),
-                          "-o", str(tmp_path / "kernel.s"), "-fopt-info-vec-optimized",
-                          "-fopt-info-loop-optimized"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = source.splitlines()
-    loops = _lane_loops(lines)
-    assert any(in_k for _, _, in_k in loops), source
+    report = compile_report(_kernel_source(name, dtype, shape), target, tmp_path)
+    width = report.target.width
+    loops = simd_loops(report.lines)
+    in_k = {loop: "each k step" in loop.above for loop in loops}  # (the template's comment)
+    assert any(in_k.values()), report.source
     scalar = []
-    for first, last, in_k in loops:
-        # gcc names a loop by a line of its body: any line from the `for` to its closing brace
-        inner = {f"kernel.cpp:{n + 1}:" for n in range(first, last + 1)}
-        said = [line for line in out.stderr.splitlines() if any(at in line for at in inner)]
-        if any(f"loop vectorized using {width} byte vectors" in line for line in said):
+    for loop in loops:
+        said = report.said(loop)
+        if report.vectorized(loop):
             continue
-        if not in_k and any("split to 0 loops and" in line for line in said):
+        if not in_k[loop] and any("split to 0 loops and" in line for line in said):
             continue  # a fill or a copy, now a memset or memcpy
-        scalar.append(f"lines {first + 1}-{last + 1}" + (" (inside the k loop)" if in_k else "")
+        scalar.append(f"lines {loop.first + 1}-{loop.last + 1}"
+                      + (" (inside the k loop)" if in_k[loop] else "")
                       + ":\n    " + "\n    ".join(said))
     assert not scalar, f"not vectorized with {width}-byte vectors for {target}:\n" + \
-        "\n".join(scalar) + "\n" + source
+        "\n".join(scalar) + "\n" + report.source
     # and the assembly computes on the target's registers
-    reg = {16: "xmm", 32: "ymm", 64: "zmm"}[width]
-    asm = (tmp_path / "kernel.s").read_text()
-    assert re.search(rf"^\s+v?(max|min|add|sub|mul|div|cmp\w*)p[sd]\s[^\n]*%{reg}\d+", asm, re.M), \
-        f"no packed float arithmetic on {reg} registers"
+    assert report.packed(r"(?:max|min|add|sub|mul|div|cmp\w*)p[sd]"), \
+        f"no packed float arithmetic on {report.target.reg} registers"

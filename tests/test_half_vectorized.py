@@ -18,7 +18,6 @@ the same steps). Two things can go wrong, and these tests look at both:
   registers, on both backends and on each runnable target, and compared bit for bit with torch.
 """
 import re
-import subprocess
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ import torch
 import fusec
 from fusec.codegen import cpp, llvm
 from fusec.codegen.llvm import compiler as llvm_build
+from gcc_vector_report import (LEVELS, NEEDS_CPP, TARGETS, X86, compile_report, packed, runs_here,
+                               simd_loops)
 
 HALVES = [torch.float16, torch.bfloat16]
 SHIFT = {torch.float16: 13, torch.bfloat16: 16}  # the bits between a half and a float mantissa
@@ -35,35 +36,11 @@ def _chain(x):
     return torch.sigmoid(x * 2 + 1) * x
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-# name: (gcc flags, LLVM CPU, vector register, the /proc/cpuinfo flags its code needs to run)
-TARGETS = {
-    "x86-64": (["-march=x86-64"], "x86-64", "xmm", {"sse2"}),
-    "x86-64-v3": (["-march=x86-64-v3"], "x86-64-v3", "ymm", {"avx2", "fma", "f16c", "bmi2"}),
-    "x86-64-v4": (["-march=x86-64-v4", "-mprefer-vector-width=512"], "x86-64-v4", "zmm",
-                  {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}),
-    "sapphirerapids": (["-march=sapphirerapids", "-mprefer-vector-width=512"], "sapphirerapids",
-                       "zmm", {"avx512f", "avx512bw", "avx512fp16", "avx512_bf16", "amx_tile"}),
-}
+# the named CPUs, gcc's report and the assembly's packed instructions: tests/gcc_vector_report.py;
+# LLVM's vector ISAs for a target's widest register
 ISAS = {"xmm": llvm_build.NAMED_TARGETS["x86-64"].vector_isas,
         "ymm": llvm_build.NAMED_TARGETS["haswell"].vector_isas,
         "zmm": llvm_build.NAMED_TARGETS["skylake-avx512"].vector_isas}
-X86 = pytest.mark.skipif(llvm_build.NAMED_TARGETS["x86-64"].triple != llvm.host().triple,
-                         reason="x86-64 targets are checked on an x86-64 machine")
-
-
-def _runs_here(name: str) -> bool:
-    return TARGETS[name][3] <= _cpu_flags()
 
 
 def _kernel(half):
@@ -71,11 +48,6 @@ def _kernel(half):
     kernels = fusec.explain(_chain, torch.randn(4099).to(half), backend="llvm").compiled.kernels
     assert len(kernels) == 1
     return kernels[0].ir
-
-
-def _packed(asm: str, op: str, reg: str) -> list[str]:
-    """The lines of `asm` that run `op` (or its VEX/EVEX form) on `reg` registers."""
-    return re.findall(rf"^\s+v?{op}\s[^\n]*%{reg}\d+[^\n]*$", asm, re.M)
 
 
 # half conversions by a call into libgcc, one value at a time
@@ -89,12 +61,12 @@ def _assert_vectorized(asm: str, half, reg: str, where: str) -> None:
     where LLVM proves it gives the same bits, AVX512-FP16's own (vmulph, vaddph, on half as
     many bits)."""
     shift = SHIFT[half]
-    hardware = _packed(asm, "cvtph2psx?", reg) and _packed(asm, "cvtps2phx?", reg)
+    hardware = packed(asm, "cvtph2psx?", reg) and packed(asm, "cvtps2phx?", reg)
     if not hardware:
-        assert _packed(asm, f"pslld\\s+\\${shift},", reg), f"{where}: no packed widening on {reg}"
-        assert _packed(asm, f"psr[al]d\\s+\\${shift},", reg), f"{where}: no packed narrowing on {reg}"
+        assert packed(asm, f"pslld\\s+\\${shift},", reg), f"{where}: no packed widening on {reg}"
+        assert packed(asm, f"psr[al]d\\s+\\${shift},", reg), f"{where}: no packed narrowing on {reg}"
     for op, what in (("mul", "multiply"), ("add", "add")):  # (16 halves fill a ymm register)
-        assert _packed(asm, f"{op}ps", reg) or _packed(asm, f"{op}ph", "[xyz]mm"), \
+        assert packed(asm, f"{op}ps", reg) or packed(asm, f"{op}ph", "[xyz]mm"), \
             f"{where}: no packed {what} on {reg} registers"
     found = SCALAR.search(asm)
     assert found is None, f"{where}: converts one value at a time ({found.group(0)})"
@@ -104,54 +76,34 @@ def _assert_vectorized(asm: str, half, reg: str, where: str) -> None:
 
 
 @X86
-@pytest.mark.skipif(not cpp.available(), reason="no C++ compiler")
+@NEEDS_CPP
 @pytest.mark.parametrize("name", list(TARGETS))
 @pytest.mark.parametrize("half", HALVES, ids=str)
 def test_cpp_loop_is_vectorized_for(name, half, tmp_path):
-    arch, _, reg, _ = TARGETS[name]
-    compiler = cpp.find_compiler()
-    probe = subprocess.run([compiler, *arch, "-x", "c++", "-fsyntax-only", "-"],
-                           input="int f() { return 0; }", capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{compiler} does not know {' '.join(arch)}")
-    source = cpp.render(_kernel(half))
-    src = tmp_path / "kernel.cpp"
-    src.write_text(source)
-    flags = [f for f in cpp.FLAGS if f not in ("-march=native", "-shared")]
-    defines = [f for f in cpp.math_flags() if f.startswith("-D")]
-    out = subprocess.run([compiler, *flags, *arch, *defines, f"-I{cpp.TEMPLATES}", "-S", str(src),
-                          "-o", str(tmp_path / "kernel.s"), "-fopt-info-vec-optimized"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    report = compile_report(cpp.render(_kernel(half)), name, tmp_path)
     # gcc's own report: every `#pragma omp simd` loop of the kernel (the inner loop, or the
     # loops of a float16 block: codegen/cpp/half_blocks.py) is vectorized with the CPU's vectors.
-    # gcc names a loop by a line of its body: any line from the `for` to its closing brace.
-    lines = source.splitlines()
-    width = {"xmm": 16, "ymm": 32, "zmm": 64}[reg]
-    loops = [n + 1 for n, text in enumerate(lines) if text.strip() == "#pragma omp simd"]
+    loops = simd_loops(report.lines)
     assert loops, "no simd loop in the kernel"
-    for first in loops:
-        indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
-        last = next(n for n in range(first, len(lines)) if lines[n] == indent + "}")
-        inner = {f"kernel.cpp:{n + 1}:" for n in range(first, last + 1)}
-        said = [l for l in out.stderr.splitlines() if any(at in l for at in inner)]
-        assert any(f"loop vectorized using {width} byte vectors" in l for l in said), \
-            f"the loop at lines {first + 1}-{last + 1} is not vectorized with {width}-byte " \
-            f"vectors:\n" + "\n".join(said)
-    _assert_vectorized((tmp_path / "kernel.s").read_text(), half, reg, f"g++ {' '.join(arch)}")
+    for loop in loops:
+        assert report.vectorized(loop), \
+            f"the loop at lines {loop.first + 1}-{loop.last + 1} is not vectorized with " \
+            f"{report.target.width}-byte vectors:\n" + "\n".join(report.said(loop))
+    _assert_vectorized(report.assembly, half, report.target.reg,
+                       f"g++ {' '.join(report.target.arch)}")
 
 
 @X86
 @pytest.mark.parametrize("name", list(TARGETS))
 @pytest.mark.parametrize("half", HALVES, ids=str)
 def test_llvm_loop_is_vectorized_for(name, half):
-    _, cpu, reg, _ = TARGETS[name]
+    cpu, reg = TARGETS[name].llvm_cpu, TARGETS[name].reg
     target = llvm_build.Target(name, llvm_build.X86, cpu, "", ISAS[reg])
     ir = _kernel(half)
     asm = llvm.assembly(llvm.render(ir, target), ir.name, target)
     _assert_vectorized(asm, half, reg, f"LLVM for {cpu}")
     if half == torch.float16 and name != "x86-64":  # F16C: the hardware converts (ir.has_f16c)
-        assert _packed(asm, "cvtps2phx?", reg), f"LLVM for {cpu}: float16 not converted by F16C"
+        assert packed(asm, "cvtps2phx?", reg), f"LLVM for {cpu}: float16 not converted by F16C"
 
 
 # ---- answers, bit for bit ------------------------------------------------------------------------
@@ -215,8 +167,8 @@ def _backends():
     out = [("llvm-host", "llvm", None)]
     if cpp.available():
         out.append(("cpp-native", "cpp", None))
-        out += [(f"cpp-{name}", "cpp", TARGETS[name][0]) for name in ("x86-64", "x86-64-v3", "x86-64-v4")
-                if llvm.host().triple.startswith("x86_64") and _runs_here(name)]
+        out += [(f"cpp-{name}", "cpp", list(TARGETS[name].arch)) for name in LEVELS
+                if llvm.host().triple.startswith("x86_64") and runs_here(name)]
     return out
 
 
