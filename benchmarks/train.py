@@ -79,7 +79,7 @@ def compiled(system: str, model: torch.nn.Module):
         return model
     if system == "torch.compile":
         return torch.compile(model)
-    if system.startswith("fusec"):
+    if system.startswith("fusec"):  # ("fusec-general cpp": the same, FUSEC_TRAIN_FAST_PATH=0)
         backend = system.split()[1] if " " in system else "auto"
         return fusec.compile(model, backend=backend)
     raise ValueError(f"unknown system {system!r}")
@@ -151,6 +151,20 @@ def train(system: str, w, device: str, warmup: int, profile: bool = False) -> di
     model = copy.deepcopy(w.model)
     opt = make_optimizer(model, device)
     run = compiled(system, model)
+    general = system.startswith("fusec-general")  # every call through fusec's general path
+    before = os.environ.get("FUSEC_TRAIN_FAST_PATH")
+    os.environ["FUSEC_TRAIN_FAST_PATH"] = "0" if general else (before or "1")
+    try:
+        return _steps(run, model, opt, w, device, warmup, memory, profile)
+    finally:
+        if before is None:
+            del os.environ["FUSEC_TRAIN_FAST_PATH"]
+        else:
+            os.environ["FUSEC_TRAIN_FAST_PATH"] = before
+
+
+def _steps(run, model, opt, w, device: str, warmup: int, memory, profile: bool) -> dict:
+    """`train`'s loop: the steps, timed, and what they returned."""
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     losses, times, cpu_times, first, every = [], [], [], None, []
@@ -218,20 +232,20 @@ def _f(value, spec: str, missing: str = "n/a") -> str:
     return missing if value is None else format(value, spec)
 
 
-HEADER = (f"{'model':<9}{'system':<15}{'step ms':>9}{'min-max ms':>16}{'cpu ms':>8}{'x eager':>9}{'x cpu':>7}"
+HEADER = (f"{'model':<9}{'system':<19}{'step ms':>9}{'min-max ms':>16}{'cpu ms':>8}{'x eager':>9}{'x cpu':>7}"
           f"{'first step s':>14}{'peak MB':>9}{'loss N':>9}  max |loss - eager| (tolerance)")
 
 
 def row_text(model: str, system: str, r: dict) -> str:
     if "error" in r:
-        return f"{model:<9}{system:<15}failed: {r['error']}"
+        return f"{model:<9}{system:<19}failed: {r['error']}"
     spread = (f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}" if r["step_ms"] is not None
               else "n/a")
     match = ""
     if "max_loss_diff" in r:
         match = (f"{r['max_loss_diff']:.2g} ({r['loss_tol']:.1g}) "
                  f"{'ok' if r['losses_match'] else 'DIFFERENT'}")
-    return (f"{model:<9}{system:<15}{_f(r['step_ms'], '.1f'):>9}{spread:>16}"
+    return (f"{model:<9}{system:<19}{_f(r['step_ms'], '.1f'):>9}{spread:>16}"
             f"{_f(r.get('cpu_ms'), '.1f'):>8}"
             f"{_f(r.get('x_eager'), '.2f', '-'):>9}{_f(r.get('x_eager_cpu'), '.2f', '-'):>7}"
             f"{r['first_step_s']:>14.2f}"
@@ -242,7 +256,9 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {','.join(MODELS)}")
     p.add_argument("--systems", default="eager,torch.compile,fusec",
-                   help="comma-separated: eager, torch.compile, fusec")
+                   help="comma-separated: eager, torch.compile, fusec, fusec-general (fusec "
+                        "with every training call through its general path: "
+                        "FUSEC_TRAIN_FAST_PATH=0)")
     p.add_argument("--backend", default=None,
                    help="fusec's backends, comma-separated: one fusec row each "
                         "(default: cpp,llvm on a CPU, auto on a GPU)")
@@ -279,8 +295,8 @@ def main(argv=None) -> int:
     backends = (args.backend or ("cpp,llvm" if device == "cpu" else "auto")).split(",")
     systems = []
     for s in args.systems.split(","):
-        systems += [f"fusec {b}" if b != "auto" else "fusec" for b in backends] \
-            if s == "fusec" else [s]
+        systems += [f"{s} {b}" if b != "auto" else s for b in backends] \
+            if s in ("fusec", "fusec-general") else [s]
     dtype = "bfloat16" if device == "cuda" else "float32"
     machine = torch.cuda.get_device_name() if device == "cuda" else \
         f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"

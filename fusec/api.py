@@ -48,6 +48,8 @@ from fusec.runtime.fast_start import saved
 from fusec.runtime.fast_start.fingerprint import fingerprint
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 from fusec.runtime.threads import one_at_a_time
+from fusec.runtime.training_call import (fast_path_leaves, no_training_fast_path,
+                                         training_fast_path, training_fast_path_on)
 
 def backend_options() -> tuple[str, ...]:
     """The `backend=` option's values: "auto" and every registered backend (codegen/backends.py,
@@ -132,6 +134,8 @@ class CompiledFunction:
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._fast: Callable = no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
+        self._train_fast: Callable = no_training_fast_path  # the same for training calls
+        self._train_fast_paths: dict[tuple, Callable] = {}  # (fusec/runtime/training_call.py)
         functools.update_wrapper(self, fn, updated=())
         why = _dynamo_first(fn)
         if why is not None:
@@ -185,9 +189,13 @@ class CompiledFunction:
         Anything else (keyword arguments, non-tensor or nested arguments, a new signature,
         training, check=True) takes the general path, `_call`, which compiles when needed and
         prepares `self._fast` for the next call like this one. (A program that is not one graph
-        takes `_call` every time, into its graph-break path: fusec/capture/regions.py.)"""
-        if not kwargs and not self.check:
-            out = self._fast(args)
+        takes `_call` every time, into its graph-break path: fusec/capture/regions.py.) Training
+        calls, keyword arguments included, have a fast path of their own, `self._train_fast`
+        (fusec/runtime/training_call.py), which `_train` prepares."""
+        if not self.check:
+            out = self._fast(args) if not kwargs else MISS
+            if out is MISS:
+                out = self._train_fast(args, kwargs)
             if out is not MISS:
                 return out
         return self._call(args, kwargs)
@@ -199,6 +207,7 @@ class CompiledFunction:
         if self.breaks is not None:
             return self.breaks(args, kwargs)
         self._fast = no_fast_path  # set again below when this call can take the fast path
+        self._train_fast = no_training_fast_path  # (and by `_train` for a training call)
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         plain = not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor)
                                    for a in args)
@@ -498,7 +507,8 @@ class CompiledFunction:
         if not self._guards.moved():
             return False
         self._state_refs = self._guards.refs
-        self._fast = no_fast_path
+        self._fast, self._train_fast = no_fast_path, no_training_fast_path
+        self._train_fast_paths.clear()  # (they read the state where the old refs found it)
         return True
 
     def _compile_recorded(self, key: tuple, args, kwargs, leaves, same: dict | None = None):
@@ -578,6 +588,7 @@ class CompiledFunction:
         self.breaks = GraphBroken(self.fn, cause, part_compiler(self.backend, self.check),
                                   self.backend, label)
         self._fast, self.last, self.train_parts = no_fast_path, None, []
+        self._train_fast = no_training_fast_path
         return self.breaks(args, kwargs)
 
     def _train(self, args, kwargs, leaves: list, lifted: list):
@@ -626,7 +637,29 @@ class CompiledFunction:
         call, parts = entry
         self.train_parts = parts
         self.last = None
+        if not self.check and training_fast_path_on() and fast_path_leaves(args, kwargs, leaves):
+            self._train_fast = self._training_fast_path(key, entry, lifted, args, kwargs)
         return call(*lifted, *tensors)
+
+    def _training_fast_path(self, key: tuple, entry: tuple, lifted: list, args: tuple,
+                            kwargs: dict) -> Callable:
+        """The fast path for training calls like this one (fusec/runtime/training_call.py),
+        made once per signature and way of passing the arguments: it runs `entry`'s forward
+        as `_train` does, one thread at a time."""
+        kept = key + (len(args), tuple(kwargs))
+        fast = self._train_fast_paths.get(kept)
+        if fast is None:
+            call, parts = entry
+            lock = self._lock
+
+            def hit(*tensors):
+                with lock:
+                    self.train_parts, self.last = parts, None
+                    return call(*tensors)
+            fast = self._train_fast_paths[kept] = training_fast_path(
+                hit, lifted, args, kwargs, self._state_refs, self._module,
+                self._guards.fast_lines(key))
+        return fast
 
 
 class NothingCompiledYet(list):

@@ -6,6 +6,8 @@
     cuda_graphs.py  replaying a whole program as one CUDA graph (`graph_blocker`, `CudaGraphRunner`)
     build.py        building a program's kernels: each distinct one once, several at a time
     launchers.py    loading a kernel from its cached file
+    training_call.py  the training fast path: a training call like the last one, checked by
+                    generated Python, straight to AOT Autograd's compiled forward
     fast_start/     a second process skips capture and compilation: the call's fingerprint keys a
                     program saved on disk; Triton kernels launched bound, overlapped (PDL)
 
