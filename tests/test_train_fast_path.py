@@ -209,3 +209,33 @@ def test_python_state_change_leaves_the_fast_path(backend):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
             p.grad = q.grad = None
     assert compiled._compiled.compiles == 2
+
+
+LIN = torch.nn.Linear(8, 4)
+
+
+def through_a_global(x):
+    return LIN(x).square().mean()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_function_reaching_a_module_through_a_global(backend):
+    """A function (not a module) whose weights are a global module's: the fast path reads them
+    where the global holds them, and a module bound to the global later is noticed."""
+    global LIN
+    compiled = fusec.compile(through_a_global, backend=backend)
+    for step in range(5):
+        if step == 3:
+            LIN = torch.nn.Linear(8, 4)  # another module, of the same shapes
+        x = torch.randn(3, 8)
+        loss = compiled(x)
+        loss.backward()
+        grads = [p.grad for p in LIN.parameters()]
+        for p in LIN.parameters():
+            p.grad = None
+        ref = through_a_global(x)
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        for g, p in zip(grads, LIN.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+            p.grad = None
