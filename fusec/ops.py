@@ -83,7 +83,7 @@ _LL_MAX = ("f: fcmp uno {T} {0}, {0}\nfcmp ogt {T} {0}, {1}\nor i1 {t0}, {t1}\n"
            " || s: call {T} @llvm.smax.{S}({T} {0}, {T} {1})"
            " || u,b: call {T} @llvm.umax.{S}({T} {0}, {T} {1})")
 _LL_MIN = _LL_MAX.replace("ogt", "olt").replace("max", "min")
-_LL_SIGMOID = "fneg {T} {0}\ncall {T} @exp{m}({T} {t0})\nfadd {T} 1.0, {t1}\nfdiv {T} 1.0, {t2}"
+_LL_SIGMOID = "call {T} @fusec_sigmoid.{D}({T} {0})"  # llvm_prelude.ll.j2, as the C++ prelude
 
 _ROWS = [
     # arithmetic
@@ -159,7 +159,7 @@ _ROWS = [
     Op("sigmoid", "fusec_sigmoid({0})", "fusec_sigmoid({0})", promote=F,
        llvm=_LL_SIGMOID),
     Op("silu", "{0} * fusec_sigmoid({0})", "{0} * fusec_sigmoid({0})", promote=F,
-       llvm=_LL_SIGMOID + "\nfmul {T} {0}, {t3}"),
+       llvm=_LL_SIGMOID + "\nfmul {T} {0}, {t0}"),
     Op("relu", "fusec_relu({0})", "fusec_relu({0})",
        llvm='f: fcmp olt {T} {0}, 0.0\nselect i1 {t0}, {T} 0.0, {T} {0} || s: icmp slt {T} {0}, 0\nselect i1 {t0}, {T} 0, {T} {0} || u,b: {0}'),
     Op("gelu", "fusec_gelu({0})", "fusec_gelu({0})", promote=F,

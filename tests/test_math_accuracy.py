@@ -197,11 +197,12 @@ def test_tanh_erf_same_bits_on_both_backends(results, name):
 def test_tanh_erf_densely(name):
     """Every 4th float32 in [0.5, 4), both signs: where the largest errors are (an exhaustive run
     over all positive floats found the same maxima, docs/ops.md). Within 1 ulp where the CPU has
-    FMA, as eager; the bound on a CPU without FMA is the measured one (docs/ops.md)."""
+    FMA, as eager (tanh's largest error is 0.92 ulp, at 0.906, erf's 0.98); the bound on a CPU
+    without FMA is the measured one (docs/ops.md)."""
     bits = torch.arange(0x3F000000, 0x40800000, 4, dtype=torch.int32)
     x = torch.cat([bits.view(torch.float32), -bits.view(torch.float32)])
     f = OWN[name]
-    bound = 1.0 if host_has_fma() else {"tanh": 1.0, "erf": 1.35}[name]
+    bound = 1.0 if host_has_fma() else {"tanh": 1.1, "erf": 1.35}[name]
     for backend in ("cpp", "llvm"):
         ours = ulp_error(fusec.compile(f, backend=backend)(x), x, f)
         assert ours <= bound, f"{backend} {name}: {ours:.3f} ulp, bound {bound}"
@@ -213,3 +214,34 @@ def host_has_fma() -> bool:
             return " fma " in info.read(1 << 16)
     except OSError:
         return False
+
+
+def gelu_error(y: torch.Tensor, x: torch.Tensor) -> float:
+    """max |y - gelu(x)| / (1 + |gelu(x)|), against float64's gelu: absolute near 0, where gelu's
+    answer is the difference of two numbers near x / 2, relative further out."""
+    ref = F.gelu(x.double())
+    return ((y.double() - ref).abs() / (1 + ref.abs())).max().item()
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_sigmoid_and_gelu_through_exp_unit(results, backend):
+    """float32 sigmoid and gelu take their e^y from fusec_exp_unit (cpp_prelude.h: inline, y
+    clamped to [-86, 89], where the answer meets 1 anyway): as accurate as eager's over the whole
+    range (sigmoid in ulps where its answer is a normal float, gelu next to 1 + |gelu|), the same
+    bits on both backends, and the edges (+-inf, NaN, -0, overflow of e^-x) as eager."""
+    x, _ = results
+    normal = x[x.abs() < 88]
+    compiled = fusec.compile(torch.sigmoid, backend=backend)
+    ours = ulp_error(compiled(normal), normal, torch.sigmoid)
+    assert ours <= max(1.0, ulp_error(torch.sigmoid(normal), normal, torch.sigmoid)), ours
+    moderate = x[x.abs() < 1e4]
+    assert gelu_error(fusec.compile(gelu, backend=backend)(moderate), moderate) <= \
+        max(3e-7, gelu_error(gelu(moderate), moderate))
+    for fn in (torch.sigmoid, gelu):
+        got, want = fusec.compile(fn, backend=backend)(EDGES), fn(EDGES)
+        assert same(got, want), (fn, got.tolist(), want.tolist())
+        other = fusec.compile(fn, backend="llvm" if backend == "cpp" else "cpp")(x)
+        assert torch.equal(fusec.compile(fn, backend=backend)(x).view(torch.int32),
+                           other.view(torch.int32)), fn
+    tails = torch.tensor([-88.0, -88.7, -89.0, -100.0, 86.0, 87.0, 100.0])
+    torch.testing.assert_close(compiled(tails), torch.sigmoid(tails), rtol=2e-7, atol=0)

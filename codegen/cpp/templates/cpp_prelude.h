@@ -145,36 +145,35 @@ template <typename T> static inline T fusec_select(bool c, T a, T b) {
 }
 
 // tanh in float (a = |x|; the sign is put back at the end, so tanh(-0) = -0):
-//   a < 0.5625: a + a w, w = a^2 P(a^2), P of degree 4 (relative error 1.4e-9); |w| < 0.1, so
-//     w's own rounding errors reach the answer a tenth of their size.
+//   a < 1: a + a w, w = a^2 P(a^2), P of degree 6 (relative error 4.7e-9); |w| < 0.24, so w's
+//     own rounding errors reach the answer a quarter of their size.
 //   above: 1 - 2 / (e^2a + 1), with e^2a = 2^k (1 + p) (fusec_expm1_reduced; 2a - k ln2 by
-//     Cody and Waite's two-part ln2, whose first product and difference are exact), so that
-//     2 / (e^2a + 1) = 2^(1-k) / s, s = (1 + 2^-k) + p. s's rounding error is kept (s_lo: Fast2Sum,
-//     exact as 1 + 2^-k > |p|), and so is that of 1 - q0 (lo); the division's rounding reaches the
-//     answer times q <= 0.5. From 9.5 on, a is clamped: tanh rounds to 1 from 9.01 on.
+//     Cody and Waite's two-part ln2, whose first product and difference are exact), and
+//     e^2a + 1 = 2^k p + (2^k + 1) in one rounding (one FMA). The quotient is <= 0.24 next to an
+//     answer >= 0.76, so the rounding errors of the sum and of the division reach the answer a
+//     quarter of their size, and only the last subtraction's counts in full.
+//   From 9.5 on, a is clamped: tanh rounds to 1 from 9.01 on.
+// Cost, not only accuracy: every step runs for every value (both sides, then a select), and a
+// loop of these is bound by its vector instructions (two per cycle), so the side above spends
+// one division and no correction terms: the small side was widened to a < 1 (two more FMAs)
+// so that the quotient stays small enough for that.
 static inline float fusec_tanh(float x) {
-    static constexpr double P[] = {-0x1.94768ep-8, 0x1.581736p-6, -0x1.b90648p-5, 0x1.110c60p-3,
-        -0x1.555548p-2};
+    static constexpr double P[] = {-0x1.77d222p-12, 0x1.2da1e0p-9, -0x1.04606ap-7, 0x1.6009c0p-6,
+        -0x1.b9623cp-5, 0x1.110be4p-3, -0x1.55553cp-2};
     static_assert(fusec_floats(P));
     const float a = std::fabs(x);
     const float z = a * a;
     const float small = FUSEC_FMAF(a, z * fusec_horner_f32(z, P), a);
-    const float t = 2.0f * fusec_select(a < 9.5f, a, 9.5f);
+    // NaN fails `a >= 9.5` and stays NaN (the answer is NaN, from `small`)
+    const float t = 2.0f * fusec_select(a >= 9.5f, 9.5f, a);
     const float shift = 0x1.8p23f;  // adding it rounds to an integer, kept in the low bits
     const float k_shifted = FUSEC_FMAF(t, 0x1.715476p0f, shift);
     const float k = k_shifted - shift;  // round(t / ln2): 0 <= k <= 27
     uint32_t k_bits; std::memcpy(&k_bits, &k_shifted, 4);
-    const uint32_t k_exponent = k_bits << 23;  // k moved to the exponent field (shift's bits leave)
     const float p = fusec_expm1_reduced(FUSEC_FMAF(-k, 0x1.7f7d1cp-20f, FUSEC_FMAF(-k, 0x1.62e4p-1f, t)));
-    const float c = 1.0f + fusec_bits_f32(0x3f800000u - k_exponent);  // 1 + 2^-k
-    const float s_hi = c + p, s_lo = (c - s_hi) + p;                   // s = s_hi + s_lo exactly
-    const float inv = 1.0f / s_hi;
-    const float q0 = inv * fusec_bits_f32(0x40000000u - k_exponent);   // 2^(1-k) / s_hi
-    const float hi = 1.0f - q0, lo = (1.0f - hi) - q0;                  // 1 - q0 = hi + lo exactly
-    // 1 - 2^(1-k) / (s_hi + s_lo) = 1 - q0 (1 - s_lo / s_hi), to within float's digits
-    const float large = hi + FUSEC_FMAF(q0, s_lo * inv, lo);
-    // NaN fails the test, and `small` passes it on
-    return std::copysign(fusec_select(a >= 0.5625f, large, small), x);
+    const float two_k = fusec_bits_f32(0x3f800000u + (k_bits << 23));  // 2^k: k moved to the exponent
+    const float large = 1.0f - 2.0f / FUSEC_FMAF(two_k, p, two_k + 1.0f);
+    return std::copysign(fusec_select(a >= 1.0f, large, small), x);
 }
 static inline double fusec_tanh(double x) { return std::tanh(x); }
 
@@ -206,6 +205,45 @@ static inline float fusec_erf(float x) {
     return std::copysign(fusec_select(a >= 1.0f, 1.0f - erfc, small), x);
 }
 static inline double fusec_erf(double x) { return std::erf(x); }
+
+// e^y in float for the places where it is added to 1 or scales something next to 1 (sigmoid's
+// 1 / (1 + e^-x), gelu's 1 - e^-z^2 R): as exact as fusec_tanh's e^2a (2^k (1 + p), within
+// 1 ulp) down to e^-86; below that y is clamped to -86 (the answer is then e^-86, which vanishes
+// next to 1 all the same), and from 88.72 on the answer overflows to inf as e^y does. Inline,
+// with no library call: a loop of these is bound by its vector instructions, and torch's SLEEF
+// exp (a call per vector, with its own range checks) took a third more of them.
+// y = k ln2 + r; the scale 2^k is applied as 2^(k-1) times 2 (1 + p), so that k = 128 (just
+// below the overflow) still has a float for its scale.
+static inline float fusec_exp_unit(float y) {
+    // NaN fails both tests and stays NaN. Selects, not std::min/max: gcc 12 keeps their `?:` a
+    // branch in a loop that also calls torch's SLEEF (softmax's exp), and leaves the loop scalar.
+    const float high = fusec_select(89.0f < y, 89.0f, y);
+    const float c = fusec_select(high < -86.0f, -86.0f, high);
+    const float shift = 0x1.8p23f;
+    const float k_shifted = FUSEC_FMAF(c, 0x1.715476p0f, shift);
+    const float k = k_shifted - shift;  // round(c / ln2): -124 <= k <= 128
+    uint32_t k_bits; std::memcpy(&k_bits, &k_shifted, 4);
+    const float p = fusec_expm1_reduced(FUSEC_FMAF(-k, 0x1.7f7d1cp-20f, FUSEC_FMAF(-k, 0x1.62e4p-1f, c)));
+    return FUSEC_FMAF(p, 2.0f, 2.0f) * fusec_bits_f32(0x3f000000u + (k_bits << 23));
+}
+
+// float gelu: eager's CPU kernel computes erf with Abramowitz & Stegun's formula 7.1.26
+// (|error| < 1.5e-7 next to 1 + erf, which is all gelu needs) from one exp and one division,
+// its polynomial by FMAs, and so does this (libmvec's exact erff took 1.7x eager's time for a
+// gelu), with fusec_exp_unit for the exp: erf(z) = 1 - t A(t) e^-z^2, t = 1 / (1 + 0.3275911 z).
+static inline float fusec_gelu_f32(float x) {
+    static constexpr double A[] = {0x1.0fb844p+0, -0x1.7401c6p+0, 0x1.6be1c6p+0, -0x1.23531cp-2,
+        0x1.04f20cp-2};
+    static_assert(fusec_floats(A));
+    const float z = std::fabs(x * 0x1.6a09e6p-1f);  // |x| / sqrt(2)
+    const float t = 1.0f / FUSEC_FMAF(0x1.4f740ap-2f, z, 1.0f);
+    const float erf_z = FUSEC_FMAF(-(fusec_horner_f32(t, A) * t), fusec_exp_unit(-(z * z)), 1.0f);
+    // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
+    // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
+    const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
+    return fusec_select(x == std::numeric_limits<float>::infinity(),
+                        std::numeric_limits<float>::quiet_NaN(), gelu);
+}
 
 // The row a gathered read takes (`scales[g_idx]`): a negative index counts from the end, as in
 // eager, and the row is kept inside the source's n rows, so no read ever leaves the buffer (the
@@ -398,25 +436,14 @@ template <typename T> static inline T fusec_minimum(T a, T b) {
 template <typename T> static inline T fusec_relu(T x) { return fusec_select(x < 0, T(0), x); }
 
 template <typename T> static inline T fusec_sigmoid(T x) { return T(1) / (T(1) + fusec_exp(-x)); }
+// float: with fusec_exp_unit (1 + e^-x is where it is exact; x below -88.72 gives 0, as eager)
+template <> inline float fusec_sigmoid<float>(float x) { return 1.0f / (1.0f + fusec_exp_unit(-x)); }
 template <typename T> static inline T fusec_rsqrt(T x) { return T(1) / std::sqrt(x); }
 template <typename T> static inline T fusec_gelu(T x) {
     return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
 }
-// float gelu: eager's CPU kernel computes erf with Abramowitz & Stegun's formula 7.1.26
-// (|error| < 1.5e-7 next to 1 + erf, which is all gelu needs) from one exp, and so does this:
-// libmvec's exact erff took 1.7x eager's time for a gelu (KernelBench-style 23_ at 0.81x eager).
-template <> inline float fusec_gelu<float>(float x) {
-    const float z = std::fabs(x * 0.70710678118654752440f);
-    const float t = 1.0f / (1.0f + 0.3275911f * z);
-    const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t
-                        + 0.254829592f) * t;
-    const float erf_z = 1.0f - poly * std::exp(-z * z);
-    // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
-    // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
-    const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
-    return fusec_select(x == std::numeric_limits<float>::infinity(),
-                        std::numeric_limits<float>::quiet_NaN(), gelu);
-}
+// float gelu: fusec_gelu_f32 (above), eager's formula
+template <> inline float fusec_gelu<float>(float x) { return fusec_gelu_f32(x); }
 template <typename T> static inline T fusec_gelu_tanh(T x) {
     const T k = T(0.79788456080286535588);  // sqrt(2 / pi)
     return T(0.5) * x * (T(1) + fusec_tanh(k * (x + T(0.044715) * x * x * x)));
