@@ -48,8 +48,7 @@ from fusec.runtime.fast_start import saved
 from fusec.runtime.fast_start.fingerprint import fingerprint
 from fusec.runtime.cuda_graphs import CudaGraphRunner
 from fusec.runtime.threads import one_at_a_time
-from fusec.runtime.training_call import (fast_path_leaves, no_training_fast_path,
-                                         training_fast_path, training_fast_path_on)
+from fusec.runtime.training_call import fast_path_leaves, training_fast_path, training_fast_path_on
 
 def backend_options() -> tuple[str, ...]:
     """The `backend=` option's values: "auto" and every registered backend (codegen/backends.py,
@@ -134,7 +133,7 @@ class CompiledFunction:
         self._module = fn if isinstance(fn, torch.nn.Module) else None
         self._fast: Callable = no_fast_path  # see __call__
         self._fast_paths: dict[tuple, Callable] = {}  # signature -> its fast path, once made
-        self._train_fast: Callable = no_training_fast_path  # the same for training calls
+        self._train_fast: Callable | None = None  # the same for training calls, once made
         self._train_fast_paths: dict[tuple, Callable] = {}  # (fusec/runtime/training_call.py)
         functools.update_wrapper(self, fn, updated=())
         why = _dynamo_first(fn)
@@ -194,7 +193,7 @@ class CompiledFunction:
         (fusec/runtime/training_call.py), which `_train` prepares."""
         if not self.check:
             out = self._fast(args) if not kwargs else MISS
-            if out is MISS:
+            if out is MISS and self._train_fast is not None:
                 out = self._train_fast(args, kwargs)
             if out is not MISS:
                 return out
@@ -207,7 +206,7 @@ class CompiledFunction:
         if self.breaks is not None:
             return self.breaks(args, kwargs)
         self._fast = no_fast_path  # set again below when this call can take the fast path
-        self._train_fast = no_training_fast_path  # (and by `_train` for a training call)
+        self._train_fast = None  # (set again by `_train` for a training call)
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         plain = not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor)
                                    for a in args)
@@ -507,7 +506,7 @@ class CompiledFunction:
         if not self._guards.moved():
             return False
         self._state_refs = self._guards.refs
-        self._fast, self._train_fast = no_fast_path, no_training_fast_path
+        self._fast, self._train_fast = no_fast_path, None
         self._train_fast_paths.clear()  # (they read the state where the old refs found it)
         return True
 
@@ -588,7 +587,7 @@ class CompiledFunction:
         self.breaks = GraphBroken(self.fn, cause, part_compiler(self.backend, self.check),
                                   self.backend, label)
         self._fast, self.last, self.train_parts = no_fast_path, None, []
-        self._train_fast = no_training_fast_path
+        self._train_fast = None
         return self.breaks(args, kwargs)
 
     def _train(self, args, kwargs, leaves: list, lifted: list):

@@ -112,9 +112,3 @@ def training_fast_path(hit: Callable, lifted: list, args: tuple, kwargs: dict,
     fast = glob["fast"]
     fast.source, fast.hit = source, hit
     return fast
-
-
-def no_training_fast_path(args: tuple, kwargs: dict):
-    """The training fast path before the first training call (and after one that cannot
-    take it)."""
-    return MISS
