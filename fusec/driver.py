@@ -178,8 +178,9 @@ def _compile_graph(captured: Captured, backend: str, record: bool, label: str) -
     if captured.shape_env is None:
         inplace = plan_inplace(gm, {node.target: ir for node, ir in zip(groups, irs)}, backend)
         memory = plan_memory(gm, skip=set(inplace))
-    else:  # a shape family's program: every buffer is allocated per call, at this call's size
-        inplace, memory = {}, None  # (a pool with symbolic offsets is not written yet)
+    else:  # a shape family's program: planned again at each size (fusec/runtime/family_pool.py)
+        inplace, memory = {}, plan_memory(gm)
+        memory.per_size = True
     times["codegen"] = time.perf_counter() - start  # lowering; build_all adds its rendering
     # one build per distinct kernel, several at a time (fusec/runtime/build.py)
     kernels: dict[str, Kernel] = {}

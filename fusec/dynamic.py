@@ -23,11 +23,14 @@ breaks one compiles again, and `fusec.explain` / `FUSEC_LOG=recompiles` say whic
 from __future__ import annotations
 
 import contextlib
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from fusec.symbolic import is_symbolic
 
 
 @dataclass
@@ -142,21 +145,23 @@ def derive(key_entries: list, leaves: list, derived: dict) -> None:
             key_entries[i] = ("size of", j, d)
 
 
-def guard_expression(captured) -> str:
+def guard_expression(captured, fixed_apart: bool = False) -> str:
     """The family's guards as one Python expression over `L['t0']`, `L['t1']`... (the flat input
     tensors): the ShapeEnv's guards after compiling (capture, passes, lowering and rendering all
     add theirs) and every static size and stride of the inputs. Storage offsets are left out:
-    kernels read through data pointers, which include them."""
-    exprs = _guard_list(captured)
+    kernels read through data pointers, which include them. `fixed_apart`: without the inputs
+    whose sizes and strides are all fixed (a model's weights), which the caller checks itself
+    (the fast path, fusec/fastpath.py, as it checks a static program's inputs)."""
+    exprs = _guard_list(captured, fixed_apart)
     return " and ".join(f"({e})" if " or " in e else e for e in exprs) or "True"
 
 
-def _guard_list(captured) -> list[str]:
+def _guard_list(captured, fixed_apart: bool = False) -> list[str]:
     env = captured.shape_env
     fakes = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
     with ones_in_family():
         exprs = env.produce_guards(fakes, _sources(len(fakes)), ignore_static=False)
-    exprs = [e for e in exprs if "storage_offset()" not in e]
+    exprs = _whole_tuples([e for e in exprs if "storage_offset()" not in e], fakes, fixed_apart)
     seen = set()
     for i, fake in enumerate(fakes):  # (no size 0 in a family: Note: a size of 1 in a family)
         for d, n in enumerate(getattr(fake, "shape", ())):
@@ -165,6 +170,21 @@ def _guard_list(captured) -> list[str]:
                 if f"1 <= L['t{i}'].size()[{d}]" not in exprs:  # (its range says so already)
                     exprs.append(f"1 <= L['t{i}'].size()[{d}]")
     return exprs
+
+
+def _whole_tuples(exprs: list[str], fakes: list, leave_out: bool) -> list[str]:
+    """The guards with each input whose sizes and strides are all fixed (a model's weight in a
+    family over the batch) checked as two tuples, `L['t0'].size() == (1000, 64)`, instead of one
+    guard per number (a call's check compares two tuples per weight, as a static program's does,
+    where it indexed every size and stride); or, with `leave_out`, not checked here at all."""
+    fixed = {i: f for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)
+             and not is_symbolic(tuple(f.shape)) and not is_symbolic(tuple(f.stride()))}
+    one = re.compile(r"L\['t(\d+)'\]\.(?:size|stride)\(\)\[\d+\] == -?\d+")
+    kept = [e for e in exprs if not ((m := one.fullmatch(e)) and int(m.group(1)) in fixed)]
+    for i, f in ({} if leave_out else fixed).items():
+        shape, stride = tuple(int(v) for v in f.shape), tuple(int(v) for v in f.stride())
+        kept += [f"L['t{i}'].size() == {shape}", f"L['t{i}'].stride() == {stride}"]
+    return kept
 
 
 def guard_check(captured) -> tuple[Callable, list[str]]:

@@ -89,12 +89,14 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     for i, ref in enumerate(state_refs):
         glob[f"owner{i}"] = ref.owner
         lines.append(f"p{i} = {ref.expression(f'owner{i}')}")  # (`owner0._parameters['weight']`)
-    for var, t in zip(state + args, tensors):
+    for k, (var, t) in enumerate(zip(state + args, tensors)):
         dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
         glob[dtype], glob[device] = t.dtype, t.device
         kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"  # (the type it was)
+        # a family's guards (`sizes`) check the sizes of the inputs they name; the others are
+        # fixed (a model's weights), checked here as a static program's are
         shape = [f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}"] \
-            if sizes is None else [f"{var}.dim() != {t.dim()}"]  # (sizes: the family's guards)
+            if sizes is None or f"L['t{k}']" not in sizes else [f"{var}.dim() != {t.dim()}"]
         checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + shape + [
             f"{var}.dtype is not {dtype}",
             # is_cpu reads a flag; .device builds a torch.device to compare
@@ -158,7 +160,7 @@ def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
     sizes = None
     if captured.shape_env is not None:  # a shape family's program: its guards check the sizes
         from fusec.dynamic import guard_expression
-        sizes = guard_expression(captured)
+        sizes = guard_expression(captured, fixed_apart=True)
     return guarded_call(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
                     mutated_inputs(compiled.program), python_state, sizes)
 

@@ -85,10 +85,13 @@ class MemoryPlan:
     placements: dict = field(default_factory=dict)  # buffer name -> Placement
     pool_bytes: int = 0
     naive_bytes: int = 0  # what allocating every planned buffer separately would take
+    per_size: bool = False  # a shape family's: planned again at each size a call brings
 
     def __str__(self) -> str:
         lines = [f"memory plan: pool {self.pool_bytes} bytes for {len(self.placements)} "
-                 f"intermediate buffer(s), {self.naive_bytes} bytes without reuse"]
+                 f"intermediate buffer(s), {self.naive_bytes} bytes without reuse"
+                 + (" (at the traced sizes: a shape family's program plans again at each size, "
+                    "fusec/runtime/family_pool.py)" if self.per_size else "")]
         for p in sorted(self.placements.values(), key=lambda p: (p.first, p.offset)):
             lines.append(f"  {p.name:<24} offset {p.offset:>10}  {p.nbytes:>10} bytes  "
                          f"live steps {p.first + 1}-{p.last + 1}")

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from fusec.codegen import backends
 from fusec.ir import Layout, TensorMeta
+from fusec.symbolic import hint
 from fusec.record import MemoryPlan, Placement, Step, layout_of, owns_buffer, record_of
 
 ALIGN = 64  # bytes: every planned buffer starts on a cache line (and a 16-byte vector boundary)
@@ -50,28 +51,42 @@ def plan_memory(gm: fx.GraphModule, steps: list[Step] | None = None,
             for name in step.writes:
                 first.setdefault(name, i)
                 last.setdefault(name, i)
-    plan = MemoryPlan()
-    live: list[Placement] = []
-    for name in sorted(first, key=first.__getitem__):
-        if name in escaped or name in skip:
-            continue
-        m = by_name[name].meta["fusec"]
-        nbytes = _nbytes(m)
-        if nbytes == 0:
-            continue
-        start, end = first[name], last[name]
-        live = [p for p in live if p.last >= start]  # buffers whose last use has passed are free
-        offset = 0
-        for p in sorted(live, key=lambda p: p.offset):
-            if offset + nbytes <= p.offset:
-                break
-            offset = max(offset, _align(p.offset + p.nbytes))
-        placement = Placement(name, offset, nbytes, start, end)
-        live.append(placement)
-        plan.placements[name] = placement
-        plan.pool_bytes = max(plan.pool_bytes, _align(offset + nbytes))
-        plan.naive_bytes += _align(nbytes)
+    names = [name for name in sorted(first, key=first.__getitem__)
+             if name not in escaped and name not in skip]
+    buffers = [(_nbytes(by_name[name].meta["fusec"]), first[name], last[name])
+               for name in names]
+    offsets, pool_bytes = first_fit(buffers)
+    plan = MemoryPlan(pool_bytes=pool_bytes)
+    for name, (nbytes, start, end), offset in zip(names, buffers, offsets):
+        if nbytes:
+            plan.placements[name] = Placement(name, offset, nbytes, start, end)
+            plan.naive_bytes += _align(nbytes)
     return plan
+
+
+def first_fit(buffers: list[tuple[int, int, int]]) -> tuple[list[int], int]:
+    """Offsets in one pool for buffers given as (bytes, first step, last step), in the order they
+    are written, and the pool's size: each buffer takes the lowest offset where it overlaps no
+    buffer still live at its first step (one whose last step is not before it). An empty buffer
+    gets offset 0 and takes no room.
+
+    plan_memory runs it once at the sizes a program was compiled for; a shape family's program
+    (fusec/runtime/family_pool.py) runs it again at each new size it keeps buffers for."""
+    offsets, live, pool_bytes = [], [], 0
+    for nbytes, start, end in buffers:
+        if nbytes == 0:
+            offsets.append(0)
+            continue
+        live = [p for p in live if p[3] >= start]  # buffers whose last use has passed are free
+        offset = 0
+        for placed_at, placed_bytes, _, _ in sorted(live):
+            if offset + nbytes <= placed_at:
+                break
+            offset = max(offset, _align(placed_at + placed_bytes))
+        live.append((offset, nbytes, start, end))
+        offsets.append(offset)
+        pool_bytes = max(pool_bytes, _align(offset + nbytes))
+    return offsets, pool_bytes
 
 
 def _escaped(gm: fx.GraphModule) -> set[str]:
@@ -154,10 +169,17 @@ def _span(layout: Layout) -> int:
 
 
 def _nbytes(m: TensorMeta) -> int:
-    if any(s == 0 for s in m.shape):
+    """The bytes a buffer spans; a shape family's at the sizes it was traced with (its program
+    plans again at each call's sizes: fusec/runtime/family_pool.py)."""
+    return span_bytes(hint(tuple(m.shape)), hint(tuple(m.stride)), m.dtype)
+
+
+def span_bytes(shape, stride, dtype: torch.dtype) -> int:
+    """The bytes from a tensor's first element to its last, 0 if it has none."""
+    if any(s == 0 for s in shape):
         return 0
-    span = 1 + sum((size - 1) * abs(st) for size, st in zip(m.shape, m.stride))
-    return span * torch.empty((), dtype=m.dtype).element_size()
+    span = 1 + sum((size - 1) * abs(st) for size, st in zip(shape, stride))
+    return span * torch.empty((), dtype=dtype).element_size()
 
 
 def _align(n: int) -> int:

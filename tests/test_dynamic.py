@@ -97,6 +97,7 @@ def run_sizes(backend, fn, make, sizes, **options):
     cf = fusec.compile(fn, backend=backend, **options)
     with all_built(cf):
         for n in sizes:
+            torch.manual_seed(n)  # (the same inputs on every run: a failure can be replayed)
             args = make(n, DEVICE[backend])
             same_as_eager(cf, fn, *(args if isinstance(args, tuple) else (args,)))
     return cf
@@ -508,3 +509,33 @@ def test_the_family_fast_path_is_taken(backend):
     assert not general, "a call of a third size took the general path"
     assert re.search(r"x_size0\b", cf.last.program.run.source)
     assert cf.compiles == 2
+
+
+# -- 8. a family's intermediate buffers: one pool per size (fusec/runtime/family_pool.py) ----------
+def test_a_family_keeps_its_buffers_in_one_pool_per_size(backend):
+    from fusec.runtime.family_pool import KEEP
+    device = DEVICE[backend]
+    w = torch.randn(64, 32, device=device)
+
+    def f(x):  # sin's result lives between two steps: a planned buffer, not an output
+        return torch.cos(torch.sin(x) @ w) + 1
+
+    cf = fusec.compile(f, backend=backend, dynamic=True)
+    sizes = (5, 9, 5) if INTERPRETED and backend == "triton" else (5, 9, 5, 7, 11, 13, 17, 5)
+    returned = []
+    with all_built(cf):
+        for n in sizes:
+            x = torch.randn(n, 64, device=device)
+            same_as_eager(cf, f, x)
+            out = cf(x)
+            returned.append((out, out.clone()))  # (what it returned, and a copy)
+            pool = cf.last.program.family_pool
+            views = pool.kept[n]
+            cf(x)
+            assert pool.kept[n] is views, "a second call at a size carved its pool again"
+    assert compiles(cf) == 1
+    assert "_pool.carve(" in cf.last.program.run.source, cf.last.program.run.source
+    assert len(pool.kept) <= KEEP
+    for out, before in returned:  # no later call wrote into what an earlier one returned
+        assert torch.equal(out, before)
+    assert "plans again at each size" in str(cf.last.memory)  # (the traced sizes' plan)

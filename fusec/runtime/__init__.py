@@ -3,6 +3,7 @@
     steps.py        what a program is made of: kernel launches, extern ATen calls, views
     program.py      the program model: `build_program(gm, kernels)` -> `Program`
     writer.py       the writer: the steps as one compiled Python function, and that text shown
+    family_pool.py  a shape family's intermediate buffers: one pool per size, carved at its first call
     cuda_graphs.py  replaying a whole program as one CUDA graph (`graph_blocker`, `CudaGraphRunner`)
     build.py        building a program's kernels: each distinct one once, several at a time
     launchers.py    loading a kernel from its cached file
@@ -18,13 +19,14 @@ this folder import each other by their own names, never through this file.
 from fusec.runtime.cuda_graphs import (COPY_BYTES_PER_US, EXTERN_US, HBM_BYTES_PER_US, LAUNCH_US,
                                        CudaGraphRunner,
                                        capture_stream, draws_random_numbers, graph_blocker)
+from fusec.runtime.family_pool import FamilyPool
 from fusec.runtime.launchers import load_launcher
 from fusec.runtime.program import Program, build_program
 from fusec.runtime.steps import (ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef,
-                                 ViewStep, settle)
+                                 ViewStep, settle, settle_as)
 from fusec.runtime.writer import last_uses, python_wrapper, step_reads, straight_line
 
-__all__ = ["COPY_BYTES_PER_US", "EXTERN_US", "HBM_BYTES_PER_US", "LAUNCH_US", "CudaGraphRunner", "ExternStep", "GetItemStep", "KernelStep", "OutputBuffer", "Program",
+__all__ = ["COPY_BYTES_PER_US", "EXTERN_US", "HBM_BYTES_PER_US", "LAUNCH_US", "CudaGraphRunner", "ExternStep", "FamilyPool", "GetItemStep", "KernelStep", "OutputBuffer", "Program",
            "SlotRef", "ViewStep", "build_program", "capture_stream", "draws_random_numbers",
-           "graph_blocker", "last_uses", "load_launcher", "python_wrapper", "settle", "step_reads",
+           "graph_blocker", "last_uses", "load_launcher", "python_wrapper", "settle", "settle_as", "step_reads",
            "straight_line"]

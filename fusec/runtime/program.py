@@ -24,6 +24,7 @@ from fusec.ir import TensorMeta
 from fusec.symbolic import size_names, size_symbols
 
 from fusec.record import MemoryPlan, folded_view, group_info, layout_of, owns_buffer
+from fusec.runtime.family_pool import FamilyPool
 from fusec.runtime.steps import ExternStep, GetItemStep, KernelStep, OutputBuffer, SlotRef, ViewStep
 from fusec.runtime.writer import straight_line
 
@@ -44,6 +45,7 @@ class Program:
                  memory=None):
         self.memory = memory
         self.pool: torch.Tensor | None = None
+        self.family_pool: FamilyPool | None = None  # a shape family's pools, one per size
         self.n_slots = n_slots
         self.input_slots = input_slots
         self.constants = list(constants.items())
@@ -63,10 +65,14 @@ class Program:
     def _bind_pool(self) -> None:
         kernels = [s for s in self.steps if isinstance(s, KernelStep)]
         device = kernels[0].device if kernels else torch.device("cpu")
-        self.pool = torch.empty(max(self.memory.pool_bytes if self.memory else 0, 1),
+        per_size = self.memory is not None and self.memory.per_size  # a shape family's plan
+        self.pool = torch.empty(1 if per_size else max(self.memory.pool_bytes if self.memory else 0, 1),
                                 dtype=torch.uint8, device=device)
         for step in kernels:
             step.bind_pool(self.pool)
+        if per_size:  # its buffers are carved per size, at a call (fusec/runtime/family_pool.py)
+            self.family_pool = FamilyPool(str(device), [(w.dtype, *w.live) for step in kernels
+                                                        for w in step.writes if w.live])
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The output tensors for `inputs` (one tensor per input slot, in order)."""
@@ -148,10 +154,12 @@ def build_program(gm: fx.GraphModule, kernels: dict[str, Any], memory: MemoryPla
                 if p.is_output:
                     layout = layout_of(by_name[p.name])
                     placed = memory.placements.get(p.name) if memory else None
+                    per_size = placed is not None and memory.per_size  # (a shape family's)
                     writes.append(OutputBuffer(slot(p.name), layout.shape, layout.stride, p.dtype,
-                                               placed.offset if placed else None,
-                                               placed.nbytes if placed else 0,
-                                               slot(inplace[p.name]) if p.name in inplace else None))
+                                               placed.offset if placed and not per_size else None,
+                                               placed.nbytes if placed and not per_size else 0,
+                                               slot(inplace[p.name]) if p.name in inplace else None,
+                                               (placed.first, placed.last) if per_size else None))
                     producers[slot(p.name)] = kernel
             device = group_info(node).device
             # launch unless every output is empty (a reduction over an empty dim still writes

@@ -31,6 +31,7 @@ class OutputBuffer:
     offset: int | None = None  # bytes into the program's pool (memory plan), or None: allocate
     nbytes: int = 0
     inplace: int | None = None  # the slot whose buffer this output is written over, if any
+    live: tuple[int, int] | None = None  # a shape family's planned buffer: (first, last) step
 
 
 class KernelStep:
@@ -118,11 +119,14 @@ class ExternStep:
 
 def settle(out, planned: Layout):
     """`out` in the strides the schedule planned for it (a copy only when ATen chose others)."""
-    if isinstance(out, torch.Tensor) and tuple(out.stride()) != planned.stride \
-            and out.numel() > 1:
-        fixed = torch.empty_strided(planned.shape, planned.stride, dtype=out.dtype,
-                                    device=out.device)
-        out = fixed.copy_(out)
+    return settle_as(out, planned.shape, planned.stride)
+
+
+def settle_as(out, shape: tuple, stride: tuple):
+    """`settle` to a shape and strides given as tuples: a shape family's program computes them
+    from each call's sizes, without making a Layout."""
+    if isinstance(out, torch.Tensor) and tuple(out.stride()) != stride and out.numel() > 1:
+        out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
     return out
 
 

@@ -26,7 +26,8 @@ import torch.fx as fx
 from fusec.ir import Layout
 from fusec.symbolic import hint, is_symbolic, py_expr
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
-                                 OutputBuffer, SlotRef, ViewStep, own_storage, settle)
+                                 OutputBuffer, SlotRef, ViewStep, own_storage, settle,
+                                 settle_as)
 
 # ---- the straight-line runner ------------------------------------------------------------------
 #
@@ -55,6 +56,7 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
         w.line(f"{', '.join(names)}{',' if len(names) == 1 else ''} = inputs",
                ", ".join(w.value_name(slot) for slot in program.input_slots))
     _bind_sizes(w, program, names)
+    _carve_family_pool(w, program)
     for slot, tensor in program.constants:
         w.names[slot] = w.bind(tensor, "constant")
     last = last_uses(program)
@@ -88,6 +90,27 @@ def _bind_sizes(w: "_Writer", program: "Program", names: list[str]) -> None:
         else:
             for d, name in sorted(dims.items()):
                 w.line(f"{name} = {names[k]}.{attr}[{d}]", "a size of this call (a shape family's program)")
+
+
+def _carve_family_pool(w: "_Writer", program: "Program") -> None:
+    """A shape family's intermediate buffers: this size's views of its pool, carved at the first
+    call at a size and kept for the next (fusec/runtime/family_pool.py)."""
+    pool = getattr(program, "family_pool", None)
+    if pool is None or not pool.buffers:
+        return
+    bufs = [b for s in program.steps if isinstance(s, KernelStep) for b in s.writes if b.live]
+    symbols = sorted(w.sizes.values())
+    key = symbols[0] if len(symbols) == 1 else f"({', '.join(symbols)})"
+    name = w.bind(pool, "pool", f"FamilyPool({str(pool.device)!r}, {pool.buffers!r})")
+    kept = w.bind(pool.kept, "pool_views", f"{name}.kept")
+    layouts = ", ".join(f"({w.size(tuple(b.shape))}, {w.size(tuple(b.stride))})" for b in bufs)
+    w.line(f"_v = {kept}.get({key})", "this size's intermediate buffers, if kept")
+    w.line("if _v is None:")
+    w.line(f"    _v = {name}.carve({key}, ({layouts}{',' if len(bufs) == 1 else ''}))",
+           "a pool for this size: planned, allocated, carved")
+    targets = [w.define(b.slot) for b in bufs]
+    w.line(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = _v",
+           ", ".join(w.value_name(b.slot) for b in bufs))
 
 
 def step_reads(step) -> list[int]:
@@ -202,6 +225,8 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
                    f"{source}.storage_offset())",
                    f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
                    f"its last use")
+        elif buf.live is not None:  # a shape family's: this size's view of its pool (above)
+            w.line(f"# {w.names[buf.slot]}: {w.value_name(buf.slot)}, in this size's pool")
         elif view is not None:  # carved out of the pool once: the same memory on every call
             w.names[buf.slot] = w.bind(view, w.value_name(buf.slot), _pool_view(w, buf))
             w.line(f"# {w.names[buf.slot]}: a view of the pool, bytes [{buf.offset}, "
@@ -297,17 +322,18 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
         return _emit_any(w, step)
     call = f"{w.bind(step.target, step.name)}({', '.join(args)})"
     if step.planned is not None:  # ATen picks its result's strides: settle them as planned
-        call = f"{_settle(w)}({call}, {_planned(w, step.planned)})"
+        call = _settled(w, call, step.planned)
     w.line(f"{w.define(step.out_slot)} = {call}")
 
 
-def _planned(w: _Writer, planned: Layout) -> str:
-    """The planned layout of a result: a global, or, in a shape family's program, made on each
-    call from this call's sizes."""
+def _settled(w: _Writer, call: str, planned: Layout) -> str:
+    """`call`'s result settled to its planned layout (`settle`, fusec/runtime/steps.py): the
+    Layout a global, or, in a shape family's program, the shape and strides of this call's sizes
+    (`settle_as`)."""
     if is_symbolic(planned.shape) or is_symbolic(planned.stride):
-        return (f"{w.bind(Layout, 'Layout', 'Layout')}({planned.root!r}, {w.size(planned.shape)}, "
-                f"{w.size(planned.stride)})")
-    return w.bind(planned, 'layout')
+        name = w.bind(settle_as, "settle_as", "settle_as")
+        return f"{name}({call}, {w.size(tuple(planned.shape))}, {w.size(tuple(planned.stride))})"
+    return f"{_settle(w)}({call}, {w.bind(planned, 'layout')})"
 
 
 class _NotWritable(Exception):
@@ -350,7 +376,7 @@ def _emit_view(w: _Writer, step: ViewStep) -> None:
 def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
     item = f"{w.names[step.src]}[{step.index!r}]"
     if step.planned is not None:  # as for an extern's result: settle the strides as planned
-        item = f"{_settle(w)}({item}, {_planned(w, step.planned)})"
+        item = _settled(w, item, step.planned)
     w.line(f"{w.define(step.out_slot)} = {item}")
 
 
@@ -468,7 +494,7 @@ def python_wrapper(program: "Program") -> str:
     names = getattr(program, "slot_names", None) or [f"s{i}" for i in range(program.n_slots)]
     inputs = ", ".join(names[s] for s in program.input_slots)
     lines = ["import torch", "from fusec.ir import Layout",
-             "from fusec.runtime import load_launcher, settle", "", *run.definitions, "", "",
+             "from fusec.runtime import FamilyPool, load_launcher, settle, settle_as", "", *run.definitions, "", "",
              run.source.rstrip("\n"), "", "", f"def call({inputs}):",
              f"    return run([{inputs}])"]
     return "\n".join(lines) + "\n"
