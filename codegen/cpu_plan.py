@@ -230,6 +230,46 @@ def column_blocks(kernel) -> int:
     return COLUMNS
 
 
+# Note (short rows in lanes): a reduction of K <= SHORT_ROW_K values per row known when compiling
+# (a 2x2 or 2x2x2 pool written as a view and an amax/mean, passes/pooling.py) walked row by row
+# spends its time on each row's overhead, with a k loop too short to vectorize. When the rows'
+# last row dim moves every access by a few elements (0 to SHORT_ROW_STRIDE: 2 for a 2-wide
+# window), LANES neighbouring rows run side by side instead, one per SIMD lane, each k step a
+# load whose lanes lie that many elements apart (strided or interleaved loads), the short k loop
+# unrolled. Both CPU backends take this plan: the C++ one with its lanes of rows
+# (cpp/reduction.py), the LLVM one with its inside-out blocks of LANES rows (llvm/columns.py),
+# where the same rows walked one at a time took 3-7x the C++ kernel's time.
+SHORT_ROW_K = 16
+SHORT_ROW_STRIDE = 4
+SHORT_ROW_MIN_LAST = 4  # fewer rows side by side fill too few lanes
+LANES = 16
+
+
+def short_row_k(kernel) -> bool:
+    """Whether the kernel's rows are short and of a size known when compiling (Note: short rows
+    in lanes)."""
+    return not is_symbolic(kernel.k) and 1 < kernel.k <= SHORT_ROW_K
+
+
+def short_row_lanes(kernel) -> int:
+    """How many neighbouring short rows run side by side in SIMD lanes (Note: short rows in
+    lanes): LANES when at least LANES rows lie side by side, else the largest power of two that
+    fits (a 3-D pool's 8 output columns: 8), so the lane count is a constant; 0 when the rows
+    are not short, too few lie side by side, or some access moves too far from a row to the
+    next. A last row dim that is an argument is judged at its traced size (the last block is cut
+    at the row's end, so every size is right)."""
+    if not kernel.row_shape or not short_row_k(kernel):
+        return 0
+    last = hint(kernel.row_shape[-1])
+    if last < SHORT_ROW_MIN_LAST:
+        return 0
+    n_rows = len(kernel.row_shape)
+    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
+    if any(idx.strides[n_rows - 1] not in range(SHORT_ROW_STRIDE + 1) for idx in accesses):
+        return 0
+    return LANES if last >= LANES else 1 << (last.bit_length() - 1)
+
+
 def column_sum_block(kernel) -> int:
     """Block length of a long float sum in this layout (Note: rows side by side)."""
     return COLUMN_SUM_BLOCK if is_symbolic(kernel.k) or kernel.k > COLUMN_SUM_BLOCK else 0

@@ -25,8 +25,9 @@ from fusec.symbolic import hint, is_symbolic
 from . import columns as cpp_columns
 from .text import (CTYPE, load_value, store_value, render_stmt, convert, gather_offset, literal,
                    params, size, size_kw, sizes_line, times)
-from ..cpu_plan import (TILE_STRIDE, column_blocks, column_sum_block, cpp_sum_block, heading,
-                       sum_block, thread_condition)
+from ..cpu_plan import (LANES, SHORT_ROW_MIN_LAST, TILE_STRIDE, column_blocks, column_sum_block,
+                        cpp_sum_block, heading, short_row_k, short_row_lanes, sum_block,
+                        thread_condition)
 from ..render import render_template
 from ..unroll_rows import unrolled_or_same
 
@@ -416,16 +417,17 @@ def _phase_pragma(kernel, reds, lanes: int, blocked, kblock: int) -> str:
 # no columns (`allow_columns=False`): else such rows are turned inside out (cpp/columns.py), whose
 # loops gcc 12 vectorizes on every x86-64 level, where it left this outer loop scalar with AVX2
 # and AVX-512 when it held several k loops (a softmax) and on every level for a max with its NaN flag.
-LANES = 16
 LANES_UNROLL_K = 16  # rows this short are unrolled completely, so several k loops are fine
 
 
 def lane_blocks(kernel, k_strided) -> int:
-    """LANES when the kernel computes LANES neighbouring rows at once (note above), else 0.
-    Sizes that are arguments: the last row dim is judged at its traced size (the last block is
-    cut at the row's end), and a K that is one is never short enough to unroll."""
+    """LANES when the kernel computes LANES neighbouring rows at once (note above; fewer for
+    short rows with fewer side by side), else 0. Sizes that are arguments: the last row dim is
+    judged at its traced size (the last block is cut at the row's end), and a K that is one is
+    never short enough to unroll."""
+    short = short_row_k(kernel)
     if not kernel.row_shape or not kernel.k or hint(kernel.row_shape[-1]) < (
-            SHORT_ROW_MIN_LAST if short_rows(kernel) else 8):
+            SHORT_ROW_MIN_LAST if short else 8):
         return 0
     plan = kernel.plan
     several = len(plan.phases) != 1 or bool(plan.element_stores)
@@ -438,39 +440,18 @@ def lane_blocks(kernel, k_strided) -> int:
         return 0
     if any(r.op == "sum" and r.acc_dtype.is_floating_point for r in reds) and sum_block(kernel.k):
         return 0  # a long float sum: one lane would add its K values one after another
+    if short:
+        # Note (short rows in lanes, codegen/cpu_plan.py): a few values per row (a pool's
+        # window), the rows' values interleaved or a stride apart: the k loop is unrolled away
+        # and the rows run in the lanes, each load's lanes SHORT_ROW_STRIDE or fewer apart
+        return short_row_lanes(kernel)
     n_rows = len(kernel.row_shape)
     accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
-    if short_rows(kernel):
-        # Note (short rows): a few values per row (a pool's window), the rows' values interleaved
-        # or a stride apart: the k loop is unrolled away and LANES rows run in the lanes, each
-        # load LANES values SHORT_ROW_STRIDE or fewer apart (gcc's strided/interleaved loads)
-        # (fewer rows side by side than LANES, 8 in a 3-D pool's row: as many lanes as fill
-        # every block, a power of two, so that the lane count is a constant)
-        if all(idx.strides[n_rows - 1] in range(SHORT_ROW_STRIDE + 1) for idx in accesses):
-            last = hint(kernel.row_shape[-1])
-            return LANES if last >= LANES else 1 << (last.bit_length() - 1)
-        return 0
     if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
         return 0
     if not any(k_strided(l.index) and l.index.strides[n_rows - 1] == 1 for l in kernel.loads):
         return 0
     return LANES
-
-
-# Note (short rows): a reduction of K <= SHORT_ROW_K values per row known when compiling (a 2x2 or
-# 2x2x2 pool written as a view and an amax/mean, passes/pooling.py) walked row by row spends its
-# time on the row's overhead, with a k loop too short to vectorize. Rows whose last row dim moves
-# the reads by a few elements (2 for a 2-wide window) run in lanes instead, the k loop unrolled.
-SHORT_ROW_K = 16
-SHORT_ROW_STRIDE = 4
-SHORT_ROW_MIN_LAST = 4  # fewer rows side by side fill too few lanes
-
-
-def short_rows(kernel) -> bool:
-    """Whether the kernel's rows are short and of a size known when compiling (note above)."""
-    return not is_symbolic(kernel.k) and 1 < kernel.k <= min(SHORT_ROW_K, LANES_UNROLL_K)
-
-
 
 
 def flat_k(strides, shape) -> bool:

@@ -66,7 +66,7 @@ from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf
-from ..cpu_plan import CHUNK, column_blocks, heading, thread_choice, work_per_call
+from ..cpu_plan import CHUNK, column_blocks, heading, short_row_lanes, thread_choice, work_per_call
 from .compiler import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
@@ -94,6 +94,11 @@ def render(kernel, target: Target | None = None) -> str:
         columns = column_blocks(hinted(unrolled)) if unrolled.k else 0
         if columns:
             return render_columns(unrolled, columns, note, target)
+        # short rows (a pool's window): a few neighbouring rows in the lanes, each folding its
+        # K values in turn (Note: short rows in lanes, codegen/cpu_plan.py)
+        lanes = short_row_lanes(unrolled) if unrolled.k else 0
+        if lanes:
+            return render_columns(unrolled, lanes, note, target, short=True)
         return render_reduction(kernel, target)
     no_indexed_writes(kernel, "LLVM")
     counter = new_counter()

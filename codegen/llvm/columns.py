@@ -40,10 +40,13 @@ from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, convert, coo
 from .reduction import Accumulator
 
 
-def render_columns(kernel, columns: int, note: str, target: Target | None = None) -> str:
+def render_columns(kernel, columns: int, note: str, target: Target | None = None,
+                   short: bool = False) -> str:
     """The kernel as LLVM IR with its loops turned inside out (module docstring): each phase's
-    lane loops, then the last pass and the row stores, each a loop over the block's rows."""
-    block = _Block(kernel, columns, new_counter())
+    lane loops, then the last pass and the row stores, each a loop over the block's rows.
+    `short`: rows of a few values (Note: short rows in lanes, codegen/cpu_plan.py), whose k
+    steps are written out one after another inside a single lane loop (see `_Block.k_steps`)."""
+    block = _Block(kernel, columns, new_counter(), short)
     plan = kernel.plan
     kept: list[str] = []  # the names kept in arrays by the phases so far
     sections, all_lines = [], list(block.top.lines)
@@ -66,7 +69,8 @@ def render_columns(kernel, columns: int, note: str, target: Target | None = None
     last = block.last
     blocks = (last + columns - 1) // columns  # (rounded up; no sign to fix up)
     tiles = prod(kernel.row_shape[:-1]) * blocks
-    code = dict(last=block.top.size(last), blocks=block.top.size(blocks))
+    code = dict(last=block.top.size(last), blocks=block.top.size(blocks),
+                full=isinstance(last, int) and last % columns == 0)
     return finish(
         "llvm_reduction_columns.ll.j2", all_lines, target, block.counter,
         launch_functions(kernel, tiles, work_per_call(kernel)), name=kernel.name,
@@ -84,8 +88,9 @@ class _Block:
     lane (allocas in the entry block), and the coordinates of the rows' outer dims (computed once
     per block, in `top`)."""
 
-    def __init__(self, kernel, columns: int, counter):
+    def __init__(self, kernel, columns: int, counter, short: bool = False):
         self.kernel, self.columns, self.counter = kernel, columns, counter
+        self.short = short
         self.n_rows = len(kernel.row_shape)
         self.last = kernel.row_shape[-1]
         self.producers = {l.var.name: l for l in kernel.loads}
@@ -116,6 +121,19 @@ class _Block:
         """The coordinates of section sid's k loop variable in the reduced dims."""
         k = f"%{sid}.k"
         return coords(e, k, self.kernel.k_shape, f"{sid}.q") if len(self.kernel.k_shape) > 1 else [k]
+
+    def k_steps(self, e: Emitter, sid: str) -> list[tuple[str, list[str]]]:
+        """(k, its coordinates) for each k step one lane loop runs: the k loop's variable, or
+        for short rows every k as a constant. Short rows run all their k steps in one lane loop
+        (each lane folds its row's K values in turn), so the loads of neighbouring k steps lie
+        in the same loop: a 2-wide window's two values are one interleaved load of both,
+        where a k loop around the lane loop made each a strided load with a gap, which LLVM
+        vectorizes only with a scalar epilogue (half the lanes of a 16-row block)."""
+        if not self.short:
+            return [(f"%{sid}.k", self.k_coords(e, sid))]
+        shape = self.kernel.k_shape
+        return [(str(k), [str(k // prod(shape[d + 1:]) % shape[d]) for d in range(len(shape))])
+                for k in range(self.kernel.k)]
 
 
 class _Lanes:
@@ -216,14 +234,15 @@ def _phase_section(block: _Block, phase, kept: list[str]) -> tuple[dict, list[st
     init = _init_lanes(block, p)
     block_init, block_after = _block_lanes(block, p)
     kc = Emitter(block.counter)
-    q = block.k_coords(kc, p.sid)
-    body = _body_lanes(block, p, phase, kept, q)
+    steps = block.k_steps(kc, p.sid)
+    body = _body_lanes(block, p, phase, kept, steps)
     after, defined = _after_lanes(block, p, phase, kept)
     section = dict(
         id=p.sid, comment=f"phase {phase.number}: " + ", ".join(a.r.op for a in accs),
         init=init.section(), kblock=kblock if blocked else 0,
         block_init=block_init.section(), block_after=block_after.section(),
-        k_lines=kc.lines, body=body.section(), after=after.section(), k=kc.size(kernel.k))
+        k_lines=kc.lines, body=body.section(), after=after.section(), k=kc.size(kernel.k),
+        k_steps=block.short)
     lines = init.e.lines + block_init.e.lines + block_after.e.lines + kc.lines + \
         body.e.lines + after.e.lines
     return section, lines, defined
@@ -258,24 +277,29 @@ def _block_lanes(block: _Block, p: _Phase) -> tuple[_Lanes, _Lanes]:
     return block_init, block_after
 
 
-def _body_lanes(block: _Block, p: _Phase, phase, kept: list[str], q: list[str]) -> _Lanes:
-    """One k step: the element values the phase reads, the kept value's store (the plan's
-    `keep`, in the last phase), and each accumulator's fold, read from and written back to its
-    arrays."""
+def _body_lanes(block: _Block, p: _Phase, phase, kept: list[str],
+                steps: list[tuple[str, list[str]]]) -> _Lanes:
+    """The k steps of one lane loop (one, or a short row's all: `_Block.k_steps`): the element
+    values the phase reads, the kept value's store (the plan's `keep`, in the last phase), and
+    each accumulator's fold, read from its arrays before the first and written back after
+    the last."""
     plan, keep = block.kernel.plan, block.kernel.plan.keep
     body = _Lanes(block, f"{p.sid}.body", kept)
-    body.elements(phase.loop, q)
-    if keep and phase is plan.phases[-1]:  # keep it where the last pass reads it
-        body.e.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
-                                                   else "the output, stored once"))
-        body.store(keep.store, q, block.producers[keep.value].var)
+    cur = {a.name: {state: block.read(body.e, state, t, body.lane) for state, t, _ in a.states()}
+           for a in p.accs}
+    for k, q in steps:
+        body.elements(phase.loop, q)
+        if keep and phase is plan.phases[-1]:  # keep it where the last pass reads it
+            body.e.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
+                                                       else "the output, stored once"))
+            body.store(keep.store, q, block.producers[keep.value].var)
+        for a in p.accs:
+            x = body.local[a.r.operand.name]
+            x = convert(body.e, x, a.r.operand.dtype, a.dtype, a.name)
+            cur[a.name] = a.fold(body.e, x, cur[a.name], k)
     for a in p.accs:
-        cur = {state: block.read(body.e, state, t, body.lane) for state, t, _ in a.states()}
-        x = body.local[a.r.operand.name]
-        x = convert(body.e, x, a.r.operand.dtype, a.dtype, a.name)
-        nxt = a.fold(body.e, x, cur, f"%{p.sid}.k")
         for state, t, _ in a.states():
-            block.write(body.e, state, t, nxt[state], body.lane)
+            block.write(body.e, state, t, cur[a.name][state], body.lane)
     return body
 
 
@@ -317,16 +341,16 @@ def _store_section(block: _Block, kept: list[str]) -> tuple[dict, list[str]] | N
         return None
     sid = "store"
     kc = Emitter(block.counter)
-    q = block.k_coords(kc, sid)
     body = _Lanes(block, f"{sid}.body", kept)
     given = {keep.value: keep.store} if keep else None
-    body.elements(keep.last_pass if keep else plan.last_pass, q, given)
-    for n in elem:
-        body.store(n, q)
+    for _, q in block.k_steps(kc, sid):
+        body.elements(keep.last_pass if keep else plan.last_pass, q, given)
+        for n in elem:
+            body.store(n, q)
     comment = "last pass: element values, stored"
     if keep:
         comment += f" ({keep.value} read back from where the last phase kept it)"
     section = dict(id=sid, comment=comment, init=None, kblock=0, block_init=None,
                    block_after=None, k_lines=kc.lines, body=body.section(), after=None,
-                   k=kc.size(kernel.k))
+                   k=kc.size(kernel.k), k_steps=block.short)
     return section, kc.lines + body.e.lines
