@@ -533,6 +533,7 @@ def test_a_family_keeps_its_buffers_in_one_pool_per_size(backend):
             views = pool.kept[n]
             cf(x)
             assert pool.kept[n] is views, "a second call at a size carved its pool again"
+            assert pool.in_use is views  # (what a CUDA graph captured at this size keeps)
     assert compiles(cf) == 1
     assert "_pool.carve(" in cf.last.program.run.source, cf.last.program.run.source
     assert len(pool.kept) <= KEEP

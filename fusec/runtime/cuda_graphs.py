@@ -277,9 +277,9 @@ class CudaGraphRunner:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side):
             self.outputs = program(self.static)
-        # a shape family's pools (fusec/runtime/family_pool.py) may drop this size's pool later;
-        # the graph writes into it on every replay, so the runner holds on to it
-        self.pools = dict(program.family_pool.kept) if program.family_pool else {}
+        # a shape family's program (fusec/runtime/family_pool.py) may drop this size's pool
+        # later; the graph writes into it on every replay, so the runner holds on to it
+        self.pool_views = program.family_pool.in_use if program.family_pool else None
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         for i in range(self.n_static):

@@ -10,13 +10,15 @@ a dict. The straight-line program (fusec/runtime/writer.py) starts with
     _v = _pool_views.get(x_size0)   # this size's intermediate buffers, if kept
     if _v is None:
         _v = _pool.carve(x_size0, (((x_size0, 64), (64, 1)), ...))
+    _pool.in_use = _v               # (a CUDA graph captured now keeps them)
     s3, s5, s8 = _v
 
-Why: sixteen `empty_strided` calls cost a small HF GPT-2 forward ~40 us a call on a CPU, 10-20%
-of it at short prompts, and a server calls a model many times at each batch size. The pools of
+Why: a model's forward has a dozen such buffers or more, allocating each on every call is Python
+time that counts at short prompts (docs/performance.md, "Shape families on the CPU"), and a server
+calls a model many times at each batch size. The pools of
 the last KEEP sizes are kept, the oldest dropped first, so 500 prompt lengths keep at most KEEP
-pools alive. A program keeping a pool runs one call at a time (fusec/runtime/threads.py), as a
-static one does.
+pools alive (a CUDA graph captured at a size keeps that size's: fusec/runtime/cuda_graphs.py). A
+program keeping a pool runs one call at a time (fusec/runtime/threads.py), as a static one does.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class FamilyPool:
         self.device = torch.device(device)
         self.buffers = list(buffers)
         self.kept: dict = {}  # sizes -> the views of that size's pool, oldest first
+        self.in_use: tuple = ()  # the views the running (or last) call took
 
     def __repr__(self) -> str:
         return (f"FamilyPool({str(self.device)!r}, {self.buffers!r})")

@@ -108,6 +108,7 @@ def _carve_family_pool(w: "_Writer", program: "Program") -> None:
     w.line("if _v is None:")
     w.line(f"    _v = {name}.carve({key}, ({layouts}{',' if len(bufs) == 1 else ''}))",
            "a pool for this size: planned, allocated, carved")
+    w.line(f"{name}.in_use = _v", "(a CUDA graph captured now keeps it: cuda_graphs.py)")
     targets = [w.define(b.slot) for b in bufs]
     w.line(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = _v",
            ", ".join(w.value_name(b.slot) for b in bufs))
