@@ -29,6 +29,8 @@ from fusec import dynamic
 from fusec import env
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.breaks import innermost
+from fusec.passes.summed_slices import summed_slices
+from fusec.passes.training_layout import training_layout
 
 
 # ---- what to save for backward, and what to recompute ------------------------------------------
@@ -129,6 +131,7 @@ def partitioner(decisions: list) -> Callable:
                                                min_cut_rematerialization_partition)
 
     def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **options):
+        training_layout(joint)  # convolutions channels-last, forward and backward, where it pays
         forward_ops = _forward_nodes(joint, num_fwd_outputs)
         if not remat_enabled():
             fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs,
@@ -257,6 +260,7 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     """
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
         read_through_aliases(gm)
+        summed_slices(gm)  # slice backward's scatters into zeros, summed: a cat
         compiled = compile_fn(with_source_lines(gm))
         # a graph with symbolic sizes (TorchDynamo's, once a size changed): a shape family's
         # program from its first call (fusec/dynamic.py, from_examples)
