@@ -131,7 +131,7 @@ _ROWS = [
        llvm='select i1 {0}, {T} {1}, {T} {2}'),
     # transcendental functions (integers become floats first)
     Op("exp", "fusec_exp({0})", "fusec_exp({0})", promote=F,
-       llvm='call {T} @exp{m}({T} {0})'),
+       llvm='call {T} @fusec_exp.{D}({T} {0})'),  # float: inline (llvm_prelude.ll.j2)
     Op("exp2", "tl.exp2({0})", "std::exp2({0})", promote=F,
        llvm='call {T} @exp2{m}({T} {0})'),
     Op("expm1", "fusec_expm1({0})", "fusec_expm1({0})", promote=F,
@@ -141,7 +141,7 @@ _ROWS = [
     Op("log2", "tl.log2({0})", "fusec_log2({0})", promote=F,
        llvm='call {T} @log2{m}({T} {0})'),
     Op("log1p", "fusec_log1p({0})", "fusec_log1p({0})", promote=F,
-       llvm='call {T} @log1p{m}({T} {0})'),
+       llvm='call {T} @fusec_log1p.{D}({T} {0})'),  # float: inline (llvm_prelude.ll.j2)
     Op("sqrt", "fusec_sqrt({0})", "std::sqrt({0})", promote=F,
        llvm='call {T} @llvm.sqrt.{S}({T} {0})'),
     Op("rsqrt", "fusec_rsqrt({0})", "fusec_rsqrt({0})", promote=F,

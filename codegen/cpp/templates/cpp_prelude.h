@@ -27,14 +27,15 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
 // to 4 ulp off (expf 2.5, logf 3.8, tanf 2.9 over the float32 range: tests/test_math_accuracy.py,
 // docs/ops.md); in a long chain those errors add up to several times eager's. torch links SLEEF
 // into libtorch_cpu and exports it under the vector ABI names gcc calls
-// (`_ZGVeN16v_Sleef_expf_u10`: 16 exps at once with AVX-512, `_ZGVdN8v_...` 8 with AVX2). So
+// (`_ZGVeN16v_Sleef_logf_u10`: 16 logs at once with AVX-512, `_ZGVdN8v_...` 8 with AVX2). So
 // where fusec links torch's library (FUSEC_SLEEF, codegen/cpp/__init__.py math_flags) and the target has
-// AVX2, fusec_exp(float) and the others are SLEEF's: declared `omp declare simd`, a vectorized
+// AVX2, fusec_log(float) and the others are SLEEF's: declared `omp declare simd`, a vectorized
 // loop calls the vector versions, and the scalar symbol (which torch does not export) is defined
 // here as one lane of the 8-wide call, so a loop's remainder gets the same answers as its vector
 // body. A short loop may be vectorized 4 lanes at a time (the SSE variant, `_ZGVbN4v_...`),
 // which torch does not export either: it is half of the 8-wide call. Doubles and the other
-// targets use the C library (libmvec where it is linked). tanh and erf are fusec's own (below).
+// targets use the C library (libmvec where it is linked). exp, log1p, tanh and erf are fusec's
+// own (below).
 #if defined(FUSEC_SLEEF) && defined(__AVX2__) && defined(__x86_64__)
 #include <immintrin.h>
 #define FUSEC_SLEEF_DECLARE(name) \
@@ -51,24 +52,20 @@ _Pragma("omp declare simd notinbranch") extern "C" double pow(double, double);
         return _mm256_castps256_ps128(_ZGVdN8v_Sleef_##name##f_u10( \
             _mm256_insertf128_ps(_mm256_setzero_ps(), x, 0))); } \
     }
-FUSEC_SLEEF_DECLARE(exp) FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
-FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(log1p) FUSEC_SLEEF_DECLARE(sin)
+FUSEC_SLEEF_DECLARE(expm1) FUSEC_SLEEF_DECLARE(log)
+FUSEC_SLEEF_DECLARE(log2) FUSEC_SLEEF_DECLARE(sin)
 FUSEC_SLEEF_DECLARE(cos) FUSEC_SLEEF_DECLARE(tan)
 #undef FUSEC_SLEEF_DECLARE
 #define FUSEC_FLOAT_MATH(name, x) Sleef_##name##f_u10(x)
 #else
 #define FUSEC_FLOAT_MATH(name, x) std::name(x)
 #endif
-static inline float fusec_exp(float x) { return FUSEC_FLOAT_MATH(exp, x); }
-static inline double fusec_exp(double x) { return std::exp(x); }
 static inline float fusec_expm1(float x) { return FUSEC_FLOAT_MATH(expm1, x); }
 static inline double fusec_expm1(double x) { return std::expm1(x); }
 static inline float fusec_log(float x) { return FUSEC_FLOAT_MATH(log, x); }
 static inline double fusec_log(double x) { return std::log(x); }
 static inline float fusec_log2(float x) { return FUSEC_FLOAT_MATH(log2, x); }
 static inline double fusec_log2(double x) { return std::log2(x); }
-static inline float fusec_log1p(float x) { return FUSEC_FLOAT_MATH(log1p, x); }
-static inline double fusec_log1p(double x) { return std::log1p(x); }
 static inline float fusec_sin(float x) { return FUSEC_FLOAT_MATH(sin, x); }
 static inline double fusec_sin(double x) { return std::sin(x); }
 static inline float fusec_cos(float x) { return FUSEC_FLOAT_MATH(cos, x); }
@@ -114,12 +111,13 @@ static inline float fusec_bits_f32(uint32_t bits) { float f; std::memcpy(&f, &bi
 
 // e^r - 1 for |r| <= ln2/2 (and a little more): r + r^2 Q(r), Q of degree 4 (absolute error
 // 3.4e-9 e^r). Both functions below compute e^y as 2^k (1 + this), with y = k ln2 + r.
-static inline float fusec_expm1_reduced(float r) {
+static inline float fusec_expm1_q(float r) {
     static constexpr double Q[] = {0x1.6a4b82p-10, 0x1.123e58p-7, 0x1.5558bap-5, 0x1.55548cp-3,
         0x1.fffffcp-2};
     static_assert(fusec_floats(Q));
-    return FUSEC_FMAF(r * r, fusec_horner_f32(r, Q), r);
+    return fusec_horner_f32(r, Q);
 }
+static inline float fusec_expm1_reduced(float r) { return FUSEC_FMAF(r * r, fusec_expm1_q(r), r); }
 
 // c ? a : b for any arithmetic type, as bit masks (the op table's `where`, and the selects below).
 // The same gcc 12 limit as fusec_select_bits above, for floats: a float `?:` that gcc cannot turn
@@ -226,6 +224,78 @@ static inline float fusec_exp_unit(float y) {
     const float p = fusec_expm1_reduced(FUSEC_FMAF(-k, 0x1.7f7d1cp-20f, FUSEC_FMAF(-k, 0x1.62e4p-1f, c)));
     return FUSEC_FMAF(p, 2.0f, 2.0f) * fusec_bits_f32(0x3f000000u + (k_bits << 23));
 }
+
+// e^x in float over the whole range, inline (no call: SLEEF's, one per vector of values, spilled
+// the loop's registers around it, and gcc 12 left some loops with such a call scalar): e^x =
+// 2^k (1 + p) with x = k ln2 + r, as fusec_exp_unit, but with every answer eager's kind:
+//   x is clamped to [-104, 89] first (a NaN fails both tests and stays NaN): e^-104 is below
+//     half the smallest subnormal (so 0) and e^89 above the largest float (so inf);
+//   2^k (-150 <= k <= 128) is applied as two powers of two, 2^(k - k/2) and 2^(k/2), each a
+//     normal float: (1 + p) 2^(k - k/2) = p s + s in one rounding (an FMA) is the answer's only
+//     rounding in the normal range; the second product is exact there, and it is the one that
+//     rounds a subnormal answer (once, to its ulp) or overflows to inf.
+static inline float fusec_exp_f32(float x) {
+    const float high = fusec_select(89.0f < x, 89.0f, x);
+    const float c = fusec_select(high < -104.0f, -104.0f, high);
+    const float shift = 0x1.8p23f;
+    const float k_shifted = FUSEC_FMAF(c, 0x1.715476p0f, shift);
+    const float k = k_shifted - shift;  // round(c / ln2): -150 <= k <= 128
+    uint32_t k_bits; std::memcpy(&k_bits, &k_shifted, 4);
+    const int32_t ki = (int32_t)k_bits - 0x4b400000;  // k as an integer
+    const int32_t half_k = ki >> 1;
+    // x - k ln2 = r_high + r_low: r_high exact (ln2's first part has 15 bits, k at most 8), so
+    // the polynomial's answer and r_low, both small, are all that round before the FMA
+    const float r_high = FUSEC_FMAF(-k, 0x1.62e4p-1f, c);
+    const float r_low = -k * 0x1.7f7d1cp-20f;
+    const float r = r_high + r_low;
+    const float p = r_high + FUSEC_FMAF(r * r, fusec_expm1_q(r), r_low);
+    const float s = fusec_bits_f32((uint32_t)(ki - half_k + 127) << 23);
+    return FUSEC_FMAF(p, s, s) * fusec_bits_f32((uint32_t)(half_k + 127) << 23);
+}
+static inline float fusec_exp(float x) { return fusec_exp_f32(x); }
+static inline double fusec_exp(double x) { return std::exp(x); }
+
+// log(1 + x) in float, inline (softplus's log1p(e^x) was two calls into SLEEF): with
+// u = 1 + x rounded to 2^e m, m in [3/4, 3/2), log1p(x) = e ln2 + log1p(f) with
+// f = (1 + x) 2^-e - 1, computed from x itself (not from u, whose rounding error would need a
+// correction term): x 2^-e + (2^-e - 1) in one FMA is exact for e <= 24 (both terms exact, and
+// the sum, inside [-1/4, 1/2], a multiple of x 2^-e's ulp: m from 3/4, not sqrt(1/2), is what
+// keeps x >= 1/2 where e = 1); above, f is m - 1 and u's rounding error is below 2^-24 of an
+// answer >= 16. log1p(f) = f + f^2 P(f), P of degree 8 (weighted minimax, error 4.9e-9 of the
+// answer). The answer is summed so that only the last addition
+// rounds at its size: e ln2's first part plus f is split into its rounded sum and that sum's
+// exact error (Fast2Sum: |e ln2| >= 0.69 > |f| unless e = 0, when the error is 0), and the small
+// terms are added to the error first. Edges as eager: -1 gives -inf, below -1 NaN, +inf inf,
+// NaN NaN, and +-0 and |x| < 2^-26 (subnormals too) give x itself.
+static inline float fusec_log1p_f32(float x) {
+    static constexpr double P[] = {-0x1.71e354p-5, 0x1.acf4bap-4, -0x1.0d98f2p-3, 0x1.28807ap-3,
+        -0x1.54ed96p-3, 0x1.99699ep-3, -0x1.00004ap-2, 0x1.5555a4p-2, -0x1p-1};
+    static_assert(fusec_floats(P));
+    const float u = 1.0f + x;
+    uint32_t u_bits; std::memcpy(&u_bits, &u, 4);
+    const int32_t iu = (int32_t)(u_bits - 0x3f400000u);
+    const int32_t e = iu >> 23;  // u = 2^e m
+    const float scale = fusec_bits_f32(0x3f800000u - ((uint32_t)e << 23));  // 2^-e (e <= 126)
+    const float f_exact = FUSEC_FMAF(x, scale, scale - 1.0f);
+    const float f_large = fusec_bits_f32((uint32_t)(iu & 0x7fffff) + 0x3f400000u) - 1.0f;
+    const float f = fusec_select(e > 24, f_large, f_exact);
+    const float ef = (float)e;
+    const float hi = ef * 0x1.62e4p-1f;  // exact: ln2's first part has 15 bits, e at most 8
+    const float t = hi + f;
+    const float t_error = (hi - t) + f;  // t + t_error = hi + f exactly
+    const float f2 = f * f;
+    const float f2_error = FUSEC_FMAF(f, f, -f2);  // f^2 - f2, exact with FMA (else 0)
+    const float p = fusec_horner_f32(f, P);
+    const float lo = FUSEC_FMAF(ef, 0x1.7f7d1cp-20f, FUSEC_FMAF(f2, p, FUSEC_FMAF(f2_error, p, t_error)));
+    const float r = t + lo;
+    const float inf = std::numeric_limits<float>::infinity();
+    const float below = fusec_select(x == -1.0f, -inf, std::numeric_limits<float>::quiet_NaN());
+    const float r1 = fusec_select(x <= -1.0f, below, r);
+    // x itself for +inf, NaN (both fail x < inf) and tiny x (its log1p rounds to x)
+    return fusec_select(x < inf && std::fabs(x) >= 0x1p-26f, r1, x);
+}
+static inline float fusec_log1p(float x) { return fusec_log1p_f32(x); }
+static inline double fusec_log1p(double x) { return std::log1p(x); }
 
 // float gelu: eager's CPU kernel computes erf with Abramowitz & Stegun's formula 7.1.26
 // (|error| < 1.5e-7 next to 1 + erf, which is all gelu needs) from one exp and one division,
