@@ -205,25 +205,30 @@ def cpp_sum_block(k: int, narrowest: int = 4) -> int:
 # with its loops turned inside out: the k loop outside, a block of COLUMNS rows in the SIMD
 # lanes inside, so each k step reads COLUMNS contiguous values (codegen/cpp/columns.py explains
 # it, llvm/columns.py spells it in LLVM IR). One lane adds a long float sum's values one after
-# another, so it adds COLUMN_SUM_BLOCK of them in float and each block's sum in double.
+# another, so it adds COLUMN_SUM_BLOCK of them in float and each block's sum in double. Only the
+# reads decide: a store may move by more than one element from a row to the next (a layer norm
+# over NCHW channels written out channels-last, ConvNeXt's `norm(x.permute(0, 2, 3, 1))`). Walked
+# row by row, such a kernel gathers every row's values from far apart to store them side by side;
+# inside out it reads side by side and stores far apart, and its math runs in the lanes: on one
+# thread of the 2-core Xeon, the layer norm of KernelBench-style 19_ (2048 rows of 16 channels)
+# took 49 us row by row in C++ (22 in LLVM) and 18 inside out in both.
 COLUMNS = 64  # rows per block: 4-8 vectors of float accumulators, a few hundred bytes of arrays
 COLUMN_SUM_BLOCK = 64  # values one lane adds in float before its block sum goes into a double
 MIN_LAST = 8  # a last row dim shorter than this fills too few lanes to pay off
 
 
 def column_blocks(kernel) -> int:
-    """COLUMNS when the kernel's rows lie side by side (every access moves by 0 or 1 element
-    from a row to the next) and some read of a row's values moves along k too, so that the
-    values of one row lie at least a row of rows apart: the loops are best turned inside out
-    (Note: rows side by side). Else 0."""
+    """COLUMNS when the kernel's rows lie side by side (every read moves by 0 or 1 element
+    from a row to the next; a store may move by any amount) and some read of a row's values
+    moves along k too, so that the values of one row lie at least a row of rows apart: the
+    loops are best turned inside out (Note: rows side by side). Else 0."""
     # (a heuristic: a last row dim that is an argument is judged at its traced size; the
     # blocks' last one is cut at the end of the row, so every size is right)
     if not kernel.row_shape or hint(kernel.row_shape[-1]) < MIN_LAST or not kernel.k:
         return 0
     n_rows = len(kernel.row_shape)
-    accesses = [l.index for l in kernel.loads] + [s.index for s in kernel.stores]
-    if any(idx.strides[n_rows - 1] not in (0, 1) for idx in accesses):
-        return 0  # some access is not contiguous across neighbouring rows
+    if any(l.index.strides[n_rows - 1] not in (0, 1) for l in kernel.loads):
+        return 0  # some read is not contiguous across neighbouring rows
     if not any(l.index.strides[n_rows - 1] == 1 and any(l.index.strides[n_rows:])
                for l in kernel.loads):
         return 0  # no read moves both across rows and along k: nothing to gain
