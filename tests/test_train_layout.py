@@ -82,3 +82,29 @@ def test_a_graph_without_convolutions_is_left_alone():
     gm = torch.fx.symbolic_trace(lambda x: x.relu())
     code = gm.code
     assert training_layout(gm).code == code
+
+
+class Patches(nn.Module):
+    """ViT's patch embedding: one convolution (kernel = stride = 4), its output flattened."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Conv2d(3, 8, 4, 4)
+        self.head = nn.Linear(8 * 16, 5)
+
+    def forward(self, x):
+        return self.head(self.embed(x).flatten(1)).square().mean()
+
+
+def test_a_lone_convolution_keeps_eager_layout():
+    """One convolution pays a conversion on each side for one faster call: left as it is."""
+    model, ref = Patches(), Patches()
+    x = torch.randn(2, 3, 16, 16)
+    compiled = fusec.compile(model, backend="cpp")
+    compiled(x).backward()
+    ref(x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    (conv_input, *_) = _conv_inputs(compiled._compiled.train_parts[0])
+    assert not conv_input.is_contiguous(memory_format=CL)
