@@ -607,7 +607,7 @@ class CompiledFunction:
             if self.compiles:  # a training program again: say why, as `_compile_new` does
                 last = next((k for k in reversed(self.compiled) if k[:1] == ("train",)), None)
                 changed = self._guards.reason(key) or what_changed(
-                    last and last[1:], key[1:], names + self._names(args, kwargs))
+                    last and last[1:], key[1:], self._names(args, kwargs))
                 remember(self.recompiles, f"training: {changed}")
                 events.publish("recompiled", label_of(self.fn), changed)
             device = calls.program_device([*lifted, *tensors])

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from fusec.aliasing import input_overlaps, mutated_inputs, span  # noqa: F401 (importable here)
 from fusec.capture.frontend import Captured
 from fusec.runtime.threads import one_at_a_time
+from fusec.symbolic import at_call, is_symbolic
 
 
 class _Miss:
@@ -169,6 +170,8 @@ def complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:
     """A program's output list, completed with the outputs that are not tensors it computes:
     constants (None, a number) and inputs returned as they are."""
     for k, value in sorted(compiled.captured.output_constants.items()):
+        if is_symbolic(value) or isinstance(value, (torch.SymFloat, torch.SymBool)):
+            value = at_call(value, compiled.program.size_bindings, tensors)  # (a family's size)
         flat_out.insert(k, value)
     for k, i in compiled.captured.output_aliases.items():
         flat_out[k] = tensors[i]  # `x.add_(1); return x` returns the caller's x itself

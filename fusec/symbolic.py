@@ -146,6 +146,16 @@ def evaluate(obj, values: dict):
     return obj
 
 
+def at_call(x, bindings: list, tensors: list):
+    """A size the program returns (`return y, x.shape[0]`: a SymInt of the family), as this
+    call's number: each symbol read from where `bindings` (runtime/program.py `size_bindings`)
+    says, in the call's input `tensors`."""
+    values = {symbol: (tensors[k].shape if kind == "size" else tensors[k].stride())[d]
+              for symbol, _, k, kind, d in bindings}
+    kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)]
+    return kind(x.node.expr.xreplace(values))
+
+
 def c_expr(x) -> str:
     """A size (int or SymInt) as a C/C++ expression, its symbols by their names (`x_size0`)."""
     if not isinstance(x, torch.SymInt):

@@ -540,3 +540,46 @@ def test_a_family_keeps_its_buffers_in_one_pool_per_size(backend):
     for out, before in returned:  # no later call wrote into what an earlier one returned
         assert torch.equal(out, before)
     assert "plans again at each size" in str(cf.last.memory)  # (the traced sizes' plan)
+
+
+# -- 9. sizes a family returns, and training through torch.compile ------------------------------
+def test_a_family_returns_this_calls_sizes(backend):
+    """`return y, x.shape[0]`: the size is this call's number, not the symbol it was traced as."""
+    device = DEVICE[backend]
+
+    def f(x):
+        return x * 2, x.shape[0], x.shape[0] * x.shape[1] // 2
+
+    for compiled in (fusec.compile(f, backend=backend, dynamic=True),
+                     torch.compile(f, backend="fusec", dynamic=True,
+                                   options={"backend": backend})):
+        for n in (5, 9, 3):
+            x = torch.randn(n, 4, device=device)
+            out = compiled(x)
+            assert out[1:] == (n, n * 2) and type(out[1]) is int, out[1:]
+            assert torch.equal(out[0], x * 2)
+
+
+def test_training_through_torch_compile_compiles_one_family(backend):
+    """Dynamo marks the batch dim dynamic after its second size; the forward and backward
+    programs must not narrow it back to a number (a size read with `int()` would), so the third
+    size reuses the second's graph."""
+    if backend == "triton" and INTERPRETED:
+        pytest.skip("a training step under Triton's interpreter takes minutes")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="fusec", options={"backend": backend})
+    for n in (5, 9, 3, 17, 8):
+        x = torch.randn(n, 16)
+        compiled(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=f"{n}: {name}")
+            p.grad = q.grad = None
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

@@ -29,6 +29,7 @@ from fusec import dynamic
 from fusec import env
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.breaks import innermost
+from fusec.symbolic import hint
 from fusec.passes.summed_slices import summed_slices
 from fusec.passes.training_layout import training_layout
 
@@ -236,12 +237,11 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _hint(size) -> int:
-    """A size as a number: a symbolic one (a dynamic shape) by the value it was traced with."""
-    try:
-        return int(size)
-    except (TypeError, ValueError, RuntimeError):
-        hint = getattr(getattr(size, "node", None), "hint", None)
-        return int(hint) if hint is not None else 0
+    """A size as a number: a symbolic one (a dynamic shape) by the value it was traced with,
+    without a guard (`int(size)` would make the ShapeEnv specialize the graph to that value, and
+    Dynamo would compile again for every batch size)."""
+    value = hint(size)
+    return int(value) if value is not None else 0
 
 
 def _nbytes(val: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fusec.ir import Layout
-from fusec.symbolic import hint, is_symbolic, py_expr
+from fusec.symbolic import hint, is_symbolic, py_expr, rename
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
                                  OutputBuffer, SlotRef, ViewStep, own_storage, settle,
                                  settle_as)
@@ -422,6 +422,14 @@ def _result(w: _Writer, program: "Program", aliases: dict, constants: dict, form
 def _literal_or_global(w: _Writer, value: Any) -> str:
     if type(value) in (int, bool, str) or value is None:
         return repr(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):  # a family's size
+        kind = {torch.SymInt: "int", torch.SymFloat: "float", torch.SymBool: "bool"}[type(value)]
+        if not value.node.expr.free_symbols <= set(w.sizes):
+            from fusec.errors import UnsupportedError
+            raise UnsupportedError(f"fusec: the program returns a size ({value}) that no input's "
+                                   f"size gives; call the function without fusec for it")
+        from torch.utils._sympy.printers import PythonPrinter  # this call's, from its inputs
+        return f"{kind}({PythonPrinter().doprint(rename(value.node.expr, w.sizes))})"
     return w.bind(value, "out")
 
 
