@@ -178,7 +178,7 @@ def _convert_convolution_operands(graph: fx.Graph, conv_names: set[str],
             fmt = torch.channels_last if _tensor(x).dim() == 4 else torch.channels_last_3d
             args = list(node.args)
             for i, (value, role) in enumerate(((x, "input"), (w, "weight"))):
-                if isinstance(value, fx.Node) and _format_name(value.meta["fusec"]) != _cl_name(fmt):
+                if isinstance(value, fx.Node) and not _reads_as_channels_last(value.meta["fusec"]):
                     args[i] = convert(value, fmt, node, f"the {role} of {node.name}")
             node.args = tuple(args)
 
@@ -342,6 +342,12 @@ def same_strides(a: TensorMeta, b: TensorMeta) -> bool:
     """Equal strides, ignoring dims of size 1 (their stride never matters)."""
     return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride, b.stride, a.shape)
                                       if n != 1)
+
+
+def _reads_as_channels_last(m: TensorMeta) -> bool:
+    """Its elements already lie channels-last, where it matters: a 1x1 convolution's weight
+    (O, I, 1, 1) is both contiguous and channels-last, and needs no copy."""
+    return same_strides(m, TensorMeta(m.shape, m.dtype, _cl_strides(m.shape), m.device))
 
 
 def _format_name(m: TensorMeta) -> str:

@@ -125,7 +125,9 @@ def settle(out, planned: Layout):
 def settle_as(out, shape: tuple, stride: tuple):
     """`settle` to a shape and strides given as tuples: a shape family's program computes them
     from each call's sizes, without making a Layout."""
-    if isinstance(out, torch.Tensor) and tuple(out.stride()) != stride and out.numel() > 1:
+    if isinstance(out, torch.Tensor) and tuple(out.stride()) != stride and out.numel() > 1 \
+            and any(n != 1 and a != b for n, a, b in zip(out.shape, out.stride(), stride)):
+        # (strides that differ only where a dim has size 1 address the same elements: no copy)
         out = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device).copy_(out)
     return out
 
