@@ -45,6 +45,7 @@ import torch.fx as fx
 
 from fusec.graphmodule import looks_for
 from fusec.record import Decision
+from fusec.sizes import equal_if_so
 
 from .grouping import new_node, record_decisions, val
 
@@ -96,7 +97,7 @@ def _is_add(node) -> bool:
         return False
     out = val(node)
     return isinstance(out, torch.Tensor) and all(
-        isinstance(v := val(a), torch.Tensor) and v.shape == out.shape and v.dtype == out.dtype
+        isinstance(v := val(a), torch.Tensor) and _alike(v.shape, out.shape) and v.dtype == out.dtype
         for a in node.args)
 
 
@@ -138,7 +139,7 @@ def _scatter(term, total: fx.Node):
     rest = dict(zip(("dim", "start", "end", "step"), term.args[2:]), **term.kwargs)
     out, v = val(total), val(value)
     if rest.get("step", 1) != 1 or not _zeros(base) or not isinstance(v, torch.Tensor) \
-            or val(term).shape != out.shape or v.dtype != out.dtype or v.dim() != out.dim():
+            or not _alike(val(term).shape, out.shape) or v.dtype != out.dtype or v.dim() != out.dim():
         return None
     dim = rest.get("dim", 0) % out.dim()
     size = out.shape[dim]
@@ -147,9 +148,16 @@ def _scatter(term, total: fx.Node):
         return None  # (symbolic sizes: left as they are)
     start, end = 0 if start is None else start, size if end is None else end
     start, end = (max(0, min(x + size if x < 0 else x, size)) for x in (start, end))
-    if tuple(v.shape) != tuple(end - start if d == dim else n for d, n in enumerate(out.shape)):
+    if not _alike(v.shape, tuple(end - start if d == dim else n for d, n in enumerate(out.shape))):
         return None  # (a slice_scatter's value has the slice's shape)
     return dim, (start, end), value
+
+
+def _alike(a, b) -> bool:
+    """Two shapes equal, asked as a shortcut's question (declining the rewrite is right at every
+    size): in a shape family, sizes that differ when traced answer "no" without a guard, so the
+    family is not narrowed to the sizes that are not equal (fusec/sizes.py `equal_if_so`)."""
+    return len(a) == len(b) and all(equal_if_so(x, y) for x, y in zip(a, b))
 
 
 def _zeros(node) -> bool:
