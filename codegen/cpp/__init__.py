@@ -36,7 +36,7 @@ from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf, families, tools
-from . import half_blocks
+from . import half_blocks, read_order
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude, kernel_sizes, params, plus, size, size_kw, sizes_line, times,
@@ -175,6 +175,7 @@ def render(kernel) -> str:
     if not isinstance(kernel, PointwiseKernel):
         return with_size_helpers(render_reduction(kernel, notes))
     no_indexed_writes(kernel, "C++")
+    kernel = read_order.read_order(kernel)  # a transposed read of a few channels: along the read
     tile_rows = short_rows(kernel)
     text = render_short_rows(kernel, tile_rows) if tile_rows else render_pointwise(kernel)
     return with_size_helpers(text)
