@@ -6,8 +6,7 @@ values of each pixel together. The math is the same, the speed is not: a convolu
 product over the C (and kernel-window) values of each pixel, and the fast convolution kernels of
 cuDNN (Tensor Cores) and oneDNN (AVX-512/AVX2 vectors) read those values as one contiguous run,
 so they want NHWC. Given NCHW they either run a slower kernel or transpose the tensor first and
-transpose the result back, and eager PyTorch pays that on every call. docs/passes/layout.md has
-the measurements.
+transpose the result back, and eager PyTorch pays that on every call (docs/passes/layout.md).
 
 This pass tries the other layout and keeps it when the stated cost model says it pays:
 
@@ -24,10 +23,10 @@ This pass tries the other layout and keeps it when the stated cost model says it
    (it only changes the order the kernel stores in): free on a GPU, and on a CPU the price of
    storing its bytes out of order (Note: a fused conversion is not free, layout_plan.py); a
    conversion of a program input, a weight or an extern's result is one extra pass over the
-   tensor and one more kernel launch (`conversion_cost`). Each convolution's gain is
-   its estimated time (FLOPs / throughput) times (1 - 1/speedup), with the speedup measured per
-   device, convolution kind and dtype (SPEEDUP in layout_plan.py). The channels-last graph is kept only when
-   the gains exceed the extra passes; otherwise the captured graph is returned unchanged.
+   tensor and one more kernel launch (`conversion_cost`). Each convolution's gain is its estimated
+   time (FLOPs / throughput) times (1 - 1/speedup), the speedup measured per device, convolution
+   kind and dtype (SPEEDUP in layout_plan.py). The channels-last graph is kept only when the
+   gains exceed the extra passes; otherwise the captured graph is returned unchanged.
 
     before                                         after
     conv = convolution(x, w, b, ...)               x_cl   = clone(x, memory_format=channels_last)
@@ -178,7 +177,9 @@ def _convert_convolution_operands(graph: fx.Graph, conv_names: set[str],
             fmt = torch.channels_last if _tensor(x).dim() == 4 else torch.channels_last_3d
             args = list(node.args)
             for i, (value, role) in enumerate(((x, "input"), (w, "weight"))):
-                if isinstance(value, fx.Node) and not _reads_as_channels_last(value.meta["fusec"]):
+                m = value.meta["fusec"] if isinstance(value, fx.Node) else None
+                if m is not None and not same_strides(  # (a 1x1 weight already is: no copy)
+                        m, TensorMeta(m.shape, m.dtype, _cl_strides(m.shape), m.device)):
                     args[i] = convert(value, fmt, node, f"the {role} of {node.name}")
             node.args = tuple(args)
 
@@ -342,12 +343,6 @@ def same_strides(a: TensorMeta, b: TensorMeta) -> bool:
     """Equal strides, ignoring dims of size 1 (their stride never matters)."""
     return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride, b.stride, a.shape)
                                       if n != 1)
-
-
-def _reads_as_channels_last(m: TensorMeta) -> bool:
-    """Its elements already lie channels-last, where it matters: a 1x1 convolution's weight
-    (O, I, 1, 1) is both contiguous and channels-last, and needs no copy."""
-    return same_strides(m, TensorMeta(m.shape, m.dtype, _cl_strides(m.shape), m.device))
 
 
 def _format_name(m: TensorMeta) -> str:
