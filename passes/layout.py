@@ -56,7 +56,7 @@ from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
 
 from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, PER_THREAD, SPEEDUP,  # noqa: F401
-                          ConvChoice, Conversion, LayoutPlan, conversion_cost, speedup)
+                          ConvChoice, Conversion, LayoutPlan, conv_rate, conversion_cost, speedup)
 from .schedule import is_dense, fake_mode_of
 
 aten = torch.ops.aten
@@ -302,7 +302,7 @@ def _price_conv(node: fx.Node) -> ConvChoice:
         flops = 2 * out.numel() * (x.shape[1] // groups) * window
     s, reason = speedup(str(out.device), spatial, transposed, out.dtype)
     kind = "cuda" if out.device.type == "cuda" else "cpu"
-    rate = FLOPS[kind, spatial == 2 and not transposed] * (
+    rate = conv_rate(kind, spatial, transposed) * (
         torch.get_num_threads() if kind in PER_THREAD else 1)
     gain = flops / rate * (1 - 1 / s)
     what = f"{'conv_transpose' if transposed else 'conv'}{spatial}d {TensorMeta.of(out)}"
@@ -311,8 +311,8 @@ def _price_conv(node: fx.Node) -> ConvChoice:
             and groups == x.shape[1]:  # memory-bound: priced from bytes (see DEPTHWISE)
         bandwidth, s = depthwise
         gain = (_nbytes(x) + _nbytes(out)) / bandwidth * (1 - 1 / s)
-        reason = (f"depthwise conv2d {short_dtype(out.dtype)} on {kind}: cuDNN's channels-last "
-                  f"kernel measured {s:.1f}x faster than eager's NCHW one")
+        reason = (f"depthwise conv2d {short_dtype(out.dtype)} on {kind}: its channels-last "
+                  f"kernel measured {s:.1f}x faster than eager's NCHW one (from bytes)")
     return ConvChoice(node.name, what, float(hint(flops)), s, hint(gain), reason)
 
 

@@ -27,7 +27,9 @@ SPEEDUP = {
     ("cpu", 2, False, torch.float32): 1.6,
     ("cpu", 2, False, torch.bfloat16): 2.8,
     ("cpu", 2, False, torch.float16): 1.6,
-    ("cpu", 2, True, torch.float32): 1.3,
+    # The 2-core Intel Xeon (Sapphire Rapids, AVX-512) CI runs on, f32, one thread, at
+    # KernelBench-style CPU sizes: transposed conv2d 1.52x, depthwise 1.59x, conv2d 1.21x.
+    ("cpu", 2, True, torch.float32): 1.5,
     ("cpu", 3, False, torch.float32): 1.1,
     # NVIDIA H100 and H200, torch 2.11 + cuDNN 9.19, TF32 as the user left it (on, the default),
     # the convolution alone at KernelBench level-2 sizes (benchmarks/conv_layout.py):
@@ -48,16 +50,22 @@ SPEEDUP = {
 # runs ATen's own `conv_depthwise2d` kernel, which streamed 0.82 TB/s (input + output bytes) at
 # KernelBench-style 18_'s size on an H200 (32 x 32 x 128 x 128 f32: 0.164 ms), where cuDNN's
 # channels-last kernel took 0.049 ms (3.3x). Their time is priced from bytes, not FLOPs.
-DEPTHWISE = {("cuda", torch.float32): (0.82e12, 3.3)}  # (NCHW bytes/s, channels-last speedup)
+# On that Xeon's CPU, one thread, oneDNN's NCHW depthwise conv2d (KernelBench-style 18_, 8
+# channels at 32 x 32) streamed 1.8 GB/s and took 1.6x its channels-last time.
+DEPTHWISE = {("cuda", torch.float32): (0.82e12, 3.3),  # (NCHW bytes/s, channels-last speedup)
+             ("cpu", torch.float32): (1.8e9, 1.6)}
 
 # Rough sustained throughput, to turn FLOPs and bytes into the same unit (seconds). Only their
 # ratio matters: how many FLOPs of convolution one byte of conversion traffic is worth.
 # Convolution FLOP/s as measured in NCHW: on an H200, 2-D convolutions at KernelBench sizes ran at
 # ~110 TFLOP/s (TF32), transposed and 3-D ones at ~35. The CPU figures are per thread (times
 # torch.get_num_threads()): oneDNN ran KernelBench-style 8_'s conv2d (4.7 MFLOP, CPU scale) in
-# about 0.05 ms on one AVX2 core of this project's EPYC, ~90 GFLOP/s. (Set too low, it makes small
-# convolutions look slow and their layout conversions worth paying, which they are not.)
-FLOPS = {("cpu", True): 90e9, ("cpu", False): 45e9, ("cuda", True): 100e12, ("cuda", False): 35e12}
+# about 0.05 ms on one AVX2 core of this project's EPYC, ~90 GFLOP/s; a transposed conv2d ran at
+# ~18 GFLOP/s on one core of the Xeon. (Set too low, it makes small convolutions look slow and
+# their layout conversions worth paying, which they are not.) Key: (device, spatial dims,
+# transposed), or (device, None) for every other kind (`conv_rate`).
+FLOPS = {("cpu", 2, False): 90e9, ("cpu", 2, True): 18e9, ("cpu", None): 45e9,
+         ("cuda", 2, False): 100e12, ("cuda", None): 35e12}
 PER_THREAD = {"cpu"}  # devices whose FLOPS above are per thread
 BANDWIDTH = {"cpu": 10e9, "cuda": 3.5e12}  # bytes/s of a copy that transposes (H200 copy: 4.2)
 LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kernel in the program
@@ -73,6 +81,11 @@ LAUNCH = {"cpu": 5e-6, "cuda": 4e-6}  # seconds: the fixed cost of one more kern
 # KernelBench level 2 (a conv2d of 8 -> 64 channels at 32 x 32 followed by HardSwish and ReLU):
 # three kernels where eager runs one convolution and one pointwise op, and 1.4x slower than eager.
 FUSED_CONVERSION = {"cpu": True, "cuda": False}  # does a fused conversion cost its bytes here?
+
+
+def conv_rate(kind: str, spatial: int, transposed: bool) -> float:
+    """FLOP/s of one convolution kind in NCHW (per thread on a CPU: PER_THREAD)."""
+    return FLOPS.get((kind, spatial, transposed), FLOPS[kind, None])
 
 
 def conversion_cost(c: "Conversion") -> float:

@@ -384,9 +384,10 @@ def test_group_norm_walks_its_groups_in_memory_order(channels_last, target):
 
 
 def test_a_depthwise_convolution_is_priced_from_its_bytes(target):
-    """A depthwise conv2d does little arithmetic per byte: in NCHW eager runs ATen's own
-    memory-bound kernel, which cuDNN's channels-last kernel beats 3.3x on an H200. Priced by
-    FLOPs alone it would never pay for its conversions; on CUDA it is priced from its bytes."""
+    """A depthwise conv2d does little arithmetic per byte: in NCHW eager runs a memory-bound
+    kernel, which the channels-last one beats (3.3x on an H200 with cuDNN, 1.6x on a CPU core
+    with oneDNN). Priced by FLOPs alone it would never pay for its conversions; it is priced
+    from its bytes on both."""
     backend, device = target
     n, hw = (8, (128, 128)) if device == "cuda" else (2, (16, 16))  # 33 MB: worth converting
     x, w, b = conv_args(device, n=n, cin=32, cout=32, hw=hw, groups=32)
@@ -395,9 +396,8 @@ def test_a_depthwise_convolution_is_priced_from_its_bytes(target):
         return torch.clamp(F.conv2d(x, w, b, padding=1, groups=32), 0, 6)
 
     plan, _ = plan_of(fn, x, w, b)
+    kind = "cuda" if device == "cuda" else "cpu"
+    assert f"depthwise conv2d f32 on {kind}" in plan.convs[0].reason, plan.convs[0].reason
     if device == "cuda":
         assert plan.choice == "channels_last", plan.reason
-        assert "depthwise conv2d f32 on cuda" in plan.convs[0].reason
-    else:  # the CPU's oneDNN has its own cost (SPEEDUP), and no depthwise rule
-        assert all("depthwise" not in c.reason for c in plan.convs)
     check(fn, x, w, b, backend=backend)
