@@ -72,3 +72,23 @@ def test_spell_makes_the_value_again():
     assert spell(torch.ones(5000)) is None  # past SPELLED_TENSOR_ELEMENTS
     assert spell(torch.tensor([1.0, float("nan")])) is None
     assert spell(torch.ones(3).expand(2, 3)) is None
+
+
+def test_common_externs_are_called_through_torchs_binding():
+    """A convolution and a linear layer's addmm are written as `torch.convolution` and
+    `torch.addmm` (writer.py, Note: an extern call through torch's own binding), their list
+    arguments spelled out, and the shown program runs to eager's result."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    cf = fusec.compile(model, backend="cpp")
+    with torch.no_grad():
+        torch.testing.assert_close(cf(x), model(x))
+        program = cf._compiled.last.program
+        definitions = "\n".join(program.run.definitions)
+        assert "= torch.convolution" in definitions and "= torch.addmm" in definitions
+        assert "immutable_list made while compiling" not in definitions, definitions
+        scope: dict = {}
+        exec(python_wrapper(program), scope)
+        torch.testing.assert_close(scope["call"](*(list(model.state_dict().values()) + [x]))[0],
+                                   model(x))

@@ -321,10 +321,25 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
             args.append(f"{k}={_argument(w, v)}")
     except _NotWritable:
         return _emit_any(w, step)
-    call = f"{w.bind(step.target, step.name)}({', '.join(args)})"
+    binding = PYTHON_BINDINGS.get(step.target) if not step.kwargs else None
+    name = w.bind(binding, step.name, f"torch.{binding.__name__}") if binding else \
+        w.bind(step.target, step.name)
+    call = f"{name}({', '.join(args)})"
     if step.planned is not None:  # ATen picks its result's strides: settle them as planned
         call = _settled(w, call, step.planned)
     w.line(f"{w.define(step.out_slot)} = {call}")
+
+
+# Note (an extern call through torch's own binding): calling an ATen op through its OpOverload
+# (`torch.ops.aten.convolution.default(...)`) goes through the dispatcher's generic path, which
+# reads every argument against the op's schema; the function torch generates for Python
+# (`torch.convolution`) parses them with compiled code. Same op, same kernel, same result, and
+# microseconds less a call on a CPU (docs/performance.md, "Per-call overhead"). The common extern
+# ops of inference programs, called with positional arguments only, are written as the binding.
+aten = torch.ops.aten
+PYTHON_BINDINGS = {aten.convolution.default: torch.convolution, aten.mm.default: torch.mm,
+                   aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
+                   aten.baddbmm.default: torch.baddbmm}
 
 
 def _settled(w: _Writer, call: str, planned: Layout) -> str:
@@ -463,11 +478,11 @@ def spell(value: Any) -> str | None:
         return f"torch.ops.{value}"  # torch.ops.aten.mm.default
     if isinstance(value, Layout):
         return repr(value)
-    if type(value) in (list, tuple):
+    if type(value) in (list, tuple) or isinstance(value, list):  # (fx's immutable_list too)
         inner = [spell(v) for v in value]
         if any(i is None for i in inner):
             return None
-        if type(value) is list:
+        if isinstance(value, list):
             return f"[{', '.join(inner)}]"
         return f"({', '.join(inner)}{',' if len(inner) == 1 else ''})"
     return None
