@@ -81,3 +81,24 @@ def _float64_reference(fn, inputs, i):
         return out[i]
     except Exception:
         return None
+
+
+@pytest.fixture
+def pools_here(monkeypatch):
+    """Switch passes/pooling.py's rewrite on for the CPU too (it is for GPUs: POOL_DEVICES), so
+    every backend runs the rewritten graphs against eager."""
+    import importlib
+    pooling = importlib.import_module("fusec.passes.pooling")
+    monkeypatch.setattr(pooling, "POOL_DEVICES", ("cpu", "cuda"))
+
+
+def values_with_specials(*shape, dtype=torch.float32, special=False):
+    """Seeded normal values times 3, with NaN, +inf, -inf and NaN again at spread positions when
+    `special`, converted to `dtype`."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape) * 3
+    if special:
+        flat = x.view(-1)
+        for i, v in enumerate([float("nan"), float("inf"), -float("inf"), float("nan")]):
+            flat[(i * 53 + 5) % flat.numel()] = v
+    return x.to(dtype)

@@ -9,33 +9,18 @@ row), that the kernel takes the lanes form, and that gcc vectorizes the lane loo
 x86-64-v3 and x86-64-v4 (its own report, read by tests/gcc_vector_report.py). docs/backends/cpp.md,
 "Short rows in SIMD lanes", describes the kernel.
 """
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fusec
-from conftest import assert_matches
+from conftest import assert_matches, values_with_specials
 from fusec.codegen import cpp
 from gcc_vector_report import LEVELS, NEEDS_CPP, X86, compile_report
 
-pooling = importlib.import_module("fusec.passes.pooling")
 
-
-@pytest.fixture(autouse=True)
-def pools_here(monkeypatch):
-    monkeypatch.setattr(pooling, "POOL_DEVICES", ("cpu", "cuda"))
-
-
-def _values(*shape, dtype=torch.float32, special=False):
-    torch.manual_seed(0)
-    x = torch.randn(*shape) * 3
-    if special:
-        flat = x.view(-1)
-        for i, v in enumerate([float("nan"), float("inf"), -float("inf"), float("nan")]):
-            flat[(i * 53 + 5) % flat.numel()] = v
-    return x.to(dtype)
+pytestmark = pytest.mark.usefixtures("pools_here")  # (conftest.py)
 
 
 CASES = {
@@ -61,9 +46,9 @@ def _source(cf) -> str:
 @pytest.mark.parametrize("name", list(CASES))
 def test_float32_matches_eager_and_runs_in_lanes(name, odd):
     fn, ndim = CASES[name]
-    x = _values(*_shape(ndim, odd), special=True)
+    x = values_with_specials(*_shape(ndim, odd), special=True)
     if name == "short_inner_sum":
-        x = _values(2, 3, 40, 4)
+        x = values_with_specials(2, 3, 40, 4)
     cf = assert_matches(fn, x, backend="cpp")
     assert "LANES" in _source(cf), _source(cf)
 
@@ -72,13 +57,13 @@ def test_float32_matches_eager_and_runs_in_lanes(name, odd):
 @pytest.mark.parametrize("name", ["avg_sigmoid", "tanh_max", "max3d"])
 def test_other_float_dtypes_match_eager(name, dtype):
     fn, ndim = CASES[name]
-    assert_matches(fn, _values(*_shape(ndim, True), dtype=dtype, special=True), backend="cpp")
+    assert_matches(fn, values_with_specials(*_shape(ndim, True), dtype=dtype, special=True), backend="cpp")
 
 
 def test_non_contiguous_input():
-    x = _values(2, 34, 32, 3).permute(0, 3, 1, 2)  # channels last
+    x = values_with_specials(2, 34, 32, 3).permute(0, 3, 1, 2)  # channels last
     assert_matches(CASES["tanh_max"][0], x, backend="cpp")
-    assert_matches(CASES["avg_sigmoid"][0], _values(2, 3, 40, 40)[:, :, 3:37, 1:35], backend="cpp")
+    assert_matches(CASES["avg_sigmoid"][0], values_with_specials(2, 3, 40, 40)[:, :, 3:37, 1:35], backend="cpp")
 
 
 @X86
@@ -87,7 +72,7 @@ def test_non_contiguous_input():
 @pytest.mark.parametrize("name", ["avg_sigmoid", "tanh_max", "max3d", "avg3d"])
 def test_lane_loop_is_vectorized_for(name, target, tmp_path):
     fn, ndim = CASES[name]
-    kernels = fusec.explain(fn, _values(*_shape(ndim)), backend="cpp").compiled.kernels
+    kernels = fusec.explain(fn, values_with_specials(*_shape(ndim)), backend="cpp").compiled.kernels
     sources = [cpp.render(k.ir) for k in kernels]
     (source,) = [s for s in sources if "LANES" in s]
     report = compile_report(source, target, tmp_path)
@@ -103,5 +88,5 @@ def test_lane_loop_is_vectorized_for(name, target, tmp_path):
                          ids=lambda s: "x".join(map(str, s)))
 def test_fewer_rows_side_by_side_than_lanes(shape):
     """8, 4 or 6 rows side by side: fewer lanes, a power of two (constant when every block is full)."""
-    cf = assert_matches(CASES["max3d"][0], _values(*shape, special=True), backend="cpp")
+    cf = assert_matches(CASES["max3d"][0], values_with_specials(*shape, special=True), backend="cpp")
     assert "LANES" in _source(cf), _source(cf)

@@ -9,7 +9,6 @@ eager's answers on both backends (NaN and infinities, odd sizes whose last row o
 drops, non-contiguous inputs, other float dtypes, a last block cut short), that the LLVM kernel
 takes that form, and that LLVM's vectorizer leaves no scalar load in it when every block is full.
 """
-import importlib
 import re
 
 import pytest
@@ -17,26 +16,17 @@ import torch
 import torch.nn.functional as F
 
 import fusec
-from conftest import assert_matches
+from conftest import assert_matches, values_with_specials
 
-pooling = importlib.import_module("fusec.passes.pooling")
 
 BACKENDS = ["cpp", "llvm"]
 
 
-@pytest.fixture(autouse=True)
-def pools_here(monkeypatch):
-    monkeypatch.setattr(pooling, "POOL_DEVICES", ("cpu", "cuda"))
+pytestmark = pytest.mark.usefixtures("pools_here")  # (conftest.py)
 
 
 def _values(*shape, dtype=torch.float32, special=True):
-    torch.manual_seed(0)
-    x = torch.randn(*shape) * 3
-    if special:
-        flat = x.view(-1)
-        for i, v in enumerate([float("nan"), float("inf"), -float("inf"), float("nan")]):
-            flat[(i * 53 + 5) % flat.numel()] = v
-    return x.to(dtype)
+    return values_with_specials(*shape, dtype=dtype, special=special)
 
 
 CASES = {

@@ -4,21 +4,12 @@ The rewrite is for GPUs (POOL_DEVICES); here it is switched on for the CPU devic
 that every backend runs the rewritten graphs against eager, with odd sizes, NaN, infinities,
 half precision and channels-last inputs. The last test checks that it stays off on the CPU.
 """
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fusec
 from conftest import assert_matches
-
-pooling = importlib.import_module("fusec.passes.pooling")
-
-
-@pytest.fixture
-def pools_here(monkeypatch):
-    monkeypatch.setattr(pooling, "POOL_DEVICES", ("cpu", "cuda"))
 
 
 def _randn(shape, device, dtype=torch.float32, seed=0):
