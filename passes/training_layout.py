@@ -48,6 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusec import env
 
+from .conv1x1_mm import conv1x1_mm
 from .layout_plan import speedup
 
 aten = torch.ops.aten
@@ -112,6 +113,8 @@ def _rewrite(joint: fx.GraphModule) -> bool:
                                                      {"memory_format": torch.contiguous_format})
                 user.replace_all_uses_with(back, delete_user_cb=lambda n: n is not back)
     _propagate(joint, mode)
+    if conv1x1_mm(joint):  # channels-last 1 x 1 convolutions as matrix multiplies
+        _propagate(joint, mode)
     return True
 
 
