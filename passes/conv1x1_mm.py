@@ -21,7 +21,9 @@ is the product's rows put back at those pixels with zeros between, written as a 
 
     (N*Ho*Wo, C) -> view (N, Ho, 1, Wo, 1, C) -> pad to (N, Ho, s, Wo, s, C) -> view (N, H, W, C)
 
-(sliced to H and W where the last stride runs past the edge).
+(sliced to H and W where the last stride runs past the edge). The padding is spelled as a `cat`
+with zero-filled pieces, which a kernel reads piece by piece, not as `constant_pad_nd`, which
+fusec would leave to an eager call.
 
 Why bother, when ATen has a convolution? At the small batches of a CPU training step, ATen
 routes a 1 x 1 convolution on one thread to its generic im2col path (`_slow_conv2d_forward` and
@@ -127,17 +129,28 @@ def _out(size: int, stride: int) -> int:
     return (size - 1) // stride + 1
 
 
-def _spread(graph: fx.Graph, rows: fx.Node, x_shape, stride) -> fx.Node:
+def _zeros_after(graph: fx.Graph, t: fx.Node, shape: list, dim: int, like) -> fx.Node:
+    """`t` followed by zeros of `shape` along `dim`: a cat, which the kernel that reads it reads
+    piece by piece (codegen/lower.py `cat_pieces`), where a padding would be an eager call."""
+    zeros = graph.call_function(aten.full.default, (shape, 0.0),
+                                {"dtype": like.dtype, "device": like.device, "pin_memory": False})
+    return graph.call_function(aten.cat.default, ([t, zeros], dim))
+
+
+def _spread(graph: fx.Graph, rows: fx.Node, like, stride) -> fx.Node:
     """The input's gradient of a strided 1 x 1 convolution: `rows`, the gradient at the pixels
     it read ((N*Ho*Wo, C)), placed back at every stride-th row and column, zeros between. Written
-    as a padding: (N, Ho, 1, Wo, 1, C) padded to (N, Ho, s, Wo, t, C) is (N, Ho*s, Wo*t, C)."""
-    n, c, h, w = x_shape
+    as a padding: (N, Ho, 1, Wo, 1, C) padded to (N, Ho, s, Wo, t, C) is (N, Ho*s, Wo*t, C).
+    `like`: the input's example value (its shape, dtype and device)."""
+    n, c, h, w = like.shape
     (s, t), ho, wo = stride, _out(h, stride[0]), _out(w, stride[1])
     if [s, t] == [1, 1]:
         return _image(graph, rows, n, h, w, c)
     cells = graph.call_function(aten.view.default, (rows, [n, ho, 1, wo, 1, c]))
-    cells = graph.call_function(aten.constant_pad_nd.default,
-                                (cells, [0, 0, 0, t - 1, 0, 0, 0, s - 1], 0.0))
+    if t > 1:
+        cells = _zeros_after(graph, cells, [n, ho, 1, wo, t - 1, c], 4, like)
+    if s > 1:
+        cells = _zeros_after(graph, cells, [n, ho, s - 1, wo, t, c], 2, like)
     nhwc = graph.call_function(aten.view.default, (cells, [n, ho * s, wo * t, c]))
     if ho * s != h:
         nhwc = graph.call_function(aten.slice.Tensor, (nhwc, 1, 0, h))
@@ -177,7 +190,7 @@ def _backward(graph: fx.Graph, back: fx.Node) -> None:
         if mask[0]:
             w2 = graph.call_function(aten.view.default, (w, [k, c]))
             results[0] = _spread(graph, graph.call_function(aten.mm.default, (g2, w2)),
-                                 tuple(x.meta["val"].shape), stride)
+                                 x.meta["val"], stride)
         if mask[1]:
             g2t = graph.call_function(aten.permute.default, (g2, [1, 0]))
             gw = graph.call_function(aten.mm.default, (g2t, _input_rows(graph, x, stride)))
