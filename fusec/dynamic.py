@@ -167,9 +167,15 @@ def _guard_list(captured, fixed_apart: bool = False) -> list[str]:
         for d, n in enumerate(getattr(fake, "shape", ())):
             if isinstance(n, torch.SymInt) and n.node.expr.is_Symbol and n.node.expr not in seen:
                 seen.add(n.node.expr)
-                if f"1 <= L['t{i}'].size()[{d}]" not in exprs:  # (its range says so already)
+                if not _bounded_below(exprs, f"L['t{i}'].size()[{d}]"):
                     exprs.append(f"1 <= L['t{i}'].size()[{d}]")
     return exprs
+
+
+def _bounded_below(exprs: list[str], size: str) -> bool:
+    """Whether a guard already says `size` is at least 1 (its range: `2 <= L['t0'].size()[0]`)."""
+    low = re.compile(r"(\d+) <= " + re.escape(size) + r"(?![\[\d])")
+    return any(int(m.group(1)) >= 1 for e in exprs for m in low.finditer(e))
 
 
 def _whole_tuples(exprs: list[str], fakes: list, leave_out: bool) -> list[str]:

@@ -378,6 +378,20 @@ def test_a_broken_guard_is_named(backend, monkeypatch, capsys):
     assert "[fusec recompiles]" in err and "guard y.size()[0] == x.size()[0] failed" in err, err
 
 
+
+def test_each_size_is_bounded_below_once(backend):
+    """`x[1:] - x[:-1]` needs x.size(0) >= 2: the family checks that bound, and not also
+    `1 <= x.size(0)` (every symbol of a family is at least 1, and the range says so already)."""
+    from fusec import dynamic
+    device = DEVICE[backend]
+    cf = fusec.compile(lambda x: x[1:] - x[:-1], backend=backend)
+    for n in (3, 5, 7):
+        x = torch.randn(n, 4, device=device)
+        torch.testing.assert_close(cf(x), x[1:] - x[:-1])
+    [family] = cf.families
+    guards = dynamic.guard_expression(family.compiled.captured)
+    assert "2 <= L['t0'].size()[0]" in guards and "1 <= " not in guards, guards
+
 # -- 5. explain and the kernels show the symbols -------------------------------------------------
 def test_explain_shows_the_family(backend):
     device = DEVICE[backend]
