@@ -51,6 +51,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fusec.ops import is_view
+
 from .grouping import meta, record_decisions
 from .patterns import Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
 
@@ -113,8 +115,8 @@ def _literal(value) -> bool:
 
 def _same_value(b: Builder, m: Match) -> fx.Node:
     """`x` itself where the op returns x's values unchanged, with x's dtype and shape; else the
-    op. `x + 0` is only kept out for floats (-0.0 + 0 is +0.0), and nothing that is a program
-    output is replaced (eager returns a new tensor there, not its input)."""
+    op. `x + 0` is only kept out for floats (-0.0 + 0 is +0.0), and nothing the program returns
+    (itself or as a view) is replaced: eager returns a new tensor there, not its input."""
     node, x = m.op, m.x
     unit = 0 if node.target in (aten.add.Tensor, aten.sub.Tensor) else 1
     if m.unit != unit or not isinstance(x, fx.Node) or "fusec" not in x.meta:
@@ -124,9 +126,21 @@ def _same_value(b: Builder, m: Match) -> fx.Node:
         return node  # (the op promotes or broadcasts: it makes a different tensor)
     if node.target is aten.add.Tensor and out.dtype.is_floating_point:
         return node
-    if any(user.op == "output" for user in node.users):
-        return node
+    if _returned(node):
+        return node  # (eager's output is a new tensor: it must not share x's memory)
     return x
+
+
+def _returned(node: fx.Node) -> bool:
+    """Whether the program returns `node` or a view of it."""
+    seen = [(user, node) for user in node.users]
+    while seen:
+        user, source = seen.pop()
+        if user.op == "output":
+            return True
+        if user.op == "call_function" and is_view(user.target) and user.args[:1] == (source,):
+            seen += [(u, user) for u in user.users]  # (a view's users see node's memory too)
+    return False
 
 
 IDENTITY = Rule(

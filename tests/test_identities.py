@@ -49,13 +49,16 @@ def test_promoting_or_zeroing_ops_stay(target):
 
 
 def test_an_output_is_a_new_tensor(target):
-    """`x * 1` returned: eager gives a new tensor; so does fusec (the rule leaves outputs)."""
+    """`x * 1` returned, or a view of it: eager gives a new tensor; so does fusec (the rule
+    leaves what the program returns)."""
     backend, device = target
-    x = torch.randn(5, device=device)
-    cf = fusec.compile(lambda x: (x * 1, x - 0), backend=backend)
-    a, b = cf(x)
-    torch.testing.assert_close(a, x)
+    x = torch.randn(6, device=device)
+    cf = fusec.compile(lambda x: (x * 1, (x - 0).view(2, 3).t(), x * 1 + 1), backend=backend)
+    a, b, c = cf(x)
+    torch.testing.assert_close(b, x.view(2, 3).t())
     assert a.data_ptr() != x.data_ptr() and b.data_ptr() != x.data_ptr()
+    b.zero_()
+    assert x.abs().sum() > 0
 
 
 def test_a_shape_family_s_position_ids_are_not_a_kernel(target):
