@@ -27,10 +27,11 @@ from collections import OrderedDict
 from typing import Callable
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.utils import _pytree as pytree
 
 from fusec import check as _check
-from fusec import dynamic, events
+from fusec import dynamic, events, symbolic
 from fusec.dynamic import Family
 from fusec.aliasing import AliasedCalls, alias_check, share_memory
 from fusec.capture import calls, frontend, guards, tracing
@@ -109,6 +110,7 @@ class CompiledFunction:
         # dims compiled as symbols from the first call, and the int arguments that are sizes
         self.seed_dims: dict = {}
         self.derived: dict = {}
+        self.size_relations: tuple | None = None  # and how its sizes relate (training_family.py)
         self._pinned: set = set()  # dims that tracing pinned to numbers: not tried again
         self.fn = fn
         self.backend = backend
@@ -125,6 +127,8 @@ class CompiledFunction:
         self._aliased = AliasedCalls()  # calls whose inputs overlap (fusec/aliasing.py)
         self.last: CompiledGraph | None = None
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
+        self.train_families: list[Family] = []  # training pairs for shape families, newest last
+        self._train_pinned: set = set()  # training dims that tracing pinned: not tried again
         # where each parameter and buffer lives, so a call reads them without walking the module
         # and the Python state its captures read, guarded on every call (capture/guards.py); the
         # refs include what it reaches through globals and closures (a closure's module's weights)
@@ -387,7 +391,10 @@ class CompiledFunction:
         """Compile the program for a shape family (`dims` as symbols) and keep it as one; where
         that fails, the program for this call's sizes alone, and the reason in `recompiles`."""
         try:
-            with self._guards.recording(key) as recorded, dynamic.ones_in_family():
+            # (torch's Python implementations of ops, as AOT Autograd and make_fx's symbolic mode
+            # use them: the C++ kernels of some, constant_pad_nd's, read sizes as numbers)
+            with self._guards.recording(key) as recorded, dynamic.ones_in_family(), \
+                    enable_python_dispatcher():
                 compiled = self._capture_and_compile(args, kwargs, None, events.wants_detail(),
                                                      True, tensors, None, dims)
         except Exception as err:  # noqa: BLE001 (the static program is always there)
@@ -563,7 +570,8 @@ class CompiledFunction:
                 # output drawn from random numbers names the line that drew them)
                 captured = frontend.capture(self.fn, args, kwargs, stack_traces=detail or
                                             self.check, same=same, reached=self._guards.reached,
-                                            dynamic=dims, derived=self.derived if dims else None)
+                                            dynamic=dims, derived=self.derived if dims else None,
+                                            relations=self.size_relations if dims else None)
             if has_real and backend is None:  # CPU indices next to CUDA data: copied to CUDA
                 backend = resolve_backend(self.backend, calls.program_device(tensors))
             elif backend is None:  # no tensor arguments: where its factories make them
@@ -592,53 +600,150 @@ class CompiledFunction:
 
     def _train(self, args, kwargs, leaves: list, lifted: list):
         """Inputs or parameters require grad: compile forward and backward with AOT Autograd
-        (fusec/capture/training.py), one compiled pair per input signature. `leaves` and
-        `lifted`: the call's flat arguments and the module's state, as `_call` found them (a
-        step of a small model is a few milliseconds: flattening a call again costs ~0.1 ms)."""
+        (fusec/capture/training.py), one compiled pair per input signature, or one per shape
+        family once a size changed (`_train_new`). `leaves` and `lifted`: the call's flat
+        arguments and the module's state, as `_call` found them (a step of a small model is a
+        few milliseconds: flattening a call again costs ~0.1 ms)."""
         module = self.fn if isinstance(self.fn, torch.nn.Module) else None
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         key = ("train",) + call_signature([*lifted, *leaves], module.training if module is not None else False)
         key += self._guards.key()  # the values of the Python state its program read
         entry = self.compiled.get(key)
+        family = None
+        if entry is None and self.train_families:
+            family = self._train_family_for([*lifted, *tensors], key)
+            entry = family.compiled if family is not None else None
         if entry is None:
             if self._state_moved():
                 return self._call(args, kwargs)
-            names = [ref.name for ref in self._state_refs]
-            if self.compiles:  # a training program again: say why, as `_compile_new` does
-                last = next((k for k in reversed(self.compiled) if k[:1] == ("train",)), None)
-                changed = self._guards.reason(key) or what_changed(
-                    last and last[1:], key[1:], self._names(args, kwargs))
-                remember(self.recompiles, f"training: {changed}")
-                events.publish("recompiled", label_of(self.fn), changed)
-            device = calls.program_device([*lifted, *tensors])
-            backend = resolve_backend(self.backend, device)
-            entry = aot_compile(self.fn, args, kwargs, lifted, names,
-                                part_compiler(backend, self.check), self._guards.reached)
-            try:  # AOT Autograd traces on the first call
-                # (an argument object holding tensors, a filled cache: a graph break, as capture)
-                calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])
-                with self._guards.recording(key) as recorded, \
-                        tracing.python_at_trace_time_refused(), tracing.compiling(), \
-                        tracing.dense_attention_masks(), torch_level():
-                    out = entry[0](*lifted, *tensors)
-                key = recorded.key
-            except GraphBreakError as err:
-                return self._graph_breaks(err, args, kwargs)
-            except Exception as err:
-                cause = tracing.capture_error(err)
-                if not isinstance(cause, GraphBreakError):
-                    raise
-                return self._graph_breaks(cause, args, kwargs)
-            self.compiled[key] = entry
-            self.compiles += 1
-            self.train_parts, self.last = entry[1], None
-            return out
+            return self._train_new(key, args, kwargs, lifted, tensors)
         call, parts = entry
         self.train_parts = parts
         self.last = None
-        if not self.check and training_fast_path_on() and fast_path_leaves(args, kwargs, leaves):
+        # (a family's pair takes the general path: the fast path checks one signature's sizes)
+        if parts.family is None and not self.check and training_fast_path_on() \
+                and fast_path_leaves(args, kwargs, leaves):
             self._train_fast = self._training_fast_path(key, entry, lifted, args, kwargs)
         return call(*lifted, *tensors)
+
+    def _train_new(self, key: tuple, args, kwargs, lifted: list, tensors: list):
+        """Compile the training pair for a call no pair serves (a shape family's, when the
+        policy makes some dims symbols: `_train_dims`), run its forward, and keep it."""
+        names = [ref.name for ref in self._state_refs]
+        dims = self._train_dims(key, [*lifted, *tensors])
+        if self.compiles:  # a training program again: say why, as `_compile_new` does
+            last = next((k for k in reversed(self.compiled) if k[:1] == ("train",)), None)
+            changed = self._guards.reason(key) or what_changed(
+                last and last[1:], key[1:], self._names(args, kwargs))
+            broken, self._broken = getattr(self, "_broken", None), None
+            if broken:
+                changed = f"outside the shape family (its guard {broken} failed); {changed}"
+            if dims:
+                changed += "; a training shape family, with symbols for " + \
+                    self._dims_text(dims, args, kwargs)
+            remember(self.recompiles, f"training: {changed}")
+            events.publish("recompiled", label_of(self.fn), changed)
+        device = calls.program_device([*lifted, *tensors])
+        backend = resolve_backend(self.backend, device)
+        entry = aot_compile(self.fn, args, kwargs, lifted, names,
+                            part_compiler(backend, self.check), self._guards.reached, dims)
+        try:  # AOT Autograd traces on the first call
+            # (an argument object holding tensors, a filled cache: a graph break, as capture)
+            calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])
+            with self._guards.recording(key) as recorded, \
+                    tracing.python_at_trace_time_refused(), tracing.compiling(), \
+                    tracing.dense_attention_masks(), torch_level():
+                out = entry[0](*lifted, *tensors)
+            key = recorded.key
+        except GraphBreakError as err:
+            return self._graph_breaks(err, args, kwargs)
+        except Exception as err:
+            cause = tracing.capture_error(err)
+            if isinstance(cause, GraphBreakError):
+                return self._graph_breaks(cause, args, kwargs)
+            if not dims:
+                raise
+            # (the pair for this call's sizes alone is always there, as `_compile_dynamic`'s)
+            self._train_pinned.add(tuple(sorted(dims.items())))
+            remember(self.recompiles, f"training: could not compile for every size "
+                                      f"({type(err).__name__}: {str(err).splitlines()[0][:200]});"
+                                      " compiled for this size")
+            return self._train_new(key, args, kwargs, lifted, tensors)
+        if dims:
+            self._keep_train_family(entry, dims, key, [*lifted, *tensors])
+        self.compiled[key] = entry
+        self.compiles += 1
+        self.train_parts, self.last = entry[1], None
+        return out
+
+    # -- training shape families (fusec/capture/training_family.py) ------------------------------
+    def _train_dims(self, key: tuple, tensors: list) -> dict:
+        """{flat tensor position: dims} to trace as symbols for a new training signature: the
+        policy of `_dynamic_dims` (marked dims, dynamic=True, else the dims that changed since
+        the last training signature alike in all else, and a broken family's dims again)."""
+        if self.dynamic is False or self.check:
+            return {}
+        n_static = len(self._state_refs)
+        dims = {i: frozenset(dynamic.marked_dims(t)) for i, t in enumerate(tensors)
+                if i >= n_static and dynamic.marked_dims(t)}
+        if self.dynamic:
+            dims = {i: frozenset(ds) | dims.get(i, frozenset())
+                    for i, ds in dynamic.all_dims(tensors, n_static).items()}
+        else:
+            rest, new = _rest_of(key), _tensor_entries(key)
+            for old_key in reversed(self.compiled):
+                if old_key[:1] != ("train",) or _rest_of(old_key) != rest:
+                    continue
+                changed = dynamic.changed_dims(_tensor_entries(old_key), new, n_static)
+                if changed:
+                    dims = {i: changed.get(i, frozenset()) | dims.get(i, frozenset())
+                            for i in set(changed) | set(dims)}
+                    break
+            for family in self.train_families:  # a family whose guards broke: its dims again
+                if family.key == dynamic.family_key(tensors, family.dims, rest):
+                    dims = {i: family.dims.get(i, frozenset()) | dims.get(i, frozenset())
+                            for i in set(family.dims) | set(dims)}
+        dims = {i: frozenset(d for d in ds if tensors[i].shape[d] >= 2) for i, ds in dims.items()}
+        dims = {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
+        return {} if tuple(sorted(dims.items())) in self._train_pinned else dims
+
+    def _train_family_for(self, tensors: list, key: tuple) -> Family | None:
+        """The training shape family whose pair serves this call (its guards hold), else None;
+        a family whose guards this call broke says which, for the recompile's reason."""
+        rest = _rest_of(key)
+        for family in reversed(self.train_families):
+            if family.key != dynamic.family_key(tensors, family.dims, rest):
+                continue
+            if family.check(tensors):
+                return family
+            self._broken = dynamic.failed_guard(family.compiled[1].family, tensors)
+        return None
+
+    def _keep_train_family(self, entry: tuple, dims: dict, key: tuple, tensors: list) -> None:
+        """Keep a training pair traced with `dims` as symbols as a shape family, with its guards
+        (the ShapeEnv's: fusec/dynamic.py `guard_check`); where tracing made every symbol a
+        number again (a size read as an int), it stays the pair of this signature only."""
+        traced = entry[1].family
+        if traced is None or not any(symbolic.is_symbolic(tuple(node.meta["val"].shape))
+                                     for node in traced.gm.graph.nodes if node.op == "placeholder"):
+            entry[1].family = None
+            self._train_pinned.add(tuple(sorted(dims.items())))
+            remember(self.recompiles, "training: no size stayed a symbol while tracing (an op "
+                                      "read each as a number): compiled for this size")
+            return
+        check, texts = dynamic.guard_check(traced)
+        self.train_families.append(Family(dims, dynamic.family_key(tensors, dims, _rest_of(key)),
+                                          entry, check, texts))
+
+    def _dims_text(self, dims: dict, args: tuple, kwargs: dict) -> str:
+        """`dims` in words: "dim 0 of x, dim 1 of labels"."""
+        names = self._names(args, kwargs)
+        n_static = len(self._state_refs)
+        tensor_names = names[:n_static] + [n for n, leaf in zip(
+            names[n_static:], calls.flatten_call(self.fn, args, kwargs)[0])
+            if isinstance(leaf, torch.Tensor)]
+        return ", ".join(f"dim {d} of {tensor_names[i] if i < len(tensor_names) else i}"
+                         for i, ds in sorted(dims.items()) for d in sorted(ds))
 
     def _training_fast_path(self, key: tuple, entry: tuple, lifted: list, args: tuple,
                             kwargs: dict) -> Callable:

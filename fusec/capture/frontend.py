@@ -62,6 +62,7 @@ from fusec.capture.calls import (check_arguments, check_copies, check_devices,  
 from fusec.capture.inplace import mutated_temporaries, out_of_place
 from fusec.capture.rnn import RecurrentAsExtern
 from fusec.capture.torch_level import torch_level
+from fusec.capture.training_family import relate_sizes
 from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.capture.tracing import refuse_mixed_dtypes
@@ -144,7 +145,7 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
 def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
             stack_traces: bool = False, same: dict | None = None,
             reached: list = (), dynamic: dict | None = None,
-            derived: dict | None = None) -> Captured:
+            derived: dict | None = None, relations: tuple | None = None) -> Captured:
     """Trace `fn(*args, **kwargs)` into an annotated ATen graph. See the module docstring.
 
     stack_traces: also record, on every node, the user's source line that produced it
@@ -158,6 +159,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     dynamic: {flat input index (lifted state first): dims} to trace as symbols, for a program that
     serves every size of those dims (fusec/symbolic.py); its guards are on the ShapeEnv.
     derived: {argument leaf: (tensor leaf, dim)}: int arguments traced as that tensor's size.
+    relations: how the caller's tensors' symbolic sizes relate, for a graph handed over with
+    symbolic sizes (capture/training_family.py `size_relations`), stated before tracing.
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
@@ -177,7 +180,8 @@ def capture(fn: Callable, args: tuple, kwargs: dict | None = None,
     call = flat_callable(traced if module is None else module, leaves, rebuild, tensor_pos,
                          lifted_names, reached, derived)
     flat_fn, seen = _flat_outputs(call, same)
-    gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names, dynamic)
+    gm = _trace(flat_fn, [*lifted, *user_tensors], module, stack_traces, user_names, dynamic,
+                relations)
 
     lifted_ph = ["p_" + n.replace(".", "_") for n in lifted_names]
     _rename_placeholders(gm, lifted_ph + user_names)
@@ -217,7 +221,8 @@ def _flat_outputs(call: Callable, same: dict | None) -> tuple[Callable, dict]:
 
 
 def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Module | None,
-           stack_traces: bool, user_names: list[str], dynamic: dict | None = None) -> fx.GraphModule:
+           stack_traces: bool, user_names: list[str], dynamic: dict | None = None,
+           relations: tuple | None = None) -> fx.GraphModule:
     """make_fx of `flat_fn` on fake copies of `example`, functionalized and decomposed; torch's
     internal failures become one clear line, and a program that leaves new tensors on its module's
     attributes is refused (a graph cannot replay that side effect)."""
@@ -230,6 +235,8 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
     attributes = tensor_attributes(module)
     try:
         fakes = [symbolic.fake_input(mode, t, (dynamic or {}).get(i)) for i, t in enumerate(example)]
+        if relations and dynamic:  # (the caller's tensors come after the lifted state)
+            relate_sizes(fakes[len(fakes) - len(user_names):], relations)
         with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
                 dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
                 graphmodule.lazily():

@@ -11,6 +11,9 @@ softmax gradient's reductions ...) is fused too:
     loss.backward()                  # runs the fused backward kernels
     optimizer.step()                 # unchanged: it updates the module's own parameters
 
+A training call whose batch size (or any size of its arguments) changed compiles once more, for
+every size of those dims: a training shape family (capture/training_family.py).
+
 The same compilers serve `torch.compile(model, backend="fusec")` through Dynamo's `aot_autograd`.
 How each graph is compiled is the caller's to say (`compile_fn`: fusec.api.part_compiler), so
 this file never imports the driver that imports it.
@@ -29,6 +32,7 @@ from fusec import dynamic
 from fusec import env
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.breaks import innermost
+from fusec.capture.training_family import size_relations, symbolic_aot
 from fusec.symbolic import hint
 from fusec.passes.summed_slices import summed_slices
 from fusec.passes.training_layout import training_layout
@@ -265,6 +269,9 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
         # a graph with symbolic sizes (TorchDynamo's, once a size changed): a shape family's
         # program from its first call (fusec/dynamic.py, from_examples)
         compiled.seed_dims, compiled.derived = dynamic.from_examples(example_inputs)
+        more, compiled.size_relations = size_relations(example_inputs)  # (training_family.py)
+        for k, ds in more.items():
+            compiled.seed_dims[k] = compiled.seed_dims.get(k, frozenset()) | ds
         parts.append(compiled)
 
         def run(args):  # AOT Autograd's boxed convention: one list, which we may clear
@@ -318,15 +325,18 @@ def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
 
 
 def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,
-                compile_fn: Callable, reached: list = ()):
+                compile_fn: Callable, reached: list = (), dims: dict | None = None):
     """Compile fn for training with its (lifted) parameters as explicit inputs. The last
     `len(reached)` of them are state fn reaches through globals and closures (a closure's
     module's weights: capture/guards.py), which autograd differentiates like its own.
 
     Returns (call, parts): call(*lifted, *tensor_args) runs forward (backward runs on
     .backward()); parts lists the CompiledFunctions made for the forward and backward graphs.
+    `dims` ({flat input position, lifted state first: dims}): trace those sizes as symbols, for
+    a training shape family (capture/training_family.py); `parts.family` then holds its inputs
+    and ShapeEnv once the first call has traced.
     """
-    leaves, _, rebuild = calls.flatten_call(fn, args, kwargs)
+    leaves, names, rebuild = calls.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names, reached)
 
@@ -339,10 +349,16 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
 
     parts = TrainingParts()
     compiler = graph_compiler(compile_fn, parts)
-    from torch._functorch.aot_autograd import aot_function  # (imported when first used)
-    compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
-                            partition_fn=partitioner(parts.partitions),
-                            decompositions=frontend.decompositions())
+    if dims:
+        input_names = ["p_" + n.replace(".", "_") for n in lifted_names] + \
+            [names[i] for i in tensor_pos]
+        compiled = symbolic_aot(flat_fn, dims, compiler, partitioner(parts.partitions),
+                                frontend.decompositions(), parts, input_names)
+    else:
+        from torch._functorch.aot_autograd import aot_function  # (imported when first used)
+        compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
+                                partition_fn=partitioner(parts.partitions),
+                                decompositions=frontend.decompositions())
 
     def run(*tensors):
         """AOT Autograd sees the result's tensors as one flat list; eager's structure (tuples
@@ -358,11 +374,14 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
 class TrainingParts(list):
     """The CompiledFunctions made for a training program's forward and backward graphs (a list,
     as before), and `partitions`: what the partitioner saved and recomputed (a Partition per
-    joint graph AOT Autograd partitioned; fusec/inspect/training.py reports it)."""
+    joint graph AOT Autograd partitioned; fusec/inspect/training.py reports it). `family`: for
+    a training shape family, its traced inputs and ShapeEnv (training_family.FamilyInputs),
+    else None."""
 
     def __init__(self, *parts):
         super().__init__(*parts)
         self.partitions: list[Partition] = []
+        self.family = None  # (capture/training_family.py)
 
 
 def tensor_args(args: tuple, kwargs: dict, fn) -> list:
