@@ -15,7 +15,7 @@ import math
 import os
 import platform
 
-from fusec.ir import PointwiseKernel, contiguous_strides
+from fusec.ir import PointwiseKernel, Var, contiguous_strides
 from fusec.symbolic import c_expr, hint, is_symbolic
 
 
@@ -100,6 +100,31 @@ def thread_condition(kernel) -> str:
     if work is None:
         return str(thread_choice(kernel)[0]).lower()
     return f"{c_expr(work)} >= {PARALLEL_WORK}"
+
+
+# Note (values per row): a pointwise kernel is looped as rows of INNER contiguous positions. A
+# value that depends only on the row is the same at every position of it: a load whose inner
+# stride is 0 (an eval batch norm's per-channel mean, variance, weight and bias over an NCHW
+# tensor), and whatever is computed from such values alone (its rsqrt(var + eps)). Both CPU
+# backends compute these once per row, before the inner loop, instead of once per position
+# (`row_values`), so the source shows that rsqrt runs once per channel. A compiler's own
+# loop-invariant code motion may hoist them too; gcc did not always (docs/backends/cpp.md).
+
+
+def row_values(kernel: PointwiseKernel, skip=()) -> set[str]:
+    """The loads and statements of a pointwise kernel that depend only on its row (Note: values
+    per row): loads with inner stride 0 (not a cat's piece, not a gathered read, not of a buffer
+    in `skip`: one the backend reads some other way), and statements all of whose operands are
+    such values or constants."""
+    if len(kernel.shape) < 2:
+        return set()  # one row: nothing to gain
+    found = {l.var.name for l in kernel.loads if not is_symbolic(l.index.strides[-1])
+             and l.index.strides[-1] == 0 and l.valid is None and l.gather is None
+             and l.param not in skip}
+    for s in kernel.stmts:
+        if all(o.name in found for o in s.operands if isinstance(o, Var)):
+            found.add(s.var.name)
+    return found
 
 
 TILE_STRIDE = 16  # an inner stride of this many elements or more puts each step on a new line
@@ -281,18 +306,21 @@ def column_sum_block(kernel) -> int:
 
 
 # Note (eager's vector math): for float32, eager's CPU kernels compute exp, expm1, log, log2 and
-# log1p with SLEEF's 1.0-ulp functions (`Sleef_expf16_u10`), which torch links into libtorch_cpu
-# and exports under the same vector ABI names as libmvec (`_ZGVeN16v_Sleef_expf_u10`). libmvec's
+# log1p with SLEEF's 1.0-ulp functions (`Sleef_logf16_u10`), which torch links into libtorch_cpu
+# and exports under the same vector ABI names as libmvec (`_ZGVeN16v_Sleef_logf_u10`). libmvec's
 # are up to 4 ulp off (expf 2.5, logf 3.8 over the float32 range: tests/test_math_accuracy.py,
 # docs/ops.md), and in a long chain those errors add up to several times eager's. So a vectorized
-# float32 call to one of these goes to torch's own SLEEF where it is loaded, at eager's cost for the
-# same function; the scalar remainder of a loop calls libm (glibc's scalar ones are within 1 ulp).
-# sin, cos and tan too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off;
-# SLEEF's cost 1.5-2.5x eager's time). tanh and erf are fusec's own, computed in float within
-# 1 ulp (`fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2): SLEEF's erf took 10x.
-# Both CPU backends call the same functions: cpp/__init__.py links them (`math_flags`), llvm/ir.py
-# declares them (`vector_variant`).
-SLEEF = {"exp", "expm1", "log", "log2", "log1p", "sin", "cos", "tan"}
+# float32 call to expm1, log or log2 goes to torch's own SLEEF where it is loaded, at eager's cost
+# for the same function; a loop's scalar remainder calls one lane of the same vector function in
+# C++ (cpp_prelude.h) and libm in LLVM (glibc's scalar ones are within 1 ulp). sin, cos and tan
+# too (eager has them from MKL, within 1 ulp; libmvec's are 1.6-2.9 ulp off; SLEEF's cost
+# 1.5-2.5x eager's time). exp, log1p, tanh and erf are fusec's own, computed in float within
+# 1 ulp and inline, so that a loop calling them has no call at all (`fusec_exp`, `fusec_log1p`,
+# `fusec_tanh`, `fusec_erf` in cpp_prelude.h and llvm_prelude.ll.j2; tests/test_exp_vectorized.py):
+# SLEEF's erf took 10x. Both CPU backends call the same functions: cpp/__init__.py links them
+# (`math_flags`), cpp_prelude.h declares them (`FUSEC_SLEEF_DECLARE`), llvm/ir.py declares them
+# (`vector_variant`).
+SLEEF = {"expm1", "log", "log2", "sin", "cos", "tan"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,7 @@ from fusec import ops
 from fusec.record import group_info
 from fusec.ir import (Index, Keep, Layout, LoopPlan, OnlineVariance, Phase, Reduce, ReductionKernel,
                       Stmt)
+from fusec.loop_plan import Stash
 
 from .lower import (Piece, broadcast_strides, is_cat, cat_pieces, coalesce, gather_layouts,
                     only_gathered)
@@ -271,6 +272,7 @@ def plan_loops(kernel: ReductionKernel) -> LoopPlan:
     rows = tuple(n for n, s in enumerate(kernel.stores) if s.var.name not in kernel.varying)
     last = kernel.values_needed({kernel.stores[n].var.name for n in elements})
     plan = LoopPlan(row_values(0), tuple(phases), tuple(last), elements, rows)
+    plan = replace(plan, stashes=stash_choice(kernel, plan))
     return replace(plan, keep=keep_choice(kernel, plan))
 
 
@@ -284,39 +286,87 @@ def plan_loops(kernel: ReductionKernel) -> LoopPlan:
 # store at distinct places (no broadcast, no input read from it), and the row must stay in
 # cache between the two passes. CPU softmax 512x512 on 2 cores: 0.114 -> 0.085 ms. The CPU
 # backends, which walk one row at a time, take it; Triton recomputes (`Keep` in fusec/loop_plan.py).
+# The same holds between two phases (`Stash`): a softmax of gelu(x) computes gelu in its max
+# pass and again in its sum pass; the max pass writes gelu into the output row, the sum pass
+# reads it back (and writes exp(gelu - max) over it, the last phase's Keep). Each phase may
+# write one value, chosen in phase order, so what a phase reads back is what the phase before
+# it wrote; the last phase's Keep is chosen after them, from what that phase then computes.
 
 CHEAP_OPS = ops.CHEAP_OPS
 STASH_MAX_ROW_BYTES = 1 << 20  # 1 MiB: a row that stays in a core's L2 cache; a longer one
 # would cost an extra trip to memory (written, read back, written again) to save the op
 
 
-def keep_choice(kernel: ReductionKernel, plan: LoopPlan) -> Keep | None:
-    """The element value to keep in an output between the last phase and the last pass, or None
-    (see the note above): the value whose reading back saves the most costly ops."""
-    if not plan.phases or not plan.element_stores:
-        return None
+def _slots(kernel: ReductionKernel, plan: LoopPlan) -> list[int]:
+    """The element stores whose place in the output row can hold a value between two loops
+    (see the note above): written by this one store at distinct places, read by no load, and a
+    row that stays in cache."""
+    params = [s.param for s in kernel.stores]
+    return [n for n in plan.element_stores
+            if params.count(kernel.stores[n].param) == 1 and all(kernel.stores[n].index.strides)
+            and all(l.param != kernel.stores[n].param for l in kernel.loads)
+            and hint(kernel.k) * kernel.stores[n].dtype.itemsize <= STASH_MAX_ROW_BYTES]  # (speed only)
+
+
+def _costly(kernel: ReductionKernel):
+    """A function that counts the costly statements among some names (see the note above)."""
     made = {item.var.name: item for item in kernel.body}
 
     def costly(names) -> int:
         return sum(1 for n in names if isinstance(made.get(n), Stmt) and made[n].op not in CHEAP_OPS)
+    return costly
 
-    params = [s.param for s in kernel.stores]
-    outs = [n for n in plan.element_stores  # where a value can wait: see the note above
-            if params.count(kernel.stores[n].param) == 1 and all(kernel.stores[n].index.strides)
-            and all(l.param != kernel.stores[n].param for l in kernel.loads)
-            and hint(kernel.k) * kernel.stores[n].dtype.itemsize <= STASH_MAX_ROW_BYTES]  # (speed only)
-    elements = {kernel.stores[n].var.name for n in plan.element_stores}
-    best, gain = None, 0
-    for name in plan.phases[-1].loop:
-        if name not in plan.last_pass or not isinstance(made.get(name), Stmt):
+
+def _best_kept(kernel: ReductionKernel, loop, wanted, recompute, slots: list[int]):
+    """(value, store, what the later loop computes then) for the value of `loop` that saves the
+    later loop the most costly ops when read back instead (`recompute(name)`: that loop's values
+    with `name` read back; `wanted`: what it computes now), or None when none saves any."""
+    made = {item.var.name: item for item in kernel.body}
+    costly, best, gain = _costly(kernel), None, 0
+    for name in loop:
+        if name not in wanted or not isinstance(made.get(name), Stmt):
             continue
-        saved = costly(plan.last_pass) - costly(set(kernel.values_needed(elements, {name})) - {name})
-        fits = [n for n in outs if kernel.stores[n].dtype == made[name].var.dtype]
+        fits = [n for n in slots if kernel.stores[n].dtype == made[name].var.dtype]
+        after = recompute(name)
+        saved = costly(wanted) - costly(set(after) - {name})
         if fits and saved > gain:
-            best, gain = (name, fits[0]), saved
+            best, gain = (name, fits[0], tuple(after)), saved
+    return best
+
+
+def stash_choice(kernel: ReductionKernel, plan: LoopPlan) -> tuple[Stash, ...]:
+    """For each phase before the last, in order, the element value it keeps in an output for the
+    next phase to read back (see the note above), where one saves that phase a costly op."""
+    slots = _slots(kernel, plan) if plan.element_stores else []
+    if not slots:
+        return ()
+    reduces = {item.var.name: item for item in kernel.body if isinstance(item, Reduce)}
+    stashes: list[Stash] = []
+    loop = plan.phases[0].loop if plan.phases else ()
+    for phase, after in zip(plan.phases, plan.phases[1:]):
+        targets = {reduces[n].operand.name for n in after.reduces} | \
+            {o.value for o in after.folds if isinstance(o, OnlineVariance)}
+        best = _best_kept(kernel, loop, after.loop,
+                          lambda name: kernel.values_needed(targets, {name}), slots)
+        if best is not None:
+            stashes.append(Stash(phase.number, *best))
+        loop = best[2] if best else after.loop
+    return tuple(stashes)
+
+
+def keep_choice(kernel: ReductionKernel, plan: LoopPlan) -> Keep | None:
+    """The element value to keep in an output between the last phase and the last pass, or None
+    (see the note above): the value whose reading back saves the most costly ops, among those
+    the last phase computes (with what the phase before it stashed read back)."""
+    if not plan.phases or not plan.element_stores:
+        return None
+    elements = {kernel.stores[n].var.name for n in plan.element_stores}
+    loop = plan.phase_loop(plan.phases[-1])[0]
+    best = _best_kept(kernel, loop, plan.last_pass,
+                      lambda name: kernel.values_needed(elements, {name}), _slots(kernel, plan))
     if best is None:
         return None
-    value, store = best
-    left = tuple(n for n in plan.element_stores if (kernel.stores[n].var.name, n) != best)
+    value, store, _ = best
+    left = tuple(n for n in plan.element_stores if (kernel.stores[n].var.name, n) != (value, store))
     targets = {kernel.stores[n].var.name for n in left}
     return Keep(value, store, tuple(kernel.values_needed(targets, {value})), left)

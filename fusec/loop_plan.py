@@ -24,7 +24,9 @@ them: a phase whose sums can ride along in the pass before it (`Phase.folds`: su
 with their max, online softmax, and sums of squared deviations (v - c)^2 from a row value c known
 only after that pass, online variance; the Triton backend's looped kernels take both), and an
 element value the last phase writes into an output for the last pass to read back instead of
-computing it again (`Keep`: the two CPU backends take it).
+computing it again (`Keep`: the two CPU backends take it), and the same for an earlier phase and the
+phase after it (`Stash`: a softmax of gelu(x) computes gelu in its max pass and reads it back in its
+sum pass; the two CPU backends take it too).
 """
 from __future__ import annotations
 
@@ -112,6 +114,25 @@ class Keep:
 
 
 @dataclass(frozen=True)
+class Stash:
+    """An element value that a phase before the last computes and writes into an output row, where
+    the next phase's loop reads it back instead of computing it again: Keep for an earlier pass.
+    A softmax of gelu(x) computes gelu(x) in its max pass, keeps it in the output, and its sum pass
+    reads gelu back, computes exp(gelu - max) and keeps that in the same place for the last pass:
+    gelu and exp are each computed once per element. Chosen in lowering (codegen/lower_reduction.py,
+    `stash_choice`, under Keep's conditions); backends that walk one row at a time take it, Triton
+    computes `Phase.loop` as it is.
+
+    phase: the number of the phase that writes it; loop: what the next phase's loop computes then
+    (`value` among them, read back), in place of that phase's `loop`."""
+
+    phase: int
+    value: str
+    store: int  # the number of the store (kernel.stores) whose place holds the value
+    loop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class LoopPlan:
     """What a row does, in order: `before`, one pass per phase, the last pass (only when there
     are element stores), then the row stores. See the note on phases above."""
@@ -122,6 +143,17 @@ class LoopPlan:
     element_stores: tuple[int, ...]  # stores (numbers into kernel.stores) written per element
     row_stores: tuple[int, ...]  # stores written once per row, after the last phase
     keep: Keep | None = None
+    stashes: tuple[Stash, ...] = ()  # at most one per phase before the last, in phase order
+
+    def stash_of(self, number: int) -> Stash | None:
+        """The stash phase `number` writes, or None."""
+        return next((s for s in self.stashes if s.phase == number), None)
+
+    def phase_loop(self, phase: Phase) -> tuple[tuple[str, ...], dict[str, int]]:
+        """(what the phase's loop computes, {value read back: store}) for a backend that takes
+        the stashes: the loop with the value the phase before kept read back, else `Phase.loop`."""
+        read = self.stash_of(phase.number - 1)
+        return (read.loop, {read.value: read.store}) if read else (phase.loop, {})
 
     def passes(self, online: bool) -> list[tuple[Phase, ...]]:
         """The phases each pass over k covers: one phase per pass, or, with `online`, a phase
@@ -148,8 +180,9 @@ class LoopPlan:
                        for p in self.phases)
         keep = self.keep and replace(self.keep, value=names[self.keep.value],
                                      last_pass=each(self.keep.last_pass))
+        stashes = tuple(replace(s, value=names[s.value], loop=each(s.loop)) for s in self.stashes)
         return replace(self, before=each(self.before), phases=phases,
-                       last_pass=each(self.last_pass), keep=keep)
+                       last_pass=each(self.last_pass), keep=keep, stashes=stashes)
 
     def describe(self, made: dict, stores: list) -> list[str]:
         """The plan as lines for a reader (ReductionKernel.__str__). `made` maps a name to the
@@ -178,6 +211,10 @@ class LoopPlan:
                          + ", ".join(stores[n].param for n in self.element_stores))
         if self.row_stores:
             lines.append("  once per row: stores " + ", ".join(stores[n].param for n in self.row_stores))
+        for s in self.stashes:
+            lines.append(f"  stash: phase {s.phase} also writes {s.value} into "
+                         f"{stores[s.store].param}, where phase {s.phase + 1} reads it back "
+                         f"(it computes {names(s.loop)})")
         if self.keep:
             k = self.keep
             lines.append(f"  keep: phase {self.phases[-1].number} also writes {k.value} into "

@@ -39,10 +39,10 @@ from .. import elf, families, tools
 from . import half_blocks, read_order
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
-                       prelude, kernel_sizes, params, plus, size, size_kw, sizes_line, times,
-                       with_size_helpers)
-from ..cpu_plan import (CHUNK, TILE_STRIDE, at_most, heading, short_rows, sleef_symbols_in,
-                        thread_condition)
+                       prelude, kernel_sizes, params, plus, row_coords, size, size_kw, sizes_line,
+                       times, with_size_helpers)
+from ..cpu_plan import (CHUNK, TILE_STRIDE, at_most, heading, row_values, short_rows,
+                        sleef_symbols_in, thread_condition)
 from fusec.symbolic import hint, is_symbolic
 from ..render import no_indexed_writes, render_template
 
@@ -198,7 +198,7 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
     if strided and hint(rows) >= 2 and hint(inner) >= 2 and not pieces:
         row_tile, chunk = at_most(ROW_TILE, rows), at_most(TILE_CHUNK, inner)
 
-    row_setup = _row_coords(shape)
+    row_setup = row_coords(shape)
 
     def index(idx: Index, label: str) -> str:
         base = [size(idx.offset)] if idx.offset else []
@@ -212,6 +212,8 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
     body: list[str] = []
     gathers: list[str] = []
     reads, writes = [], []  # (for half_blocks: the same reads and writes, a block at a time)
+    per_row = row_values(kernel, strided if row_tile > 1 else ())  # (Note: values per row)
+    hoisted: list[str] = []  # their lines: once per row, before the inner loop
     for load in kernel.loads:
         at = index(load.index, load.var.name)
         ptr = f"{load.param}_ptr[{at}]"
@@ -233,8 +235,10 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
             other = load.other.name if load.other is not None else f"{CTYPE[load.var.dtype]}(0)"
             value = f"({inside}) ? {value} : {other}"
         reads.append((load, ptr, value))
-        body.append(f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
-    body += [render_stmt(s) for s in kernel.stmts]
+        (hoisted if load.var.name in per_row else body).append(
+            f"const {CTYPE[load.var.dtype]} {load.var.name} = {value};")
+    for s in kernel.stmts:
+        (hoisted if s.var.name in per_row else body).append(render_stmt(s))
     for k, store in enumerate(kernel.stores):
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
         writes.append((store, target))
@@ -242,6 +246,9 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
     # float16 on a CPU with F16C: a block at a time, the hardware converting (Note: float16 blocks)
     blocks = half_blocks.block_loop(kernel, reads, writes) \
         if half_blocks.applies(kernel, row_tile, host_has_f16c()) else []
+    if hoisted and not blocks:  # (blocks compute everything a block at a time, from `reads`)
+        row_setup += ["// the same at every position of the row: once per row (Note: values per row)",
+                      *hoisted]
 
     return render_template(
         "cpp_pointwise.cpp.j2",
@@ -251,22 +258,6 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
         params=params(kernel), row_setup=row_setup, gathers=gathers, body=body, blocks=blocks)
-
-
-def _row_coords(shape: tuple[int, ...]) -> list[str]:
-    """The coordinates (c0, c1, ...) of `row` along the outer dims (all but the last), row-major:
-    each a division of what the dims before it left over."""
-    row_setup: list[str] = []
-    outer_dims = len(shape) - 1
-    rem = "row"
-    for d in range(outer_dims):
-        below = size(math.prod(shape[d + 1:-1]))
-        row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
-                         else f"const int64_t c{d} = {rem};")
-        if d < outer_dims - 1:
-            row_setup.append(f"const int64_t r{d} = {rem} % {below};")
-            rem = f"r{d}"
-    return row_setup
 
 
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:

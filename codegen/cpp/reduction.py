@@ -235,10 +235,17 @@ def phase_section(kernel, phase, last: bool, lines: dict, producers: dict, k_coo
     The steps: the loop's values, each reduction's accumulator, update and result, the row
     values ready after it, long float sums blocked, and the pragma.
     """
-    keep = kernel.plan.keep
+    plan, keep = kernel.plan, kernel.plan.keep
     reds = [producers[n] for n in phase.reduces]
-    loop = _PhaseLines([], list(k_coords) + [lines[n] for n in phase.loop], [])
+    names, given = plan.phase_loop(phase)  # (a value the phase before stashed is read back)
+    values = [f"const {CTYPE[producers[n].var.dtype]} {n} = {target(given[n])};  // stashed by "
+              f"phase {phase.number - 1}" if n in given else lines[n] for n in names]
+    loop = _PhaseLines([], list(k_coords) + values, [])
     maxmin = _maxmin(reds)
+    stash = plan.stash_of(phase.number)
+    if stash:
+        loop.body.append(f"{target(stash.store)} = {stash.value};  // stashed for phase "
+                         f"{phase.number + 1}")
     if keep and last:
         why = "kept for the last pass" if keep.stores else "the output, stored once: no last pass"
         loop.body.append(f"{target(keep.store)} = {keep.value};  // {why}")

@@ -207,3 +207,19 @@ def store_value(var: Var, storage: torch.dtype) -> str:
 @functools.lru_cache(maxsize=None)
 def prelude() -> str:
     return (TEMPLATES / "cpp_prelude.h").read_text()
+
+
+def row_coords(shape: tuple[int, ...]) -> list[str]:
+    """The coordinates (c0, c1, ...) of `row` along the outer dims (all but the last), row-major:
+    each a division of what the dims before it left over."""
+    row_setup: list[str] = []
+    outer_dims = len(shape) - 1
+    rem = "row"
+    for d in range(outer_dims):
+        below = size(math.prod(shape[d + 1:-1]))
+        row_setup.append(f"const int64_t c{d} = {rem} / {below};" if d < outer_dims - 1
+                         else f"const int64_t c{d} = {rem};")
+        if d < outer_dims - 1:
+            row_setup.append(f"const int64_t r{d} = {rem} % {below};")
+            rem = f"r{d}"
+    return row_setup

@@ -66,7 +66,8 @@ from fusec.errors import CompileError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf
-from ..cpu_plan import CHUNK, column_blocks, heading, short_row_lanes, thread_choice, work_per_call
+from ..cpu_plan import (CHUNK, column_blocks, heading, row_values, short_row_lanes, thread_choice,
+                        work_per_call)
 from .compiler import Target, host  # noqa: F401 (host: llvm.host(), this CPU)
 from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit_load, emit_stmt, gather_row,
                       emit_store, index_sum, literal)
@@ -129,7 +130,13 @@ def render(kernel, target: Target | None = None) -> str:
         return body.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
 
     dtypes = {l.var.name: l.var.dtype for l in kernel.loads}
+    per_row = row_values(kernel)  # computed once per row, in the tile block (Note: values per row)
+    if per_row:
+        setup.lines.append("; the same at every position of the row: once per row (Note: values per row)")
     for load in kernel.loads:
+        if load.var.name in per_row:
+            emit_load(setup, load.param, load.dtype, base(load.index, load.var.name), load.var, values)
+            continue
         at = index(load.index, load.var.name)
         if load.gather is not None:  # a gathered read: the row its index value names
             row = gather_row(body, load, dtypes[load.gather[0]], values)
@@ -140,7 +147,7 @@ def render(kernel, target: Target | None = None) -> str:
             emit_piece(body, load, at, c[load.valid[0]] if load.valid[0] < len(c) else "%i",
                        values)
     for s in kernel.stmts:
-        emit_stmt(body, s, values)
+        emit_stmt(setup if s.var.name in per_row else body, s, values)
     for n, store in enumerate(kernel.stores):
         emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
     # (with sizes that are symbols, rows * chunks is 0 exactly when the space is empty: no guard)

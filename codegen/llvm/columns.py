@@ -182,7 +182,7 @@ class _Lanes:
 
     def elements(self, names: list[str], q: list[str], given: dict[str, int] | None = None):
         """Element values at k coordinates q; one in `given` is read back from the output
-        where the last phase kept it (the plan's `keep`)."""
+        where the phase before kept it (the plan's `keep` or a stash)."""
         for name in names:
             item = self.block.producers[name]
             if given and name in given:
@@ -287,8 +287,13 @@ def _body_lanes(block: _Block, p: _Phase, phase, kept: list[str],
     body = _Lanes(block, f"{p.sid}.body", kept)
     cur = {a.name: {state: block.read(body.e, state, t, body.lane) for state, t, _ in a.states()}
            for a in p.accs}
+    names, given = plan.phase_loop(phase)  # (a value the phase before stashed is read back)
+    stash = plan.stash_of(phase.number)
     for k, q in steps:
-        body.elements(phase.loop, q)
+        body.elements(names, q, given)
+        if stash:  # keep it where the next phase reads it
+            body.e.lines.append(f"; {stash.value}: stashed for phase {phase.number + 1}")
+            body.store(stash.store, q, block.producers[stash.value].var)
         if keep and phase is plan.phases[-1]:  # keep it where the last pass reads it
             body.e.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
                                                        else "the output, stored once"))

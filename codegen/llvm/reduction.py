@@ -213,7 +213,8 @@ class _Row:
     def elements(self, e: Emitter, names: list[str], local: dict[str, str], k: str, sid: str,
                  given: dict[str, int] | None = None):
         """Recompute element values inside the loop of section `sid`; a value in `given` is read
-        back from the output (store number) where the last phase kept it (the plan's `keep`)."""
+        back from the output (store number) where the phase before kept it (the plan's `keep`
+        or a stash)."""
         kernel, n_rows = self.kernel, self.n_rows
         q = coords(e, k, kernel.k_shape, f"{sid}.q") if len(kernel.k_shape) > 1 else [k]
         for name in names:
@@ -297,10 +298,17 @@ def _phase_loop(row: _Row, code: _PhaseCode, phase, reds: list[Accumulator],
     """The loop body: the element values the phase reads, the kept value's store (the plan's
     `keep`, in the last phase), and each reduction's fold into its phi states. Returns each
     accumulator's states after the loop."""
-    keep, sid, body = row.kernel.plan.keep, code.sid, code.body
+    plan, sid, body = row.kernel.plan, code.sid, code.body
+    keep, stash = plan.keep, plan.stash_of(phase.number)
     kvar = f"%{sid}.k"
     local = dict(row.values)
-    q = row.elements(body, phase.loop, local, kvar, sid)
+    names, given = plan.phase_loop(phase)  # (a value the phase before stashed is read back)
+    q = row.elements(body, names, local, kvar, sid, given)
+    if stash:  # keep it where the next phase reads it
+        s = row.kernel.stores[stash.store]
+        body.lines.append(f"; {stash.value}: stashed for phase {phase.number + 1}")
+        emit_store(body, s.param, s.dtype, row.out_index(body, stash.store, q),
+                   row.producers[stash.value].var, local)
     if keep and last:  # keep it where the last pass reads it
         s = row.kernel.stores[keep.store]
         body.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
