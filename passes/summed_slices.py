@@ -34,11 +34,16 @@ not zero, and adding a zero is exact in every dtype, so either way the position'
 `c + v` (or `v`) for the one slice value `v` there: eager's value for value (one detail:
 eager's `-0.0 + 0.0` is `+0.0`, the cat keeps `-0.0`; they compare equal). Two other terms are
 left alone: `(c + a) + d` and `(c + d) + a` round differently.
+The smallest such sum has one term that covers its whole dim: `slice_scatter(zeros, v, 1, 0,
+2**63 - 1)` is `v`. Torch's own decomposition says so when the sizes are numbers; in a shape
+family's backward (symbolic sizes) the "to the end" sentinel cannot be compared with the size,
+so the scatter stayed an eager call; the pass takes it as the value.
 Each sum considered is a `Decision` in `record_of(gm).extensions["summed_slices"]`.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.fx as fx
@@ -58,6 +63,12 @@ ZERO_FILLS = (aten.full.default, aten.zeros.default, aten.new_zeros.default, ate
 def summed_slices(gm: fx.GraphModule) -> fx.GraphModule:
     decisions: list[Decision] = []
     for node in list(gm.graph.nodes):
+        whole = _whole_dim(node)
+        if whole is not None:  # a sum of one slice that covers its dim: the value itself
+            node.replace_all_uses_with(whole)
+            decisions.append(Decision(whole.name, True, f"{node.name}: a slice of zeros that "
+                                      f"covers its whole dim is its value"))
+            continue
         terms = _sum_of_scatters(node)
         if terms is None or _sum_of_scatters(_reader(node)) is not None:
             continue  # (no sum of scatters, or a part of a larger one, taken whole)
@@ -151,6 +162,29 @@ def _scatter(term, total: fx.Node):
     if not _alike(v.shape, tuple(end - start if d == dim else n for d, n in enumerate(out.shape))):
         return None  # (a slice_scatter's value has the slice's shape)
     return dim, (start, end), value
+
+
+def _whole_dim(node):
+    """The value of `slice_scatter(zeros, value, dim, start, end)` (step 1) when the slice is the
+    whole dim (start 0, end past the size: AOT Autograd writes torch's "to the end" sentinel,
+    2**63 - 1, which a symbolic size cannot be compared with, so it is taken as such), into a
+    fresh zero-filled tensor of the value's shape and dtype; else None. A graph input is left
+    as it is (the result would be the input itself, not a new tensor)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target is aten.slice_scatter.default):
+        return None
+    base, value = node.args[:2]
+    rest = dict(zip(("dim", "start", "end", "step"), node.args[2:]), **node.kwargs)
+    out, v = val(node), val(value)
+    if not isinstance(v, torch.Tensor) or not isinstance(out, torch.Tensor) \
+            or value.op == "placeholder" or not _zeros(base) or rest.get("step", 1) != 1 \
+            or v.dtype != out.dtype or not _alike(v.shape, out.shape):
+        return None
+    size = out.shape[rest.get("dim", 0) % out.dim()]
+    start, end = rest.get("start"), rest.get("end")
+    whole_end = end is None or (isinstance(end, int) and (
+        end >= sys.maxsize or (isinstance(size, int) and end >= size)))
+    return value if (start is None or (type(start) is int and start == 0)) and whole_end else None
 
 
 def _alike(a, b) -> bool:

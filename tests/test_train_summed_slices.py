@@ -111,3 +111,22 @@ def test_rotary_backward_runs_no_slice_scatter(backend):
     externs = [s.name for s in backward.schedule if s.kind == "extern"]
     assert not any("slice_scatter" in e for e in externs), externs
     assert any("cat" in k.name for k in backward.kernels), [k.name for k in backward.kernels]
+
+
+def _whole(v):
+    """A slice of zeros that covers its dim, as a shape family's backward writes it (end: the
+    "to the end" sentinel), of a computed value (a graph input is left alone)."""
+    zeros = aten.full.default([v.shape[0], v.shape[1]], 0.0, dtype=v.dtype, device=v.device)
+    return aten.slice_scatter.default(zeros, v * 3, 1, 0, 9223372036854775807) * 2
+
+
+@pytest.mark.parametrize("mode", ["real", "symbolic"])
+def test_a_slice_of_zeros_over_its_whole_dim_is_its_value(mode):
+    gm = make_fx(_whole, tracing_mode=mode)(torch.randn(3, 5))
+    assert calls(gm, aten.slice_scatter.default) == 1 or mode == "real", gm.code
+    summed_slices(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert calls(gm, aten.slice_scatter.default) == 0, gm.code
+    x = torch.randn(3, 5) if mode == "real" else torch.randn(4, 7)  # (another size: no guard)
+    torch.testing.assert_close(gm(x), x * 3 * 2, rtol=0, atol=0)
