@@ -239,3 +239,42 @@ def test_function_reaching_a_module_through_a_global(backend):
         for g, p in zip(grads, LIN.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
             p.grad = None
+
+
+class _Ref:
+    """Where a lifted tensor lives (what capture/guards.py's refs give the fast path)."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def expression(self, owner: str) -> str:
+        return f"{owner}._parameters[{self.name!r}]"
+
+
+def test_a_shape_family_check_decides_the_callers_sizes():
+    """With `family_check`, the caller's tensors are checked for type, rank, dtype, device and
+    requires_grad, and the family's check decides their sizes; the parameters keep exact checks."""
+    from fusec.fastpath import MISS
+    from fusec.runtime.training_call import training_fast_path
+    lin = torch.nn.Linear(8, 4)
+    seen = []
+
+    def family_check(tensors):
+        seen.append([tuple(t.shape) for t in tensors])
+        return tensors[2].shape[1] == 8 and tensors[2].is_contiguous()
+    state = [lin.weight, lin.bias]
+    x = torch.randn(3, 8)
+    fast = training_fast_path(lambda *ts: "hit", state, (), {"x": x},
+                              [_Ref(lin, "weight"), _Ref(lin, "bias")], lin, ([], {}),
+                              family_check=family_check)
+    assert "x.shape" not in fast.source and "family_check(" in fast.source
+    assert fast((), {"x": torch.randn(5, 8)}) == "hit"  # another batch size: the same path
+    assert seen[-1] == [(4, 8), (4,), (5, 8)]
+    assert fast((), {"x": torch.randn(5, 7)}) is MISS  # the family's check says no
+    assert fast((), {"x": torch.randn(5, 8, dtype=torch.float64)}) is MISS
+    assert fast((), {"x": torch.randn(5, 8, 1)}) is MISS  # another rank
+    lin.weight = torch.nn.Parameter(torch.randn(4, 9))  # a parameter's sizes: checked exactly
+    assert fast((), {"x": torch.randn(5, 8)}) is MISS
+    without = training_fast_path(lambda *ts: "hit", state, (), {"x": x},
+                                 [_Ref(lin, "weight"), _Ref(lin, "bias")], lin, ([], {}))
+    assert "family_check(" not in without.source

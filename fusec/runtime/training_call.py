@@ -63,27 +63,38 @@ def fast_path_leaves(args: tuple, kwargs: dict, leaves: list) -> bool:
         a is b and type(a) in PLAIN_TENSORS for a, b in zip(given, leaves))
 
 
-def _tensor_check(var: str, t: torch.Tensor, glob: dict) -> list[str]:
+def _tensor_check(var: str, t: torch.Tensor, glob: dict, sized: bool = True) -> list[str]:
     """The lines that return MISS unless `var` is a tensor like `t` (what fusec.fastpath's
-    `call_signature` keys a program by, and its type)."""
+    `call_signature` keys a program by, and its type); `sized` False: its rank only, for a
+    tensor whose sizes and strides a shape family's check decides."""
     dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
     glob[dtype], glob[device] = t.dtype, t.device
     kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"
-    checks = [f"type({var}) is not {kind}", f"{var}.shape != {tuple(t.shape)}",
-              f"{var}.stride() != {tuple(t.stride())}", f"{var}.dtype is not {dtype}",
+    shape = [f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}"] \
+        if sized else [f"{var}.dim() != {t.dim()}"]
+    checks = [f"type({var}) is not {kind}", *shape, f"{var}.dtype is not {dtype}",
               f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
               f"{'not ' if t.requires_grad else ''}{var}.requires_grad"]
-    return [f"if ({' or '.join(checks[:3])}", f"        or {' or '.join(checks[3:])}):",
+    cut = len(checks) // 2
+    return [f"if ({' or '.join(checks[:cut])}", f"        or {' or '.join(checks[cut:])}):",
             "    return MISS"]
 
 
 def training_fast_path(hit: Callable, lifted: list, args: tuple, kwargs: dict,
-                       state_refs: list, module, python_state: tuple) -> Callable:
+                       state_refs: list, module, python_state: tuple,
+                       family_check: Callable | None = None) -> Callable:
     """`fast(args, kwargs)`: `hit(*lifted, *tensors)` when the call matches the one that
     `lifted` (the module's state) and `args`/`kwargs` (plain tensors: `fast_path_leaves`) came
-    from, else MISS. `python_state`: (lines, their globals) from `Guards.fast_lines`."""
+    from, else MISS. `python_state`: (lines, their globals) from `Guards.fast_lines`.
+
+    `family_check`: for a shape family's training pair, the family's guard over the flat
+    tensors (lifted state first, as `hit` takes them), which must check every size and stride
+    of the caller's tensors: those are then checked here for type, rank, dtype, device and
+    requires_grad only, and the family's check decides their sizes (the lifted state, whose
+    sizes are fixed, keeps its exact checks), so one fast path serves every size of the family."""
     glob = {"MISS": MISS, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "hit": hit,
-            "is_grad_enabled": torch.is_grad_enabled, "NAMES": tuple(kwargs)}
+            "is_grad_enabled": torch.is_grad_enabled, "NAMES": tuple(kwargs),
+            "family_check": family_check}
     n_pos, n_kw = len(args), len(kwargs)
     lines = [f"if len(args) != {n_pos} or len(kwargs) != {n_kw} or not is_grad_enabled():",
              "    return MISS"]
@@ -103,7 +114,10 @@ def training_fast_path(hit: Callable, lifted: list, args: tuple, kwargs: dict,
         glob[f"owner{i}"] = ref.owner
         lines.append(f"p{i} = {ref.expression(f'owner{i}')}")
     for var, t in zip(state + names, [*lifted, *args, *kwargs.values()]):
-        lines += _tensor_check(var, t, glob)
+        lines += _tensor_check(var, t, glob, family_check is None or var.startswith("p"))
+    if family_check is not None:
+        lines += [f"if not family_check([{', '.join(state + names)}]):",
+                  "    return MISS  # the shape family's guards"]
     lines += python_state[0]
     glob.update(python_state[1])
     lines.append(f"return hit({', '.join(state + names)})")
