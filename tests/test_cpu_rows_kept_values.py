@@ -47,20 +47,20 @@ STASH_CASES = {
     "softmax_gelu_and_gelu": lambda x: (torch.softmax(F.gelu(x), -1), F.gelu(x)),
     "logsumexp_exp": lambda x: torch.exp(x) - torch.logsumexp(torch.exp(x), -1, keepdim=True),
 }
-STASH_SHAPES = {"even": (64, 512), "odd": (37, 129), "one_row": (1, 300), "short": (33, 5)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("size", list(STASH_SHAPES))
 @pytest.mark.parametrize("name", list(STASH_CASES))
-def test_stash_matches_eager(name, size, backend):
-    assert_matches(STASH_CASES[name], _values(*STASH_SHAPES[size]), backend=backend)
+def test_stash_matches_eager(name, backend):
+    assert_matches(STASH_CASES[name], _values(37, 129), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(0, 16), (16, 0), (2, 3, 0)])
-def test_stash_empty(shape, backend):
-    assert_matches(STASH_CASES["softmax_gelu"], torch.randn(*shape), backend=backend)
+@pytest.mark.parametrize("shape", [(1, 300), (33, 5), (0, 16), (16, 0)], ids=str)
+def test_stash_sizes(shape, backend):
+    """One row, rows shorter than a vector, no rows, empty rows."""
+    x = _values(*shape, special=0 not in shape)
+    assert_matches(STASH_CASES["softmax_gelu"], x, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -72,10 +72,9 @@ def test_stash_half_precision(dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(2, 16, 9, 11), (3, 24, 8, 8)], ids=lambda s: "x".join(map(str, s)))
-def test_stash_channels(shape, backend):
+def test_stash_channels(backend):
     """A softmax over NCHW channels: rows side by side, the loops turned inside out."""
-    assert_matches(lambda x: torch.softmax(F.gelu(x), dim=1), _values(*shape), backend=backend)
+    assert_matches(lambda x: torch.softmax(F.gelu(x), dim=1), _values(2, 16, 9, 11), backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -95,7 +94,7 @@ def test_stash_plan():
     """The plan of softmax(gelu(x)): phase 0 stashes gelu for phase 1, which reads it back and
     computes no gelu; the last phase keeps exp for the last pass."""
     cf = fusec.compile(STASH_CASES["softmax_gelu"], backend="cpp")
-    cf(torch.randn(8, 64))
+    cf(_values(37, 129))
     (kernel,) = _ir(cf)
     made = {item.var.name: item for item in kernel.body}
     (stash,) = kernel.plan.stashes
@@ -134,7 +133,7 @@ def _stats(c, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shape", [(2, 16, 32, 32), (3, 7, 9, 13), (1, 5, 1, 1), (2, 3, 0, 4)],
+@pytest.mark.parametrize("shape", [(3, 7, 9, 13), (1, 5, 1, 1), (2, 3, 0, 4)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_batch_norm_matches_eager(shape, backend):
     x = _values(*shape, special=0 not in shape)
@@ -172,8 +171,7 @@ def test_per_row_chains(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rsqrt_before_inner_loop(backend):
     """The batch norm's rsqrt(var + eps) runs once per channel, before the inner loop."""
-    x = _values(2, 16, 32, 32)
-    cf = assert_matches(batch_norm_tanh, x, *_stats(16), backend=backend)
+    cf = assert_matches(batch_norm_tanh, _values(3, 7, 9, 13), *_stats(7), backend=backend)
     (source,) = [k.source for k in cf.kernels if "rsqrt" in k.name]
     assert "values per row" in source
     if backend == "cpp":
@@ -200,7 +198,7 @@ def test_per_row_dynamic(backend):
 def test_cpp_stash_loops_vectorized_for(target, tmp_path):
     """gcc's own report: every simd loop of softmax(gelu(x)) is vectorized, the max pass with its
     stash store and the sum pass with its read back, on x86-64, x86-64-v3 and x86-64-v4."""
-    kernels = fusec.explain(STASH_CASES["softmax_gelu"], _values(64, 512, special=False),
+    kernels = fusec.explain(STASH_CASES["softmax_gelu"], _values(37, 129, special=False),
                             backend="cpp").compiled.kernels
     (source,) = [cpp.render(k.ir) for k in kernels if "stashed" in k.source]
     report = compile_report(source, target, tmp_path)
