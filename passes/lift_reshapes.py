@@ -46,7 +46,7 @@ def lift_reshapes(gm: fx.GraphModule) -> None:
     """Move reshapes of pointwise values up to the values their ops load (see the note above).
     A candidate is a reshape of a pointwise value that only the reshape reads, read by a pointwise
     op or a reduction; each is a Decision in `record_of(gm).fuse_pointwise`, lifted or kept."""
-    from .layout import run_fake, same_strides, set_meta  # (layout imports passes that import this module)
+    from .layout import run_fake, set_meta  # (layout imports passes that import this module)
     from .schedule import fake_mode_of
     from .unflatten import erase_dead
 
@@ -98,7 +98,7 @@ def lift_reshapes(gm: fx.GraphModule) -> None:
         try:
             new = lift(value, out)
             problem = None
-            if not same_strides(meta(new), meta(view)) and not all(
+            if not _same_strides(meta(new), meta(view)) and not all(
                     u.op == "call_function" and _fuses_with(u) for u in view.users):
                 problem = (f"{view.name}'s readers need its strides {meta(view).stride}, not "
                            f"{meta(new).stride}")
@@ -132,8 +132,6 @@ def _liftable_op(v: fx.Node, reader: fx.Node) -> bool:
 
 def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bool) -> str | None:
     """None if reshaping `value` to `out` can move above its pointwise ops, else why not."""
-    if not all(isinstance(s, int) for s in (*out, *meta(value).shape)):
-        return "symbolic sizes: the reshape of each input is not known"
     if _feeds_a_family_sum(view):
         return (f"{view.name} feeds a matmul computed as a sum (a kernel family's form): the "
                 "family reads its operands as buffers laid out by its rewrite")
@@ -147,12 +145,11 @@ def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bo
         for a in v.all_input_nodes:
             if not _tensor_with_dims(a):
                 continue
-            if not all(isinstance(size, int) for size in meta(a).shape):
-                return "symbolic sizes: the reshape of each input is not known"
             a_out = _reshaped(tuple(meta(a).shape), tuple(meta(v).shape), v_out)
             if a_out is None:
                 return (f"{a.name} {tuple(meta(a).shape)} broadcasts to {v.name} "
-                        f"{tuple(meta(v).shape)}, and the reshape to {v_out} regroups dims")
+                        f"{tuple(meta(v).shape)}, and the reshape to {v_out} regroups dims"
+                        " (or, with symbolic sizes, is not known to be the same at every size)")
             if _liftable_op(a, v):
                 todo.append((a, a_out))
             elif _computed_value(a):
@@ -197,20 +194,39 @@ def _computed_value(a: fx.Node) -> bool:
 
 def _reshaped(a: tuple, v: tuple, out: tuple) -> tuple | None:
     """The shape an input of shape `a` (broadcasting to `v`) takes when `v` is reshaped to `out`;
-    None if there is none: `a` must equal `v`, unless `v -> out` only inserts or removes 1s."""
-    if a == v:
+    None if there is none: `a` must equal `v`, unless `v -> out` only inserts or removes 1s.
+    Sizes that are symbols (a shape family) are compared only as far as they are known at every
+    size of the family (`_known_equal`): no question here adds a guard, and an answer that holds
+    only at some sizes keeps the reshape where it is."""
+    if len(a) == len(v) and all(map(_known_equal, a, v)):
         return out
     ranked = (1,) * (len(v) - len(a)) + a
     shape, i, j = [], 0, 0
     while i < len(v) or j < len(out):
-        if i < len(v) and j < len(out) and v[i] == out[j]:
+        if i < len(v) and j < len(out) and _known_equal(v[i], out[j]):
             shape.append(ranked[i])
             i, j = i + 1, j + 1
-        elif j < len(out) and out[j] == 1:
+        elif j < len(out) and _known_equal(out[j], 1):
             shape.append(1)
             j += 1
-        elif i < len(v) and v[i] == 1:
+        elif i < len(v) and _known_equal(v[i], 1):
             i += 1
         else:
             return None
     return tuple(shape)
+
+
+def _same_strides(a: TensorMeta, b: TensorMeta) -> bool:
+    """layout's `same_strides`, asked without a guard where sizes are symbols (`_known_equal`):
+    a symbolic dim is taken as not 1, so its strides are compared."""
+    return len(a.shape) == len(b.shape) and all(map(_known_equal, a.shape, b.shape)) and all(
+        _known_equal(x, y) for x, y, n in zip(a.stride, b.stride, a.shape) if not _known_equal(n, 1))
+
+
+def _known_equal(x, y) -> bool:
+    """x == y for sizes, True only where it holds at every size of a shape family (the same
+    symbol, or the same expression of symbols); plain ints compare as ints."""
+    if isinstance(x, torch.SymInt) or isinstance(y, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        return statically_known_true(x == y)
+    return x == y

@@ -392,6 +392,25 @@ def test_each_size_is_bounded_below_once(backend):
     guards = dynamic.guard_expression(family.compiled.captured)
     assert "2 <= L['t0'].size()[0]" in guards and "1 <= " not in guards, guards
 
+
+def test_a_family_lifts_reshapes_as_a_static_program_does(backend):
+    """A view or unsqueeze of a pointwise value over symbolic sizes moves onto the loads
+    (passes/lift_reshapes.py), so the ops on both sides share one kernel, as at fixed sizes."""
+    from fusec.record import record_of
+    device = DEVICE[backend]
+
+    def f(x, y, z):
+        return ((x * y).view(x.shape[0], -1) * z).sum(-1), \
+            torch.cos((x + 1).unsqueeze(1)) * z[:, None, :1, None]
+    cf = fusec.compile(f, backend=backend, dynamic=True)
+    for n in (3, 5):
+        x, y = torch.randn(n, 7, 4, device=device), torch.randn(n, 7, 4, device=device)
+        z = torch.randn(n, 28, device=device)
+        for got, want in zip(cf(x, y, z), f(x, y, z)):
+            torch.testing.assert_close(got, want)
+    assert len(cf.kernels) == 2, [k.name for k in cf.kernels]
+    assert sum(d.taken for d in record_of(cf.last.gm).fuse_pointwise) == 2
+
 # -- 5. explain and the kernels show the symbols -------------------------------------------------
 def test_explain_shows_the_family(backend):
     device = DEVICE[backend]
