@@ -620,10 +620,10 @@ class CompiledFunction:
         call, parts = entry
         self.train_parts = parts
         self.last = None
-        # (a family's pair takes the general path: the fast path checks one signature's sizes)
-        if parts.family is None and not self.check and training_fast_path_on() \
-                and fast_path_leaves(args, kwargs, leaves):
-            self._train_fast = self._training_fast_path(key, entry, lifted, args, kwargs)
+        # (a family's pair: its fast path checks the caller's sizes with the family's guards)
+        if (parts.family is None or family is not None) and not self.check \
+                and training_fast_path_on() and fast_path_leaves(args, kwargs, leaves):
+            self._train_fast = self._training_fast_path(key, entry, lifted, args, kwargs, family)
         return call(*lifted, *tensors)
 
     def _train_new(self, key: tuple, args, kwargs, lifted: list, tensors: list):
@@ -746,11 +746,13 @@ class CompiledFunction:
                          for i, ds in sorted(dims.items()) for d in sorted(ds))
 
     def _training_fast_path(self, key: tuple, entry: tuple, lifted: list, args: tuple,
-                            kwargs: dict) -> Callable:
+                            kwargs: dict, family: Family | None = None) -> Callable:
         """The fast path for training calls like this one (fusec/runtime/training_call.py),
-        made once per signature and way of passing the arguments: it runs `entry`'s forward
-        as `_train` does, one thread at a time."""
-        kept = key + (len(args), tuple(kwargs))
+        made once per signature (or shape family) and way of passing the arguments: it runs
+        `entry`'s forward as `_train` does, one thread at a time. A family's path checks the
+        caller's sizes and strides with the family's guards, so one serves every size."""
+        kept = (("family", id(entry), self._guards.key()) if family is not None else key) \
+            + (len(args), tuple(kwargs))
         fast = self._train_fast_paths.get(kept)
         if fast is None:
             call, parts = entry
@@ -762,7 +764,7 @@ class CompiledFunction:
                     return call(*tensors)
             fast = self._train_fast_paths[kept] = training_fast_path(
                 hit, lifted, args, kwargs, self._state_refs, self._module,
-                self._guards.fast_lines(key))
+                self._guards.fast_lines(key), family.check if family is not None else None)
         return fast
 
 

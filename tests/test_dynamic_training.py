@@ -73,6 +73,9 @@ def test_batch_sizes_share_one_training_compile(backend):
     (reason,) = inner(cf).recompiles
     assert reason.startswith("training:") and "symbols for dim 0 of input" in reason, reason
     family_parts_compiled_once(cf)
+    # one training fast path serves the family (its guards check the sizes), none per size
+    assert [k[0] for k in inner(cf)._train_fast_paths].count("family") == 1, \
+        list(inner(cf)._train_fast_paths)
 
 
 def test_a_size_of_one_breaks_the_family_guard():
