@@ -37,6 +37,12 @@ from .grouping import is_pointwise, meta, view_root
 # exact shape (any regrouping of dims torch can view them with), and one that only inserts or
 # removes dims of size 1 (unsqueeze, squeeze), which inputs that broadcast take as well.
 
+# A costly value moved into a CPU reduction kernel is computed once when the loop plan keeps it
+# between the passes over a row (`Stash` and `Keep`, fusec/loop_plan.py: the first pass writes it
+# into the kernel's element output, the later ones read it back), which it does for values of
+# these dtypes; in others it would be computed again in every pass, and the reshape stays.
+KEPT_DTYPES = (torch.float32, torch.float64)
+
 LIFTED_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                 torch.ops.aten.reshape.default, torch.ops.aten.unsqueeze.default,
                 torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims)
@@ -138,10 +144,12 @@ def _why_not_lift(value: fx.Node, out: tuple, view: fx.Node, rows_one_by_one: bo
     todo = [(value, out)]
     while todo:
         v, v_out = todo.pop()
-        if rows_one_by_one and not ops.is_cheap(v) and any(
-                u.op == "call_function" and _fuses_with(u) and not is_pointwise(u) for u in view.users):
+        if rows_one_by_one and not ops.is_cheap(v) and meta(view).dtype not in KEPT_DTYPES \
+                and any(u.op == "call_function" and _fuses_with(u) and not is_pointwise(u)
+                        for u in view.users):
             return (f"{v.name} is costly and {view.name} is read by a reduction: moved into a CPU "
-                    f"reduction kernel, it would be computed again in every pass over the row")
+                    f"reduction kernel, it would be computed again in every pass over the row "
+                    f"(a {meta(view).dtype} value is not kept between passes)")
         for a in v.all_input_nodes:
             if not _tensor_with_dims(a):
                 continue
