@@ -92,3 +92,19 @@ def test_common_externs_are_called_through_torchs_binding():
         exec(python_wrapper(program), scope)
         torch.testing.assert_close(scope["call"](*(list(model.state_dict().values()) + [x]))[0],
                                    model(x))
+
+
+def test_views_of_pool_buffers_are_made_once():
+    """`y.t() @ y.sin()`: the transpose handed to the matmul is a view of a buffer carved out of
+    the pool, the same memory on every call, so the program makes it once (a global) instead of
+    calling as_strided per call; the answers stay eager's call after call, with new inputs."""
+    def f(x, w):
+        y = torch.relu(x @ w + 1)
+        return (y.t() @ y.sin()).sum(0)
+    cf = fusec.compile(f, backend="cpp")
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x, w = torch.randn(8, 16), torch.randn(16, 16)
+        torch.testing.assert_close(cf(x, w), f(x, w))
+    source = cf.last.program.run.source
+    assert "a view of _relu, made once" in source and ".as_strided(" not in source, source

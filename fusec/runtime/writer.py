@@ -171,6 +171,7 @@ class _Writer:
                                         "empty_strided": "torch.empty_strided"}
         self.setup: list[str] = []
         self.sizes: dict = {}  # size symbol -> the local that holds its value on this call
+        self.fixed: dict[int, torch.Tensor] = {}  # slot -> its tensor, the same on every call
 
     def size(self, x) -> str:
         """A size, a shape or a stride tuple as Python: a symbolic one over this call's sizes."""
@@ -230,6 +231,7 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
             w.line(f"# {w.names[buf.slot]}: {w.value_name(buf.slot)}, in this size's pool")
         elif view is not None:  # carved out of the pool once: the same memory on every call
             w.names[buf.slot] = w.bind(view, w.value_name(buf.slot), _pool_view(w, buf))
+            w.fixed[buf.slot] = view
             w.line(f"# {w.names[buf.slot]}: a view of the pool, bytes [{buf.offset}, "
                    f"{buf.offset + buf.nbytes})")
         else:
@@ -383,7 +385,19 @@ def _holds_slots(a: Any) -> bool:
 
 
 def _emit_view(w: _Writer, step: ViewStep) -> None:
+    """A view for an extern call or an output. A view of memory that is the same on every call
+    (a buffer carved out of the pool once, or a view of one) is made once, here, and kept as a
+    global: an `as_strided` call costs about a microsecond, and a training step makes a hundred."""
     root, lay = w.names[step.root], step.layout
+    base = w.fixed.get(step.root)
+    if base is not None and step.out_slot not in w.program.output_slots and not any(
+            is_symbolic(v) for v in (*lay.shape, *lay.stride, lay.offset)):
+        view = base.as_strided(lay.shape, lay.stride, base.storage_offset() + lay.offset)
+        w.names[step.out_slot] = w.bind(view, w.value_name(step.out_slot), (
+            f"{root}.as_strided({lay.shape}, {lay.stride}, {root}.storage_offset() + {lay.offset})"))
+        w.fixed[step.out_slot] = view
+        w.line(f"# {w.names[step.out_slot]}: a view of {root}, made once")
+        return
     w.line(f"{w.define(step.out_slot)} = {root}.as_strided({w.size(lay.shape)}, "
            f"{w.size(lay.stride)}, {root}.storage_offset() + {w.size(lay.offset)})",
            w.value_name(step.out_slot))
