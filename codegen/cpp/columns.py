@@ -81,7 +81,9 @@ def inside_out(kernel, row_lines: list[str], k_coords: list[str], sections: list
                row_stores: list[str], producers: dict) -> tuple[list[str], list[dict], list[str]]:
     """The generic kernel's sections (cpp/reduction.py) as lane loops: (arrays declared once per
     block, sections with their lines in lane loops, the row stores' lane loop)."""
-    arrays: list[str] = []
+    fixed = [line for line in row_lines if _same_for_every_row(line)]
+    row_lines = [line for line in row_lines if line not in fixed]
+    arrays: list[str] = ["// read once per block: the same value for every row"] + fixed if fixed else []
     kept: dict[str, str] = {}  # row values of earlier phases, read back in the lane loops that use them
     out = []
 
@@ -133,6 +135,25 @@ def inside_out(kernel, row_lines: list[str], k_coords: list[str], sections: list
     return arrays, out, stores
 
 
+_DEFINITION = re.compile(r"^const [\w:<> ]+ \w+ = (?P<value>.+);$")
+_NAMES = re.compile(r"\b(?:v\d+_\w+|[cq]\d+|lane\w*|outer|k)\b")
+
+
+def _same_for_every_row(line: str) -> bool:
+    """Whether a row line reads only elements at fixed places (`scale_ptr[0]`, a 0-d tensor's
+    value) and no other value: then it is read once per block, outside the lane loops. Read in
+    each lane loop, such a load kept gcc 12 from vectorizing the loop ("no vectype for stmt",
+    "latch block not empty"): a batch norm backward's last pass over 64 channels, whose
+    where(le, scalar, grad) reads a 0-d tensor, ran one value at a time."""
+    d = _DEFINITION.match(line)
+    if d is None or "_ptr[" not in d["value"]:
+        return False
+    value = d["value"]
+    if any(not index.isdigit() for index in re.findall(r"_ptr\[([^\]]*)\]", value)):
+        return False
+    return _NAMES.search(value) is None
+
+
 _PARTS = ("before", "block_before", "body", "block_after", "after")  # a section's lines
 
 
@@ -142,6 +163,17 @@ def _uses(lines: list[str], name: str) -> bool:
     not vectorize on baseline x86-64), and a lane loop reads back only the ones it uses."""
     word = re.compile(rf"\b{re.escape(name)}\b")
     return any(word.search(line) for line in lines)
+
+
+def block_width(kernel, columns: int) -> int:
+    """Rows per block: `columns` (cpu_plan.COLUMNS; 0: not inside out), or the number of rows
+    side by side where that is a number below it: then the one block is full, and every lane
+    loop runs a count gcc knows when compiling (`full_blocks`) instead of a short runtime count
+    it splits into a vector part and a remainder at every k step."""
+    last = kernel.row_shape[-1] if columns else None
+    if last is None or is_symbolic(last) or last >= columns:
+        return columns
+    return int(last)
 
 
 def full_blocks(kernel, columns: int) -> bool:

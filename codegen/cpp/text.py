@@ -188,6 +188,8 @@ def render_stmt(s: Stmt, round_f16: bool = True) -> str:
 
 
 def load_value(ptr_expr: str, storage: torch.dtype) -> str:
+    if storage == torch.bool:  # read as its byte (cpp_prelude.h fusec_bool: why)
+        return f"fusec_bool({ptr_expr})"
     if storage == torch.float16:
         return f"fusec_f16_to_f32({ptr_expr})"
     if storage == torch.bfloat16:

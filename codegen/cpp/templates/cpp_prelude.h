@@ -119,6 +119,13 @@ static inline float fusec_expm1_q(float r) {
 }
 static inline float fusec_expm1_reduced(float r) { return FUSEC_FMAF(r * r, fusec_expm1_q(r), r); }
 
+// A bool read from memory, as the byte it is stored in (0 or 1, as torch stores bools). gcc 12
+// does not vectorize a loop that loads a `bool` next to float loads ("no vectype for stmt" on the
+// float load): a batch norm backward's inside-out k loop, where(le, 0, grad) summed over 32
+// channels, ran one value at a time, 3-4x the LLVM backend's time. Read as an unsigned char (a
+// char type may alias any object) the same loop is vectorized.
+static inline bool fusec_bool(const bool& b) { return reinterpret_cast<const unsigned char&>(b) != 0; }
+
 // c ? a : b for any arithmetic type, as bit masks (the op table's `where`, and the selects below).
 // The same gcc 12 limit as fusec_select_bits above, for floats: a float `?:` that gcc cannot turn
 // into a min/max (NaNs forbid it) stays a branch in a loop that also calls torch's SLEEF exp, and
