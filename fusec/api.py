@@ -28,7 +28,6 @@ from typing import Callable
 
 import torch
 from torch._dispatch.python import enable_python_dispatcher
-from torch.utils import _pytree as pytree
 
 from fusec import check as _check
 from fusec import dynamic, events, symbolic
@@ -264,7 +263,7 @@ class CompiledFunction:
             # (one fast path for a whole family, checking the Python state this call's key holds)
             self._fast = self._fast_paths.get(kept) or self._fast_path(key, compiled, tensors,
                                                                        len(args), kept)
-        return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
+        return calls.unflatten_outputs(flat_out, compiled.captured.out_spec)
 
     def _fast_path(self, key: tuple, compiled: "CompiledGraph", tensors: list,
                    n_args: int, kept: tuple | None = None) -> Callable:
@@ -445,7 +444,7 @@ class CompiledFunction:
         self.last = compiled
         run = one_at_a_time(self._run, compiled)
         flat_out = complete(compiled, run(compiled, tensors, n_static), tensors)
-        return pytree.tree_unflatten(flat_out, compiled.captured.out_spec)
+        return calls.unflatten_outputs(flat_out, compiled.captured.out_spec)
 
     # -- pickling ---------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -610,6 +609,8 @@ class CompiledFunction:
         key += self._guards.key()  # the values of the Python state its program read
         entry = self.compiled.get(key)
         family = None
+        if entry is not None and entry[1].family is not None:  # the family's first size
+            family = next((f for f in self.train_families if f.compiled is entry), None)
         if entry is None and self.train_families:
             family = self._train_family_for([*lifted, *tensors], key)
             entry = family.compiled if family is not None else None

@@ -197,8 +197,6 @@ def test_triton_a_function_with_a_weight():
 
 
 # -- per-call work of a family's step (docs/dynamic.md, "What a family's step costs") -----------
-@pytest.mark.xfail(reason="fusec/api.py `_train` finds the family's first size by its exact key, "
-                          "with no family, and refuses that size the fast path", strict=False)
 def test_the_familys_first_size_takes_the_training_fast_path():
     model = mlp()
     cf = fusec.compile(model, backend="cpp")

@@ -9,6 +9,7 @@ reads it without walking the module.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,11 +63,33 @@ def module_state(module: torch.nn.Module) -> list[StateRef]:
     return refs
 
 
+# Leaves of a call's arguments that pytree would not open (None is not one: pytree opens it).
+LEAF_TYPES = (torch.Tensor, torch.nn.Parameter, int, float, bool)
+_flat_names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # fn -> {n args: names}
+
+
 def flatten_call(fn: Callable, args: tuple, kwargs: dict):
     """Flatten a call's arguments into leaves, with names taken from fn's signature.
 
     Returns (leaves, names, rebuild) where rebuild(leaves) -> (args, kwargs).
+
+    A call of positional leaves only (tensors and numbers: AOT Autograd calls a backward with its
+    saved tensors and the sizes it needs as ints, a hundred arguments) is already flat: its
+    leaves are `args`, and its names, found once per function and count, are kept.
     """
+    if not kwargs and all(type(a) in LEAF_TYPES for a in args):
+        try:
+            known = _flat_names.setdefault(fn, {})
+        except TypeError:  # (not weakly referable: named each time)
+            known = {}
+        names = known.get(len(args))
+        if names is None:
+            names = known[len(args)] = _flatten_call(fn, args, kwargs)[1]
+        return list(args), names, lambda new_leaves: (tuple(new_leaves), {})
+    return _flatten_call(fn, args, kwargs)
+
+
+def _flatten_call(fn: Callable, args: tuple, kwargs: dict):
     try:
         sig = inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
         bound = sig.bind(*args, **kwargs)
@@ -88,6 +111,25 @@ def flatten_call(fn: Callable, args: tuple, kwargs: dict):
         return b.args, b.kwargs
 
     return leaves, names, rebuild
+
+
+_flat_specs: dict = {}  # id(spec) -> (spec, list or tuple when it is a flat one, else None)
+
+
+def unflatten_outputs(flat: list, spec):
+    """`pytree.tree_unflatten(flat, spec)`, with the common case made cheap: a spec that is one
+    list or tuple of leaves (a backward's gradients, a hundred of them) gives that list or tuple
+    of `flat` directly. Which specs are flat is found once per spec (by unflattening 0..n-1)."""
+    known = _flat_specs.get(id(spec))
+    if known is None or known[0] is not spec:
+        n = spec.num_leaves
+        probe = pytree.tree_unflatten(list(range(n)), spec)
+        kind = type(probe) if type(probe) in (list, tuple) and list(probe) == list(range(n)) else None
+        known = _flat_specs[id(spec)] = (spec, kind)
+    kind = known[1]
+    if kind is not None:
+        return kind(flat)
+    return pytree.tree_unflatten(flat, spec)
 
 
 def _path_name(path) -> str:
