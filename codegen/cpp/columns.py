@@ -166,12 +166,12 @@ def _uses(lines: list[str], name: str) -> bool:
 
 
 def block_width(kernel, columns: int) -> int:
-    """Rows per block: `columns` (cpu_plan.COLUMNS; 0: not inside out), or the number of rows
+    """Rows per block: `columns` (cpu_plan.COLUMNS), or the number of rows
     side by side where that is a number below it: then the one block is full, and every lane
     loop runs a count gcc knows when compiling (`full_blocks`) instead of a short runtime count
     it splits into a vector part and a remainder at every k step."""
-    last = kernel.row_shape[-1] if columns else None
-    if last is None or is_symbolic(last) or last >= columns:
+    last = kernel.row_shape[-1]
+    if is_symbolic(last) or last >= columns:
         return columns
     return int(last)
 

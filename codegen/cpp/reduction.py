@@ -120,7 +120,9 @@ class _Rows:
         # rows side by side with their values far apart: the loops turned inside out (cpp/columns.py),
         # the k loop outside and a block of rows in the SIMD lanes; lanes of rows only where a
         # kernel family asks for no columns (Note: lanes of rows)
-        self.columns = cpp_columns.block_width(kernel, column_blocks(kernel)) if allow_columns else 0
+        self.columns = column_blocks(kernel) if allow_columns else 0
+        if self.columns:  # (a block no wider than the rows side by side: cpp/columns.py)
+            self.columns = cpp_columns.block_width(kernel, self.columns)
         self.lanes = 0 if self.columns else lane_blocks(kernel, self.k_strided)
         if self.lanes or self.columns:
             # Note (lanes of rows): see lane_blocks. The row's coordinates come from the block and
