@@ -354,37 +354,41 @@ class CompiledFunction:
         family = self._family_for(tensors, key)
         return dict(family.dims) if family is not None else None
 
-    def _dynamic_dims(self, key: tuple, tensors: list) -> dict:
+    def _dynamic_dims(self, key: tuple, tensors: list, training: bool = False) -> dict:
         """{flat tensor position: dims} to compile as symbols for this new signature, by the
         policy (fusec/dynamic.py): the dims marked dynamic, every dim with dynamic=True, and
-        with dynamic=None the dims whose sizes differ from an earlier call alike in all else."""
+        with dynamic=None the dims whose sizes differ from an earlier call alike in all else,
+        and a broken family's dims again. `training`: for a training signature, against the
+        earlier training signatures and families (fusec/capture/training_family.py)."""
         if self.dynamic is False or self.check:
             return {}
         n_static = len(self._state_refs)
-        dims = {i: frozenset(d for d in dynamic.marked_dims(t) if t.shape[d] >= 2)
-                for i, t in enumerate(tensors) if i >= n_static and dynamic.marked_dims(t)}
-        for i, ds in self.seed_dims.items():  # (a graph handed over with symbolic sizes)
-            dims[n_static + i] = dims.get(n_static + i, frozenset()) | ds
+        families = self.train_families if training else self.families
+        dims = {i: frozenset(dynamic.marked_dims(t)) for i, t in enumerate(tensors)
+                if i >= n_static and dynamic.marked_dims(t)}
+        for i, ds in ({} if training else self.seed_dims).items():  # (a graph handed over
+            dims[n_static + i] = dims.get(n_static + i, frozenset()) | ds  # with symbolic sizes)
         if self.dynamic:
             dims = {i: frozenset(ds) | dims.get(i, frozenset())
                     for i, ds in dynamic.all_dims(tensors, n_static).items()}
         else:
             rest, new = _rest_of(key), _tensor_entries(key)
             for old_key in reversed(self.compiled):
-                if old_key[:1] == ("train",) or _rest_of(old_key) != rest:
+                if (old_key[:1] == ("train",)) != training or _rest_of(old_key) != rest:
                     continue
                 changed = dynamic.changed_dims(_tensor_entries(old_key), new, n_static)
                 if changed:
                     dims = {i: changed.get(i, frozenset()) | dims.get(i, frozenset())
                             for i in set(changed) | set(dims)}
                     break
-            for family in self.families:  # a family whose guards broke: its dims again
+            for family in families:  # a family whose guards broke: its dims again
                 if family.key == dynamic.family_key(tensors, family.dims, rest):
                     dims = {i: family.dims.get(i, frozenset()) | dims.get(i, frozenset())
                             for i in set(family.dims) | set(dims)}
         dims = {i: frozenset(d for d in ds if tensors[i].shape[d] >= 2) for i, ds in dims.items()}
         dims = {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
-        return {} if tuple(sorted(dims.items())) in self._pinned else dims
+        pinned = self._train_pinned if training else self._pinned
+        return {} if tuple(sorted(dims.items())) in pinned else dims
 
     def _compile_dynamic(self, key, args, kwargs, leaves, tensors: list, dims: dict):
         """Compile the program for a shape family (`dims` as symbols) and keep it as one; where
@@ -629,9 +633,9 @@ class CompiledFunction:
 
     def _train_new(self, key: tuple, args, kwargs, lifted: list, tensors: list):
         """Compile the training pair for a call no pair serves (a shape family's, when the
-        policy makes some dims symbols: `_train_dims`), run its forward, and keep it."""
+        policy makes some dims symbols: `_dynamic_dims`), run its forward, and keep it."""
         names = [ref.name for ref in self._state_refs]
-        dims = self._train_dims(key, [*lifted, *tensors])
+        dims = self._dynamic_dims(key, [*lifted, *tensors], training=True)
         if self.compiles:  # a training program again: say why, as `_compile_new` does
             last = next((k for k in reversed(self.compiled) if k[:1] == ("train",)), None)
             changed = self._guards.reason(key) or what_changed(
@@ -678,36 +682,6 @@ class CompiledFunction:
         return out
 
     # -- training shape families (fusec/capture/training_family.py) ------------------------------
-    def _train_dims(self, key: tuple, tensors: list) -> dict:
-        """{flat tensor position: dims} to trace as symbols for a new training signature: the
-        policy of `_dynamic_dims` (marked dims, dynamic=True, else the dims that changed since
-        the last training signature alike in all else, and a broken family's dims again)."""
-        if self.dynamic is False or self.check:
-            return {}
-        n_static = len(self._state_refs)
-        dims = {i: frozenset(dynamic.marked_dims(t)) for i, t in enumerate(tensors)
-                if i >= n_static and dynamic.marked_dims(t)}
-        if self.dynamic:
-            dims = {i: frozenset(ds) | dims.get(i, frozenset())
-                    for i, ds in dynamic.all_dims(tensors, n_static).items()}
-        else:
-            rest, new = _rest_of(key), _tensor_entries(key)
-            for old_key in reversed(self.compiled):
-                if old_key[:1] != ("train",) or _rest_of(old_key) != rest:
-                    continue
-                changed = dynamic.changed_dims(_tensor_entries(old_key), new, n_static)
-                if changed:
-                    dims = {i: changed.get(i, frozenset()) | dims.get(i, frozenset())
-                            for i in set(changed) | set(dims)}
-                    break
-            for family in self.train_families:  # a family whose guards broke: its dims again
-                if family.key == dynamic.family_key(tensors, family.dims, rest):
-                    dims = {i: family.dims.get(i, frozenset()) | dims.get(i, frozenset())
-                            for i in set(family.dims) | set(dims)}
-        dims = {i: frozenset(d for d in ds if tensors[i].shape[d] >= 2) for i, ds in dims.items()}
-        dims = {i: ds for i, ds in dims.items() if ds}  # (0 and 1 are never symbols)
-        return {} if tuple(sorted(dims.items())) in self._train_pinned else dims
-
     def _train_family_for(self, tensors: list, key: tuple) -> Family | None:
         """The training shape family whose pair serves this call (its guards hold), else None;
         a family whose guards this call broke says which, for the recompile's reason."""
