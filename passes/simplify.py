@@ -36,22 +36,13 @@ For an amount in [0, 32) the int64 result is the int32 one sign-extended; for an
 both are the sign bits of w (an amount past the width, or negative, shifts a signed value to
 its sign; the clamp keeps a huge int64 amount from wrapping into range when narrowed). The
 amounts are usually a row value of the kernel (one per column), so the clamp costs nothing per
-weight.
-
-The third rule drops an op that returns its input's values: `x - 0`, `x * 1`, `x / 1`, and
-`x + 0` for integers (for floats -0.0 + 0 is +0.0, so it stays), when the op neither promotes
-the dtype nor broadcasts. Programs rarely spell them, but capture makes them: GPT-2's position
-ids are `arange(past, past + n) + 0` traced with a past length of zero. A constant folds away
-(passes/fold_constants.py), but where the length is a symbol (a shape family, docs/dynamic.md)
-the add would be a kernel of its own on every call. All three are rules of passes/patterns.py, a pattern and the replacement built for it; each
+weight. Both are rules of passes/patterns.py, a pattern and the replacement built for it; each
 rewrite is a `Decision` in `record_of(gm).simplify`.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-
-from fusec.ops import is_view
 
 from .grouping import meta, record_decisions
 from .patterns import Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
@@ -107,53 +98,11 @@ SHIFT_IN_32_BITS = Rule(
     _narrow_shift, "{word} >> {amount} in 32 bits: its users keep at most 32 bits of the int64 "
     "shift")
 
-# ---- identities: x + 0, x - 0, x * 1, x / 1 ------------------------------------------------------
-
-def _literal(value) -> bool:
-    return type(value) in (int, float)  # (not a bool: False == 0, but x + False is not x + 0)
-
-
-def _same_value(b: Builder, m: Match) -> fx.Node:
-    """`x` itself where the op returns x's values unchanged, with x's dtype and shape; else the
-    op. `x + 0` is only kept out for floats (-0.0 + 0 is +0.0), and nothing the program returns
-    (itself or as a view) is replaced: eager returns a new tensor there, not its input."""
-    node, x = m.op, m.x
-    unit = 0 if node.target in (aten.add.Tensor, aten.sub.Tensor) else 1
-    if m.unit != unit or not isinstance(x, fx.Node) or "fusec" not in x.meta:
-        return node  # (x * 0 is not x)
-    a, out = meta(x), meta(node)
-    if a.dtype != out.dtype or tuple(map(str, a.shape)) != tuple(map(str, out.shape)):
-        return node  # (the op promotes or broadcasts: it makes a different tensor)
-    if node.target is aten.add.Tensor and out.dtype.is_floating_point:
-        return node
-    if _returned(node):
-        return node  # (eager's output is a new tensor: it must not share x's memory)
-    return x
-
-
-def _returned(node: fx.Node) -> bool:
-    """Whether the program returns `node` or a view of it."""
-    seen = [(user, node) for user in node.users]
-    while seen:
-        user, source = seen.pop()
-        if user.op == "output":
-            return True
-        if user.op == "call_function" and is_view(user.target) and user.args[:1] == (source,):
-            seen += [(u, user) for u in user.users]  # (a view's users see node's memory too)
-    return False
-
-
-IDENTITY = Rule(
-    "identity",
-    Op((aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor), X,
-       Var("unit", when=_literal), name="op"),
-    _same_value, "{op} returns {x} unchanged: its users read {x}")
-
-RULES = [TANH_OF_SOFTPLUS, SHIFT_IN_32_BITS, IDENTITY]
+RULES = [TANH_OF_SOFTPLUS, SHIFT_IN_32_BITS]
 
 
 @looks_for_rules("RULES")  # (a graph without a tanh or a shift is skipped)
 def simplify(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite tanh(softplus(x)) as one exp and a division, narrow 64-bit shifts whose users
-    keep 32 bits, and drop ops that return their input's values (see the module docstring)."""
+    """Rewrite tanh(softplus(x)) as one exp and a division, and narrow 64-bit shifts whose
+    users keep 32 bits (see the module docstring)."""
     return record_decisions(gm, "simplify", rewrite(gm, RULES))
