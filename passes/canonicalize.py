@@ -75,6 +75,9 @@ each way keeps the pieces where the next kernel can read them.
                          back ends a kernel, passes/fuse_pointwise.py), and the view is of the
                          cast's result. Autocast's backward writes every gradient so: the
                          gradient of `logits.float()` reshaped, then cast back to bfloat16.
+    kept dims dropped    view(sum(g, dims, True), S) -> sum(g, dims) when S is the sum's shape
+                         without its kept dims (a bias gradient): the kernel's buffer is the
+                         gradient, no view made per call (passes/kept_dims.py).
 
 Each is exact: every element gets the same ops on the same values as in eager, so NaN and
 infinity come out where eager's do. Only elementwise ops of the op table (fusec/ops.py) move,
@@ -100,6 +103,7 @@ from fusec.ir import TensorMeta
 from fusec.sizes import is_one, same_shape
 
 from .grouping import record_decisions
+from .kept_dims import DROPPED_KEPT_DIMS
 from .patterns import REGISTERED, Builder, Declined, Match, Op, Rule, Var, looks_for_rules, rewrite
 
 aten = torch.ops.aten
@@ -819,4 +823,4 @@ CAST_AFTER_VIEW = Rule(
 
 RULES = [VIEW_CHAIN, BATCH_OF_ONE, CONTRACTION, SCALE_AFTER_T, SCALE_AFTER, SCALE_AFTER_BIAS,
          MATH_INTO_STACK, STACK_READERS, VIEW_OF_VIEW, MATH_OUT_OF_CAT, CAT_OF_VIEWS,
-         CAST_AFTER_VIEW]
+         CAST_AFTER_VIEW, DROPPED_KEPT_DIMS]

@@ -61,7 +61,7 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             _set_index(node, gather, index)
             decisions.append(Decision(node.name, True, f"reads {index.name} as it is: its cast to "
                                       f"{meta(gather.index).dtype} names the same rows"))
-        key = (index, hashable(gather.lowest), hashable(gather.size))
+        key = (_values_of(index), hashable(gather.lowest), hashable(gather.size))
         if key in checked:
             continue
         known = _constant(gm, index)
@@ -85,6 +85,22 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         graph.lint()
         gm.recompile()
     return gm
+
+
+# Views that keep every value of their input and add none: a view of a checked index needs no
+# check of its own (a slice would check fewer values, and stays its own check).
+SAME_VALUES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+               aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+               aten.expand.default, aten.permute.default, aten.t.default, aten.transpose.int)
+
+
+def _values_of(index: fx.Node) -> fx.Node:
+    """The node whose values `index` holds: itself, or what a chain of SAME_VALUES views reads
+    (BERT's position ids, read by one embedding as they are and by another as a vector)."""
+    while index.op == "call_function" and index.target in SAME_VALUES \
+            and isinstance(index.args[0], fx.Node):
+        index = index.args[0]
+    return index
 
 
 def _uncast(index: fx.Node) -> fx.Node:

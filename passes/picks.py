@@ -30,6 +30,18 @@ program input, a library call's result) keeps the library call: reading one valu
 beats reading the whole row. Eager refuses a position outside [0, C) with an error; the kernel
 cannot, so the pass adds the check as ordinary graph ops, as passes/check_gathers.py does for
 gathered reads (one `_assert_async` of them all).
+
+One more gather is a read the kernels already know: a gather from a tensor with one row, where
+the source and the index have size 1 along every dim but the picked one. Then the index is a
+list of positions in that row, and the gather is `index_select` with the index as a vector,
+which a kernel reads in place as a gathered read (fusec.ops.gathered_read; passes/
+check_gathers.py adds its range check, [0, size) as gather's):
+
+    before                                   after
+    g = gather(x, 1, t)    x: (1, C), t: (1, n)     g = index_select(x, 1, view(t, [n]))
+
+BERT's token types are read so (`token_type_ids.expand(1, -1).gather(1, position_ids)`): the
+library call becomes a read inside the embeddings' kernel.
 """
 from __future__ import annotations
 
@@ -57,11 +69,17 @@ def picks(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in (aten.gather.default,
                                                              aten.scatter.value):
             continue
+        mode = mode or fake_mode_of(gm)
+        row = _one_row(graph, mode, node)
+        if row is not None:
+            node.replace_all_uses_with(row)
+            graph.erase_node(node)
+            decisions.append(Decision(row.name, True, "a gather from one row: index_select"))
+            continue
         why = _declined(node)
         if why:
             decisions.append(Decision(node.name, False, why))
             continue
-        mode = mode or fake_mode_of(gm)
         source, dim, index = node.args[:3]
         dim %= len(_meta(source).shape)
         size = _meta(source).shape[dim]
@@ -87,7 +105,7 @@ def picks(gm: fx.GraphModule) -> fx.GraphModule:
     if checks:
         assert_all(graph, mode, checks)
     record_of(gm).picks = decisions
-    if checks:
+    if any(d.taken for d in decisions):
         graph.lint()
         gm.recompile()
     return gm
@@ -126,6 +144,28 @@ def _declined(node: fx.Node) -> str | None:
         return (f"{source.name} is read from memory (an input or a library call's result): "
                 "one value per row beats reading every row")
     return None
+
+
+def _one_row(graph: fx.Graph, mode, node: fx.Node) -> fx.Node | None:
+    """`index_select(x, dim, view(t, [n]))` for a gather whose source and index have size 1
+    along every dim but `dim` (inserted before `node`); None for any other gather."""
+    if node.target is not aten.gather.default or node.kwargs.get("sparse_grad", False):
+        return None
+    source, dim, index = node.args[:3]
+    src, idx, out = _meta(source), _meta(index), _meta(node)
+    if src is None or idx is None or out is None or not isinstance(dim, int) \
+            or len(src.shape) == 0 or len(idx.shape) != len(src.shape) \
+            or idx.dtype not in (torch.int64, torch.int32) or 0 in src.shape:
+        return None
+    dim %= len(src.shape)
+    if any(not (isinstance(a, int) and isinstance(b, int) and a == 1 == b)
+           for d, (a, b) in enumerate(zip(src.shape, idx.shape)) if d != dim) \
+            or not isinstance(idx.shape[dim], int):
+        return None
+    with graph.inserting_before(node):
+        flat = _add(graph, mode, aten.view.default, (index, [idx.shape[dim]]), node)
+    with graph.inserting_after(flat):
+        return _add(graph, mode, aten.index_select.default, (source, dim, flat), node)
 
 
 def _hit(graph: fx.Graph, mode, source: fx.Node, dim: int, index: fx.Node, like: fx.Node):
