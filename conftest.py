@@ -16,7 +16,18 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# Under pytest-xdist, each worker gets its share of the cores as its threads (OpenMP's, torch's
+# and the kernels'), unless OMP_NUM_THREADS was chosen: with `-n auto` on a 2-core machine, two
+# workers of two threads each made a thread pool wait for a core it had lost (an eager Llama
+# fit, one process: 1.7 s alone, 22 s beside another worker). Set before torch is imported (its
+# OpenMP runtime reads the variable when it loads, and so does the system's, which the C++
+# kernels load). tests/test_parallel_kernels.py runs kernels on several threads in a process
+# of its own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

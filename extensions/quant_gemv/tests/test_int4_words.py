@@ -194,9 +194,16 @@ def test_the_paired_form_takes_the_exact_way_too(where, zero, monkeypatch):
     carries a constant times the activations in its sums besides: the same non-finite cases.
     Here switched on from 2 rows, so that 24 columns take it (saved programs off: their
     fingerprint does not see a module constant)."""
+    paired_from_two_rows(monkeypatch)
+    check_exact_way(where, zero, GROUPS, 24, paired=True)
+
+
+def paired_from_two_rows(monkeypatch):
+    """The paired form from 2 rows per program (it pays from 4, N > 4224 columns: thousands of
+    programs under the interpreter), so that a few dozen columns take it. Saved programs off:
+    their fingerprint does not see a module constant."""
     monkeypatch.setattr(int4_groups, "PAIRED_FROM_ROWS", 2)
     monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
-    check_exact_way(where, zero, GROUPS, 24, paired=True)
 
 
 def check_exact_way(where, zero, path, n, paired=False):
@@ -230,12 +237,15 @@ def check_exact_way(where, zero, path, n, paired=False):
         assert err <= (want[fin].double() - ref).abs().max().item() + 2 ** -8 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("n, k, paired", [(64, 1024, False), (4352, 512, True)])
-def test_one_row_is_closer_to_float64_than_eager(n, k, paired):
+@pytest.mark.parametrize("n, k, paired", [(64, 1024, False), (64, 512, True)])
+def test_one_row_is_closer_to_float64_than_eager(n, k, paired, monkeypatch):
     """The group kernel does not round each dequantized weight to bf16: against a float64
     product of the exact dequantization (q - zero) * scale its error is only the output's
     bf16 rounding, smaller than eager's (which rounds every weight first). Both forms: the high
-    nibbles masked (2 rows per program) and read unmasked (4 rows, N > 4224)."""
+    nibbles masked (2 rows per program) and read unmasked (from 4 rows, N > 4224; here switched
+    on from 2 rows, so that 64 columns take it under the interpreter)."""
+    if paired:
+        paired_from_two_rows(monkeypatch)
     layer = Int4(n, k, 128, seed=14)
     x = rand(1, k, seed=15)
     cf = fusec.compile(layer, backend="triton")
@@ -401,9 +411,9 @@ def test_source_is_the_kernel_that_runs_after_a_switch_changes(monkeypatch):
     """A kernel's source is rendered when first read, by a generator that reads FUSEC_*
     switches then: switching the paired form off after the build must not show a kernel that
     does not run. The built text is shown instead, and says why."""
-    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
-    cf = check(Int4(4352, 128, 32), rand(1, 128), path=GROUPS)  # (reads cf.kernels[0].source)
-    same = fusec.compile(Int4(4352, 128, 32), backend="triton")
+    paired_from_two_rows(monkeypatch)
+    cf = check(Int4(24, 128, 32), rand(1, 128), path=GROUPS)  # (reads cf.kernels[0].source)
+    same = fusec.compile(Int4(24, 128, 32), backend="triton")
     with torch.no_grad():
         same(rand(1, 128))
     monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")
@@ -421,8 +431,9 @@ def test_group_kernel_switched_off_by_the_environment(monkeypatch):
 
 
 def test_paired_form_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")  # 4 rows per program, yet the masked form
-    cf = check(Int4(4352, 128, 32), rand(1, 128), path=GROUPS)
+    paired_from_two_rows(monkeypatch)
+    monkeypatch.setenv("FUSEC_INT4_PAIRED", "0")  # enough rows per program, yet the masked form
+    cf = check(Int4(24, 128, 32), rand(1, 128), path=GROUPS)
     assert "x4 * (1.0 / 65536)" not in cf.kernels[0].source
     assert "FUSEC_INT4_PAIRED=0 switches the unmasked (paired) form off" in cf.kernels[0].source
 
