@@ -47,7 +47,7 @@ def no_fast_path(args: tuple) -> _Miss:
 
 def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, module,
              mutated: tuple = (), python_state: tuple = ((), {}),
-             sizes: str | None = None) -> Callable:
+             sizes: str | None = None, ints: dict | None = None) -> Callable:
     """`fast(args)`: run(tensors) when `args` match the call that `tensors` came from, else MISS.
 
     A guard in the sense of TorchDynamo's, written out as straight-line Python and compiled, so
@@ -75,14 +75,21 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     `sizes`: for a program over a shape family (fusec/dynamic.py), its guards as one Python
     expression over `L['t0']`, `L['t1']`... (the ShapeEnv's, with every static size and stride):
     each tensor's sizes and strides are then checked by it instead of by constants.
+
+    `ints`: for a call of tensors and ints (AOT Autograd's backward of a shape family, which
+    gets the sizes the forward saved among its tensors: Note: calls of tensors and ints), {the
+    int's position among the arguments: what it must be}, `int_checks`'s; the program runs on
+    the tensors alone.
     """
     glob = {"MISS": MISS, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter, "run": run,
             "is_grad_enabled": torch.is_grad_enabled}
-    n_args = len(tensors) - n_static
-    args = [f"a{i}" for i in range(n_args)]
+    ints = ints or {}
+    n_args = len(tensors) - n_static + len(ints)
+    names = [f"a{i}" for i in range(n_args)]
+    args = [name for i, name in enumerate(names) if i not in ints]  # (the tensors)
     lines = [f"if len(args) != {n_args}:", "    return MISS"]
-    if args:
-        lines.append(f"{', '.join(args)}{',' if n_args == 1 else ''} = args")
+    if names:
+        lines.append(f"{', '.join(names)}{',' if n_args == 1 else ''} = args")
     if module is not None:
         glob["module"] = module
         lines += [f"if module.training is not {module.training}:", "    return MISS"]
@@ -91,21 +98,10 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         glob[f"owner{i}"] = ref.owner
         lines.append(f"p{i} = {ref.expression(f'owner{i}')}")  # (`owner0._parameters['weight']`)
     for k, (var, t) in enumerate(zip(state + args, tensors)):
-        dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
-        glob[dtype], glob[device] = t.dtype, t.device
-        kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"  # (the type it was)
         # a family's guards (`sizes`) check the sizes of the inputs they name; the others are
         # fixed (a model's weights), checked here as a static program's are
-        shape = [f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}"] \
-            if sizes is None or f"L['t{k}']" not in sizes else [f"{var}.dim() != {t.dim()}"]
-        checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + shape + [
-            f"{var}.dtype is not {dtype}",
-            # is_cpu reads a flag; .device builds a torch.device to compare
-            f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
-            f"{'not ' if t.requires_grad else ''}{var}.requires_grad"]
-        rows = [" or ".join(checks[i:i + 3]) for i in range(0, len(checks), 3)]
-        lines += [f"if ({rows[0]}", *[f"        or {row}" for row in rows[1:-1]],
-                  f"        or {rows[-1]}):", "    return MISS"]
+        lines += _tensor_lines(var, t, glob, sizes is None or f"L['t{k}']" not in sizes)
+    lines += _int_lines(names, ints)
     if sizes is not None:
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP  # (Eq, Mod, FloorDiv...)
         glob.update({k: v for k, v in SYMPY_INTERP.items() if k not in glob})
@@ -117,13 +113,83 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         lines += _overlap_lines(state + args, tensors, mutated)
     lines += python_state[0]
     glob.update(python_state[1])
-    everything = "args" if not state else f"[{', '.join(state + args)}]"
+    everything = "args" if not state and not ints else f"[{', '.join(state + args)}]"
     lines.append(f"return run({everything})")
     source = "def fast(args):\n" + "".join(f"    {line}\n" for line in lines)
     exec(builtins.compile(source, "<fusec fast path>", "exec"), glob)  # (fusec's compile is ours)
     fast = glob["fast"]
     fast.source, fast.run = source, run
     return fast
+
+
+def _tensor_lines(var: str, t: torch.Tensor, glob: dict, sized: bool) -> list[str]:
+    """The lines that return MISS unless `var` is a tensor like `t`: its type (an argument's;
+    the module's state is read where it lives), shape and strides (`sized`; else its rank
+    only), dtype, device and requires_grad."""
+    dtype, device = str(t.dtype).replace("torch.", ""), str(t.device).replace(":", "")
+    glob[dtype], glob[device] = t.dtype, t.device
+    kind = "Parameter" if type(t) is torch.nn.Parameter else "Tensor"  # (the type it was)
+    shape = [f"{var}.shape != {tuple(t.shape)}", f"{var}.stride() != {tuple(t.stride())}"] \
+        if sized else [f"{var}.dim() != {t.dim()}"]
+    checks = ([f"type({var}) is not {kind}"] if var.startswith("a") else []) + shape + [
+        f"{var}.dtype is not {dtype}",
+        # is_cpu reads a flag; .device builds a torch.device to compare
+        f"not {var}.is_cpu" if device == "cpu" else f"{var}.device != {device}",
+        f"{'not ' if t.requires_grad else ''}{var}.requires_grad"]
+    rows = [" or ".join(checks[i:i + 3]) for i in range(0, len(checks), 3)]
+    return [f"if ({rows[0]}", *[f"        or {row}" for row in rows[1:-1]],
+            f"        or {rows[-1]}):", "    return MISS"]
+
+
+# Note: calls of tensors and ints. AOT Autograd hands a shape family's backward the sizes the
+# forward saved as Python ints among its tensors (`bw(s0, s1, t0, t1, ...)`): each such int is
+# a size of one of the tensors (fusec/dynamic.py `from_examples` records which, as `derived`),
+# and the program reads sizes from its tensors, so it runs on the tensors alone. The general
+# path keys such an int by where it comes from when it equals that size, else by its value
+# (`dynamic.derive`); the fast path checks the same, written out: `a0 == a5.shape[1]` for a
+# size, `type(a0) is int and a0 == 7` for any other int (then part of the fast path's key,
+# `fast_path_key`). A call whose ints differ takes the general path, which decides as before.
+
+
+def flat_args(args: tuple) -> bool:
+    """Whether a call's positional arguments can take a fast path: plain tensors, and ints
+    (Note: calls of tensors and ints)."""
+    return all(type(a) in PLAIN_TENSORS or type(a) is int for a in args)
+
+
+def int_checks(args: tuple, derived: dict) -> dict:
+    """{position: ("size of", j, d) or ("value", v)} for each int among `args` (see the Note):
+    a size of tensor argument j where `derived` says so and it is that size now, else its value."""
+    checks = {}
+    for i, a in enumerate(args):
+        if type(a) is not int:
+            continue
+        j, d = derived.get(i, (None, None))
+        sized = j is not None and j < len(args) and type(args[j]) in PLAIN_TENSORS \
+            and args[j].dim() > d and args[j].shape[d] == a
+        checks[i] = ("size of", j, d) if sized else ("value", a)
+    return checks
+
+
+def fast_path_key(key: tuple, compiled: "CompiledGraph", args: tuple, derived: dict) -> tuple:
+    """What a fast path is kept under: the signature `key`, or, for a shape family's program,
+    the family (one fast path for every size) and the values of the ints that are not sizes."""
+    if compiled.captured.shape_env is None:
+        return key
+    values = tuple((i, c[1]) for i, c in int_checks(args, derived).items() if c[0] == "value")
+    return ("family", id(compiled)) + ((values,) if values else ())
+
+
+def _int_lines(names: list[str], ints: dict) -> list[str]:
+    """The checks of a call's ints (`int_checks`), written out (see the Note)."""
+    tests = []
+    for i, check in sorted(ints.items()):
+        if check[0] == "size of":
+            want = f"{names[check[1]]}.shape[{check[2]}]"
+        else:
+            want = repr(check[1])
+        tests.append(f"type({names[i]}) is not int or {names[i]} != {want}")
+    return [line for test in tests for line in (f"if {test}:", "    return MISS")]
 
 
 def _family_lines(names: list[str], code: str) -> list[str]:
@@ -142,13 +208,20 @@ def _family_lines(names: list[str], code: str) -> list[str]:
     return lines + [f"if not ({code}):", "    return MISS  # the shape family's guards"]
 
 
-def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
-                   state_refs: list, module, python_state: tuple) -> Callable:
+def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args, owner,
+                   state_refs: list, module, python_state: tuple,
+                   derived: dict | None = None) -> Callable:
     """The fast path for calls like this one (`n_args` positional plain tensors after the
-    module's state, all as in `tensors`): a guard, written out as Python (`guarded_call`), then the
-    run. A program CUDA graphs may replay runs as the general path runs it: through its
-    CompiledFunction's (`owner`'s) `_run`, which decides between a plain run, a capture and a
-    replay (looked up on every call, as in the general path)."""
+    module's state, all as in `tensors`; or `n_args` the call's positional arguments, tensors
+    and ints, with `derived` the ints that are sizes: Note: calls of tensors and ints): a guard,
+    written out as Python (`guarded_call`), then the run. A program CUDA graphs may replay runs
+    as the general path runs it: through its CompiledFunction's (`owner`'s) `_run`, which
+    decides between a plain run, a capture and a replay (looked up on every call, as in the
+    general path)."""
+    ints = None
+    if not isinstance(n_args, int):  # the call's arguments themselves
+        ints = int_checks(n_args, derived or {})
+        n_args = len(n_args) - len(ints)
     captured, n_static = compiled.captured, len(tensors) - n_args
     if compiled.graph_blocker is None:  # CUDA graphs may replay it: the general path's run
         pack = _packer(captured.out_spec)
@@ -163,7 +236,7 @@ def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args: int, owner,
         from fusec.dynamic import guard_expression
         sizes = guard_expression(captured, fixed_apart=True)
     return guarded_call(one_at_a_time(run, compiled), tensors, n_static, state_refs, module,
-                    mutated_inputs(compiled.program), python_state, sizes)
+                    mutated_inputs(compiled.program), python_state, sizes, ints)
 
 
 def complete(compiled: "CompiledGraph", flat_out: list, tensors: list) -> list:

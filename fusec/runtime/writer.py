@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from fusec.ir import Layout
 from fusec.symbolic import hint, is_symbolic, py_expr, rename
+from fusec.runtime.family_pool import made_per_size, pooled_views
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
                                  OutputBuffer, SlotRef, ViewStep, own_storage, settle,
                                  settle_as)
@@ -64,7 +65,7 @@ def straight_line(program: "Program", aliases: dict, constants: dict, form: str)
     for i, step in enumerate(program.steps):
         _EMITTERS.get(type(step), _emit_any)(w, step)
         dead = [w.names.pop(s) for s in last.get(i, ())
-                if s not in keep and w.names.get(s, "").startswith("s")]
+                if s not in keep and s not in w.pooled and w.names.get(s, "").startswith("s")]
         if dead:  # as torch.compile's output code does: memory goes back as soon as it can
             w.line(f"del {', '.join(dead)}", "last use")
     w.line("return " + _result(w, program, aliases, constants, form))
@@ -99,6 +100,11 @@ def _carve_family_pool(w: "_Writer", program: "Program") -> None:
     if pool is None or not pool.buffers:
         return
     bufs = [b for s in program.steps if isinstance(s, KernelStep) for b in s.writes if b.live]
+    views = pooled_views(program.steps, {b.slot for b in bufs}, set(program.output_slots))
+    factories = [(f, call) for f in made_per_size(program.steps, set(program.output_slots),
+                                                   step_reads)
+                 if (call := _extern_call(w, f)) is not None]
+    at = {slot: k for k, slot in enumerate([b.slot for b in bufs] + [v.out_slot for v in views])}
     symbols = sorted(w.sizes.values())
     key = symbols[0] if len(symbols) == 1 else f"({', '.join(symbols)})"
     name = w.bind(pool, "pool", f"FamilyPool({str(pool.device)!r}, {pool.buffers!r})")
@@ -106,12 +112,19 @@ def _carve_family_pool(w: "_Writer", program: "Program") -> None:
     layouts = ", ".join(f"({w.size(tuple(b.shape))}, {w.size(tuple(b.stride))})" for b in bufs)
     w.line(f"_v = {kept}.get({key})", "this size's intermediate buffers, if kept")
     w.line("if _v is None:")
-    w.line(f"    _v = {name}.carve({key}, ({layouts}{',' if len(bufs) == 1 else ''}))",
-           "a pool for this size: planned, allocated, carved")
+    made = "".join(f"({at[v.root]}, {w.size(tuple(v.layout.shape))}, "
+                   f"{w.size(tuple(v.layout.stride))}, {w.size(v.layout.offset)}), " for v in views)
+    more = "".join(f"{call}, " for _, call in factories)
+    w.line(f"    _v = {name}.carve({key}, ({layouts}{',' if len(bufs) == 1 else ''}), "
+           f"({made.rstrip()}), ({more.rstrip()}))", "a pool for this size: planned, allocated, "
+           "carved, with its views and what depends on the sizes alone")
     w.line(f"{name}.in_use = _v", "(a CUDA graph captured now keeps it: cuda_graphs.py)")
-    targets = [w.define(b.slot) for b in bufs]
+    slots = [*(b.slot for b in bufs), *(v.out_slot for v in views),
+             *(f.out_slot for f, _ in factories)]
+    targets = [w.define(slot) for slot in slots]
+    w.pooled = set(slots)  # (kept with the pool: no `del`, no view made per call)
     w.line(f"{', '.join(targets)}{',' if len(targets) == 1 else ''} = _v",
-           ", ".join(w.value_name(b.slot) for b in bufs))
+           ", ".join(w.value_name(slot) for slot in slots))
 
 
 def step_reads(step) -> list[int]:
@@ -172,6 +185,7 @@ class _Writer:
         self.setup: list[str] = []
         self.sizes: dict = {}  # size symbol -> the local that holds its value on this call
         self.fixed: dict[int, torch.Tensor] = {}  # slot -> its tensor, the same on every call
+        self.pooled: set = set()  # slots a shape family's pool keeps for this call's sizes
 
     def size(self, x) -> str:
         """A size, a shape or a stride tuple as Python: a symbolic one over this call's sizes."""
@@ -313,6 +327,19 @@ def _input_like(w: _Writer, buf: OutputBuffer, device) -> str | None:
 
 def _emit_extern(w: _Writer, step: ExternStep) -> None:
     """`s5 = _aten_mm_default(s1, s2)`, its arguments written out."""
+    if step.out_slot in w.pooled:  # made with a shape family's pool, once per size
+        w.line(f"# {w.names[step.out_slot]}: {w.value_name(step.out_slot)}, made once for this "
+               "size")
+        return
+    call = _extern_call(w, step)
+    if call is None:
+        return _emit_any(w, step)
+    w.line(f"{w.define(step.out_slot)} = {call}")
+
+
+def _extern_call(w: _Writer, step: ExternStep) -> str | None:
+    """The Python that calls an extern step's op, its result settled as planned (None: an
+    argument that cannot be written out)."""
     try:
         args = [_argument(w, a) for a in step.args]
         if step.target in CLONES_WHOLE_STORAGE and args:  # see that note in runtime/steps.py
@@ -322,14 +349,14 @@ def _emit_extern(w: _Writer, step: ExternStep) -> None:
                 raise _NotWritable(f"keyword {k!r}")
             args.append(f"{k}={_argument(w, v)}")
     except _NotWritable:
-        return _emit_any(w, step)
+        return None
     binding = PYTHON_BINDINGS.get(step.target) if not step.kwargs else None
     name = w.bind(binding, step.name, f"torch.{binding.__name__}") if binding else \
         w.bind(step.target, step.name)
     call = f"{name}({', '.join(args)})"
     if step.planned is not None:  # ATen picks its result's strides: settle them as planned
         call = _settled(w, call, step.planned)
-    w.line(f"{w.define(step.out_slot)} = {call}")
+    return call
 
 
 # Note (an extern call through torch's own binding): calling an ATen op through its OpOverload
@@ -389,6 +416,10 @@ def _emit_view(w: _Writer, step: ViewStep) -> None:
     (a buffer carved out of the pool once, or a view of one) is made once, here, and kept as a
     global: an `as_strided` call costs about a microsecond, and a training step makes a hundred."""
     root, lay = w.names[step.root], step.layout
+    if step.out_slot in w.pooled:  # carved with a shape family's pool, once per size
+        w.line(f"# {w.names[step.out_slot]}: {w.value_name(step.out_slot)}, a view of {root} in "
+               "this size's pool")
+        return
     base = w.fixed.get(step.root)
     if base is not None and step.out_slot not in w.program.output_slots and not any(
             is_symbolic(v) for v in (*lay.shape, *lay.stride, lay.offset)):
