@@ -33,7 +33,27 @@ The rewrite is safe when
 The update it knows is `index_put` (indexed assignment: `cache[:, :, pos] = k`, `index_copy_`,
 which is how Hugging Face's static cache writes). Not yet `slice_scatter` (assignment to a slice
 with a Python int): its in-place form is a `copy_` into a view, whose readers would read the
-buffer itself, with no edge in the graph to keep them after the write. Each decision is recorded in `record_of(gm).reinplace` (fusec/record.py, `Reinplaced`: the
+buffer itself, with no edge in the graph to keep them after the write.
+
+A whole buffer written with a new value by an inference program (an EMA buffer,
+`self.ema.mul_(0.9).add_(0.1 * mean)`, a step counter; a training forward's writes are taken
+out of its program instead: fusec/capture/buffer_updates.py) reaches the graph as a clone and a
+copy back, since functionalization turns `copy_(buffer, v)` into `copy(buffer, v)` (a new tensor
+with the buffer's layout and v's values) followed by the copy back:
+
+    copy  = copy(ema, add_3)       # a whole new buffer: clone, then write add_3
+    copy_ = copy_(ema, copy)       # and copy it back
+
+The clone is needed only if something else reads it; otherwise the copy back can read v itself
+(`copy_` broadcasts and converts v exactly as `copy` does), one copy instead of two:
+
+    copy_ = copy_(ema, add_3)
+
+unless v shares the buffer's memory (a view of an input: the copy would read what it writes).
+A counter (`num_batches_tracked += 1`, `copy_(n, add(n, 1))`, read by nothing else) becomes
+`add_(n, 1)`: one ATen call where a one-element kernel and a copy were two.
+
+Each decision is recorded in `record_of(gm).reinplace` (fusec/record.py, `Reinplaced`: the
 update, the in-place node or None, why), for explain.
 """
 from __future__ import annotations
@@ -48,9 +68,9 @@ aten = torch.ops.aten
 
 
 
-@looks_for(aten.index_put.default)
+@looks_for(aten.index_put.default, aten.copy.default, aten.copy_.default)
 def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
-    done = []
+    done = _copies_back(gm)
     copies = {n.args[1]: n for n in gm.graph.nodes
               if n.op == "call_function" and n.target is aten.copy_.default
               and isinstance(n.args[1], fx.Node)}
@@ -86,6 +106,62 @@ def why_not_in_place(update: fx.Node, buffer, copy: fx.Node | None) -> str | Non
     if any(buffer in _ancestors(a) for a in update.all_input_nodes if a is not buffer):
         return "the values it writes are computed from the buffer itself"
     return None
+
+
+def _copies_back(gm: fx.GraphModule) -> list[Reinplaced]:
+    """`copy_(buffer, copy(buffer, v))` -> `copy_(buffer, v)`; a counter's `copy_(n, add(n, k))`
+    -> `add_(n, k)` (the module docstring's second half)."""
+    done = []
+    for back in list(gm.graph.nodes):
+        if back.op != "call_function" or back.target is not aten.copy_.default \
+                or not isinstance(back.args[1], fx.Node):
+            continue
+        buffer, value = back.args[0], back.args[1]
+        if value.op == "call_function" and value.target is aten.copy.default \
+                and value.args[0] is buffer and set(value.users) == {back}:
+            clone, value = value, value.args[1]
+            if not isinstance(value, fx.Node) or _input_memory(value):
+                done.append(Reinplaced(clone.name, None, f"{value} may share {buffer}'s memory"))
+                continue
+            back.replace_input_with(clone, value)
+            gm.graph.erase_node(clone)
+            done.append(Reinplaced(clone.name, back.name,
+                                   f"{buffer.name} copied from {value.name} once, not cloned"))
+        counter = _counter_step(buffer, value, back)
+        if counter is None:
+            continue
+        with gm.graph.inserting_before(back):
+            in_place = gm.graph.call_function(aten.add_.Tensor, (buffer, counter))
+        in_place.meta = dict(back.meta)
+        back.replace_all_uses_with(in_place)
+        gm.graph.erase_node(back)
+        gm.graph.erase_node(value)
+        done.append(Reinplaced(value.name, in_place.name,
+                               f"a counter: {buffer.name} += {counter}, in place"))
+    return done
+
+
+def _input_memory(value: fx.Node) -> bool:
+    """Whether `value` may be an input's memory: an input, or a view of one."""
+    while value.op == "call_function" and getattr(value.target, "is_view", False) \
+            and value.args and isinstance(value.args[0], fx.Node):
+        value = value.args[0]
+    return value.op != "call_function"
+
+
+def _counter_step(buffer, value: fx.Node, back: fx.Node):
+    """k when `value` is `add(buffer, k)` (k a number) of the buffer's own dtype, read only by
+    the copy back `back`, and nothing but the two reads the buffer; else None."""
+    if value.op != "call_function" or value.target is not aten.add.Tensor \
+            or len(value.args) != 2 or value.kwargs or value.args[0] is not buffer \
+            or not isinstance(value.args[1], (int, float)) or isinstance(value.args[1], bool) \
+            or set(value.users) != {back} or set(buffer.users) != {value, back}:
+        return None
+    have, want = buffer.meta.get("val"), value.meta.get("val")
+    if not isinstance(have, torch.Tensor) or not isinstance(want, torch.Tensor) \
+            or have.dtype != want.dtype or have.shape != want.shape:
+        return None
+    return value.args[1]
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

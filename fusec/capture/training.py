@@ -32,6 +32,7 @@ from fusec import dynamic
 from fusec import env
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.breaks import innermost
+from fusec.capture.buffer_updates import buffer_writes, buffers_in_graph
 from fusec.capture.training_family import size_relations, symbolic_aot
 from fusec.symbolic import hint
 from fusec.passes.summed_slices import summed_slices
@@ -261,8 +262,11 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     Each graph becomes `compile_fn(graph)`, a fusec.CompiledFunction that runs step by step
     (its outputs feed autograd, not a caller); it compiles on its first real call (the example
     inputs AOT Autograd passes are fake tensors) and keeps one program per input signature.
+    The buffers a graph writes at its end (running statistics, counters) are written after
+    its program, all at once (capture/buffer_updates.py).
     """
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
+        writes = buffer_writes(gm)
         read_through_aliases(gm)
         summed_slices(gm)  # slice backward's scatters into zeros, summed: a cat
         compiled = compile_fn(with_source_lines(gm))
@@ -278,7 +282,8 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
             inputs = list(args)
             args.clear()
             with torch.no_grad():
-                return compiled(*inputs)
+                out = compiled(*inputs)
+                return writes.apply(inputs, out) if writes else out
         run._boxed_call = True
         return run
     return compile_part
@@ -358,7 +363,8 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
         from torch._functorch.aot_autograd import aot_function  # (imported when first used)
         compiled = aot_function(flat_fn, fw_compiler=compiler, bw_compiler=compiler,
                                 partition_fn=partitioner(parts.partitions),
-                                decompositions=frontend.decompositions())
+                                decompositions=frontend.decompositions(),
+                                keep_inference_input_mutations=buffers_in_graph())
 
     def run(*tensors):
         """AOT Autograd sees the result's tensors as one flat list; eager's structure (tuples
