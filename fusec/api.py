@@ -42,7 +42,7 @@ from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
 from fusec.errors import FusecError, GraphBreakError, UnsupportedError
 from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
-from fusec.fastpath import PLAIN_TENSORS, make_fast_path
+from fusec.fastpath import fast_path_key, flat_args, make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
 from fusec.runtime.fast_start import saved
 from fusec.runtime.fast_start.fingerprint import fingerprint
@@ -258,20 +258,20 @@ class CompiledFunction:
         flat_out = complete(compiled, run(compiled, tensors, len(lifted)), tensors)
         if self.check:
             _check.check_outputs(self, compiled, args, kwargs, flat_out, rng)
-        elif plain and all(type(a) in PLAIN_TENSORS for a in args):
-            kept = ("family", id(compiled)) if compiled.captured.shape_env is not None else key
+        elif not kwargs and flat_args(args):  # tensors, and ints (a family's backward's sizes)
+            kept = fast_path_key(key, compiled, args, self.derived)
             # (one fast path for a whole family, checking the Python state this call's key holds)
             self._fast = self._fast_paths.get(kept) or self._fast_path(key, compiled, tensors,
-                                                                       len(args), kept)
+                                                                       args, kept)
         return calls.unflatten_outputs(flat_out, compiled.captured.out_spec)
 
     def _fast_path(self, key: tuple, compiled: "CompiledGraph", tensors: list,
-                   n_args: int, kept: tuple | None = None) -> Callable:
+                   args: tuple, kept: tuple | None = None) -> Callable:
         """The fast path for calls like this one (fusec/fastpath.py), kept for its signature (or,
         `kept`, for its shape family)."""
-        self._fast_paths[kept or key] = fast = make_fast_path(compiled, tensors, n_args, self,
+        self._fast_paths[kept or key] = fast = make_fast_path(compiled, tensors, args, self,
                                                       self._state_refs, self._module,
-                                                      self._guards.fast_lines(key))
+                                                      self._guards.fast_lines(key), self.derived)
         return fast
 
     # -- new signatures: one compile at a time, a limit, a bounded memory ----------------------

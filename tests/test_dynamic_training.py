@@ -231,7 +231,5 @@ def test_a_familys_backward_takes_a_fast_path():
             family_backward = cf.train_parts[1]
     assert cf.compiles == 3 and "2 <= x.size()[0]" in cf.recompiles[-1], cf.recompiles
     assert family_backward.derived, "the backward takes no size: nothing here to check"
-    if family_backward._fast is fusec.fastpath.no_fast_path:
-        pytest.xfail("fusec/api.py `_call` makes fast paths for plain tensors only (not yet for "
-                     "tensors and ints: fastpath.flat_args)")
+    assert family_backward._fast is not fusec.fastpath.no_fast_path
     assert family_backward.compiles == 1

@@ -42,8 +42,6 @@ import functools
 
 from fusec import env
 
-from fusec.codegen.triton.text import current_arch
-
 GRAPH_DRIVER = 12030  # CUDA 12.3: programmatic edges in captured graphs
 
 
@@ -61,7 +59,9 @@ def pdl_fit(arch: int | None = None) -> tuple[bool, str]:
         return False, (f"Triton {triton.__version__} has no grid dependency control "
                        "(gdc_wait, launch_pdl)")
     here = arch is None
-    arch = current_arch() if here else arch
+    if here:  # (imported here: the Triton backend's package imports this module when it loads)
+        from fusec.codegen.triton.text import current_arch
+        arch = current_arch()
     if arch is None:
         return False, "no CUDA GPU to launch on (or the interpreter)"
     if arch < 90:
