@@ -198,3 +198,37 @@ def test_inference_buffer_updates_copy_once(backend):
     text = source[source.index("def run("):source.index("# ===== graph")]
     assert text.count("_aten_copy__default") == 1 and "_aten_copy_default" not in text, text
     assert text.count("_aten_add__Tensor") == 1, text
+
+
+def test_only_a_single_final_write_leaves_the_graph():
+    """buffer_writes on graphs by hand: one final write of a whole input leaves the graph (and
+    `apply` does it after); two writes into one input, or a write read later, stay in order."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from fusec.capture.buffer_updates import buffer_writes
+
+    def once(a, x):
+        y = x * 2
+        a.copy_(x + 1)
+        return (y,)  # (AOT Autograd's graphs return a tuple)
+
+    def twice(a, x):
+        a.copy_(x + 1)
+        a.copy_(x * 2)
+        return (x - 1,)
+
+    def read_after(a, x):
+        a.copy_(x + 1)
+        return (a * 3,)
+
+    x = torch.randn(4)
+    gm = make_fx(once)(torch.zeros(4), x)
+    taken = buffer_writes(gm)
+    assert taken.copies == [(0, 1)] and not taken.counters
+    a = torch.zeros(4)
+    out = taken.apply([a, x], list(gm(a.clone(), x)))
+    torch.testing.assert_close(out[0], x * 2)
+    torch.testing.assert_close(a, x + 1)
+    for f in (twice, read_after):
+        gm = make_fx(f)(torch.zeros(4), x)
+        assert not buffer_writes(gm), f.__name__
+        assert sum(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes) >= 1

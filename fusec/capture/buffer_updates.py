@@ -76,13 +76,16 @@ def buffer_writes(gm: fx.GraphModule) -> BufferWrites:
     gm then returns the copied values after its own outputs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = gm.graph.output_node()
-    taken, written = BufferWrites(), set()
-    values = []
+    if not isinstance(output.args[0], (list, tuple)):  # (AOT Autograd's graphs return a list)
+        return BufferWrites()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    writes = [n.args[0] for n in gm.graph.nodes
+              if n.op == "call_function" and n.target is aten.copy_.default]
+    taken, values = BufferWrites(), []
     for node in list(gm.graph.nodes):
-        if not _whole_write(node, written):
+        if not _whole_write(node, order) or writes.count(node.args[0]) != 1:
             continue
         buffer, value = node.args[:2]
-        written.add(buffer)
         step = _counter_step(buffer, value, node)
         gm.graph.erase_node(node)
         if step is not None:
@@ -101,16 +104,17 @@ def buffer_writes(gm: fx.GraphModule) -> BufferWrites:
     return taken
 
 
-def _whole_write(node: fx.Node, written: set) -> bool:
-    """`copy_(input, value)` whose result nothing reads, the input's only write, that replaces
-    every element with a value of the input's shape and dtype, after every other read of the
-    input (nothing but the output and this copy follows it)."""
+def _whole_write(node: fx.Node, order: dict) -> bool:
+    """`copy_(input, value)` whose result nothing reads, that replaces every element with a
+    value of the input's shape and dtype, after every other read of the input (nothing but
+    other final writes follows it, and none of them reads the input)."""
     if node.op != "call_function" or node.target is not aten.copy_.default or node.users \
             or len(node.args) != 2 or node.kwargs:
         return False
     buffer, value = node.args
-    if not isinstance(buffer, fx.Node) or buffer.op != "placeholder" or buffer in written \
-            or not isinstance(value, fx.Node):
+    if not isinstance(buffer, fx.Node) or buffer.op != "placeholder" \
+            or not isinstance(value, fx.Node) \
+            or any(order[u] > order[node] for u in buffer.users if u.op != "output"):
         return False
     have, new = buffer.meta.get("val"), value.meta.get("val")
     if not isinstance(have, torch.Tensor) or not isinstance(new, torch.Tensor) \
