@@ -132,6 +132,32 @@ def settle_as(out, shape: tuple, stride: tuple):
     return out
 
 
+# Note (a view made per call, cheaply). A program makes views of its values for extern calls
+# (`mm(x, w.t())`) and writes a kernel's output over a buffer it reads for the last time, seen
+# with the output's shape. `base.as_strided(shape, stride, base.storage_offset() + k)` makes
+# such a view, and does more than a program needs: it parses an optional offset, records the view
+# for autograd (its `_base`, a shared version counter) and, spelled that way, reads the offset
+# with one more Python call. Inside a program autograd is off (a training program runs inside
+# AOT Autograd's autograd.Function) and the view never leaves it, so torch.compile's output code
+# uses `torch._C._dynamo.guards._reinterpret_tensor`: a new tensor over the same storage, its
+# offset `base`'s plus an increment, nothing recorded, and cheaper to call (docs/training.md,
+# the BERT step's views). `reinterpret_tensor` is that function where this torch has it, and
+# `view_at` below, the same view through `as_strided`, where it does not. A program's outputs
+# stay `as_strided` views, as eager's: a caller's in-place write through an output that views an
+# input counts on the input's version, which autograd checks (and `_base` is the input).
+
+
+def view_at(base, shape, stride, offset=0):
+    """`base`'s memory seen with `shape` and `stride`, starting `offset` elements after `base`
+    starts: what `reinterpret_tensor(base, shape, stride, offset)` makes, through `as_strided`
+    (see the note on a view made per call)."""
+    return base.as_strided(shape, stride, base.storage_offset() + offset)
+
+
+reinterpret_tensor = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None),
+                             "_reinterpret_tensor", None) or view_at
+
+
 class ViewStep:
     """Materialize a view as a tensor (only for extern calls and program outputs)."""
 

@@ -27,8 +27,8 @@ from fusec.ir import Layout
 from fusec.symbolic import hint, is_symbolic, py_expr, rename
 from fusec.runtime.family_pool import made_per_size, pooled_views
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
-                                 OutputBuffer, SlotRef, ViewStep, own_storage, settle,
-                                 settle_as)
+                                 OutputBuffer, SlotRef, ViewStep, own_storage,
+                                 reinterpret_tensor, settle, settle_as)
 
 # ---- the straight-line runner ------------------------------------------------------------------
 #
@@ -236,11 +236,8 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
     for buf in step.writes:
         view = step.planned.get(buf.slot)
         if buf.inplace is not None:  # written over an input read here for the last time
-            source = w.names[buf.inplace]
-            w.line(f"{w.define(buf.slot)} = {source}.as_strided({w.size(buf.shape)}, {w.size(buf.stride)}, "
-                   f"{source}.storage_offset())",
-                   f"{w.value_name(buf.slot)}: written over {w.value_name(buf.inplace)}, "
-                   f"its last use")
+            _emit_reinterpreted(w, buf.slot, buf.inplace, (buf.shape, buf.stride, 0),
+                                f"written over {w.value_name(buf.inplace)}, its last use")
         elif buf.live is not None:  # a shape family's: this size's view of its pool (above)
             w.line(f"# {w.names[buf.slot]}: {w.value_name(buf.slot)}, in this size's pool")
         elif view is not None:  # carved out of the pool once: the same memory on every call
@@ -414,24 +411,52 @@ def _holds_slots(a: Any) -> bool:
 def _emit_view(w: _Writer, step: ViewStep) -> None:
     """A view for an extern call or an output. A view of memory that is the same on every call
     (a buffer carved out of the pool once, or a view of one) is made once, here, and kept as a
-    global: an `as_strided` call costs about a microsecond, and a training step makes a hundred."""
+    global: an `as_strided` call costs about a microsecond, and a training step makes a hundred.
+    Other views are made per call, as cheaply as each allows (`_emit_reinterpreted`)."""
     root, lay = w.names[step.root], step.layout
     if step.out_slot in w.pooled:  # carved with a shape family's pool, once per size
         w.line(f"# {w.names[step.out_slot]}: {w.value_name(step.out_slot)}, a view of {root} in "
                "this size's pool")
         return
-    base = w.fixed.get(step.root)
-    if base is not None and step.out_slot not in w.program.output_slots and not any(
-            is_symbolic(v) for v in (*lay.shape, *lay.stride, lay.offset)):
-        view = base.as_strided(lay.shape, lay.stride, base.storage_offset() + lay.offset)
-        w.names[step.out_slot] = w.bind(view, w.value_name(step.out_slot), (
-            f"{root}.as_strided({lay.shape}, {lay.stride}, {root}.storage_offset() + {lay.offset})"))
-        w.fixed[step.out_slot] = view
-        w.line(f"# {w.names[step.out_slot]}: a view of {root}, made once")
+    if step.out_slot in w.program.output_slots:  # a real view: the caller may ask for `_base`
+        offset = "" if _is_zero(lay.offset) else f", {root}.storage_offset() + {w.size(lay.offset)}"
+        w.line(f"{w.define(step.out_slot)} = {root}.as_strided({w.size(lay.shape)}, "
+               f"{w.size(lay.stride)}{offset})", w.value_name(step.out_slot))
         return
-    w.line(f"{w.define(step.out_slot)} = {root}.as_strided({w.size(lay.shape)}, "
-           f"{w.size(lay.stride)}, {root}.storage_offset() + {w.size(lay.offset)})",
-           w.value_name(step.out_slot))
+    _emit_reinterpreted(w, step.out_slot, step.root, (lay.shape, lay.stride, lay.offset),
+                        f"a view of {root}")
+
+
+def _emit_reinterpreted(w: _Writer, slot: int, root_slot: int, layout: tuple, what: str) -> None:
+    """`slot` as a view of `root_slot`'s memory, `layout` its (shape, stride, offset), a view
+    the program alone reads (an extern call's argument, a kernel's output written over a buffer
+    it reads for the last time).
+
+    Its base the same on every call (a buffer carved out of the pool once): the view is made
+    once, a global. Else `reinterpret_tensor(s3, (8, 4), (1, 8))`, made per call: the view
+    without autograd's bookkeeping (see the note on a view made per call, runtime/steps.py), its
+    offset past the base's own left out when it is 0, a number when it is one.
+    """
+    root, base = w.names[root_slot], w.fixed.get(root_slot)
+    shape, stride, offset = tuple(layout[0]), tuple(layout[1]), layout[2]
+    if base is not None and slot not in w.program.output_slots and not any(
+            is_symbolic(v) for v in (*shape, *stride, offset)):
+        view = base.as_strided(shape, stride, base.storage_offset() + offset)
+        w.names[slot] = w.bind(view, w.value_name(slot), (
+            f"{root}.as_strided({shape}, {stride}, {root}.storage_offset() + {offset})"))
+        w.fixed[slot] = view
+        w.line(f"# {w.names[slot]}: {what}, made once")
+        return
+    if "_reinterpret_tensor" not in w.globals:  # (bound once, as `_settle`)
+        w.bind(reinterpret_tensor, "reinterpret_tensor", "reinterpret_tensor")
+    more = "" if _is_zero(offset) else f", {w.size(offset)}"
+    w.line(f"{w.define(slot)} = _reinterpret_tensor({root}, {w.size(shape)}, {w.size(stride)}{more})",
+           f"{w.value_name(slot)}: {what}")
+
+
+def _is_zero(offset) -> bool:
+    """Whether a view's offset (an int, or a shape family's size expression) is 0."""
+    return not is_symbolic(offset) and int(offset) == 0
 
 
 def _emit_getitem(w: _Writer, step: GetItemStep) -> None:
@@ -563,7 +588,8 @@ def python_wrapper(program: "Program") -> str:
     names = getattr(program, "slot_names", None) or [f"s{i}" for i in range(program.n_slots)]
     inputs = ", ".join(names[s] for s in program.input_slots)
     lines = ["import torch", "from fusec.ir import Layout",
-             "from fusec.runtime import FamilyPool, load_launcher, settle, settle_as", "", *run.definitions, "", "",
+             "from fusec.runtime import FamilyPool, load_launcher, settle, settle_as",
+             "from fusec.runtime.steps import reinterpret_tensor", "", *run.definitions, "", "",
              run.source.rstrip("\n"), "", "", f"def call({inputs}):",
              f"    return run([{inputs}])"]
     return "\n".join(lines) + "\n"
