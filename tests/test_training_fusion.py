@@ -149,9 +149,10 @@ def test_batch_norm_training_in_one_kernel_each_way(target, shape, residual):
     for (name, g), w in zip(mod.named_buffers(), ref.buffers()):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     forward, backward = (part.kernels for part in compiled._compiled.train_parts)
-    norms = 2 if residual else 1
-    # the norm(s) with their statistics and the ReLU; each num_batches_tracked += 1
-    assert len(forward) == 1 + norms, [k.name for k in forward]
+    # the norm(s) with their statistics and the ReLU in one kernel (two norms over the same sizes
+    # are sibling reductions); each num_batches_tracked += 1 is written after the program, with
+    # the statistics (fusec/capture/buffer_updates.py), not by a kernel of its own
+    assert len(forward) == 1, [k.name for k in forward]
     assert len(backward) == 1, [k.name for k in backward]
 
 
