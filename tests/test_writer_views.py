@@ -66,15 +66,16 @@ def test_empty_inputs():
 
 
 def test_a_shape_familys_views_take_its_sizes():
-    """Sizes as symbols: the view's shape, strides and offset are this call's."""
+    """Sizes as symbols: the view's shape, strides and offset (`1 + x_size1*...`: the rows
+    skipped are a size of the call) are this call's."""
     def f(x, w):
-        return torch.mm(x[:, 1:], w[1:]) + 1
+        return torch.mm(x[2:, 1:], w[1:]) + 1
     cf = fusec.compile(f, backend="cpp", dynamic=True)
-    w = torch.randn(5, 3)
-    for n in (4, 7, 9):
-        x = torch.randn(n, 5)
+    for n, m in ((4, 5), (7, 6), (9, 8)):
+        x, w = torch.randn(n, m), torch.randn(m, 3)
         torch.testing.assert_close(cf(x, w), f(x, w))
-    assert any("_reinterpret_tensor(" in line for line in _run_lines(cf)), _run_lines(cf)
+    views = [line for line in _run_lines(cf) if "_reinterpret_tensor(s0" in line]
+    assert views and "x_size1" in views[0].split("),")[-1], _run_lines(cf)
 
 
 @pytest.mark.parametrize("backend", ["cpp", "llvm"])
