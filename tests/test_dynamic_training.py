@@ -73,6 +73,26 @@ def test_batch_sizes_share_one_training_compile(backend):
     (reason,) = inner(cf).recompiles
     assert reason.startswith("training:") and "symbols for dim 0 of input" in reason, reason
     family_parts_compiled_once(cf)
+
+
+# -- batch norm: running statistics written after the family's program ----------------------------
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_batch_norm_family_updates_its_buffers_as_eager(backend):
+    """A shape family's forward keeps the buffer writes in its graph too (AOT Autograd's
+    keep_inference_input_mutations, capture/buffer_updates.py): after batches of 3, 5, 7 and 4,
+    running_mean, running_var and num_batches_tracked equal eager's, and the forward is one
+    kernel (no kernel of its own for the counter's += 1)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    ref = copy.deepcopy(model)
+    cf = fusec.compile(model, backend=backend)
+    batches = [(torch.randn(n, 3, 10, 10),) for n in (3, 5, 7, 4)]
+    train_alongside(cf, model, ref, batches, square_loss)
+    for (name, got), want in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert inner(cf).compiles == 2, inner(cf).recompiles
+    forward = inner(cf).train_families[-1].compiled[1][0]
+    assert len(forward.last.kernels) == 1, [k.name for k in forward.last.kernels]
     # one training fast path serves the family (its guards check the sizes), none per size
     assert [k[0] for k in inner(cf)._train_fast_paths].count("family") == 1, \
         list(inner(cf)._train_fast_paths)

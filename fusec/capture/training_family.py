@@ -62,6 +62,7 @@ def symbolic_aot(flat_fn: Callable, dims: dict, compiler: Callable, partition_fn
     `partition_fn`, `decompositions`: AOT Autograd's, as capture/training.py `aot_compile` makes
     them; `parts` (a TrainingParts) gets the family's FamilyInputs (`names`: the inputs')."""
     from torch._functorch.aot_autograd import aot_module_simplified  # (imported when first used)
+    from fusec.capture.buffer_updates import buffers_in_graph
     traced: list = []
 
     def run(*tensors):
@@ -70,7 +71,8 @@ def symbolic_aot(flat_fn: Callable, dims: dict, compiler: Callable, partition_fn
             fakes = [symbolic.fake_input(mode, t, dims.get(i)) for i, t in enumerate(tensors)]
             traced.append(aot_module_simplified(
                 _Flat(flat_fn), fakes, fw_compiler=compiler, bw_compiler=compiler,
-                partition_fn=partition_fn, decompositions=decompositions))
+                partition_fn=partition_fn, decompositions=decompositions,
+                keep_inference_input_mutations=buffers_in_graph()))
             parts.family = family_inputs(fakes, names)
         return traced[0](*tensors)
     return run
