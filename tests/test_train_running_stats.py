@@ -1,7 +1,9 @@
 """Buffers a training forward updates (batch norm's running statistics, a step counter, an EMA):
-the compiled forward program writes them itself (fusec/capture/training.py, `aot_compile`'s
-`keep_inference_input_mutations`; passes/reinplace.py for the copies), and after every step
-they hold eager's values."""
+AOT Autograd keeps the writes in the forward's graph (`keep_inference_input_mutations`, in
+fusec/capture/training.py, training_family.py and regions.py), fusec's program returns the new
+values and two foreach calls write them after it (fusec/capture/buffer_updates.py;
+passes/reinplace.py for inference programs' copies), and after every step they hold eager's
+values."""
 import copy
 
 import pytest
@@ -232,3 +234,36 @@ def test_only_a_single_final_write_leaves_the_graph():
         gm = make_fx(f)(torch.zeros(4), x)
         assert not buffer_writes(gm), f.__name__
         assert sum(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes) >= 1
+
+
+class BrokenNorms(torch.nn.Module):
+    """Two batch norms with a graph break between them: each in a region of its own
+    (fusec/capture/regions.py, through TorchDynamo), each region's buffers written after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.bn1d = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), \
+            torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        torch._dynamo.graph_break()
+        return self.bn1d(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("way", ["fusec.compile", "torch.compile"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_regions_update_their_buffers_as_eager(backend, way):
+    torch.manual_seed(0)
+    model = BrokenNorms()
+    ref = copy.deepcopy(model)
+    run = fusec.compile(model, backend=backend) if way == "fusec.compile" else \
+        torch.compile(model, backend="fusec", options={"backend": backend})
+    for _ in range(3):
+        x = torch.randn(4, 3, 10, 10)
+        run(x).square().mean().backward()
+        ref(x).square().mean().backward()
+    for (name, got), want in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)

@@ -175,9 +175,11 @@ class Regions:
         if self.keep_inputs:
             compile_part = _keeping_inputs(compile_part, region)
         from torch._dynamo.backends.common import aot_autograd  # (Dynamo: imported when used)
+        from fusec.capture.buffer_updates import buffers_in_graph  # (buffer writes: after the program)
         compiled = aot_autograd(fw_compiler=compile_part, bw_compiler=compile_part,
                                 partition_fn=partitioner(region.parts.partitions),
-                                decompositions=decompositions())(gm, example_inputs)
+                                decompositions=decompositions(),
+                                keep_inference_input_mutations=buffers_in_graph())(gm, example_inputs)
         clock = self._clock
 
         def run(*args):  # Dynamo calls what a backend returns with the graph's inputs, unboxed
