@@ -143,3 +143,19 @@ def test_a_kernel_written_over_a_dying_buffer():
         torch.testing.assert_close(cf(q, k), f(q, k), rtol=1e-4, atol=1e-5)
     lines = [line for line in _run_lines(cf) if "written over" in line]
     assert lines and all("= _reinterpret_tensor(" in line for line in lines), _run_lines(cf)
+
+
+def test_an_output_that_alone_views_a_fresh_buffer_is_reinterpreted():
+    """`relu(x)[1:]`: the buffer relu's kernel allocates is seen only through the slice, so the
+    program returns the slice reinterpreted (as torch.compile does); `relu(x)` returned beside
+    its slice keeps the slice a real view of it."""
+    x = torch.randn(8, 4)
+    one = fusec.compile(lambda x: torch.relu(x)[1:], backend="cpp")
+    torch.testing.assert_close(one(x), torch.relu(x)[1:])
+    assert any("= _reinterpret_tensor(s1, (7, 4), (4, 1), 4)" in line
+               for line in _run_lines(one)), _run_lines(one)
+    both = fusec.compile(lambda x: (torch.relu(x), torch.relu(x)[1:]), backend="cpp")
+    y, y1 = both(x)
+    torch.testing.assert_close(y1, torch.relu(x)[1:])
+    assert y1._base is y
+    assert not any("_reinterpret_tensor(" in line for line in _run_lines(both)), _run_lines(both)

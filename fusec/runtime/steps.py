@@ -144,7 +144,10 @@ def settle_as(out, shape: tuple, stride: tuple):
 # the BERT step's views). `reinterpret_tensor` is that function where this torch has it, and
 # `view_at` below, the same view through `as_strided`, where it does not. A program's outputs
 # stay `as_strided` views, as eager's: a caller's in-place write through an output that views an
-# input counts on the input's version, which autograd checks (and `_base` is the input).
+# input counts on the input's version, which autograd checks (and `_base` is the input). The one
+# exception is torch.compile's too: an output that is the only way out of a buffer a kernel
+# allocated on this call (a training forward's saved activations, often) is reinterpreted, as
+# nothing else shares that buffer (writer.py, `_hidden_buffers`).
 
 
 def view_at(base, shape, stride, offset=0):

@@ -186,6 +186,7 @@ class _Writer:
         self.sizes: dict = {}  # size symbol -> the local that holds its value on this call
         self.fixed: dict[int, torch.Tensor] = {}  # slot -> its tensor, the same on every call
         self.pooled: set = set()  # slots a shape family's pool keeps for this call's sizes
+        self.hidden: set | None = None  # see _hidden_buffers
 
     def size(self, x) -> str:
         """A size, a shape or a stride tuple as Python: a symbolic one over this call's sizes."""
@@ -412,19 +413,35 @@ def _emit_view(w: _Writer, step: ViewStep) -> None:
     """A view for an extern call or an output. A view of memory that is the same on every call
     (a buffer carved out of the pool once, or a view of one) is made once, here, and kept as a
     global: an `as_strided` call costs about a microsecond, and a training step makes a hundred.
-    Other views are made per call, as cheaply as each allows (`_emit_reinterpreted`)."""
+    Other views are made per call, as cheaply as each allows (`_emit_reinterpreted`); one the
+    program returns stays a real view unless its buffer is hidden (`_hidden_buffers`)."""
     root, lay = w.names[step.root], step.layout
     if step.out_slot in w.pooled:  # carved with a shape family's pool, once per size
         w.line(f"# {w.names[step.out_slot]}: {w.value_name(step.out_slot)}, a view of {root} in "
                "this size's pool")
         return
-    if step.out_slot in w.program.output_slots:  # a real view: the caller may ask for `_base`
+    if step.out_slot in w.program.output_slots and step.root not in _hidden_buffers(w):
+        # a real view (of an input, say): see the note on a view made per call, runtime/steps.py
         offset = "" if _is_zero(lay.offset) else f", {root}.storage_offset() + {w.size(lay.offset)}"
         w.line(f"{w.define(step.out_slot)} = {root}.as_strided({w.size(lay.shape)}, "
                f"{w.size(lay.stride)}{offset})", w.value_name(step.out_slot))
         return
     _emit_reinterpreted(w, step.out_slot, step.root, (lay.shape, lay.stride, lay.offset),
                         f"a view of {root}")
+
+
+def _hidden_buffers(w: _Writer) -> set:
+    """The buffers a kernel of this call allocates that the program returns only through one
+    view: no one else sees them, so that view may be reinterpreted as torch.compile's output code
+    returns it (its `_base` None instead of a buffer the caller never sees; nothing shares its
+    version counter). Found once per program."""
+    if w.hidden is None:
+        outputs = w.program.output_slots
+        seen = [s.root for s in w.program.steps if isinstance(s, ViewStep) and s.out_slot in outputs]
+        fresh = {b.slot for s in w.program.steps if isinstance(s, KernelStep) for b in s.writes
+                 if b.inplace is None and b.live is None and b.slot not in s.planned}
+        w.hidden = {r for r in fresh if seen.count(r) == 1 and r not in outputs}
+    return w.hidden
 
 
 def _emit_reinterpreted(w: _Writer, slot: int, root_slot: int, layout: tuple, what: str) -> None:
