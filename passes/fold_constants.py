@@ -83,6 +83,8 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if not node.all_input_nodes and not _creates_tensor(node):
             continue
+        if _reads_a_symbol(node):
+            continue  # `scalar_tensor(s0)`: a value of the call's sizes, not of the program
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and is_symbolic(tuple(val.shape)):
             continue  # its size is a shape family's symbol: computed on each call, as sized
@@ -124,6 +126,20 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
     record_of(gm).fold_constants = folded
     gm.recompile()  # the nodes that computed the folded values are dead now: dce removes them
     return gm
+
+
+def _reads_a_symbol(node: fx.Node) -> bool:
+    """Whether `node` takes a shape family's symbol as an argument (a SymInt or SymFloat of the
+    sizes, `n / (n - 1)`): running it here would pin the symbol to this call's size (a guard
+    `s0 == 5`), and the family would serve one size."""
+    found = []
+
+    def visit(a):
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) and a.node.expr.free_symbols:
+            found.append(a)
+        return a
+    fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return bool(found)
 
 
 def _removes_an_extern(node: fx.Node, values: dict) -> bool:

@@ -96,6 +96,8 @@ def test_batch_norm_family_updates_its_buffers_as_eager(backend):
     # one training fast path serves the family (its guards check the sizes), none per size
     assert [k[0] for k in inner(cf)._train_fast_paths].count("family") == 1, \
         list(inner(cf)._train_fast_paths)
+    family_parts_compiled_once(cf)  # (the backward's scalar_tensor(s0) is not folded: passes/
+    # fold_constants.py; the forward's n / (n - 1) is a float of the sizes on LLVM too)
 
 
 def test_a_size_of_one_breaks_the_family_guard():
@@ -253,3 +255,31 @@ def test_a_familys_backward_takes_a_fast_path():
     assert family_backward.derived, "the backward takes no size: nothing here to check"
     assert family_backward._fast is not fusec.fastpath.no_fast_path
     assert family_backward.compiles == 1
+
+
+# -- a float of the sizes: n / (n - 1), as batch norm's running variance takes -------------------
+def unbiased(x, w):
+    y = torch.tanh(x @ w)
+    n = y.shape[0]
+    return y.square().mean(0) * (n / (n - 1))  # (a SymFloat of the family: one program for all n)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
+def test_a_float_of_the_sizes_is_an_argument_not_a_guard(backend):
+    """A SymFloat the program computes from a size (`n / (n - 1)`) is computed per call from the
+    kernel's size arguments (C++: its expression; LLVM: instructions in double, codegen/llvm/
+    sizes.py `real`; Triton: a scalar argument): the forward and backward compile once each,
+    where a number in the kernel would have been a guard `n / (n - 1) == 1.25`."""
+    from conftest import TRITON_DEVICE
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    cf = fusec.compile(unbiased, backend=backend)
+    w = torch.randn(8, 4, requires_grad=True, device=device)
+    for n in (3, 5, 7, 4):
+        x = torch.randn(n, 8, device=device)
+        cf(x, w).sum().backward()
+        got, w.grad = w.grad, None
+        unbiased(x, w).sum().backward()
+        torch.testing.assert_close(got, w.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        w.grad = None
+    assert cf.compiles == 2 and [p.compiles for p in cf.train_parts] == [1, 1], \
+        [p.recompiles for p in cf.train_parts]

@@ -239,6 +239,9 @@ def emit_stmt(e: Emitter, s: Stmt, values: dict[str, str]) -> None:
 def _operand(e: Emitter, o, dtype: torch.dtype, values: dict[str, str]) -> str:
     if isinstance(o, Const) and known(o.value) is None:  # a size (a mean's count): an i64 value
         return convert(e, e.size(o.value), torch.int64, dtype, "size")
+    if isinstance(o, Const) and isinstance(o.value, torch.SymFloat) \
+            and o.value.node.expr.free_symbols:  # a float of sizes (batch norm's n / (n - 1))
+        return convert(e, e.counter.sizes.real(o.value), torch.float64, dtype, "size")
     if isinstance(o, Const):
         return literal(o.value, dtype)
     return convert(e, values[o.name], o.dtype, dtype, o.name)

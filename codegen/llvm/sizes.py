@@ -20,6 +20,9 @@ sympy's FloorDiv and Mod); LLVM's `sdiv`/`srem` round towards zero, so where an 
 negative a fix-up follows them. Sizes themselves are never negative, but an offset can be
 (`x_size0 - 3`), so the fix-up is left out only where sympy proves both operands non-negative.
 
+A float computed from sizes (a SymFloat, such as batch norm's `n / (n - 1)`) is computed the same
+way in double (`Sizes.real`: `sitofp`, then `fdiv double`), as the C++ backend writes its expression.
+
 Decisions that only change speed (how long a chunk is, whether threads pay off, which layout a
 reduction takes) are made on `hinted(kernel)`: the kernel with every symbol replaced by the size
 it was traced with, so that they add no guard (fusec.symbolic.hint).
@@ -27,6 +30,7 @@ it was traced with, so that they add no guard (fusec.symbolic.hint).
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import torch
 
@@ -84,6 +88,38 @@ class Sizes:
         if value is not None and not hasattr(value, "free_symbols"):
             return str(value)
         return self._expr(named(x) if isinstance(x, torch.SymInt) else x)
+
+    def real(self, x) -> str:
+        """The double operand of a float computed from sizes (a SymFloat: batch norm's factor
+        `n / (n - 1)` for the unbiased variance it keeps): instructions over the size arguments,
+        as the C++ backend writes the expression in double, so that one program serves every
+        size of the family (a number here would be a guard `n / (n - 1) == 1.003...`)."""
+        return self._real(named(x))
+
+    def _real(self, expr) -> str:
+        import sympy
+        from torch.utils._sympy import functions as fn
+        if expr.is_number:
+            return "0x" + struct.pack(">d", float(expr)).hex().upper()
+        key, args = ("double", expr), expr.args
+        if key in self._values:
+            return self._values[key]
+        if expr.is_integer:  # an int of sizes (`64*x_size0`), converted
+            value = self._emit(f"sitofp i64 {self._expr(expr)} to double", expr)
+        elif isinstance(expr, (fn.IntTrueDiv, fn.FloatTrueDiv)):
+            value = self._emit(f"fdiv double {self._real(args[0])}, {self._real(args[1])}", expr)
+        elif isinstance(expr, fn.ToFloat):
+            value = self._real(args[0])
+        elif isinstance(expr, (sympy.Add, sympy.Mul)):
+            op = "fadd" if isinstance(expr, sympy.Add) else "fmul"
+            value = self._real(args[0])
+            for term in args[1:]:
+                value = self._emit(f"{op} double {value}, {self._real(term)}", expr)
+        else:
+            raise NotImplementedError(f"fusec: the LLVM backend cannot compute the float {expr} "
+                                      f"({type(expr).__name__}) from its size arguments")
+        self._values[key] = value
+        return value
 
     def _expr(self, expr) -> str:
         import sympy
