@@ -42,6 +42,14 @@ import functools
 
 from fusec import env
 
+
+def current_arch() -> int | None:
+    """This process's GPU as an sm number, or None (codegen/triton/text.py's, imported when
+    asked: the Triton backend's package imports this module when it loads)."""
+    from fusec.codegen.triton.text import current_arch as arch_here
+    return arch_here()
+
+
 GRAPH_DRIVER = 12030  # CUDA 12.3: programmatic edges in captured graphs
 
 
@@ -59,9 +67,7 @@ def pdl_fit(arch: int | None = None) -> tuple[bool, str]:
         return False, (f"Triton {triton.__version__} has no grid dependency control "
                        "(gdc_wait, launch_pdl)")
     here = arch is None
-    if here:  # (imported here: the Triton backend's package imports this module when it loads)
-        from fusec.codegen.triton.text import current_arch
-        arch = current_arch()
+    arch = current_arch() if here else arch
     if arch is None:
         return False, "no CUDA GPU to launch on (or the interpreter)"
     if arch < 90:
