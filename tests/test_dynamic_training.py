@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fusec
+from train_check import train_alongside
 
 
 def mlp(width: int = 16) -> torch.nn.Module:
@@ -26,26 +27,6 @@ def mlp(width: int = 16) -> torch.nn.Module:
 
 def inner(cf):
     return getattr(cf, "_compiled", cf)
-
-
-def train_alongside(cf, model, ref, batches, loss_fn):
-    """One SGD step per batch through `cf` (compiling `model`) and eagerly on `ref` (its copy):
-    the same loss and gradients at every step, so the same weights after."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for batch in batches:
-        loss, ref_loss = loss_fn(cf, batch), loss_fn(ref, batch)
-        loss.backward()
-        ref_loss.backward()
-        shape = [tuple(t.shape) for t in batch]
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{shape}: {m}")
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{shape} {name}: {m}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
 
 
 def square_loss(m, batch):

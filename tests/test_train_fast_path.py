@@ -8,6 +8,7 @@ import torch
 
 import fusec
 from conftest import CPU_BACKENDS
+from train_check import same_state, same_step
 
 
 class Net(torch.nn.Module):
@@ -46,25 +47,19 @@ class Pair:
     def step(self, *args, **kwargs):
         """One step on both: the same loss, gradients and buffers."""
         losses = []
-        for run, model, opt in zip((self.ref, self.compiled), (self.ref, self.model), self.opts):
+        for run in (self.ref, self.compiled):
             loss = run(*args, **kwargs)
             if loss.requires_grad:
                 loss.backward()
             losses.append(loss.detach())
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(self.ref.named_parameters(), self.model.parameters()):
-            if p.grad is None:
-                assert q.grad is None, name
-            else:
-                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+        same_step(losses[1], losses[0], self.model, self.ref)
         for opt in self.opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.same_state()
 
     def same_state(self):
-        for (name, a), b in zip(self.ref.state_dict().items(), self.model.state_dict().values()):
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+        same_state(self.model, self.ref)
 
 
 def batch(n=4, dtype=torch.float32):

@@ -11,6 +11,7 @@ import torch
 
 import fusec
 from conftest import CPU_BACKENDS, TRITON_DEVICE
+from train_check import train_alongside as checked_alongside
 
 
 def device_of(backend):
@@ -22,20 +23,7 @@ def train_alongside(model, backend, xs, device, make_loss=lambda out: (out ** 2)
     gradients and every buffer agree after each step. Returns (compiled, model, eager copy)."""
     ref = copy.deepcopy(model)
     compiled = fusec.compile(model, backend=backend)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-    for x in xs:
-        x = x.to(device)
-        losses = [make_loss(run(x)) for run in (compiled, ref)]
-        for loss, opt in zip(losses, opts):
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-        for (name, got), want in zip(model.named_buffers(), ref.buffers()):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
-        for got, want in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    checked_alongside(compiled, model, ref, xs, lambda m, x: make_loss(m(x.to(device))))
     return compiled, model, ref
 
 
