@@ -28,6 +28,7 @@ from fusec.codegen.lower_reduction import lower_reduction
 from fusec.ir import canonical
 from fusec.passes import run_pipeline
 from fusec.passes.memory import plan_inplace, plan_memory
+from fusec.symbolic import raw_sizes_quiet
 from fusec.record import Compilation, group_info, layout_of, owns_buffer, record_of
 from fusec.runtime import eager
 from fusec.runtime.build import build_all, codegen
@@ -158,7 +159,7 @@ def compile_graph(captured: Captured, backend: str, record: bool = False,
     otherwise). Each stage is published as it ends (fusec/events.py), so FUSEC_LOG and
     FUSEC_DEBUG_DIR (fusec/inspect/log.py) show it; `label` names the program for them.
     """
-    with gc_paused():
+    with gc_paused(), raw_sizes_quiet():
         return _compile_graph(captured, backend, record, label)
 
 

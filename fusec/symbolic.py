@@ -8,16 +8,27 @@ expression for that.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
-# A shape family's passes put sizes (SymInts) straight into the arguments of the nodes they make
-# (`view(x, [s0, 8, 2, 64])`), which is what fusec's program writer prints (inline_sizes.py);
-# torch.fx warns about each such node, once per place in torch, with advice for Dynamo's own
-# graphs that does not apply here. Only that message is silenced.
-warnings.filterwarnings("ignore", message=r"Raw SymInt value .* passed as argument to Graph",
-                        category=UserWarning)
+# A shape family's passes put sizes (SymInts, and SymFloats such as batch norm's n / (n - 1))
+# straight into the arguments of the nodes they make (`view(x, [s0, 8, 2, 64])`), which is what
+# fusec's program writer prints (inline_sizes.py); torch.fx warns about each such node, with
+# advice for Dynamo's own graphs that does not apply here. Only that message is silenced: for the
+# whole process, and again around each compile (`raw_sizes_quiet`) for callers such as pytest
+# that reset the process's filters.
+_RAW_SIZE = r"Raw Sym(Int|Float|Bool) value .* passed as argument to Graph"
+warnings.filterwarnings("ignore", message=_RAW_SIZE, category=UserWarning)
+
+
+@contextlib.contextmanager
+def raw_sizes_quiet():
+    """Within: torch.fx's warning about a size placed in a node's arguments is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_RAW_SIZE, category=UserWarning)
+        yield
 
 
 def hashable(x):
