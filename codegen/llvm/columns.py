@@ -222,7 +222,7 @@ def _phase_section(block: _Block, phase, kept: list[str]) -> tuple[dict, list[st
     (each step a lane loop folding in one element per row), the results. Returns the template's
     section, its lines, and the names it keeps in arrays for the loops after it."""
     kernel = block.kernel
-    accs = [Accumulator(block.producers[n]) for n in phase.reduces]
+    accs = [Accumulator(block.producers[n], in_lanes=True) for n in phase.reduces]
     blocked = [a for a in accs if a.r.op == "sum" and is_float(a.dtype)]
     kblock = column_sum_block(kernel) if blocked else 0
     p = _Phase(f"phase{phase.number}", accs, blocked if kblock else [], kblock)

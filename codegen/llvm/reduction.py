@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import math
 
-
 from fusec import ops
 from fusec.ir import Index, Reduce, Stmt
-
 from fusec.symbolic import is_symbolic
 
 from ..cpu_plan import heading, sum_block, thread_choice, work_per_call
@@ -35,11 +33,12 @@ class Accumulator:
     """How one Reduce carries its running value through a loop over k: its phi states, the
     instructions that fold in one element, and the final value after the loop."""
 
-    def __init__(self, r: Reduce):
+    def __init__(self, r: Reduce, in_lanes: bool = False):
         self.r = r
         self.red = ops.REDUCTIONS[r.op]
         self.name = f"acc_{r.var.name}"
         self.dtype = r.operand.dtype if self.red.returns_index else r.acc_dtype
+        self.in_lanes = in_lanes  # rows in the lanes of a block (llvm/columns.py): `fold`
 
     def states(self) -> list[tuple[str, str, str]]:
         """(name, type, initial value) of each loop-carried value."""
@@ -56,8 +55,8 @@ class Accumulator:
 
     @property
     def nan_flag(self) -> bool:
-        """Float max/min keep "saw a NaN" apart from the running value (see fold)."""
-        return self.r.op in ("amax", "amin") and kind(self.dtype) == "f"
+        """Float max/min keep "saw a NaN" apart from the running value (see fold), not in lanes."""
+        return self.r.op in ("amax", "amin") and kind(self.dtype) == "f" and not self.in_lanes
 
     def extreme(self, e: Emitter, acc: str, x: str) -> str:
         """The running max (amax, argmax) or min of acc and x: one instruction. For floats it is
@@ -71,6 +70,16 @@ class Accumulator:
               "u": "umax" if big else "umin", "b": "umax" if big else "umin"}[kind(d)]
         flags = "nnan nsz " if is_float(d) else ""
         return e.emit(f"call {flags}{t} @llvm.{fn}.{SUFFIX[d]}({t} {acc}, {t} {x})", self.name)
+
+    def sticky_extreme(self, e: Emitter, acc: str, x: str) -> str:
+        """The running float max (min) of rows in lanes (llvm/columns.py), NaN included, as the
+        C++ backend's: x replaces acc when larger (smaller) or NaN; a NaN acc stays. (A second
+        array of NaN flags beside `extreme`, loaded and stored each k step, doubled the time.)"""
+        t = TYPE[self.dtype]
+        better = e.emit(f"fcmp {'ogt' if self.r.op == 'amax' else 'olt'} {t} {x}, {acc}", self.name)
+        is_nan = e.emit(f"fcmp uno {t} {x}, {x}", self.name + ".nan")
+        take = e.emit(f"or i1 {better}, {is_nan}", self.name)
+        return e.emit(f"select i1 {take}, {t} {x}, {t} {acc}", self.name)
 
     def fold(self, e: Emitter, x: str, cur: dict[str, str], k: str) -> dict[str, str]:
         """Instructions folding element x into the current states; returns the next states."""
@@ -93,6 +102,8 @@ class Accumulator:
                                             f"i64 {k_nan})", n + ".nan")
             return nxt
         if op in ("amax", "amin"):
+            if self.in_lanes and kind(d) == "f":
+                return {n: self.sticky_extreme(e, acc, x)}
             if not self.nan_flag:
                 return {n: self.extreme(e, acc, x)}
             # ... and beside it, whether a NaN went by: the vectorizer knows both as reductions
