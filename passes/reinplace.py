@@ -78,7 +78,8 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
         if update.op != "call_function" or update.target is not aten.index_put.default:
             continue
         buffer, copy = update.args[0], copies.get(update)
-        why_not = why_not_in_place(update, buffer, copy)
+        fresh = fresh_fill(update, buffer)
+        why_not = None if fresh else why_not_in_place(update, buffer, copy)
         if why_not is not None:
             done.append(Reinplaced(update.name, None, why_not))
             continue
@@ -86,10 +87,12 @@ def reinplace(gm: fx.GraphModule) -> fx.GraphModule:
             in_place = gm.graph.call_function(aten.index_put_.default, update.args, update.kwargs)
         in_place.meta = dict(update.meta)
         update.replace_all_uses_with(in_place, delete_user_cb=lambda user: user is not copy)
-        gm.graph.erase_node(copy)
+        if copy is not None:
+            gm.graph.erase_node(copy)
         gm.graph.erase_node(update)
         done.append(Reinplaced(update.name, in_place.name,
-                               f"nothing else reads {buffer.name}: written in place"))
+                               f"{buffer.name} is a fill made for it alone: written in place"
+                               if fresh else f"nothing else reads {buffer.name}: written in place"))
     record_of(gm).reinplace = done
     gm.recompile()
     return gm
@@ -106,6 +109,26 @@ def why_not_in_place(update: fx.Node, buffer, copy: fx.Node | None) -> str | Non
     if any(buffer in _ancestors(a) for a in update.all_input_nodes if a is not buffer):
         return "the values it writes are computed from the buffer itself"
     return None
+
+
+# The fills a program makes on every call, each a new tensor of its own (see `fresh_fill`).
+FILLS = frozenset({aten.full.default, aten.zeros.default, aten.new_zeros.default,
+                   aten.zeros_like.default, aten.full_like.default, aten.new_full.default})
+
+
+def fresh_fill(update: fx.Node, buffer) -> bool:
+    """Whether `update` may write into `buffer` because the program made it for the update alone:
+    a fill (`full`, `zeros`, ...: new memory at every call, never an input's or a constant's)
+    that nothing else reads. An embedding's backward is such an update: its weight's gradient
+    starts as zeros that each looked-up row's gradient is added into,
+
+        full      = full([256, 64], 0.0)
+        index_put = index_put(full, [ids], grads, True)   # copies all of full, then adds
+
+    and written in place (`index_put_`) it adds into the zeros themselves, with no copy of the
+    table (a BERT step has three such tables)."""
+    return isinstance(buffer, fx.Node) and buffer.op == "call_function" \
+        and buffer.target in FILLS and set(buffer.users) == {update}
 
 
 def _copies_back(gm: fx.GraphModule) -> list[Reinplaced]:

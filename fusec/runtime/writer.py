@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from fusec.ir import Layout
+from fusec.ir import Layout, contiguous_strides
 from fusec.symbolic import hint, is_symbolic, py_expr, rename
 from fusec.runtime.family_pool import made_per_size, pooled_views
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
@@ -256,11 +256,32 @@ def _emit_kernel(w: _Writer, step: KernelStep) -> None:
     sizes = [w.sizes[s] for s in getattr(step, "sizes", ())]  # after the pointers, as ints
     entry = getattr(step.launcher, "pointer_entry", None)
     loaded = _loaded(step.launcher)
+    serial = _serial_entry(step.launcher) if entry is None else None
     if entry is not None:  # a C function: called with the data pointers, as ints
         name = w.bind(entry, step.name, loaded and loaded + ".pointer_entry")
         w.line(f"{name}({', '.join([t + '.data_ptr()' for t in tensors] + sizes)})")
-    else:  # a Python launcher (Triton's grid launch, the LLVM backend's): called with tensors
+    elif serial is not None:  # an LLVM kernel that runs on this thread: all its work at once
+        # (its launcher a global too: the launcher's JIT engine owns the function's code)
+        keep = w.bind(step.launcher, step.name + "_launcher", loaded)
+        name = w.bind(serial[0], step.name, f"{keep}.fn")
+        w.line(f"{name}({', '.join([t + '.data_ptr()' for t in tensors] + ['0', str(serial[1])])})",
+               "its whole range of work, on this thread")
+    else:  # a Python launcher (Triton's grid launch, a parallel LLVM kernel): called with tensors
         w.line(f"{w.bind(step.launcher, step.name, loaded)}({', '.join(tensors + sizes)})")
+
+
+def _serial_entry(launcher) -> tuple[Callable, int] | None:
+    """(the C function, its amount of work) of an LLVM kernel whose one call on the calling
+    thread always runs all its work: fixed sizes, and threads do not pay off (`parallel` false,
+    a constant of its object file; fusec/codegen/llvm `LlvmLauncher`). The program calls that
+    function itself, `fn(pointers..., 0, work)`, as it calls a C++ kernel's `pointer_entry`:
+    what `LlvmLauncher.__call__` would do, without its frame, its list of pointers and its
+    thread count (a microsecond a launch, tens of launches a training step). Else None."""
+    if getattr(launcher, "n_sizes", 1) != 0 or getattr(launcher, "parallel", True) is not False \
+            or not isinstance(getattr(launcher, "work", None), int) \
+            or getattr(launcher, "fn", None) is None:
+        return None
+    return launcher.fn, launcher.work
 
 
 def _loaded(launcher) -> str | None:
@@ -352,8 +373,8 @@ def _extern_call(w: _Writer, step: ExternStep) -> str | None:
     name = w.bind(binding, step.name, f"torch.{binding.__name__}") if binding else \
         w.bind(step.target, step.name)
     call = f"{name}({', '.join(args)})"
-    if step.planned is not None:  # ATen picks its result's strides: settle them as planned
-        call = _settled(w, call, step.planned)
+    if step.planned is not None and not _fresh_contiguous(step):  # ATen picks the strides:
+        call = _settled(w, call, step.planned)                        # settle them as planned
     return call
 
 
@@ -367,6 +388,27 @@ aten = torch.ops.aten
 PYTHON_BINDINGS = {aten.convolution.default: torch.convolution, aten.mm.default: torch.mm,
                    aten.addmm.default: torch.addmm, aten.bmm.default: torch.bmm,
                    aten.baddbmm.default: torch.baddbmm}
+
+
+# Note (results that need no settling). A product's result (`mm`, `addmm`, `bmm`, `baddbmm`,
+# called without `out=`) is a new tensor in row-major order, whatever its operands' strides: ATen
+# allocates it with no strides asked for. When the schedule planned that order too (strides
+# equal to row-major ones wherever a dim has more than one element), `settle` would only compare
+# strides and return the result; the call is written without it. A training step makes some
+# forty such calls (BERT's linear layers and their gradients, a ResNet's 1x1 convolutions as
+# products).
+ROW_MAJOR_RESULTS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default,
+                               aten.baddbmm.default})
+
+
+def _fresh_contiguous(step: ExternStep) -> bool:
+    """Whether the step's result is row-major by construction and planned so (the note)."""
+    planned = step.planned
+    if step.target not in ROW_MAJOR_RESULTS or "out" in step.kwargs \
+            or is_symbolic(planned.shape) or is_symbolic(planned.stride) or planned.offset != 0:
+        return False
+    want = contiguous_strides(tuple(planned.shape))
+    return all(n == 1 or a == b for n, a, b in zip(planned.shape, planned.stride, want))
 
 
 def _settled(w: _Writer, call: str, planned: Layout) -> str:
