@@ -507,8 +507,16 @@ class CompiledFunction:
         return runners[size](tensors)
 
     def _state(self) -> list[torch.Tensor]:
-        """The module's parameters and buffers now (an optimizer may have replaced them)."""
-        return [ref.get() for ref in self._state_refs]
+        """The module's parameters and buffers now (an optimizer may have replaced them). One
+        set to None or deleted (`lin.bias = None`) is no longer state to lift: the refs are
+        found again (`_state_moved`)."""
+        try:
+            state = [ref.get() for ref in self._state_refs]
+        except (KeyError, AttributeError, ValueError):
+            state = None
+        if (state is None or any(t is None for t in state)) and self._state_moved():
+            return self._state()
+        return state
 
     def _state_moved(self) -> bool:
         """Before compiling: do its globals and closures now reach other state to lift (`lin`

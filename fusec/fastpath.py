@@ -94,6 +94,7 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         glob["module"] = module
         lines += [f"if module.training is not {module.training}:", "    return MISS"]
     state = [f"p{i}" for i in range(n_static)]
+    start = len(lines)  # (the checks from here on read the module's state)
     for i, ref in enumerate(state_refs):
         glob[f"owner{i}"] = ref.owner
         lines.append(f"p{i} = {ref.expression(f'owner{i}')}")  # (`owner0._parameters['weight']`)
@@ -113,6 +114,9 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
         lines += _overlap_lines(state + args, tensors, mutated)
     lines += python_state[0]
     glob.update(python_state[1])
+    if state_refs:  # a parameter set to None (`p.shape` fails) or deleted: the general path
+        lines[start:] = ["try:", *(f"    {line}" for line in lines[start:]),
+                         "except (AttributeError, KeyError):", "    return MISS"]
     everything = "args" if not state and not ints else f"[{', '.join(state + args)}]"
     lines.append(f"return run({everything})")
     source = "def fast(args):\n" + "".join(f"    {line}\n" for line in lines)

@@ -291,11 +291,62 @@ def test_no_python_state_no_guard():
     cf = fusec.compile(lambda x: torch.sin(x) * 2, backend="cpp")
     cf(x)
     assert "try:" not in cf._fast.source
-    lin = nn.Linear(8, 4)
+    lin = nn.Linear(8, 4)  # (no submodules: no guard on its tree either)
     cm = fusec.compile(lin, backend="cpp")
     with torch.no_grad():
         cm(x)
-    assert "try:" not in cm._compiled._fast.source
+    assert "g_s" not in cm._compiled._fast.source
+
+
+# ---- the module tree: submodules replaced, added, removed ----------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(6, 3))
+
+    def forward(self, x):
+        x = self.lin(x)
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return self.head(x)
+
+
+CHANGES = {  # what a user does to the model between calls
+    "a submodule replaced": lambda m: setattr(m, "lin", nn.Linear(6, 6)),
+    "a ModuleList grows": lambda m: m.layers.append(nn.Linear(6, 6)),
+    "a Sequential's child replaced": lambda m: m.head.__setitem__(0, nn.GELU()),
+    "a layer deleted": lambda m: m.layers.__delitem__(0),
+    "a subtree replaced": lambda m: setattr(m, "head", nn.Sequential(nn.Linear(6, 6), nn.SiLU(),
+                                                                     nn.Linear(6, 3))),
+    "a bias set to None": lambda m: setattr(m.lin, "bias", None),
+    "a weight replaced": lambda m: setattr(m.lin, "weight", nn.Parameter(torch.randn(6, 6))),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_changed_module_tree_gives_eagers_answer(change, grad):
+    """Eager runs the tree as it is on each call: so does the compiled module, after any of
+    these changes (each once the fast path is made), compiling again where it must and saying
+    which child changed; the changed tree is guarded in turn (a second change is seen too)."""
+    model = Block()
+    cm = fusec.compile(model, backend="cpp")
+    x = torch.randn(4, 6)
+    with torch.set_grad_enabled(grad):
+        for _ in range(2):
+            torch.testing.assert_close(cm(x), model(x))
+        CHANGES[change](model)
+        torch.testing.assert_close(cm(x), model(x))
+        if change == "a subtree replaced":
+            model.head[1] = nn.ReLU()  # inside the new subtree
+            torch.testing.assert_close(cm(x), model(x))
+            assert "self.head.1 changed: SiLU" in cm._compiled.recompiles[-1]
+    if change == "a submodule replaced" and not grad:
+        assert "self.lin changed: Linear" in cm._compiled.recompiles[-1]
 
 
 # ---- autograd through closures and globals ------------------------------------------------------

@@ -30,6 +30,13 @@ What is read, and how fusec finds out:
                         wears a recording subclass too while capture runs, so its attribute
                         reads are written down the same way, and so on into the objects they
                         hold. The object itself is guarded by identity.
+    submodules          `self.lin`, `self.layers[0]`, a Sequential's children: not read as
+                        attributes (`Module.__getattr__`, a container's `_modules` walk), so the
+                        tree itself is guarded: each module's `_modules` dict against a copy
+                        taken when the program was compiled (== compares modules by identity),
+                        one check per module that has children. `m.lin = nn.Linear(...)`, a
+                        layer put into or taken out of a Sequential: compile again, and the
+                        parameters are looked for again where the new tree holds them.
     dicts, lists, sets  `self.opts["scale"]`, `SIZES[0]`: a container of constants (up to 64
                         items, nested ones included) is guarded by its contents, since its
                         item reads cannot be seen: any change to it compiles again.
@@ -116,6 +123,8 @@ class Source:
                 return self.owner[self.name]
             if self.kind == "cell":
                 return self.owner.cell_contents
+            if self.kind == "children":
+                return self.owner._modules
             return getattr(self.owner, self.name)
         except (KeyError, ValueError, AttributeError):
             return _MISSING
@@ -126,6 +135,8 @@ class Source:
             return f"{var}[{self.name!r}]"
         if self.kind == "cell":
             return f"{var}.cell_contents"
+        if self.kind == "children":
+            return f"{var}._modules"
         return f"{var}.{self.name}" if self.name.isidentifier() else f"getattr({var}, {self.name!r})"
 
 
@@ -287,6 +298,9 @@ def _encode(kind: str, value, keep: dict):
         return (type(value), value)
     if kind == "container":
         return freeze(value)
+    if kind == "children":  # (name, id) of each child; the children are kept alive
+        keep.update((id(child), child) for child in value.values())
+        return tuple((name, id(child)) for name, child in value.items())
     keep[id(value)] = value  # (kept alive: its id must stay its own while a key holds it)
     if kind == "tensor":
         return (id(value), tuple(value.shape), value.requires_grad) \
@@ -533,9 +547,24 @@ class Guards:
         self._rekeyed: dict[tuple, tuple] = {}  # a key before its compile -> the key after
         self._values: Callable[[], Values] = lambda: Values()
         self.discovery = Discovery(fn) if self.active else None
-        own = module_state(fn) if self.module is not None else []
+        self.own = module_state(fn) if self.module is not None else []
         self.reached = list(self.discovery.reached) if self.active else []
-        self.refs = own + self.reached  # what the program lifts: own state, then reached state
+        self.refs = self.own + self.reached  # what the program lifts: own state, then reached
+        self._guard_tree()
+
+    def _guard_tree(self) -> None:
+        """A guard on each `_modules` dict of the module's tree (see "submodules" above), for
+        the tree as it is now: after a change, the new subtree's modules are guarded too."""
+        if self.module is None or not self.active:
+            return
+        for prefix, parent in self.module.named_modules(remove_duplicate=False):
+            if parent._modules:
+                source = Source("children", parent, "_modules",
+                                f"self.{prefix}" if prefix else "self")
+                if source.key not in self._index:
+                    self._index[source.key] = len(self.entries)
+                    self.entries.append((source, "children"))
+        self._values = self._make_values()
 
     def key(self) -> tuple:
         """The guards' part of a program's key: `()` when there is no guard, else the values now."""
@@ -548,11 +577,13 @@ class Guards:
             return False
         self.discovery = Discovery(self.fn)
         reached = self.discovery.reached
-        if [(type(r), id(r.owner), r.attr) for r in reached] == \
-                [(type(r), id(r.owner), r.attr) for r in self.reached]:
+        own = module_state(self.module) if self.module is not None else []
+        where = lambda refs: [(type(r), id(r.owner), r.attr) for r in refs]  # noqa: E731
+        if where(reached) == where(self.reached) and where(own) == where(self.own):
             return False
-        self.reached = list(reached)
-        self.refs = (module_state(self.module) if self.module is not None else []) + self.reached
+        self.own, self.reached = own, list(reached)
+        self.refs = own + self.reached
+        self._guard_tree()
         return True
 
     def rekeyed(self, key: tuple) -> tuple:
@@ -626,13 +657,14 @@ class Guards:
 
     def _make_values(self) -> Callable[[], Values]:
         """`values()`: every guarded value now, encoded, as straight-line Python."""
-        glob = {"Values": Values, "slow": self._slow_values, "_id": id, "_freeze": freeze}
+        glob = {"Values": Values, "slow": self._slow_values, "_id": id, "_freeze": freeze,
+                "_children": lambda d: _encode("children", d, self._keep)}
         reads, parts = [], []
         for i, (source, kind) in enumerate(self.entries):
             glob[f"s{i}"] = source.owner
             reads.append(f"v{i} = {source.expression(f's{i}')}")
             parts.append({"value": f"(type(v{i}), v{i})", "identity": f"_id(v{i})",
-                          "container": f"_freeze(v{i})",
+                          "container": f"_freeze(v{i})", "children": f"_children(v{i})",
                           "tensor": f"(_id(v{i}), tuple(v{i}.shape), v{i}.requires_grad)"}[kind])
         body = "".join(f"        {r}\n" for r in reads)
         source = (f"def values():\n    try:\n{body}"
@@ -682,6 +714,9 @@ class Guards:
             elif kind == "identity":
                 glob[f"g_o{i}"] = self._keep[value]
                 test = f"{read} is not g_o{i}"
+            elif kind == "children":  # (dict ==: the same names holding the same modules)
+                glob[f"g_c{i}"] = {name: self._keep[ident] for name, ident in value}
+                test = f"{read} != g_c{i}"
             else:
                 ident, shape, grad = value
                 glob[f"g_o{i}"] = self._keep[ident]
@@ -697,9 +732,19 @@ class Guards:
         old = self._last.get(tuple(k for k in key if type(k) is not Values))
         if old is None or new is None:
             return None
-        said = [f"{source.label} changed: {_describe(kind, a, self._keep)} -> "
-                f"{_describe(kind, b, self._keep, source.read())}"
-                for (source, kind), a, b in zip(self.entries, old, new) if a != b]
+        said = []
+        for (source, kind), a, b in zip(self.entries, old, new):
+            if a == b:
+                continue
+            if kind == "children" and a is not _MISSING and b is not _MISSING:
+                was, now = dict(a), dict(b)  # (name the children that changed)
+                said += [f"{source.label}.{name} changed: "
+                         f"{_describe('identity', was.get(name, _MISSING), self._keep)} -> "
+                         f"{_describe('identity', now.get(name, _MISSING), self._keep)}"
+                         for name in dict.fromkeys([*was, *now]) if was.get(name) != now.get(name)]
+            else:
+                said.append(f"{source.label} changed: {_describe(kind, a, self._keep)} -> "
+                            f"{_describe(kind, b, self._keep, source.read())}")
         return "; ".join(said) or None
 
 
@@ -723,6 +768,8 @@ def _describe(kind: str, value, keep: dict, now=_MISSING) -> str:
     if kind == "container":
         text = repr(_thaw(value))
         return text if len(text) <= 60 else text[:57] + "..."
+    if kind == "children":
+        return "modules " + ", ".join(name for name, _ in value)
     if kind == "tensor":
         ident, shape, grad = value
         return f"tensor {ident:#x} of shape {shape}" + (" requires_grad" if grad else "")
