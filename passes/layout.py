@@ -23,10 +23,9 @@ This pass tries the other layout and keeps it when the stated cost model says it
    (it only changes the order the kernel stores in): free on a GPU, and on a CPU the price of
    storing its bytes out of order (Note: a fused conversion is not free, layout_plan.py); a
    conversion of a program input, a weight or an extern's result is one extra pass over the
-   tensor and one more kernel launch (`conversion_cost`). Each convolution's gain is its estimated
-   time (FLOPs / throughput) times (1 - 1/speedup), the speedup measured per device, convolution
-   kind and dtype (SPEEDUP in layout_plan.py). The channels-last graph is kept only when the
-   gains exceed the extra passes; otherwise the captured graph is returned unchanged.
+   tensor and one more kernel launch (`conversion_cost`). A convolution gains its estimated time
+   (FLOPs / throughput) times (1 - 1/speedup), the speedup measured per device, kind and dtype
+   (SPEEDUP, layout_plan.py). Channels-last is kept only when the gains exceed the extra passes.
 
     before                                         after
     conv = convolution(x, w, b, ...)               x_cl   = clone(x, memory_format=channels_last)
@@ -55,6 +54,7 @@ from fusec.graphmodule import copy_graph_module, looks_for
 from fusec.ir import TensorMeta, contiguous_strides, meta_of, short_dtype
 from fusec.record import record_of
 
+from .conv_algorithm import choose_algorithms
 from .layout_plan import (BANDWIDTH, DEPTHWISE, FLOPS, LAUNCH, PER_THREAD, SPEEDUP,  # noqa: F401
                           ConvChoice, Conversion, LayoutPlan, conv_rate, conversion_cost, speedup)
 from .schedule import is_dense, fake_mode_of
@@ -75,33 +75,33 @@ CONTIGUOUS_ONLY = {
 
 @looks_for(aten.convolution.default)
 def layout(gm: fx.GraphModule) -> fx.GraphModule:
-    """Run the convolutions channels-last when the cost model says it pays (see module doc)."""
+    """Channels-last where the cost model says it pays (module doc), then conv_algorithm.py."""
+    return choose_algorithms(_layout(gm))
+
+
+def _layout(gm: fx.GraphModule) -> fx.GraphModule:
     convs = [n for n in gm.graph.nodes if n.op == "call_function"
              and n.target is aten.convolution.default and _tensor(n.args[0]) is not None
              and _tensor(n.args[0]).dim() in (4, 5)]
     if not convs:
         record_of(gm).layout = LayoutPlan("unchanged", "no convolution")
         return gm
-    forced = env.choice("FUSEC_LAYOUT", "auto",
-                        ("auto", "channels_last", "contiguous", "off", "0", "nchw"))
+    forced = env.choice("FUSEC_LAYOUT", "auto", ("auto", "channels_last", "contiguous", "off", "0", "nchw"))
     choices = [_price_conv(n) for n in convs]
     if forced in ("contiguous", "off", "0", "nchw"):
         record_of(gm).layout = LayoutPlan("unchanged", "FUSEC_LAYOUT=contiguous", choices)
         return gm
-
     wanted = [n for n, c in zip(convs, choices) if c.speedup > 1.0 or forced == "channels_last"]
     if not wanted:
         record_of(gm).layout = LayoutPlan(
             "unchanged", "no convolution is measured faster in channels-last here", choices)
         return gm
-
     trial = copy_graph_module(gm)
     try:
         conversions = _rewrite(trial, {n.name for n in wanted})
     except _CannotConvert as err:
         record_of(gm).layout = LayoutPlan("unchanged", str(err), choices)
         return gm
-
     plan = LayoutPlan("channels_last", "", choices, conversions)
     plan.gain_s = hint(sum(c.gain_s for c in choices))  # (estimates: at the traced sizes)
     plan.cost_s = hint(sum(conversion_cost(c) for c in conversions))
