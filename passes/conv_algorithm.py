@@ -15,7 +15,8 @@ convolution and a kernel or two, and the convolution is four fifths of its time
 Which is faster depends on the sizes, the CPU, the BLAS and the thread count, so this pass does
 not guess: for each convolution that qualifies it times both on random tensors of the traced
 sizes (calls interleaved, the fastest of ROUNDS rounds: other work on the machine only ever
-adds time; with torch's thread count as it is now)
+adds time; with torch's thread count as it is now, and on one thread in this process's CPU time,
+which a busy machine's other processes do not inflate)
 and rewrites the node to
 
     _slow_conv2d_forward(x, w, kernel_size, bias, stride, padding)
@@ -45,7 +46,7 @@ aten = torch.ops.aten
 
 MAX_FLOPS = 50e6  # larger convolutions keep oneDNN, untimed (timing them would slow the compile)
 MARGIN = 1.05  # im2col must be this much faster (a noisy timing should not flip the choice)
-ROUNDS = 5  # rounds of CALLS calls of each, interleaved; the fastest round counts
+ROUNDS = 9  # rounds of CALLS calls of each, interleaved; the fastest round counts
 CALLS = 3
 
 
@@ -106,14 +107,15 @@ def _faster(node: fx.Node) -> str | None:
                                                 output_padding, 1),
             "im2col": lambda: aten._slow_conv2d_forward(xt, wt, kernel, bt, stride, padding)}
         rounds = {name: [] for name in calls}
-        for fn in calls.values():
+        for fn in [*calls.values()] * 2:
             fn()  # (first calls: oneDNN builds its primitive, im2col its buffers)
+        clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
         for _ in range(ROUNDS):
             for name, fn in calls.items():
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(CALLS):
                     fn()
-                rounds[name].append((time.perf_counter() - start) / CALLS)
+                rounds[name].append((clock() - start) / CALLS)
     onednn, im2col = (min(rounds[n]) for n in ("onednn", "im2col"))
     if im2col * MARGIN >= onednn:
         return None
