@@ -39,6 +39,16 @@ def sin4(x):
     return torch.sin(torch.sin(torch.sin(torch.sin(x))))
 
 
+def sin10(x):
+    for _ in range(10):
+        x = torch.sin(x)
+    return x
+
+
+def gated(x):
+    return torch.sigmoid(x * 2 + 1) * x
+
+
 def softmax(x):
     return torch.softmax(x, dim=-1)
 
@@ -51,6 +61,16 @@ WORKLOADS = [
     ("chain20, 1k f32 (launch-bound)", chain20, lambda: (torch.randn(1024),), wall_ms),
     ("chain20, 1M f32", chain20, lambda: (torch.randn(1 << 20),), median_ms),
     ("sin4, 4M f32", sin4, lambda: (torch.randn(4 << 20),), median_ms),
+    # a chain of math calls: cut into a loop per call (Note: blocks for chains of math calls)
+    ("sin10, 1M f32", sin10, lambda: (torch.randn(1 << 20),), median_ms),
+    ("sin10, 1M f16", sin10, lambda: (torch.randn(1 << 20, dtype=torch.float16),), median_ms),
+    ("sin10, 1M bf16", sin10, lambda: (torch.randn(1 << 20, dtype=torch.bfloat16),), median_ms),
+    # half precision: computed in float inside the kernel, rounded where eager rounds each op
+    ("gated, 4M f16", gated, lambda: (torch.randn(4 << 20, dtype=torch.float16),), median_ms),
+    ("gated, 4M bf16", gated, lambda: (torch.randn(4 << 20, dtype=torch.bfloat16),), median_ms),
+    ("chain20, 1M f16", chain20, lambda: (torch.randn(1 << 20, dtype=torch.float16),), median_ms),
+    ("chain20, 1M bf16", chain20, lambda: (torch.randn(1 << 20, dtype=torch.bfloat16),),
+     median_ms),
     ("softmax 512x512 f32", softmax, lambda: (torch.randn(512, 512),), median_ms),
     ("softmax 4096x1024 f32", softmax, lambda: (torch.randn(4096, 1024),), median_ms),
     ("layernorm 4096x1024 f32", layernorm,

@@ -243,9 +243,10 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
         writes.append((store, target))
         body.append(f"{target} = {store_value(store.var, store.dtype)};")
-    # float16 on a CPU with F16C: a block at a time, the hardware converting (Note: float16 blocks)
-    blocks = half_blocks.block_loop(kernel, reads, writes) \
-        if half_blocks.applies(kernel, row_tile, host_has_f16c()) else []
+    # a block at a time, cut at float16 roundings (F16C converting: Note: float16 blocks) or at
+    # the calls of a chain of math calls (Note: blocks for chains of math calls)
+    cut = half_blocks.cut_reason(kernel, row_tile, host_has_f16c())
+    blocks = half_blocks.block_loop(kernel, reads, writes) if cut else []
     if hoisted and not blocks:  # (blocks compute everything a block at a time, from `reads`)
         row_setup += ["// the same at every position of the row: once per row (Note: values per row)",
                       *hoisted]
@@ -257,7 +258,8 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
         chunk=max(chunk, 1), parallel=thread_condition(kernel), row_tile=row_tile,
         tile_reason=f"{', '.join(strided)} step(s) across cache lines in the inner loop: each "
                     f"tile reuses the lines it loads for {row_tile} rows (Note: tiles for transposed reads)",
-        params=params(kernel), row_setup=row_setup, gathers=gathers, body=body, blocks=blocks)
+        params=params(kernel), row_setup=row_setup, gathers=gathers, body=body, blocks=blocks,
+        cut=cut)
 
 
 def render_short_rows(kernel: PointwiseKernel, tile_rows: int) -> str:

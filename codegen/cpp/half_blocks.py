@@ -1,4 +1,5 @@
-"""float16 pointwise kernels in blocks, so that the CPU's own instructions do the conversions.
+"""Pointwise kernels in blocks of positions, a loop per step: float16 kernels, so that the CPU's
+own instructions do the conversions, and chains of math calls, so that the calls overlap.
 
 Note (float16 blocks): eager rounds every float16 result to float16, and so does a fused kernel
 (`fusec_round_f16` after each op: codegen/cpp/text.py). x86 CPUs with F16C (every one with AVX2)
@@ -10,17 +11,30 @@ float16 runs its inner loop a block of FUSEC_BLOCK (256, cpp_prelude.h) position
 cut at every rounding:
 
     for each block of the chunk:
-        loop: read the inputs' bits          -> fusec_f16_to_f32_block  (F16C)
-        loop: the ops up to a rounding       -> fusec_round_f16_block   (F16C)
-        loop: the ops up to the next one     -> fusec_round_f16_block
-        ...                                  -> fusec_f32_to_f16_block  (F16C)
-        loop: write the outputs
+        (loop: gather a strided input's bits) -> fusec_f16_to_f32_block  (F16C)
+        loop: the ops up to a rounding        -> fusec_round_f16_block   (F16C)
+        loop: the ops up to the next one      -> fusec_round_f16_block
+        ...   (the last loop also writes the outputs that are not float16)
+                                              -> fusec_f32_to_f16_block  (F16C)
+        (loop: scatter a strided output's bits)
 
 Every loop is a plain `#pragma omp simd` loop over the block, and every value that one loop
-hands to a later one lives in a small array (1 KiB of floats: the block stays in L1). The answers
+hands to a later one lives in a small array (1 KiB of floats: the block stays in L1); an input
+that is not float16 is read again from memory by each loop that uses it. The answers
 are the same bits: the block helpers are the hardware's conversions, which are torch's.
 Kernels this does not fit (a cat's conditional reads, gathered reads, tiles for transposed
 reads) keep the one-loop form with the integer conversions, and so do reductions for now.
+
+Note (blocks for chains of math calls): the same blocks, cut after each call of an opaque vector
+math function (CALLS: SLEEF's or libmvec's sin, cos, log, ...), serve any dtype. In one loop,
+`sin(cos(sin(x)))` makes every position wait for its previous call's answer, and a call is some
+60 instructions the compiler cannot see into: the CPU's out-of-order window holds about one
+call, so it cannot start the next position's chain while this one runs, and the loop runs at
+the calls' latency. Cut into a loop per call over a block of positions, each loop's calls are
+independent of each other and overlap: the calls' throughput. The rule, `chained_calls`: a kernel
+whose longest dependent chain holds CHAIN_CALLS or more such calls runs in blocks; one call (or
+calls side by side) keeps the one loop, where the calls of neighbouring positions already
+overlap. Both backends follow it (the LLVM one in codegen/llvm/blocks.py).
 """
 from __future__ import annotations
 
@@ -32,46 +46,74 @@ from fusec.ir import PointwiseKernel
 
 from .text import CTYPE, render_stmt, store_value
 
-def applies(kernel: PointwiseKernel, row_tile: int, f16c: bool) -> bool:
-    """Whether `kernel` runs in blocks (see the Note above); `f16c`: whether the CPU the kernel
-    is built for converts float16 in hardware (codegen/cpp/__init__.py, `host_has_f16c`)."""
-    if not f16c or row_tile > 1 or \
-            any(l.valid is not None or l.gather is not None for l in kernel.loads):
-        return False  # (a gathered read's position is another load's value: one loop reads both)
-    if not any(s.round_to == torch.float16 for s in kernel.stmts):
-        return False
+# The ops each backend computes with a call it cannot inline (SLEEF's or libmvec's vector math);
+# exp, log1p, tanh, erf and sigmoid are fusec's own inline code (cpp_prelude.h, llvm_prelude.ll.j2).
+CALLS = frozenset({"sin", "cos", "tan", "log", "log2", "expm1", "exp2"})
+# How many calls in one dependent chain make blocks pay (Note: blocks for chains of math calls)
+CHAIN_CALLS = 2
+
+
+def chained_calls(kernel: PointwiseKernel) -> int:
+    """The most CALLS on one path from the kernel's loads to a value (each waiting for the last)."""
+    depth: dict[str, int] = {}
+    for s in kernel.stmts:
+        before = max((depth.get(o.name, 0) for o in s.operands if hasattr(o, "name")), default=0)
+        depth[s.var.name] = before + (s.op in CALLS and s.var.dtype.is_floating_point)
+    return max(depth.values(), default=0)
+
+
+def cut_reason(kernel: PointwiseKernel, row_tile: int, f16c: bool) -> str | None:
+    """Why `kernel` runs in blocks (the kernel's comment says it), or None for the one loop:
+    float16 roundings on a CPU with F16C (Note: float16 blocks; `f16c`: whether the CPU the kernel
+    is built for converts float16 in hardware, codegen/cpp/__init__.py `host_has_f16c`), or a
+    chain of math calls (Note: blocks for chains of math calls)."""
+    if row_tile > 1 or any(l.valid is not None or l.gather is not None for l in kernel.loads):
+        return None  # (a gathered read's position is another load's value: one loop reads both)
     halves = [l.var for l in kernel.loads if l.dtype == torch.float16] + \
              [s.var for s in kernel.stores if s.dtype == torch.float16]
-    return all(v.dtype == torch.float32 for v in halves)
+    rounds = any(s.round_to == torch.float16 for s in kernel.stmts)
+    if (halves or rounds) and not (f16c and all(v.dtype == torch.float32 for v in halves)):
+        return None
+    calls = chained_calls(kernel)
+    half = "float16: a loop per rounding, F16C converting between them (Note: float16 blocks)"
+    if calls >= CHAIN_CALLS:
+        return (f"{half}; " if rounds else "") + f"{calls} math calls in a chain: a loop per " \
+            "call, whose calls overlap (Note: blocks for chains of math calls)"
+    return half if rounds else None
 
 
 def block_loop(kernel: PointwiseKernel, reads: list[tuple], writes: list[tuple]) -> list[str]:
     """The lines that replace the one inner loop. `reads` holds (load, element, value) for each
     load: the element it reads and its value in registers (C++ in terms of `i`); `writes` holds
-    (store, target) for each store.
+    (store, target) for each store. A float16 read or write goes through a block array and F16C;
+    any other is read from memory in each loop that uses it, and written by the last loop.
 
     Why this function is long: it writes one block loop in order, segment by segment (the
-    statements up to each float16 rounding, the values each segment hands the next through a
-    block buffer, the hardware conversions between them), and each step reads what the step
-    before decided; cut apart, the pieces would pass that state around."""
-    # segments: the statements up to and including each float16 rounding, then the rest
+    statements up to each cut, the values each segment hands the next through a block buffer,
+    the hardware conversions between them), and each step reads what the step before decided;
+    cut apart, the pieces would pass that state around."""
+    # segments: the statements up to and including each float16 rounding (and, for a chain of
+    # math calls, each call), then the rest (the last loop, which also writes the outputs)
+    at_calls = chained_calls(kernel) >= CHAIN_CALLS
     segments: list[list] = [[]]
     for s in kernel.stmts:
         segments[-1].append(s)
-        if s.round_to == torch.float16:
+        if s.round_to == torch.float16 or (at_calls and s.op in CALLS):
             segments.append([])
-    made_in = {l.var.name: 0 for l in kernel.loads}
+    last = len(segments)
+    value_of = {l.var.name: value for l, _, value in reads if l.dtype != torch.float16}
+    made_in = {l.var.name: 0 for l in kernel.loads if l.var.name not in value_of}
     for n, seg in enumerate(segments, start=1):
         made_in.update({s.var.name: n for s in seg})
-    stored_at = len(segments) + 1
     used_in: dict[str, set[int]] = {}
     for n, seg in enumerate(segments, start=1):
         for s in seg:
             for o in s.operands:
                 if hasattr(o, "name") and o.name in made_in:
                     used_in.setdefault(o.name, set()).add(n)
-    for st in kernel.stores:
-        used_in.setdefault(st.var.name, set()).add(stored_at)
+    for st in kernel.stores:  # (float16: converted after the last loop)
+        if st.var.name in made_in:
+            used_in.setdefault(st.var.name, set()).add(last + (st.dtype == torch.float16))
     ctype = {v.name: CTYPE[v.dtype] for v in [l.var for l in kernel.loads] + [s.var for s in kernel.stmts]}
     # a value gets an array when a later loop reads it, or a block rounding works on it
     kept = {name for name, where in used_in.items() if any(n > made_in[name] for n in where)}
@@ -103,43 +145,36 @@ def block_loop(kernel: PointwiseKernel, reads: list[tuple], writes: list[tuple])
             [f"        {line}" for line in position + body] + ["    }"]
 
     def reload(names) -> list[str]:
-        return [f"const {ctype[v]} {v} = {v}_b[j];" for v in sorted(names)]
+        """Each value a loop needs from before it: from its array, or read from memory."""
+        return [f"const {ctype[v]} {v} = {value_of[v]};" if v in value_of
+                else f"const {ctype[v]} {v} = {v}_b[j];" for v in sorted(names)]
 
-    # the reads: float16 bits into their arrays (converted after the loop), the rest converted here
-    body = []
-    for load, at, value in reads:
-        name = load.var.name
-        if load.dtype == torch.float16:
-            if bits[name] == f"{name}_bits":
-                body.append(f"{name}_bits[j] = {at};")
-        elif name in kept:
-            body.append(f"{name}_b[j] = {value};")
+    # the float16 reads: their bits (gathered where strided), converted a block at a time
+    body = [f"{l.var.name}_bits[j] = {at};" for l, at in half_reads
+            if bits[l.var.name] == f"{l.var.name}_bits"]
     lines += loop(body) if body else []
     lines += [f"    fusec_f16_to_f32_block({bits[l.var.name]}, {l.var.name}_b, n);  // F16C"
               for l, _ in half_reads]
-    # the ops, a loop per rounding
+    # the ops, a loop per cut; the last loop writes what is not float16
     for n, seg in enumerate(segments, start=1):
-        if not seg:
+        writes_here = [(st, at) for st, at in writes if st.dtype != torch.float16] \
+            if n == last else []
+        if not seg and not writes_here:
             continue
         needed = {o.name for s in seg for o in s.operands if hasattr(o, "name") and
-                  o.name in made_in and made_in[o.name] < n}
+                  (o.name in value_of or o.name in made_in and made_in[o.name] < n)}
+        needed |= {st.var.name for st, _ in writes_here if made_in.get(st.var.name, 0) < n}
         body = reload(needed) + [render_stmt(s, round_f16=False) for s in seg]
         body += [f"{s.var.name}_b[j] = {s.var.name};" for s in seg if s.var.name in kept]
+        body += [f"{at} = {store_value(st.var, st.dtype)};" for st, at in writes_here]
         lines += loop(body)
-        if seg[-1].round_to == torch.float16:
+        if seg and seg[-1].round_to == torch.float16:
             lines.append(f"    fusec_round_f16_block({seg[-1].var.name}_b, n);  // F16C: "
                          "rounded like eager's float16")
-    # the writes
+    # the float16 writes
     lines += [f"    fusec_f32_to_f16_block({st.var.name}_b, {out_bits[k]}, n);  // F16C"
               for k, st, _ in half_writes]
-    body, names = [], set()
-    for k, (st, at) in enumerate(writes):
-        if st.dtype == torch.float16:
-            if out_bits[k] == f"out{k}_bits":
-                body.append(f"{at} = out{k}_bits[j];")
-        else:
-            names.add(st.var.name)
-            body.append(f"{at} = {store_value(st.var, st.dtype)};")
-    lines += loop(reload(names) + body) if body else []
+    body = [f"{at} = out{k}_bits[j];" for k, _, at in half_writes if out_bits[k] == f"out{k}_bits"]
+    lines += loop(body) if body else []
     lines.append("}")
     return lines

@@ -74,6 +74,7 @@ from .ir import (TYPE, Emitter, new_counter, finish, kernel_params, coords, emit
 from .ir import vector_isa, vector_isas  # noqa: F401 (the backend's views, read as llvm.X)
 from .jit import (assembly, available, build, check_symbols, llvm_binding,  # noqa: F401
                        object_code, optimized_ir, target_machine, triple_and_layout)
+from . import blocks
 from .columns import render_columns
 from .reduction import render_reduction
 from .sizes import hinted, known, launch_functions
@@ -120,36 +121,33 @@ def render(kernel, target: Target | None = None) -> str:
     body = Emitter(counter)
     values: dict[str, str] = {}
 
-    def index(idx: Index, label: str) -> str:
+    def index(e: Emitter, idx: Index, label: str, position: str = "%i") -> str:
         b = base(idx, label)
-        inner_term = index_sum(body, [("%i", idx.strides[-1])], 0, label + ".idx")
+        inner_term = index_sum(e, [(position, idx.strides[-1])], 0, label + ".idx")
         if b == "0":
             return inner_term
         if inner_term == "0":
             return b
-        return body.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
+        return e.emit(f"add nsw i64 {b}, {inner_term}", label + ".idx")
 
     dtypes = {l.var.name: l.var.dtype for l in kernel.loads}
     per_row = row_values(kernel)  # computed once per row, in the tile block (Note: values per row)
     if per_row:
         setup.lines.append("; the same at every position of the row: once per row (Note: values per row)")
+    cut = blocks.cut_reason(kernel)  # a chain of math calls: a loop per call (llvm/blocks.py)
     for load in kernel.loads:
         if load.var.name in per_row:
             emit_load(setup, load.param, load.dtype, base(load.index, load.var.name), load.var, values)
-            continue
-        at = index(load.index, load.var.name)
-        if load.gather is not None:  # a gathered read: the row its index value names
-            row = gather_row(body, load, dtypes[load.gather[0]], values)
-            at = body.emit(f"add nsw i64 {at}, {row}", load.var.name + ".at")
-        if load.valid is None:
-            emit_load(body, load.param, load.dtype, at, load.var, values)
-        else:
-            emit_piece(body, load, at, c[load.valid[0]] if load.valid[0] < len(c) else "%i",
-                       values)
+        elif not cut:  # (blocks read in their own loops)
+            emit_read(body, load, index(body, load.index, load.var.name), c, dtypes, values)
     for s in kernel.stmts:
-        emit_stmt(setup if s.var.name in per_row else body, s, values)
-    for n, store in enumerate(kernel.stores):
-        emit_store(body, store.param, store.dtype, index(store.index, f"out{n}"), store.var, values)
+        if s.var.name in per_row or not cut:
+            emit_stmt(setup if s.var.name in per_row else body, s, values)
+    for n, store in enumerate([] if cut else kernel.stores):
+        emit_store(body, store.param, store.dtype, index(body, store.index, f"out{n}"), store.var,
+                   values)
+    allocas, block_lines = blocks.block_loops(kernel, body, index, per_row, values) if cut \
+        else ([], [])
     # (with sizes that are symbols, rows * chunks is 0 exactly when the space is empty: no guard)
     items = rows * chunks if known(kernel.numel) != 0 else 0
     # the sizes the code uses, as operands (a number, or a value the entry block computes)
@@ -159,8 +157,21 @@ def render(kernel, target: Target | None = None) -> str:
                    summary=heading(kernel), source_shape=kernel.source_shape, numel=kernel.numel,
                    rows=rows, inner=inner, chunk=chunk, chunks=chunks, items=items, code=code,
                    parallel=str(thread_choice(kernel)[0] and hint(items) > 1).lower(),
-                   params=kernel_params(kernel), row_setup=setup.lines, body=body.lines)
+                   params=kernel_params(kernel), row_setup=setup.lines, body=body.lines,
+                   cut=cut, allocas=allocas, blocks=block_lines)
 
+
+def emit_read(e: Emitter, load, at: str, coords: list[str], dtypes: dict, values: dict) -> None:
+    """The one loop's read of `load` at element `at`: gathered (the row its index value names),
+    a piece of a cat, or plain."""
+    if load.gather is not None:
+        row = gather_row(e, load, dtypes[load.gather[0]], values)
+        at = e.emit(f"add nsw i64 {at}, {row}", load.var.name + ".at")
+    if load.valid is None:
+        emit_load(e, load.param, load.dtype, at, load.var, values)
+    else:
+        emit_piece(e, load, at, coords[load.valid[0]] if load.valid[0] < len(coords) else "%i",
+                   values)
 
 
 def emit_piece(e: Emitter, load, at: str, coord: str, values: dict[str, str]) -> None:
