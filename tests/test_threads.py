@@ -100,6 +100,28 @@ def test_one_shared_function_different_shapes(backend, dynamic):
         assert cf.compiles <= 3 and len(cf.families) == 1, (cf.compiles, cf.recompiles)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_module_called_in_threads_while_one_compiles(backend):
+    """A served module: threads call it compiled, with sizes of their own, and eagerly, while
+    another thread compiles it. Capture traces a copy of the module tree, so no call meanwhile
+    sees the traced parameters (it read fake tensors before: a crash, or a wrong answer)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    cm = fusec.compile(model, backend=backend, dynamic=False)
+    xs = [torch.randn(i + 1, 8) for i in range(N_THREADS)]
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(3):
+                run = cm if i % 2 else model  # (half of them eager)
+                torch.testing.assert_close(run(xs[i]), want[i])
+                torch.testing.assert_close(cm(xs[(i + 1) % N_THREADS]), want[(i + 1) % N_THREADS])
+
+    assert _in_threads(work) == []
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_separate_functions(backend):
     fns = [fusec.compile(softmaxish, backend=backend) for _ in range(N_THREADS)]

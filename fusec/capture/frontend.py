@@ -134,7 +134,8 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
         with RecurrentAsExtern(), guards.substituted(reached, tensors[n_own:n_lifted]):
             if module is not None:
                 params = dict(zip(lifted_names[:n_own], tensors[:n_own]))
-                result = torch.func.functional_call(module, params, call_args, call_kwargs)
+                result = torch.func.functional_call(guards.tree_copy(module), params,
+                                                    call_args, call_kwargs)
             else:
                 result = fn(*call_args, **call_kwargs)
         check_copies(copies)
@@ -233,31 +234,33 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
     # (fusec/symbolic.py): then `.item()` still fails, but sizes compute symbolically.
     mode = symbolic.fake_mode() if dynamic else FakeTensorMode(allow_non_fake_inputs=True)
     attributes = tensor_attributes(module)
-    try:
-        fakes = [symbolic.fake_input(mode, t, (dynamic or {}).get(i)) for i, t in enumerate(example)]
-        if relations and dynamic:  # (the caller's tensors come after the lifted state)
-            relate_sizes(fakes[len(fakes) - len(user_names):], relations)
-        with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
-                dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
-                graphmodule.lazily():
-            gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
-                         decomposition_table=decompositions(),
-                         record_stack_traces=stack_traces)(*fakes)
-            out_of_place(gm)
-            if mutated_temporaries(gm):  # (see out_of_place): functionalize the graph itself
-                gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
+    with guards.copies_made() as pairs:  # (the module tree is traced as a copy)
+        try:
+            fakes = [symbolic.fake_input(mode, t, (dynamic or {}).get(i))
+                     for i, t in enumerate(example)]
+            if relations and dynamic:  # (the caller's tensors come after the lifted state)
+                relate_sizes(fakes[len(fakes) - len(user_names):], relations)
+            with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
+                    dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
+                    graphmodule.lazily():
+                gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
+                             decomposition_table=decompositions(),
                              record_stack_traces=stack_traces)(*fakes)
-    except UnsupportedError:
-        raise
-    except Exception as err:  # translate torch-internal failures into one clear line
-        cause = capture_error(err)
-        if isinstance(cause, DeviceError):  # name where each input lives
-            users = example[len(example) - len(user_names):]
-            cause = DeviceError(f"{cause} (inputs: " + ", ".join(
-                f"{name} on {t.device}" for name, t in zip(user_names, users)) + ")")
-        raise cause from None
-    finally:
-        changed = restore_attributes(attributes)
+                out_of_place(gm)
+                if mutated_temporaries(gm):  # (see out_of_place): functionalize the graph itself
+                    gm = make_fx(torch.func.functionalize(gm, remove="mutations"),
+                                 record_stack_traces=stack_traces)(*fakes)
+        except UnsupportedError:
+            raise
+        except Exception as err:  # translate torch-internal failures into one clear line
+            cause = capture_error(err)
+            if isinstance(cause, DeviceError):  # name where each input lives
+                users = example[len(example) - len(user_names):]
+                cause = DeviceError(f"{cause} (inputs: " + ", ".join(
+                    f"{name} on {t.device}" for name, t in zip(user_names, users)) + ")")
+            raise cause from None
+        finally:
+            changed = restore_attributes(attributes) + written_attributes(pairs)
     if changed:
         raise GraphBreakError(
             f"fusec: the program assigns new tensors to module attributes ({', '.join(changed)}) "
@@ -294,6 +297,19 @@ def restore_attributes(saved: list[tuple]) -> list[str]:
             changed.append(f"{type(sub).__name__}.{name}")
             now[name] = before[name]
     return changed
+
+
+def written_attributes(pairs: list[tuple]) -> list[str]:
+    """The tensor attributes tracing assigned or deleted on the copies of the module tree it ran
+    (capture/guards.py `tree_copy`: the user's modules were not touched), named."""
+    changed = []
+    for module, copy in pairs:
+        before, now = vars(module), vars(copy)
+        changed += [f"{type(module).__name__}.{name}" for name, value in now.items()
+                    if isinstance(value, torch.Tensor) and before.get(name) is not value]
+        changed += [f"{type(module).__name__}.{name}" for name, value in before.items()
+                    if isinstance(value, torch.Tensor) and name not in now]
+    return list(dict.fromkeys(changed))
 
 
 def _anchor(fn: Callable) -> Callable:

@@ -71,8 +71,10 @@ than 64 items or anything but constants (a dict of modules, a list of tensors), 
 tensors reached only through such containers, attributes of objects whose class cannot be
 swapped (`__slots__`, C types), and functions reached other than through globals, closures and
 attributes.
-While capture runs, a lifted global or closure tensor holds the traced value (as functional_call
-does to a module's parameters): another thread that reads that same global meanwhile sees it.
+While capture runs, a lifted global or closure tensor holds the traced value: another thread
+that reads that same global meanwhile sees it. A module's own parameters do not: capture traces a
+copy of the module tree (`tree_copy`), so other threads' calls, eager or compiled, read the real
+ones meanwhile.
 """
 from __future__ import annotations
 
@@ -459,6 +461,7 @@ class Recording:
         self.key: tuple = ()  # the guards' part of the program's key, once capture is done
         self.swapped: list[tuple] = []  # (object, its own class): put back when capture ends
         self.objects: dict[int, str] = {}  # id of a config-like object watched -> its label
+        self.originals: dict[int, Any] = {}  # id of a module's copy (tree_copy) -> the module
 
     def add(self, source: Source, kind: str, value) -> None:
         if source.key not in self.seen:
@@ -485,7 +488,9 @@ class Recording:
 
     def attribute(self, module, name: str, value) -> None:
         """`module.name` was read (by the program, or by torch's module code it runs); `module`
-        may also be a config-like object (see `watch`)."""
+        may also be a config-like object (see `watch`), or a copy `tree_copy` made: the
+        original is guarded (the copy has the same attributes, and never changes)."""
+        module = self.originals.get(id(module), module)
         if name.startswith("__") or isinstance(module, torch.nn.Module) and (
                 name in _MODULE_INTERNALS or  # (training: in the signature)
                 (name == "training" and module is self.guards.module)):
@@ -528,6 +533,49 @@ def _recording_class(cls: type) -> type:
                                           "_fusec_recording": True})
         _RECORDING_CLASSES[cls] = sub
     return sub
+
+
+def tree_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree to trace, sharing everything but the dicts that hold the
+    parameters, buffers and children: functional_call puts the traced tensors into the copy's
+    dicts, where no other thread looks (the module's own stay as they are: Note at the top).
+    Attribute reads on the copies are guarded on the originals (`Recording.originals`). A
+    module whose instances have no `__dict__` to copy is traced itself, as before."""
+    recording = getattr(_LOCAL, "recording", None)
+    copies: dict[int, torch.nn.Module] = {}
+
+    def copy(m):
+        if id(m) not in copies:
+            c = copies[id(m)] = object.__new__(type(m))
+            vars(c).update(vars(m))
+            vars(c).update({k: list(v) for k, v in vars(m).items()  # (an RNN's _flat_weights)
+                            if type(v) is list and v and all(isinstance(t, torch.Tensor) or t is None
+                                                             for t in v)})
+            vars(c).update(_parameters=dict(m._parameters), _buffers=dict(m._buffers),
+                           _modules={name: None if sub is None else copy(sub)
+                                     for name, sub in m._modules.items()})
+            if recording is not None:
+                recording.originals[id(c)] = m
+            kept = getattr(_LOCAL, "copies", None)
+            if kept is not None:
+                kept.append((m, c))
+        return copies[id(m)]
+    try:
+        return copy(module)
+    except (TypeError, AttributeError):  # (`__slots__`, a C type: no __dict__ to copy)
+        return module
+
+
+@contextlib.contextmanager
+def copies_made():
+    """Within: the (module, copy) pairs `tree_copy` makes on this thread, listed, so that the
+    caller can see what tracing wrote onto the copies (frontend.py `written_attributes`)."""
+    outer = getattr(_LOCAL, "copies", None)
+    _LOCAL.copies = pairs = []
+    try:
+        yield pairs
+    finally:
+        _LOCAL.copies = outer
 
 
 # ---- the guards of one compiled function ----------------------------------------------------------
