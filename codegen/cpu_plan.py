@@ -92,6 +92,10 @@ def work_per_call(kernel):
     return work if is_symbolic(work) else None
 
 
+# Note (no parallel region for a serial kernel): where the condition is `false`, the C++ templates
+# write no `#pragma omp parallel` at all: under one, even `if(false)`, gcc moves the loop into an
+# outlined function that gets the pointers through a struct, without __restrict__, and adds alias
+# checks and loop versions that cost a training step's small kernels more than their work.
 def thread_condition(kernel) -> str:
     """The C/C++ condition under which the kernel runs on several threads: `true` or `false` when
     its sizes are numbers (thread_choice), else a comparison of its work at this call's sizes with

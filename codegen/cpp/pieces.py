@@ -10,8 +10,7 @@ gcc vectorizes such a read as a masked load. In a loop that does nothing else th
 next to the rest of a fused body it goes badly: with a call to a vector math function in the same
 loop (rotary embedding's cos and sin of a cat) gcc 12 gives up ("control flow in loop"), and
 with plain arithmetic (rotary's `x * cos + rotate_half(x) * sin`) the masked loads and the loop
-versions gcc makes around them cost the 16-wide rows of a small model three times the time of
-the same loop without the cat (measured on llama's rotary kernels; docs/performance.md).
+versions gcc makes around them cost several times the same loop without the cat.
 
 Note (cat pieces in their own loop). Where every piece is cut along the inner dim, the chain is
 computed first, in a simd loop of its own over the chunk, into a small array per piece value
