@@ -36,7 +36,7 @@ from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf, families, tools
-from . import half_blocks, read_order
+from . import half_blocks, pieces as cat_pieces, read_order
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude, kernel_sizes, params, plus, row_coords, size, size_kw, sizes_line,
@@ -186,8 +186,7 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
     How it is cut (CHUNK, ROW_TILE) changes only the speed: with sizes that are arguments, the
     traced sizes decide (Note: sizes as arguments in C++, cpp/text.py)."""
     shape = kernel.shape
-    rows = math.prod(shape[:-1])
-    inner = shape[-1]
+    rows, inner = math.prod(shape[:-1]), shape[-1]
     # (CHUNK stays a number where the row's length is an argument: tiles copy CHUNK values)
     chunk = CHUNK if is_symbolic(inner) else inner if hint(rows) >= 64 or inner <= CHUNK else CHUNK
     outer_dims = len(shape) - 1
@@ -243,10 +242,12 @@ def render_pointwise(kernel: PointwiseKernel) -> str:
         target = f"{store.param}_ptr[{index(store.index, f'out{k}')}]"
         writes.append((store, target))
         body.append(f"{target} = {store_value(store.var, store.dtype)};")
-    # a block at a time, cut at float16 roundings (F16C converting: Note: float16 blocks) or at
-    # the calls of a chain of math calls (Note: blocks for chains of math calls)
+    # blocks, cut at float16 roundings or at a chain's math calls (cpp/half_blocks.py)
     cut = half_blocks.cut_reason(kernel, row_tile, host_has_f16c())
     blocks = half_blocks.block_loop(kernel, reads, writes) if cut else []
+    # a cat along the inner dim: its reads first, in a loop of their own (cpp/pieces.py)
+    if cat_reads := [] if blocks else cat_pieces.inner_pieces(kernel, per_row):
+        body, chunk = cat_pieces.pieces_first(cat_reads, body, gathers, chunk)
     if hoisted and not blocks:  # (blocks compute everything a block at a time, from `reads`)
         row_setup += ["// the same at every position of the row: once per row (Note: values per row)",
                       *hoisted]
