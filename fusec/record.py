@@ -173,6 +173,7 @@ class PassRecord:
     cse: list[Merge] = field(default_factory=list)
     constant_gathers: list[Decision] = field(default_factory=list)  # gathers moved onto constants
     check_gathers: list[Decision] = field(default_factory=list)  # index checks, casts dropped
+    check_divisors: list[Decision] = field(default_factory=list)  # integer divisors checked
     canonicalize: list[Decision] = field(default_factory=list)  # spellings in canonical form
     simplify: list[Decision] = field(default_factory=list)
     filled_slices: list[Decision] = field(default_factory=list)  # slice writes that are a cat

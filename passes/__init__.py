@@ -1,6 +1,6 @@
 """Graph passes: each is a plain function `GraphModule -> GraphModule`, run in order.
 
-    PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+    PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, check_divisors, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
                 pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 A pass that only rewrites some ops says which (`@looks_for(aten.mm.default, ...)`, from
@@ -26,6 +26,7 @@ from fusec.graphmodule import copy_graph_module
 from fusec.record import record_of
 
 from .canonicalize import canonicalize
+from .check_divisors import check_divisors
 from .check_gathers import check_gathers
 from .computed_pieces import computed_pieces
 from .constant_gathers import constant_gathers
@@ -47,7 +48,7 @@ from .simplify import simplify
 from .split_reductions import split_reductions
 from .unfuse_bias import unfuse_bias
 
-PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
+PIPELINE = [inline_sizes, picks, fold_constants, constant_gathers, check_gathers, check_divisors, dce, cse, canonicalize, simplify, filled_slices, computed_pieces, reinplace, unfuse_bias,
             pad_matmul, pooling, layout, move_permutes, split_reductions, fuse_pointwise, fuse_reductions, schedule]
 
 

@@ -66,7 +66,8 @@ def test_captured_graph_is_readable():
 def test_what_each_pass_changed():
     e = explain_fallbacks()
     passes = {p["after"]: p for p in e.to_dict()["passes"]}
-    assert list(passes)[:21] == ["capture", "inline_sizes", "picks", "fold_constants", "constant_gathers", "check_gathers", "dce", "cse", "canonicalize", "simplify", "filled_slices", "computed_pieces", "reinplace",
+    assert list(passes)[:22] == ["capture", "inline_sizes", "picks", "fold_constants",
+                                "constant_gathers", "check_gathers", "check_divisors", "dce", "cse", "canonicalize", "simplify", "filled_slices", "computed_pieces", "reinplace",
                                 "unfuse_bias", "sibling_gemvs", "small_matmul", "pad_matmul", "pooling",
                                 "layout", "move_permutes", "split_reductions"]
     assert "ATen op(s)" in passes["capture"]["summary"]

@@ -28,6 +28,7 @@ DECISIONS = {
     "constant_gathers": ("{n} gather(s) by a constant index moved onto constants", "moved", "kept"),
     "check_gathers": ("{n} change(s) for gathered reads: index values checked once, casts "
                       "dropped", "done", "kept"),
+    "check_divisors": ("{n} integer divisor(s) checked once for a 0", "checked", "kept"),
     "canonicalize": ("{n} spelling(s) rewritten in canonical form", "rewritten", "kept"),
     "simplify": ("{n} expression(s) simplified", "rewritten", "kept"),
     "filled_slices": ("{n} tensor(s) filled slice by slice written as a cat", "cat", "kept"),
