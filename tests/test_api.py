@@ -274,7 +274,8 @@ def test_explain(target):
 
     assert {"backend", "stages", "refusals", "kernels", "schedule", "externs"} <= set(d)
     assert d["backend"] == backend
-    assert [s["after"] for s in d["stages"]] == ["capture", "inline_sizes", "picks", "fold_constants", "constant_gathers", "check_gathers", "dce", "cse",
+    assert [s["after"] for s in d["stages"]] == ["capture", "inline_sizes", "picks", "fold_constants",
+                                                "constant_gathers", "check_gathers", "check_divisors", "dce", "cse",
                                                 "canonicalize", "simplify", "filled_slices", "computed_pieces", "reinplace", "unfuse_bias", "sibling_gemvs",
                                                 "small_matmul", "pad_matmul", "pooling", "layout",
                                                 "move_permutes", "split_reductions", "fuse_pointwise",

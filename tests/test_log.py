@@ -89,7 +89,9 @@ def test_debug_dir_writes_every_stage(monkeypatch, tmp_path, capsys):
     (folder,) = list((tmp_path / "dbg").iterdir())
     assert folder.name == "prog_000"
     names = {p.name for p in folder.iterdir()}
-    assert {"00_captured_graph.txt", "01_capture.py", "02_inline_sizes.py", "03_picks.py", "04_fold_constants.py", "05_constant_gathers.py", "06_check_gathers.py", "07_dce.py",
+    assert {"00_captured_graph.txt", "01_capture.py", "02_inline_sizes.py", "03_picks.py",
+            "04_fold_constants.py", "05_constant_gathers.py", "06_check_gathers.py",
+            "07_check_divisors.py", "08_dce.py",
             "fusion.txt", "schedule.txt", "kernels", "program.py", "graph_before_fusion.dot", "graph_after_fusion.dot",
             "explain.txt", "explain.json"} <= names
     assert any(n.endswith("_fuse_pointwise.py") for n in names)
