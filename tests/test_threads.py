@@ -211,3 +211,22 @@ def test_training_calls_from_many_threads():
     events.unwatch(count)
     assert len([k for k in cm._compiled.compiled if k[0] == "train"]) == 1
     assert Count.programs == 2  # one forward, one backward
+
+
+def test_a_graph_handed_twice_to_the_training_compiler_is_compiled_once():
+    """AOT Autograd compiles a backward on its first `.backward()` without a lock: threads that
+    start their first backward together each hand fusec the same graph (a deep copy). The
+    second gets the first one's function, so the program count above stays two."""
+    import copy
+
+    from fusec.capture.training import graph_compiler
+
+    gm = torch.fx.symbolic_trace(lambda x: (x * 2).sin())
+    parts: list = []
+    compile_part = graph_compiler(lambda g: fusec.compile(g, backend="cpp"), parts)
+    x = torch.randn(3, 4)
+    first = compile_part(copy.deepcopy(gm), [x])
+    assert compile_part(copy.deepcopy(gm), [x]) is first
+    assert compile_part(copy.deepcopy(gm), [torch.randn(5, 4)]) is not first  # other inputs
+    assert len(parts) == 2
+    torch.testing.assert_close(first([x.clone()]), (x * 2).sin())

@@ -21,6 +21,7 @@ this file never imports the driver that imports it.
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -264,8 +265,23 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     inputs AOT Autograd passes are fake tensors) and keeps one program per input signature.
     The buffers a graph writes at its end (running statistics, counters) are written after
     its program, all at once (capture/buffer_updates.py).
+
+    AOT Autograd compiles the backward graph on the first `.backward()`, and it does not lock:
+    threads that all run their first backward at once each hand it the same graph. A graph
+    already compiled here (same code, same example inputs) gets the first one's function, so a
+    training program is compiled once however many threads start it (tests/test_threads.py).
     """
+    made: dict = {}  # (graph code, example inputs' metadata) -> run, for the threads' repeats
+    lock = threading.Lock()
+
     def compile_part(gm: torch.fx.GraphModule, example_inputs):
+        key = (gm.code, tuple(_example_key(x) for x in example_inputs))
+        with lock:
+            if key not in made:
+                made[key] = _compile_part(gm, example_inputs)
+            return made[key]
+
+    def _compile_part(gm: torch.fx.GraphModule, example_inputs):
         writes = buffer_writes(gm)
         read_through_aliases(gm)
         summed_slices(gm)  # slice backward's scatters into zeros, summed: a cat
@@ -287,6 +303,14 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
         run._boxed_call = True
         return run
     return compile_part
+
+
+def _example_key(x) -> tuple | str:
+    """What of an example input a compiled graph depends on: a tensor's shape, strides, dtype
+    and device (sizes may be symbols: their text), anything else its repr."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(map(str, x.shape)), tuple(map(str, x.stride())), x.dtype, x.device.type)
+    return repr(x)
 
 
 def read_through_aliases(gm: torch.fx.GraphModule) -> None:
