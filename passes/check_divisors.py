@@ -24,10 +24,9 @@ import torch.fx as fx
 
 from fusec.errors import UnsupportedError
 from fusec.graphmodule import looks_for
-from fusec.ir import meta_of
 from fusec.record import Decision, record_of
 
-from .layout import run_fake, set_meta
+from .check_gathers import add_call, assert_all
 from .schedule import fake_mode_of
 
 aten = torch.ops.aten
@@ -55,23 +54,15 @@ def check_divisors(gm: fx.GraphModule) -> fx.GraphModule:
         checked.add(divisor)
         mode = mode or fake_mode_of(gm)
         with graph.inserting_after(divisor):
-            nonzero = _add(graph, mode, aten.ne.Scalar, (divisor, 0), node)
+            nonzero = add_call(graph, mode, aten.ne.Scalar, (divisor, 0), node)
         with graph.inserting_after(nonzero):
-            checks.append(_add(graph, mode, aten.all.default, (nonzero,), node))
+            ok = add_call(graph, mode, aten.all.default, (nonzero,), node)
+        checks.append((ok, f"{divisor.name}, the divisor of {node.name}"))
         decisions.append(Decision(node.name, True, f"checks {divisor.name} once: no value is 0 "
                                   "(an integer division by zero raises, as eager's)"))
     if checks:
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        checks.sort(key=order.__getitem__)
-        ok = checks[0]
-        for other in checks[1:]:
-            with graph.inserting_after(other):
-                ok = _add(graph, mode, aten.logical_and.default, (ok, other), other)
-        with graph.inserting_after(ok):
-            names = ", ".join(sorted({d.node for d in decisions}))
-            new = graph.call_function(aten._assert_async.msg, (ok, (
-                f"fusec: ZeroDivisionError: a divisor of an integer division is 0 ({names})")))
-        new.meta["val"], new.meta["fusec"] = None, meta_of(None)
+        assert_all(graph, mode, checks,
+                   "fusec: ZeroDivisionError: a divisor of an integer division is 0: ")
         graph.lint()
         gm.recompile()
     record_of(gm).check_divisors = decisions
@@ -84,8 +75,3 @@ def _integral(node: fx.Node) -> bool:
     dtype = getattr(info, "dtype", None)
     return dtype is not None and not dtype.is_floating_point and not dtype.is_complex
 
-
-def _add(graph: fx.Graph, mode, target, args, like: fx.Node) -> fx.Node:
-    new = graph.call_function(target, args)
-    set_meta(new, run_fake(mode, new), like)
-    return new

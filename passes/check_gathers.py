@@ -146,26 +146,29 @@ def range_check(graph: fx.Graph, mode, index: fx.Node, lowest: int, size: int,
     """ok = all(lowest <= index < size), computed right after the index (also used by
     passes/picks.py for the positions a gather or scatter picks)."""
     with graph.inserting_after(index):
-        low = _add(graph, mode, aten.ge.Scalar, (index, lowest), like)
+        low = add_call(graph, mode, aten.ge.Scalar, (index, lowest), like)
     with graph.inserting_after(low):
-        high = _add(graph, mode, aten.lt.Scalar, (index, size), like)
+        high = add_call(graph, mode, aten.lt.Scalar, (index, size), like)
     with graph.inserting_after(high):
-        both = _add(graph, mode, aten.logical_and.default, (low, high), like)
+        both = add_call(graph, mode, aten.logical_and.default, (low, high), like)
     with graph.inserting_after(both):
-        return _add(graph, mode, aten.all.default, (both,), like)
+        return add_call(graph, mode, aten.all.default, (both,), like)
 
 
-def assert_all(graph: fx.Graph, mode, checks: list) -> None:
+def assert_all(graph: fx.Graph, mode, checks: list,
+               prefix: str = "fusec: index out of range: ") -> None:
     """One `_assert_async` for the whole program, of all its checks (ok, what) and-ed together
-    (one call fewer per checked index: a decoding step checks its token and its position)."""
+    (one call fewer per checked index: a decoding step checks its token and its position). Its
+    message is `prefix` and each failing-check's `what`, joined (passes/check_divisors.py uses
+    it with its own prefix)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     checks = sorted(checks, key=lambda c: order[c[0]])
     ok = checks[0][0]
     for other, _ in checks[1:]:
         with graph.inserting_after(other):
-            ok = _add(graph, mode, aten.logical_and.default, (ok, other), other)
+            ok = add_call(graph, mode, aten.logical_and.default, (ok, other), other)
     with graph.inserting_after(ok):
-        message = "fusec: index out of range: " + "; ".join(what for _, what in checks)
+        message = prefix + "; ".join(what for _, what in checks)
         if len(message) > MESSAGE_MAX:  # (CUDA's _assert_async takes at most 254 characters)
             message = message[:MESSAGE_MAX - 4] + " ..."
         new = graph.call_function(aten._assert_async.msg, (ok, message))
@@ -173,7 +176,9 @@ def assert_all(graph: fx.Graph, mode, checks: list) -> None:
     new.meta["val"], new.meta["fusec"] = None, meta_of(None)
 
 
-def _add(graph: fx.Graph, mode, target, args, like: fx.Node) -> fx.Node:
-    new = graph.call_function(target, args)
+def add_call(graph: fx.Graph, mode, target, args, like: fx.Node, kwargs=None) -> fx.Node:
+    """A new call of `target` where the graph inserts now, its fake value run in `mode` and
+    its other meta (source lines, stack) taken from `like` (the checks' and picks' new ops)."""
+    new = graph.call_function(target, args, kwargs or {})
     set_meta(new, run_fake(mode, new), like)
     return new

@@ -52,9 +52,8 @@ from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
-from .check_gathers import assert_all, range_check
+from .check_gathers import add_call, assert_all, range_check
 from .grouping import is_pointwise, view_root
-from .layout import run_fake, set_meta
 from .schedule import fake_mode_of
 
 aten = torch.ops.aten
@@ -87,12 +86,12 @@ def picks(gm: fx.GraphModule) -> fx.GraphModule:
         with graph.inserting_after(hit):
             if node.target is aten.gather.default:
                 fill = _lowest(_meta(source).dtype)
-                masked = _add(graph, mode, aten.where.ScalarOther, (hit, source, fill), node)
+                masked = add_call(graph, mode, aten.where.ScalarOther, (hit, source, fill), node)
                 with graph.inserting_after(masked):
-                    new = _add(graph, mode, aten.amax.default, (masked, [dim], True), node)
+                    new = add_call(graph, mode, aten.amax.default, (masked, [dim], True), node)
                 what = f"amax(where(position == {index.name}, {source.name}, {fill}), {dim})"
             else:
-                new = _add(graph, mode, aten.where.ScalarSelf, (hit, node.args[3], source), node)
+                new = add_call(graph, mode, aten.where.ScalarSelf, (hit, node.args[3], source), node)
                 what = f"where(position == {index.name}, {node.args[3]}, {source.name})"
         node.replace_all_uses_with(new)
         graph.erase_node(node)
@@ -163,9 +162,9 @@ def _one_row(graph: fx.Graph, mode, node: fx.Node) -> fx.Node | None:
             or not isinstance(idx.shape[dim], int):
         return None
     with graph.inserting_before(node):
-        flat = _add(graph, mode, aten.view.default, (index, [idx.shape[dim]]), node)
+        flat = add_call(graph, mode, aten.view.default, (index, [idx.shape[dim]]), node)
     with graph.inserting_after(flat):
-        return _add(graph, mode, aten.index_select.default, (source, dim, flat), node)
+        return add_call(graph, mode, aten.index_select.default, (source, dim, flat), node)
 
 
 def _hit(graph: fx.Graph, mode, source: fx.Node, dim: int, index: fx.Node, like: fx.Node):
@@ -173,19 +172,14 @@ def _hit(graph: fx.Graph, mode, source: fx.Node, dim: int, index: fx.Node, like:
     src = _meta(source)
     shape = [src.shape[dim] if d == dim else 1 for d in range(len(src.shape))]
     with graph.inserting_before(like):
-        positions = _add(graph, mode, aten.arange.default, (src.shape[dim],), like,
+        positions = add_call(graph, mode, aten.arange.default, (src.shape[dim],), like,
                          dict(dtype=torch.int64, device=torch.device(src.device)))
     with graph.inserting_after(positions):
-        along = _add(graph, mode, aten.view.default, (positions, shape), like)
+        along = add_call(graph, mode, aten.view.default, (positions, shape), like)
     with graph.inserting_after(along):
-        return _add(graph, mode, aten.eq.Tensor, (along, index), like)
+        return add_call(graph, mode, aten.eq.Tensor, (along, index), like)
 
 
 def _lowest(dtype: torch.dtype):
     return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
 
-
-def _add(graph: fx.Graph, mode, target, args, like: fx.Node, kwargs=None) -> fx.Node:
-    new = graph.call_function(target, args, kwargs or {})
-    set_meta(new, run_fake(mode, new), like)
-    return new

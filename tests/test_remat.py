@@ -1,4 +1,4 @@
-"""What training saves for backward and what it recomputes (fusec/capture/training.py's
+"""What training saves for backward and what it recomputes (fusec/capture/partition.py's
 partitioner, reported by fusec/inspect/training.py): gradients equal eager's under torch's min-cut
 partitioner, it saves no more than AOT Autograd's default partition (strictly less where a
 chain of pointwise ops can be recomputed from its input), and explain shows the decision."""

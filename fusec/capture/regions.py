@@ -26,7 +26,8 @@ import torch.fx as fx
 from fusec.capture.breaks import Break, Frame, dynamo_compile, innermost
 from fusec.capture.dynamo_names import input_names, named_forward, traced_frame, traced_function
 from fusec.capture.frontend import decompositions
-from fusec.capture.training import TrainingParts, graph_compiler, partitioner
+from fusec.capture.partition import partitioner
+from fusec.capture.training import TrainingParts, graph_compiler
 from fusec.errors import FusecError, GraphBreakError
 
 

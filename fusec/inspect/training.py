@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from fusec.capture.training import Partition
+from fusec.capture.partition import Partition
 
 
 def saved_for_backward(compiled) -> list[tuple]:
