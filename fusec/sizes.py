@@ -83,8 +83,16 @@ def at_least_as_large(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
             if known(na >= nb) or known(na <= nb):
                 return known(na >= nb)
     if na == nb:
+        if na == 0 and len(a) == len(b) and all(type(x) is int for x in (*a, *b)) \
+                and _broadcasts(a, b) and not _broadcasts(b, a):
+            return False  # (empty spaces: (0, 0) is the full one of (1, 0) and (0, 0))
         return len(a) >= len(b)
     return bool(na >= nb)
+
+
+def _broadcasts(a: tuple, b: tuple) -> bool:
+    """Whether shape `a` broadcasts into `b` of the same rank (each dim 1 or b's size)."""
+    return all(x == 1 or x == y for x, y in zip(a, b))
 
 
 def largest_shape(shapes) -> tuple[int, ...]:

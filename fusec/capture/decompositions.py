@@ -452,7 +452,13 @@ def batch_norm_backward(dy, x, weight, running_mean, running_var, mean, rstd, tr
 # heads x 256 x 64, one thread: 43 ms eager vs 69 ms decomposed, causal 39 vs 103). The op runs
 # as an extern instead: the same SDPA variant eager uses, with its real logsumexp output, which
 # its backward (`..._for_cpu_backward`, also an extern) reads in training.
-KEEP_AS_EXTERN = [aten._scaled_dot_product_flash_attention_for_cpu.default]
+#
+# Note (index_add stays eager's): torch's index_add decomposition is an index_put with
+# accumulate=True, and index_put takes a negative index as counted from the end, where eager's
+# index_add raises "index out of range" for it: `x.index_add(0, tensor([0, -1]), s)` added
+# into the last row instead of raising. As an extern it checks its indices as eager does.
+KEEP_AS_EXTERN = [aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  aten.index_add.default, aten.index_add_.default]
 
 
 @register(aten.mv.default)

@@ -66,6 +66,7 @@ from fusec.capture.training_family import relate_sizes
 from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.capture.tracing import refuse_mixed_dtypes
+from fusec.capture.eager_checks import eager_value_checks
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec import symbolic
 from fusec.ir import meta_of
@@ -242,7 +243,7 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
                 relate_sizes(fakes[len(fakes) - len(user_names):], relations)
             with torch.no_grad(), mode, python_at_trace_time_refused(), compiling(), \
                     dense_attention_masks(), autograd_functions_inlined(), torch_level(), \
-                    graphmodule.lazily():
+                    eager_value_checks(), graphmodule.lazily():
                 gm = make_fx(torch.func.functionalize(flat_fn, remove="mutations"),
                              decomposition_table=decompositions(),
                              record_stack_traces=stack_traces)(*fakes)

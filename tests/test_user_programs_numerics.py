@@ -1,0 +1,85 @@
+"""Numerics and op semantics of programs as users write them: eager's answer or eager's error.
+
+Probed (session 2026-12-07b, scripts of a few ops fused together, C++ and LLVM, each compared
+with eager: values, dtypes, shapes, NaN positions, and the errors eager raises), and held:
+- dtypes and promotion: uint8/int8/int16/int32/int64 wraparound (255 + 1, int32 * 100000), abs and
+  neg of INT_MIN, sign, bool arithmetic, int tensors with Python floats and 0-d tensors, half /
+  bfloat16 / float64 mixes, float -> int/uint8/bool casts of negative and NaN values, //, % and
+  torch.div's rounding modes with negative operands (floored, as torch does), fmod/remainder
+  signs, pow with int, negative and tensor exponents, shifts by >= the width and by negatives,
+  bitwise ops, clamp with one bound, min > max and NaN bounds, round half-even and with
+  decimals, copysign, nextafter, logaddexp(2), xlogy/xlog1py at 0 and NaN, where with scalars,
+  nan_to_num, isclose, maximum vs fmax with NaN, heaviside, gcd/lcm.
+- reductions with NaN/inf/-0.0: max/min/amax/argmax/argmin (first index on ties), softmax and
+  log_softmax of all -inf rows, mean/sum/prod/logsumexp of empty dims, amax/argmax of an empty dim
+  (raises), var with correction >= n, vector norms (0, inf, -inf, 3), sums of bools and of small
+  ints (promoted to int64), int prod overflow, any/all on empty, cumsum/cumprod/cummax/
+  logcumsumexp, sort/topk/argsort/kthvalue/median, rows of 70001.
+- shapes: empty tensors anywhere in a chain, 0-d tensors, size-1 broadcasting both ways,
+  transposed / stepped / expanded / flipped inputs, channels_last, odd primes, dim=() reductions.
+- indexing: negative advanced indices, masks, index_select/gather/scatter/scatter_add/
+  scatter_reduce/index_put/take/put with duplicates, and out-of-range indices (raise), masked_fill
+  with a tensor value, embedding with padding_idx, bucketize/searchsorted, unique, nonzero.
+Found and fixed (the tests below fail on the code before):
+- `index_add` with a negative index added into a row counted from the end; eager raises (torch's
+  decomposition is an index_put, which takes negatives): it stays eager's op
+  (capture/decompositions.py, KEEP_AS_EXTERN).
+- `F.one_hot` of a label out of [0, num_classes) gave a row of zeros; eager raises: its checks
+  are traced as asserts (capture/eager_checks.py).
+- an empty (0, 0) space broadcast from (1, 0) and (0, 1) crashed lowering ("layout (0, 1) does not
+  broadcast to (1, 0)"): the loop is the space both broadcast into (fusec/sizes.py).
+Differs from eager, left: `torch.std_mean` of a row of all -inf gives mean -inf (eager's Welford
+mean is NaN; torch.mean says -inf).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusec
+
+
+def _check(fn, backend, *args):
+    compiled = fusec.compile(fn, backend=backend)
+    for _ in range(2):  # (the second call takes the fast path)
+        torch.testing.assert_close(compiled(*args), fn(*args), equal_nan=True)
+    return compiled
+
+
+def _index_add(x, index, source):
+    return (x * 2).index_add(0, index, source, alpha=3) + 1
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_index_add_of_a_negative_index_raises_as_eager(backend):
+    x, source = torch.randn(5, 4), torch.randn(3, 4)
+    _check(_index_add, backend, x, torch.tensor([0, 0, 4]), source)  # (duplicates add up)
+    compiled = fusec.compile(_index_add, backend=backend)
+    for bad in ([0, 0, -1], [0, 5, 1]):
+        with pytest.raises(IndexError, match="out of range"):
+            _index_add(x, torch.tensor(bad), source)
+        with pytest.raises(IndexError, match="out of range"):
+            compiled(x, torch.tensor(bad), source)
+
+
+def _one_hot(labels):
+    return F.one_hot(labels * 1, 5) * 2
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_one_hot_of_a_label_out_of_range_raises_as_eager(backend):
+    _check(_one_hot, backend, torch.tensor([0, 4, 2]))
+    _check(_one_hot, backend, torch.tensor([], dtype=torch.long))
+    compiled = fusec.compile(_one_hot, backend=backend)
+    for bad, message in (([0, 5, 1], "smaller than num_classes"), ([0, -1], "non-negative")):
+        with pytest.raises(RuntimeError, match=message):
+            _one_hot(torch.tensor(bad))
+        with pytest.raises(RuntimeError, match=message):
+            compiled(torch.tensor(bad))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_an_empty_space_broadcast_from_both_sides(backend):
+    out = _check(lambda x: (x * 2).sum(0, keepdim=True) + (x * 2).mean(1, keepdim=True), backend,
+                 torch.randn(0, 0))(torch.randn(0, 0))
+    assert out.shape == (0, 0)
+    _check(lambda x, y: (x * 2) + (y - 1), backend, torch.randn(1, 0), torch.randn(0, 1))
