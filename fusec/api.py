@@ -773,6 +773,12 @@ class CompiledModule(torch.nn.Module):
         return (f"backend={c.backend!r}, {len(names)} kernel(s) in the last program"
                 f"{': ' + ', '.join(names[:3]) if names else ''}{', ...' if len(names) > 3 else ''}")
 
+    # It stands for the module it wraps, as torch.compile's OptimizedModule does: attributes
+    # (`cm.fc1`, `cm.config`), `len`, `dir`, `.training` and attribute writes (`cm.fc1 = ...`:
+    # guards see the new child at the next call) go to the wrapped module; its state_dict keys
+    # start with `_orig_mod.` as torch.compile's do.
+    _OWN = frozenset({"_orig_mod", "_compiled"})
+
     def __init__(self, module: torch.nn.Module, **options):
         super().__init__()
         self._orig_mod = module
@@ -780,6 +786,36 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name == "_orig_mod":  # (before it is set, nn.Module's own lookup has failed)
+            return self.__dict__["_modules"]["_orig_mod"]
+        return getattr(self._orig_mod, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in CompiledModule._OWN or hasattr(type(self), name):
+            return super().__setattr__(name, value)
+        return setattr(self._orig_mod, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in CompiledModule._OWN or hasattr(type(self), name):
+            return super().__delattr__(name)
+        return delattr(self._orig_mod, name)
+
+    @property
+    def training(self) -> bool:
+        return self._orig_mod.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # (nn.Module.__init__ sets it before _orig_mod is)
+        if "_orig_mod" in self.__dict__.get("_modules", {}):
+            self._orig_mod.training = mode
+
+    def __len__(self) -> int:
+        return len(self._orig_mod)
+
+    def __dir__(self):
+        return sorted(set(dir(self._orig_mod)) | set(super().__dir__()))
 
     @property
     def kernels(self) -> list[Kernel]:

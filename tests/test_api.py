@@ -118,6 +118,42 @@ def test_module(target):
     assert len(cm._compiled.compiled) == n_programs
 
 
+def test_a_compiled_module_stands_for_its_module():
+    """As torch.compile's wrapper does: `cm.fc` is the module's child, `cm.scale = 3.0` writes the
+    module's attribute (and the next call sees it), `.train()`/`.eval()` and `len` are the module's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    cm = fusec.compile(model, backend="cpp")
+    assert len(cm) == 3 and "append" in dir(cm) and cm.training and model.training
+    cm.eval()
+    assert not cm.training and not model.training and not model[1].training
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x), model(x))
+        cm.extra = 1  # an attribute written through the wrapper lands on the module
+        assert model.extra == 1 and "extra" not in vars(cm)
+        del cm.extra
+        assert not hasattr(model, "extra")
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.scale = torch.nn.Linear(8, 2), 2.0
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    scaled = Scaled()
+    cs = fusec.compile(scaled, backend="cpp")
+    assert cs.fc is scaled.fc and cs.scale == 2.0
+    with torch.no_grad():
+        torch.testing.assert_close(cs(x), scaled(x))
+        cs.scale = 3.0
+        cs.fc = torch.nn.Linear(8, 2)  # a new child: the guards see it at the next call
+        assert scaled.scale == 3.0 and scaled.fc is cs.fc
+        torch.testing.assert_close(cs(x), scaled.fc(x) * 3.0)
+
+
 def test_module_with_grad_compiles_forward_and_backward():
     model = Net()
     cm = fusec.compile(model, backend="cpp")
