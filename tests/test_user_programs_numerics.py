@@ -26,8 +26,16 @@ Found and fixed (the tests below fail on the code before):
   (capture/decompositions.py, KEEP_AS_EXTERN).
 - `F.one_hot` of a label out of [0, num_classes) gave a row of zeros; eager raises: its checks
   are traced as asserts (capture/eager_checks.py).
+- `index_copy` with a negative index, as index_add; `F.multilabel_margin_loss` with a -1 in its
+  targets: torch's decomposition gave 3.11 where eager says 1.33: both stay eager's ops.
+- `F.binary_cross_entropy` of a probability outside [0, 1] gave NaN; eager raises (eager_checks).
+- a Python number a uint8/int8/int32/float32 result cannot hold (`masked_fill(m, 256)`,
+  `where(c, int8_x, 300)`, `clamp(max=300)`, `full_like(x, 300)`) was wrapped (256 filled 0s);
+  eager raises "value cannot be converted ... without overflow": refused while compiling.
 - an empty (0, 0) space broadcast from (1, 0) and (0, 1) crashed lowering ("layout (0, 1) does not
   broadcast to (1, 0)"): the loop is the space both broadcast into (fusec/sizes.py).
+Diagnosed, left (/work/notes/ask_probe_num.md): `x // 2**40` of an int32 x: eager wraps the divisor
+to 0 and raises ZeroDivisionError, fusec divides by 2**40 (passes/check_divisors.py's literal check).
 Differs from eager, left: `torch.std_mean` of a row of all -inf gives mean -inf (eager's Welford
 mean is NaN; torch.mean says -inf).
 """
@@ -83,3 +91,55 @@ def test_an_empty_space_broadcast_from_both_sides(backend):
                  torch.randn(0, 0))(torch.randn(0, 0))
     assert out.shape == (0, 0)
     _check(lambda x, y: (x * 2) + (y - 1), backend, torch.randn(1, 0), torch.randn(0, 1))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_index_copy_and_multilabel_margin_loss_are_eagers(backend):
+    x, source = torch.randn(3, 2), torch.randn(2, 2)
+    index_copy = lambda x, i, s: (x * 2).index_copy(0, i, s) + 1  # noqa: E731
+    _check(index_copy, backend, x, torch.tensor([2, 0]), source)
+    with pytest.raises(IndexError, match="out of bounds"):
+        fusec.compile(index_copy, backend=backend)(x, torch.tensor([-1, 0]), source)
+    loss = lambda x, t: F.multilabel_margin_loss(x * 2, t, reduction="none") + 1  # noqa: E731
+    _check(loss, backend, torch.randn(2, 4), torch.tensor([[3, -1, 2, 1], [0, 1, 2, -1]]))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_binary_cross_entropy_of_a_probability_outside_0_1_raises(backend):
+    bce = lambda p, t: F.binary_cross_entropy(torch.sigmoid(p) * 2 - 0.5, t)  # noqa: E731
+    target = torch.tensor([1.0, 0.0, 1.0])
+    _check(bce, backend, torch.tensor([0.0, 0.1, -0.2]), target)
+    for bad in ([0.0, 3.0, 0.0], [0.0, float("nan"), 0.0]):
+        with pytest.raises(RuntimeError, match="between 0 and 1"):
+            bce(torch.tensor(bad), target)
+        with pytest.raises(RuntimeError, match="between 0 and 1"):
+            fusec.compile(bce, backend=backend)(torch.tensor(bad), target)
+
+
+OVERFLOWING = {
+    "masked_fill": (lambda x: (x * 1).masked_fill(x > 100, 256), torch.uint8),
+    "where": (lambda x: torch.where(x > 0, x * 2, 300), torch.int8),
+    "clamp": (lambda x: (x + 1).clamp(max=300), torch.uint8),
+    "full_like": (lambda x: torch.full_like(x, 300) + x, torch.uint8),
+    "int32": (lambda x: (x * 1).clamp(max=2**40), torch.int32),
+    "float32": (lambda x: (x * 1).masked_fill(x > 100, 1e39), torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(OVERFLOWING))
+def test_a_number_the_dtype_cannot_hold_is_refused_as_eager(name):
+    fn, dtype = OVERFLOWING[name]
+    x = torch.tensor([0, 1, 120, 127, 7], dtype=dtype)
+    with pytest.raises(RuntimeError, match="without overflow"):
+        fn(x)
+    with pytest.raises(fusec.UnsupportedError, match="without overflow"):
+        fusec.compile(fn, backend="cpp")(x)
+
+
+def test_numbers_eager_takes_still_compile():
+    """uint8 takes -255..255 (a negative wraps), int8 -128..127; arithmetic wraps unchecked."""
+    x = torch.tensor([0, 1, 200, 255, 7], dtype=torch.uint8)
+    fn = lambda x: (x * 1).masked_fill(x > 100, -1) + torch.full_like(x, -255) + (x + 300)  # noqa: E731
+    _check(fn, "cpp", x)
+    _check(lambda x: torch.where(x > 0, x, -128) + (x * 1).clamp(-2.5, 2.5), "llvm",
+           x.to(torch.int8))

@@ -4,13 +4,24 @@ Some composite ops check their input's values before they compute: `F.one_hot(la
 "Class values must be non-negative." for a label below 0 and "Class values must be smaller than
 num_classes." for one at or above n. Under fake tensors there are no values to check, so ATen's
 traced path skips both and becomes `eq(labels.unsqueeze(-1), arange(n))`: a label of 7 with n = 5
-gave a row of zeros, a wrong answer where eager raises.
+gave a row of zeros, a wrong answer where eager raises. `F.binary_cross_entropy` of a probability
+outside [0, 1] gave NaN where eager raises "all elements of input should be between 0 and 1".
 
 While fusec traces, `eager_value_checks` catches those calls (a TorchFunctionMode, as
 capture/rnn.py does for recurrent layers) and traces each check eager makes as graph ops,
 `_assert_async(all(labels >= 0), message)`, before the op itself. The check is a small reduction
 that fusion puts into a kernel; on a CPU the assert raises at once with eager's message (prefixed
 "fusec: "), on a GPU it is a device-side assert, as eager's CUDA one_hot has.
+
+Some ops also check the Python numbers they are given: `x.masked_fill(mask, 256)` of a uint8 x,
+`torch.where(c, int8_x, 300)`, `x.clamp(max=300)`, `torch.full_like(x, 300)` raise "value cannot be
+converted to type uint8_t without overflow" (ATen's checked conversion: a signed type takes
+[min, max]; an unsigned one [-max, max], a negative wrapping; float32 any finite value up to its
+largest, and inf or NaN; float16 and bfloat16 are left alone: eager checks them only for a tensor
+of two or more elements). Traced, the number is a literal of the graph that a kernel converts
+with a wrap: 256 filled 0s. `refuse_overflowing_scalars` looks at the literals of those ops once,
+after tracing, and raises as eager does (add, mul and the other arithmetic convert without a check
+in eager too: `u8 + 300` wraps there as well).
 """
 from __future__ import annotations
 
@@ -18,6 +29,8 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from fusec.errors import UnsupportedError
 
 F = torch.nn.functional
 
@@ -32,8 +45,60 @@ def _one_hot_checks(labels, num_classes=-1):
                             "fusec: one_hot: Class values must be smaller than num_classes.")
 
 
+def _binary_cross_entropy_checks(input, *args, **kwargs):
+    """Eager's check of `F.binary_cross_entropy`'s probabilities (a NaN fails it too)."""
+    if isinstance(input, torch.Tensor) and input.numel():
+        torch._assert_async(torch.all((input >= 0) & (input <= 1)), "fusec: binary_cross_entropy: "
+                            "all elements of input should be between 0 and 1")
+
+
+aten = torch.ops.aten
+
+# op -> the positions (ints) and keywords (strs) of the numbers it converts to its result's dtype
+# with ATen's overflow check
+CHECKED_NUMBERS = {
+    aten.scalar_tensor.default: (0,), aten.full.default: (1,), aten.full_like.default: (1,),
+    aten.new_full.default: (2,), aten.fill.Scalar: (1,), aten.masked_fill.Scalar: (2,),
+    aten.index_fill.int_Scalar: (3,), aten.clamp.default: (1, 2, "min", "max"),
+    aten.clamp_min.default: (1,), aten.clamp_max.default: (1,),
+}
+
+
+def overflows(value, dtype: torch.dtype) -> bool:
+    """Whether ATen's checked conversion of the Python number `value` to `dtype` raises."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or dtype == torch.bool \
+            or dtype.is_complex or value != value or value in (float("inf"), float("-inf")):
+        return False
+    if dtype.is_floating_point:  # (float16 and bfloat16: eager's check depends on the size)
+        return dtype == torch.float32 and abs(value) > torch.finfo(dtype).max
+    info = torch.iinfo(dtype)
+    if info.min == 0:  # (unsigned: a negative number wraps, down to -max)
+        return value > info.max or value < -info.max
+    return value > info.max or value < info.min
+
+
+def refuse_overflowing_scalars(gm):
+    """gm, or the UnsupportedError for a number one of its ops cannot convert to its result's
+    dtype, which eager raises too (see the module's docstring)."""
+    for node in gm.graph.nodes:
+        where = CHECKED_NUMBERS.get(node.target) if node.op == "call_function" else None
+        out = node.meta.get("val") if where else None
+        if not isinstance(out, torch.Tensor):
+            continue
+        values = [node.args[i] if isinstance(i, int) and i < len(node.args) else node.kwargs.get(i)
+                  for i in where]
+        for value in values:
+            if overflows(value, out.dtype):
+                name = node.target.__name__.split(".")[0]
+                raise UnsupportedError(
+                    f"fusec: value {value} cannot be converted to type "
+                    f"{str(out.dtype).replace('torch.', '')} without overflow ({name}): eager "
+                    "PyTorch raises this too; use a number the tensor's dtype holds")
+    return gm
+
+
 # func -> a function of the same arguments that traces eager's checks of them
-CHECKS = {F.one_hot: _one_hot_checks}
+CHECKS = {F.one_hot: _one_hot_checks, F.binary_cross_entropy: _binary_cross_entropy_checks}
 
 
 class _EagerValueChecks(TorchFunctionMode):

@@ -66,7 +66,7 @@ from fusec.capture.training_family import relate_sizes
 from fusec.capture.tracing import (capture_error, autograd_functions_inlined,  # noqa: F401
                                    compiling, dense_attention_masks, python_at_trace_time_refused)
 from fusec.capture.tracing import refuse_mixed_dtypes
-from fusec.capture.eager_checks import eager_value_checks
+from fusec.capture.eager_checks import eager_value_checks, refuse_overflowing_scalars
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 from fusec import symbolic
 from fusec.ir import meta_of
@@ -268,7 +268,7 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
             "that are neither parameters nor buffers; a captured graph cannot replay that side "
             "effect (register them as buffers and update them in place, or return them)",
             reason="assigns tensors to module attributes that are neither parameters nor buffers")
-    return refuse_mixed_dtypes(gm)
+    return refuse_overflowing_scalars(refuse_mixed_dtypes(gm))
 
 
 def tensor_attributes(module: torch.nn.Module | None) -> list[tuple]:
