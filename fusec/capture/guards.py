@@ -40,9 +40,16 @@ What is read, and how fusec finds out:
     dicts, lists, sets  `self.opts["scale"]`, `SIZES[0]`: a container of constants (up to 64
                         items, nested ones included) is guarded by its contents, since its
                         item reads cannot be seen: any change to it compiles again.
+    hooks               a module's forward and backward hooks (and the global ones), which
+                        `module(x)` runs: a dict that holds hooks is guarded as the children
+                        are; the empty ones together by one guard (`NoHooks`), so a hook
+                        registered after compiling, or removed, compiles again.
+    defaults, partial,  `__defaults__` of every function read (`def f(x, scale=2.0)`), the
+    bound methods       keywords of a compiled `functools.partial`, and the object of a compiled
+                        bound method (`obj.apply`: its attribute reads recorded as a config's).
 
 Each value is checked by its kind, in under 0.1 us on a CPU (56 guards of a 2-layer GPT-2 add
-~5 us to a 115 us call; a program that read no state adds nothing):
+~5 us to a 115 us call; a function that read no state adds nothing, a module its hooks' one):
 
     a constant          (None, bool, int, float, str, a dtype, a tuple of these ...)
                         its type and `==`:          type(self.scale) is float and self.scale == 2.0
@@ -92,6 +99,8 @@ from typing import Any, Callable
 
 import torch
 
+from torch.utils.hooks import RemovableHandle
+
 from fusec.capture.calls import StateRef, module_state
 
 _LOCAL = threading.local()  # .recording: the Recording of this thread's capture, or None
@@ -99,6 +108,10 @@ _MISSING = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
 
 # nn.Module's own bookkeeping (hooks, `_parameters` ...): not state a program reads
 _MODULE_INTERNALS = frozenset({*vars(torch.nn.Module()), *vars(torch.nn.Module)}) - {"training"}
+# A module's hooks, which `module(x)` runs around its forward (a capture runs those present):
+# `register_forward_hook` after compiling changes the answer. A dict with hooks is guarded as
+# the children are (the same ids, the same functions); the empty ones together (`NoHooks`)
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
                    torch.layout, torch.memory_format, enum.Enum)
 
@@ -125,8 +138,6 @@ class Source:
                 return self.owner[self.name]
             if self.kind == "cell":
                 return self.owner.cell_contents
-            if self.kind == "children":
-                return self.owner._modules
             return getattr(self.owner, self.name)
         except (KeyError, ValueError, AttributeError):
             return _MISSING
@@ -137,8 +148,6 @@ class Source:
             return f"{var}[{self.name!r}]"
         if self.kind == "cell":
             return f"{var}.cell_contents"
-        if self.kind == "children":
-            return f"{var}._modules"
         return f"{var}.{self.name}" if self.name.isidentifier() else f"getattr({var}, {self.name!r})"
 
 
@@ -370,8 +379,15 @@ class Discovery:
         elif isinstance(fn, types.MethodType):
             if isinstance(fn.__self__, torch.nn.Module):
                 self.module(fn.__self__, "self", own=False)
+            elif _is_plain_object(fn.__self__):  # (a method of the user's own object: its
+                # attribute reads are recorded as a config's are, `self.scale` guarded)
+                self.static.append((Source("attr", fn, "__self__", "self"), "identity",
+                                    fn.__self__))
             self.function(fn.__func__)
-        elif isinstance(fn, functools.partial):
+        elif isinstance(fn, functools.partial):  # (its keywords dict can change: each value
+            if fn.keywords:                       # guarded by identity, as a module's children)
+                self.static.append((Source("children", fn, "keywords", "partial keywords"),
+                                    _kind(fn.keywords) or "children", fn.keywords))
             self.function(fn.func)
         else:
             self.function(fn)
@@ -420,6 +436,13 @@ class Discovery:
         for name in names:
             if name in space:
                 self.value(Source("global", space, name, f"global {name}"), space[name], name)
+        for attr in ("__defaults__", "__kwdefaults__"):  # `def f(x, scale=2.0, sizes=[4])`
+            value = getattr(fn, attr, None)
+            if value:  # (a tuple or dict of constants by contents, else the object itself)
+                source = Source("attr", fn, attr, f"{fn.__qualname__}.{attr}")
+                if source.key not in self._static_keys:
+                    self._static_keys.add(source.key)
+                    self.static.append((source, _kind(value) or "identity", value))
         closure = fn.__closure__ or ()
         for name in cells:
             cell = closure[code.co_freevars.index(name)]
@@ -578,6 +601,30 @@ def copies_made():
         _LOCAL.copies = outer
 
 
+class NoHooks:
+    """One guard for the many hook dicts of a module tree that were empty when it was compiled
+    (a module's forward and backward hooks, and the global ones): `ids` is () while they all
+    are, else the ids of the hooks each holds. Every hook torch registers takes a new id
+    (`RemovableHandle.next_id`), so while none has hooks the dicts are looked at again only
+    when that counter moved: one int compare per call."""
+
+    def __init__(self):
+        self.tables: list[dict] = []
+        self.seen = -1
+        self.answer: tuple = ()
+
+    def watch(self, tables: list[dict]) -> None:
+        self.tables, self.seen = tables, -1
+
+    @property
+    def ids(self) -> tuple:
+        now = RemovableHandle.next_id
+        if now != self.seen or self.answer:  # (a hook's removal moves no counter)
+            self.answer = tuple((i, tuple(t)) for i, t in enumerate(self.tables) if t)
+            self.seen = now
+        return self.answer
+
+
 # ---- the guards of one compiled function ----------------------------------------------------------
 
 class Guards:
@@ -598,6 +645,7 @@ class Guards:
         self.own = module_state(fn) if self.module is not None else []
         self.reached = list(self.discovery.reached) if self.active else []
         self.refs = self.own + self.reached  # what the program lifts: own state, then reached
+        self._no_hooks = NoHooks()
         self._guard_tree()
 
     def _guard_tree(self) -> None:
@@ -605,13 +653,25 @@ class Guards:
         the tree as it is now: after a change, the new subtree's modules are guarded too."""
         if self.module is None or not self.active:
             return
+        empty = [getattr(torch.nn.modules.module, f"_global{name}") for name in _HOOK_DICTS]
         for prefix, parent in self.module.named_modules(remove_duplicate=False):
-            if parent._modules:
-                source = Source("children", parent, "_modules",
-                                f"self.{prefix}" if prefix else "self")
+            label = f"self.{prefix}" if prefix else "self"
+            sources = [Source("children", parent, "_modules", label)] if parent._modules else []
+            for hooks in _HOOK_DICTS:
+                table = getattr(parent, hooks, None)
+                if table:  # (hooks now: this dict guarded as the children are)
+                    sources.append(Source("children", parent, hooks, f"{label}.{hooks}"))
+                elif isinstance(table, dict):
+                    empty.append(table)
+            for source in sources:
                 if source.key not in self._index:
                     self._index[source.key] = len(self.entries)
                     self.entries.append((source, "children"))
+        source = Source("attr", self._no_hooks, "ids", "the module's hooks (none when compiled)")
+        self._no_hooks.watch([d for d in empty if not d])
+        if source.key not in self._index:
+            self._index[source.key] = len(self.entries)
+            self.entries.append((source, "value"))
         self._values = self._make_values()
 
     def key(self) -> tuple:

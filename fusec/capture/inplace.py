@@ -32,13 +32,32 @@ def out_of_place(gm: fx.GraphModule) -> None:
         base = node.args[0] if node.args else None
         if not name.endswith("_") or name.startswith("_") or not isinstance(base, fx.Node) \
                 or base.op in ("placeholder", "get_attr") or len(base.users) != 1 \
-                or (isinstance(base.target, torch._ops.OpOverload) and is_view(base.target)):
+                or _aliases_an_argument(base):
             continue
         packet = getattr(torch.ops.aten, name[:-1], None)
         twin = getattr(packet, target._overloadname, None) if packet is not None else None
         if twin is not None and _same_result(twin, node):
             node.target = twin
     gm.recompile()
+
+
+def _aliases_an_argument(node: fx.Node) -> bool:
+    """True when `node`'s result is (a view of) one of its arguments, not a temporary of its
+    own: a view (`slice`), or an in-place op that returns what it wrote into (`resize_(out)`,
+    left by `torch.sin(x, out=out)` when `out` had the wrong size). Writing into such a result
+    writes into the argument, so it must stay in place."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return is_view(target) or any(r.alias_info is not None for r in returns)
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose memory `node` is: through views and in-place ops back to their base."""
+    while _aliases_an_argument(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _same_result(twin, node: fx.Node) -> bool:
@@ -68,6 +87,6 @@ def mutated_temporaries(gm: fx.GraphModule) -> bool:
                 and target._schema.is_mutable:
             written = [a for a, spec in zip(node.args, target._schema.arguments)
                        if spec.alias_info is not None and spec.alias_info.is_write]
-            if any(isinstance(a, fx.Node) and a.op != "placeholder" for a in written):
+            if any(isinstance(a, fx.Node) and _root(a).op != "placeholder" for a in written):
                 return True
     return False

@@ -3,10 +3,9 @@
 While make_fx traces, a few things must hold that plain tracing does not give: Python that a
 graph cannot hold (`print`, `.numpy()` of a traced tensor) is refused instead of running once
 (`python_at_trace_time_refused`), libraries see `torch.compiler.is_compiling()` (`compiling`),
-and SDPA gets dense attention masks on a GPU (`dense_attention_masks`). When tracing fails
-anyway, `capture_error` turns torch's internal error into one line at the user's source line:
-a GraphBreakError when the program cannot be one static graph (capture/breaks.py takes it from
-there), else an UnsupportedError.
+and SDPA gets dense attention masks on a GPU (`dense_attention_masks`). A failure turns into
+one line at the user's source line (`capture_error`): a GraphBreakError when the program cannot
+be one static graph or raised its own exception (capture/breaks.py), else an UnsupportedError.
 """
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FUSEC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the fusec package
-_STDLIB_DIR = os.path.dirname(os.__file__)  # contextlib's frames are nobody's line either
 
 
 def _in_stdlib(filename: str) -> bool:
@@ -76,6 +74,10 @@ def capture_error(err: BaseException) -> UnsupportedError:
             f"fusec: an op whose output shape depends on the data (nonzero, unique, boolean-mask "
             f"indexing){where}; fusec compiles static shapes only ({text})",
             reason=f"an op whose output shape depends on the data ({text})", where=line)
+    if frame is not None and frame == traceback.extract_tb(err.__traceback__)[-1] and \
+            type(err).__module__.split(".")[0] not in ("torch", "fusec"):  # the program's `raise`
+        return GraphBreakError(f"fusec: the program raised {name}{where}: {text}",  # (eager does
+                               reason=f"the program raises {name}", where=line)  # too: regions)
     if "DeviceMismatch" in name:  # eager raises it too: `cpu_tensor + cuda_tensor`
         return DeviceError(f"fusec: tensors on different devices meet in one op{where}: {text}")
     return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
