@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import types
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
@@ -451,6 +453,25 @@ class CompiledFunction:
         return calls.unflatten_outputs(flat_out, compiled.captured.out_spec)
 
     # -- pickling ---------------------------------------------------------------------------------
+    def __get__(self, instance, owner=None):
+        """`@fusec.compile` on a method in a class body (`def forward(self, x)`, as people write
+        it for torch.compile): read from an instance, it is that instance's own compiled bound
+        method, as `fusec.compile(model.forward)` would make (the module's parameters lifted as
+        its state, read at each call), made at the first read and kept while the instance lives.
+        Read from the class, it is this object."""
+        if instance is None:
+            return self
+        methods = vars(self).setdefault("_methods", weakref.WeakKeyDictionary())
+        try:
+            return methods[instance]
+        except KeyError:
+            pass
+        except TypeError:  # (not weakly referable or not hashable: a new one at each read)
+            methods = {}
+        bound = methods[instance] = CompiledFunction(types.MethodType(self.fn, instance),
+                                                     **self.__getstate__()["options"])
+        return bound
+
     def __getstate__(self) -> dict:
         """A pickle (or a deep copy) keeps what `fusec.compile` was given, not the programs (they
         hold built kernels, locks and memory): the copy compiles, or loads the programs saved on

@@ -370,3 +370,52 @@ def test_public_objects_say_what_they_are():
     assert repr(cf.last).startswith("<CompiledGraph (cpp): 1 kernel(s) [fused_sin_mul_0]")
     e = fusec.explain(lambda x: x.sin(), torch.randn(4), backend="cpp")
     assert repr(e).startswith("<fusec.explain (cpp): 1 kernel(s); print() it")
+
+
+class _Decorated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    @fusec.compile(backend="cpp")
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2
+
+
+def test_a_decorated_method_is_each_instances_own_compiled_method():
+    """`@fusec.compile` on `forward` in a class body, as people write it for torch.compile: each
+    instance runs its own weights, read at each call, and trains."""
+    torch.manual_seed(0)
+    a, b = _Decorated(), _Decorated()
+    x = torch.randn(4, 8)
+    for m in (a, b, a):
+        with torch.no_grad():
+            torch.testing.assert_close(m(x), torch.relu(m.lin(x)) * 2)
+    assert a.forward is a.forward and a.forward is not b.forward
+    assert isinstance(_Decorated.forward, fusec.CompiledFunction)
+    with torch.no_grad():
+        a.lin.weight = torch.nn.Parameter(torch.randn(8, 8))  # a new parameter: read, not baked
+        torch.testing.assert_close(a(x), torch.relu(a.lin(x)) * 2)
+    a(x).sum().backward()
+    want = torch.autograd.grad((torch.relu(a.lin(x)) * 2).sum(), a.lin.weight)[0]
+    torch.testing.assert_close(a.lin.weight.grad, want)
+
+
+def test_a_module_passed_as_an_argument_is_not_baked_in():
+    """`def step(model, x)`: the module's parameters are inputs of the program, not constants
+    of one traced graph (a new parameter was unseen, and no gradient reached them): TorchDynamo
+    takes the module's state as inputs, and fusec compiles its regions."""
+    torch.manual_seed(0)
+    step = fusec.compile(lambda m, x: torch.relu(m(x)) * 2, backend="cpp")
+    lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    with pytest.warns(fusec.GraphBreakWarning, match="argument 'm' is a Linear module"):
+        out = step(lin, x)
+    torch.testing.assert_close(out, torch.relu(lin(x)) * 2)
+    out.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        lin.weight = torch.nn.Parameter(torch.randn(8, 8))
+        torch.testing.assert_close(step(lin, x), torch.relu(lin(x)) * 2)
+    strict = fusec.compile(lambda m, x: m(x), backend="cpp", fullgraph=True)
+    with pytest.raises(fusec.FusecError, match="argument 'm' is a Linear module"):
+        strict(lin, x)

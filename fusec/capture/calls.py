@@ -182,8 +182,19 @@ def check_arguments(leaves: list, names: list[str]) -> None:
     baked into the graph as constants, and whatever the program does to the object (a cache
     appends this step's keys) would happen to the traced copy only. It is a graph break: with
     fullgraph=False the program is compiled in regions through TorchDynamo, which opens such
-    objects, tracks what the program does to them and does it to the caller's object."""
+    objects, tracks what the program does to them and does it to the caller's object. A module
+    argument with parameters or buffers is a graph break too: TorchDynamo lifts its state as
+    inputs of the graph, where one traced graph would hold it as constants."""
     for leaf, name in zip(leaves, names):
+        if isinstance(leaf, torch.nn.Module) and _holds_state(leaf):
+            kind = type(leaf).__name__
+            raise GraphBreakError(
+                f"fusec: argument {name!r} is a {kind} module with parameters or buffers; one "
+                "captured graph would hold them as constants (no gradients for them, a replaced "
+                "parameter unseen). Compile the module itself (fusec.compile(module)), or let "
+                "fusec compile in regions through TorchDynamo, which takes them as inputs",
+                reason=f"argument {name!r} is a {kind} module whose parameters one graph would "
+                "hold as constants")
         if not isinstance(leaf, torch.Tensor) and outputs.holds_tensors(leaf):
             kind = type(leaf).__name__
             raise GraphBreakError(
@@ -192,6 +203,10 @@ def check_arguments(leaves: list, names: list[str]) -> None:
                 "its tensors directly, or register the type with torch.utils._pytree",
                 reason=f"argument {name!r} is a {kind} holding tensors, which one graph cannot "
                 "take")
+
+
+def _holds_state(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
 
 
 # Note (argument objects while tracing): an argument pytree cannot open that holds no tensors yet
