@@ -926,7 +926,8 @@ def label_of(fn) -> str:
 
 def compile(fn: Callable | None = None, *, backend: str = "auto",
             cuda_graphs: str | bool = "auto", fullgraph: bool = False, check: bool = False,
-            dynamic: bool | None = None):
+            dynamic: bool | None = None, mode: str | None = None, options: dict | None = None,
+            disable: bool = False):
     """Compile a function or nn.Module into fused kernels.
 
     Use as `fusec.compile(fn)`, `@fusec.compile`, or `@fusec.compile(backend="cpp", check=True)`.
@@ -941,7 +942,11 @@ def compile(fn: Callable | None = None, *, backend: str = "auto",
     dynamic: None (the default): a dim whose size changes between calls becomes a symbol, and one
     program serves every size of it (fusec/dynamic.py); True: every dim of the arguments is a
     symbol from the first call; False: every new size compiles a program of its own.
+    mode, options, disable: torch.compile's, so its calls work as written (`_torch_compile_mode`).
     """
+    if disable:  # (as torch.compile(disable=True): the function itself, uncompiled)
+        return fn if fn is not None else (lambda f: f)
+    cuda_graphs = _torch_compile_mode(mode, options, cuda_graphs)
     options = dict(backend=backend, cuda_graphs=cuda_graphs, fullgraph=fullgraph, check=check,
                    dynamic=dynamic)
     if fn is None:
@@ -949,6 +954,24 @@ def compile(fn: Callable | None = None, *, backend: str = "auto",
     if isinstance(fn, torch.nn.Module):
         return CompiledModule(fn, **options)
     return CompiledFunction(fn, **options)
+
+
+def _torch_compile_mode(mode: str | None, options: dict | None, cuda_graphs):
+    """torch.compile's `mode` in fusec's terms: "reduce-overhead" is CUDA graphs on (`cuda_graphs`
+    left "auto"), "max-autotune-no-cudagraphs" off; "default" and "max-autotune" change nothing
+    (fusec picks its kernels' block sizes the same way in every mode). `options` are Inductor's
+    settings, which fusec does not have: refused by name, not ignored."""
+    modes = {None: cuda_graphs, "default": cuda_graphs, "max-autotune": cuda_graphs,
+             "reduce-overhead": True if cuda_graphs == "auto" else cuda_graphs,
+             "max-autotune-no-cudagraphs": False if cuda_graphs == "auto" else cuda_graphs}
+    if mode not in modes:
+        raise FusecError(f"fusec: unknown mode {mode!r}; torch.compile's modes are "
+                         f"{', '.join(repr(m) for m in modes if m)}")
+    if options:
+        raise FusecError(f"fusec: options={options!r} are Inductor's settings, which fusec does not "
+                         "have; fusec's switches are its compile() arguments and FUSEC_* environment "
+                         "variables (docs/torch_compile.md)")
+    return modes[mode]
 
 
 def regions(compiled) -> Regions:

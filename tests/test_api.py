@@ -419,3 +419,20 @@ def test_a_module_passed_as_an_argument_is_not_baked_in():
     strict = fusec.compile(lambda m, x: m(x), backend="cpp", fullgraph=True)
     with pytest.raises(fusec.FusecError, match="argument 'm' is a Linear module"):
         strict(lin, x)
+
+
+def test_torch_compile_keywords_work_as_written():
+    """A call written for torch.compile works: `mode` maps to CUDA graphs, `disable=True` gives
+    the function back, Inductor's `options` and an unknown mode are refused by name."""
+    x = torch.randn(3)
+    for mode in ("default", "max-autotune", "reduce-overhead", "max-autotune-no-cudagraphs"):
+        f = fusec.compile(lambda x: x.sin() * 2, mode=mode, backend="cpp")
+        torch.testing.assert_close(f(x), x.sin() * 2)
+    assert fusec.compile(lambda x: x, mode="reduce-overhead").cuda_graphs is True
+    assert fusec.compile(lambda x: x, mode="max-autotune-no-cudagraphs").cuda_graphs is False
+    assert fusec.compile(torch.sin, disable=True) is torch.sin
+    assert fusec.compile(disable=True)(torch.cos) is torch.cos
+    with pytest.raises(fusec.FusecError, match="unknown mode 'fast'"):
+        fusec.compile(torch.sin, mode="fast")
+    with pytest.raises(fusec.FusecError, match="Inductor's settings"):
+        fusec.compile(torch.sin, options={"triton.cudagraphs": True})
