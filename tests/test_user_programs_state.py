@@ -18,6 +18,8 @@ Found and fixed here (each test below fails on the code before its fix):
 - a changed default argument (`f.__defaults__`, a mutated list default), a changed keyword of a
   `functools.partial`, and an attribute of the object of a compiled bound method were not
   guarded (capture/guards.py).
+- a tensor replaced in a global dict or list (`TABLE["w"] = t`) was not seen: a flat container of
+  tensors and constants is guarded by its tensors' identity and its constants' values (guards.py).
 - an exception the program raises itself came back as a fusec capture error (capture/tracing.py).
 
 Left (wrong answer, diagnosed in /work/notes/ask_probe_state.md): a list or dict argument the
@@ -33,6 +35,8 @@ from torch import nn
 import fusec
 
 BACKENDS = ["cpp", "llvm", "triton"]
+TABLE = {"w": torch.ones(3), "scale": 2.0}
+ROWS = [torch.ones(3)]
 
 
 def close(a, b):
@@ -120,3 +124,24 @@ def test_an_exception_the_program_raises_reaches_the_caller(backend):
     close(cf(torch.ones(2)), torch.ones(2) + 1)
     with pytest.raises(TooBig, match="too big"):
         cf(torch.ones(5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tensor_replaced_in_a_global_dict_or_list(backend):
+    def f(x):
+        return x * TABLE["w"] * TABLE["scale"] + ROWS[0]
+
+    x = torch.randn(3)
+    cf = fusec.compile(f, backend=backend)
+    try:
+        close(cf(x), f(x))
+        TABLE["w"] = torch.full((3,), 3.0)
+        close(cf(x), f(x))
+        ROWS[0] = torch.full((3,), -2.0)
+        close(cf(x), f(x))
+        TABLE["w"].add_(1)  # (in place: the program reads it where it lives, no new compile)
+        compiles = cf.compiles
+        close(cf(x), f(x))
+        assert cf.compiles == compiles
+    finally:
+        TABLE["w"], ROWS[0] = torch.ones(3), torch.ones(3)

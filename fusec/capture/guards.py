@@ -39,7 +39,9 @@ What is read, and how fusec finds out:
                         parameters are looked for again where the new tree holds them.
     dicts, lists, sets  `self.opts["scale"]`, `SIZES[0]`: a container of constants (up to 64
                         items, nested ones included) is guarded by its contents, since its
-                        item reads cannot be seen: any change to it compiles again.
+                        item reads cannot be seen: any change to it compiles again. A flat
+                        one that holds tensors too (`TABLE = {"w": t, "scale": 2.0}`): its
+                        tensors by identity, its constants by value (`_items`).
     hooks               a module's forward and backward hooks (and the global ones), which
                         `module(x)` runs: a dict that holds hooks is guarded as the children
                         are; the empty ones together by one guard (`NoHooks`), so a hook
@@ -74,8 +76,8 @@ whose signature is known names what changed (`Guards.reason`). A program that re
 state has no guard and pays nothing.
 
 Not guarded (state a captured graph still freezes): the items of a container that holds more
-than 64 items or anything but constants (a dict of modules, a list of tensors), modules and
-tensors reached only through such containers, attributes of objects whose class cannot be
+than 64 items, or anything but constants and tensors (a dict of modules, a nested list of
+tensors), modules and tensors reached only through such containers, attributes of objects whose class cannot be
 swapped (`__slots__`, C types), and functions reached other than through globals, closures and
 attributes.
 While capture runs, a lifted global or closure tensor holds the traced value: another thread
@@ -288,12 +290,23 @@ def _kind(value) -> str | None:
             freeze(value)
             return "container"
         except TypeError:
-            return None
+            return "items" if type(value) is not set and len(value) <= CONTAINER_LIMIT and all(
+                _is_constant(v) or isinstance(v, torch.Tensor) and not _is_traced(v)
+                for v in (value.values() if type(value) is dict else value)) else None
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type,
                           functools.partial, torch.nn.Module, torch._ops.OpOverloadPacket,
                           torch._ops.OpOverload)) or _is_plain_object(value):
         return "identity"
     return None
+
+
+def _items(container) -> tuple:
+    """A flat list, tuple or dict of tensors and constants as a key part: each tensor by
+    identity (the graph reads the one it was traced with), each constant by type and value.
+    `TABLE["w"] = torch.zeros(8)` or `LAYERS[0] = t` changes it."""
+    items = container.items() if type(container) is dict else enumerate(container)
+    return (type(container), tuple((k, id(v)) if isinstance(v, torch.Tensor) else (k, type(v), v)
+                                   for k, v in items))
 
 
 def _is_traced(t) -> bool:
@@ -309,6 +322,10 @@ def _encode(kind: str, value, keep: dict):
         return (type(value), value)
     if kind == "container":
         return freeze(value)
+    if kind == "items":  # (the tensors are kept alive: their ids sit in the key)
+        keep.update((id(v), v) for v in (value.values() if type(value) is dict else value)
+                    if isinstance(v, torch.Tensor))
+        return _items(value)
     if kind == "children":  # (name, id) of each child; the children are kept alive
         keep.update((id(child), child) for child in value.values())
         return tuple((name, id(child)) for name, child in value.items())
@@ -766,13 +783,14 @@ class Guards:
     def _make_values(self) -> Callable[[], Values]:
         """`values()`: every guarded value now, encoded, as straight-line Python."""
         glob = {"Values": Values, "slow": self._slow_values, "_id": id, "_freeze": freeze,
-                "_children": lambda d: _encode("children", d, self._keep)}
+                "_children": lambda d: _encode("children", d, self._keep), "_items": _items}
         reads, parts = [], []
         for i, (source, kind) in enumerate(self.entries):
             glob[f"s{i}"] = source.owner
             reads.append(f"v{i} = {source.expression(f's{i}')}")
             parts.append({"value": f"(type(v{i}), v{i})", "identity": f"_id(v{i})",
                           "container": f"_freeze(v{i})", "children": f"_children(v{i})",
+                          "items": f"_items(v{i})",
                           "tensor": f"(_id(v{i}), tuple(v{i}.shape), v{i}.requires_grad)"}[kind])
         body = "".join(f"        {r}\n" for r in reads)
         source = (f"def values():\n    try:\n{body}"
@@ -819,6 +837,9 @@ class Guards:
             elif kind == "container":  # (== on the live container against a copy made now)
                 glob[f"g_c{i}"], glob[f"g_t{i}"] = _thaw(value), value[0]
                 test = f"type(g_v{i} := {read}) is not g_t{i} or g_v{i} != g_c{i}"
+            elif kind == "items":
+                glob[f"g_c{i}"], glob["_items"] = value, _items
+                test = f"_items({read}) != g_c{i}"
             elif kind == "identity":
                 glob[f"g_o{i}"] = self._keep[value]
                 test = f"{read} is not g_o{i}"
@@ -878,6 +899,10 @@ def _describe(kind: str, value, keep: dict, now=_MISSING) -> str:
         return text if len(text) <= 60 else text[:57] + "..."
     if kind == "children":
         return "modules " + ", ".join(name for name, _ in value)
+    if kind == "items":
+        text = ", ".join(f"{e[0]!r}: tensor {e[1]:#x}" if len(e) == 2 else f"{e[0]!r}: {e[2]!r}"
+                         for e in value[1])
+        return f"{value[0].__name__} {{{text}}}"
     if kind == "tensor":
         ident, shape, grad = value
         return f"tensor {ident:#x} of shape {shape}" + (" requires_grad" if grad else "")
