@@ -294,8 +294,56 @@ def call_signature(leaves: list, grad: bool) -> tuple:
             key.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device,
                         leaf.requires_grad))
         else:
-            key.append((type(leaf), leaf))
+            key.append(argument_key(leaf))
     return tuple(key)
+
+
+def argument_key(leaf) -> tuple:
+    """A non-tensor argument as part of a signature. Most are their own key: numbers, strings,
+    dtypes by value, functions and modules by identity. But a tracing run reads an argument
+    object's attributes once and bakes them in (`x * cfg.scale` is `mul(x, 2.0)`), and the
+    caller may change them between calls (`cfg.scale = 3.0`); and Python 3.11's slices and a
+    dataclass (eq without hash) cannot be hashed at all. So a slice is its (start, stop, step),
+    and an object that holds settings (plain values, nested such objects) is its type and its
+    attributes' values: a changed setting compiles again, an equal object reuses the program.
+    Anything else unhashable is keyed by identity."""
+    if isinstance(leaf, _SETTINGS_VALUES):
+        return (type(leaf), leaf)
+    if type(leaf) is slice:
+        return (slice, leaf.start, leaf.stop, leaf.step)
+    try:
+        return (type(leaf), "settings", _settings(leaf, [64]))
+    except TypeError:
+        pass
+    try:
+        hash(leaf)
+        return (type(leaf), leaf)
+    except TypeError:
+        return (type(leaf), "identity", id(leaf))
+
+
+def _settings(value, budget: list):
+    """An object's attributes as nested tuples of plain values (see `argument_key`), or raise
+    TypeError: not such an object, or more than `budget` values."""
+    if isinstance(value, _SETTINGS_VALUES):
+        return value
+    if type(value) in (tuple, list):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            raise TypeError("too many values")
+        return (type(value), tuple(_settings(v, budget) for v in value))
+    if isinstance(value, (torch.Tensor, torch.nn.Module, type)) or callable(value):
+        raise TypeError("not a setting")
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is not dict:
+        raise TypeError("no attributes")
+    budget[0] -= len(attributes)
+    if budget[0] < 0:
+        raise TypeError("too many values")
+    return (type(value), tuple((k, _settings(v, budget)) for k, v in attributes.items()))
+
+
+_SETTINGS_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 # ---- inputs that share memory: see "Note (aliased inputs)" in fusec/aliasing.py ------------
