@@ -18,6 +18,8 @@ Found and fixed here (each test below fails on the code before its fix):
 - a changed default argument (`f.__defaults__`, a mutated list default), a changed keyword of a
   `functools.partial`, and an attribute of the object of a compiled bound method were not
   guarded (capture/guards.py).
+- `random.random()` / `np.random.rand()` in a program were drawn once, while tracing, and kept
+  (capture/random_refused.py: a graph break, and the regions draw them on every call).
 - a tensor replaced in a global dict or list (`TABLE["w"] = t`) was not seen: a flat container of
   tensors and constants is guarded by its tensors' identity and its constants' values (guards.py).
 - an exception the program raises itself came back as a fusec capture error (capture/tracing.py).
@@ -26,7 +28,10 @@ Left (wrong answer, diagnosed in /work/notes/ask_probe_state.md): a list or dict
 program appends to or writes into is not updated.
 """
 import functools
+import random
 import warnings
+
+import numpy as np
 
 import pytest
 import torch
@@ -145,3 +150,19 @@ def test_a_tensor_replaced_in_a_global_dict_or_list(backend):
         assert cf.compiles == compiles
     finally:
         TABLE["w"], ROWS[0] = torch.ones(3), torch.ones(3)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_python_random_numbers_are_drawn_on_every_call(backend):
+    def f(x):  # (LayerDrop's spelling: `if random.random() < p: skip the layer`)
+        return x * random.random() + float(np.random.rand())
+
+    cf = fusec.compile(f, backend=backend)
+    x = torch.ones(3)
+    random.seed(0), np.random.seed(0)
+    want = [f(x) for _ in range(3)]
+    random.seed(0), np.random.seed(0)
+    got = [cf(x) for _ in range(3)]
+    for g, w in zip(got, want):
+        close(g, w)
+    assert not hasattr(random.random, "__wrapped__")  # (the original, put back)

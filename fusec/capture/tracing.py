@@ -23,6 +23,7 @@ import torch.compiler as tc
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
+from fusec.capture.random_refused import refuse_random
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 
 
@@ -297,8 +298,8 @@ def python_at_trace_time_refused():
 
 
 def _refuse_python():
-    """Put the refusing `print`, `Tensor.numpy` and jiterator launcher in place; returns the
-    function that puts the originals back."""
+    """Put the refusing `print`, `Tensor.numpy`, jiterator launcher and Python random draws
+    (random_refused.py) in place; returns the function that puts the originals back."""
     real_print = builtins.print
     had_numpy = "numpy" in vars(torch.Tensor)
     real_numpy = torch.Tensor.numpy
@@ -356,22 +357,21 @@ def _refuse_python():
             return real_function.apply(*args)
 
     builtins.print, torch.Tensor.numpy = print_, numpy_
+    restore_random = refuse_random(_tracing_here, is_user_file, _runs_python)
     ckpt._checkpoint_without_reentrant_generator = generator_
     ckpt.CheckpointFunction = CheckpointFunction_
     if real_jiterator is not None:
         torch._C._cuda_jiterator_compile_and_launch_kernel = jiterator_
 
     def restore():
-        builtins.print = real_print
+        builtins.print, ckpt.CheckpointFunction = real_print, real_function
         ckpt._checkpoint_without_reentrant_generator = real_generator
-        ckpt.CheckpointFunction = real_function
         if real_jiterator is not None:
             torch._C._cuda_jiterator_compile_and_launch_kernel = real_jiterator
-        if had_numpy:
-            torch.Tensor.numpy = real_numpy
-        else:
-            del torch.Tensor.numpy
+        restore_random()
+        setattr(torch.Tensor, "numpy", real_numpy) if had_numpy else delattr(torch.Tensor, "numpy")
     return restore
+
 
 
 # ---- what eager refuses and fake tensors let through ---------------------------------------------
