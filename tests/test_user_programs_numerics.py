@@ -26,16 +26,26 @@ Found and fixed (the tests below fail on the code before):
   (capture/decompositions.py, KEEP_AS_EXTERN).
 - `F.one_hot` of a label out of [0, num_classes) gave a row of zeros; eager raises: its checks
   are traced as asserts (capture/eager_checks.py).
-- `index_copy` with a negative index, as index_add; `F.multilabel_margin_loss` with a -1 in its
-  targets: torch's decomposition gave 3.11 where eager says 1.33: both stay eager's ops.
+- `F.multilabel_margin_loss` with a -1 in its targets: torch's decomposition gave 3.11 where
+  eager says 1.33: it stays eager's op.
 - `F.binary_cross_entropy` of a probability outside [0, 1] gave NaN; eager raises (eager_checks).
 - a Python number a uint8/int8/int32/float32 result cannot hold (`masked_fill(m, 256)`,
   `where(c, int8_x, 300)`, `clamp(max=300)`, `full_like(x, 300)`) was wrapped (256 filled 0s);
   eager raises "value cannot be converted ... without overflow": refused while compiling.
+- in-place arithmetic whose result the tensor cannot hold by kind (`int_x *= float_tensor`,
+  `u8 *= 1.5`) stored a truncated value; eager raises "result type Float can't be cast to the
+  desired output type Long": refused while tracing (eager_checks). An int tensor to a negative
+  int power (`x ** -1`) gave 0s; eager raises: refused.
+- `mask |= other` (Tensor.__ior__, and &=, ^=, <<=, >>=) could not be captured at all
+  (functionalize refuses aten::__ior__): traced as bitwise_or_.
 - an empty (0, 0) space broadcast from (1, 0) and (0, 1) crashed lowering ("layout (0, 1) does not
   broadcast to (1, 0)"): the loop is the space both broadcast into (fusec/sizes.py).
-Diagnosed, left (/work/notes/ask_probe_num.md): `x // 2**40` of an int32 x: eager wraps the divisor
+Diagnosed, left (/work/notes/ask_probe_num.md): `x.index_copy(0, tensor([-1]), s)` writes the last
+row where eager raises (a check would change the GPU KV-cache write kernels' tests); `x // 2**40` of an int32 x: eager wraps the divisor
 to 0 and raises ZeroDivisionError, fusec divides by 2**40 (passes/check_divisors.py's literal check).
+Eager raises and fusec computes, left: `int_x - True`; softmax/std/frac of an int tensor,
+argmax of a bool one, abs of a bool one ("not implemented for 'Long'"): fusec's decompositions
+compute them.
 Differs from eager, left: `torch.std_mean` of a row of all -inf gives mean -inf (eager's Welford
 mean is NaN; torch.mean says -inf).
 """
@@ -94,12 +104,7 @@ def test_an_empty_space_broadcast_from_both_sides(backend):
 
 
 @pytest.mark.parametrize("backend", ["cpp", "llvm"])
-def test_index_copy_and_multilabel_margin_loss_are_eagers(backend):
-    x, source = torch.randn(3, 2), torch.randn(2, 2)
-    index_copy = lambda x, i, s: (x * 2).index_copy(0, i, s) + 1  # noqa: E731
-    _check(index_copy, backend, x, torch.tensor([2, 0]), source)
-    with pytest.raises(IndexError, match="out of bounds"):
-        fusec.compile(index_copy, backend=backend)(x, torch.tensor([-1, 0]), source)
+def test_multilabel_margin_loss_is_eagers(backend):
     loss = lambda x, t: F.multilabel_margin_loss(x * 2, t, reduction="none") + 1  # noqa: E731
     _check(loss, backend, torch.randn(2, 4), torch.tensor([[3, -1, 2, 1], [0, 1, 2, -1]]))
 
@@ -143,3 +148,39 @@ def test_numbers_eager_takes_still_compile():
     _check(fn, "cpp", x)
     _check(lambda x: torch.where(x > 0, x, -128) + (x * 1).clamp(-2.5, 2.5), "llvm",
            x.to(torch.int8))
+
+
+def _inplace_mul(x, y):
+    x = x * 1
+    x *= y
+    return x
+
+
+def _inplace_bits(x, shift):
+    mask = x > 0
+    mask |= x < -1
+    mask &= x != 3
+    y = x * 1
+    y <<= shift
+    y ^= 5
+    y |= 8
+    return mask, y
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_in_place_arithmetic_and_powers_eager_refuses(backend):
+    x = torch.tensor([1, -2, 3, 4])
+    _check(_inplace_mul, backend, x.float(), x)  # (float *= int: fine)
+    _check(_inplace_mul, backend, x, x.to(torch.int8))
+    _check(lambda x: (x * 1) ** -1.0 + (x * 1.0) ** -1, backend, x)
+    for fn, args in ((_inplace_mul, (x, torch.tensor(2.5))), (_inplace_mul, (x, x.float())),
+                     (lambda x: (x * 1) ** -1, (x,))):
+        with pytest.raises(RuntimeError):
+            fn(*args)
+        with pytest.raises(fusec.UnsupportedError, match="cast to the desired|negative integer"):
+            fusec.compile(fn, backend=backend)(*args)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_in_place_bitwise_operators_are_captured(backend):
+    _check(_inplace_bits, backend, torch.tensor([1, -2, 3, 4, 0]), torch.tensor([0, 1, 2, 3, 4]))

@@ -453,17 +453,17 @@ def batch_norm_backward(dy, x, weight, running_mean, running_var, mean, rstd, tr
 # as an extern instead: the same SDPA variant eager uses, with its real logsumexp output, which
 # its backward (`..._for_cpu_backward`, also an extern) reads in training.
 #
-# Note (index_add and index_copy stay eager's): torch decomposes both into an index_put, which
-# takes a negative index as counted from the end, where eager's index_add and index_copy raise
-# for it: `x.index_add(0, tensor([0, -1]), s)` added into the last row instead of raising. As
-# externs they check their indices as eager does.
+# Note (index_add stays eager's): torch's index_add decomposition is an index_put with
+# accumulate=True, and index_put takes a negative index as counted from the end, where eager's
+# index_add raises "index out of range" for it: `x.index_add(0, tensor([0, -1]), s)` added
+# into the last row instead of raising. As an extern it checks its indices as eager does.
+# (index_copy has the same flaw, left: /work/notes/ask_probe_num.md.)
 #
 # Note (multilabel margin loss stays eager's): torch's decomposition of
 # `multilabel_margin_loss_forward` disagrees with eager's kernel once a target row holds a -1
 # (the end of its labels): 3.11 where eager says 1.33 for a (2, 4) input.
 KEEP_AS_EXTERN = [aten._scaled_dot_product_flash_attention_for_cpu.default,
                   aten.index_add.default, aten.index_add_.default,
-                  aten.index_copy.default, aten.index_copy_.default,
                   aten.multilabel_margin_loss_forward.default]
 
 

@@ -60,8 +60,12 @@ CHECKED_NUMBERS = {
     aten.scalar_tensor.default: (0,), aten.full.default: (1,), aten.full_like.default: (1,),
     aten.new_full.default: (2,), aten.fill.Scalar: (1,), aten.masked_fill.Scalar: (2,),
     aten.index_fill.int_Scalar: (3,), aten.clamp.default: (1, 2, "min", "max"),
-    aten.clamp_min.default: (1,), aten.clamp_max.default: (1,),
+    aten.clamp_min.default: (1,), aten.clamp_max.default: (1,), aten.pow.Tensor_Scalar: (),
 }
+
+
+def _negative_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value < 0
 
 
 def overflows(value, dtype: torch.dtype) -> bool:
@@ -82,11 +86,16 @@ def refuse_overflowing_scalars(gm):
     dtype, which eager raises too (see the module's docstring)."""
     for node in gm.graph.nodes:
         where = CHECKED_NUMBERS.get(node.target) if node.op == "call_function" else None
-        out = node.meta.get("val") if where else None
+        out = node.meta.get("val") if where is not None else None
         if not isinstance(out, torch.Tensor):
             continue
         values = [node.args[i] if isinstance(i, int) and i < len(node.args) else node.kwargs.get(i)
                   for i in where]
+        if node.target is aten.pow.Tensor_Scalar and _negative_int(node.args[1]) \
+                and not out.dtype.is_floating_point and not out.dtype.is_complex:
+            raise UnsupportedError("fusec: Integers to negative integer powers are not allowed "
+                                   f"(pow of {out.dtype} by {node.args[1]}): eager PyTorch raises "
+                                   "this too; raise a float to it (`x.float() ** -1`)")
         for value in values:
             if overflows(value, out.dtype):
                 name = node.target.__name__.split(".")[0]
@@ -96,6 +105,46 @@ def refuse_overflowing_scalars(gm):
                     "PyTorch raises this too; use a number the tensor's dtype holds")
     return gm
 
+
+# In-place arithmetic: eager computes in the operands' promoted dtype and refuses to write a
+# result its output cannot hold by kind (`int_x *= float_tensor`: "result type Float can't be cast
+# to the desired output type Long"). Functionalized, the op is out of place and a copy casts the
+# result back: 2.5 * 3 was stored as 7. (name, whether it divides: int / int is float)
+INPLACE = {getattr(torch.Tensor, name): name in ("div_", "true_divide_", "__itruediv__")
+           for name in ("add_", "sub_", "mul_", "div_", "true_divide_", "floor_divide_",
+                        "remainder_", "fmod_", "pow_", "copysign_", "atan2_", "hypot_",
+                        "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                        "__imod__", "__ipow__")}
+
+
+def _inplace_checks(func, args, kwargs):
+    """Eager's check that an in-place op's result dtype can be written into its first operand."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) \
+            or not isinstance(args[1], (torch.Tensor, int, float, bool)) \
+            or (func in (torch.Tensor.div_,) and kwargs.get("rounding_mode") is not None):
+        return
+    self, result = args[0], torch.result_type(args[0], args[1])
+    if INPLACE[func] and not (result.is_floating_point or result.is_complex):
+        result = torch.get_default_dtype()
+    if not torch.can_cast(result, self.dtype):
+        raise UnsupportedError(
+            f"fusec: result type {_name(result)} can't be cast to the desired output type "
+            f"{_name(self.dtype)} ({func.__name__}): eager PyTorch raises this too; cast the "
+            "operand first or compute out of place")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# `mask |= other` calls Tensor.__ior__, whose ATen op (`aten::__ior__`) functionalization cannot
+# trace ("Found a custom (non-ATen) operator whose output has alias annotations"): the capture
+# failed. Traced as the in-place op it is, `mask.bitwise_or_(other)`.
+BITWISE_INPLACE = {torch.Tensor.__ior__: torch.Tensor.bitwise_or_,
+                   torch.Tensor.__iand__: torch.Tensor.bitwise_and_,
+                   torch.Tensor.__ixor__: torch.Tensor.bitwise_xor_,
+                   torch.Tensor.__ilshift__: torch.Tensor.bitwise_left_shift_,
+                   torch.Tensor.__irshift__: torch.Tensor.bitwise_right_shift_}
 
 # func -> a function of the same arguments that traces eager's checks of them
 CHECKS = {F.one_hot: _one_hot_checks, F.binary_cross_entropy: _binary_cross_entropy_checks}
@@ -109,6 +158,9 @@ class _EagerValueChecks(TorchFunctionMode):
         check = CHECKS.get(func)
         if check is not None:
             check(*args, **kwargs)
+        elif func in INPLACE:
+            _inplace_checks(func, args, kwargs)
+        func = BITWISE_INPLACE.get(func, func)
         return func(*args, **kwargs)
 
 
