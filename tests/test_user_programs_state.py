@@ -19,7 +19,7 @@ Found and fixed here (each test below fails on the code before its fix):
   `functools.partial`, and an attribute of the object of a compiled bound method were not
   guarded (capture/guards.py).
 - `random.random()` / `np.random.rand()` in a program were drawn once, while tracing, and kept
-  (capture/random_refused.py: a graph break, and the regions draw them on every call).
+  (capture/tracing.py refuse_random: a graph break; the regions draw them on every call).
 - a tensor replaced in a global dict or list (`TABLE["w"] = t`) was not seen: a flat container of
   tensors and constants is guarded by its tensors' identity and its constants' values (guards.py).
 - an exception the program raises itself came back as a fusec capture error (capture/tracing.py).

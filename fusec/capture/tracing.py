@@ -1,5 +1,8 @@
 """The conditions capture traces under, and what a tracing failure means for the user.
 
+Why this file is long: every piece of Python that a trace must refuse (print, numpy, random
+draws, checkpoints) is put in place and taken back in one function, next to the errors it raises.
+
 While make_fx traces, a few things must hold that plain tracing does not give: Python that a
 graph cannot hold (`print`, `.numpy()` of a traced tensor) is refused instead of running once
 (`python_at_trace_time_refused`), libraries see `torch.compiler.is_compiling()` (`compiling`),
@@ -13,6 +16,7 @@ import builtins
 import contextlib
 import logging
 import os
+import random
 import sys
 import sysconfig
 import threading
@@ -23,7 +27,6 @@ import torch.compiler as tc
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from fusec.capture.random_refused import refuse_random
 from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
 
 
@@ -299,7 +302,7 @@ def python_at_trace_time_refused():
 
 def _refuse_python():
     """Put the refusing `print`, `Tensor.numpy`, jiterator launcher and Python random draws
-    (random_refused.py) in place; returns the function that puts the originals back."""
+    (`refuse_random`) in place; returns the function that puts the originals back."""
     real_print = builtins.print
     had_numpy = "numpy" in vars(torch.Tensor)
     real_numpy = torch.Tensor.numpy
@@ -357,7 +360,7 @@ def _refuse_python():
             return real_function.apply(*args)
 
     builtins.print, torch.Tensor.numpy = print_, numpy_
-    restore_random = refuse_random(_tracing_here, is_user_file, _runs_python)
+    restore_random = refuse_random()
     ckpt._checkpoint_without_reentrant_generator = generator_
     ckpt.CheckpointFunction = CheckpointFunction_
     if real_jiterator is not None:
@@ -372,6 +375,43 @@ def _refuse_python():
         setattr(torch.Tensor, "numpy", real_numpy) if had_numpy else delattr(torch.Tensor, "numpy")
     return restore
 
+
+
+# Python's own random numbers: `if random.random() < self.layerdrop:` (LayerDrop, stochastic
+# depth), `x * np.random.rand()`. Eager draws a new number on every call; a captured graph would
+# keep the one drawn while tracing, forever (every call skips the same layers). While a capture
+# runs, these module functions called from the user's code raise a GraphBreakError; in regions
+# TorchDynamo draws them on every call. (`torch.rand(())` is a graph op, drawn on every call.)
+# A name imported before (`from random import random`) is the original function, not seen.
+_RANDOM = {"random": ("random", "uniform", "randint", "randrange", "choice", "choices", "sample",
+                      "shuffle", "gauss", "normalvariate", "triangular", "betavariate",
+                      "expovariate"),
+           "numpy.random": ("rand", "randn", "random", "random_sample", "uniform", "normal",
+                            "randint", "choice", "permutation", "shuffle")}
+
+
+def refuse_random():
+    """Put refusing versions of `random`'s and (when imported) `numpy.random`'s functions in
+    place (see `_RANDOM`); returns the function that puts the originals back."""
+    saved = [(owner, name, getattr(owner, name)) for module, names in _RANDOM.items()
+             if (owner := random if module == "random" else sys.modules.get(module)) is not None
+             for name in names if hasattr(owner, name)]
+    for owner, name, real in saved:
+        setattr(owner, name, _refusing(real, f"{owner.__name__}.{name}()"))
+    return lambda: [setattr(owner, name, real) for owner, name, real in saved]
+
+
+def _refusing(real, label: str):
+    def draw(*args, **kwargs):
+        frame = sys._getframe(1)
+        if _tracing_here() and is_user_file(frame.f_code.co_filename):
+            raise _runs_python(f"a Python random number ({label})", "eager draws a new one on "
+                               "every call, a captured graph would keep the one drawn while "
+                               "tracing; use torch.rand, or move it outside the compiled "
+                               "function", frame)
+        return real(*args, **kwargs)
+    draw.__wrapped__ = real
+    return draw
 
 
 # ---- what eager refuses and fake tensors let through ---------------------------------------------
