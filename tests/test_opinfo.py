@@ -25,6 +25,7 @@ pytest.importorskip("expecttest")  # torch.testing._internal needs it
 import opinfo_sweep  # noqa: E402
 
 from conftest import TRITON_DEVICE  # noqa: E402
+from opinfo_samples import op_db, samples as first_samples  # noqa: E402
 
 FOUND = ["view_as_complex", "view_as_real", "nn.functional.pad", "nn.functional.cosine_similarity",
          "cfloat", "fft.fft2", "fft.irfft", "stft", "tensor_split", "broadcast_shapes"]
@@ -37,8 +38,7 @@ EVERYDAY = ["add", "mul", "where", "sum", "mean", "amax", "softmax", "log_softma
 
 
 def _ops(names):
-    from torch.testing._internal.common_methods_invocations import op_db
-    found = [op for op in op_db if op.name in names]
+    found = [op for op in op_db() if op.name in names]
     assert {op.name for op in found} == set(names), set(names) - {op.name for op in found}
     return found
 
@@ -47,10 +47,16 @@ def _verdicts(op, dtype, backend, device, samples=4):
     out = []
     if dtype not in op.supported_dtypes(device):
         return out
-    for sample in list(op.sample_inputs(device, dtype))[:samples]:
+    for sample in first_samples(op, device, dtype, samples):
         verdict, detail = opinfo_sweep.run_sample(op, sample, backend, seconds=120)
         out.append((verdict, detail, opinfo_sweep.describe(sample)))
     return out
+
+
+# samples per op: the everyday ops' first 2 in bfloat16, whose shapes and arguments float32 runs
+# with 2 more (each C++ kernel is a compile of its own; the half-precision loads, stores and
+# rounding are per op, not per sample); the ops found wrong, 4 in both
+SAMPLES = {("everyday", torch.bfloat16): 2}
 
 
 @pytest.mark.parametrize("backend", ["cpp", "llvm"])
@@ -59,7 +65,8 @@ def _verdicts(op, dtype, backend, device, samples=4):
 def test_opinfo_samples_match_eager(backend, dtype, group):
     bad = []
     for op in _ops(FOUND if group == "found" else EVERYDAY):
-        for verdict, detail, what in _verdicts(op, dtype, backend, "cpu"):
+        for verdict, detail, what in _verdicts(op, dtype, backend, "cpu",
+                                               samples=SAMPLES.get((group, dtype), 4)):
             if verdict in ("MISMATCH", "CRASH"):
                 bad.append(f"{verdict} {op.name} {what}: {detail}")
     assert not bad, "\n".join(bad)
