@@ -20,6 +20,8 @@ Found and fixed here (each test below fails on the code before its fix):
   guarded (capture/guards.py).
 - `random.random()` / `np.random.rand()` in a program were drawn once, while tracing, and kept
   (capture/tracing.py refuse_random: a graph break; the regions draw them on every call).
+- a global or closure variable the program assigns (`global CALLS; CALLS += 1`) was assigned
+  once, while tracing (capture/guards.py `_refuse_writes`: a graph break, assigned on every call).
 - a tensor replaced in a global dict or list (`TABLE["w"] = t`) was not seen: a flat container of
   tensors and constants is guarded by its tensors' identity and its constants' values (guards.py).
 - an exception the program raises itself came back as a fusec capture error (capture/tracing.py).
@@ -42,6 +44,7 @@ import fusec
 BACKENDS = ["cpp", "llvm", "triton"]
 TABLE = {"w": torch.ones(3), "scale": 2.0}
 ROWS = [torch.ones(3)]
+CALLS = 0
 
 
 def close(a, b):
@@ -166,3 +169,31 @@ def test_python_random_numbers_are_drawn_on_every_call(backend):
     for g, w in zip(got, want):
         close(g, w)
     assert not hasattr(random.random, "__wrapped__")  # (the original, put back)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_global_or_closure_counter_counts_every_call(backend):
+    def counted(x):
+        global CALLS
+        CALLS += 1
+        return x * CALLS
+
+    def make_step():
+        step = 0
+
+        def f(x):
+            nonlocal step
+            step += 1
+            return x + step
+        return f
+
+    global CALLS
+    x = torch.ones(3)
+    cf = fusec.compile(counted, backend=backend)
+    CALLS = 0
+    for n in (1, 2, 3):
+        close(cf(x), x * n)
+    assert CALLS == 3
+    cf = fusec.compile(make_step(), backend=backend)
+    for n in (1, 2, 3):
+        close(cf(x), x + n)

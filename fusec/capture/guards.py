@@ -104,6 +104,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from fusec.capture.calls import StateRef, module_state
+from fusec.errors import GraphBreakError
 
 _LOCAL = threading.local()  # .recording: the Recording of this thread's capture, or None
 _MISSING = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
@@ -377,6 +378,37 @@ def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(dict.fromkeys(names)), tuple(dict.fromkeys(cells))
 
 
+def _writes(code: types.CodeType) -> list[tuple[str, bool]]:
+    """(name, is a closure variable) of each global and outer variable `code` (or a function
+    defined in it) assigns or deletes."""
+    found = [(ins.argval, ins.opname.endswith("DEREF")) for ins in dis.get_instructions(code)
+             if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") or ins.opname in (
+                 "STORE_DEREF", "DELETE_DEREF") and ins.argval in code.co_freevars]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found += [(n, cell) for n, cell in _writes(const) if not cell or n in code.co_freevars]
+    return list(dict.fromkeys(found))
+
+
+def _refuse_writes(written: list[tuple]) -> None:
+    """After a capture: a global or closure variable that the program assigned while traced
+    (a call counter, a cache filled on the first call) would be assigned once, while tracing,
+    and never by the compiled program. Put the old values back and raise a GraphBreakError: in
+    regions, TorchDynamo replays such assignments on every call, as eager does."""
+    changed = [(source, value) for source, value in written if source.read() is not value]
+    for source, value in changed:
+        if source.kind == "global":
+            source.owner.pop(source.name, None) if value is _MISSING else \
+                source.owner.__setitem__(source.name, value)
+        elif value is not _MISSING:
+            source.owner.cell_contents = value
+    if changed:
+        names = ", ".join(source.label for source, _ in changed)
+        raise GraphBreakError(
+            f"fusec: the program assigns {names} while it runs; a captured graph would do that "
+            "once, while tracing, and never again", reason=f"the program assigns {names}")
+
+
 class Discovery:
     """What a program can reach from Python, found without running it (see the module docstring):
     `static` guards (globals and closure values: (source, kind, value)), `reached` state to lift
@@ -390,6 +422,7 @@ class Discovery:
         self._code: set = set()
         self._static_keys: set = set()
         self._classes: set = set()
+        self.writes: list[Source] = []  # globals and closure variables the program assigns
         if isinstance(fn, torch.nn.Module):
             self._lifted.update(id(ref.get()) for ref in module_state(fn))
             self.module(fn, "self", own=True)
@@ -450,6 +483,10 @@ class Discovery:
         self._code.add(code)
         names, cells = _reads(code)
         space = fn.__globals__
+        for name, in_cell in _writes(code):  # (`global CALLS; CALLS += 1`, `nonlocal step`)
+            self.writes.append(Source("cell", fn.__closure__[code.co_freevars.index(name)], name,
+                                      f"closure variable {name}") if in_cell
+                               else Source("global", space, name, f"global {name}"))
         for name in names:
             if name in space:
                 self.value(Source("global", space, name, f"global {name}"), space[name], name)
@@ -751,12 +788,14 @@ class Guards:
             recording.swapped.append((module, cls))
         outer = getattr(_LOCAL, "recording", None)
         _LOCAL.recording = recording
+        written = [(source, source.read()) for source in discovery.writes]
         try:
             yield recording
         finally:
             _LOCAL.recording = outer
             for obj, cls in reversed(recording.swapped):
                 obj.__class__ = cls
+        _refuse_writes(written)
         for source, kind, value in recording.seen.values():
             if source.key not in self._index:
                 self._index[source.key] = len(self.entries)
