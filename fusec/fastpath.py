@@ -87,7 +87,7 @@ def guarded_call(run: Callable, tensors: list, n_static: int, state_refs: list, 
     n_args = len(tensors) - n_static + len(ints)
     names = [f"a{i}" for i in range(n_args)]
     args = [name for i, name in enumerate(names) if i not in ints]  # (the tensors)
-    lines = [f"if len(args) != {n_args}:", "    return MISS"]
+    lines = [f"if len(args) != {n_args}:", "    return MISS", *autocast_lines(glob)]
     if names:
         lines.append(f"{', '.join(names)}{',' if n_args == 1 else ''} = args")
     if module is not None:
@@ -288,7 +288,13 @@ def _direct_runner(program, captured: Captured) -> Callable:
 
 
 def call_signature(leaves: list, grad: bool) -> tuple:
-    key = [grad]
+    """A call's key: its flag (grad, or the module's training flag), each tensor's shape,
+    strides, dtype, device and requires_grad, each other argument's `argument_key`. Under
+    autocast the flag is paired with the autocast state: a program traced under autocast holds
+    its casts, and one traced without it would run its matmuls in bfloat16 under it and feed
+    the result to kernels that read float32 (`autocast_state`)."""
+    state = autocast_state()
+    key = [grad if not state else (grad, state)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             key.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device,
@@ -296,6 +302,29 @@ def call_signature(leaves: list, grad: bool) -> tuple:
         else:
             key.append(argument_key(leaf))
     return tuple(key)
+
+
+any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """((device type, dtype), ...) of the autocast regions the call runs in; () outside any
+    (the common case, read in ~0.15 us: the fast paths check it on every call)."""
+    if not any_autocast():
+        return ()
+    return tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def autocast_lines(glob: dict) -> list[str]:
+    """A fast path's check that the call runs under the autocast state its program was traced
+    under (the state now, when the fast path is made for this call)."""
+    state = autocast_state()
+    glob.update(any_autocast=any_autocast, autocast_state=autocast_state, AUTOCAST=state)
+    if not state:
+        return ["if any_autocast():  # traced outside autocast", "    return MISS"]
+    return ["if autocast_state() != AUTOCAST:  # traced under this autocast", "    return MISS"]
 
 
 def argument_key(leaf) -> tuple:

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from fusec import env
-from fusec.fastpath import MISS, PLAIN_TENSORS
+from fusec.fastpath import MISS, PLAIN_TENSORS, autocast_lines
 
 
 def training_fast_path_on() -> bool:
@@ -97,7 +97,7 @@ def training_fast_path(hit: Callable, lifted: list, args: tuple, kwargs: dict,
             "family_check": family_check}
     n_pos, n_kw = len(args), len(kwargs)
     lines = [f"if len(args) != {n_pos} or len(kwargs) != {n_kw} or not is_grad_enabled():",
-             "    return MISS"]
+             "    return MISS", *autocast_lines(glob)]
     if module is not None:
         glob["module"] = module
         lines += [f"if module.training is not {module.training}:", "    return MISS"]
