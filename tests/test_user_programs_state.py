@@ -10,7 +10,12 @@ forward, parameters updated in place or through `.data`, buffers replaced, load_
 same tensor returned twice, `resize_`, dict/namedtuple/dataclass outputs, `if x.sum() > 0`,
 `.item()`, `.tolist()`, loops over a list whose length changes, *args and keywords, stacked
 decorators, generators, recursion, no_grad / enable_grad / inference_mode / set_grad_enabled
-switched between calls, autocast on and off, the default dtype changed, deterministic mode.
+switched between calls, autocast on and off, the default dtype changed, deterministic mode,
+BatchNorm's running stats over train/eval/no_grad calls, gradients accumulated over calls,
+requires_grad of inputs and parameters toggled, `.data` of another shape, backward and tensor
+hooks, global and with_kwargs module hooks, a hook present when compiling then removed, int /
+float / bool / None / 0-d tensor arguments switching, strides changing, two compiled wrappers of
+one module, `assert` and KeyError in forward, the input returned as itself (its identity).
 
 Found and fixed here (each test below fails on the code before its fix):
 - `torch.sin(x, out=out)` with an `out` of the wrong size left `out` unwritten (capture/inplace.py).
@@ -26,8 +31,10 @@ Found and fixed here (each test below fails on the code before its fix):
   tensors and constants is guarded by its tensors' identity and its constants' values (guards.py).
 - an exception the program raises itself came back as a fusec capture error (capture/tracing.py).
 
-Left (wrong answer, diagnosed in /work/notes/ask_probe_state.md): a list or dict argument the
-program appends to or writes into is not updated.
+Left (diagnosed in /work/notes/ask_probe_state.md): a list or dict argument the program appends
+to is not updated; a module attribute assigned in forward (`self.calls += 1`) is assigned once;
+`torch.is_grad_enabled()` reads False while tracing; an in-place op on a leaf that requires grad
+runs where eager raises; eager's RuntimeErrors come back as fusec errors that are not RuntimeErrors.
 """
 import functools
 import random
