@@ -42,7 +42,7 @@ from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile
 from fusec.codegen import backends
 from fusec.driver import CompiledGraph, Kernel, compile_graph, gc_paused
-from fusec.errors import FusecError, GraphBreakError, UnsupportedError
+from fusec.errors import FusecError, FusecWarning, GraphBreakError, UnsupportedError
 from fusec.fastpath import MISS, complete, guarded_call, no_fast_path, call_signature  # noqa: F401
 from fusec.fastpath import fast_path_key, flat_args, make_fast_path
 from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reached, what_changed
@@ -196,6 +196,8 @@ class CompiledFunction:
         takes `_call` every time, into its graph-break path: fusec/capture/regions.py.) Training
         calls, keyword arguments included, have a fast path of their own, `self._train_fast`
         (fusec/runtime/training_call.py), which `_train` prepares."""
+        if _functorch_active():  # inside torch.func.vmap / grad / jvp ...: see `_transformed`
+            return self._transformed(args, kwargs)
         if not self.check:
             out = self._fast(args) if not kwargs else MISS
             if out is MISS and self._train_fast is not None:
@@ -205,6 +207,20 @@ class CompiledFunction:
         return self._call(args, kwargs)
 
     # -- internals ------------------------------------------------------------------------------
+    def _transformed(self, args: tuple, kwargs: dict):
+        """A call inside a torch.func transform (vmap, grad, jacrev, jvp, functional_call's
+        callers...) gets wrapped tensors (batched, grad-tracking, dual) that a compiled program,
+        which computes plain tensors, cannot take: the function runs eagerly, as the transform
+        expects, and fusec says so once. (TorchDynamo traces through these transforms; fusec
+        captures below them.)"""
+        if not getattr(self, "_said_transformed", False):
+            self._said_transformed = True
+            warnings.warn(FusecWarning(
+                f"fusec: {label_of(self.fn)} is called inside a torch.func transform (vmap, grad, "
+                "jvp ...); it runs eagerly there (its compiled program takes plain tensors)"),
+                stacklevel=3)
+        return self.fn(*args, **kwargs)
+
     def _call(self, args: tuple, kwargs: dict):
         """The general path: flatten the arguments, pick (or compile) the signature's program,
         train if gradients are needed, run, check, rebuild the outputs' structure."""
@@ -856,6 +872,9 @@ class _Instead:
 
     def __init__(self, result: Callable):
         self.result = result
+
+
+_functorch_active = torch._C._are_functorch_transforms_active  # (~0.03 us)
 
 
 def _is_tensor_entry(entry) -> bool:
