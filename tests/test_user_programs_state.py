@@ -15,7 +15,9 @@ BatchNorm's running stats over train/eval/no_grad calls, gradients accumulated o
 requires_grad of inputs and parameters toggled, `.data` of another shape, backward and tensor
 hooks, global and with_kwargs module hooks, a hook present when compiling then removed, int /
 float / bool / None / 0-d tensor arguments switching, strides changing, two compiled wrappers of
-one module, `assert` and KeyError in forward, the input returned as itself (its identity).
+one module, `assert` and KeyError in forward, the input returned as itself (its identity), a
+parameter updated under no_grad and a buffer counter (`self.n += 1`) inside forward, a view of
+a training input returned, SGD steps between training calls.
 
 Found and fixed here (each test below fails on the code before its fix):
 - `torch.sin(x, out=out)` with an `out` of the wrong size left `out` unwritten (capture/inplace.py).
