@@ -43,9 +43,10 @@ Found and fixed (the tests below fail on the code before):
 Diagnosed, left (/work/notes/ask_probe_num.md): `x.index_copy(0, tensor([-1]), s)` writes the last
 row where eager raises (a check would change the GPU KV-cache write kernels' tests); `x // 2**40` of an int32 x: eager wraps the divisor
 to 0 and raises ZeroDivisionError, fusec divides by 2**40 (passes/check_divisors.py's literal check).
-Eager raises and fusec computes, left: `int_x - True`; softmax/std/frac of an int tensor,
-argmax of a bool one, abs of a bool one ("not implemented for 'Long'"): fusec's decompositions
-compute them.
+- softmax/log_softmax of an int or bool tensor (no dtype=) gave 0s, std/var of an int tensor gave
+  0, argmax/argmin of a bool one an index; eager has no kernel for those dtypes: refused.
+Eager raises and fusec computes, left: `int_x - True`; frac of an int tensor, abs of a bool one
+("not implemented for 'Long'").
 Differs from eager, left: `torch.std_mean` of a row of all -inf gives mean -inf (eager's Welford
 mean is NaN; torch.mean says -inf).
 """
@@ -184,3 +185,29 @@ def test_in_place_arithmetic_and_powers_eager_refuses(backend):
 @pytest.mark.parametrize("backend", ["cpp", "llvm"])
 def test_in_place_bitwise_operators_are_captured(backend):
     _check(_inplace_bits, backend, torch.tensor([1, -2, 3, 4, 0]), torch.tensor([0, 1, 2, 3, 4]))
+
+
+REFUSED_DTYPES = {
+    "softmax": lambda x: F.softmax(x * 2, -1),
+    "log_softmax_method": lambda x: (x * 2).log_softmax(-1),
+    "std": lambda x: (x * 2).std(1),
+    "var_mean": lambda x: torch.var_mean(x + 1),
+    "argmax_bool": lambda x: torch.argmax(x > 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_DTYPES))
+def test_ops_eager_has_no_kernel_for_the_dtype_of_are_refused(name):
+    fn, x = REFUSED_DTYPES[name], torch.tensor([[1, 5, 3], [2, 2, 0]])
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        fn(x)
+    with pytest.raises(fusec.UnsupportedError, match="eager PyTorch raises this too"):
+        fusec.compile(fn, backend="cpp")(x)
+    if name != "argmax_bool":
+        _check(fn, "llvm", x.float())  # (the float tensors eager takes still compile)
+
+
+def test_a_dtype_given_to_softmax_still_compiles():
+    x = torch.tensor([[1, 5, 3], [2, 2, 0]])
+    _check(lambda x: F.softmax(x * 2, -1, dtype=torch.float32) + (x * 1).argmax(1, keepdim=True),
+           "cpp", x)

@@ -146,6 +146,34 @@ BITWISE_INPLACE = {torch.Tensor.__ior__: torch.Tensor.bitwise_or_,
                    torch.Tensor.__ilshift__: torch.Tensor.bitwise_left_shift_,
                    torch.Tensor.__irshift__: torch.Tensor.bitwise_right_shift_}
 
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+# Ops whose kernels eager has for some dtypes only, where fusec's decomposition would compute
+# anything: a softmax of an int tensor gave 0s ("softmax_lastdim_kernel_impl" not implemented for
+# 'Long' in eager). (funcs, the input dtypes eager refuses, eager's words)
+REFUSED_DTYPES = [
+    ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+      torch.Tensor.log_softmax), lambda d: not _floating(d), "softmax of a {} tensor is not "
+     "implemented (pass dtype=torch.float32)"),
+    ((torch.std, torch.var, torch.std_mean, torch.var_mean, torch.Tensor.std, torch.Tensor.var),
+     lambda d: not _floating(d), "std and var only support floating point and complex dtypes, "
+     "not {}"),
+    ((torch.argmax, torch.argmin, torch.Tensor.argmax, torch.Tensor.argmin),
+     lambda d: d == torch.bool, "argmax() and argmin() do not support {} input"),
+]
+REFUSED = {func: (refuses, words) for funcs, refuses, words in REFUSED_DTYPES for func in funcs}
+
+
+def _dtype_checks(func, args, kwargs):
+    refuses, words = REFUSED[func]
+    if args and isinstance(args[0], torch.Tensor) and refuses(args[0].dtype) \
+            and not any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values())):
+        raise UnsupportedError(f"fusec: {words.format(_name(args[0].dtype))} (eager PyTorch "
+                               f"raises this too: {func.__name__})")
+
+
 # func -> a function of the same arguments that traces eager's checks of them
 CHECKS = {F.one_hot: _one_hot_checks, F.binary_cross_entropy: _binary_cross_entropy_checks}
 
@@ -160,6 +188,8 @@ class _EagerValueChecks(TorchFunctionMode):
             check(*args, **kwargs)
         elif func in INPLACE:
             _inplace_checks(func, args, kwargs)
+        elif func in REFUSED:
+            _dtype_checks(func, args, kwargs)
         func = BITWISE_INPLACE.get(func, func)
         return func(*args, **kwargs)
 
