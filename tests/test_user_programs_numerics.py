@@ -40,15 +40,18 @@ Found and fixed (the tests below fail on the code before):
   (functionalize refuses aten::__ior__): traced as bitwise_or_.
 - an empty (0, 0) space broadcast from (1, 0) and (0, 1) crashed lowering ("layout (0, 1) does not
   broadcast to (1, 0)"): the loop is the space both broadcast into (fusec/sizes.py).
-Diagnosed, left (/work/notes/ask_probe_num.md): `x.index_copy(0, tensor([-1]), s)` writes the last
-row where eager raises (a check would change the GPU KV-cache write kernels' tests); `x // 2**40` of an int32 x: eager wraps the divisor
-to 0 and raises ZeroDivisionError, fusec divides by 2**40 (passes/check_divisors.py's literal check).
 - softmax/log_softmax of an int or bool tensor (no dtype=) gave 0s, std/var of an int tensor gave
   0, argmax/argmin of a bool one an index; eager has no kernel for those dtypes: refused.
+Diagnosed, left (/work/notes/ask_probe_num.md): `x.index_copy(0, tensor([-1]), s)` writes the
+last row where eager raises (a check changes the GPU KV-cache write kernels' tests); `x // 2**40`
+of an int32 x: eager wraps the divisor to 0 and raises ZeroDivisionError, fusec divides by 2**40
+(passes/check_divisors.py's literal check).
 Eager raises and fusec computes, left: `int_x - True`; frac of an int tensor, abs of a bool one
 ("not implemented for 'Long'").
-Differs from eager, left: `torch.std_mean` of a row of all -inf gives mean -inf (eager's Welford
-mean is NaN; torch.mean says -inf).
+Differs from eager on degenerate input, left: `torch.std_mean` of a row of all -inf gives mean
+-inf (eager's Welford mean is NaN; torch.mean says -inf); eval batch_norm with running_var 0 and
+eps=0 gives +-inf (eager's fused formula 0 * inf gives NaN); maximum/minimum of 0.0 and -0.0
+(eager's own vectorized and scalar paths disagree).
 """
 import pytest
 import torch
