@@ -22,6 +22,12 @@ of two or more elements). Traced, the number is a literal of the graph that a ke
 with a wrap: 256 filled 0s. `refuse_overflowing_scalars` looks at the literals of those ops once,
 after tracing, and raises as eager does (add, mul and the other arithmetic convert without a check
 in eager too: `u8 + 300` wraps there as well).
+
+The same mode refuses what eager refuses by dtype before any value is read: an in-place op whose
+result the tensor cannot hold by kind (`int_x *= float_tensor`: functionalized, the op runs out
+of place and a copy casts the result back), a softmax of an int tensor, std of an int one, argmax
+of a bool one (`INPLACE`, `REFUSED_DTYPES`: fusec's decompositions would compute them). And it
+traces `mask |= other` as `mask.bitwise_or_(other)`: functionalization cannot trace aten::__ior__.
 """
 from __future__ import annotations
 
