@@ -48,7 +48,11 @@ def same_size(a, b) -> bool:
         return True
     if any(isinstance(v, int) and v in (0, 1) for v in (a, b)):
         return False
-    return bool(a == b)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    try:
+        return bool(a == b)
+    except GuardOnDataDependentSymNode:  # a size from the data (unbacked): no guard can hold
+        return False  # it, and "no" is the answer that keeps the general code
 
 
 def equal_if_so(a, b) -> bool:
