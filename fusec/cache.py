@@ -50,6 +50,7 @@ at a time (source, binary, manifest).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -490,17 +491,26 @@ def build_once(artifact: Path, source: str, source_suffix: str,
     binary to a unique temporary file, which is renamed into place, and the manifest is written
     last (a compile). `make` raises CompileError when the compiler refuses; nothing is renamed
     then, and no temporary file is left. Returns the binary's path: in this process's private
-    cache if the cache could not be written. Threads of one process build an artifact once."""
+    cache if the cache could not be written. Threads of one process build an artifact once, and
+    so do processes (`_other_processes_wait`: the ranks of a distributed job compile the same
+    kernels at the same moment)."""
     with _LOCK:
         lock = _BUILDING.setdefault(artifact, threading.Lock())
     with lock:
+        seen = _identity(artifact)
         if verified(artifact):
             STATS["hits"] += 1
             log(f"hit {artifact.name}")
             return artifact
-        STATS["misses"] += 1
         try:
-            return _build(artifact, source, source_suffix, make)
+            with _other_processes_wait(artifact):
+                # another process built it while this one waited (a new file: looked at again)
+                if _identity(artifact) not in (seen, None) and verified(artifact):
+                    STATS["hits"] += 1
+                    log(f"hit {artifact.name} (built by another process)")
+                    return artifact
+                STATS["misses"] += 1
+                return _build(artifact, source, source_suffix, make)
         except OSError as err:
             if not _cache_fault(err):
                 raise
@@ -514,6 +524,38 @@ def build_once(artifact: Path, source: str, source_suffix: str,
         return _build(moved, source, source_suffix, make)
     except OSError as err:
         raise CompileError(f"fusec: cannot build {artifact.name}: {describe(err)}") from None
+
+
+def _identity(path: Path) -> tuple | None:
+    """(device, inode) of a file, None if there is none: a build renames a new file into place,
+    so a changed identity means another process built it (reading a file touches its time)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def _other_processes_wait(artifact: Path):
+    """Hold an exclusive `flock` on `<artifact>.lock` while building it: another process that
+    wants the same artifact waits, then finds it built. The lock file is removed afterwards; a
+    process that opened it just before loses nothing but the wait (it may build the artifact
+    again, renamed into place atomically as always). Where no lock can be taken (no fcntl, a
+    cache that cannot be written) the build goes on without one."""
+    try:
+        import fcntl
+        fd = os.open(artifact.with_name(artifact.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(artifact.with_name(artifact.name + ".lock"))
+        os.close(fd)  # (closing releases the lock)
 
 
 def _build(artifact: Path, source: str, source_suffix: str, make: Callable[[Path], None]) -> Path:

@@ -265,8 +265,9 @@ CHILD = textwrap.dedent(r'''
 @pytest.mark.parametrize("backend", ["cpp", "llvm", "triton"])
 def test_concurrent_compiles_into_one_cold_cache(backend, tmp_path):
     """Three processes compile the same program into one empty cache at the same time: every one
-    gets eager's results, the cache ends with one sound entry per distinct kernel and no
-    temporary files, and a fourth process compiles nothing."""
+    gets eager's results, each kernel is built once (cache.build_once's lock across processes),
+    the cache ends with one sound entry per distinct kernel and no temporary or lock files, and a
+    fourth process compiles nothing."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     root = tmp_path / "cache"
@@ -294,7 +295,9 @@ def test_concurrent_compiles_into_one_cold_cache(backend, tmp_path):
     else:
         binaries = [f for f in files if f.suffix == (".so" if backend == "cpp" else ".o")]
         assert binaries and all(cache.verified(b) for b in binaries)
-        assert len(files) == 3 * len(binaries)  # source, binary, manifest
+        assert len(files) == 3 * len(binaries)  # source, binary, manifest (no lock file left)
+        # each kernel built by one process: the others waited on its lock and loaded it
+        assert sum(r["stats"].get("compiles", 0) for r in results) == len(binaries), results
     again = finish(start())
     assert again["problems"] == [] and again["stats"].get("compiles", 0) == 0
     assert again["stats"].get("misses", 0) == 0

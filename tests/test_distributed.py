@@ -200,27 +200,10 @@ def step_views(rank: int) -> dict:
     return views
 
 
-def one_build_per_kernel(lock_dir: str) -> None:
-    """The two ranks compile the same kernels at the same moments (they step together) into one
-    kernel cache, and fusec's build lock is per process: each rank would run the compiler for
-    every kernel. Here a rank holds an exclusive lock on a file named after the kernel (in the
-    test's temporary folder) while it builds it, so the other waits and then finds it in the
-    cache (`build_once` checks before it builds). Only the compile time changes: the kernels
-    are the same files."""
-    import fcntl
-    from fusec import cache
-    build_once = cache.build_once
-
-    def locked(artifact, *args):
-        with open(os.path.join(lock_dir, artifact.name), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return build_once(artifact, *args)
-    cache.build_once = locked
-
-
 def worker(rank: int, port: int, model_name: str, ways: list, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    one_build_per_kernel(os.path.dirname(out))
+    # (the two ranks compile the same kernels at the same moments into one cache: one builds each
+    # kernel, the other waits on its lock and loads it, fusec/cache.py build_once)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
