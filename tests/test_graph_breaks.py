@@ -447,3 +447,39 @@ def test_jiterator_cuda_kernels_run_eagerly_not_while_tracing():
     with pytest.warns(fusec.GraphBreakWarning, match="cannot be one graph"):
         got = fusec.compile(f, backend="triton")(a, b)
     torch.testing.assert_close(got, f(a, b))
+
+
+def test_a_whole_training_step_in_one_compiled_function():
+    """`zero_grad; loss.backward(); opt.step()` in the compiled function, as people write a train
+    step for torch.compile: `.backward()` is a graph break (a traced graph cannot run autograd;
+    torch's tracing errors said "Cannot backprop through mirrored meta"), the forward and the
+    step are compiled in regions, and the losses and parameters stay eager's."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+
+    def step_of(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return train_step
+
+    compiled, eager = fusec.compile(step_of(model), backend="cpp"), step_of(ref)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with pytest.warns(fusec.GraphBreakWarning, match=r"\.backward\(\)"):
+        first = compiled(x, y)
+    torch.testing.assert_close(first, eager(x, y))
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, y), eager(x, y))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    strict = fusec.compile(lambda x: x.sin().sum().backward(), backend="cpp", fullgraph=True)
+    with pytest.raises(fusec.GraphBreakError, match=r"\.backward\(\)"):
+        strict(torch.randn(3, requires_grad=True))

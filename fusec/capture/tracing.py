@@ -360,7 +360,7 @@ def _refuse_python():
             return real_function.apply(*args)
 
     builtins.print, torch.Tensor.numpy = print_, numpy_
-    restore_random = refuse_random()
+    restore_random, restore_autograd = refuse_random(), refuse_autograd()
     ckpt._checkpoint_without_reentrant_generator = generator_
     ckpt.CheckpointFunction = CheckpointFunction_
     if real_jiterator is not None:
@@ -368,6 +368,7 @@ def _refuse_python():
 
     def restore():
         builtins.print, ckpt.CheckpointFunction = real_print, real_function
+        restore_autograd()
         ckpt._checkpoint_without_reentrant_generator = real_generator
         if real_jiterator is not None:
             torch._C._cuda_jiterator_compile_and_launch_kernel = real_jiterator
@@ -375,6 +376,34 @@ def _refuse_python():
         setattr(torch.Tensor, "numpy", real_numpy) if had_numpy else delattr(torch.Tensor, "numpy")
     return restore
 
+
+def refuse_autograd():
+    """`loss.backward()` (or torch.autograd.grad) called by the program while it is traced, as a
+    whole training step written as one function does (`opt.zero_grad(); loss.backward();
+    opt.step()`): a traced graph computes values, it cannot run autograd on them (torch's errors
+    said "Cannot backprop through mirrored meta"). A graph break: TorchDynamo compiles the forward
+    and the optimizer step as regions and runs the backward between them, as eager does. (AOT
+    Autograd's own calls, from torch's files, go through.) Returns the function that puts the
+    originals back."""
+    real_backward = torch.Tensor.backward
+    real_autograd = torch.autograd.backward, torch.autograd.grad
+
+    def refusing(real, what):
+        def call(*args, **kwargs):
+            if _tracing_here() and is_user_file(sys._getframe(1).f_code.co_filename):
+                raise _runs_python(what, "autograd runs on the values of a call, which a traced "
+                                   "graph does not have", sys._getframe(1))
+            return real(*args, **kwargs)
+        return call
+
+    torch.Tensor.backward = refusing(real_backward, ".backward()")
+    torch.autograd.backward = refusing(real_autograd[0], "torch.autograd.backward()")
+    torch.autograd.grad = refusing(real_autograd[1], "torch.autograd.grad()")
+
+    def restore():
+        torch.Tensor.backward = real_backward
+        torch.autograd.backward, torch.autograd.grad = real_autograd
+    return restore
 
 
 # Python's own random numbers: `if random.random() < self.layerdrop:` (LayerDrop, stochastic
