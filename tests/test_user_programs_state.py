@@ -206,3 +206,48 @@ def test_a_global_or_closure_counter_counts_every_call(backend):
     cf = fusec.compile(make_step(), backend=backend)
     for n in (1, 2, 3):
         close(cf(x), x + n)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_list_or_dict_argument_the_program_changes_is_changed(backend):
+    """`xs.append(...)`, `d["out"] = ...` change the caller's containers in eager; a traced
+    graph changed a rebuilt copy (wrong: the caller's list kept 1 item). A graph break now."""
+    def f(xs, d):
+        xs.append(xs[0] * 2)
+        d["out"] = xs[1] + 1
+        return xs[0] + d["k"]
+
+    cf = fusec.compile(f, backend=backend)
+    for _ in range(2):
+        mine, theirs = [torch.randn(3)], {"k": torch.ones(3)}
+        ref_l, ref_d = [mine[0].clone()], dict(theirs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fusec.GraphBreakWarning)
+            got = cf(mine, theirs)
+        torch.testing.assert_close(got, f(ref_l, ref_d))
+        assert len(mine) == 2 and "out" in theirs
+        torch.testing.assert_close(theirs["out"], ref_d["out"])
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_number_attribute_assigned_in_forward_is_assigned_every_call(backend):
+    """`self.calls += 1` in forward: eager counts every call; the write landed on the traced
+    copy of the module tree once (m.calls stayed 0, every call x * 1). A graph break now."""
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.lin = 0, nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.calls += 1
+            return self.lin(x) * self.calls
+
+    torch.manual_seed(0)
+    m = Counting()
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fusec.GraphBreakWarning)
+        for k in (1, 2, 3):
+            torch.testing.assert_close(cm(x), m.lin(x) * k)
+    assert m.calls == 3

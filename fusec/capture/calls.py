@@ -205,6 +205,44 @@ def check_arguments(leaves: list, names: list[str]) -> None:
                 "take")
 
 
+def argument_containers(args: tuple, kwargs: dict) -> list[tuple]:
+    """(container, a copy of its items) for every list and dict among the arguments a traced
+    call is given, nested ones too: `check_containers` compares them after the call."""
+    found: list[tuple] = []
+
+    def walk(value, depth: int) -> None:
+        if depth > 8:
+            return
+        if type(value) is list:
+            found.append((value, list(value)))
+        elif type(value) is dict:
+            found.append((value, dict(value)))
+        elif type(value) is not tuple:
+            return
+        for item in (value.values() if type(value) is dict else value):
+            walk(item, depth + 1)
+    walk((args, kwargs), 0)
+    return found
+
+
+def check_containers(found: list[tuple]) -> None:
+    """A program that appends to, removes from or assigns into a list or dict argument
+    (`xs.append(y)`, `out["h"] = h`) changes the caller's container in eager; a captured graph
+    returns tensors and would not (it traces a rebuilt copy): a graph break, whose regions
+    TorchDynamo runs with the caller's containers changed as eager changes them."""
+    for container, then in found:
+        if type(container) is list:
+            same = len(container) == len(then) and all(a is b for a, b in zip(container, then))
+        else:
+            same = container.keys() == then.keys() and all(container[k] is then[k] for k in then)
+        if not same:
+            kind = type(container).__name__
+            raise GraphBreakError(
+                f"fusec: the program changes a {kind} it is given (append, pop, item "
+                "assignment); a captured graph returns tensors but cannot change the caller's "
+                f"{kind}", reason=f"changes a {kind} argument")
+
+
 def _holds_state(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None or next(module.buffers(), None) is not None
 

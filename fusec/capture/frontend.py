@@ -56,7 +56,8 @@ from fusec.capture import guards
 from fusec.capture import outputs
 # (`module_state`, `program_device`, `compiling`, ... are also importable from here, where they
 # lived before calls.py and tracing.py existed)
-from fusec.capture.calls import (check_arguments, check_copies, check_devices,  # noqa: F401
+from fusec.capture.calls import (argument_containers, check_containers,  # noqa: F401
+                                 check_arguments, check_copies, check_devices,
                                  flatten_call, is_cpu_scalar, module_state, program_device,
                                  traced_copies)
 from fusec.capture.inplace import mutated_temporaries, out_of_place
@@ -132,6 +133,7 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
         for pos, copied in copies.items():
             new_leaves[pos] = copied
         call_args, call_kwargs = rebuild(new_leaves)
+        containers = argument_containers(call_args, call_kwargs)
         with RecurrentAsExtern(), guards.substituted(reached, tensors[n_own:n_lifted]):
             if module is not None:
                 params = dict(zip(lifted_names[:n_own], tensors[:n_own]))
@@ -140,6 +142,7 @@ def flat_callable(fn: Callable, leaves: list, rebuild: Callable, tensor_pos: lis
             else:
                 result = fn(*call_args, **call_kwargs)
         check_copies(copies)
+        check_containers(containers)
         return result
     return call
 
@@ -264,10 +267,10 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
             changed = restore_attributes(attributes) + written_attributes(pairs)
     if changed:
         raise GraphBreakError(
-            f"fusec: the program assigns new tensors to module attributes ({', '.join(changed)}) "
-            "that are neither parameters nor buffers; a captured graph cannot replay that side "
-            "effect (register them as buffers and update them in place, or return them)",
-            reason="assigns tensors to module attributes that are neither parameters nor buffers")
+            f"fusec: the program assigns module attributes ({', '.join(changed)}) that are "
+            "neither parameters nor buffers; a captured graph cannot replay that side effect "
+            "(a tensor: register it as a buffer and update it in place, or return it)",
+            reason="assigns module attributes that are neither parameters nor buffers")
     return refuse_overflowing_scalars(refuse_mixed_dtypes(gm))
 
 
@@ -301,16 +304,26 @@ def restore_attributes(saved: list[tuple]) -> list[str]:
 
 
 def written_attributes(pairs: list[tuple]) -> list[str]:
-    """The tensor attributes tracing assigned or deleted on the copies of the module tree it ran
-    (capture/guards.py `tree_copy`: the user's modules were not touched), named."""
+    """The attributes tracing assigned or deleted on the copies of the module tree it ran
+    (capture/guards.py `tree_copy`: the user's modules were not touched), named: tensors, and
+    any other value rebound (`self.calls += 1`, `self.cache = {...}`), which eager assigns on
+    every call and a captured graph never would. (An equal number or string assigned again is
+    no change; the parameter, buffer and child dicts are tree_copy's own.)"""
     changed = []
     for module, copy in pairs:
         before, now = vars(module), vars(copy)
-        changed += [f"{type(module).__name__}.{name}" for name, value in now.items()
-                    if isinstance(value, torch.Tensor) and before.get(name) is not value]
-        changed += [f"{type(module).__name__}.{name}" for name, value in before.items()
-                    if isinstance(value, torch.Tensor) and name not in now]
+        for name, value in now.items():
+            old = before.get(name, _ABSENT)
+            if name in _TREE or value is old or (isinstance(value, (bool, int, float, str))
+                                                  and type(value) is type(old) and value == old):
+                continue
+            changed.append(f"{type(module).__name__}.{name}")
+        changed += [f"{type(module).__name__}.{name}" for name in before if name not in now]
     return list(dict.fromkeys(changed))
+
+
+_ABSENT = object()
+_TREE = ("_parameters", "_buffers", "_modules")
 
 
 def _anchor(fn: Callable) -> Callable:
