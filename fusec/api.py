@@ -37,6 +37,7 @@ from fusec.dynamic import Family
 from fusec.aliasing import AliasedCalls, alias_check, share_memory
 from fusec.capture import calls, frontend, guards, tracing
 from fusec.capture.breaks import warn_graph_breaks
+from fusec.capture.eager_checks import eager_value_checks
 from fusec.capture.torch_level import torch_level
 from fusec.capture.regions import GraphBroken, Regions, dynamo_regions, original
 from fusec.capture.training import aot_compile
@@ -702,7 +703,7 @@ class CompiledFunction:
             calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])
             with self._guards.recording(key) as recorded, \
                     tracing.python_at_trace_time_refused(), tracing.compiling(), \
-                    tracing.dense_attention_masks(), torch_level():
+                    tracing.dense_attention_masks(), torch_level(), eager_value_checks():
                 out = entry[0](*lifted, *tensors)
             key = recorded.key
         except GraphBreakError as err:

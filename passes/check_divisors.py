@@ -45,9 +45,11 @@ def check_divisors(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         divisor = node.args[1]
         if not isinstance(divisor, fx.Node):
-            if divisor == 0:
+            if _in_dtype(divisor, node) == 0:  # (`x // 2**40` of int32: eager's 0 as well)
+                held = "" if divisor == 0 else ", which its integer dtype holds as 0"
                 raise UnsupportedError(f"fusec: ZeroDivisionError: {node.name} divides integers "
-                                       "by the number 0 (eager raises the same on every call)")
+                                       f"by the number {divisor}{held} (eager raises the same on "
+                                       "every call)")
             continue
         if divisor in checked:
             continue
@@ -75,3 +77,14 @@ def _integral(node: fx.Node) -> bool:
     dtype = getattr(info, "dtype", None)
     return dtype is not None and not dtype.is_floating_point and not dtype.is_complex
 
+
+def _in_dtype(number, node: fx.Node):
+    """A Python int divisor as the dividend's integer dtype holds it (eager converts it first,
+    wrapping: 2**40 is 0 in int32, 256 is 0 in uint8); other numbers as they are."""
+    dividend = node.args[0].meta.get("fusec") if isinstance(node.args[0], fx.Node) else None
+    dtype = getattr(dividend, "dtype", None)
+    if type(number) is not int or dtype is None or dtype.is_floating_point or dtype.is_complex \
+            or dtype == torch.bool:
+        return number
+    info = torch.iinfo(dtype)
+    return (number - info.min) % (info.max - info.min + 1) + info.min

@@ -65,3 +65,17 @@ def test_float_division_and_a_number_are_not_checked():
                                xi // 4 + xi % 3)
     with pytest.raises(fusec.FusecError, match="ZeroDivisionError"):
         fusec.compile(lambda x: x // 0, backend="cpp")(xi)
+
+
+@pytest.mark.parametrize("dtype, number", [(torch.int32, 2**40), (torch.uint8, 256)])
+def test_a_number_the_dtype_holds_as_zero_raises(dtype, number):
+    """Eager converts a Python divisor to the dividend's dtype first (wrapping): `int32 // 2**40`
+    divides by 0 and raises; fusec compared the number itself and returned 0s."""
+    x = torch.tensor([7, 0, 3, 9], dtype=dtype)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        (x * 1) // number
+    with pytest.raises(fusec.FusecError, match=f"ZeroDivisionError: .* by the number {number}"):
+        fusec.compile(lambda x: (x * 1) // number, backend="cpp")(x)
+    wraps = 2**32 + 3 if dtype == torch.int32 else 259  # (3 in the dtype: eager's answer)
+    torch.testing.assert_close(fusec.compile(lambda x: (x * 1) // wraps, backend="cpp")(x),
+                               (x * 1) // wraps)

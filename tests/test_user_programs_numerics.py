@@ -214,3 +214,27 @@ def test_a_dtype_given_to_softmax_still_compiles():
     x = torch.tensor([[1, 5, 3], [2, 2, 0]])
     _check(lambda x: F.softmax(x * 2, -1, dtype=torch.float32) + (x * 1).argmax(1, keepdim=True),
            "cpp", x)
+
+
+@pytest.mark.parametrize("case", ["softmax_int", "inplace_int_times_float", "bce_out_of_range"])
+def test_training_captures_check_what_eager_checks(case):
+    """The same refusals when a parameter needs grad (the training capture, through AOT
+    Autograd, ran none of capture/eager_checks.py's checks: 0.0, a value and NaN came back)."""
+    w = torch.nn.Parameter(torch.ones(4))
+    programs = {
+        "softmax_int": lambda x: (torch.softmax((x * 3).long(), -1) * w).sum(),
+        "inplace_int_times_float": lambda x: _inplace_int(x) + w.sum(),
+        "bce_out_of_range": lambda x: F.binary_cross_entropy(torch.sigmoid(x * w) * 2,
+                                                             torch.ones(4)),
+    }
+    fn, x = programs[case], torch.randn(4)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        fn(x)
+    with pytest.raises((RuntimeError, NotImplementedError, fusec.FusecError)):
+        fusec.compile(fn, backend="cpp")(x)
+
+
+def _inplace_int(x):
+    y = (x * 10).long()
+    y *= torch.tensor(2.5)
+    return y.sum()

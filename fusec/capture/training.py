@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from fusec import dynamic
 from fusec.capture import calls, frontend, outputs
 from fusec.capture.buffer_updates import buffer_writes, buffers_in_graph
+from fusec.capture.eager_checks import refuse_overflowing_scalars
 from fusec.capture.partition import Partition, partitioner
 from fusec.capture.training_family import size_relations, symbolic_aot
 from fusec.passes.summed_slices import summed_slices
@@ -60,6 +61,7 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
             return made[key]
 
     def _compile_part(gm: torch.fx.GraphModule, example_inputs):
+        refuse_overflowing_scalars(gm)  # (as frontend._trace does: capture/eager_checks.py)
         writes = buffer_writes(gm)
         read_through_aliases(gm)
         summed_slices(gm)  # slice backward's scatters into zeros, summed: a cat
