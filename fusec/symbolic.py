@@ -286,12 +286,13 @@ class _Guards(list):
 
 def _decided_at() -> str:
     """The innermost frame outside torch and sympy, and outside capture's wrappers around every
-    op (tracing.py, torch_level.py, rnn.py, which only pass the call on): the line whose
-    comparison made the guard, the user's own line where an op of theirs decided it."""
+    op (tracing.py, torch_level.py, rnn.py, eager_checks.py, which only pass the call on): the
+    line whose comparison made the guard, the user's own line where an op of theirs decided it."""
     import os
     import sys
     frame = sys._getframe(2)
-    passing_on = tuple(os.sep + os.path.join("capture", f) for f in ("tracing.py", "torch_level.py", "rnn.py"))
+    passing_on = tuple(os.sep + os.path.join("capture", f)
+                       for f in ("tracing.py", "torch_level.py", "rnn.py", "eager_checks.py"))
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in (os.sep + "torch" + os.sep, os.sep + "sympy" + os.sep,

@@ -605,13 +605,13 @@ def test_training_through_torch_compile_compiles_one_family(backend):
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
-                                torch.nn.Linear(32, 4))
+                                torch.nn.Linear(32, 4)).to(DEVICE[backend])
     reference = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="fusec", options={"backend": backend})
     for n in (5, 9, 3, 32, 8):  # (32: the layers' width, a size equal to another)
-        x = torch.randn(n, 16)
+        x = torch.randn(n, 16, device=DEVICE[backend])
         compiled(x).square().mean().backward()
         reference(x).square().mean().backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
