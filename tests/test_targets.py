@@ -54,6 +54,10 @@ def _int_reductions(x):
             x.bool().any(-1), x.bool().all(-1))
 
 
+def _bool_reductions(x):  # (argmax/argmin of bool: eager refuses them, and so does fusec)
+    return (x.sum(-1), x.prod(-1), x.amax(-1), x.amin(0), x.any(-1), x.all(-1))
+
+
 def _silu(x):
     return F.silu(x) + 1
 
@@ -88,7 +92,7 @@ def programs():
         out += [(f"int_ops_{dt}", _int_ops, tuple(a)), (f"int_reductions_{dt}", _int_reductions, (a[0],)),
                 (f"shifts_{dt}", _shift_ops, (a[0], a[1]))]
     p = torch.rand(SHAPE) > 0.5
-    out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _int_reductions, (p,))]
+    out += [("bool_ops", _bool_ops, (p, ~p)), ("bool_reductions", _bool_reductions, (p,))]
     # packed-int4 GEMVs (the C++ table kernel, extensions/quant_gemv/cpp_int4.py): groups of 32 weights take its
     # vector lookups, groups of 16 its plain loop; one and four activation rows
     from fusec.examples.int4_linear import Int4Linear

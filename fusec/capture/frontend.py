@@ -312,13 +312,17 @@ def written_attributes(pairs: list[tuple]) -> list[str]:
     changed = []
     for module, copy in pairs:
         before, now = vars(module), vars(copy)
+        # (torch's own modules keep caches of their own: a GraphModule's `_lineno_map` ...)
+        every = not type(module).__module__.startswith(("torch.", "fusec."))
         for name, value in now.items():
             old = before.get(name, _ABSENT)
-            if name in _TREE or value is old or (isinstance(value, (bool, int, float, str))
-                                                  and type(value) is type(old) and value == old):
+            if name in _TREE or value is old or not (every or isinstance(value, torch.Tensor)) \
+                    or (isinstance(value, (bool, int, float, str)) and type(value) is type(old)
+                        and value == old):
                 continue
             changed.append(f"{type(module).__name__}.{name}")
-        changed += [f"{type(module).__name__}.{name}" for name in before if name not in now]
+        changed += [f"{type(module).__name__}.{name}" for name in before if name not in now
+                    and (every or isinstance(before[name], torch.Tensor))]
     return list(dict.fromkeys(changed))
 
 
