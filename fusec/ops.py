@@ -42,6 +42,8 @@ import torch
 from torch._prims_common import elementwise_dtypes
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as PROMOTE
 
+from fusec.sizes import same_shape, same_size
+
 aten = torch.ops.aten
 
 POINTWISE = "pointwise"
@@ -446,9 +448,9 @@ def indexed_write(node):
         return None
     want = tuple(1 if d == dim else s for d, s in enumerate(b.shape))
     lead = len(want) - len(v.shape)  # (`cache[:, :, pos] = k` may give k without its leading 1s)
-    if tuple(p.shape) != (1,) or p.dtype not in (torch.int64, torch.int32) or lead < 0 \
-            or (1,) * lead + tuple(v.shape) != want or v.dtype != b.dtype or v.device != b.device \
-            or 0 in b.shape:
+    if not same_shape(p.shape, (1,)) or p.dtype not in (torch.int64, torch.int32) or lead < 0 \
+            or not same_shape((1,) * lead + tuple(v.shape), want) or v.dtype != b.dtype \
+            or v.device != b.device or any(same_size(n, 0) for n in b.shape):
         return None
     return buffer, dim, pos, values
 

@@ -337,6 +337,56 @@ def test_mark_dynamic_makes_the_first_compile_a_family(backend):
     assert cf.compiles == 1, cf.recompiles
 
 
+class _Prefill(torch.nn.Module):
+    """A prompt of t rows written into a cache at positions[:t], plus a table's last t rows: the
+    slices end at a size of the family (examples/llama_decode.py's Prefill does both)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.register_buffer("positions", torch.arange(40, device=device))
+        self.register_buffer("cache", torch.zeros(40, 8, device=device))
+        self.register_buffer("table", torch.randn(40, 8, device=device))
+
+    def forward(self, x):
+        t = x.shape[0]
+        self.cache.index_copy_(0, self.positions[:t], x * 2)
+        return torch.sin(x) + self.table[-t:] + self.cache[:t].sum(0)
+
+
+def _no_answer_for_symbols(torch_own):
+    """A fake slice bound that answers None (then the slice's length is a new unbacked symbol)
+    for every symbolic index, as torch 2.11's did for `positions[:t]` while fusec traced the
+    prefill of benchmarks/decode.py (fusec.symbolic.backed_slices)."""
+    def compute_slice_index(size, index):
+        return None if isinstance(index, torch.SymInt) else torch_own(size, index)
+    return compute_slice_index
+
+
+@pytest.mark.parametrize("rule", ["torch's own", "no answer for symbols"])
+def test_slices_that_end_at_a_size_compile_one_family(backend, rule, monkeypatch):
+    """On torch 2.11 (the GPU machine's), `positions[:t]` had a length from the data, and the
+    prefill of benchmarks/decode.py compiled every prompt length: one family here, under torch's
+    own slice rule and one that answers as 2.11's did, with the cache written as eager writes it."""
+    if rule != "torch's own":
+        from torch._subclasses import fake_impls
+        monkeypatch.setattr(fake_impls, "_compute_slice_index",
+                            _no_answer_for_symbols(fake_impls._compute_slice_index))
+    device = DEVICE[backend]
+    if backend == "triton":  # (the GPU's question, asked of the interpreter's CPU tensors too)
+        monkeypatch.setattr(fusec.ops, "INDEXED_WRITE_DEVICES", ("cuda", device))
+    model, twin = _Prefill(device), _Prefill(device)
+    twin.load_state_dict(model.state_dict())
+    cf = fusec.compile(model, backend=backend)
+    with all_built(cf):
+        for t in (5, 9, 13, 17) if not INTERPRETED else (5, 9, 13):
+            x = torch.randn(t, 8, device=device)
+            got, want = cf(x), twin(x)
+            assert compare(got.cpu(), want.cpu(), None) is None, t
+            assert torch.equal(model.cache, twin.cache), t
+    inner = cf._compiled
+    assert inner.compiles == 2 and len(inner.families) == 1, inner.recompiles
+
+
 def test_dynamic_false_compiles_every_size(backend):
     cf = run_sizes(backend, pointwise_sum, lambda n, d: torch.randn(n, 64, device=d), [3, 4, 5],
                    dynamic=False)
@@ -526,6 +576,38 @@ def test_attention_of_a_family_is_torchs_sdpa(mask, monkeypatch):
             same_as_eager(cf, f, q, k, v, m)
     assert compiles(cf) == 2 and len(cf.families) == 1, cf.recompiles
     assert "_fusec_attention_default(" in cf.last.program.run.source
+
+
+def test_a_mask_broadcast_along_the_keys_reaches_sdpa_dense(monkeypatch):
+    """SDPA's fused kernels read a mask densely along the keys, and take the math kernel for one
+    broadcast there: transformers' BERT handed fusec::attention a (1, 1, 512, 1) mask and ran
+    1.24x its static program's time on an H100. fusec::attention hands SDPA the mask dense along
+    the keys (capture/torch_level.dense_along_keys), with eager's answers."""
+    import importlib
+    import torch.nn.functional as F
+    monkeypatch.setattr(importlib.import_module("fusec.capture.torch_level"), "SDPA_READS_SIZES",
+                        ("cuda", "cpu"))
+    sdpa, handed = F.scaled_dot_product_attention, []
+
+    def recording(*args, attn_mask=None, **kwargs):  # (what fusec::attention calls at run time)
+        handed.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    def f(q, k, v, m):
+        return sdpa(q, k, v, attn_mask=m) * 2
+
+    cf = fusec.compile(f, backend="cpp")
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with all_built(cf), torch.no_grad():
+        for n in (5, 9, 13):
+            q, k, v = (torch.randn(2, 4, n, 16) for _ in range(3))
+            m = torch.rand(1, 1, n, 1) > 0.3
+            m[0, 0, 0, 0] = True  # (a query that sees no key gives NaN in eager too)
+            same_as_eager(cf, f, q, k, v, m)
+    assert compiles(cf) == 2 and len(cf.families) == 1, cf.recompiles
+    masks = [m for m in handed if m is not None]
+    assert masks and all(m.shape[-1] == 13 and m.stride(-1) == 1 for m in masks[-1:]), \
+        [(tuple(m.shape), m.stride()) for m in masks]
 
 
 # -- 7. the family's fast path -------------------------------------------------------------------

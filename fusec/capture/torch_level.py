@@ -116,10 +116,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """F.scaled_dot_product_attention of (B, H, L, E) inputs, its output laid out as the fused
     kernels (flash, memory-efficient) write it: (B, L, H, E) in memory, seen as (B, H, L, E). A
     kernel that answers in another layout (the math one) is copied into that one, so the layout
-    is the one the fake answer promised whichever kernel torch picks for these sizes."""
+    is the one the fake answer promised whichever kernel torch picks for these sizes. A mask
+    broadcast along the keys is made dense there first (`dense_along_keys`)."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa)
+        query, key, value, attn_mask=dense_along_keys(attn_mask, key.shape[-2]),
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     want = _attention_out(query, value)
     if out.stride() != want.stride():
         want.copy_(out)
@@ -130,6 +131,21 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 @sdpa.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     return _attention_out(query, value)
+
+
+def dense_along_keys(mask, keys: int):
+    """`mask` with its last dim (the keys) `keys` long and contiguous, the rest as it was.
+
+    SDPA's fused kernels (flash, memory-efficient, cuDNN) read a mask densely along the keys;
+    given one broadcast there (a last dim of 1, or stride 0), SDPA runs its math kernel instead:
+    two matmuls in float32 around a softmax (capture/tracing.py, Note: attention masks with
+    stride 0, says the same of a static program). transformers' BERT in a shape family handed
+    `fusec::attention` a (1, 1, 512, 1) mask, and the model ran 1.24x its static program's time
+    on an H100; the dense copy is (1, 1, 512, 512), 256 KiB of booleans."""
+    if mask is None or mask.dim() == 0 or keys <= 1 \
+            or (mask.shape[-1] == keys and mask.stride(-1) == 1):
+        return mask
+    return mask.expand(*mask.shape[:-1], keys).contiguous()
 
 
 def _attention_out(query, value):
@@ -197,6 +213,8 @@ class _TorchLevel(torch.overrides.TorchFunctionMode):
 @contextlib.contextmanager
 def torch_level():
     """While tracing, the composite torch functions of TORCH_LEVEL are computed fusec's way
-    (see the note on InstanceNorm above)."""
-    with _TorchLevel():
+    (see the note on InstanceNorm above), and a slice ending at a size of a shape family has
+    that size's length (fusec.symbolic.backed_slices)."""
+    from fusec.symbolic import backed_slices
+    with _TorchLevel(), backed_slices():
         yield
