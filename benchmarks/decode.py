@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--size tiny|real] [--layers 2] [--steps 64] [--formats bf16,int8,int4]
                                 [--systems eager,torch.compile,reduce-overhead,fusec] [--batch 1]
-                                [--fit] [--prefill N] [--json out.json]
+                                [--fit] [--prefill N [--mark-dynamic]] [--json out.json]
 
 The model is examples/llama_decode.py (RMSNorm, rotary embeddings, grouped-query attention over a
 static KV cache, SwiGLU; random weights). `--formats ...,awq` adds AWQ's packing (eight nibbles
@@ -29,7 +29,9 @@ values written into the cache at once), then `--steps` greedy tokens decoded one
 new prompt length is a new shape: the table gives how many programs each system compiled for the
 prefill (fusec: a shape family after the second length, docs/dynamic.md; torch.compile: automatic
 dynamic shapes), the median prefill time, decode tokens/s and whether every request's tokens
-equal eager's.
+equal eager's (with random weights a bf16 rounding can change a greedy token: `--fit`).
+`--mark-dynamic` marks each prompt's length dynamic first (`torch._dynamo.mark_dynamic`), as a
+server that knows its prompts vary does: fusec then compiles one program for every length.
 
 Systems: eager; torch.compile (default); torch.compile(mode="reduce-overhead") (CUDA graphs);
 fusec, whose step is captured as one CUDA graph by this script: the model writes its KV cache in
@@ -156,6 +158,9 @@ def main_prefill(args, cfg, device) -> list:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, cfg["vocab"], (args.batch, n), generator=gen).to(device)
                for n in lengths]
+    if args.mark_dynamic:  # the server says the prompt length varies (every system reads it)
+        for prompt in prompts:
+            torch._dynamo.mark_dynamic(prompt, 1)
     print(f"{args.prefill} requests, prompt lengths {lengths}, {args.steps} tokens each", flush=True)
     print(f"{'format':6s} {'system':16s} {'prefill compiles':>16s} {'prefill ms':>10s} "
           f"{'decode tok/s':>12s}  same tokens as eager", flush=True)
@@ -210,6 +215,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--fit", action="store_true",
                    help="fit the weights to a passage first (examples/llama_fit.py)")
+    p.add_argument("--mark-dynamic", action="store_true",
+                   help="with --prefill: mark each prompt's length dynamic (torch._dynamo.mark_dynamic), "
+                        "as a serving engine that knows it varies does")
     p.add_argument("--prefill", type=int, default=0,
                    help="serve this many requests: prompts of random lengths prefilled at once")
     p.add_argument("--json")

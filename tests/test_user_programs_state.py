@@ -251,3 +251,53 @@ def test_a_number_attribute_assigned_in_forward_is_assigned_every_call(backend):
         for k in (1, 2, 3):
             torch.testing.assert_close(cm(x), m.lin(x) * k)
     assert m.calls == 3
+
+
+def _by_grad_mode(x):
+    """Evaluation skips work: what a program that asks for the grad mode computes."""
+    return torch.sin(x) * 2 if torch.is_grad_enabled() else torch.cos(x) * 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_is_grad_enabled_answers_the_callers_mode(backend):
+    """An inference capture traces under torch.no_grad, so `torch.is_grad_enabled()` read False
+    and a caller with gradients on got the evaluation branch: a wrong result. It answers the
+    caller's mode now, and a call under the other mode compiles again, saying why; a fresh
+    compiled function (a saved program from disk, keyed by fingerprint) answers right too."""
+    x = torch.randn(5, 3)
+    cf = fusec.compile(_by_grad_mode, backend=backend)
+    for _ in range(2):
+        close(cf(x), torch.sin(x) * 2)
+        with torch.no_grad():
+            close(cf(x), torch.cos(x) * 3)
+    assert cf.compiles == 2, cf.recompiles
+    assert cf.recompiles == ["torch.is_grad_enabled() changed: True -> False"]
+    again = fusec.compile(_by_grad_mode, backend=backend)
+    with torch.no_grad():
+        close(again(x), torch.cos(x) * 3)
+    close(again(x), torch.sin(x) * 2)
+
+
+@pytest.mark.parametrize("backend", ["cpp"])
+def test_a_module_that_asks_for_the_grad_mode(backend):
+    """A module with parameters: under no_grad an inference program that reads False; with
+    gradients on, training (its own trace, under the caller's mode) that reads True."""
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if torch.is_grad_enabled() else y - 1
+
+    torch.manual_seed(0)
+    m = Skips()
+    cm = fusec.compile(m, backend=backend)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        close(cm(x), m.lin(x) - 1)
+    out = cm(x)
+    close(out, m.lin(x) * 2)
+    out.sum().backward()
+    assert m.lin.weight.grad is not None

@@ -679,6 +679,28 @@ class NoHooks:
         return self.answer
 
 
+class _GradMode:
+    """`torch.is_grad_enabled()` read as an attribute (`GRAD_MODE.enabled`), so that it is
+    guarded like any other value a program read (capture/tracing.py, Note: grad mode while
+    tracing)."""
+
+    @property
+    def enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+
+GRAD_MODE = _GradMode()
+
+
+def grad_mode_read(value: bool) -> None:
+    """The program being captured on this thread asked `torch.is_grad_enabled()` and was told
+    `value`: a guard, so that a call under the other mode compiles again."""
+    recording = getattr(_LOCAL, "recording", None)
+    if recording is not None:
+        recording.add(Source("attr", GRAD_MODE, "enabled", "torch.is_grad_enabled()"), "value",
+                      value)
+
+
 # ---- the guards of one compiled function ----------------------------------------------------------
 
 class Guards:

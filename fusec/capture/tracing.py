@@ -300,6 +300,26 @@ def python_at_trace_time_refused():
                 restore()
 
 
+@contextlib.contextmanager
+def grad_mode_of_caller():
+    """Within (on this thread): the program's own `torch.is_grad_enabled()` answers, while
+    tracing, what it answers here and now, in the caller.
+
+    Note (grad mode while tracing). An inference capture traces under `torch.no_grad()` (no
+    autograd records for a graph that has no backward), so a program that asks
+    `torch.is_grad_enabled()` (to skip work in evaluation, to choose a path) would read False
+    though its caller had gradients on, and keep the wrong branch: a wrong result. So while
+    tracing, the user's call of it (code in a user file, as for `print`) answers the caller's
+    mode, and the read is a guard (capture/guards.py `grad_mode_read`): a call under the other
+    mode compiles again. torch's and fusec's own calls still read the real mode."""
+    outer = getattr(_TRACING, "caller_grad", None)
+    _TRACING.caller_grad = torch.is_grad_enabled() if outer is None else outer
+    try:
+        yield
+    finally:
+        _TRACING.caller_grad = outer
+
+
 def _refuse_python():
     """Put the refusing `print`, `Tensor.numpy`, jiterator launcher and Python random draws
     (`refuse_random`) in place; returns the function that puts the originals back."""
@@ -321,6 +341,17 @@ def _refuse_python():
                                "baked into the graph as garbage); use torch ops, or move it "
                                "outside the compiled function", _user_caller())
         return real_numpy(self, *args, **kwargs)
+
+    real_grad_enabled = torch.is_grad_enabled
+
+    def is_grad_enabled_():  # (see grad_mode_of_caller)
+        caller = getattr(_TRACING, "caller_grad", None)
+        if caller is None or not _tracing_here() \
+                or not is_user_file(sys._getframe(1).f_code.co_filename):
+            return real_grad_enabled()
+        from fusec.capture.guards import grad_mode_read
+        grad_mode_read(caller)
+        return caller
 
     # A jiterator kernel (torch.cuda.jiterator._create_jit_fn) launches real CUDA code on its
     # arguments, fake or not: on traced tensors it read address 0 and left the CUDA context
@@ -359,7 +390,7 @@ def _refuse_python():
             refuse_checkpoint()
             return real_function.apply(*args)
 
-    builtins.print, torch.Tensor.numpy = print_, numpy_
+    builtins.print, torch.Tensor.numpy, torch.is_grad_enabled = print_, numpy_, is_grad_enabled_
     restore_random, restore_autograd = refuse_random(), refuse_autograd()
     ckpt._checkpoint_without_reentrant_generator = generator_
     ckpt.CheckpointFunction = CheckpointFunction_
@@ -368,6 +399,7 @@ def _refuse_python():
 
     def restore():
         builtins.print, ckpt.CheckpointFunction = real_print, real_function
+        torch.is_grad_enabled = real_grad_enabled
         restore_autograd()
         ckpt._checkpoint_without_reentrant_generator = real_generator
         if real_jiterator is not None:
