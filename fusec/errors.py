@@ -27,6 +27,23 @@ class DeviceError(FusecError):
     """An input lives on a device the chosen backend cannot run on, or inputs mix devices."""
 
 
+# Note (eager's exception types). A program that eager refuses for these inputs (a size
+# mismatch, a view that cannot be, tensors on two devices) makes capture fail with the error
+# torch raised: RuntimeError, IndexError, ValueError or TypeError. fusec reports it as its own
+# error (naming the user's line), and that error is *also* of the type eager raises, so a caller's
+# `except RuntimeError:` catches fusec's as it catches eager's (`like_eager`).
+_EAGER_TYPES = (IndexError, ValueError, TypeError, NotImplementedError, RuntimeError)
+
+
+def like_eager(cls: type, err: BaseException) -> type:
+    """`cls` (UnsupportedError, DeviceError), or its subclass that is also the built-in
+    exception type `err` is an instance of (Note: eager's exception types)."""
+    base = next((b for b in _EAGER_TYPES if isinstance(err, b)), None)
+    if base is None or issubclass(cls, base):
+        return cls
+    return globals()[f"{cls.__name__}As{base.__name__}"]
+
+
 class CompilerNotFoundError(FusecError):
     """The C++ backend needs a C compiler and none was found."""
 
@@ -52,3 +69,15 @@ class FallbackWarning(FusecWarning):
 class GraphBreakWarning(FusecWarning):
     """fusec.compile could not capture the program as one graph and compiles it in regions,
     with graph breaks between them (fusec/capture/regions.py). Said once per compiled program."""
+
+
+# The classes `like_eager` returns: UnsupportedErrorAsRuntimeError is an UnsupportedError and a
+# RuntimeError, and so on (module-level names, so that they pickle).
+for _fusec in (UnsupportedError, DeviceError):
+    for _eager in _EAGER_TYPES:
+        _name = f"{_fusec.__name__}As{_eager.__name__}"
+        globals()[_name] = type(_name, (_fusec, _eager), {"__module__": __name__,
+                                                          "__qualname__": _name,
+                                                          "__doc__": f"A {_fusec.__name__} for a "
+                                                          f"program eager refuses with {_eager.__name__}."})
+del _fusec, _eager, _name

@@ -235,3 +235,23 @@ def test_a_matmul_of_two_dtypes_is_refused_as_eager_refuses_it(backend):
             f(x, w)
         with pytest.raises(fusec.UnsupportedError, match="float32.*float64|float64.*float32"):
             fusec.compile(f, backend=backend)(x, w)
+
+
+@pytest.mark.parametrize("program, args, eager_type", [
+    (lambda x, y: x + y, (torch.randn(3), torch.randn(4)), RuntimeError),
+    (lambda x: x.view(7, -1), (torch.randn(10),), RuntimeError),
+    (lambda x: torch.cat([x, x], dim=3), (torch.randn(2, 3),), IndexError),
+])
+def test_a_program_eager_refuses_raises_eagers_type_too(program, args, eager_type):
+    """Bad input that eager refuses (a size mismatch, an impossible view, a dim out of range)
+    is a fusec error that names the line and is also of the type eager raises, so a caller's
+    `except RuntimeError:` catches it as it catches eager's (fusec/errors.py like_eager)."""
+    import pickle
+    with pytest.raises(eager_type):
+        program(*args)
+    with pytest.raises(eager_type) as caught:
+        fusec.compile(program, backend="cpp")(*args)
+    assert isinstance(caught.value, fusec.UnsupportedError), type(caught.value).__mro__
+    assert "fusec:" in str(caught.value)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert type(again) is type(caught.value) and str(again) == str(caught.value)

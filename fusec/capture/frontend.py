@@ -260,7 +260,7 @@ def _trace(flat_fn: Callable, example: list[torch.Tensor], module: torch.nn.Modu
             cause = capture_error(err)
             if isinstance(cause, DeviceError):  # name where each input lives
                 users = example[len(example) - len(user_names):]
-                cause = DeviceError(f"{cause} (inputs: " + ", ".join(
+                cause = type(cause)(f"{cause} (inputs: " + ", ".join(
                     f"{name} on {t.device}" for name, t in zip(user_names, users)) + ")")
             raise cause from None
         finally:

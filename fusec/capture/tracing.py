@@ -27,7 +27,7 @@ import torch.compiler as tc
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from fusec.errors import DeviceError, GraphBreakError, UnsupportedError
+from fusec.errors import DeviceError, GraphBreakError, UnsupportedError, like_eager
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -83,8 +83,10 @@ def capture_error(err: BaseException) -> UnsupportedError:
         return GraphBreakError(f"fusec: the program raised {name}{where}: {text}",  # (eager does
                                reason=f"the program raises {name}", where=line)  # too: regions)
     if "DeviceMismatch" in name:  # eager raises it too: `cpu_tensor + cuda_tensor`
-        return DeviceError(f"fusec: tensors on different devices meet in one op{where}: {text}")
-    return UnsupportedError(f"fusec: could not capture the program{where}: {name}: {text}")
+        return like_eager(DeviceError, err)(
+            f"fusec: tensors on different devices meet in one op{where}: {text}")
+    return like_eager(UnsupportedError, err)(
+        f"fusec: could not capture the program{where}: {name}: {text}")
 
 
 # ---- Python that a static graph would run only once ----------------------------------------------
