@@ -416,7 +416,8 @@ class CompiledFunction:
             # (torch's Python implementations of ops, as AOT Autograd and make_fx's symbolic mode
             # use them: the C++ kernels of some, constant_pad_nd's, read sizes as numbers)
             with self._guards.recording(key) as recorded, dynamic.ones_in_family(), \
-                    enable_python_dispatcher(), tracing.grad_mode_of_caller():
+                    enable_python_dispatcher(), \
+                    tracing.grad_mode_of_caller(recorded.grad_mode_read):
                 compiled = self._capture_and_compile(args, kwargs, None, events.wants_detail(),
                                                      True, tensors, None, dims)
         except Exception as err:  # noqa: BLE001 (the static program is always there)
@@ -569,7 +570,8 @@ class CompiledFunction:
     def _compile_recorded(self, key: tuple, args, kwargs, leaves, same: dict | None = None):
         """`_compile`, writing down the Python state it read (capture/guards.py). Returns the
         program and its key, whose guards' part holds the values the program was compiled for."""
-        with self._guards.recording(key) as recorded, tracing.grad_mode_of_caller():
+        with self._guards.recording(key) as recorded, \
+                tracing.grad_mode_of_caller(recorded.grad_mode_read):
             compiled = self._compile(args, kwargs, leaves, same)
         return compiled, recorded.key
 

@@ -356,7 +356,7 @@ class _Prefill(torch.nn.Module):
 def _no_answer_for_symbols(torch_own):
     """A fake slice bound that answers None (then the slice's length is a new unbacked symbol)
     for every symbolic index, as torch 2.11's did for `positions[:t]` while fusec traced the
-    prefill of benchmarks/decode.py (fusec.symbolic.backed_slices)."""
+    prefill of benchmarks/decode.py (capture/torch_level.py backed_slices)."""
     def compute_slice_index(size, index):
         return None if isinstance(index, torch.SymInt) else torch_own(size, index)
     return compute_slice_index

@@ -301,3 +301,41 @@ def test_a_module_that_asks_for_the_grad_mode(backend):
     close(out, m.lin(x) * 2)
     out.sum().backward()
     assert m.lin.weight.grad is not None
+
+
+LOG = []
+
+
+def _logs_its_calls(x):
+    LOG.append(x.shape[0])
+    return torch.sin(x) * len(LOG)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_list_or_dict_attribute_changed_in_place_is_changed_every_call(backend):
+    """`self.seen.append(n)` and `self.stats["n"] += 1` in forward, `LOG.append(n)` in a
+    function: eager changes them on every call. The capture changed them once, while tracing
+    (and the guard on their contents, taken after, saw nothing): every call after read the
+    traced length. A graph break now, with the contents put back as they were."""
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen, self.stats, self.lin = [], {}, nn.Linear(3, 3)
+
+        def forward(self, x):
+            self.seen.append(x.shape[0])
+            self.stats["n"] = self.stats.get("n", 0) + 1
+            return self.lin(x) * len(self.seen) + self.stats["n"]
+
+    torch.manual_seed(0)
+    m = Counting()
+    cm = fusec.compile(m, backend=backend)
+    cf = fusec.compile(_logs_its_calls, backend=backend)
+    x = torch.randn(2, 3)
+    LOG.clear()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fusec.GraphBreakWarning)
+        for k in (1, 2, 3):
+            close(cm(x), m.lin(x) * k + k)
+            close(cf(x), torch.sin(x) * k)
+    assert m.seen == [2, 2, 2] and m.stats == {"n": 3} and LOG == [2, 2, 2]

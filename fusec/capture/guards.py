@@ -409,6 +409,35 @@ def _refuse_writes(written: list[tuple]) -> None:
             "once, while tracing, and never again", reason=f"the program assigns {names}")
 
 
+def _refuse_changed_containers(containers: list[tuple]) -> None:
+    """After a capture: a list, dict or set the program read and then changed in place
+    (`self.seen.append(n)`, `self.stats["calls"] += 1`, `CACHE[key] = y`) was changed once,
+    while tracing, and would never be again by the compiled program (and the guard on its
+    contents, taken after, would not notice). Put the contents back and raise a
+    GraphBreakError: in regions, TorchDynamo replays such changes on every call, as eager does."""
+    changed = []
+    for source, container, then in containers:
+        if type(container) is list:
+            same = len(container) == len(then) and all(a is b for a, b in zip(container, then))
+        elif type(container) is dict:
+            same = container.keys() == then.keys() and all(container[k] is then[k] for k in then)
+        else:
+            same = container == then
+        if not same:
+            changed.append(source.label)
+            if type(container) is list:
+                container[:] = then
+            else:
+                container.clear()
+                container.update(then)
+    if changed:
+        names = ", ".join(changed)
+        raise GraphBreakError(
+            f"fusec: the program changes {names} in place while it runs (append, item "
+            "assignment); a captured graph would do that once, while tracing, and never again",
+            reason=f"the program changes {names} in place")
+
+
 class Discovery:
     """What a program can reach from Python, found without running it (see the module docstring):
     `static` guards (globals and closure values: (source, kind, value)), `reached` state to lift
@@ -539,12 +568,20 @@ class Recording:
         self.swapped: list[tuple] = []  # (object, its own class): put back when capture ends
         self.objects: dict[int, str] = {}  # id of a config-like object watched -> its label
         self.originals: dict[int, Any] = {}  # id of a module's copy (tree_copy) -> the module
+        self.containers: list[tuple] = []  # (list/dict/set read, a copy of it then)
 
     def add(self, source: Source, kind: str, value) -> None:
         if source.key not in self.seen:
             self.seen[source.key] = (source, kind, value)
+            if kind in ("container", "items") and type(value) in (list, dict, set):
+                self.containers.append((source, value, type(value)(value)))
         if kind == "identity" and _is_plain_object(value):
             self.watch(value, source.label.split(" ")[-1])
+
+    def grad_mode_read(self, value: bool) -> None:
+        """The program asked `torch.is_grad_enabled()` and was told `value` (capture/tracing.py,
+        Note: grad mode while tracing): a guard, so a call under the other mode compiles again."""
+        self.add(Source("attr", GRAD_MODE, "enabled", "torch.is_grad_enabled()"), "value", value)
 
     def watch(self, obj, label: str) -> None:
         """Record `obj`'s attribute reads from now on (it wears a recording subclass until the
@@ -692,15 +729,6 @@ class _GradMode:
 GRAD_MODE = _GradMode()
 
 
-def grad_mode_read(value: bool) -> None:
-    """The program being captured on this thread asked `torch.is_grad_enabled()` and was told
-    `value`: a guard, so that a call under the other mode compiles again."""
-    recording = getattr(_LOCAL, "recording", None)
-    if recording is not None:
-        recording.add(Source("attr", GRAD_MODE, "enabled", "torch.is_grad_enabled()"), "value",
-                      value)
-
-
 # ---- the guards of one compiled function ----------------------------------------------------------
 
 class Guards:
@@ -818,6 +846,7 @@ class Guards:
             for obj, cls in reversed(recording.swapped):
                 obj.__class__ = cls
         _refuse_writes(written)
+        _refuse_changed_containers(recording.containers)
         for source, kind, value in recording.seen.values():
             if source.key not in self._index:
                 self._index[source.key] = len(self.entries)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 
@@ -214,7 +215,55 @@ class _TorchLevel(torch.overrides.TorchFunctionMode):
 def torch_level():
     """While tracing, the composite torch functions of TORCH_LEVEL are computed fusec's way
     (see the note on InstanceNorm above), and a slice ending at a size of a shape family has
-    that size's length (fusec.symbolic.backed_slices)."""
-    from fusec.symbolic import backed_slices
+    that size's length (`backed_slices`, below)."""
     with _TorchLevel(), backed_slices():
         yield
+
+
+# Note (a slice that ends at a symbol). `positions[:t]`, with `t` a size of the family (a backed
+# symbol s0) and `positions` 160 long, is `Min(s0, 160)` long. torch 2.11's fake slice did not
+# know that: it could not tell whether s0 <= 160, so it made the length a new unbacked symbol
+# u0, a size "from the data", and every later question about it (`u0 == 1`?) failed with
+# GuardOnDataDependentSymNode, so the family could not compile and the prefill of
+# benchmarks/decode.py compiled every prompt length on the GPU machine. torch 2.12 answers
+# `Min(s0, 160)` itself (pytorch/pytorch#175819); `backed_slices` gives older versions the same
+# answer while fusec traces, and changes nothing where torch already answers.
+_slices_lock = threading.Lock()
+_slices_depth = 0
+
+
+@contextlib.contextmanager
+def backed_slices():
+    """Within: a slice whose start or end is a backed symbol has a symbolic length (`Min(s0,
+    160)`), not a new unbacked one (see the note above). Re-entrant and thread-safe: torch's
+    function is replaced while any capture is inside, and put back after the last."""
+    global _slices_depth
+    from torch._subclasses import fake_impls
+    with _slices_lock:
+        if _slices_depth == 0:
+            fake_impls._compute_slice_index = _slice_index_of(fake_impls._compute_slice_index)
+        _slices_depth += 1
+    try:
+        yield
+    finally:
+        with _slices_lock:
+            _slices_depth -= 1
+            if _slices_depth == 0:
+                fake_impls._compute_slice_index = fake_impls._compute_slice_index.torch_own
+
+
+def _slice_index_of(torch_own):
+    """torch's `_compute_slice_index(size, index)`, answering for a backed symbol where it gave
+    None (None makes the slice's length unbacked): an index >= 0 clamps to the size, one < 0
+    counts from the end and clamps to 0, as Python's slices do."""
+    def compute_slice_index(size, index):
+        out = torch_own(size, index)
+        if out is None and isinstance(index, torch.SymInt) and index.node.has_hint():
+            from torch.fx.experimental.symbolic_shapes import guard_or_false
+            if guard_or_false(index >= 0):
+                return torch.sym_min(index, size)
+            if guard_or_false(index < 0):
+                return torch.sym_max(index + size, 0)
+        return out
+    compute_slice_index.torch_own = torch_own
+    return compute_slice_index

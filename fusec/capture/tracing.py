@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import threading
 import traceback
+from typing import Callable
 
 import torch
 import torch.compiler as tc
@@ -303,23 +304,44 @@ def python_at_trace_time_refused():
 
 
 @contextlib.contextmanager
-def grad_mode_of_caller():
+def grad_mode_of_caller(read: Callable[[bool], None]):
     """Within (on this thread): the program's own `torch.is_grad_enabled()` answers, while
-    tracing, what it answers here and now, in the caller.
+    tracing, what it answers here and now, in the caller, and `read(answer)` is told.
 
     Note (grad mode while tracing). An inference capture traces under `torch.no_grad()` (no
     autograd records for a graph that has no backward), so a program that asks
     `torch.is_grad_enabled()` (to skip work in evaluation, to choose a path) would read False
     though its caller had gradients on, and keep the wrong branch: a wrong result. So while
     tracing, the user's call of it (code in a user file, as for `print`) answers the caller's
-    mode, and the read is a guard (capture/guards.py `grad_mode_read`): a call under the other
-    mode compiles again. torch's and fusec's own calls still read the real mode."""
-    outer = getattr(_TRACING, "caller_grad", None)
-    _TRACING.caller_grad = torch.is_grad_enabled() if outer is None else outer
+    mode, and the read is a guard (`read` is capture/guards.py's `Recording.grad_mode_read`): a
+    call under the other mode compiles again. torch's and fusec's own calls read the real mode."""
+    outer = getattr(_TRACING, "caller_grad", None), getattr(_TRACING, "grad_read", None)
+    if outer[0] is None:
+        _TRACING.caller_grad, _TRACING.grad_read = torch.is_grad_enabled(), read
     try:
         yield
     finally:
-        _TRACING.caller_grad = outer
+        _TRACING.caller_grad, _TRACING.grad_read = outer
+
+
+def _grad_mode_as_callers():
+    """Put the `torch.is_grad_enabled` of `grad_mode_of_caller` in place; returns the function
+    that puts torch's back."""
+    real = torch.is_grad_enabled
+
+    def is_grad_enabled():
+        caller = getattr(_TRACING, "caller_grad", None)
+        if caller is None or not _tracing_here() \
+                or not is_user_file(sys._getframe(1).f_code.co_filename):
+            return real()
+        _TRACING.grad_read(caller)
+        return caller
+
+    torch.is_grad_enabled = is_grad_enabled
+
+    def restore():
+        torch.is_grad_enabled = real
+    return restore
 
 
 def _refuse_python():
@@ -343,17 +365,6 @@ def _refuse_python():
                                "baked into the graph as garbage); use torch ops, or move it "
                                "outside the compiled function", _user_caller())
         return real_numpy(self, *args, **kwargs)
-
-    real_grad_enabled = torch.is_grad_enabled
-
-    def is_grad_enabled_():  # (see grad_mode_of_caller)
-        caller = getattr(_TRACING, "caller_grad", None)
-        if caller is None or not _tracing_here() \
-                or not is_user_file(sys._getframe(1).f_code.co_filename):
-            return real_grad_enabled()
-        from fusec.capture.guards import grad_mode_read
-        grad_mode_read(caller)
-        return caller
 
     # A jiterator kernel (torch.cuda.jiterator._create_jit_fn) launches real CUDA code on its
     # arguments, fake or not: on traced tensors it read address 0 and left the CUDA context
@@ -392,8 +403,9 @@ def _refuse_python():
             refuse_checkpoint()
             return real_function.apply(*args)
 
-    builtins.print, torch.Tensor.numpy, torch.is_grad_enabled = print_, numpy_, is_grad_enabled_
+    builtins.print, torch.Tensor.numpy = print_, numpy_
     restore_random, restore_autograd = refuse_random(), refuse_autograd()
+    restore_grad_mode = _grad_mode_as_callers()
     ckpt._checkpoint_without_reentrant_generator = generator_
     ckpt.CheckpointFunction = CheckpointFunction_
     if real_jiterator is not None:
@@ -401,7 +413,7 @@ def _refuse_python():
 
     def restore():
         builtins.print, ckpt.CheckpointFunction = real_print, real_function
-        torch.is_grad_enabled = real_grad_enabled
+        restore_grad_mode()
         restore_autograd()
         ckpt._checkpoint_without_reentrant_generator = real_generator
         if real_jiterator is not None:
