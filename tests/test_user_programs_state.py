@@ -39,6 +39,7 @@ to is not updated; a module attribute assigned in forward (`self.calls += 1`) is
 runs where eager raises; eager's RuntimeErrors come back as fusec errors that are not RuntimeErrors.
 """
 import functools
+import os
 import random
 import warnings
 
@@ -339,3 +340,29 @@ def test_a_list_or_dict_attribute_changed_in_place_is_changed_every_call(backend
             close(cm(x), m.lin(x) * k + k)
             close(cf(x), torch.sin(x) * k)
     assert m.seen == [2, 2, 2] and m.stats == {"n": 3} and LOG == [2, 2, 2]
+
+
+def _by_environment(x):
+    if os.environ.get("FUSEC_TEST_DOUBLE") == "1":
+        return torch.sin(x) * 2
+    return torch.sin(x) * 3 + float(os.getenv("FUSEC_TEST_ADD", "0"))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_environment_variables_the_program_reads_are_guarded(backend, monkeypatch):
+    """`os.environ.get(...)` / `os.getenv(...)` in the program: eager reads the environment on
+    every call; the capture read it once and baked the branch and the number. Each variable the
+    program reads (or finds missing) is a guard now: a change compiles again, saying which."""
+    x = torch.randn(4)
+    cf = fusec.compile(_by_environment, backend=backend)
+    settings = [("0", None), ("1", None), ("0", "5"), ("0", None), ("1", "2")]
+    for double, add in settings:
+        monkeypatch.setenv("FUSEC_TEST_DOUBLE", double)
+        if add is None:
+            monkeypatch.delenv("FUSEC_TEST_ADD", raising=False)
+        else:
+            monkeypatch.setenv("FUSEC_TEST_ADD", add)
+        close(cf(x), _by_environment(x))
+    assert cf.compiles == 4, cf.recompiles
+    assert "os.environ['FUSEC_TEST_ADD'] changed: <missing> -> '5'" in " ".join(cf.recompiles)
+    assert type(os.environ) is os._Environ  # (its own class again after each capture)

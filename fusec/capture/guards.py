@@ -49,6 +49,9 @@ What is read, and how fusec finds out:
     defaults, partial,  `__defaults__` of every function read (`def f(x, scale=2.0)`), the
     bound methods       keywords of a compiled `functools.partial`, and the object of a compiled
                         bound method (`obj.apply`: its attribute reads recorded as a config's).
+    the environment,    `os.environ.get("FLAG")`, `os.getenv(...)`: each variable the program
+    the grad mode       reads, or finds missing (`environment_recorded`); `torch.is_grad_enabled()`
+                        (capture/tracing.py, Note: grad mode while tracing).
 
 Each value is checked by its kind, in under 0.1 us on a CPU (56 guards of a 2-layer GPT-2 add
 ~5 us to a 115 us call; a function that read no state adds nothing, a module its hooks' one):
@@ -716,6 +719,56 @@ class NoHooks:
         return self.answer
 
 
+# Environment variables: `os.environ.get("USE_FAST_GELU")` or `os.getenv(...)` in the program
+# reads the environment on every call in eager, and only while tracing in a capture. While any
+# capture records, `os.environ` wears a subclass whose reads, made by the program (code in a user
+# file: not torch's, fusec's or the standard library's), are guarded as a global's are: the
+# variable's value, or that it is missing (`Source("global", os.environ, name)`).
+_ENVIRON = {"lock": threading.Lock(), "depth": 0, "class": type(os.environ)}
+
+
+class _RecordingEnviron(type(os.environ)):
+    def __getitem__(self, name):
+        recording = getattr(_LOCAL, "recording", None)
+        if recording is None:
+            return super().__getitem__(name)
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename in _ENVIRON_FILES or
+                                     frame.f_code.co_filename.startswith("<frozen ")):
+            frame = frame.f_back  # (past `os.getenv` and `Mapping.get`, to their caller)
+        from fusec.capture.tracing import is_user_file
+        if frame is None or not is_user_file(frame.f_code.co_filename):
+            return super().__getitem__(name)
+        source = Source("global", self, name, f"os.environ[{name!r}]")
+        try:
+            value = super().__getitem__(name)
+        except KeyError:
+            recording.add(source, "value", _MISSING)  # (guarded as missing)
+            raise
+        recording.add(source, "value", value)
+        return value
+
+
+_ENVIRON_FILES = {os.__file__, __import__("_collections_abc").__file__}
+
+
+@contextlib.contextmanager
+def environment_recorded():
+    """Within: the program's reads of `os.environ` are guards (see above). Re-entrant, and
+    thread-safe: the class is swapped while any recording runs."""
+    with _ENVIRON["lock"]:
+        if _ENVIRON["depth"] == 0:
+            os.environ.__class__ = _RecordingEnviron
+        _ENVIRON["depth"] += 1
+    try:
+        yield
+    finally:
+        with _ENVIRON["lock"]:
+            _ENVIRON["depth"] -= 1
+            if _ENVIRON["depth"] == 0:
+                os.environ.__class__ = _ENVIRON["class"]
+
+
 class _GradMode:
     """`torch.is_grad_enabled()` read as an attribute (`GRAD_MODE.enabled`), so that it is
     guarded like any other value a program read (capture/tracing.py, Note: grad mode while
@@ -840,7 +893,8 @@ class Guards:
         _LOCAL.recording = recording
         written = [(source, source.read()) for source in discovery.writes]
         try:
-            yield recording
+            with environment_recorded():
+                yield recording
         finally:
             _LOCAL.recording = outer
             for obj, cls in reversed(recording.swapped):
