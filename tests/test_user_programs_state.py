@@ -366,3 +366,42 @@ def test_environment_variables_the_program_reads_are_guarded(backend, monkeypatc
     assert cf.compiles == 4, cf.recompiles
     assert "os.environ['FUSEC_TEST_ADD'] changed: <missing> -> '5'" in " ".join(cf.recompiles)
     assert type(os.environ) is os._Environ  # (its own class again after each capture)
+
+
+def _adds_in_place(w, x):
+    w.add_(x)
+    return w * 2
+
+
+def _adds_under_no_grad(w, x):
+    with torch.no_grad():
+        w.add_(x)
+    return w * 2
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+def test_a_leaf_that_requires_grad_written_in_place_raises_as_eager_does(backend):
+    """`w.add_(x)` with gradients on and `w` a leaf that requires grad: eager raises; the
+    training program (AOT Autograd traces inputs as non-leaves) wrote into `w` silently. It
+    raises eager's RuntimeError now, with `w` untouched, also on a later call whose `w` is a leaf
+    after one whose `w` was not; under torch.no_grad() in the program the write is eager's."""
+    x = torch.randn(3)
+    cf = fusec.compile(_adds_in_place, backend=backend)
+    w = torch.randn(3, requires_grad=True)
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        _adds_in_place(w, x)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        cf(w, x)
+    assert torch.equal(w.detach(), before)
+    other = fusec.compile(_adds_in_place, backend=backend)
+    base = torch.randn(3, requires_grad=True)
+    close(other(base * 1, x), (base * 1 + x) * 2)  # (not a leaf: eager writes it too)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        other(w, x)
+    assert torch.equal(w.detach(), before)
+    ema = fusec.compile(_adds_under_no_grad, backend=backend)
+    mine, theirs = torch.randn(3, requires_grad=True), None
+    theirs = mine.detach().clone().requires_grad_()
+    close(ema(mine, x), _adds_under_no_grad(theirs, x))
+    close(mine.detach(), theirs.detach())

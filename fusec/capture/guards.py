@@ -721,9 +721,10 @@ class NoHooks:
 
 # Environment variables: `os.environ.get("USE_FAST_GELU")` or `os.getenv(...)` in the program
 # reads the environment on every call in eager, and only while tracing in a capture. While any
-# capture records, `os.environ` wears a subclass whose reads, made by the program (code in a user
-# file: not torch's, fusec's or the standard library's), are guarded as a global's are: the
-# variable's value, or that it is missing (`Source("global", os.environ, name)`).
+# capture records, `os.environ` wears a subclass whose reads, made while tracing by the program
+# (code in a user file: not torch's, fusec's or the standard library's), are guarded as a
+# global's are: the variable's value, or that it is missing (`Source("global", os.environ,
+# name)`). A missing one turns the fast path off for that program (fusec/fastpath.py).
 _ENVIRON = {"lock": threading.Lock(), "depth": 0, "class": type(os.environ)}
 
 
@@ -732,11 +733,13 @@ class _RecordingEnviron(type(os.environ)):
         recording = getattr(_LOCAL, "recording", None)
         if recording is None:
             return super().__getitem__(name)
+        from fusec.capture.tracing import is_user_file, tracing_here
+        if not tracing_here():  # (fusec's own reads while it compiles, its programs' runs)
+            return super().__getitem__(name)
         frame = sys._getframe(1)
         while frame is not None and (frame.f_code.co_filename in _ENVIRON_FILES or
                                      frame.f_code.co_filename.startswith("<frozen ")):
             frame = frame.f_back  # (past `os.getenv` and `Mapping.get`, to their caller)
-        from fusec.capture.tracing import is_user_file
         if frame is None or not is_user_file(frame.f_code.co_filename):
             return super().__getitem__(name)
         source = Source("global", self, name, f"os.environ[{name!r}]")

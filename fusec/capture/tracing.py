@@ -283,6 +283,11 @@ def _tracing_here() -> bool:
     return getattr(_TRACING, "depth", 0) > 0
 
 
+def tracing_here() -> bool:
+    """Is this thread tracing a program now (running the user's code on traced tensors)?"""
+    return _tracing_here()
+
+
 @contextlib.contextmanager
 def python_at_trace_time_refused():
     """While tracing, refuse the Python that a graph cannot hold and that would otherwise run

@@ -150,9 +150,12 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
     call = frontend.flat_callable(fn, leaves, rebuild, tensor_pos, lifted_names, reached)
 
     spec: list = []  # (the structure of fn's result, its leaves that are not tensors)
+    leaves_written = LeavesWritten()
 
     def flat_fn(*tensors):  # objects pytree does not know (a DynamicCache) open up: outputs.py
-        leaves, structure = outputs.flatten(call(*tensors))
+        with leaves_written.watching(tensors):
+            result = call(*tensors)
+        leaves, structure = outputs.flatten(result)
         spec[:] = [structure, {k: v for k, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}]
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
@@ -174,11 +177,60 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
         """AOT Autograd sees the result's tensors as one flat list; eager's structure (tuples
         stay tuples, a torch.Size a torch.Size, None and numbers where they were) is rebuilt
         around the tensors it returns."""
-        tensors_out = iter(compiled(*tensors))
+        leaves_written.check(tensors)
+        leaves_written.real = tensors  # (a first call traces: see LeavesWritten)
+        try:
+            tensors_out = iter(compiled(*tensors))
+        finally:
+            leaves_written.real = ()
         structure, constants = spec
         return outputs.unflatten([constants[k] if k in constants else next(tensors_out)
                                   for k in range(structure.num_leaves)], structure)
     return run, parts
+
+
+# Note (a leaf written in place). Eager refuses `w.add_(x)` with gradients on when `w` is a leaf
+# that requires grad (a parameter, `torch.randn(3, requires_grad=True)`): "a leaf Variable that
+# requires grad is being used in an in-place operation". AOT Autograd traces every input as a
+# non-leaf, so the compiled program wrote into the parameter without a word. `LeavesWritten`
+# notes, while tracing, which inputs the program writes in place with gradients on (a write under
+# `torch.no_grad()`, as an EMA update does, is allowed), and raises eager's error on every call
+# that hands such a position a leaf that requires grad, before anything runs.
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_"})
+_AUGMENTED = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod",
+                                                "pow", "and", "or", "xor", "lshift", "rshift",
+                                                "matmul"))
+
+
+class LeavesWritten(torch.overrides.TorchFunctionMode):
+    """See the note above: `watching(inputs)` around the traced call, `check(tensors)` before
+    each call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions: set[int] = set()
+        self.inputs: dict[int, int] = {}  # id of a traced input -> its position
+        self.real: tuple = ()  # the call's own tensors (the ones being traced for)
+
+    def watching(self, inputs):
+        self.inputs = {id(t): i for i, t in enumerate(inputs)}
+        return self
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if args and id(args[0]) in self.inputs and torch.is_grad_enabled() and (
+                name == "__setitem__" or name in _AUGMENTED or
+                name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES):
+            self.positions.add(self.inputs[id(args[0])])
+            if self.real:  # (the first call: raised while tracing, before it runs)
+                self.check(self.real)
+        return func(*args, **(kwargs or {}))
+
+    def check(self, tensors) -> None:
+        for i in self.positions:
+            if tensors[i].is_leaf and tensors[i].requires_grad:
+                raise RuntimeError("a leaf Variable that requires grad is being used in an "
+                                   "in-place operation.")
 
 
 class TrainingParts(list):
