@@ -228,28 +228,31 @@ def torch_level():
 # benchmarks/decode.py compiled every prompt length on the GPU machine. torch 2.12 answers
 # `Min(s0, 160)` itself (pytorch/pytorch#175819); `backed_slices` gives older versions the same
 # answer while fusec traces, and changes nothing where torch already answers.
-_slices_lock = threading.Lock()
-_slices_depth = 0
+_SLICES = {"lock": threading.Lock(), "depth": 0, "torch_own": None}
 
 
 @contextlib.contextmanager
 def backed_slices():
     """Within: a slice whose start or end is a backed symbol has a symbolic length (`Min(s0,
     160)`), not a new unbacked one (see the note above). Re-entrant and thread-safe: torch's
-    function is replaced while any capture is inside, and put back after the last."""
-    global _slices_depth
+    function is replaced while any capture is inside, and put back after the last. An older
+    torch without that function is left as it is."""
     from torch._subclasses import fake_impls
-    with _slices_lock:
-        if _slices_depth == 0:
-            fake_impls._compute_slice_index = _slice_index_of(fake_impls._compute_slice_index)
-        _slices_depth += 1
+    if not hasattr(fake_impls, "_compute_slice_index"):
+        yield
+        return
+    with _SLICES["lock"]:
+        if _SLICES["depth"] == 0:
+            _SLICES["torch_own"] = fake_impls._compute_slice_index
+            fake_impls._compute_slice_index = _slice_index_of(_SLICES["torch_own"])
+        _SLICES["depth"] += 1
     try:
         yield
     finally:
-        with _slices_lock:
-            _slices_depth -= 1
-            if _slices_depth == 0:
-                fake_impls._compute_slice_index = fake_impls._compute_slice_index.torch_own
+        with _SLICES["lock"]:
+            _SLICES["depth"] -= 1
+            if _SLICES["depth"] == 0:
+                fake_impls._compute_slice_index = _SLICES["torch_own"]
 
 
 def _slice_index_of(torch_own):
@@ -265,5 +268,4 @@ def _slice_index_of(torch_own):
             if guard_or_false(index < 0):
                 return torch.sym_max(index + size, 0)
         return out
-    compute_slice_index.torch_own = torch_own
     return compute_slice_index
