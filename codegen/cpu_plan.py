@@ -15,6 +15,8 @@ import math
 import os
 import platform
 
+import torch
+
 from fusec.ir import PointwiseKernel, Var, contiguous_strides
 from fusec.symbolic import c_expr, hint, is_symbolic
 
@@ -338,3 +340,20 @@ def sleef_symbols_in(path: str) -> bool:
     except OSError:
         return False
     return all(hasattr(lib, f"_ZGV{v}_Sleef_{f}f_u10") for f in SLEEF for v in ("dN8v", "eN16v"))
+
+
+# Note (eager's gelu depends on the CPU): eager's float32 gelu, x/2 (1 + erf(x / sqrt 2)), is not
+# one kernel. Where torch runs its AVX512 kernels it is oneDNN's, which multiplies x by (1 + erf)
+# first: x above FLT_MAX / 2 overflows to inf, gelu(+inf) is NaN and gelu(-0.0) stays -0.0. Elsewhere (AVX2, the default
+# kernels, other CPUs) it is ATen's own vectorized kernel, one fma of x/2 with erf: gelu(+inf) is
+# inf, nothing overflows below FLT_MAX, and gelu(-0.0) is -0.0 / 2 + -0.0 / 2 * -0.0 = +0.0. The
+# answers agree everywhere else. Both CPU backends compute erf the same way for either and take the
+# edges of the kernel eager runs on this machine (cpp_prelude.h fusec_gelu_f32 or
+# fusec_gelu_onednn_f32, chosen by cpp/text.py render_stmt; the same two in llvm_prelude.ll.j2):
+# torch's capability decides (it respects ATEN_CPU_CAPABILITY, so it is part of a saved program's
+# key, runtime/fast_start/fingerprint.py), and the choice is in each kernel's source, so a kernel
+# cached under one is never reused under the other. tests/test_math_accuracy.py builds both.
+def eager_gelu_multiplies_first() -> bool:
+    """True where eager's float32 gelu is oneDNN's, x * (1 + erf) first (Note: eager's gelu
+    depends on the CPU); False where it is ATen's fma of x/2 with erf."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")

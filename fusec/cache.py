@@ -484,7 +484,7 @@ def store(path: Path, data: bytes) -> Path:
 
 
 def build_once(artifact: Path, source: str, source_suffix: str,
-               make: Callable[[Path], None]) -> Path:
+               make: Callable[[Path], None], counted_as: str = "") -> Path:
     """The one routine the C++ and LLVM backends build through. `artifact` (`<name>-<hash>.so`)
     is returned as it is when the cache holds it intact and signed (a hit). Otherwise (a miss)
     the source is written next to it (`source_suffix`: ".cpp", ".ll"), `make(tmp)` writes the
@@ -493,24 +493,25 @@ def build_once(artifact: Path, source: str, source_suffix: str,
     then, and no temporary file is left. Returns the binary's path: in this process's private
     cache if the cache could not be written. Threads of one process build an artifact once, and
     so do processes (`_other_processes_wait`: the ranks of a distributed job compile the same
-    kernels at the same moment)."""
+    kernels at the same moment). `counted_as` prefixes its `STATS` names ("prelude ": not a
+    kernel's hit, miss or compile)."""
     with _LOCK:
         lock = _BUILDING.setdefault(artifact, threading.Lock())
     with lock:
         seen = _identity(artifact)
         if verified(artifact):
-            STATS["hits"] += 1
+            STATS[counted_as + "hits"] += 1
             log(f"hit {artifact.name}")
             return artifact
         try:
             with _other_processes_wait(artifact):
                 # another process built it while this one waited (a new file: looked at again)
                 if _identity(artifact) not in (seen, None) and verified(artifact):
-                    STATS["hits"] += 1
+                    STATS[counted_as + "hits"] += 1
                     log(f"hit {artifact.name} (built by another process)")
                     return artifact
-                STATS["misses"] += 1
-                return _build(artifact, source, source_suffix, make)
+                STATS[counted_as + "misses"] += 1
+                return _build(artifact, source, source_suffix, make, counted_as)
         except OSError as err:
             if not _cache_fault(err):
                 raise
@@ -521,7 +522,7 @@ def build_once(artifact: Path, source: str, source_suffix: str,
             fault = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(artifact.parent))
     moved = _relocated(artifact, fault)
     try:
-        return _build(moved, source, source_suffix, make)
+        return _build(moved, source, source_suffix, make, counted_as)
     except OSError as err:
         raise CompileError(f"fusec: cannot build {artifact.name}: {describe(err)}") from None
 
@@ -558,7 +559,8 @@ def _other_processes_wait(artifact: Path):
         os.close(fd)  # (closing releases the lock)
 
 
-def _build(artifact: Path, source: str, source_suffix: str, make: Callable[[Path], None]) -> Path:
+def _build(artifact: Path, source: str, source_suffix: str, make: Callable[[Path], None],
+           counted_as: str = "") -> Path:
     _write(artifact.with_suffix(source_suffix), source)
     fd, tmp = tempfile.mkstemp(dir=artifact.parent, prefix=artifact.name + ".", suffix=".tmp")
     os.close(fd)
@@ -571,7 +573,7 @@ def _build(artifact: Path, source: str, source_suffix: str, make: Callable[[Path
         _unlink(tmp)
     _wrote(len(data))
     write_manifest(artifact, data)
-    STATS["compiles"] += 1
+    STATS[counted_as + "compiles"] += 1
     log(f"compiled {artifact.name}")
     return artifact
 

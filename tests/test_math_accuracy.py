@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 import fusec
 from fusec.codegen import cpp
+from fusec.codegen.cpp import text as cpp_text
 from fusec.codegen.llvm import ir as llvm_ir
+from fusec.codegen.cpu_plan import eager_gelu_multiplies_first
 
 FUNCTIONS = {
     "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1, "log": torch.log,
@@ -126,20 +128,11 @@ def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-# Note (eager's gelu depends on the CPU). Eager's float32 gelu is oneDNN's on a CPU with AVX-512
-# (x * (1 + erf) first: gelu(+inf) is NaN, x above FLT_MAX / 2 overflows to inf, gelu(-0.0) is
-# -0.0) and ATen's own on AVX2 (x/2 + x/2 * erf as one fma: gelu(+inf) = inf, no overflow,
-# gelu(-0.0) = +0.0). fusec's kernels (cpp_prelude.h fusec_gelu_f32, the LLVM one, Triton's
-# reference) give the AVX-512 answers. On an AVX2 CPU they differ from eager at these edges: a
-# known wrong answer there (found 2026-12-07 on an AMD EPYC with AVX2), reported as xfail where
-# it shows, until the kernels follow the CPU's eager kernel.
-EAGER_GELU_IS_ONEDNN = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
-def xfail_if_gelu_edges_differ(fn, got, want) -> None:
-    if fn is gelu and not EAGER_GELU_IS_ONEDNN and not same(got, want):
-        pytest.xfail("eager's float32 gelu on this CPU (not AVX-512) answers otherwise at "
-                     "+inf, above FLT_MAX / 2 and -0.0 (Note: eager's gelu depends on the CPU)")
+# Eager's float32 gelu depends on the CPU (codegen/cpu_plan.py, Note: eager's gelu depends on the
+# CPU): oneDNN's on AVX-512 (gelu(+inf) NaN, overflow above FLT_MAX / 2, gelu(-0.0) = -0.0),
+# ATen's fma form elsewhere (gelu(+inf) = inf, no overflow, gelu(-0.0) = +0.0). Both CPU backends
+# follow this machine's; `gelu_form` below builds each form on any machine.
+MULTIPLIES_FIRST = eager_gelu_multiplies_first()
 
 
 def same(got, want):
@@ -151,28 +144,65 @@ def same(got, want):
 @pytest.mark.parametrize("backend", ["cpp", "llvm"])
 @pytest.mark.parametrize("fn", [gelu, gelu_tanh])
 def test_gelu_edges_as_eager(backend, fn):
-    """gelu(+inf) is NaN in eager's default float32 kernel (oneDNN's), and values above
-    FLT_MAX / 2 overflow to inf there; the tanh form gives inf. fusec gives the same."""
+    """gelu's edges are those of the kernel eager runs on this CPU (+inf, overflow above
+    FLT_MAX / 2, -0.0); the tanh form gives inf at +inf on every CPU. fusec gives the same."""
     want = fn(EDGES)
     got = fusec.compile(fn, backend=backend)(EDGES)
-    xfail_if_gelu_edges_differ(fn, got, want)
     assert same(got, want), (got.tolist(), want.tolist())
-    if fn is gelu:
+
+
+def edges_of(form_multiplies_first: bool, got: torch.Tensor) -> None:
+    """Check `got` = gelu(EDGES) has the edges of one form of eager's kernel."""
+    if form_multiplies_first:  # oneDNN's
         assert math.isnan(got[0]) and got[9] < math.inf and got[10] == math.inf
+        assert torch.signbit(got[3])
+    else:  # ATen's fma of x/2 with erf
+        assert got[0] == math.inf and got[7] == pytest.approx(3.4e38) and got[10] < math.inf
+        assert not torch.signbit(got[3])
+    assert math.isnan(got[1]) and math.isnan(got[2]) and got[11] == pytest.approx(10.0)
+
+
+def oneDNN_kernel() -> bool:
+    return True
+
+
+def aten_kernel() -> bool:
+    return False
+
+
+@pytest.mark.parametrize("backend", ["cpp", "llvm"])
+@pytest.mark.parametrize("multiplies_first", [True, False], ids=["onednn", "aten"])
+def test_gelu_builds_either_eager_kernel(monkeypatch, backend, multiplies_first):
+    """Each CPU backend builds both forms of gelu's edges, whichever this CPU's eager runs: the
+    choice is in each kernel's source (so in every cache's key).
+    The two forms differ only at the edges."""
+    # (named functions: a saved program's key names a replaced helper, fingerprint.settings)
+    choice = oneDNN_kernel if multiplies_first else aten_kernel
+    monkeypatch.setattr(cpp_text, "eager_gelu_multiplies_first", choice)
+    monkeypatch.setattr(llvm_ir, "eager_gelu_multiplies_first", choice)
+    got = fusec.compile(gelu, backend=backend)(EDGES)
+    edges_of(multiplies_first, got)
+    inside = torch.ones(len(EDGES), dtype=torch.bool)
+    inside[[0, 7, 10]] = False  # (and the sign of a zero answer: -0.0 and below -10)
+    assert torch.allclose(got[inside], gelu(EDGES)[inside], rtol=2e-6, atol=0, equal_nan=True)
+    if multiplies_first == MULTIPLIES_FIRST:
+        assert same(got, gelu(EDGES))
 
 
 @pytest.mark.parametrize("fn", [gelu, gelu_tanh])
 def test_gelu_edges_triton(fn):
     """The Triton backend's reference is CUDA's eager kernel, x * normcdf(x): gelu(+inf) is inf
-    there, and x/2 comes first (no overflow below FLT_MAX). Everything else matches CPU eager."""
+    there, x/2 comes first (no overflow below FLT_MAX), and a zero answer has x's sign (-0.0 for
+    -0.0, -1e-45 and -20). Every other value matches CPU eager."""
     got = fusec.compile(fn, backend="triton")(EDGES)
     want = fn(EDGES)
     if fn is gelu:
         assert got[0] == math.inf and got[7] == pytest.approx(3.4e38)
+        assert torch.equal(torch.signbit(got[got == 0]), torch.signbit(EDGES[got == 0]))
         keep = torch.ones(len(EDGES), dtype=torch.bool)
         keep[[0, 7, 10]] = False
-        got, want = got[keep], want[keep]
-    xfail_if_gelu_edges_differ(fn, got, want)
+        assert torch.allclose(got[keep], want[keep], rtol=2e-6, atol=0, equal_nan=True)
+        return
     assert same(got, want), (got.tolist(), want.tolist())
 
 
@@ -339,17 +369,11 @@ def test_sigmoid_and_gelu_through_exp_unit(results, backend):
     moderate = x[x.abs() < 1e4]
     assert gelu_error(fusec.compile(gelu, backend=backend)(moderate), moderate) <= \
         max(3e-7, gelu_error(gelu(moderate), moderate))
-    edges_differ = []
     for fn in (torch.sigmoid, gelu):
         got, want = fusec.compile(fn, backend=backend)(EDGES), fn(EDGES)
-        if fn is gelu and not EAGER_GELU_IS_ONEDNN and not same(got, want):
-            edges_differ.append((got, want))  # (the rest is checked first, then xfail)
-        else:
-            assert same(got, want), (fn, got.tolist(), want.tolist())
+        assert same(got, want), (fn, got.tolist(), want.tolist())
         other = fusec.compile(fn, backend="llvm" if backend == "cpp" else "cpp")(x)
         assert torch.equal(fusec.compile(fn, backend=backend)(x).view(torch.int32),
                            other.view(torch.int32)), fn
     tails = torch.tensor([-88.0, -88.7, -89.0, -100.0, 86.0, 87.0, 100.0])
     torch.testing.assert_close(compiled(tails), torch.sigmoid(tails), rtol=2e-7, atol=0)
-    for got, want in edges_differ:
-        xfail_if_gelu_edges_differ(gelu, got, want)

@@ -36,7 +36,7 @@ from fusec.errors import CompileError, CompilerNotFoundError
 from fusec.ir import Index, PointwiseKernel
 
 from .. import elf, families, tools
-from . import half_blocks, pieces as cat_pieces, read_order
+from . import half_blocks, pieces as cat_pieces, precompiled, read_order
 from .reduction import render_reduction
 from .text import (CTYPE, TEMPLATES, load_value, store_value, render_stmt, convert, gather_offset,
                        prelude, kernel_sizes, params, plus, row_coords, size, size_kw, sizes_line,
@@ -301,12 +301,16 @@ def build(source: str, name: str) -> Path:
     """Compile `source` into a shared library (or reuse the cached one). Returns its path."""
     compiler = find_compiler()
     flags = FLAGS + vector_flags() + math_flags()
-    key = cache.content_hash(source, prelude(), compiler_id(compiler), " ".join(flags), host_cpu())
+    options = (compiler_id(compiler), " ".join(flags), host_cpu())
+    key = cache.content_hash(source, prelude(), *options)
     lib = cache.cache_dir("cpp") / f"{name}-{key}.so"
     src = lib.with_suffix(".cpp")
 
     def make(tmp: Path) -> None:
-        cmd = [compiler, *flags, f"-I{TEMPLATES}", str(tmp.parent / src.name), "-o", str(tmp)]
+        # the prelude's folder: precompiled once (cpp/precompiled.py), else the templates'
+        includes = precompiled.include_flags(compiler, flags, cache.content_hash(*options),
+                                             prelude(), TEMPLATES)
+        cmd = [compiler, *flags, *includes, str(tmp.parent / src.name), "-o", str(tmp)]
         result = tools.run(cmd, f"compiling kernel {name} ({src})")  # (time limit: tools.py)
         if result.returncode != 0:
             raise CompileError(f"fusec: {os.path.basename(compiler)} failed to compile kernel "

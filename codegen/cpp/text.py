@@ -13,6 +13,7 @@ import torch
 from fusec import ops
 from fusec.ir import Const, Stmt, Var
 from fusec.symbolic import c_expr, is_symbolic, named, size_params
+from fusec.codegen.cpu_plan import eager_gelu_multiplies_first
 
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -178,7 +179,10 @@ def render_stmt(s: Stmt, round_f16: bool = True) -> str:
     round_f16=False a float16 rounding is left to the caller (cpp/half_blocks.py)."""
     row = ops.OPS[s.op]
     args = [_operand(o, dt) for o, dt in zip(s.operands, s.operand_dtypes)]
-    expr = row.cpp.format(*args)
+    spelling = row.cpp
+    if s.op == "gelu" and eager_gelu_multiplies_first():  # (the kernel eager runs on this CPU:
+        spelling = "fusec_gelu_onednn({0})"  # codegen/cpu_plan.py, Note: eager's gelu depends ...)
+    expr = spelling.format(*args)
     expr = convert(f"({expr})", s.result_dtype, s.var.dtype)
     if s.round_to == torch.float16 and round_f16:
         expr = f"fusec_round_f16({expr})"

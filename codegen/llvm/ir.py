@@ -25,6 +25,7 @@ from fusec.ir import Const, Stmt, Var
 
 from . import compiler as llvm_build
 from ..cpu_plan import SLEEF, sleef_symbols_in  # (Note: eager's vector math)
+from fusec.codegen.cpu_plan import eager_gelu_multiplies_first  # (Note: eager's gelu depends on the CPU)
 from .compiler import Target, host
 from .sizes import Sizes, known, size_arguments
 from ..render import render_template
@@ -445,7 +446,8 @@ def prelude(lines: list[str], target: Target | None = None) -> tuple[str, set[st
                                 kind=kind(dtype),
                                 c=_helper_constants(dtype) if is_float(dtype) else {}))
         text = render_template("llvm_prelude.ll.j2", helpers=helpers, tables=prelude_tables(),
-                               f16c=has_f16c(target))
+                               f16c=has_f16c(target),
+                               gelu_multiplies_first=eager_gelu_multiplies_first())
         called = wanted | set(HELPERS.findall(text))
         if called == wanted:
             break

@@ -308,16 +308,27 @@ static inline double fusec_log1p(double x) { return std::log1p(x); }
 // (|error| < 1.5e-7 next to 1 + erf, which is all gelu needs) from one exp and one division,
 // its polynomial by FMAs, and so does this (libmvec's exact erff took 1.7x eager's time for a
 // gelu), with fusec_exp_unit for the exp: erf(z) = 1 - t A(t) e^-z^2, t = 1 / (1 + 0.3275911 z).
-static inline float fusec_gelu_f32(float x) {
+// erf(|x| / sqrt 2):
+static inline float fusec_gelu_erf_f32(float x) {
     static constexpr double A[] = {0x1.0fb844p+0, -0x1.7401c6p+0, 0x1.6be1c6p+0, -0x1.23531cp-2,
         0x1.04f20cp-2};
     static_assert(fusec_floats(A));
     const float z = std::fabs(x * 0x1.6a09e6p-1f);  // |x| / sqrt(2)
     const float t = 1.0f / FUSEC_FMAF(0x1.4f740ap-2f, z, 1.0f);
-    const float erf_z = FUSEC_FMAF(-(fusec_horner_f32(t, A) * t), fusec_exp_unit(-(z * z)), 1.0f);
-    // at the edges as eager's default float kernel (oneDNN's): x * (1 + erf) first, so x above
-    // FLT_MAX / 2 overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN))
-    const float gelu = x * (1.0f + std::copysign(erf_z, x)) * 0.5f;
+    return FUSEC_FMAF(-(fusec_horner_f32(t, A) * t), fusec_exp_unit(-(z * z)), 1.0f);
+}
+// Two kernels differ at the edges, and eager runs one or the other depending on the CPU
+// (codegen/cpu_plan.py, Note: eager's gelu depends on the CPU; a kernel calls the one this
+// machine's eager runs: codegen/cpp/text.py render_stmt). ATen's: x/2 + x/2 * erf in one fma, so
+// gelu(+inf) is inf, nothing below FLT_MAX overflows, and gelu(-0.0) is +0.0.
+static inline float fusec_gelu_f32(float x) {
+    const float half_x = x * 0.5f;
+    return FUSEC_FMAF(half_x, std::copysign(fusec_gelu_erf_f32(x), x), half_x);
+}
+// oneDNN's (where torch runs its AVX512 kernels): x * (1 + erf) first, so x above FLT_MAX / 2
+// overflows to inf, and gelu(+inf) is NaN (as are gelu(-inf) and gelu(NaN)).
+static inline float fusec_gelu_onednn_f32(float x) {
+    const float gelu = x * (1.0f + std::copysign(fusec_gelu_erf_f32(x), x)) * 0.5f;
     return fusec_select(x == std::numeric_limits<float>::infinity(),
                         std::numeric_limits<float>::quiet_NaN(), gelu);
 }
@@ -519,8 +530,10 @@ template <typename T> static inline T fusec_rsqrt(T x) { return T(1) / std::sqrt
 template <typename T> static inline T fusec_gelu(T x) {
     return T(0.5) * x * (T(1) + std::erf(x * T(0.70710678118654752440)));
 }
-// float gelu: fusec_gelu_f32 (above), eager's formula
+// float gelu: fusec_gelu_f32 (above), eager's formula; fusec_gelu_onednn: oneDNN's edges
 template <> inline float fusec_gelu<float>(float x) { return fusec_gelu_f32(x); }
+template <typename T> static inline T fusec_gelu_onednn(T x) { return fusec_gelu(x); }
+template <> inline float fusec_gelu_onednn<float>(float x) { return fusec_gelu_onednn_f32(x); }
 template <typename T> static inline T fusec_gelu_tanh(T x) {
     const T k = T(0.79788456080286535588);  // sqrt(2 / pi)
     return T(0.5) * x * (T(1) + fusec_tanh(k * (x + T(0.044715) * x * x * x)));

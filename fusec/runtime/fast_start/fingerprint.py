@@ -212,7 +212,9 @@ def environment(backend: str) -> str:
     if "cuda" in backends.get(backend).devices:
         flags.append(f"triton {_version('triton')} gpu {_gpu()}")
     else:
-        flags.append(f"cpu {_cpu_flags()}")
+        # (torch's kernel set too: eager's answers at a few edges follow it, and so do fusec's,
+        # codegen/cpu_plan.py; ATEN_CPU_CAPABILITY changes it from one process to the next)
+        flags.append(f"cpu {_cpu_flags()} kernels {torch.backends.cpu.get_cpu_capability()}")
     flags += [f"{k}={v}" for k, v in sorted(os.environ.items())
               if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED]
     flags.append(f"settings {settings()}")
