@@ -35,6 +35,7 @@ from fusec import ops
 from fusec.graphmodule import looks_for
 from fusec.ir import meta_of
 from fusec.record import Decision, record_of
+from fusec.runtime.steps import INDEX_CHECK  # (its check raises eager's IndexError there)
 
 from .fold_constants import known_value
 from .grouping import meta
@@ -43,13 +44,19 @@ from .schedule import fake_mode_of
 
 aten = torch.ops.aten
 MESSAGE_MAX = 254  # characters: the most an _assert_async message may have on a GPU
+# The check's message opens with INDEX_CHECK ("fusec: index out of range: "), which the program
+# raises as eager's IndexError on a CPU (fusec/runtime/steps.py check_index_values), or with
+# POSITION_CHECK, an _assert_async's RuntimeError as eager's gather and scatter raise (picks.py).
+POSITION_CHECK = "fusec: position out of range: "
 
 
 @looks_for(*ops.GATHER_TARGETS)
 def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
     """Read each gathered read's index without a widening cast, and check its values once."""
     graph, decisions, checked = gm.graph, [], set()
-    checks: list[tuple[fx.Node, str]] = []  # (all values in range, what it checks)
+    # (all values in range, what it checks), by the message's opening: eager's IndexError for
+    # x[i], embedding and index_select; its RuntimeError for a gather passes/picks.py rewrote
+    checks: dict[str, list[tuple[fx.Node, str]]] = {INDEX_CHECK: [], POSITION_CHECK: []}
     mode = None
     for node in list(graph.nodes):
         gather = ops.gathered_read(node)
@@ -74,11 +81,14 @@ def check_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         checked.add(key)
         what = (f"every value of {index.name} must be in [{gather.lowest}, {gather.size}) "
                 f"({node.name} reads rows of {gather.source.name})")
-        checks.append((range_check(graph, mode, index, gather.lowest, gather.size, node), what))
+        opening = POSITION_CHECK if node.meta.get("fusec_gather") else INDEX_CHECK
+        checks[opening].append((range_check(graph, mode, index, gather.lowest, gather.size, node),
+                                what))
         decisions.append(Decision(node.name, True, f"checks {index.name} once: every value in "
                                   f"[{gather.lowest}, {gather.size})"))
-    if checks:
-        assert_all(graph, mode, checks)
+    for opening, group in checks.items():
+        if group:
+            assert_all(graph, mode, group, opening)
     record_of(gm).check_gathers = decisions
     if decisions:
         graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure(impure_random=True))
@@ -155,8 +165,7 @@ def range_check(graph: fx.Graph, mode, index: fx.Node, lowest: int, size: int,
         return add_call(graph, mode, aten.all.default, (both,), like)
 
 
-def assert_all(graph: fx.Graph, mode, checks: list,
-               prefix: str = "fusec: index out of range: ") -> None:
+def assert_all(graph: fx.Graph, mode, checks: list, prefix: str) -> None:
     """One `_assert_async` for the whole program, of all its checks (ok, what) and-ed together
     (one call fewer per checked index: a decoding step checks its token and its position). Its
     message is `prefix` and each failing-check's `what`, joined (passes/check_divisors.py uses

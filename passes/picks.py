@@ -52,7 +52,7 @@ from fusec.graphmodule import looks_for
 from fusec.ir import TensorMeta
 from fusec.record import Decision, record_of
 
-from .check_gathers import add_call, assert_all, range_check
+from .check_gathers import POSITION_CHECK, add_call, assert_all, range_check
 from .grouping import is_pointwise, view_root
 from .schedule import fake_mode_of
 
@@ -102,7 +102,7 @@ def picks(gm: fx.GraphModule) -> fx.GraphModule:
             checks.append((ok, f"every value of {index.name} must be in [0, {size}) "
                                f"({new.name} picks one position of each row of {source.name})"))
     if checks:
-        assert_all(graph, mode, checks)
+        assert_all(graph, mode, checks, POSITION_CHECK)  # (a RuntimeError, as eager's gather)
     record_of(gm).picks = decisions
     if any(d.taken for d in decisions):
         graph.lint()
@@ -164,7 +164,9 @@ def _one_row(graph: fx.Graph, mode, node: fx.Node) -> fx.Node | None:
     with graph.inserting_before(node):
         flat = add_call(graph, mode, aten.view.default, (index, [idx.shape[dim]]), node)
     with graph.inserting_after(flat):
-        return add_call(graph, mode, aten.index_select.default, (source, dim, flat), node)
+        picked = add_call(graph, mode, aten.index_select.default, (source, dim, flat), node)
+    picked.meta["fusec_gather"] = True  # (its range check raises gather's RuntimeError)
+    return picked
 
 
 def _hit(graph: fx.Graph, mode, source: fx.Node, dim: int, index: fx.Node, like: fx.Node):

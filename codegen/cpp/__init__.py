@@ -12,7 +12,9 @@ Building shells out to the system C++ compiler (`$CXX`, else g++, c++ or clang++
     g++ -O3 -march=native -fopenmp -fwrapv -ffp-contract=off -fno-math-errno -shared -fPIC kernel.cpp -o kernel.so
 
 and the library is cached on disk by the hash of its source and the compiler command
-(fusec/cache.py), so a second process loads it without compiling.
+(fusec/cache.py), so a second process loads it without compiling. The prelude every kernel
+includes is compiled once into a precompiled header (cpp/precompiled.py): gcc then parses only
+the kernel itself.
 
 This file holds the compiler (discovery, flags, building, loading, launching) and the pointwise
 renderer; cpp/text.py spells the IR in C++, cpp/reduction.py renders reductions, cpu_plan.py
@@ -308,8 +310,8 @@ def build(source: str, name: str) -> Path:
 
     def make(tmp: Path) -> None:
         # the prelude's folder: precompiled once (cpp/precompiled.py), else the templates'
-        includes = precompiled.include_flags(compiler, flags, cache.content_hash(*options),
-                                             prelude(), TEMPLATES)
+        includes = precompiled.include_flags(compiler, options[0], flags,
+                                             cache.content_hash(*options), prelude(), TEMPLATES)
         cmd = [compiler, *flags, *includes, str(tmp.parent / src.name), "-o", str(tmp)]
         result = tools.run(cmd, f"compiling kernel {name} ({src})")  # (time limit: tools.py)
         if result.returncode != 0:

@@ -38,25 +38,24 @@ _compiled_here = 0  # kernels this process compiled (the header is precompiled f
 _LOCK = threading.Lock()
 
 
-def include_flags(compiler: str, flags: list[str], key: str, header_text: str,
+def include_flags(compiler: str, version: str, flags: list[str], key: str, header_text: str,
                   templates: Path) -> list[str]:
-    """The include path for a kernel about to be compiled with `compiler` and `flags`: the
-    precompiled prelude's folder first when there is one (built here from the second kernel on),
-    then the templates folder. `key` names the compiler, flags and CPU."""
+    """The include path for a kernel about to be compiled with `compiler` (`version`: the first
+    line of its --version) and `flags`: the precompiled prelude's folder first when there is one
+    (built here from the second kernel on), then the templates folder. `key` names the compiler,
+    flags and CPU."""
     global _compiled_here
     with _LOCK:
         _compiled_here += 1
         wanted = _compiled_here >= 2
     found = _precompiled(compiler, tuple(flags), key, header_text) if wanted and \
-        _is_gcc(compiler) else None
+        _is_gcc(version) else None
     return ([f"-I{found}"] if found else []) + [f"-I{templates}"]
 
 
-@functools.lru_cache(maxsize=None)
-def _is_gcc(compiler: str) -> bool:
+def _is_gcc(version: str) -> bool:
     """Only gcc looks for `<header>.gch` by itself; clang would need `-include-pch`."""
-    from . import compiler_id
-    name = compiler_id(compiler).lower()
+    name = version.lower()
     return "clang" not in name and ("gcc" in name or "g++" in name or "free software" in name)
 
 

@@ -93,12 +93,15 @@ def own_storage(t):
 
 
 class ExternStep:
-    """An eager ATen call. Its tensor result is put in the layout the schedule planned for it."""
+    """An eager ATen call (or one of the functions below). Its tensor result is put in the layout
+    the schedule planned for it."""
 
     def __init__(self, target, args, kwargs, out_slot: int, planned: Layout | None):
+        if target is torch.ops.aten._assert_async.msg and str(args[1]).startswith(INDEX_CHECK):
+            target = check_index_values
         self.target, self.args, self.kwargs = target, args, kwargs
         self.out_slot, self.planned = out_slot, planned
-        self.name = str(target)
+        self.name = target.__name__ if target is check_index_values else str(target)
 
     def __call__(self, env: list) -> None:
         def fetch(a):
@@ -115,6 +118,20 @@ class ExternStep:
 
     def __repr__(self) -> str:
         return f"ExternStep({self.name})"
+
+
+INDEX_CHECK = "fusec: index out of range: "  # how passes/check_gathers.py's check's message opens
+
+
+def check_index_values(ok: torch.Tensor, message: str) -> None:
+    """The check passes/check_gathers.py adds of gathered reads' index values (`ok`: all in
+    range), refusing a bad one as eager does: an IndexError on a CPU (`x[i]`, `embedding` and
+    `index_select` raise one; `_assert_async` would raise a RuntimeError), a device-side assert
+    on a GPU (as eager's CUDA index kernels)."""
+    if ok.device.type != "cpu":
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise IndexError(message)
 
 
 def settle(out, planned: Layout):

@@ -27,7 +27,7 @@ from fusec.ir import Layout, contiguous_strides
 from fusec.symbolic import hint, is_symbolic, py_expr, rename
 from fusec.runtime.family_pool import made_per_size, pooled_views
 from fusec.runtime.steps import (CLONES_WHOLE_STORAGE, ExternStep, GetItemStep, KernelStep,
-                                 OutputBuffer, SlotRef, ViewStep, own_storage,
+                                 OutputBuffer, SlotRef, ViewStep, check_index_values, own_storage,
                                  reinterpret_tensor, settle, settle_as)
 
 # ---- the straight-line runner ------------------------------------------------------------------
@@ -607,6 +607,8 @@ def spell(value: Any) -> str | None:
         return f"torch.ops.{value}"  # torch.ops.aten.mm.default
     if isinstance(value, Layout):
         return repr(value)
+    if value is check_index_values:
+        return "check_index_values"
     if type(value) in (list, tuple) or isinstance(value, list):  # (fx's immutable_list too)
         inner = [spell(v) for v in value]
         if any(i is None for i in inner):
@@ -648,7 +650,8 @@ def python_wrapper(program: "Program") -> str:
     inputs = ", ".join(names[s] for s in program.input_slots)
     lines = ["import torch", "from fusec.ir import Layout",
              "from fusec.runtime import FamilyPool, load_launcher, settle, settle_as",
-             "from fusec.runtime.steps import reinterpret_tensor", "", *run.definitions, "", "",
+             "from fusec.runtime.steps import check_index_values, reinterpret_tensor", "",
+             *run.definitions, "", "",
              run.source.rstrip("\n"), "", "", f"def call({inputs}):",
              f"    return run([{inputs}])"]
     return "\n".join(lines) + "\n"

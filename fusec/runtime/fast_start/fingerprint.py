@@ -196,8 +196,8 @@ _ENV_IGNORED = {"FUSEC_CACHE_DIR", "FUSEC_LOG", "FUSEC_DEBUG_DIR", "FUSEC_SAVED_
 
 def environment(backend: str) -> str:
     """Everything outside the call that capture, the passes or code generation read: fusec's own
-    source, torch's and Triton's versions, the backend, the machine, the numeric settings
-    (TF32, default dtype, autocast), the threads, and fusec's environment variables."""
+    source, torch's and Triton's versions, the backend, the machine and torch's CPU kernels, the
+    numeric settings (TF32, default dtype, autocast), the threads, fusec's environment variables."""
     flags = [
         f"fusec {source_hash()}", f"torch {torch.__version__}", f"python {sys.version_info[:2]}",
         f"backend {backend}", f"machine {platform.machine()} cpus {_cpus()} threads "
@@ -212,8 +212,6 @@ def environment(backend: str) -> str:
     if "cuda" in backends.get(backend).devices:
         flags.append(f"triton {_version('triton')} gpu {_gpu()}")
     else:
-        # (torch's kernel set too: eager's answers at a few edges follow it, and so do fusec's,
-        # codegen/cpu_plan.py; ATEN_CPU_CAPABILITY changes it from one process to the next)
         flags.append(f"cpu {_cpu_flags()} kernels {torch.backends.cpu.get_cpu_capability()}")
     flags += [f"{k}={v}" for k, v in sorted(os.environ.items())
               if k.startswith(_ENV_PREFIXES) and k not in _ENV_IGNORED]
