@@ -147,7 +147,9 @@ def test_gelu_edges_as_eager(backend, fn):
     """gelu's edges are those of the kernel eager runs on this CPU (+inf, overflow above
     FLT_MAX / 2, -0.0); the tanh form gives inf at +inf on every CPU. fusec gives the same."""
     want = fn(EDGES)
-    got = fusec.compile(fn, backend=backend)(EDGES)
+    compiled = fusec.compile(fn, backend=backend)
+    got = compiled(EDGES)
+    assert [k.backend for k in compiled.kernels] == [backend]  # (no fallback to the other)
     assert same(got, want), (got.tolist(), want.tolist())
 
 
@@ -180,7 +182,9 @@ def test_gelu_builds_either_eager_kernel(monkeypatch, backend, multiplies_first)
     choice = oneDNN_kernel if multiplies_first else aten_kernel
     monkeypatch.setattr(cpp_text, "eager_gelu_multiplies_first", choice)
     monkeypatch.setattr(llvm_ir, "eager_gelu_multiplies_first", choice)
-    got = fusec.compile(gelu, backend=backend)(EDGES)
+    compiled = fusec.compile(gelu, backend=backend)
+    got = compiled(EDGES)
+    assert [k.backend for k in compiled.kernels] == [backend]
     edges_of(multiplies_first, got)
     inside = torch.ones(len(EDGES), dtype=torch.bool)
     inside[[0, 7, 10]] = False  # (and the sign of a zero answer: -0.0 and below -10)
