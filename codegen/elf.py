@@ -131,3 +131,25 @@ def _links(data: bytes, order: str, sections: list, machine: int) -> str | None:
                 if machine == 62 and what & 0xFFFFFFFF > 43:  # (x86-64's types end at 43)
                     return f"a relocation of section {i} has no x86-64 type ({what & 0xFFFFFFFF})"
     return None
+
+
+def undefined_symbols(obj: bytes) -> list[str]:
+    """The names an ELF64 object calls but does not define (libm's sinf, libmvec's vector sines,
+    memset, or a compiler-runtime routine such as __truncsfbf2). Reads the symbol table, which
+    is all a linker needs to know here; other object formats return []."""
+    if obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:  # ELF, 64-bit, little-endian
+        return []
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
+    names = []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[link][4]
+        for at in range(offset + entsize, offset + size, entsize):  # entry 0 is the null symbol
+            name_at, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, at)
+            if shndx == 0 and info >> 4 in (1, 2):  # undefined, global or weak binding
+                end = obj.index(b"\0", strtab + name_at)
+                names.append(obj[strtab + name_at:end].decode(errors="replace"))  # (damaged: refused)
+    return names

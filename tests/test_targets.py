@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import fusec
 from fusec.symbolic import size_params
 from fusec import ops
-from fusec.codegen import cpp, llvm
+from fusec.codegen import cpp, elf, llvm
 from fusec.codegen.llvm import compiler as llvm_build
 
 from test_ops import (ALL, F32, FLOATS, INTS, _bool_ops, _casts, _float_binary,
@@ -235,7 +235,7 @@ def test_llvm_emits_every_kernel_for(name, kernels):
         assert len(obj) > 0
         # only C library math and its vector versions may be called: nothing from a compiler
         # runtime (libgcc's __truncsfbf2, say) that the user's process may not have
-        runtime = [s for s in llvm_build.undefined_symbols(obj) if s.startswith("__")]
+        runtime = [s for s in elf.undefined_symbols(obj) if s.startswith("__")]
         if runtime:
             failures.append(f"{ir.name}: calls {runtime}")
     assert not failures, f"{len(failures)} kernel(s) fail on {target}:\n" + "\n".join(failures[:10])
@@ -336,7 +336,7 @@ def test_undefined_symbols_reads_the_object():
     source = "declare float @sinf(float)\ndefine float @f(float %x) {\n" \
              "  %y = call float @sinf(float %x)\n  ret float %y\n}"
     obj = llvm.object_code(source)
-    assert llvm_build.undefined_symbols(obj) == ["sinf"]
+    assert elf.undefined_symbols(obj) == ["sinf"]
     with pytest.raises(fusec.CompileError, match="__no_such_routine"):
         bad = llvm.object_code("declare void @__no_such_routine()\ndefine void @g() {\n"
                                "  call void @__no_such_routine()\n  ret void\n}")

@@ -65,7 +65,7 @@ def chained_calls(kernel: PointwiseKernel) -> int:
 def cut_reason(kernel: PointwiseKernel, row_tile: int, f16c: bool) -> str | None:
     """Why `kernel` runs in blocks (the kernel's comment says it), or None for the one loop:
     float16 roundings on a CPU with F16C (Note: float16 blocks; `f16c`: whether the CPU the kernel
-    is built for converts float16 in hardware, codegen/cpp/__init__.py `host_has_f16c`), or a
+    is built for converts float16 in hardware, codegen/cpp/text.py `host_has_f16c`), or a
     chain of math calls (Note: blocks for chains of math calls)."""
     if row_tile > 1 or any(l.valid is not None or l.gather is not None for l in kernel.loads):
         return None  # (a gathered read's position is another load's value: one loop reads both)

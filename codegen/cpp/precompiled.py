@@ -79,10 +79,9 @@ def _precompiled(compiler: str, flags: tuple[str, ...], key: str, header_text: s
 
 
 def _compile(compiler: str, flags: tuple[str, ...], header: Path, out: Path) -> None:
-    """Compile `header` as a C++ header with the code-generating options of `flags` (those that
-    only link, -shared -l -L -Wl, are left out) to `out`."""
-    options = [f for f in flags if f != "-shared" and not f.startswith(("-l", "-L", "-Wl,"))]
-    cmd = [compiler, *options, "-x", "c++-header", str(header), "-o", str(out)]
+    """Compile `header` as a C++ header with `flags` (the kernels' own, less those that only
+    link) to `out`."""
+    cmd = [compiler, *flags, "-x", "c++-header", str(header), "-o", str(out)]
     result = tools.run(cmd, f"precompiling {HEADER}")
     if result.returncode != 0 or not os.path.getsize(out):
         raise CompileError(f"fusec: {os.path.basename(compiler)} could not precompile {HEADER}: "

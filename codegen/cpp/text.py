@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 from pathlib import Path
 
 import torch
@@ -229,3 +230,28 @@ def row_coords(shape: tuple[int, ...]) -> list[str]:
             row_setup.append(f"const int64_t r{d} = {rem} % {below};")
             rem = f"r{d}"
     return row_setup
+
+
+# ---- the CPU the kernels are built for -----------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def host_cpu() -> str:
+    """What -march=native compiles for: a library built on one CPU may not run on another."""
+    fields = [platform.machine()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")):
+                    fields.append(line.strip())
+                if len(fields) >= 4:
+                    break
+    except OSError:
+        fields.append(platform.processor())
+    return "\n".join(fields)
+
+
+@functools.lru_cache(maxsize=None)
+def host_has_f16c() -> bool:
+    """Whether this CPU converts float16 in hardware (kernels are built with -march=native)."""
+    flags = next((line for line in host_cpu().splitlines() if line.startswith("flags")), "")
+    return "f16c" in flags.split()

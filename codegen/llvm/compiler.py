@@ -22,7 +22,7 @@ builds at once (`WorkerPool`), and sends one the IR; the helper sends the object
 the helper dies, `compile_ir` raises `WorkerDied` with the signal and the end of what LLVM
 printed, a fresh helper starts for the next kernel, and fusec falls back to another backend
 (fusec/runtime/build.py). Loading the object (MCJIT linking) is cheap
-and stays in the user's process; `undefined_symbols` lets llvm/__init__.py check, before loading, that
+and stays in the user's process; `elf.undefined_symbols` lets llvm/__init__.py check, before loading, that
 every function the machine code calls exists in this process: a missing one would otherwise be
 linked as address 0 and crash on the first call.
 
@@ -369,30 +369,6 @@ def guarded(source: str, target: Target, what: str = "object", name: str = "kern
     """compile_ir(source, target, what) in a compiler process: a crash there, or no answer
     within `timeout` seconds, raises WorkerDied here instead of ending or hanging this process."""
     return _WORKERS.compile(source, target, what, name, timeout)
-
-
-# ---- what an object file needs from the process that loads it ----------------------------------
-
-def undefined_symbols(obj: bytes) -> list[str]:
-    """The names an ELF64 object calls but does not define (libm's sinf, libmvec's vector sines,
-    memset, or a compiler-runtime routine such as __truncsfbf2). Reads the symbol table, which
-    is all a linker needs to know here; other object formats return []."""
-    if obj[:4] != b"\x7fELF" or obj[4] != 2 or obj[5] != 1:  # ELF, 64-bit, little-endian
-        return []
-    shoff, = struct.unpack_from("<Q", obj, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
-    names = []
-    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
-        if kind != 2:  # SHT_SYMTAB
-            continue
-        strtab = sections[link][4]
-        for at in range(offset + entsize, offset + size, entsize):  # entry 0 is the null symbol
-            name_at, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, at)
-            if shndx == 0 and info >> 4 in (1, 2):  # undefined, global or weak binding
-                end = obj.index(b"\0", strtab + name_at)
-                names.append(obj[strtab + name_at:end].decode(errors="replace"))  # (damaged: refused)
-    return names
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from fusec import cache
 from fusec.errors import CompileError
 
-from .. import tools
+from .. import elf, tools
 from . import compiler as llvm_build
 from .compiler import Target, host
 from .ir import has_symbol
@@ -89,7 +89,7 @@ def check_symbols(data: bytes, name: str) -> None:
     """Refuse to load machine code that calls a function this process lacks: MCJIT would link
     the call to address 0, and the kernel would crash the process on its first run. (This is
     how a `bfloat` conversion used to fail on older systems: a call to libgcc's __truncsfbf2.)"""
-    missing = [s for s in llvm_build.undefined_symbols(data) if not has_symbol(s)]
+    missing = [s for s in elf.undefined_symbols(data) if not has_symbol(s)]
     if missing:
         raise CompileError(f"fusec: kernel {name}'s machine code calls {', '.join(missing)}, "
                            f"which this process does not have")

@@ -650,8 +650,9 @@ def python_wrapper(program: "Program") -> str:
     inputs = ", ".join(names[s] for s in program.input_slots)
     lines = ["import torch", "from fusec.ir import Layout",
              "from fusec.runtime import FamilyPool, load_launcher, settle, settle_as",
-             "from fusec.runtime.steps import check_index_values, reinterpret_tensor", "",
-             *run.definitions, "", "",
+             "from fusec.runtime.steps import " + ("check_index_values, " if "check_index_values"
+                                                   in run.source else "") + "reinterpret_tensor",
+             "", *run.definitions, "", "",
              run.source.rstrip("\n"), "", "", f"def call({inputs}):",
              f"    return run([{inputs}])"]
     return "\n".join(lines) + "\n"
