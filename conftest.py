@@ -12,6 +12,7 @@ machine when TRITON_INTERPRET=1 is set). TRITON_INTERPRET must be set before
 triton is imported, so it is set here, first thing, when there is no GPU.
 """
 import copy
+import math
 import os
 import sys
 from pathlib import Path
@@ -113,3 +114,91 @@ def values_with_specials(*shape, dtype=torch.float32, special=False):
         for i, v in enumerate([float("nan"), float("inf"), -float("inf"), float("nan")]):
             flat[(i * 53 + 5) % flat.numel()] = v
     return x.to(dtype)
+
+
+# Note (the default run thins large parameter matrices). A test function with many parametrized
+# cases (backends x ops x dims x keepdim...) runs, by default, a subset that still has every value
+# of every parameter at least once (each op, each dim, each backend, each dtype) and, up to
+# THIN_SHARE of the cases, the combinations that add the most pairs of values not yet seen
+# together (a greedy pairwise cover). The rest are deselected, and pytest's summary counts them
+# ("N deselected"). On the 2-core machine the CI runs on, the full matrix took longer than the CI's
+# 90 minutes. `FUSEC_TESTS=all pytest` runs every case; a run that selects by name or node id
+# (-k, as benchmarks/gpu_session.sh does, or a path with ::) is never thinned.
+THIN_ABOVE = 3  # cases of one function before thinning starts
+THIN_SHARE = 0.25  # the share of a thinned function's cases that runs (at least)
+
+# The longest tests, which the default run leaves to the full one (`FUSEC_TESTS=all`), each
+# covered in the default run by a shorter test of the same thing: the transformers models
+# beyond tests/models/test_hf_models.py's (its GPT-2, Llama, BERT, ViT... stay), two-process
+# DDP/FSDP2 training (tests/test_dynamic_training.py and test_optimizer_step.py train in one
+# process), code generation for the CPU families beyond baseline x86-64, AVX2 (haswell) and
+# AVX-512 with FP16 and BF16 (sapphirerapids) and GPT-2's rematerialization (the smaller blocks
+# of tests/test_remat.py stay). On this project's 2-core CPU they took about a quarter of the
+# suite's time.
+FULL_RUN_ONLY = ("tests/models/test_hf_more_models.py::", "tests/test_distributed.py::",
+                 "tests/test_targets.py::test_llvm_emits_every_kernel_for[znver4]",
+                 "tests/test_targets.py::test_llvm_emits_every_kernel_for[skylake-avx512]",
+                 "tests/test_targets.py::test_llvm_emits_every_kernel_for[aarch64]",
+                 "tests/test_targets.py::test_cpp_compiles_every_kernel_for[znver4]",
+                 "tests/test_targets.py::test_cpp_compiles_every_kernel_for[skylake-avx512]",
+                 "tests/test_targets.py::test_cpp_compiles_every_kernel_for[aarch64]",
+                 "tests/test_targets.py::test_cpp_compiles_every_kernel_for[x86-64-no-float16]",
+                 "tests/test_remat.py::test_gpt2[")
+
+
+def _values(item) -> list[tuple[str, object]]:
+    """(parameter, value) for each of the case's parameters (a value that cannot be hashed, by
+    its repr)."""
+    spec = getattr(item, "callspec", None)
+    if spec is None:
+        return []
+    pairs = []
+    for name, value in sorted(spec.params.items()):
+        try:
+            hash(value)
+        except TypeError:
+            value = repr(value)
+        pairs.append((name, value))
+    return pairs
+
+
+def _cover(cases: list) -> list:
+    """The cases kept: every single value first, then the best pairwise additions."""
+    keep, seen = [], set()
+    for case in cases:
+        singles = set(_values(case))
+        if not singles <= seen:
+            keep.append(case)
+            seen |= singles
+    budget = max(len(keep), math.ceil(len(cases) * THIN_SHARE))
+
+    def pairs(case):
+        v = _values(case)
+        return {(a, b) for i, a in enumerate(v) for b in v[i + 1:]}
+    covered = set().union(*(pairs(c) for c in keep)) if keep else set()
+    rest = [c for c in cases if c not in keep]
+    while len(keep) < budget and rest:
+        best = max(rest, key=lambda c: len(pairs(c) - covered))
+        if not pairs(best) - covered:
+            break
+        keep.append(best)
+        covered |= pairs(best)
+        rest.remove(best)
+    return keep
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FUSEC_TESTS") == "all" or config.getoption("keyword") or \
+            any("::" in str(a) for a in config.args):
+        return
+    groups: dict = {}
+    for item in items:
+        if not item.nodeid.startswith(FULL_RUN_ONLY):
+            groups.setdefault((str(item.path), item.originalname), []).append(item)
+    kept = set()
+    for cases in groups.values():
+        kept.update(id(c) for c in (_cover(cases) if len(cases) > THIN_ABOVE else cases))
+    dropped = [item for item in items if id(item) not in kept]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if id(item) in kept]
