@@ -39,8 +39,12 @@ def test_pattern_becomes_matrix_multiplies_with_eager_values(stride, bias, h):
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
     assert aten.convolution.default not in targets
     assert aten.convolution_backward.default not in targets and aten.mm.default in targets
-    for got, want in zip(gm(*inputs), f(*inputs)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # against float64 eager (the same ATen calls on doubles): eager's own float32
+    # convolution_backward on this project's AVX2 CPU gave a weight gradient 4.6 off for
+    # (2, False, 8) inside pytest (right in a plain process), where the rewritten graph is right
+    wide = [t.double() if t is not None else None for t in inputs]
+    for got, want in zip(gm(*inputs), f(*wide)):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
     assert gm(*inputs)[0].is_contiguous(memory_format=CL)  # the convolution's own layout
 
 
