@@ -48,7 +48,7 @@ def include_flags(compiler: str, version: str, flags: list[str], key: str, heade
     with _LOCK:
         _compiled_here += 1
         wanted = _compiled_here >= 2
-    found = _precompiled(compiler, tuple(flags), key, header_text) if wanted and \
+    found = _precompiled(cache.root(), compiler, tuple(flags), key, header_text) if wanted and \
         _is_gcc(version) else None
     return ([f"-I{found}"] if found else []) + [f"-I{templates}"]
 
@@ -60,9 +60,11 @@ def _is_gcc(version: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _precompiled(compiler: str, flags: tuple[str, ...], key: str, header_text: str) -> Path | None:
-    """The folder holding the precompiled prelude for these options, built if needed; None (and
-    a log line) when it cannot be built. Once per process and options."""
+def _precompiled(root: Path, compiler: str, flags: tuple[str, ...], key: str,
+                 header_text: str) -> Path | None:
+    """The folder holding the precompiled prelude for these options in the cache at `root`, built
+    if needed; None (and a log line) when it cannot be built. Once per process, cache and
+    options."""
     folder = cache.cache_dir("cpp-prelude") / cache.content_hash(header_text, key)
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
