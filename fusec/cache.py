@@ -623,32 +623,31 @@ def evict(base: Path | None = None, limit: int | None = None) -> int:
         now = time.time()
         entries: dict[tuple[str, str], list] = {}  # (folder, stem) -> [bytes, last use, paths]
         total = 0
-        for folder in os.scandir(base):
-            if not folder.is_dir(follow_symlinks=False):
+        for folder, f in _cached_files(base):
+            try:
+                st = f.stat(follow_symlinks=False)
+            except FileNotFoundError:
                 continue
-            for f in os.scandir(folder.path):
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                total += st.st_size
-                if f.name.endswith(".tmp"):  # a write in progress, or one that died
-                    if now - st.st_mtime > STALE_TMP_S:
-                        _unlink(f.path)
-                        total -= st.st_size
-                    continue
-                entry = entries.setdefault((folder.path, f.name.split(".", 1)[0]), [0, 0.0, []])
-                entry[0] += st.st_size
-                entry[1] = max(entry[1], st.st_mtime)
-                entry[2].append(f.path)
+            total += st.st_size
+            if f.name.endswith(".tmp"):  # a write in progress, or one that died
+                if now - st.st_mtime > STALE_TMP_S:
+                    _unlink(f.path)
+                    total -= st.st_size
+                continue
+            entry = entries.setdefault((folder, f.name.split(".", 1)[0]), [0, 0.0, []])
+            entry[0] += st.st_size
+            entry[1] = max(entry[1], st.st_mtime)
+            entry[2].append(f.path)
         if total <= limit:
             return 0
         evicted, target = 0, limit * 9 // 10
-        for size, used, paths in sorted(entries.values(), key=lambda e: e[1]):
+        for (folder, _), (size, used, paths) in sorted(entries.items(), key=lambda e: e[1][1]):
             if total <= target or now - used < RECENT_S:
                 break
             for path in paths:
                 _unlink(path)
+            if os.path.dirname(folder) != str(base):
+                _rmdir_if_empty(folder)  # a nested entry's own folder
             total -= size
             evicted += 1
         STATS["evicted"] += evicted
@@ -657,6 +656,28 @@ def evict(base: Path | None = None, limit: int | None = None) -> int:
         return evicted
     finally:
         _EVICTING.release()
+
+
+def _cached_files(base: Path):
+    """(folder, file) for each file in the cache's folders (`<base>/<kind>/`) and in the folders
+    one level below them (`<base>/cpp-prelude/<hash>/`: an artifact that must keep its own file
+    name, like a precompiled header, gets a folder of its own)."""
+    for kind in os.scandir(base):
+        if not kind.is_dir(follow_symlinks=False):
+            continue
+        for f in os.scandir(kind.path):
+            if f.is_dir(follow_symlinks=False):
+                yield from ((f.path, g) for g in os.scandir(f.path)
+                            if not g.is_dir(follow_symlinks=False))
+            else:
+                yield kind.path, f
+
+
+def _rmdir_if_empty(folder: str) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:  # not empty (a build came back to it), or already gone
+        pass
 
 
 def log(message: str) -> None:

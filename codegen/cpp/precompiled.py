@@ -34,6 +34,9 @@ from fusec.errors import CompileError
 from .. import tools
 
 HEADER = "cpp_prelude.h"
+# gcc's compiled prelude is about 40 MB; a cache capped below this many megabytes would spend a
+# large share of its room on it, so under such a cap kernels read the header instead
+SMALLEST_CAP_MB = 256
 _compiled_here = 0  # kernels this process compiled (the header is precompiled from the second)
 _LOCK = threading.Lock()
 
@@ -47,13 +50,21 @@ def include_flags(compiler: str, version: str, flags: list[str], key: str, heade
     global _compiled_here
     with _LOCK:
         _compiled_here += 1
-        wanted = _compiled_here >= 2
+        wanted = _compiled_here >= 2 and _room_for_it()
     found = _precompiled(cache.root(), compiler, tuple(flags), key, header_text) if wanted and \
-        _is_gcc(version) else None
+        is_gcc(version) else None
     return ([f"-I{found}"] if found else []) + [f"-I{templates}"]
 
 
-def _is_gcc(version: str) -> bool:
+def _room_for_it() -> bool:
+    if cache.max_bytes() >= SMALLEST_CAP_MB << 20:
+        return True
+    cache.log(f"no precompiled prelude: FUSEC_CACHE_MAX_MB={cache.max_bytes() >> 20} leaves no "
+              f"room for it (about 40 MB); kernels read {HEADER} as it is")
+    return False
+
+
+def is_gcc(version: str) -> bool:
     """Only gcc looks for `<header>.gch` by itself; clang would need `-include-pch`."""
     name = version.lower()
     return "clang" not in name and ("gcc" in name or "g++" in name or "free software" in name)
