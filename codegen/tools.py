@@ -31,10 +31,12 @@ def timeout() -> int:
     return env.integer("FUSEC_BUILD_TIMEOUT", DEFAULT_TIMEOUT_S, minimum=1)
 
 
-def run(cmd: list[str], what: str, limit: float | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], what: str, limit: float | None = None,
+        counted: bool = True) -> subprocess.CompletedProcess:
     """Run `cmd` (text output captured) for at most `limit` seconds (default `timeout()`). Past
     that its whole process group is killed and a CompileError says that `what` timed out.
-    A command that cannot start is a CompileError too."""
+    A command that cannot start is a CompileError too. `counted=False`: a time-out of this
+    (optional) work does not count towards giving up on the tool."""
     limit = timeout() if limit is None else limit
     tool = os.path.basename(cmd[0])
     if _TIMED_OUT.get(cmd[0], 0) >= GIVE_UP_AFTER:
@@ -51,7 +53,8 @@ def run(cmd: list[str], what: str, limit: float | None = None) -> subprocess.Com
     except subprocess.TimeoutExpired:
         kill_group(proc)
         out, err = proc.communicate()  # (the whole group is gone: the pipes are closed)
-        _TIMED_OUT[cmd[0]] = _TIMED_OUT.get(cmd[0], 0) + 1
+        if counted:
+            _TIMED_OUT[cmd[0]] = _TIMED_OUT.get(cmd[0], 0) + 1
         raise CompileError(f"fusec: {tool} did not finish {what} within "
                            f"{limit:g} s (FUSEC_BUILD_TIMEOUT) and was killed"
                            + (f"; it printed:\n{err[-2000:]}" if err.strip() else "")) from None

@@ -16,10 +16,12 @@ same options that change code; otherwise it reads the header as usual, so a miss
 refused file only costs time, never a different answer. The kernel's own `#define`s come after
 its include, so they do not stop gcc from using it.
 
-The precompiled header is built at the second kernel a process compiles (a program with one
-small kernel, or a test with a fresh cache, does not pay its 2-3 s), through the cache's
-`build_once` like every artifact (signed, one build when processes race); a failure is logged and
-kernels compile from the header, as they did before it existed.
+The precompiled header is built at the third kernel a process compiles into a cache (a program
+with a kernel or two, or a test with a fresh cache, does not pay its 2-3 s), through the cache's
+`build_once` like every artifact (signed, one build when processes race, evicted by the size cap
+with its folder; none at all under a cap below SMALLEST_CAP_MB); a failure or a time-out is
+logged, does not count against the compiler (codegen/tools.py gives up on a tool that keeps
+timing out), and kernels compile from the header, as they did before it existed.
 """
 from __future__ import annotations
 
@@ -37,7 +39,11 @@ HEADER = "cpp_prelude.h"
 # gcc's compiled prelude is about 40 MB; a cache capped below this many megabytes would spend a
 # large share of its room on it, so under such a cap kernels read the header instead
 SMALLEST_CAP_MB = 256
-_compiled_here = 0  # kernels this process compiled (the header is precompiled from the second)
+# the header is precompiled at the PRECOMPILE_AT-th kernel this process compiles into one cache:
+# it costs two or three kernels' time, so a program (or a test with a cache of its own) that
+# builds a kernel or two never pays it
+PRECOMPILE_AT = 3
+_compiled_here: dict[Path, int] = {}  # cache root -> kernels this process compiled into it
 _LOCK = threading.Lock()
 
 
@@ -45,13 +51,13 @@ def include_flags(compiler: str, version: str, flags: list[str], key: str, heade
                   templates: Path) -> list[str]:
     """The include path for a kernel about to be compiled with `compiler` (`version`: the first
     line of its --version) and `flags`: the precompiled prelude's folder first when there is one
-    (built here from the second kernel on), then the templates folder. `key` names the compiler,
+    (built here from the PRECOMPILE_AT-th kernel on), then the templates folder. `key` names the compiler,
     flags and CPU."""
-    global _compiled_here
+    root = cache.root()
     with _LOCK:
-        _compiled_here += 1
-        wanted = _compiled_here >= 2 and _room_for_it()
-    found = _precompiled(cache.root(), compiler, tuple(flags), key, header_text) if wanted and \
+        _compiled_here[root] = _compiled_here.get(root, 0) + 1
+        wanted = _compiled_here[root] >= PRECOMPILE_AT and _room_for_it()
+    found = _precompiled(root, compiler, tuple(flags), key, header_text) if wanted and \
         is_gcc(version) else None
     return ([f"-I{found}"] if found else []) + [f"-I{templates}"]
 
@@ -95,7 +101,9 @@ def _compile(compiler: str, flags: tuple[str, ...], header: Path, out: Path) -> 
     """Compile `header` as a C++ header with `flags` (the kernels' own, less those that only
     link) to `out`."""
     cmd = [compiler, *flags, "-x", "c++-header", str(header), "-o", str(out)]
-    result = tools.run(cmd, f"precompiling {HEADER}")
+    # (a time-out here is not the kernels' compiler hanging: it does not count towards giving
+    # up on it, codegen/tools.py)
+    result = tools.run(cmd, f"precompiling {HEADER}", counted=False)
     if result.returncode != 0 or not os.path.getsize(out):
         raise CompileError(f"fusec: {os.path.basename(compiler)} could not precompile {HEADER}: "
                            f"{(result.stderr.strip() or result.stdout)[-400:]}")
