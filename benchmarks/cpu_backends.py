@@ -49,6 +49,10 @@ def gated(x):
     return torch.sigmoid(x * 2 + 1) * x
 
 
+def gelu_chain(x):
+    return torch.nn.functional.gelu(x * 1.5 + 0.1) * torch.tanh(x)
+
+
 def softmax(x):
     return torch.softmax(x, dim=-1)
 
@@ -68,6 +72,12 @@ WORKLOADS = [
     # half precision: computed in float inside the kernel, rounded where eager rounds each op
     ("gated, 4M f16", gated, lambda: (torch.randn(4 << 20, dtype=torch.float16),), median_ms),
     ("gated, 4M bf16", gated, lambda: (torch.randn(4 << 20, dtype=torch.bfloat16),), median_ms),
+    ("gated, 4M f32", gated, lambda: (torch.randn(4 << 20),), median_ms),
+    ("gelu_chain, 4M f16", gelu_chain, lambda: (torch.randn(4 << 20, dtype=torch.float16),),
+     median_ms),
+    ("gelu_chain, 4M bf16", gelu_chain, lambda: (torch.randn(4 << 20, dtype=torch.bfloat16),),
+     median_ms),
+    ("gelu_chain, 4M f32", gelu_chain, lambda: (torch.randn(4 << 20),), median_ms),
     ("chain20, 1M f16", chain20, lambda: (torch.randn(1 << 20, dtype=torch.float16),), median_ms),
     ("chain20, 1M bf16", chain20, lambda: (torch.randn(1 << 20, dtype=torch.bfloat16),),
      median_ms),
