@@ -156,6 +156,68 @@ def test_batch_norm_training_in_one_kernel_each_way(target, shape, residual):
     assert len(backward) == 1, [k.name for k in backward]
 
 
+def _no_further_than_eager(got, want, exact, what):
+    """fusec's value `got` is no further from the float64 value `exact` than eager's `want`
+    is, within twice eager's distance or one unit in the last place of the largest value
+    (the sums run in another order: a float32 gradient's last bits differ)."""
+    if not got.is_floating_point():
+        assert torch.equal(got, want) and torch.equal(got, exact.to(got.dtype)), what
+        return
+    exact = exact.double()
+    ulp = torch.finfo(got.dtype).eps * exact.abs().max().item()
+    err, eager_err = ((t.double() - exact).abs().max().item() for t in (got, want))
+    assert err <= max(2 * eager_err, ulp), f"{what}: {err} from float64, eager {eager_err}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("params", ["float32", "half"])
+def test_half_batch_norm_training_in_one_kernel_each_way(target, dtype, params):
+    """A half-precision activation through a batch norm in training: under autocast a
+    convolution's bfloat16 output meets float32 weights and running statistics ("float32"),
+    or the whole model was converted (`model.half()`, "half"). Computed in float32 as eager
+    computes it (capture/decompositions.py, batch_norm_training), still one kernel each way:
+    the output, the input's and the weights' gradients and the running statistics agree with
+    eager's: each no further from a float64 run of the same model than eager's is (eager's
+    all-half kernels round in places where fusec's do not), in eager's dtypes."""
+    backend, device = target
+
+    def make():
+        torch.manual_seed(0)
+        mod = NormRelu(6, residual=True).to(device)
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        return mod
+    mod, ref, exact = make(), make(), make().double()
+    if params == "half":
+        mod, ref = mod.to(dtype), ref.to(dtype)
+    compiled = fusec.compile(mod, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y, grad = (torch.randn((3, 6, 5, 7), generator=gen).mul_(2).add_(0.5).to(device, dtype)
+                      for _ in range(3))
+        runs = [[t.clone().to(d).requires_grad_(True) for t in (x, y)]
+                for d in (dtype, dtype, torch.float64)]
+        outs = [m(*xs) for m, xs in zip((compiled, ref, exact), runs)]
+        for out, g in zip(outs, (grad, grad, grad.double())):
+            out.backward(g)
+        assert outs[0].dtype == outs[1].dtype == dtype
+        _no_further_than_eager(*outs, "output")
+        for i in range(2):
+            _no_further_than_eager(*(xs[i].grad for xs in runs), f"input {i}'s gradient")
+    for (name, g), w, e in zip(mod.named_parameters(), ref.parameters(), exact.parameters()):
+        assert g.grad.dtype == w.grad.dtype
+        _no_further_than_eager(g.grad, w.grad, e.grad, name)
+    for (name, g), w, e in zip(mod.named_buffers(), ref.buffers(), exact.buffers()):
+        assert g.dtype == w.dtype, name
+        _no_further_than_eager(g, w, e, name)
+    forward, backward = (part.kernels for part in compiled._compiled.train_parts)
+    assert len(forward) == 1, [k.name for k in forward]
+    assert len(backward) == 1, [k.name for k in backward]
+    assert not any("batch_norm" in str(s) for part in compiled._compiled.train_parts
+                   for s in part.schedule), "a batch norm stayed an extern call"
+
+
 def test_independent_sibling_reductions_share_a_kernel(target):
     """Not a norm: three column sums over the same (rows, columns) of different values, with no
     data between them, and a row sum of another shape. The column sums become one kernel (the

@@ -388,22 +388,44 @@ def batch_norm_training(x, weight, bias, running_mean, running_var, training, mo
     (C,) value would not fit that loop: it broadcasts along the last dim), so fusion computes
     it in the reduction kernel: one reduction kernel (mean, variance, running statistics) and
     one pointwise kernel (the normalization, with what follows it, a ReLU or a residual add),
-    where the op as an extern call is eager's kernel plus copies of what it returns. Only
-    float32 and float64 with statistics of x's dtype (eager keeps float32 statistics for half
-    inputs, computed its own way): other cases stay the op."""
+    where the op as an extern call is eager's kernel plus copies of what it returns.
+
+    Half inputs (a convolution's bfloat16 output under autocast, with float32 weights and
+    running statistics) are computed in float32, as eager's kernels compute them: x is widened
+    as the kernels load it, the output rounded to x's dtype as they store it, and the saved
+    mean and 1 / std stay float32 (what eager returns on either device at run time, and what
+    `batch_norm_backward` below reads)."""
     if not training or running_mean is None or running_var is None \
-            or x.dtype not in (torch.float32, torch.float64) \
-            or running_mean.dtype != x.dtype or running_var.dtype != x.dtype:
+            or not _norm_dtypes(x, weight, bias, running_mean, running_var):
         return NotImplemented
-    out, mean, rstd, var = _batch_statistics(x, weight, bias, eps)
+    dtype = _compute_dtype(x)
+    out, mean, rstd, var = _batch_statistics(*(_widened(t, dtype) for t in (x, weight, bias)), eps)
     n = x.numel() // x.shape[1]
     unbiased = aten.mul.Tensor(var, n / (n - 1)) if n > 1 else aten.div.Tensor(var, 0)
     shape, channels = list(mean.shape), [x.shape[1]]
-    new_mean = aten.add.Tensor(aten.mul.Tensor(mean, momentum), aten.mul.Tensor(
-        aten.view.default(running_mean, shape), 1 - momentum))
-    new_var = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(
-        aten.view.default(running_var, shape), 1 - momentum))
-    return (out, *(aten.view.default(t, channels) for t in (mean, rstd, new_mean, new_var)))
+
+    def updated(running, batch):  # momentum * batch + (1 - momentum) * running, as (C,)
+        new = aten.add.Tensor(aten.mul.Tensor(batch, momentum), aten.mul.Tensor(
+            _widened(aten.view.default(running, shape), dtype), 1 - momentum))
+        return _widened(aten.view.default(new, channels), running.dtype)
+
+    return (_widened(out, x.dtype), aten.view.default(mean, channels),
+            aten.view.default(rstd, channels), updated(running_mean, mean),
+            updated(running_var, unbiased))
+
+
+def _norm_dtypes(x, *others) -> bool:
+    """Whether a training norm's decomposition takes these: x float32 or float64, or half (then
+    computed in float32), and every other tensor given of x's dtype or of that compute dtype."""
+    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return False
+    return all(t is None or t.dtype in (x.dtype, _compute_dtype(x)) for t in others)
+
+
+def _widened(t, dtype):
+    """`t` converted to `dtype` (None and a tensor of that dtype as they are): a conversion
+    fusion folds into the load or store of the kernel that reads or writes it."""
+    return t if t is None or t.dtype == dtype else aten._to_copy.default(t, dtype=dtype)
 
 
 @register(aten.native_batch_norm_backward.default)
@@ -421,12 +443,21 @@ def batch_norm_backward(dy, x, weight, running_mean, running_var, mean, rstd, tr
     the per-channel math stays in that shape (the (C,) weight and statistics are views that fold
     into loads), so the sums, the scales and dx (with what produced dy: a ReLU's backward, a
     residual's sum) are one reduction kernel; only dweight and dbias are viewed as (C,) at the
-    end. Training mode, float32 and float64 only (eager computes half inputs in float32, and the
-    eval-mode backward is pointwise already): other cases are torch's decomposition."""
-    if not train or mean is None or rstd is None or x.dtype not in (torch.float32, torch.float64) \
-            or dy.dtype != x.dtype or mean.dtype != x.dtype or rstd.dtype != x.dtype \
-            or (weight is not None and weight.dtype != x.dtype):
+    end. Training mode only (the eval-mode backward is pointwise already); half inputs are
+    computed in float32, as eager computes them, with dx rounded to x's dtype and dweight and
+    dbias to the weight's."""
+    if not train or mean is None or rstd is None \
+            or not _norm_dtypes(x, dy, weight, mean, rstd) or dy.dtype != x.dtype:
         return NotImplemented
+    dtype = _compute_dtype(x)
+    grads = _norm_backward_wide(*(_widened(t, dtype) for t in (dy, x, weight, mean, rstd)),
+                                output_mask)
+    out_dtypes = (x.dtype, *(2 * [x.dtype if weight is None else weight.dtype]))
+    return tuple(None if g is None else _widened(g, d) for g, d in zip(grads, out_dtypes))
+
+
+def _norm_backward_wide(dy, x, weight, mean, rstd, output_mask):
+    """`batch_norm_backward`'s formula on tensors of one dtype."""
     dims = [0] + list(range(2, x.dim()))
     shape, channels = [1, x.shape[1]] + [1] * (x.dim() - 2), [x.shape[1]]
     norm = 1.0 / (x.numel() // x.shape[1])
