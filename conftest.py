@@ -96,6 +96,16 @@ def _float64_reference(fn, inputs, i):
 
 
 @pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A cache of its own for the test (returned: its root folder), saved programs off unless
+    the test turns them on: every kernel is rendered and built again."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
+    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
+    return root
+
+
+@pytest.fixture
 def pools_here(monkeypatch):
     """Switch passes/pooling.py's rewrite on for the CPU too (it is for GPUs: POOL_DEVICES), so
     every backend runs the rewritten graphs against eager."""

@@ -7,8 +7,10 @@ For every workload it reports, per backend:
 * cold compile time per kernel: the build step alone (gcc -O3 ... -> .so, or llvmlite parse +
   O3 + object code), with an empty cache directory, median over the workload's kernels and
   `--repeat` fresh caches (the backends take turns, one fresh cache each per repeat);
-* run time per call (median of 5 rounds in which the two backends take turns, warm cache), and
-  eager and torch.compile for reference.
+* run time per call, and eager's and torch.compile's: the median of 5 rounds in which the four
+  take turns (warm cache), so that a slow spell of a shared machine lands on all of them (timed
+  one after the other, eager's row once read 0.5-0.85x for fusec's half-precision chains that
+  took turns with eager at 1.1-1.3x).
 
 Issue 6's targets: LLVM compile time per kernel at least 10x lower than the C++ backend's cold
 compile; LLVM run time within 1.2x of the C++ backend on the pointwise chain and softmax.
@@ -133,26 +135,24 @@ def run(repeat: int) -> list[dict]:
         inputs = make()
         row = {"workload": name, "timer": "wall clock" if timer is wall_ms else "median"}
         with torch.no_grad():
-            row["eager_ms"] = timer(fn, *inputs)
             compiled = torch.compile(fn)
             compiled(*inputs)
-            row["torch_compile_ms"] = timer(compiled, *inputs)
-            compiled_by = {}
+            systems = {"eager": fn, "torch_compile": compiled}
             builds = cold_build_seconds(fn, inputs, ("cpp", "llvm"), repeat)
             for backend in ("cpp", "llvm"):
                 row[f"{backend}_build_ms"] = statistics.median(builds[backend]) * 1e3
-                cf = compiled_by[backend] = fusec.compile(fn, backend=backend)
+                cf = systems[backend] = fusec.compile(fn, backend=backend)
                 got = cf(*inputs)
                 row[f"{backend}_kernels"] = len(cf.kernels)
                 row[f"{backend}_err"] = (got - fn(*inputs)).abs().max().item()
-            # the two backends take turns, ROUNDS times: a slow spell of a shared machine then
-            # lands on both instead of on whichever ran during it; the median round counts
-            times = {b: [] for b in compiled_by}
+            # every system takes turns, ROUNDS times: a slow spell of a shared machine then
+            # lands on all of them instead of on whichever ran during it; the median round counts
+            times = {name: [] for name in systems}
             for _ in range(ROUNDS):
-                for backend, cf in compiled_by.items():
-                    times[backend].append(timer(cf, *inputs))
-            for backend, ts in times.items():
-                row[f"{backend}_ms"] = statistics.median(ts)
+                for name, system in systems.items():
+                    times[name].append(timer(system, *inputs))
+            for name, ts in times.items():
+                row[f"{name}_ms"] = statistics.median(ts)
         row["build_speedup"] = row["cpp_build_ms"] / row["llvm_build_ms"]
         row["run_ratio"] = row["llvm_ms"] / row["cpp_ms"]
         rows.append(row)

@@ -47,15 +47,6 @@ def run(backend: str, fn=f, x=X):
     return cf
 
 
-@pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """A cache of its own for the test, saved programs off unless the test turns them on."""
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
-    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
-    return root
-
-
 def entry(root: Path, kind: str, suffix: str) -> Path:
     (path,) = (root / kind).glob("*" + suffix)
     return path

@@ -23,14 +23,6 @@ from fusec.ir import PointwiseKernel
 aten = torch.ops.aten
 
 
-@pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    """A cache of its own and no saved programs: every kernel here is rendered again."""
-    monkeypatch.setenv("FUSEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
-    return tmp_path
-
-
 def cosh_times_two(x):
     return torch.cosh(x) * 2
 

@@ -18,14 +18,6 @@ pytestmark = pytest.mark.skipif(
     reason="only gcc reads a precompiled header by itself")
 
 
-@pytest.fixture
-def fresh(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FUSEC_CACHE_DIR", str(root))
-    monkeypatch.setenv("FUSEC_SAVED_PROGRAMS", "0")
-    return root
-
-
 def _kernels(c: float):
     """Compile and check three different C++ kernels (the prelude is precompiled at the third
     kernel a process builds into a cache: precompiled.PRECOMPILE_AT). `c`: a constant of the

@@ -367,11 +367,12 @@ static inline float fusec_bits_float(uint32_t b) { float f; std::memcpy(&f, &b, 
 static inline float fusec_bf16_to_f32(uint16_t v) { return fusec_bits_float((uint32_t)v << 16); }
 // float32 -> bfloat16 to nearest even: add 0x7fff plus the lowest kept bit, keep the top 16 bits
 // (a carry into the exponent is right, and the largest floats round up to infinity). A NaN
-// becomes 0xffff, as in torch's AVX2 and AVX-512 conversions.
+// becomes 0xffff, as in torch's AVX2 and AVX-512 conversions: its all-ones mask is ORed in before
+// the top half is kept (one vpternlogd with AVX-512; the select of fusec_select_bits took two
+// more instructions per rounding, and a bfloat16 `sigmoid(x * 2 + 1) * x` 1.2-1.3x the time).
 static inline uint32_t fusec_bf16_rounded_bits(float f) {
-    const uint32_t bits = fusec_float_bits(f);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return (uint32_t)fusec_select_bits(f != f, (int32_t)0xffff0000u, (int32_t)rounded);
+    const uint32_t nan = (uint32_t)(-(int32_t)(f != f));  // all ones for a NaN
+    return ((fusec_float_bits(f) + 0x7fffu + ((fusec_float_bits(f) >> 16) & 1u)) | nan) & 0xffff0000u;
 }
 static inline uint16_t fusec_f32_to_bf16(float f) { return (uint16_t)(fusec_bf16_rounded_bits(f) >> 16); }
 static inline float fusec_round_bf16(float f) { return fusec_bits_float(fusec_bf16_rounded_bits(f)); }
