@@ -7,6 +7,7 @@ event), and going back to an old value finds the old program again.
 """
 import argparse
 import dataclasses
+import os
 import types
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 import fusec
-from fusec import events
+from fusec import events, fastpath
 
 SCALE = 2.0
 USE_SIN = True
@@ -298,6 +299,55 @@ def test_no_python_state_no_guard():
     # a module's one guard: that no hook was registered since (`NoHooks`, one id compare)
     source = cm._compiled._fast.source
     assert source.count("g_s") == 1 and "g_s0.ids" in source, source
+
+
+class ReadsWhatIsNotThere(nn.Module):
+    """What library code does: an environment variable looked up with `os.environ.get` that is
+    not set, an optional attribute read with `getattr(self, name, None)` that is not there."""
+
+    def forward(self, x):
+        y = x * 2
+        if os.environ.get("FUSEC_TEST_UNSET_FLAG"):
+            y = y + 1
+        shift = getattr(self, "shift", None)
+        return y if shift is None else y + shift
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_value_that_is_not_there_keeps_the_fast_path(grad, reasons, monkeypatch):
+    """A capture that read something missing guards that it stays missing (one `in` or
+    `hasattr` a call): calls like the last take the fast path (the generated check hits, no
+    general path) where such a program sent every call through the general path; setting the
+    variable or the attribute gives eager's answer through a new program, and removing them
+    finds the first program again."""
+    monkeypatch.delenv("FUSEC_TEST_UNSET_FLAG", raising=False)
+    model = ReadsWhatIsNotThere()
+    cm = fusec.compile(model, backend="cpp")
+    cf = cm._compiled
+    x = torch.randn(8, requires_grad=grad)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            return cm(x)
+    for _ in range(2):
+        torch.testing.assert_close(call(), x * 2)
+    fast = cf._train_fast if grad else cf._fast
+    assert "'FUSEC_TEST_UNSET_FLAG' in" in fast.source and "hasattr(" in fast.source, fast.source
+    with torch.set_grad_enabled(grad):
+        assert fast(*(((x,), {}) if grad else ((x,),))) is not fastpath.MISS
+    monkeypatch.setattr(cf, "_call", lambda *a: pytest.fail("a call like the last took the "
+                                                             "general path"))
+    torch.testing.assert_close(call(), x * 2)
+    monkeypatch.undo()
+    monkeypatch.setenv("FUSEC_TEST_UNSET_FLAG", "1")
+    torch.testing.assert_close(call(), x * 2 + 1)
+    model.shift = 3.0
+    torch.testing.assert_close(call(), x * 2 + 4)
+    assert cf.compiles == 3
+    monkeypatch.delenv("FUSEC_TEST_UNSET_FLAG")
+    del model.shift
+    torch.testing.assert_close(call(), x * 2)
+    assert cf.compiles == 3 and len(reasons) == 2, reasons
 
 
 # ---- the module tree: submodules replaced, added, removed ----------------------------------------

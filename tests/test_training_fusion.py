@@ -158,13 +158,14 @@ def test_batch_norm_training_in_one_kernel_each_way(target, shape, residual):
 
 def _no_further_than_eager(got, want, exact, what):
     """fusec's value `got` is no further from the float64 value `exact` than eager's `want`
-    is, within twice eager's distance or one unit in the last place of the largest value
-    (the sums run in another order: a float32 gradient's last bits differ)."""
+    is, within twice eager's distance, or one unit in the last place of the largest value
+    (four for a float32 value: its sums run in another order, and a weight's gradient summed
+    over the batch on a GPU is a few units from float64 where eager's is one)."""
     if not got.is_floating_point():
         assert torch.equal(got, want) and torch.equal(got, exact.to(got.dtype)), what
         return
     exact = exact.double()
-    ulp = torch.finfo(got.dtype).eps * exact.abs().max().item()
+    ulp = torch.finfo(got.dtype).eps * exact.abs().max().item() * (1 if got.element_size() < 4 else 4)
     err, eager_err = ((t.double() - exact).abs().max().item() for t in (got, want))
     assert err <= max(2 * eager_err, ulp), f"{what}: {err} from float64, eager {eager_err}"
 

@@ -148,6 +148,17 @@ class Source:
         except (KeyError, ValueError, AttributeError):
             return _MISSING
 
+    def present(self, var: str) -> str:
+        """Python that is true when there is a value to read (`read` would not give `_MISSING`):
+        an unset environment variable that a library looks up with `os.environ.get` is guarded
+        as staying unset, one `in` per call, where a fast path used to give up on such a
+        program and send every call through the general path."""
+        if self.kind == "global":
+            return f"{self.name!r} in {var}"
+        if self.kind == "cell":
+            return f"_filled({var})"
+        return f"hasattr({var}, {self.name!r})"
+
     def expression(self, var: str) -> str:
         """Python that reads the value, with the owner in variable `var`."""
         if self.kind == "global":
@@ -155,6 +166,15 @@ class Source:
         if self.kind == "cell":
             return f"{var}.cell_contents"
         return f"{var}.{self.name}" if self.name.isidentifier() else f"getattr({var}, {self.name!r})"
+
+
+def _filled(cell) -> bool:
+    """Whether a closure's cell holds a value (an empty one raises ValueError when read)."""
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 class GlobalRef:
@@ -628,6 +648,19 @@ class Recording:
             self.objects.get(id(module), type(module).__name__)
         self.add(Source("attr", module, name, f"{owner}.{name}"), kind, value)
 
+    def missing(self, obj, name: str) -> None:
+        """`obj.name` was looked up and is not there (`getattr(self, "shift", None)`): guarded
+        as missing, so that setting it later compiles again instead of running the program
+        that assumed it absent."""
+        obj = self.originals.get(id(obj), obj)
+        labels = self.guards.discovery.labels
+        if name.startswith("__") or isinstance(obj, torch.nn.Module) and name in _MODULE_INTERNALS \
+                or (id(obj) not in labels and id(obj) not in self.objects):
+            return  # (an object the capture made, a ModuleList slice being filled: no state)
+        owner = labels[id(obj)][1] if id(obj) in labels else \
+            self.objects.get(id(obj), type(obj).__name__)
+        self.add(Source("attr", obj, name, f"{owner}.{name}"), "value", _MISSING)
+
 
 _RECORDING_CLASSES: dict[type, type] = {}
 
@@ -644,7 +677,20 @@ def _recording_class(cls: type) -> type:
             if recording is not None:
                 recording.attribute(self, name, value)
             return value
+        found = getattr(cls, "__getattr__", None)  # (nn.Module's: parameters, submodules)
+
+        def __getattr__(self, name):  # after __getattribute__ failed: the last word
+            try:
+                if found is None:
+                    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+                return found(self, name)
+            except AttributeError:
+                recording = getattr(_LOCAL, "recording", None)
+                if recording is not None:
+                    recording.missing(self, name)
+                raise
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                          "__getattr__": __getattr__,
                                           "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__,
                                           "_fusec_recording": True})
@@ -970,8 +1016,10 @@ class Guards:
         for i, ((source, kind), value) in enumerate(zip(self.entries, values)):
             glob[f"g_s{i}"] = source.owner
             read = source.expression(f"g_s{i}")
-            if value is _MISSING:
-                return ["return MISS"], glob  # (compiled while it was missing: general path)
+            if value is _MISSING:  # (compiled while it was missing: it must still be)
+                glob["_filled"] = _filled
+                lines += [f"    if {source.present(f'g_s{i}')}:", "        return MISS"]
+                continue
             if kind == "value":
                 typ, const = value
                 glob[f"g_c{i}"], glob[f"g_t{i}"] = const, typ
