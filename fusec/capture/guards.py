@@ -680,10 +680,8 @@ def _recording_class(cls: type) -> type:
         found = getattr(cls, "__getattr__", None)  # (nn.Module's: parameters, submodules)
 
         def __getattr__(self, name):  # after __getattribute__ failed: the last word
-            try:
-                if found is None:
-                    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-                return found(self, name)
+            try:  # (without a __getattr__ of its own: __getattribute__'s error, as it was)
+                return base(self, name) if found is None else found(self, name)
             except AttributeError:
                 recording = getattr(_LOCAL, "recording", None)
                 if recording is not None:
