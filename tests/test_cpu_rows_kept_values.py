@@ -112,7 +112,8 @@ def test_gelu_once_per_element(backend):
     cf = assert_matches(lambda x: torch.softmax(F.gelu(lin(x)), dim=1), x, backend=backend)
     (source,) = [k.source for k in cf.kernels if "softmax" in k.name or "amax" in k.name]
     if backend == "cpp":
-        assert source.count("fusec_gelu(") == 1, source
+        # (fusec_gelu or fusec_gelu_onednn: the edges of the gelu eager runs on this CPU)
+        assert len(re.findall(r"fusec_gelu(?:_onednn)?\(", source)) == 1, source
         assert source.count("fusec_exp(") == 1, source
     else:
         body = source[source.index("define void"):]
