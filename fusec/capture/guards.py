@@ -16,7 +16,10 @@ What is read, and how fusec finds out:
                         `training`, Dropout's `p`: while capture runs, every module of the
                         program wears a subclass of its class whose `__getattribute__` writes
                         down each plain attribute read (this thread only; the class is put back
-                        in `finally`). Exact: only what was read is guarded.
+                        in `finally`). Exact: only what was read is guarded. A lookup that finds
+                        nothing (`getattr(self, "shift", None)`) goes through the subclass's
+                        `__getattr__` and is guarded as missing: the fast path checks
+                        `hasattr`, and setting it later compiles again.
     globals, closures   `SCALE`, `USE_GELU`, a closure's `scale`: found before capture by reading
                         the bytecode (`dis`) of the compiled function, of the Python functions
                         it reaches through globals and closures, and of the methods of its
