@@ -81,7 +81,9 @@ def compiled(system: str, model: torch.nn.Module):
         return torch.compile(model)
     if system.startswith("fusec"):  # ("fusec-general cpp": the same, FUSEC_TRAIN_FAST_PATH=0)
         backend = system.split()[1] if " " in system else "auto"
-        return fusec.compile(model, backend=backend)
+        # fusec-no-graphs: every kernel launched one by one (no CUDA graph of the forward or backward)
+        graphs = "auto" if not system.startswith("fusec-no-graphs") else False
+        return fusec.compile(model, backend=backend, cuda_graphs=graphs)
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -155,12 +157,28 @@ def train(system: str, w, device: str, warmup: int, profile: bool = False) -> di
     before = os.environ.get("FUSEC_TRAIN_FAST_PATH")
     os.environ["FUSEC_TRAIN_FAST_PATH"] = "0" if general else (before or "1")
     try:
-        return _steps(run, model, opt, w, device, warmup, memory, profile)
+        result = _steps(run, model, opt, w, device, warmup, memory, profile)
+        result["cuda_graphs"] = graph_report(run)
+        return result
     finally:
         if before is None:
             del os.environ["FUSEC_TRAIN_FAST_PATH"]
         else:
             os.environ["FUSEC_TRAIN_FAST_PATH"] = before
+
+
+def graph_report(run) -> list[str]:
+    """For a fusec system on a GPU: each training program (forward, backward) replayed as a CUDA
+    graph how many times, or why not (fusec/runtime/training_graphs.py)."""
+    report = []
+    for part in getattr(run, "train_parts", ()):
+        state = part.last.__dict__ if part.last is not None else {}
+        graph = state.get("training_graph")
+        if graph is not None:
+            report.append(f"replayed {graph.replays}x")
+        elif state.get("training_graph_blocker"):
+            report.append(f"step by step: {state['training_graph_blocker']}")
+    return report
 
 
 def _steps(run, model, opt, w, device: str, warmup: int, memory, profile: bool) -> dict:
@@ -258,7 +276,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="eager,torch.compile,fusec",
                    help="comma-separated: eager, torch.compile, fusec, fusec-general (fusec "
                         "with every training call through its general path: "
-                        "FUSEC_TRAIN_FAST_PATH=0)")
+                        "FUSEC_TRAIN_FAST_PATH=0), fusec-no-graphs (fusec with cuda_graphs=False)")
     p.add_argument("--backend", default=None,
                    help="fusec's backends, comma-separated: one fusec row each "
                         "(default: cpp,llvm on a CPU, auto on a GPU)")
@@ -296,7 +314,7 @@ def main(argv=None) -> int:
     systems = []
     for s in args.systems.split(","):
         systems += [f"{s} {b}" if b != "auto" else s for b in backends] \
-            if s in ("fusec", "fusec-general") else [s]
+            if s in ("fusec", "fusec-general", "fusec-no-graphs") else [s]
     dtype = "bfloat16" if device == "cuda" else "float32"
     machine = torch.cuda.get_device_name() if device == "cuda" else \
         f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"
@@ -317,6 +335,8 @@ def main(argv=None) -> int:
                 results[system] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
             torch._dynamo.reset()
             print("  " + row_text(name, system, results[system]), flush=True)
+            if results[system].get("cuda_graphs"):
+                print("    training programs: " + "; ".join(results[system]["cuda_graphs"]), flush=True)
         compare(results, TOLERANCE[dtype])
         for system, r in results.items():
             rows.append({"model": name, "about": w.about, "system": system, **r})

@@ -50,6 +50,7 @@ from fusec.limits import recompile_limit, remember, touch, trim, warn_limit_reac
 from fusec.runtime.fast_start import saved
 from fusec.runtime.fast_start.fingerprint import fingerprint
 from fusec.runtime.cuda_graphs import CudaGraphRunner
+from fusec.runtime.training_graphs import GraphPair
 from fusec.runtime.threads import one_at_a_time
 from fusec.runtime.training_call import fast_path_leaves, training_fast_path, training_fast_path_on
 
@@ -128,6 +129,9 @@ class CompiledFunction:
         self._said_limit = False  # the recompile limit's warning is given once
         self._aliased = AliasedCalls()  # calls whose inputs overlap (fusec/aliasing.py)
         self.last: CompiledGraph | None = None
+        # a training program's forward or backward on a GPU (capture/training.py): its graphs
+        self.graph_pair: GraphPair | None = None
+        self.handed_from: int | None = None  # (runtime/training_graphs.py)
         self.train_parts: list = []  # forward and backward CompiledFunctions, when training
         self.train_families: list[Family] = []  # training pairs for shape families, newest last
         self._train_pinned: set = set()  # training dims that tracing pinned: not tried again
@@ -503,7 +507,10 @@ class CompiledFunction:
 
     def _run(self, compiled: "CompiledGraph", tensors: list, n_static: int) -> list:
         """Run step by step, or, on CUDA, replay the whole program as one CUDA graph: the first
-        call runs normally (it compiles and warms up), the second captures, later ones replay."""
+        call runs normally (it compiles and warms up), the second captures, later ones replay.
+        A training program's forward or backward: runtime/training_graphs.py decides."""
+        if self.graph_pair is not None:
+            return self.graph_pair.run(compiled, tensors, self.handed_from)
         if self.cuda_graphs is False or compiled.graph_blocker is not None:
             return compiled.program(tensors)
         if compiled.captured.shape_env is not None:  # a shape family: one CUDA graph per size
@@ -699,7 +706,8 @@ class CompiledFunction:
         device = calls.program_device([*lifted, *tensors])
         backend = resolve_backend(self.backend, device)
         entry = aot_compile(self.fn, args, kwargs, lifted, names,
-                            part_compiler(backend, self.check), self._guards.reached, dims)
+                            part_compiler(backend, self.check), self._guards.reached, dims,
+                            graphs=GraphPair() if self.cuda_graphs is not False else None)
         try:  # AOT Autograd traces on the first call
             # (an argument object holding tensors, a filled cache: a graph break, as capture)
             calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])

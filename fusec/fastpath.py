@@ -227,7 +227,8 @@ def make_fast_path(compiled: "CompiledGraph", tensors: list, n_args, owner,
         ints = int_checks(n_args, derived or {})
         n_args = len(n_args) - len(ints)
     captured, n_static = compiled.captured, len(tensors) - n_args
-    if compiled.graph_blocker is None:  # CUDA graphs may replay it: the general path's run
+    if compiled.graph_blocker is None or getattr(owner, "graph_pair", None) is not None:
+        # CUDA graphs may replay it (runtime/training_graphs.py for training): the general run
         pack = _packer(captured.out_spec)
 
         def run(tensors):

@@ -121,6 +121,7 @@ def partitioner(decisions: list) -> Callable:
             default_saved = _saved(fw, bw)
             decisions.append(Partition("default", default_saved, [], [], default_saved,
                                        *_result_bytes(fw, bw, num_fwd_outputs)))
+            fw.meta["fusec_saved_from"] = num_fwd_outputs  # (runtime/training_graphs.py)
             return fw, bw
         default_saved = _saved(*default_partition(_copy(joint), joint_inputs,
                                                   num_fwd_outputs=num_fwd_outputs, **options))
@@ -134,6 +135,9 @@ def partitioner(decisions: list) -> Callable:
                                    [(n, op) for n, op in again if n in in_forward],
                                    [(n, op) for n, op in again if n not in in_forward],
                                    default_saved, *_result_bytes(fw, bw, num_fwd_outputs)))
+        # the forward's outputs from here on are what it saves for the backward (its first
+        # num_fwd_outputs are the caller's): runtime/training_graphs.py hands those out uncopied
+        fw.meta["fusec_saved_from"] = num_fwd_outputs
         return fw, bw
     return partition
 

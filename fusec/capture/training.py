@@ -36,7 +36,7 @@ from fusec.capture.training_family import size_relations, symbolic_aot
 from fusec.passes.summed_slices import summed_slices
 
 
-def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
+def graph_compiler(compile_fn: Callable, parts: list, graphs=None) -> Callable:
     """A compiler for AOT Autograd: (ATen GraphModule, example inputs) -> callable.
 
     Each graph becomes `compile_fn(graph)`, a fusec.CompiledFunction that runs step by step
@@ -49,6 +49,9 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
     threads that all run their first backward at once each hand it the same graph. A graph
     already compiled here (same code, same example inputs) gets the first one's function, so a
     training program is compiled once however many threads start it (tests/test_threads.py).
+
+    `graphs` (a runtime/training_graphs.py GraphPair, or None): on a GPU, the forward and the
+    backward it compiles may each be replayed as a CUDA graph, sharing its memory pool.
     """
     made: dict = {}  # (graph code, example inputs' metadata) -> run, for the threads' repeats
     lock = threading.Lock()
@@ -66,6 +69,10 @@ def graph_compiler(compile_fn: Callable, parts: list) -> Callable:
         read_through_aliases(gm)
         summed_slices(gm)  # slice backward's scatters into zeros, summed: a cat
         compiled = compile_fn(with_source_lines(gm))
+        if graphs is not None and any(isinstance(x, torch.Tensor) and x.device.type == "cuda"
+                                      for x in example_inputs):
+            compiled.graph_pair = graphs  # (the forward's saved activations: handed out uncopied)
+            compiled.handed_from = gm.meta.get("fusec_saved_from")
         # a graph with symbolic sizes (TorchDynamo's, once a size changed): a shape family's
         # program from its first call (fusec/dynamic.py, from_examples)
         compiled.seed_dims, compiled.derived = dynamic.from_examples(example_inputs)
@@ -134,7 +141,7 @@ def with_source_lines(gm: torch.fx.GraphModule) -> Callable:
 
 
 def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_names: list,
-                compile_fn: Callable, reached: list = (), dims: dict | None = None):
+                compile_fn: Callable, reached: list = (), dims: dict | None = None, graphs=None):
     """Compile fn for training with its (lifted) parameters as explicit inputs. The last
     `len(reached)` of them are state fn reaches through globals and closures (a closure's
     module's weights: capture/guards.py), which autograd differentiates like its own.
@@ -143,7 +150,7 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
     .backward()); parts lists the CompiledFunctions made for the forward and backward graphs.
     `dims` ({flat input position, lifted state first: dims}): trace those sizes as symbols, for
     a training shape family (capture/training_family.py); `parts.family` then holds its inputs
-    and ShapeEnv once the first call has traced.
+    and ShapeEnv once the first call has traced. `graphs`: see `graph_compiler`.
     """
     leaves, names, rebuild = calls.flatten_call(fn, args, kwargs)
     tensor_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -160,7 +167,7 @@ def aot_compile(fn: Callable, args: tuple, kwargs: dict, lifted: list, lifted_na
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
     parts = TrainingParts()
-    compiler = graph_compiler(compile_fn, parts)
+    compiler = graph_compiler(compile_fn, parts, None if dims else graphs)
     if dims:
         input_names = ["p_" + n.replace(".", "_") for n in lifted_names] + \
             [names[i] for i in tensor_pos]

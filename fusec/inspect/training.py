@@ -150,9 +150,27 @@ def training_section(entries: list, walk_note: bool = False) -> list[str]:
             out.append(f"estimated peak of a step above inputs and parameters: {_size(peak)} "
                        "(saved + the larger of the forward's and backward's memory-plan pool "
                        "and results; peak_memory() measures it on CUDA)")
+        out += graph_lines(forward, backward)
         if walk_note:
             out.append("(the walk below is the program as explain captures it, without "
                        "autograd: the forward's kernels without the saving)")
+    return out
+
+
+def graph_lines(forward, backward) -> list[str]:
+    """Whether the forward and the backward replay as CUDA graphs (fusec/runtime/training_graphs.py):
+    how often, or why not; nothing for programs that have not decided (on a CPU, or before
+    their second call)."""
+    out = []
+    for name, part in (("forward", forward), ("backward", backward)):
+        state = part.__dict__ if part is not None else {}
+        graph, why = state.get("training_graph"), state.get("training_graph_blocker")
+        if graph is not None:
+            out.append(f"{name}: one CUDA graph, replayed {graph.replays} time(s) "
+                       f"({len(graph.ptrs)} inputs read in place, {len(graph.handed)} "
+                       f"activations handed to the backward in the graph's memory)")
+        elif why:
+            out.append(f"{name}: launched step by step, not a CUDA graph: {why}")
     return out
 
 

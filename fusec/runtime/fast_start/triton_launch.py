@@ -13,7 +13,8 @@ strides can start anywhere in its storage. So TritonLauncher
    kernel (Triton's `CompiledKernel`), and remembers which pointers were 16-byte aligned;
 2. from then on calls the module's `bind(compiled)`: the compiled kernel with its grid fixed
    (`compiled[grid]`), given all its arguments in order, which is Triton's own launcher minus
-   the JIT's work,
+   the JIT's work (and minus the per-launch work of Triton's `compiled[grid]` runner too:
+   see `Direct` below),
 3. unless a pointer that was aligned at the first launch is not aligned now: the kernel was
    specialized for aligned loads, so that call goes through the JIT again (it compiles or finds
    the unaligned version).
@@ -101,7 +102,7 @@ class TritonLauncher:
         # (a module that launches two kernels returns both, and binds both)
         if self._bindable(compiled):
             self.aligned = _aligned(tensors[:len(tensors) - self.n_sizes])
-            self.fast = self.module.bind(compiled)
+            self.fast = self.module.bind(direct(compiled))
             if self.n_sizes:
                 self.bound[size_kinds(tensors[-self.n_sizes:])] = (self.fast, self.aligned)
 
@@ -123,4 +124,58 @@ class TritonLauncher:
             return
         compiled = self.module.launch(*args)
         if self._bindable(compiled):
-            self.bound[kinds] = (self.module.bind(compiled), _aligned(args[:-self.n_sizes]))
+            self.bound[kinds] = (self.module.bind(direct(compiled)), _aligned(args[:-self.n_sizes]))
+
+
+# Note (what a bound launch still costs, and what `Direct` takes off). Triton's `compiled[grid]`
+# is a `runner(*args)` that, at every launch, asks the driver for the current device (through
+# torch.cuda.current_device and its lazy-init check) and that device's current stream, builds the
+# launch's metadata for the launch hooks (Triton 3.6 always has hook chains, empty or not, so it
+# builds it and the C launcher calls both chains) and then calls `compiled.run(...)`, the
+# launcher that Triton compiled for this kernel's signature. Measured on an H100 in a resnet50
+# training step (487 launches a step), those steps were over half the Python time per launch.
+# `Direct(compiled)[grid]` does the same launch with the device read once, at bind time (a bound
+# kernel is loaded on that device and launched on it from then on), the current stream read per
+# launch with the driver's own function (`torch._C._cuda_getCurrentRawStream`, so a launch still
+# follows `torch.cuda.stream(...)` and CUDA-graph capture), and no launch hooks, unless someone
+# installed one (Triton's proton profiler does): then it is Triton's runner, hooks and all. This is
+# the call torch's Inductor makes to Triton's launcher too: `run(grid_x, grid_y, grid_z, stream,
+# function, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`.
+
+
+def _hooks_installed() -> bool:
+    """Whether any Triton launch hook is installed (None before Triton 3.5, an empty or filled
+    HookChain since)."""
+    from triton import knobs
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+class Direct:
+    """A compiled Triton kernel whose `[grid]` is a cheaper launcher than `compiled[grid]`
+    (the note above); `bind` templates index it as they would the compiled kernel."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __getitem__(self, grid):
+        runner = self.compiled[grid]  # (also loads the kernel on the device, once)
+        if _hooks_installed() or not hasattr(self.compiled, "packed_metadata"):
+            return runner  # (a hook to call, or a Triton whose launcher takes other arguments)
+        from triton.runtime import driver
+        active = driver.active
+        device, get_stream = active.get_current_device(), active.get_current_stream
+        run, function = self.compiled.run, self.compiled.function
+        metadata = self.compiled.packed_metadata
+        x, y, z = (*grid, 1, 1)[:3]
+
+        def launch(*args):
+            run(x, y, z, get_stream(device), function, metadata, None, None, None, *args)
+        return launch
+
+
+def direct(compiled):
+    """`compiled` (a CompiledKernel, or a module's tuple of them) as `Direct` launchers."""
+    if isinstance(compiled, tuple):
+        return tuple(Direct(c) for c in compiled)
+    return Direct(compiled)
