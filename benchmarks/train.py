@@ -81,8 +81,9 @@ def compiled(system: str, model: torch.nn.Module):
         return torch.compile(model)
     if system.startswith("fusec"):  # ("fusec-general cpp": the same, FUSEC_TRAIN_FAST_PATH=0)
         backend = system.split()[1] if " " in system else "auto"
-        # fusec-no-graphs: every kernel launched one by one (no CUDA graph of the forward or backward)
-        graphs = "auto" if not system.startswith("fusec-no-graphs") else False
+        # fusec-graphs: cuda_graphs=True (the forward and backward replayed as CUDA graphs);
+        # fusec-no-graphs: cuda_graphs=False (every kernel launched one by one)
+        graphs = {"fusec-graphs": True, "fusec-no-graphs": False}.get(system.split()[0], "auto")
         return fusec.compile(model, backend=backend, cuda_graphs=graphs)
     raise ValueError(f"unknown system {system!r}")
 
@@ -276,7 +277,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default="eager,torch.compile,fusec",
                    help="comma-separated: eager, torch.compile, fusec, fusec-general (fusec "
                         "with every training call through its general path: "
-                        "FUSEC_TRAIN_FAST_PATH=0), fusec-no-graphs (fusec with cuda_graphs=False)")
+                        "FUSEC_TRAIN_FAST_PATH=0), fusec-graphs, fusec-no-graphs (fusec with "
+                        "cuda_graphs=True, False)")
     p.add_argument("--backend", default=None,
                    help="fusec's backends, comma-separated: one fusec row each "
                         "(default: cpp,llvm on a CPU, auto on a GPU)")
@@ -314,7 +316,7 @@ def main(argv=None) -> int:
     systems = []
     for s in args.systems.split(","):
         systems += [f"{s} {b}" if b != "auto" else s for b in backends] \
-            if s in ("fusec", "fusec-general", "fusec-no-graphs") else [s]
+            if s in ("fusec", "fusec-general", "fusec-graphs", "fusec-no-graphs") else [s]
     dtype = "bfloat16" if device == "cuda" else "float32"
     machine = torch.cuda.get_device_name() if device == "cuda" else \
         f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} thread(s)"

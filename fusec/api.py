@@ -707,7 +707,7 @@ class CompiledFunction:
         backend = resolve_backend(self.backend, device)
         entry = aot_compile(self.fn, args, kwargs, lifted, names,
                             part_compiler(backend, self.check), self._guards.reached, dims,
-                            graphs=GraphPair() if self.cuda_graphs is not False else None)
+                            graphs=GraphPair() if self.cuda_graphs is True else None)
         try:  # AOT Autograd traces on the first call
             # (an argument object holding tensors, a filled cache: a graph break, as capture)
             calls.check_arguments(*calls.flatten_call(self.fn, args, kwargs)[:2])
@@ -972,6 +972,10 @@ def compile(fn: Callable | None = None, *, backend: str = "auto",
     dynamic: None (the default): a dim whose size changes between calls becomes a symbol, and one
     program serves every size of it (fusec/dynamic.py); True: every dim of the arguments is a
     symbol from the first call; False: every new size compiles a program of its own.
+    cuda_graphs: "auto" (the default): an inference program on a GPU replays as one CUDA graph
+    where that pays (fusec/runtime/cuda_graphs.py); True (or mode="reduce-overhead"): a training
+    step's forward and backward replay as CUDA graphs too (fusec/runtime/training_graphs.py);
+    False: every kernel is launched one by one.
     mode, options, disable: torch.compile's, so its calls work as written (`_torch_compile_mode`).
     """
     if disable:  # (as torch.compile(disable=True): the function itself, uncompiled)

@@ -42,6 +42,7 @@ def batches(n: int) -> list:
 def setup(compile_it: bool, **options):
     torch.manual_seed(0)
     model = Net().cuda()
+    options.setdefault("cuda_graphs", True)  # (training graphs are on where asked for)
     run = fusec.compile(model, **options) if compile_it else model
     return model, run, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -136,7 +137,8 @@ def test_retain_graph_and_a_second_backward():
     assert_same_parameters(models[1], models[0])
 
 
-def test_cuda_graphs_off_replays_nothing():
-    _, run, _ = plain_loop(True, batches(4), cuda_graphs=False)
+@pytest.mark.parametrize("setting", [False, "auto"])
+def test_training_graphs_only_where_asked_for(setting):
+    _, run, _ = plain_loop(True, batches(4), cuda_graphs=setting)
     assert graphs_of(run) == [None, None]
     assert all(part.graph_pair is None for part in run.train_parts)
