@@ -160,13 +160,16 @@ class Direct:
 
     def __getitem__(self, grid):
         runner = self.compiled[grid]  # (also loads the kernel on the device, once)
-        if _hooks_installed() or not hasattr(self.compiled, "packed_metadata"):
-            return runner  # (a hook to call, or a Triton whose launcher takes other arguments)
-        from triton.runtime import driver
-        active = driver.active
-        device, get_stream = active.get_current_device(), active.get_current_stream
-        run, function = self.compiled.run, self.compiled.function
-        metadata = self.compiled.packed_metadata
+        if _hooks_installed():
+            return runner  # (a hook to call: Triton's runner calls it)
+        try:  # (what Triton's runner reads; a Triton without it keeps its runner)
+            from triton.runtime import driver
+            active = driver.active
+            device, get_stream = active.get_current_device(), active.get_current_stream
+            run, function = self.compiled.run, self.compiled.function
+            metadata = self.compiled.packed_metadata
+        except (AttributeError, ImportError, RuntimeError):
+            return runner
         x, y, z = (*grid, 1, 1)[:3]
 
         def launch(*args):
