@@ -207,8 +207,8 @@ class FakeModule:
         self.calls.append(("jit", args[-1]))
         return Compiled(size_kinds(args[-1:]))
 
-    def bind(self, compiled):
-        return lambda *args: self.calls.append(("fast", args[-1], compiled.kinds))
+    def bind(self, compiled):  # (the launcher binds its Direct wrapper of the compiled kernel)
+        return lambda *args: self.calls.append(("fast", args[-1], compiled.compiled.kinds))
 
 
 class Compiled:
