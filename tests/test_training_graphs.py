@@ -5,8 +5,8 @@ linear layer, cross-entropy) in float32 on the GPU, once eagerly and once throug
 `fusec.compile`, and compares the parameters after the steps. The graphs are captured at the
 second call of each program and replayed after; the ways a training loop can hold on to what a
 replay would overwrite (two forwards before one backward, gradients accumulated over several
-backwards, losses and outputs kept in a list) must give eager's numbers. Without a GPU every test
-here skips.
+backwards, losses and outputs kept in a list) must give eager's numbers. Without a GPU those
+tests skip; the last two run on the CPU (what the runtime decides before any graph).
 """
 
 import pytest
@@ -16,8 +16,9 @@ from torch import nn
 
 import fusec
 from conftest import GPU
+from fusec.runtime.training_graphs import program_position, training_blocker
 
-pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU with Triton compiling for it")
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU with Triton compiling for it")
 
 
 class Net(nn.Module):
@@ -71,6 +72,7 @@ def plain_loop(compile_it: bool, data: list, **options):
     return model, run, kept
 
 
+@gpu
 def test_a_training_step_replays_forward_and_backward():
     data = batches(7)
     eager, _, eager_kept = plain_loop(False, data)
@@ -88,6 +90,7 @@ def test_a_training_step_replays_forward_and_backward():
     assert "forward: one CUDA graph, replayed" in text and "backward: one CUDA graph" in text
 
 
+@gpu
 def test_two_forwards_before_one_backward():
     """The second forward runs while the first one's activations wait for the backward: it
     must not replay over them (it runs step by step), and both backwards see their own."""
@@ -107,6 +110,7 @@ def test_two_forwards_before_one_backward():
     assert forward is not None and forward.replays >= 2
 
 
+@gpu
 def test_gradients_accumulated_over_several_backwards():
     data = batches(9)
     models = []
@@ -122,6 +126,7 @@ def test_gradients_accumulated_over_several_backwards():
     assert_same_parameters(models[1], models[0])
 
 
+@gpu
 def test_retain_graph_and_a_second_backward():
     data = batches(5)
     models = []
@@ -137,8 +142,31 @@ def test_retain_graph_and_a_second_backward():
     assert_same_parameters(models[1], models[0])
 
 
+@gpu
 @pytest.mark.parametrize("setting", [False, "auto"])
 def test_training_graphs_only_where_asked_for(setting):
     _, run, _ = plain_loop(True, batches(4), cuda_graphs=setting)
     assert graphs_of(run) == [None, None]
     assert all(part.graph_pair is None for part in run.train_parts)
+
+
+def test_a_program_on_the_cpu_is_never_a_cuda_graph():
+    def step(x):
+        return (x.sin() * 2).sum()
+    cf = fusec.compile(step, backend="cpp")
+    cf(torch.randn(8, 4))
+    assert training_blocker(cf.last).startswith("not all on one CUDA device (cpu)")
+
+
+def test_handed_outputs_are_found_among_the_programs_outputs():
+    """The forward's outputs from `fusec_saved_from` on are its saved activations; the program
+    returns every output but the constants (an input returned as it is keeps its place)."""
+    def fw(x):
+        return x, x * 2, None, x + 1, 3
+    cf = fusec.compile(fw, backend="cpp")
+    x = torch.randn(4)
+    cf(x)
+    program_outputs = cf.last.program([x])
+    assert len(program_outputs) == 3
+    assert program_position(cf.last, 3) == 2  # graph output 3 (x + 1) is the program's third
+    torch.testing.assert_close(program_outputs[program_position(cf.last, 3)], x + 1)

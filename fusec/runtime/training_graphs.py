@@ -200,7 +200,7 @@ class GraphPair:
     def _capture(self, compiled, tensors: list, handed_from: int | None) -> list:
         state = compiled.__dict__
         program = compiled.program
-        handed = set() if handed_from is None else set(range(_program_position(compiled, handed_from),
+        handed = set() if handed_from is None else set(range(program_position(compiled, handed_from),
                                                               len(program.output_slots)))
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -218,9 +218,8 @@ class GraphPair:
         return graph(tensors) or compiled.program(tensors)
 
 
-def _program_position(compiled, k: int) -> int:
+def program_position(compiled, k: int) -> int:
     """The position among the program's outputs of the graph's output `k`, or of the first
-    program output after it (outputs that are constants or inputs returned as they are are not
-    the program's: fusec/fastpath.py `complete` puts them back)."""
-    skipped = set(compiled.captured.output_constants) | set(compiled.captured.output_aliases)
-    return sum(1 for m in range(k) if m not in skipped)
+    program output after it: outputs that are constants (None, a number) are not the program's
+    (fusec/fastpath.py `complete` inserts them); an input returned as it is keeps its place."""
+    return sum(1 for m in range(k) if m not in compiled.captured.output_constants)
