@@ -215,7 +215,8 @@ class GraphPair:
             state["training_graph_blocker"] = graph.why
             return compiled.program(tensors)
         state["training_graph"] = graph
-        return graph(tensors) or compiled.program(tensors)
+        out = graph(tensors)
+        return out if out is not None else compiled.program(tensors)
 
 
 def program_position(compiled, k: int) -> int:
