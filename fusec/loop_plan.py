@@ -149,6 +149,13 @@ class LoopPlan:
         """The stash phase `number` writes, or None."""
         return next((s for s in self.stashes if s.phase == number), None)
 
+    def keep_stored_again(self) -> bool:
+        """Whether the last phase stores the kept value: not when the phase before stashed that
+        same value in the same place (the last phase read it back from there, and it is still
+        there for the last pass: storing it again only costs a store per element)."""
+        read = self.stash_of(self.phases[-1].number - 1) if self.keep else None
+        return not (read and read.value == self.keep.value and read.store == self.keep.store)
+
     def phase_loop(self, phase: Phase) -> tuple[tuple[str, ...], dict[str, int]]:
         """(what the phase's loop computes, {value read back: store}) for a backend that takes
         the stashes: the loop with the value the phase before kept read back, else `Phase.loop`."""
@@ -215,7 +222,10 @@ class LoopPlan:
             lines.append(f"  stash: phase {s.phase} also writes {s.value} into "
                          f"{stores[s.store].param}, where phase {s.phase + 1} reads it back "
                          f"(it computes {names(s.loop)})")
-        if self.keep:
+        if self.keep and not self.keep_stored_again():
+            lines.append(f"  keep: {self.keep.value} stays in {stores[self.keep.store].param} from "
+                         f"the stash before, where the last pass reads it back")
+        elif self.keep:
             k = self.keep
             lines.append(f"  keep: phase {self.phases[-1].number} also writes {k.value} into "
                          f"{stores[k.store].param}, " + ("where the last pass reads it back"

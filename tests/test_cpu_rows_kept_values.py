@@ -121,6 +121,20 @@ def test_gelu_once_per_element(backend):
     assert "stashed" in source
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stashed_value_kept_is_not_stored_again(backend):
+    """A group norm of gelu (35_convT2d_gelu_groupnorm): the mean pass stashes gelu(x) in the
+    output row; the variance pass, the last before the last pass, reads it back and keeps the same
+    value in the same place for the last pass, where it already is: no second store of it."""
+    gn = torch.nn.GroupNorm(4, 8)
+    cf = assert_matches(lambda x: gn(F.gelu(x)), torch.randn(2, 8, 5, 7), backend=backend)
+    (kernel,) = _ir(cf)
+    plan = kernel.plan
+    assert plan.keep is not None and not plan.keep_stored_again(), str(kernel)
+    (source,) = [k.source for k in cf.kernels]
+    assert "stashed for phase 1" in source and "kept for the last pass" not in source, source
+
+
 # ---- values per row in pointwise kernels --------------------------------------------------------
 
 def batch_norm_tanh(x, mean, var, w, b):

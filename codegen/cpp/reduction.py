@@ -248,7 +248,7 @@ def phase_section(kernel, phase, last: bool, lines: dict, producers: dict, k_coo
     if stash:
         loop.body.append(f"{target(stash.store)} = {stash.value};  // stashed for phase "
                          f"{phase.number + 1}")
-    if keep and last:
+    if keep and last and plan.keep_stored_again():
         why = "kept for the last pass" if keep.stores else "the output, stored once: no last pass"
         loop.body.append(f"{target(keep.store)} = {keep.value};  // {why}")
     for r in reds:

@@ -294,7 +294,7 @@ def _body_lanes(block: _Block, p: _Phase, phase, kept: list[str],
         if stash:  # keep it where the next phase reads it
             body.e.lines.append(f"; {stash.value}: stashed for phase {phase.number + 1}")
             body.store(stash.store, q, block.producers[stash.value].var)
-        if keep and phase is plan.phases[-1]:  # keep it where the last pass reads it
+        if keep and phase is plan.phases[-1] and plan.keep_stored_again():  # (for the last pass)
             body.e.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
                                                        else "the output, stored once"))
             body.store(keep.store, q, block.producers[keep.value].var)

@@ -320,7 +320,7 @@ def _phase_loop(row: _Row, code: _PhaseCode, phase, reds: list[Accumulator],
         body.lines.append(f"; {stash.value}: stashed for phase {phase.number + 1}")
         emit_store(body, s.param, s.dtype, row.out_index(body, stash.store, q),
                    row.producers[stash.value].var, local)
-    if keep and last:  # keep it where the last pass reads it
+    if keep and last and plan.keep_stored_again():  # keep it where the last pass reads it
         s = row.kernel.stores[keep.store]
         body.lines.append(f"; {keep.value}: " + ("kept for the last pass" if keep.stores
                                                  else "the output, stored once: no last pass"))
