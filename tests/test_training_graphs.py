@@ -90,56 +90,61 @@ def test_a_training_step_replays_forward_and_backward():
     assert "forward: one CUDA graph, replayed" in text and "backward: one CUDA graph" in text
 
 
+def same_as_eager(train) -> "fusec.CompiledModule":
+    """`train(run, opt)` once eagerly and once through fusec (graphs on): the same parameters
+    after it. Returns the compiled module."""
+    trained = []
+    for compile_it in (False, True):
+        model, run, opt = setup(compile_it)
+        train(run, opt)
+        trained.append((model, run))
+    assert_same_parameters(trained[1][0], trained[0][0])
+    return trained[1][1]
+
+
 @gpu
 def test_two_forwards_before_one_backward():
     """The second forward runs while the first one's activations wait for the backward: it
     must not replay over them (it runs step by step), and both backwards see their own."""
     data = batches(8)
-    results = []
-    for compile_it in (False, True):
-        model, run, opt = setup(compile_it)
+
+    def train(run, opt):
         for (x1, y1), (x2, y2) in zip(data[::2], data[1::2]):
             l1, _ = run(x1, y1)
             l2, _ = run(x2, y2)
             (l1 + 0.5 * l2).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        results.append((model, run))
-    assert_same_parameters(results[1][0], results[0][0])
-    forward = graphs_of(results[1][1])[0]
+    forward = graphs_of(same_as_eager(train))[0]
     assert forward is not None and forward.replays >= 2
 
 
 @gpu
 def test_gradients_accumulated_over_several_backwards():
     data = batches(9)
-    models = []
-    for compile_it in (False, True):
-        model, run, opt = setup(compile_it)
+
+    def train(run, opt):
         for i, (x, y) in enumerate(data):
             loss, _ = run(x, y)
             (loss / 3).backward()  # each backward adds to .grad: the copies out must be their own
             if i % 3 == 2:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        models.append(model)
-    assert_same_parameters(models[1], models[0])
+    same_as_eager(train)
 
 
 @gpu
 def test_retain_graph_and_a_second_backward():
     data = batches(5)
-    models = []
-    for compile_it in (False, True):
-        model, run, opt = setup(compile_it)
+
+    def train(run, opt):
         for x, y in data:
             loss, _ = run(x, y)
             loss.backward(retain_graph=True)
             loss.backward()  # the same saved activations, read twice
             opt.step()
             opt.zero_grad(set_to_none=True)
-        models.append(model)
-    assert_same_parameters(models[1], models[0])
+    same_as_eager(train)
 
 
 @gpu
